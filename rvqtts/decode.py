@@ -1,0 +1,192 @@
+"""The inner loop: codes c1..c_{G-1} of one frame from (h_t, c0), plain or speculative.
+
+Plain: a 2-token prefill, then one call per code, as qwen-tts does. Speculative: the prefill gives c1
+and h_1; each round is then ONE predictor call over [root, tree nodes], where the root is the code
+sampled last and the nodes are the drafts LMH_{n+j}(h_n + b_j) arranged as the sparse tree. The same
+call verifies the tree and provides the hidden state that drafts the next round. Verification walks
+the tree with the target's own draws: draw y at a node; if a child holds y, accept it and go on;
+otherwise y is the round's last code. Every code is drawn with the noise of its own position, so the
+output is the plain loop's, code for code, and follows the target distribution exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rvqtts.offsets import Offsets
+from rvqtts.predictor import PredictorRunner
+from rvqtts.sampling import SamplingConfig, draw
+from rvqtts.tree import Tree
+
+
+@dataclass
+class DecodeStats:
+    """Counts over frames: predictor calls, residual codes, and verify rounds that accepted depth d."""
+
+    frames: int = 0
+    calls: int = 0
+    codes: int = 0
+    rounds: int = 0
+    accepted_per_depth: list[int] = field(default_factory=list)
+
+    @property
+    def codes_per_call(self) -> float:
+        return self.codes / self.calls if self.calls else 0.0
+
+    def count_accepted(self, accepted: int) -> None:
+        self.rounds += 1
+        if len(self.accepted_per_depth) < accepted:
+            self.accepted_per_depth.extend([0] * (accepted - len(self.accepted_per_depth)))
+        for d in range(accepted):
+            self.accepted_per_depth[d] += 1
+
+    def add(self, other: "DecodeStats") -> None:
+        self.frames += other.frames
+        self.calls += other.calls
+        self.codes += other.codes
+        self.rounds += other.rounds
+        for d, count in enumerate(other.accepted_per_depth):
+            if d == len(self.accepted_per_depth):
+                self.accepted_per_depth.append(0)
+            self.accepted_per_depth[d] += count
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """A tree cut to the depth the frame still allows, with its buffers on the runner's device."""
+
+    tree: Tree
+    depth_slices: list[slice]     # query slots of each depth (0 = the root), contiguous (breadth-first)
+    draft_ranks: list[int]        # ranked drafts needed at depths 1..depth
+    node_depth: torch.Tensor      # [N] depth of each node, on device
+    node_rank: torch.Tensor       # [N] rank of each node, on device
+    ancestor_mask: torch.Tensor   # [q, q] on device
+    offsets_by_depth: torch.Tensor  # [depth, 1 + N]: position offset of each query slot
+
+    @classmethod
+    def build(cls, tree: Tree, device: torch.device) -> "RoundPlan":
+        buffers = tree.buffers
+        depth = buffers.depth.tolist()
+        slices = [slice(depth.index(d), len(depth) - depth[::-1].index(d)) for d in range(tree.depth + 1)]
+        return cls(tree=tree, depth_slices=slices, draft_ranks=tree.max_rank_by_depth(),
+                   node_depth=buffers.depth[1:].to(device), node_rank=torch.tensor(buffers.rank[1:], device=device),
+                   ancestor_mask=buffers.ancestor_mask.to(device), offsets_by_depth=buffers.depth.to(device))
+
+
+@dataclass
+class Speculation:
+    """A tree and the offsets that draft it; round plans are cached per depth cap."""
+
+    tree: Tree
+    offsets: Offsets
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.tree.depth > self.offsets.depth:
+            raise ValueError(f"the tree is {self.tree.depth} deep but the offsets draft only "
+                             f"K = {self.offsets.depth} codes ahead: use a tree of depth <= {self.offsets.depth}")
+
+    def plan(self, cap: int, device: torch.device) -> RoundPlan:
+        if cap not in self._plans:
+            self._plans[cap] = RoundPlan.build(self.tree.truncated(cap), device)
+        return self._plans[cap]
+
+
+def walk_tree(children: list[list[tuple[int, int]]], node_rank_codes: list[int], draws: list[int],
+              slot_index: list[int], last_index: int) -> tuple[list[int], int | None]:
+    """Verify one round on the host. Returns the accepted node slots and the round's last code.
+
+    At slot u the target drew `draws[u]`; if a child of u holds that code it is accepted and the walk
+    continues there, else the draw is emitted and the round ends. A node that holds the frame's last
+    code (`slot_index[u] == last_index`) ends the frame, with no further draw (None).
+    """
+    accepted: list[int] = []
+    u = 0
+    while slot_index[u] < last_index:
+        y = draws[u]
+        child = next((c for _, c in children[u] if node_rank_codes[c] == y), None)
+        if child is None:
+            return accepted, y
+        accepted.append(child)
+        u = child
+    return accepted, None
+
+
+@torch.inference_mode()
+def decode_frame_plain(runner: PredictorRunner, prefix: torch.Tensor, noise: torch.Tensor,
+                       sampling: SamplingConfig, stats: DecodeStats) -> list[int]:
+    """c1..c_{G-1} with one call per code. `noise` [G-1, V]: row m-1 draws c_m."""
+    last = runner.code_groups - 1
+    hidden = runner.prefill(prefix)
+    codes = []
+    for index in range(1, last + 1):
+        code = draw(runner.logits(hidden, index), noise[index - 1], sampling)
+        codes.append(code)
+        if index < last:
+            hidden = runner.step(code, index)
+    stats.frames += 1
+    stats.calls += last
+    stats.codes += last
+    return torch.stack(codes).tolist()
+
+
+def draft(runner: PredictorRunner, hidden: torch.Tensor, offsets: torch.Tensor, index: int,
+          ranks: list[int]) -> torch.Tensor:
+    """Ranked drafts [depth, max rank] for c_{index+1..}: top ranks of LMH_{index+j}(h_index + b_j)."""
+    width = max(ranks)
+    rows = []
+    for j in range(1, len(ranks) + 1):
+        scores = runner.logits(hidden + offsets[j - 1], index + j)
+        rows.append(torch.topk(scores.float(), width).indices)
+    return torch.stack(rows)
+
+
+@torch.inference_mode()
+def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, noise: torch.Tensor,
+                             sampling: SamplingConfig, speculation: Speculation, offsets: torch.Tensor,
+                             stats: DecodeStats) -> list[int]:
+    """c1..c_{G-1} by tree rounds. `offsets` is the speculation's [K, hidden] on the runner's device/dtype."""
+    last = runner.code_groups - 1
+    hidden = runner.prefill(prefix)
+    root = draw(runner.logits(hidden, 1), noise[0], sampling).view(1)
+    codes: list[int] = []
+    calls, index, length = 1, 1, 2  # calls made, index of the root code, committed KV slots
+    while True:
+        if index == last:
+            codes.extend(root.tolist())
+            break
+        plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
+        ranked = draft(runner, hidden, offsets, index, plan.draft_ranks)
+        node_codes = torch.cat([root, ranked[plan.node_depth - 1, plan.node_rank]])
+        q = node_codes.shape[0]
+        embeds = runner.embed_codes(node_codes, index, plan.depth_slices)
+        mask = torch.zeros(q, runner.max_len, dtype=torch.bool, device=runner.device)
+        mask[:, :length] = True
+        mask[:, length:length + q] = plan.ancestor_mask
+        out = runner.forward(embeds, index + 1 + plan.offsets_by_depth, length, mask)
+        calls += 1
+        # Every slot whose code is not the frame's last scores the next code with its own noise row.
+        scored = [(d, s) for d, s in enumerate(plan.depth_slices) if index + d < last]
+        logits = torch.cat([runner.logits(out[s], index + d + 1) for d, s in scored])
+        rows = torch.cat([noise[index + d].expand(s.stop - s.start, -1) for d, s in scored])
+        draws = draw(logits, rows, sampling)
+        host_codes, host_draws = node_codes.tolist(), draws.tolist()
+        slot_index = [index + d for d, s in enumerate(plan.depth_slices) for _ in range(s.start, s.stop)]
+        accepted, final = walk_tree(plan.tree.buffers.children, host_codes, host_draws, slot_index, last)
+        stats.count_accepted(len(accepted))
+        codes.append(host_codes[0])
+        codes.extend(host_codes[u] for u in accepted)
+        runner.keep([length + u for u in accepted], length + 1)
+        length += 1 + len(accepted)
+        if final is None:
+            break
+        end = accepted[-1] if accepted else 0
+        hidden = out[end]
+        index = slot_index[end] + 1
+        root = torch.tensor([final], device=runner.device)
+    stats.frames += 1
+    stats.calls += calls
+    stats.codes += last
+    return codes

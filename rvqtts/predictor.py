@@ -1,0 +1,109 @@
+"""The code predictor (the paper's MultiCodeDecoder) run by hand: static KV cache, explicit positions,
+a boolean attention mask, no Hugging Face `generate()` and no cache objects.
+
+The weights are the loaded qwen-tts module's own; this file only owns the forward pass, so one call
+can carry a whole draft tree. Numerics follow qwen-tts: RMSNorm in float32, RoPE tables computed in
+float32 by the model's own rotary module and cast to the model dtype, attention through SDPA.
+
+Sequence layout within a frame: slot/position 0 holds the talker's hidden state h_t, 1 holds the
+talker's embedding of c0, and position m + 1 holds code c_m (embedded with `codec_embedding[m - 1]`).
+The normed output at position m is h_m, and `lm_head[m - 1](h_m)` scores c_m.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PredictorRunner:
+    """Forward passes of one utterance's code predictor over a preallocated KV cache of `max_len` slots."""
+
+    def __init__(self, code_predictor: torch.nn.Module, max_len: int):
+        config = code_predictor.config
+        weight = code_predictor.lm_head[0].weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.layers = code_predictor.model.layers
+        self.norm = code_predictor.model.norm
+        self.heads = code_predictor.lm_head
+        self.embeddings = code_predictor.model.codec_embedding
+        self.project = code_predictor.small_to_mtp_projection
+        self.code_groups = config.num_code_groups
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.max_len = max_len
+        shape = (len(self.layers), self.n_kv_heads, max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        # Positions never exceed the frame length plus the deepest draft: a small table serves them all.
+        positions = torch.arange(max_len + self.code_groups, device=self.device)[None]
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = code_predictor.model.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0], sin[0]
+        self.causal = torch.ones(max_len, max_len, device=self.device, dtype=torch.bool).tril()
+
+    @torch.inference_mode()
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, start: int,
+                mask: torch.Tensor) -> torch.Tensor:
+        """Run `embeds` [q, E] at `positions` [q], writing their KV to slots start..start+q-1.
+
+        `mask` [q, max_len] says which cache slots each query attends to (after this call's writes).
+        Returns the final-normed hidden states [q, hidden], the input of the LM heads.
+        """
+        q_len = embeds.shape[0]
+        x = self.project(embeds.to(self.dtype))
+        cos, sin = self.cos[positions][None], self.sin[positions][None]
+        attn_mask = mask[None]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(q_len, self.n_heads, self.head_dim)).transpose(0, 1)
+            k = attn.k_norm(attn.k_proj(h).view(q_len, self.n_kv_heads, self.head_dim)).transpose(0, 1)
+            v = attn.v_proj(h).view(q_len, self.n_kv_heads, self.head_dim).transpose(0, 1)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.k_cache[i, :, start:start + q_len] = k
+            self.v_cache[i, :, start:start + q_len] = v
+            out = F.scaled_dot_product_attention(q, self.k_cache[i], self.v_cache[i], attn_mask=attn_mask,
+                                                 enable_gqa=self.n_heads != self.n_kv_heads)
+            x = x + attn.o_proj(out.transpose(0, 1).reshape(q_len, self.n_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def prefill(self, prefix: torch.Tensor) -> torch.Tensor:
+        """The frame's first call: [h_t, embedding of c0] at positions 0 and 1. Returns h_1."""
+        positions = torch.arange(2, device=self.device)
+        return self.forward(prefix, positions, 0, self.causal[:2])[-1]
+
+    def step(self, code: torch.Tensor, index: int) -> torch.Tensor:
+        """One plain step: code c_index (a 1-element tensor) at position index + 1. Returns h_{index+1}."""
+        slot = index + 1
+        embed = self.embeddings[index - 1](code.view(1))
+        positions = torch.full((1,), slot, device=self.device, dtype=torch.long)
+        return self.forward(embed, positions, slot, self.causal[slot:slot + 1])[0]
+
+    def embed_codes(self, codes: torch.Tensor, first_index: int, depth_slices: list[slice]) -> torch.Tensor:
+        """Embed a round's query: the codes in `depth_slices[d]` are c_{first_index + d}."""
+        parts = [self.embeddings[first_index + d - 1](codes[s]) for d, s in enumerate(depth_slices)]
+        return torch.cat(parts)
+
+    def logits(self, hidden: torch.Tensor, index: int) -> torch.Tensor:
+        """Scores of code c_index from hidden states [..., hidden] (the head LMH_index)."""
+        return self.heads[index - 1](hidden)
+
+    def keep(self, sources: list[int], destination: int) -> None:
+        """Move the KV entries of `sources` (accepted tree slots) to the slots from `destination` on."""
+        if not sources:
+            return
+        src = torch.tensor(sources, device=self.device)
+        dst = torch.arange(destination, destination + len(sources), device=self.device)
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, :, dst] = cache[:, :, src]

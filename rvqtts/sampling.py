@@ -1,0 +1,111 @@
+"""Sampling codes exactly as qwen-tts does, with noise that is a pure function of where the code sits.
+
+The target distribution of a code is softmax(top-p(top-k(logits / temperature))), the order and the
+semantics of Hugging Face's warpers that qwen-tts's `generate()` uses (ties at the k-th value are kept;
+top-p keeps the smallest set whose mass exceeds p, and at least one token). A draw is the Gumbel-max
+trick, argmax(warped logits + G), where G is Gumbel noise fixed by the key (seed, utterance, frame,
+position, token). Plain and speculative decoding therefore consume the same noise for the same code
+and emit the same codes, on any backend and in any call shape.
+
+Noise key layout (documented in docs/sampling.md): a 64-bit stream key is made by folding the four
+fields into a SplitMix64 chain, key = mix(mix(mix(mix(TAG + seed) + utterance) + frame) + position)
+(each `+` also adds the golden-ratio increment, all arithmetic modulo 2**64), and the token's bits
+are the SplitMix64 output mix(key + (token + 1) * GOLDEN). The top 53 bits give u in (0, 1), and
+G = -log(-log(u)) is computed in float64 and rounded to float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+NOISE_TAG = np.uint64(0x5256515454530001)  # "RVQTTS" and a layout version: changing the layout bumps it
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How one code is drawn. The defaults are qwen-tts's code-predictor (subtalker) defaults."""
+
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    do_sample: bool = True
+
+    def __post_init__(self) -> None:
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 (off) or positive, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def warp_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """Float32 logits over the last axis, scaled and filtered (-inf outside the kept set).
+
+    Greedy decoding (do_sample=False) applies no warper, as in Hugging Face's generate().
+    """
+    scores = logits.float()
+    if not config.do_sample:
+        return scores
+    if config.temperature != 1.0:
+        scores = scores / config.temperature
+    if 0 < config.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, config.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - config.top_p)
+        remove_sorted[..., -1:] = False
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
+
+
+def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """The exact distribution a draw follows: softmax of the warped logits (one-hot when greedy)."""
+    scores = warp_logits(logits, config)
+    if not config.do_sample:
+        return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).float()
+    return scores.softmax(dim=-1)
+
+
+def draw(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """Gumbel-max draw over the last axis: argmax(warped logits + noise); noise is ignored when greedy."""
+    scores = warp_logits(logits, config)
+    if config.do_sample:
+        scores = scores + noise
+    return scores.argmax(dim=-1)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _fold(key: np.ndarray, field: np.ndarray | int) -> np.ndarray:
+    return _mix(key + np.asarray(field, dtype=np.int64).astype(np.uint64) + GOLDEN)
+
+
+def gumbel_noise(seed: int, utterance: int, frame: int, positions: np.ndarray | list[int],
+                 vocab: int) -> np.ndarray:
+    """Gumbel noise of shape [len(positions), vocab], float32, for the given key fields.
+
+    Positions are code indices within the frame (1 = c1 ... 15 = c15). Every field must be a
+    non-negative integer below 2**63.
+    """
+    with np.errstate(over="ignore"):
+        key = _fold(np.array([NOISE_TAG], dtype=np.uint64), seed)
+        key = _fold(key, utterance)
+        key = _fold(key, frame)
+        keys = _fold(key, np.asarray(positions))[:, None]
+        tokens = np.arange(1, vocab + 1, dtype=np.uint64)[None, :]
+        bits = _mix(keys + tokens * GOLDEN)
+    uniform = ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+    return (-np.log(-np.log(uniform))).astype(np.float32)

@@ -1,0 +1,199 @@
+"""A tiny random-weight Qwen3-TTS 12 Hz CustomVoice checkpoint, built offline with qwen-tts's own classes.
+
+Real weights cannot be downloaded everywhere (CI, air-gapped machines), yet every part of rvqtts must be
+exercised through the ordinary loading path. This module writes a checkpoint folder that
+`qwen_tts.Qwen3TTSModel.from_pretrained(folder)` loads like a real one: the real layout, the real
+speaker and language names, shrunk dimensions, a tiny byte-level BPE text tokenizer and a tiny speech
+tokenizer whose decoder makes audible (noisy) sound. Same arguments, byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rvqtts.compat import qwen_tts
+
+SPEAKERS = ["vivian", "serena", "uncle_fu", "dylan", "eric", "ryan", "aiden", "ono_anna", "sohee"]
+LANGUAGES = ["chinese", "english", "japanese", "korean", "german", "french", "russian",
+             "portuguese", "spanish", "italian"]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                  "<|tts_pad|>", "<|tts_text_bos|>", "<|tts_text_eod|>"]
+# The Qwen2 pre-tokenizer pattern: it isolates "\n", so "assistant" and "\n" become single tokens,
+# which qwen-tts relies on when it slices prompt token ids by position.
+QWEN2_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+TEXT_VOCAB = 512
+HEAD_DIM = 16
+# qwen-tts reads generation_config.json as a plain dict of its own sampling keys.
+GENERATION_DEFAULTS = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
+                           subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0,
+                           subtalker_temperature=0.9, max_new_tokens=48)
+
+
+def _build_text_tokenizer(out_dir: Path):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2TokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = ["assistant\n", "user\n", "system\n",
+              "Hello world. This is a tiny test of the text to speech model.",
+              "The quick brown fox jumps over the lazy dog.",
+              "Speak slowly and clearly, please."] * 50
+    trainer = trainers.BpeTrainer(vocab_size=400, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    wrapped = Qwen2TokenizerFast(tokenizer_object=tokenizer, unk_token=None, bos_token=None,
+                                 eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=SPECIAL_TOKENS[1:])
+    ids = wrapped("<|im_start|>assistant\nHi there.<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    pieces = wrapped.convert_ids_to_tokens(ids)
+    if pieces[:3] != ["<|im_start|>", "assistant", "Ċ"] or pieces[-5:] != [
+            "<|im_end|>", "Ċ", "<|im_start|>", "assistant", "Ċ"]:
+        raise RuntimeError(f"tiny tokenizer breaks qwen-tts's positional prompt layout: {pieces}")
+    wrapped.save_pretrained(out_dir)
+    return wrapped
+
+
+def _codec_ids(codebook: int) -> tuple[int, dict[str, int], dict[str, int], dict[str, int]]:
+    """Talker vocabulary and special ids. qwen-tts suppresses ids [vocab - 1024, vocab) for c0 except EOS,
+    so vocab = codebook + 1024 and the specials sit above the codes, in the real model's relative layout."""
+    base = codebook
+    ids = dict(codec_pad_id=base + 100, codec_bos_id=base + 101, codec_eos_token_id=base + 102,
+               codec_think_id=base + 106, codec_nothink_id=base + 107,
+               codec_think_bos_id=base + 108, codec_think_eos_id=base + 109)
+    languages = {name: base + 2 + i for i, name in enumerate(LANGUAGES)}
+    speakers = {name: base + 952 + i for i, name in enumerate(SPEAKERS)}
+    return codebook + 1024, ids, languages, speakers
+
+
+def _build_main_model(out_dir: Path, tokenizer, codebook: int, code_groups: int, seed: int,
+                      talker_hidden: int, predictor_hidden: int) -> None:
+    models = qwen_tts().core.models
+    vocab, ids, languages, speakers = _codec_ids(codebook)
+    token_id = tokenizer.convert_tokens_to_ids
+
+    def block(hidden: int) -> dict:
+        return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM, hidden_act="silu",
+                    rms_norm_eps=1e-6, rope_theta=1000000, num_code_groups=code_groups)
+
+    talker = dict(
+        **block(talker_hidden), vocab_size=vocab, max_position_embeddings=32768,
+        rope_scaling={"rope_type": "default", "interleaved": True, "mrope_section": [4, 2, 2]},
+        text_hidden_size=32, text_vocab_size=TEXT_VOCAB, spk_id=speakers,
+        spk_is_dialect={name: False for name in speakers}, codec_language_id=languages,
+        position_id_per_seconds=13,
+        code_predictor_config=dict(**block(predictor_hidden), vocab_size=codebook,
+                                   max_position_embeddings=65536, rope_scaling=None),
+        **ids,
+    )
+    config = models.Qwen3TTSConfig(
+        talker_config=talker, tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size="0b6",
+        tts_model_type="custom_voice", im_start_token_id=token_id("<|im_start|>"),
+        im_end_token_id=token_id("<|im_end|>"), tts_pad_token_id=token_id("<|tts_pad|>"),
+        tts_bos_token_id=token_id("<|tts_text_bos|>"), tts_eos_token_id=token_id("<|tts_text_eod|>"),
+        architectures=["Qwen3TTSForConditionalGeneration"],
+    )
+    torch.manual_seed(seed)
+    model = models.Qwen3TTSForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        # HF init (std 0.02) gives nearly uniform code distributions; a wider spread in the predictor's
+        # heads makes its distributions peaked enough for sampling and acceptance to be non-trivial.
+        for head in model.talker.code_predictor.lm_head:
+            head.weight.normal_(0.0, 1.0 / predictor_hidden ** 0.5 * 2.0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    config_path = out_dir / "config.json"
+    saved = json.loads(config_path.read_text())
+    # save_pretrained writes "model_type": "" into the speaker encoder config, which then fails to reload.
+    saved["speaker_encoder_config"].pop("model_type", None)
+    config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    (out_dir / "generation_config.json").write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
+
+
+def _build_speech_tokenizer(out_dir: Path, codebook: int, code_groups: int, seed: int) -> None:
+    from transformers import EncodecFeatureExtractor
+
+    core = qwen_tts().core
+    folder = out_dir / "speech_tokenizer"
+    folder.mkdir()
+    # Mimi encoder and 12 Hz decoder, shrunk; the rates are kept, so 24 kHz <-> 12.5 Hz (1920 samples/frame).
+    encoder = dict(
+        sampling_rate=24000, frame_rate=12.5, audio_channels=1, hidden_size=32, num_filters=4,
+        num_residual_layers=1, upsampling_ratios=[8, 6, 5, 4], kernel_size=7, last_kernel_size=3,
+        residual_kernel_size=3, dilation_growth_rate=2, use_causal_conv=True, compress=2,
+        codebook_size=codebook, codebook_dim=16, num_quantizers=code_groups, num_semantic_quantizers=1,
+        vector_quantization_hidden_dimension=16, upsample_groups=32, num_hidden_layers=1,
+        intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+        sliding_window=250, max_position_embeddings=8000,
+    )
+    decoder = dict(
+        codebook_size=codebook, codebook_dim=16, hidden_size=32, latent_dim=32, head_dim=16,
+        max_position_embeddings=8000, rope_theta=10000, num_attention_heads=2, num_key_value_heads=2,
+        sliding_window=72, intermediate_size=64, num_hidden_layers=1, num_quantizers=code_groups,
+        upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=32,
+        layer_scale_initial_scale=0.01, rms_norm_eps=1e-5,
+    )
+    config = core.Qwen3TTSTokenizerV2Config(
+        encoder_config=encoder, decoder_config=decoder, encoder_valid_num_quantizers=code_groups,
+        input_sample_rate=24000, output_sample_rate=24000, decode_upsample_rate=1920,
+        encode_downsample_rate=1920, architectures=["Qwen3TTSTokenizerV2Model"])
+    torch.manual_seed(seed + 1)
+    model = core.Qwen3TTSTokenizerV2Model(config).eval()
+    with torch.no_grad():
+        # The codebooks start as zeros and HF's init makes the decoder nearly silent (about 3e-5 peak):
+        # PyTorch's default init and random codebooks make audible noise instead.
+        for module in model.decoder.modules():
+            if isinstance(module, (torch.nn.Conv1d, torch.nn.ConvTranspose1d, torch.nn.Linear)):
+                module.reset_parameters()
+        for name, parameter in model.named_parameters():
+            if name.endswith("embedding_sum"):
+                parameter.normal_(0.0, 1.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("embed_sum"):
+                buffer.normal_(0.0, 1.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    EncodecFeatureExtractor(feature_size=1, sampling_rate=24000).save_pretrained(folder)
+
+
+def build_tiny_model(out_dir: str | os.PathLike, codebook: int = 2048, code_groups: int = 16, seed: int = 0,
+                     talker_hidden: int = 64, predictor_hidden: int | None = None) -> Path:
+    """Write a tiny checkpoint to `out_dir` (which must not exist or be empty) and return its path.
+
+    `codebook` is the residual codebook size (the predictor's vocabulary), `code_groups` the codes per
+    frame (c0 plus code_groups - 1 residual codes). A `predictor_hidden` different from `talker_hidden`
+    gives the 1.7B layout, with a projection in front of the code predictor.
+    """
+    if not 2 <= codebook <= 65536:
+        raise ValueError(f"--codebook must be between 2 and 65536, got {codebook}")
+    if not 2 <= code_groups <= 32:
+        raise ValueError(f"--code-groups must be between 2 and 32, got {code_groups}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} already exists and is not an empty folder: choose another path or remove it")
+    # Build beside the target and rename at the end, so an interrupted build leaves nothing half-written.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tokenizer = _build_text_tokenizer(staging)
+        _build_main_model(staging, tokenizer, codebook, code_groups, seed, talker_hidden,
+                          predictor_hidden or talker_hidden)
+        _build_speech_tokenizer(staging, codebook, code_groups, seed)
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out

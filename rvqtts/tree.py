@@ -1,0 +1,199 @@
+"""Sparse draft trees: rank paths, their JSON files, the buffers a round needs, and greedy growth.
+
+A node is a rank path (r_1, ..., r_d): the rank-r_1 draft for the first code after the root, then the
+rank-r_2 draft for the next one, and so on. A tree is a set of such paths closed under prefixes, with
+N nodes and depth at most K (the number of drafted codes). The root, the code sampled last round, is
+not a node. Like Medusa's `generate_medusa_buffers`, the runner derives from a tree the attention
+mask, the depth (position offset) of every query slot and, for the walk, each node's children.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+TREE_FORMAT = "rvqtts-tree"
+Path_ = tuple[int, ...]
+
+
+class TreeFileError(ValueError):
+    """A tree file that cannot be used; the message names the file and the fault."""
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A prefix-closed set of rank paths in breadth-first order (shorter first, then lexicographic)."""
+
+    paths: tuple[Path_, ...]
+    source: str = ""
+    expected_codes_per_call: float | None = None
+    depth_limit: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        problem = tree_problem(self.paths, self.depth_limit)
+        if problem:
+            raise ValueError(problem)
+        object.__setattr__(self, "paths", tuple(sorted(self.paths, key=lambda p: (len(p), p))))
+
+    @property
+    def nodes(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return max((len(p) for p in self.paths), default=0)
+
+    def truncated(self, max_depth: int) -> "Tree":
+        """The subtree of nodes at depth <= max_depth (drafts never pass the frame's last code)."""
+        if max_depth >= self.depth:
+            return self
+        return Tree(tuple(p for p in self.paths if len(p) <= max_depth), self.source)
+
+    def max_rank_by_depth(self) -> list[int]:
+        """How many ranked drafts each depth needs: 1 + the largest rank used there."""
+        ranks = [0] * self.depth
+        for path in self.paths:
+            ranks[len(path) - 1] = max(ranks[len(path) - 1], path[-1] + 1)
+        return ranks
+
+    @cached_property
+    def buffers(self) -> "TreeBuffers":
+        return TreeBuffers.from_tree(self)
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """What one round needs, for the query [root, node_1, ..., node_N] (slot 0 is the root).
+
+    `depth[i]`: 0 for the root, else the node's depth (the position offset from the root).
+    `rank[i]`: the node's own rank at its depth (-1 for the root).
+    `parent[i]`: the parent's slot (-1 for the root).
+    `ancestor_mask[i, j]`: slot i may attend to slot j (j is i or an ancestor of i).
+    `children[i]`: (rank, child slot) pairs of slot i, for walking the tree.
+    """
+
+    depth: torch.Tensor
+    rank: list[int]
+    parent: list[int]
+    ancestor_mask: torch.Tensor
+    children: list[list[tuple[int, int]]]
+
+    @classmethod
+    def from_tree(cls, tree: Tree) -> "TreeBuffers":
+        slot = {(): 0}
+        for i, path in enumerate(tree.paths, start=1):
+            slot[path] = i
+        size = tree.nodes + 1
+        parent = [-1] + [slot[p[:-1]] for p in tree.paths]
+        rank = [-1] + [p[-1] for p in tree.paths]
+        children: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+        for i in range(1, size):
+            children[parent[i]].append((rank[i], i))
+        mask = torch.zeros(size, size, dtype=torch.bool)
+        for i in range(size):
+            j = i
+            while j >= 0:
+                mask[i, j] = True
+                j = parent[j]
+        depth = torch.tensor([0] + [len(p) for p in tree.paths], dtype=torch.long)
+        return cls(depth=depth, rank=rank, parent=parent, ancestor_mask=mask, children=children)
+
+
+def tree_problem(paths: tuple[Path_, ...] | list, depth_limit: int | None = None) -> str | None:
+    """Why `paths` is not a valid tree, or None."""
+    seen: set[Path_] = set()
+    for path in paths:
+        if not isinstance(path, tuple) or not path or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path):
+            return f"node {list(path) if isinstance(path, tuple) else path!r} is not a non-empty list of ranks >= 0"
+        if path in seen:
+            return f"node {list(path)} appears twice"
+        seen.add(path)
+        if depth_limit is not None and len(path) > depth_limit:
+            return f"node {list(path)} has depth {len(path)}, above the tree's depth K = {depth_limit}"
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in seen:
+            return f"not closed under prefixes: node {list(path)} has no parent {list(path[:-1])}"
+    return None
+
+
+def load_tree(path: str | os.PathLike) -> Tree:
+    """Read and validate a tree file; every fault raises TreeFileError naming the file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as error:
+        raise TreeFileError(f"cannot read tree file {path}: {error}") from error
+    except json.JSONDecodeError as error:
+        raise TreeFileError(f"tree file {path} is not valid JSON: {error}") from error
+    if not isinstance(data, dict) or data.get("format") != TREE_FORMAT:
+        raise TreeFileError(f"tree file {path} is not an rvqtts tree (expected \"format\": \"{TREE_FORMAT}\")")
+    raw = data.get("paths")
+    if not isinstance(raw, list) or not raw:
+        raise TreeFileError(f"tree file {path} has no \"paths\" list of nodes")
+    paths = tuple(tuple(p) if isinstance(p, list) else p for p in raw)
+    depth = data.get("depth")
+    if not isinstance(depth, int) or depth < 1:
+        raise TreeFileError(f"tree file {path} needs \"depth\" (K, a positive integer), got {depth!r}")
+    problem = tree_problem(paths, depth)
+    if problem:
+        raise TreeFileError(f"tree file {path}: {problem}")
+    if data.get("nodes") != len(paths):
+        raise TreeFileError(f"tree file {path} says \"nodes\": {data.get('nodes')!r} but lists {len(paths)} paths")
+    known = {"format", "version", "paths", "depth", "nodes", "source", "expected_codes_per_call"}
+    return Tree(paths, source=str(data.get("source", "")),
+                expected_codes_per_call=data.get("expected_codes_per_call"), depth_limit=depth,
+                extra={k: v for k, v in data.items() if k not in known})
+
+
+def save_tree(tree: Tree, path: str | os.PathLike) -> None:
+    """Write a tree file (atomically: a temporary file, then a rename)."""
+    data = {"format": TREE_FORMAT, "version": 1, "nodes": tree.nodes,
+            "depth": tree.depth_limit or tree.depth, "source": tree.source,
+            "expected_codes_per_call": tree.expected_codes_per_call, **tree.extra,
+            "paths": [list(p) for p in tree.paths]}
+    text = json.dumps(data, indent=1)
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text + "\n")
+    partial.replace(path)
+
+
+def grow_tree(acceptance: list[list[float]], budget: int, source: str = "") -> Tree:
+    """Greedy sparse tree for `budget` nodes from a per-depth, per-rank acceptance table.
+
+    `acceptance[d][r]` is how often the rank-r draft at depth d+1 is the committed code, given that
+    the path above it was accepted. A node's value is the product of acceptances along its path (the
+    chance the round reaches and accepts it); its expected contribution to codes per call is that value.
+    Starting from the root, repeatedly add the frontier node (a root child, the next sibling rank of
+    a node, or a node's first child) of largest value. Depth is capped at len(acceptance).
+    """
+    if budget < 1:
+        raise ValueError(f"a tree needs at least one node, got budget {budget}")
+    depth_limit = len(acceptance)
+
+    def value(path: Path_) -> float:
+        result = 1.0
+        for d, r in enumerate(path):
+            result *= acceptance[d][r] if r < len(acceptance[d]) else 0.0
+        return result
+
+    chosen: list[Path_] = []
+    frontier = {(0,)}
+    while len(chosen) < budget and frontier:
+        best = max(frontier, key=lambda p: (value(p), -len(p), [-r for r in p]))
+        frontier.remove(best)
+        chosen.append(best)
+        if best[-1] + 1 < len(acceptance[len(best) - 1]):
+            frontier.add(best[:-1] + (best[-1] + 1,))
+        if len(best) < depth_limit:
+            frontier.add(best + (0,))
+    expected = 1.0 + sum(value(p) for p in chosen)  # codes per verify round: y plus accepted nodes
+    return Tree(tuple(chosen), source=source, expected_codes_per_call=round(expected, 4),
+                depth_limit=depth_limit)

@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny checkpoints built once per test session with rvqtts's own builder."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+from rvqtts.synthesis import Synthesizer
+from rvqtts.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The default tiny checkpoint: 16 code groups, codebook 2048."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def small_dir(tmp_path_factory):
+    """Three residual codes over an 8-entry codebook: the joint distribution is enumerable (512 outcomes)."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "small", codebook=8, code_groups=4)
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir):
+    return Synthesizer.load(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def small(small_dir):
+    return Synthesizer.load(small_dir)

@@ -1,0 +1,26 @@
+"""Helpers shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from rvqtts.synthesis import Synthesizer
+
+
+def random_prefix(synth: Synthesizer, seed: int) -> torch.Tensor:
+    """A frame context [h_t, embedding of c0] like the talker hands over."""
+    generator = torch.Generator().manual_seed(seed)
+    talker = synth.model.talker
+    h_t = torch.randn(1, talker.config.hidden_size, generator=generator)
+    c0 = torch.randint(0, synth.code_predictor.config.vocab_size, (1,), generator=generator)
+    with torch.no_grad():
+        return torch.cat([h_t, talker.get_input_embeddings()(c0)])
+
+
+def stock_path_logits(code_predictor, prefix: torch.Tensor, codes: list[int]) -> torch.Tensor:
+    """qwen-tts's forward over [h_t, c0, c_1..c_m] in one uncached call: logits of c_1..c_{m+1}."""
+    embeddings = code_predictor.get_input_embeddings()
+    parts = [prefix] + [embeddings[i](torch.tensor([c])) for i, c in enumerate(codes)]
+    inputs = code_predictor.small_to_mtp_projection(torch.cat(parts))[None]
+    hidden = code_predictor.model(inputs_embeds=inputs).last_hidden_state[0]
+    return torch.stack([code_predictor.lm_head[j](hidden[j + 1]) for j in range(len(codes) + 1)])

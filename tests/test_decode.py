@@ -1,0 +1,152 @@
+"""The inner loop: speculative codes equal plain codes, follow the exact joint distribution, and are counted."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from helpers import random_prefix, stock_path_logits
+from scipy.stats import chisquare
+
+import rvqtts.decode
+from rvqtts.decode import Speculation
+from rvqtts.offsets import Offsets
+from rvqtts.sampling import SamplingConfig, target_probs
+from rvqtts.synthesis import InnerLoop, Synthesizer
+from rvqtts.tiny import build_tiny_model
+from rvqtts.tree import grow_tree
+
+# A plausible acceptance table (falling with depth and rank) to shape trees of any budget.
+TABLE = [[0.5, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.01] * 2,
+         [0.4, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01] * 2,
+         [0.3, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01, 0.01] * 2]
+
+
+def random_offsets(hidden: int, seed: int) -> Offsets:
+    return Offsets(torch.randn(3, hidden, generator=torch.Generator().manual_seed(seed)) * 0.5)
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory):
+    """16 code groups over a 16-entry codebook: drafts are often right, so deep acceptance paths run."""
+    return Synthesizer.load(build_tiny_model(tmp_path_factory.mktemp("models") / "narrow", codebook=16))
+
+
+PLAIN_CODES: dict = {}
+
+
+def plain_codes(synth, frames: int) -> list[list[int]]:
+    """Plain codes of the parity frames, computed once per model."""
+    if id(synth) not in PLAIN_CODES:
+        codes, stats = decode_many(synth, None, frames)
+        assert stats.calls == 15 * frames
+        PLAIN_CODES[id(synth)] = codes
+    return PLAIN_CODES[id(synth)]
+
+
+def decode_many(synth, speculation, frames: int, sampling=SamplingConfig()):
+    loop = InnerLoop(synth.code_predictor, speculation, seed=11)
+    codes = [loop.decode(random_prefix(synth, seed=f), sampling, utterance=0, frame=f) for f in range(frames)]
+    return codes, loop.stats
+
+
+@pytest.mark.parametrize("which", ["tiny", "narrow"])
+@pytest.mark.parametrize("budget", [4, 8, 16, 32])
+def test_speculative_codes_equal_plain_codes(which, budget, request):
+    synth = request.getfixturevalue(which)
+    frames = 200
+    plain = plain_codes(synth, frames)
+    speculation = Speculation(grow_tree(TABLE, budget), random_offsets(synth.hidden_size, budget))
+    spec, stats = decode_many(synth, speculation, frames)
+    mismatches = [f for f in range(frames) if spec[f] != plain[f]]
+    assert not mismatches, f"frames {mismatches[:10]} differ"
+    assert stats.calls < 15 * frames
+    if which == "narrow":  # the parity must have been tested on accepted drafts, deep ones included
+        assert stats.accepted_per_depth[0] > frames and stats.accepted_per_depth[1] > frames // 10
+
+
+def test_codes_per_call_is_counted_from_real_calls(narrow, monkeypatch):
+    calls = []
+    original = rvqtts.predictor.PredictorRunner.forward
+    monkeypatch.setattr(rvqtts.predictor.PredictorRunner, "forward",
+                        lambda self, *args: calls.append(1) or original(self, *args))
+    speculation = Speculation(grow_tree(TABLE, 16), random_offsets(narrow.hidden_size, 0))
+    frames = 50
+    codes, stats = decode_many(narrow, speculation, frames)
+    assert all(len(c) == 15 for c in codes)
+    assert stats.calls == len(calls) and stats.frames == frames and stats.codes == 15 * frames
+    assert stats.calls * stats.codes_per_call == pytest.approx(15 * frames)
+    assert stats.codes_per_call > 1.2
+    # A frame is a prefill (c1) and rounds; a round emits its accepted drafts and one drawn code, except a
+    # frame's last round when it accepted the frame's last code.
+    assert stats.rounds == stats.calls - frames
+    assert 0 <= frames + stats.rounds + sum(stats.accepted_per_depth) - stats.codes <= frames
+
+
+def exact_joint(synth, prefix, sampling) -> np.ndarray:
+    """P(c1, c2, c3) for one context, from qwen-tts's own forward and the target warping."""
+    code_predictor = synth.code_predictor
+    vocab = code_predictor.config.vocab_size
+    joint = np.zeros((vocab,) * 3)
+    with torch.no_grad():
+        for c1, c2 in itertools.product(range(vocab), repeat=2):
+            logits = stock_path_logits(code_predictor, prefix, [c1, c2])
+            probs = target_probs(logits, sampling).double().numpy()
+            joint[c1, c2] = probs[0, c1] * probs[1, c2] * probs[2]
+    return joint
+
+
+def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Goodness of fit, pooling outcomes expected fewer than 5 times into one bin; 0 if any count is
+    on an outcome of probability zero."""
+    if counts[probs == 0].sum():
+        return 0.0
+    expected = probs / probs.sum() * counts.sum()
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big & (probs > 0)].sum())
+    expected = np.append(expected[big], expected[~big & (probs > 0)].sum())
+    return chisquare(observed, expected).pvalue
+
+
+def broken_walk(children, node_codes, draws, slot_index, last_index):
+    """A plausible bug: when the draw hits any drafted child, descend into the first (rank 0) child."""
+    accepted, u = [], 0
+    while slot_index[u] < last_index:
+        if not any(node_codes[c] == draws[u] for _, c in children[u]):
+            return accepted, draws[u]
+        u = children[u][0][1]
+        accepted.append(u)
+    return accepted, None
+
+
+def speculative_histogram(synth, frames: int, sampling) -> tuple[np.ndarray, np.ndarray]:
+    prefix = random_prefix(synth, seed=21)
+    speculation = Speculation(grow_tree(TABLE, 16), random_offsets(synth.hidden_size, 1))
+    loop = InnerLoop(synth.code_predictor, speculation, seed=5)
+    vocab = synth.code_predictor.config.vocab_size
+    counts = np.zeros((vocab,) * 3, dtype=np.int64)
+    for frame in range(frames):
+        c1, c2, c3 = loop.decode(prefix, sampling, utterance=0, frame=frame)
+        counts[c1, c2, c3] += 1
+    assert loop.stats.accepted_per_depth[0] > frames // 5, "the tree must be exercised"
+    return counts.ravel(), exact_joint(synth, prefix, sampling).ravel()
+
+
+SAMPLING = SamplingConfig(temperature=0.9, top_k=5)
+FRAMES = 20000
+
+
+def test_speculative_frames_follow_the_exact_joint_distribution(small):
+    counts, probs = speculative_histogram(small, FRAMES, SAMPLING)
+    assert (probs > 0).sum() == 125  # top-5 of 8 at each of three positions
+    assert chi_square_pvalue(counts, probs) > 1e-3
+
+
+def test_the_distribution_test_catches_a_broken_verifier(small, monkeypatch):
+    monkeypatch.setattr(rvqtts.decode, "walk_tree", broken_walk)
+    counts, probs = speculative_histogram(small, FRAMES, SAMPLING)
+    assert chi_square_pvalue(counts, probs) < 1e-6
+    # The statistic itself has the power, not only the support check: frames inside the support alone fail too.
+    assert chi_square_pvalue(np.where(probs > 0, counts, 0), probs) < 1e-6

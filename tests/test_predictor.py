@@ -1,0 +1,114 @@
+"""The runner's logits equal qwen-tts's own code-predictor forward (float32, max abs difference <= 1e-4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_prefix, stock_path_logits
+
+from rvqtts.predictor import PredictorRunner
+from rvqtts.synthesis import Synthesizer
+from rvqtts.tiny import build_tiny_model
+from rvqtts.tree import Tree
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def projected(tmp_path_factory):
+    """The 1.7B layout: the code predictor is narrower than the talker and projects its inputs."""
+    folder = build_tiny_model(tmp_path_factory.mktemp("models") / "projected", codebook=64, talker_hidden=96,
+                              predictor_hidden=64)
+    return Synthesizer.load(folder)
+
+
+@pytest.mark.parametrize("which", ["tiny", "projected"])
+@torch.no_grad()
+def test_prefill_and_steps_match_stock_cached_forward(which, request):
+    synth = request.getfixturevalue(which)
+    code_predictor = synth.code_predictor
+    last = code_predictor.config.num_code_groups - 1
+    runner = PredictorRunner(code_predictor, max_len=last + 1)
+    prefix = random_prefix(synth, seed=1)
+    # The stock path exactly as HF generate() drives it: a 2-token prefill, then cached single steps.
+    stock = code_predictor(inputs_embeds=prefix[None], use_cache=True)
+    hidden = runner.prefill(prefix)
+    ours = runner.logits(hidden, 1)
+    assert (ours - stock.logits[0, -1]).abs().max() <= TOLERANCE
+    generator = torch.Generator().manual_seed(2)
+    for index in range(1, last):
+        code = torch.randint(0, code_predictor.config.vocab_size, (1,), generator=generator)
+        stock = code_predictor(input_ids=code[None], past_key_values=stock.past_key_values, use_cache=True,
+                               generation_steps=stock.generation_steps)
+        hidden = runner.step(code, index)
+        ours = runner.logits(hidden, index + 1)
+        assert (ours - stock.logits[0, -1]).abs().max() <= TOLERANCE, f"step {index}"
+
+
+@pytest.mark.parametrize("committed", [1, 6])
+@torch.no_grad()
+def test_tree_call_matches_stock_forward_on_every_path(tiny, committed):
+    """A tree call at any depth of the frame: each node's logits equal the stock forward over its own path."""
+    code_predictor = tiny.code_predictor
+    tree = Tree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)))
+    runner = PredictorRunner(code_predictor, max_len=16 + tree.nodes + 1)
+    prefix = random_prefix(tiny, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    vocab = code_predictor.config.vocab_size
+    committed_codes = torch.randint(0, vocab, (committed,), generator=generator).tolist()
+    runner.prefill(prefix)
+    for index, code in enumerate(committed_codes[:-1], start=1):
+        runner.step(torch.tensor([code]), index)
+    # Drafted codes per depth and rank, the root being the last committed code c_committed.
+    drafts = torch.randint(0, vocab, (tree.depth, 3), generator=generator)
+    buffers = tree.buffers
+    node_codes = [committed_codes[-1]] + [int(drafts[len(p) - 1, p[-1]]) for p in tree.paths]
+    length = committed + 1
+    q = len(node_codes)
+    codes = torch.tensor(node_codes)
+    embeds = torch.cat([code_predictor.get_input_embeddings()[committed - 1 + int(d)](codes[i:i + 1])
+                        for i, d in enumerate(buffers.depth)])
+    mask = torch.zeros(q, runner.max_len, dtype=torch.bool)
+    mask[:, :length] = True
+    mask[:, length:length + q] = buffers.ancestor_mask
+    out = runner.forward(embeds, committed + 1 + buffers.depth, length, mask)
+    for slot in range(q):
+        path = []
+        node = slot
+        while node > 0:
+            path.insert(0, node_codes[node])
+            node = buffers.parent[node]
+        full = committed_codes + path
+        expected = stock_path_logits(code_predictor, prefix, full)[-1]
+        ours = runner.logits(out[slot], len(full) + 1)
+        assert (ours - expected).abs().max() <= TOLERANCE, f"slot {slot} path {full}"
+
+
+def test_keep_moves_accepted_entries():
+    """Accepted tree slots are compacted right after the root; other slots are untouched."""
+
+    runner = PredictorRunner.__new__(PredictorRunner)
+    runner.device = torch.device("cpu")
+    runner.k_cache = torch.arange(2 * 1 * 10 * 1, dtype=torch.float32).view(2, 1, 10, 1)
+    runner.v_cache = runner.k_cache.clone() + 100
+    before = runner.k_cache.clone()
+    runner.keep([5, 8], 3)
+    assert runner.k_cache[:, 0, 3:5, 0].tolist() == before[:, 0, [5, 8], 0].tolist()
+    assert runner.v_cache[:, 0, 3:5, 0].tolist() == (before[:, 0, [5, 8], 0] + 100).tolist()
+    assert torch.equal(runner.k_cache[:, :, :3], before[:, :, :3])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_half_precision_runs_close_to_float32(tiny_dir, dtype):
+    synth32 = Synthesizer.load(tiny_dir)
+    synth_half = Synthesizer.load(tiny_dir, dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype])
+    prefix = random_prefix(synth32, seed=5)
+    reference = PredictorRunner(synth32.code_predictor, 16)
+    expected = reference.logits(reference.prefill(prefix), 1)
+    runner = PredictorRunner(synth_half.code_predictor, 16)
+    assert runner.dtype == dtype and runner.k_cache.dtype == dtype
+    hidden = runner.prefill(prefix)
+    logits = runner.logits(hidden, 1).float()
+    assert torch.isfinite(logits).all()
+    assert (logits - expected).abs().max() < 0.1 * expected.abs().max()
