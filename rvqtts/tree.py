@@ -154,11 +154,11 @@ def load_tree(path: str | os.PathLike) -> Tree:
 
 def save_tree(tree: Tree, path: str | os.PathLike) -> None:
     """Write a tree file (atomically: a temporary file, then a rename)."""
-    data = {"format": TREE_FORMAT, "version": 1, "nodes": tree.nodes,
-            "depth": tree.depth_limit or tree.depth, "source": tree.source,
-            "expected_codes_per_call": tree.expected_codes_per_call, **tree.extra,
-            "paths": [list(p) for p in tree.paths]}
-    text = json.dumps(data, indent=1)
+    header = {"format": TREE_FORMAT, "version": 1, "nodes": tree.nodes,
+              "depth": tree.depth_limit or tree.depth, "source": tree.source,
+              "expected_codes_per_call": tree.expected_codes_per_call, **tree.extra}
+    nodes = ",\n".join(f"  {json.dumps(list(p))}" for p in tree.paths)  # one node per line
+    text = f'{json.dumps(header, indent=1)[:-2]},\n "paths": [\n{nodes}\n ]\n}}'
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")
     partial.write_text(text + "\n")
@@ -197,3 +197,24 @@ def grow_tree(acceptance: list[list[float]], budget: int, source: str = "") -> T
     expected = 1.0 + sum(value(p) for p in chosen)  # codes per verify round: y plus accepted nodes
     return Tree(tuple(chosen), source=source, expected_codes_per_call=round(expected, 4),
                 depth_limit=depth_limit)
+
+
+SHIPPED_TREES = Path(__file__).resolve().parent.parent / "trees"
+
+
+def shipped_tree_files() -> list[Path]:
+    return sorted(SHIPPED_TREES.glob("*.json"))
+
+
+def resolve_tree(spec: str | os.PathLike) -> Tree:
+    """A `--tree` value: a node budget N, meaning the shipped tree of N nodes, or a tree file's path."""
+    text = str(spec)
+    if not text.isdigit():
+        return load_tree(text)
+    trees = [load_tree(p) for p in shipped_tree_files()]
+    matching = [t for t in trees if t.nodes == int(text)]
+    if not matching:
+        sizes = ", ".join(str(n) for n in sorted({t.nodes for t in trees})) or "none"
+        raise TreeFileError(f"no shipped tree has N = {text} nodes (shipped: {sizes}); pass one of those "
+                            f"or the path of a tree file")
+    return matching[0]

@@ -1,0 +1,46 @@
+"""End to end through qwen-tts's own generate_custom_voice, with rvqtts's inner loop in place."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rvqtts.decode import Speculation
+from rvqtts.offsets import Offsets
+from rvqtts.tree import resolve_tree
+
+TEXT = "Hello world. This is a test."
+
+
+def synthesize(synth, speculation, seed=3):
+    synth.speculation = speculation
+    try:
+        return synth.synthesize(TEXT, speaker="ryan", language="english", seed=seed)
+    finally:
+        synth.speculation = None
+
+
+def test_speculative_and_plain_synthesis_give_the_same_codes_and_audio(tiny):
+    offsets = Offsets(torch.randn(3, tiny.hidden_size, generator=torch.Generator().manual_seed(0)))
+    plain = synthesize(tiny, None)
+    spec = synthesize(tiny, Speculation(resolve_tree("16"), offsets))
+    frames = plain.codes.shape[0]
+    assert frames > 10 and plain.codes.shape == (frames, 16)
+    assert np.array_equal(plain.codes, spec.codes)
+    assert np.array_equal(plain.audio, spec.audio)
+    assert plain.sample_rate == 24000 and plain.audio.shape == (frames * 1920,)
+    assert np.abs(plain.audio).max() > 1e-2, "the tiny speech decoder must make audible sound"
+    assert plain.stats.frames == spec.stats.frames == frames
+    assert plain.stats.calls == 15 * frames and spec.stats.calls < plain.stats.calls
+    assert spec.stats.codes == 15 * frames
+    assert set(plain.seconds) >= {"wall", "talker", "predictor", "decoder"}
+
+
+def test_seed_fixes_the_codes_and_the_stock_loop_comes_back(tiny):
+    first, again, other = synthesize(tiny, None, 1), synthesize(tiny, None, 1), synthesize(tiny, None, 2)
+    assert np.array_equal(first.codes, again.codes)
+    assert not np.array_equal(first.codes[:5], other.codes[:5])
+    assert "generate" not in vars(tiny.code_predictor), "the inner loop must be unhooked after a synthesis"
+    torch.manual_seed(0)
+    wavs, _ = tiny.tts.generate_custom_voice(text=TEXT, speaker="ryan", language="english", max_new_tokens=4)
+    assert wavs[0].size > 0
