@@ -114,8 +114,10 @@ def synth(
             drafts = (load_offsets(offsets, synthesizer.hidden_size) if offsets
                       else Offsets.zeros(chosen_tree.depth, synthesizer.hidden_size))
             synthesizer.speculation = Speculation(chosen_tree, drafts)
-        except (OffsetsFileError, ValueError) as error:
+        except OffsetsFileError as error:
             fail(str(error))
+        except ValueError as error:  # the tree drafts deeper than the offsets do
+            fail(f"tree {tree} with offsets {offsets}: {error}")
     try:
         result = synthesizer.synthesize(text, speaker=speaker, language=language, seed=seed)
     except ValueError as error:  # qwen-tts's check of speaker and language names

@@ -6,9 +6,11 @@ import hashlib
 
 import numpy as np
 import soundfile
+import torch
 from typer.testing import CliRunner
 
 from rvqtts.cli import app
+from rvqtts.offsets import Offsets, save_offsets
 
 runner = CliRunner()
 
@@ -48,7 +50,11 @@ def test_synth_writes_wav_and_codes_and_no_spec_matches(tmp_path, tiny_dir):
 def test_synth_refuses_bad_input_and_writes_nothing(tmp_path, tiny_dir):
     bad_tree = tmp_path / "tree.json"
     bad_tree.write_text('{"format": "rvqtts-tree", "depth": 3, "nodes": 1, "paths": [[0, 0]]}')
-    cases = [(["", "--model", str(tiny_dir)], "the text is empty"),
+    shallow = tmp_path / "k2.safetensors"
+    save_offsets(Offsets(torch.zeros(2, 64)), shallow)
+    cases = [(["Hi", "--model", str(tiny_dir), "--tree", "16", "--offsets", str(shallow)],
+              f"tree 16 with offsets {shallow}: the tree is 3 deep but the offsets draft only K = 2 codes"),
+             (["", "--model", str(tiny_dir)], "the text is empty"),
              (["Hi", "--model", str(tiny_dir), "--speaker", "nobody"], "Unsupported speakers"),
              (["Hi", "--model", str(tiny_dir), "--tree", str(bad_tree)], "not closed under prefixes"),
              (["Hi", "--model", str(tiny_dir), "--tree", "5"], "no shipped tree has N = 5"),
