@@ -1,10 +1,14 @@
-"""The `rvqtts` command line: a thin layer over the library (rvqtts.synthesis, rvqtts.tiny)."""
+"""The `rvqtts` command line: a thin layer over the library (rvqtts.synthesis, rvqtts.batch, rvqtts.tiny).
+
+Exit codes: 0 done; 1 some utterances of a batch failed (the rest were written); 2 bad input, with
+nothing written. Standard output carries only audio (`-o -`) or the listing asked for; everything for
+people goes to standard error.
+"""
 
 from __future__ import annotations
 
-import os
+import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +24,11 @@ def fail(message: str) -> None:
     """One line on stderr and exit code 2: the input was wrong, nothing was written."""
     typer.echo(f"rvqtts: error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def say(message: str, quiet: bool = False) -> None:
+    if not quiet:
+        typer.echo(f"rvqtts: {message}", err=True)
 
 
 @app.command("make-tiny-model")
@@ -39,27 +48,27 @@ def make_tiny_model(
 
     from rvqtts.tiny import build_tiny_model
 
-    if force and directory.exists():
+    if force and directory.is_dir():
         shutil.rmtree(directory)
     try:
         build_tiny_model(directory, codebook=codebook, code_groups=code_groups, seed=seed)
     except (ValueError, FileExistsError) as error:
         fail(str(error))
-    typer.echo(f"wrote {directory}", err=True)
+    say(f"wrote {directory}")
 
 
-def _write_wav_atomically(path: Path, audio, sample_rate: int) -> None:
-    import soundfile
+@app.command()
+def voices(model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model.")) -> None:
+    """List the speakers and languages of a model (reads its config only)."""
+    from rvqtts.loading import ModelLoadError
+    from rvqtts.loading import voices as model_voices
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(handle)
     try:
-        soundfile.write(partial, audio, sample_rate, format="WAV", subtype="PCM_16")
-        os.replace(partial, path)
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
+        speakers, languages = model_voices(model)
+    except ModelLoadError as error:
+        fail(str(error))
+    typer.echo("speakers: " + ", ".join(speakers))
+    typer.echo("languages: " + ", ".join(languages))
 
 
 def _pick_device(device: str) -> str:
@@ -74,60 +83,219 @@ def _pick_device(device: str) -> str:
     return "cpu"
 
 
-@app.command()
-def synth(
-    text: str = typer.Argument(..., help="The text to speak."),
-    output: Path = typer.Option(..., "-o", "--output", help="WAV file to write (24 kHz mono)."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of a Qwen3-TTS 12 Hz CustomVoice model."),
-    speaker: str = typer.Option("vivian", help="Speaker name (see the model's supported speakers)."),
-    language: str = typer.Option("auto", help="Language name, or auto."),
-    seed: int = typer.Option(0, help="Same seed, same codes, same WAV (speculative or not)."),
-    spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
-    tree: str = typer.Option("16", help="Draft tree: a node budget N (a shipped tree) or a tree file."),
-    offsets: Optional[Path] = typer.Option(None, help="Draft offsets file; default: zero offsets (reused heads)."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    codes_out: Optional[Path] = typer.Option(None, help="Save the frame codes as an int .npy array [frames, G]."),
-) -> None:
-    """Synthesize TEXT to a WAV file."""
-    import numpy as np
+def _pick_dtype(dtype: str, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    return {"cuda": "bfloat16", "mps": "float16"}.get(device.split(":")[0], "float32")
 
-    from rvqtts.decode import Speculation
-    from rvqtts.offsets import Offsets, OffsetsFileError, load_offsets
-    from rvqtts.synthesis import DTYPES, Synthesizer
-    from rvqtts.tree import TreeFileError, resolve_tree
 
+def _read_text(text: Optional[str]) -> str:
+    if text is None or text == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            fail("no text: give TEXT, pipe text on standard input, or use -f FILE")
+        text = sys.stdin.read()
     if not text.strip():
         fail("the text is empty: give something to say")
-    if dtype not in DTYPES:
-        fail(f"unknown --dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    return text
+
+
+def _check_writable(folder: Path) -> None:
+    """Fail early unless files can be made in `folder` (or in the nearest existing folder above it)."""
+    import os
+
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"cannot write to {folder}: {existing} is not a writable folder")
+
+
+@app.command()
+def synth(
+    text: Optional[str] = typer.Argument(None, help="Text to speak; '-' or nothing reads standard input."),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="WAV file to write; '-' writes to stdout."),
+    file: Optional[Path] = typer.Option(None, "-f", "--file",
+                                        help="Batch: a .txt file (one utterance per line) or a .jsonl file "
+                                             "(text, speaker, language, instruct, out)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Batch output folder (required with -f)."),
+    force: bool = typer.Option(False, "--force", help="Batch: overwrite outputs that already exist."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of a Qwen3-TTS 12 Hz CustomVoice model."),
+    device: str = typer.Option("auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 on cuda, float16 on mps, float32 on cpu), float32, "
+                                           "bfloat16 or float16."),
+    speaker: str = typer.Option("vivian", help="Speaker (rvqtts voices lists them)."),
+    language: str = typer.Option("auto", help="Language, or auto."),
+    instruct: Optional[str] = typer.Option(None, help="Style instruction (ignored, with a warning, by models "
+                                                      "without instruction support such as the 0.6B)."),
+    temperature: float = typer.Option(0.9, help="Sampling temperature of both loops."),
+    top_k: int = typer.Option(50, help="Top-k of both loops (0 = off)."),
+    top_p: float = typer.Option(1.0, help="Top-p of both loops (1 = off)."),
+    repetition_penalty: float = typer.Option(1.05, help="Repetition penalty of the talker."),
+    max_frames: Optional[int] = typer.Option(None, help="Most frames per chunk (12.5 frames = 1 s); default: "
+                                                        "the model's own limit."),
+    seed: int = typer.Option(0, help="Same seed, same codes, same WAV, speculative or not."),
+    spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
+    tree: str = typer.Option("16", help="Draft tree: a node budget N (a shipped tree) or a tree file."),
+    offsets: Optional[Path] = typer.Option(None, help="Draft offsets file; default: shipped offsets matching "
+                                                      "the model, else zero offsets."),
+    backend: str = typer.Option("torch", help="torch, or coreml (macOS, not available yet)."),
+    codes_out: Optional[Path] = typer.Option(None, help="Save frame codes as int .npy [frames, 16] (batch: a "
+                                                        "folder of NAME.npy)."),
+    stats_json: Optional[Path] = typer.Option(None, help="Write the run's statistics as JSON (per utterance and "
+                                                         "total)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, table or notices."),
+) -> None:
+    """Synthesize speech to WAV: one text, standard input, or a batch file.
+
+    The statistics table (stderr) and --stats-json report frames, predictor calls, codes per call,
+    where the time went, and RTF = compute seconds / audio seconds (below 1 is faster than real time).
+    """
+    from rvqtts.batch import BatchFileError, Utterance, read_batch
+    from rvqtts.loading import DTYPES, ModelLoadError
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.synthesis import GenerationSettings, Synthesizer, choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    if backend == "coreml":
+        fail("the Core ML backend is not available yet (it will need macOS); use --backend torch")
+    if backend != "torch":
+        fail(f"unknown --backend {backend!r}: choose torch or coreml")
+    if file is not None:
+        if text is not None:
+            fail("give either TEXT or -f FILE, not both")
+        if out_dir is None:
+            fail("-f needs --out-dir DIR for its WAV files")
+        try:
+            utterances = read_batch(file)
+        except BatchFileError as error:
+            fail(str(error))
+        _check_writable(out_dir)
+        if not force and all((out_dir / u.name).exists() for u in utterances):
+            say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
+            return
+    else:
+        if output is None:
+            fail("give -o FILE.wav (or -o - for standard output)")
+        if output != "-":
+            _check_writable(Path(output).expanduser().resolve().parent)
+        utterances = [Utterance(1, _read_text(text).strip(), output)]
+    if dtype not in ("auto", *DTYPES):
+        fail(f"unknown --dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    if device not in ("auto", "cpu", "mps") and not device.startswith("cuda"):
+        fail(f"unknown --device {device!r}: choose auto, cpu, cuda or mps")
     try:
-        chosen_tree = resolve_tree(tree) if spec else None
-    except TreeFileError as error:
+        settings = GenerationSettings(temperature, top_k, top_p, repetition_penalty, max_frames)
+    except ValueError as error:
         fail(str(error))
+
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # HF's per-generate notices are noise on a CLI's stderr
-    synthesizer = Synthesizer.load(model, device=_pick_device(device), dtype=dtype)
-    if chosen_tree is not None:
-        try:
-            drafts = (load_offsets(offsets, synthesizer.hidden_size) if offsets
-                      else Offsets.zeros(chosen_tree.depth, synthesizer.hidden_size))
-            synthesizer.speculation = Speculation(chosen_tree, drafts)
-        except OffsetsFileError as error:
-            fail(str(error))
-        except ValueError as error:  # the tree drafts deeper than the offsets do
-            fail(f"tree {tree} with offsets {offsets}: {error}")
+    chosen_device = _pick_device(device)
     try:
-        result = synthesizer.synthesize(text, speaker=speaker, language=language, seed=seed)
-    except ValueError as error:  # qwen-tts's check of speaker and language names
-        fail(str(error).strip())
-    _write_wav_atomically(output, result.audio, result.sample_rate)
+        synthesizer = Synthesizer.load(model, device=chosen_device, dtype=_pick_dtype(dtype, chosen_device))
+    except ModelLoadError as error:
+        fail(str(error))
+    for item in utterances:
+        try:
+            synthesizer.check_voice(item.speaker or speaker, item.language or language)
+        except ValueError as error:
+            fail(f"{file}:{item.line}: {error}" if file else str(error))
+    if spec:
+        try:
+            synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor.config, tree, offsets)
+        except (TreeFileError, OffsetsFileError, ValueError) as error:
+            fail(str(error))
+        if notice:
+            say(notice, quiet)
+    if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
+        say("warning: this model does not support --instruct (the 0.6B ignores instructions); ignoring it")
+
+    if file is None:
+        _synth_one(synthesizer, utterances[0], output, speaker, language, instruct, seed, settings, codes_out,
+                   stats_json, quiet)
+    else:
+        _synth_batch(synthesizer, utterances, out_dir, file, speaker, language, instruct, seed, settings, force,
+                     codes_out, stats_json, quiet)
+
+
+def _progress(quiet: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True, disable=quiet)
+
+
+def _show(rows: list[tuple[str, dict]], quiet: bool) -> None:
+    from rich.console import Console
+
+    from rvqtts.report import stats_table
+
+    if not quiet:
+        console = Console(stderr=True)
+        console.width = max(console.width, 100)  # the table's own width, also when stderr is a file
+        console.print(stats_table(rows))
+
+
+def _write_stats(path: Optional[Path], entries: list[dict]) -> None:
+    from rvqtts.audio import write_atomically
+    from rvqtts.report import total_record
+
+    if path is not None:
+        document = {"utterances": entries, "total": total_record(entries)}
+        write_atomically(path, (json.dumps(document, indent=1, ensure_ascii=False) + "\n").encode())
+
+
+def _synth_one(synthesizer, item, output, speaker, language, instruct, seed, settings, codes_out, stats_json,
+               quiet) -> None:
+    from rvqtts.audio import write_codes, write_wav
+
+    with _progress(quiet) as progress:
+        task = progress.add_task("synthesizing", total=None)
+        result = synthesizer.synthesize(item.text, speaker=speaker, language=language, instruct=instruct, seed=seed,
+                                        settings=settings,
+                                        on_chunk=lambda done, total: progress.update(task, completed=done,
+                                                                                     total=total))
+    for warning in result.warnings:
+        say(f"warning: {warning}", quiet)
+    write_wav(output, result.audio, result.sample_rate)
     if codes_out:
-        np.save(codes_out, result.codes)
-    stats = result.stats
-    typer.echo(f"{output}: {result.codes.shape[0]} frames, {stats.calls} predictor calls, "
-               f"{stats.codes_per_call:.2f} codes per call, {result.seconds['wall']:.2f} s", err=True)
+        write_codes(codes_out, result.codes)
+    record = result.record()
+    _write_stats(stats_json, [{"name": output, **record}])
+    _show([(output, record)], quiet)
+
+
+def _synth_batch(synthesizer, utterances, out_dir, file, speaker, language, instruct, seed, settings, force,
+                 codes_out, stats_json, quiet) -> None:
+    from rvqtts.batch import synthesize_batch
+
+    with _progress(quiet) as progress:
+        task = progress.add_task(f"synthesizing {file.name}", total=len(utterances))
+
+        def done(result) -> None:
+            progress.advance(task)
+            if result.status == "failed":
+                typer.echo(f"rvqtts: {file}:{result.utterance.line}: failed: {result.error}", err=True)
+            for warning in (result.record or {}).get("warnings", []):
+                say(f"warning: {result.utterance.name}: {warning}", quiet)
+
+        results = synthesize_batch(synthesizer, utterances, out_dir, speaker=speaker, language=language,
+                                   instruct=instruct, seed=seed, settings=settings, force=force,
+                                   codes_dir=codes_out, on_done=done)
+    made = [(r.utterance.name, r.record) for r in results if r.status == "done"]
+    skipped = sum(r.status == "skipped" for r in results)
+    failed = sum(r.status == "failed" for r in results)
+    _write_stats(stats_json, [{"name": name, **record} for name, record in made])
+    if made:
+        from rvqtts.report import total_record
+
+        _show(made + ([("total", total_record([r for _, r in made]))] if len(made) > 1 else []), quiet)
+    say(f"{len(made)} written, {skipped} skipped (already there; --force redoes them), {failed} failed "
+        f"-> {out_dir}", quiet and not failed)
+    if failed:
+        raise typer.Exit(1)
 
 
 def main() -> None:
@@ -135,4 +303,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

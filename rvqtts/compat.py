@@ -10,8 +10,9 @@ calls them. A working torchaudio is always left alone.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
-import logging
+import io
 import os
 import sys
 import types
@@ -56,7 +57,6 @@ def _import_quietly(name: str) -> ModuleType:
     """
     if name in sys.modules:
         return sys.modules[name]
-    logging.getLogger("sox").setLevel(logging.ERROR)
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]
@@ -64,9 +64,9 @@ def _import_quietly(name: str) -> ModuleType:
     try:
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
-        module = importlib.import_module(name)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        # Python-level streams too: they need not be file descriptors 1 and 2 (a test runner's buffers).
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            module = importlib.import_module(name)
     finally:
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)

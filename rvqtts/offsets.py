@@ -106,3 +106,15 @@ def load_offsets(path: str | os.PathLike, hidden_size: int | None = None) -> Off
         raise OffsetsFileError(f"offsets file {path} holds NaN or infinite values")
     return Offsets(vectors.float(), model=meta.get("model", ""), model_fingerprint=meta.get("model_fingerprint", ""),
                    metadata=meta)
+
+
+SHIPPED_OFFSETS = Path(__file__).resolve().parent.parent / "offsets"
+
+
+def shipped_offsets_for(fingerprint: str, hidden_size: int) -> Offsets | None:
+    """The shipped offsets trained for the model with this code-predictor fingerprint, if any."""
+    for path in sorted(SHIPPED_OFFSETS.glob("*.safetensors")):
+        offsets = load_offsets(path, hidden_size=None)
+        if offsets.model_fingerprint == fingerprint and offsets.hidden_size == hidden_size:
+            return offsets
+    return None

@@ -3,28 +3,34 @@
 qwen-tts owns loading, prompts, speakers, the talker loop and the speech decoder. Inside its talker
 loop, every frame calls `talker.code_predictor.generate(...)` for c1..c15; while a synthesis runs,
 that call is answered by `InnerLoop.generate`, plain or speculative, with noise keyed by (seed,
-utterance, frame, position). The talker's own sampling uses torch's generator, seeded per utterance,
+utterance, frame, position). The talker's own sampling uses torch's generator, seeded per chunk,
 which the inner loop never touches: the same seed gives the same codes, with or without speculation.
+Long text is spoken chunk by chunk (rvqtts.text) and joined with a short crossfade (rvqtts.audio).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from rvqtts.compat import qwen_tts
+from rvqtts.audio import join_chunks
 from rvqtts.decode import DecodeStats, Speculation, decode_frame_plain, decode_frame_speculative
+from rvqtts.loading import load_tts
+from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig, gumbel_noise
+from rvqtts.text import chunk_text, frame_budget
+from rvqtts.tree import resolve_tree
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_DEPTH = 3  # K, the paper's draft depth
 
 
 def _synchronize(device: torch.device) -> None:
@@ -35,22 +41,23 @@ def _synchronize(device: torch.device) -> None:
 
 
 class InnerLoop:
-    """Produces c1..c_{G-1} for each frame the talker asks for, and counts what it did."""
+    """Produces c1..c_{G-1} for each frame the talker asks for, and counts what it did.
 
-    def __init__(self, code_predictor: torch.nn.Module, speculation: Speculation | None, seed: int):
+    Frames are numbered from 0 within an utterance, across its chunks, so no two frames share noise.
+    """
+
+    def __init__(self, code_predictor: torch.nn.Module, speculation: Speculation | None, seed: int,
+                 utterance: int = 0):
         self.speculation = speculation
         self.seed = seed
+        self.utterance = utterance
         extra = speculation.tree.nodes + 1 if speculation else 0
         self.runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra)
         self.offsets = (speculation.offsets.vectors.to(self.runner.device, self.runner.dtype)
                         if speculation else None)
-        self.utterance = 0
         self.frame = 0
         self.stats = DecodeStats()
         self.seconds = 0.0
-
-    def start_utterance(self, utterance: int) -> None:
-        self.utterance, self.frame = utterance, 0
 
     def decode(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
         """The codes c1..c_{G-1} of one frame; `prefix` is [h_t, embedding of c0], shape [2, E]."""
@@ -75,15 +82,63 @@ class InnerLoop:
         return SimpleNamespace(sequences=torch.tensor(rows, device=inputs_embeds.device))
 
 
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Sampling of both loops (qwen-tts's defaults) and the most frames one chunk may take
+    (None: the model's own generation default)."""
+
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    max_frames: int | None = None
+
+    def __post_init__(self) -> None:
+        SamplingConfig(self.temperature, self.top_k, self.top_p)  # the same checks, with their messages
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition penalty must be positive, got {self.repetition_penalty}")
+        if self.max_frames is not None and self.max_frames < 1:
+            raise ValueError(f"max frames must be at least 1, got {self.max_frames}")
+
+    def generate_kwargs(self, max_frames: int) -> dict:
+        """qwen-tts keywords. N generated talker tokens make N - 1 frames, hence the + 1."""
+        return dict(do_sample=True, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                    repetition_penalty=self.repetition_penalty, subtalker_dosample=True,
+                    subtalker_temperature=self.temperature, subtalker_top_k=self.top_k,
+                    subtalker_top_p=self.top_p, max_new_tokens=max_frames + 1)
+
+
 @dataclass
 class Synthesis:
-    """One utterance: audio, its frame codes [frames, G], and what the run cost."""
+    """One utterance: audio, its frame codes [frames, G], and what the run did and cost."""
 
     audio: np.ndarray
     sample_rate: int
     codes: np.ndarray
     stats: DecodeStats
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float]
+    talker_calls: int
+    chunks: int
+    spec: bool
+    tree_nodes: int
+    seed: int
+    warnings: list[str] = field(default_factory=list)
+
+    def record(self) -> dict:
+        """The statistics users see (`--stats-json`, the table). rtf = compute seconds / audio seconds."""
+        audio_seconds = self.audio.size / self.sample_rate
+        wall = self.seconds["wall"]
+        return {
+            "frames": int(self.codes.shape[0]), "audio_seconds": round(audio_seconds, 3), "chunks": self.chunks,
+            "talker_calls": self.talker_calls, "predictor_calls": self.stats.calls,
+            "predictor_codes": self.stats.codes, "codes_per_call": round(self.stats.codes_per_call, 4),
+            "accepted_per_depth": list(self.stats.accepted_per_depth), "wall_seconds": round(wall, 3),
+            "talker_seconds": round(self.seconds["talker"], 3),
+            "predictor_seconds": round(self.seconds["predictor"], 3),
+            "decoder_seconds": round(self.seconds["decoder"], 3),
+            "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
+            "spec": self.spec, "tree_nodes": self.tree_nodes, "seed": self.seed, "warnings": list(self.warnings),
+        }
 
 
 class Synthesizer:
@@ -95,57 +150,127 @@ class Synthesizer:
     def __init__(self, tts: object, speculation: Speculation | None = None):
         self.tts = tts
         self.model = tts.model
-        self.code_predictor = self.model.talker.code_predictor
+        self.talker = self.model.talker
+        self.code_predictor = self.talker.code_predictor
         self.speculation = speculation
+        self.speakers = sorted(tts.get_supported_speakers() or [])
+        self.languages = sorted(tts.get_supported_languages() or [])
+        # qwen-tts's generation default, in frames (N talker tokens make N - 1 frames).
+        self.default_max_frames = int(tts.generate_defaults.get("max_new_tokens", 2048)) - 1
 
     @classmethod
     def load(cls, model: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
              speculation: Speculation | None = None) -> "Synthesizer":
         """Load a checkpoint (hub id or local folder) the ordinary qwen-tts way."""
-        tts = qwen_tts().Qwen3TTSModel.from_pretrained(str(model), device_map=device, dtype=DTYPES[dtype])
-        return cls(tts, speculation)
+        return cls(load_tts(model, device, dtype), speculation)
 
     @property
     def hidden_size(self) -> int:
         return self.code_predictor.config.hidden_size
 
+    @property
+    def supports_instruct(self) -> bool:
+        """qwen-tts drops instructions for the 0.6B CustomVoice model."""
+        return self.model.tts_model_size not in "0b6"
+
+    def check_voice(self, speaker: str, language: str) -> None:
+        """Raise ValueError naming the valid choices when the speaker or language is not the model's."""
+        if speaker.lower() not in self.speakers:
+            raise ValueError(f"unknown speaker {speaker!r}; this model has: {', '.join(self.speakers)}")
+        if language.lower() not in self.languages:
+            raise ValueError(f"unknown language {language!r}; this model has: {', '.join(self.languages)}")
+
     @contextmanager
-    def _inner_loop(self, loop: InnerLoop, captured: list, seconds: dict) -> Iterator[None]:
+    def _hooks(self, loop: InnerLoop, captured: list, seconds: dict, counts: dict) -> Iterator[None]:
+        """Route qwen-tts's inner-loop calls to `loop`; record the codes the speech decoder gets, time it,
+        and count the talker's forward calls."""
         speech_tokenizer = self.model.speech_tokenizer
+        talker_forward = self.talker.forward
 
         def decode(items):
             started = time.perf_counter()
             captured.extend(item["audio_codes"].detach().cpu().numpy() for item in items)
             result = type(speech_tokenizer).decode(speech_tokenizer, items)
-            seconds["decoder"] = seconds.get("decoder", 0.0) + time.perf_counter() - started
+            seconds["decoder"] += time.perf_counter() - started
             return result
+
+        @functools.wraps(talker_forward)  # HF's generate() checks its keywords against this signature
+        def forward(*args, **kwargs):
+            counts["talker"] += 1
+            return talker_forward(*args, **kwargs)
 
         self.code_predictor.generate = loop.generate
         speech_tokenizer.decode = decode
+        self.talker.forward = forward
         try:
             yield
         finally:
-            del self.code_predictor.generate
-            del speech_tokenizer.decode
+            del self.code_predictor.generate, speech_tokenizer.decode, self.talker.forward
 
     def synthesize(self, text: str, speaker: str, language: str = "auto", seed: int = 0, utterance: int = 0,
-                   instruct: str | None = None, **sampling: object) -> Synthesis:
-        """Synthesize one utterance. `sampling` takes qwen-tts's generate keywords (top_k, subtalker_top_k, ...).
+                   instruct: str | None = None, settings: GenerationSettings = GenerationSettings(),
+                   chunked: bool = True, on_chunk: Callable[[int, int], None] | None = None) -> Synthesis:
+        """Synthesize one utterance; long text is spoken in sentence chunks joined by a crossfade.
 
-        The noise key is (seed, utterance, frame, position); the talker's generator is seeded from
-        (seed, utterance), so each utterance of a batch is reproducible on its own.
+        The noise key is (seed, utterance, frame, position) and the talker's generator is seeded from
+        (seed, utterance, chunk), so every utterance of a batch is reproducible on its own.
+        `on_chunk(done, total)` reports progress after each chunk.
         """
-        loop = InnerLoop(self.code_predictor, self.speculation, seed)
-        loop.start_utterance(utterance)
+        if not text.strip():
+            raise ValueError("the text is empty: give something to say")
+        self.check_voice(speaker, language)
+        pieces = chunk_text(text) if chunked else [" ".join(text.split())]
+        loop = InnerLoop(self.code_predictor, self.speculation, seed, utterance)
         captured: list[np.ndarray] = []
-        seconds: dict[str, float] = {}
-        torch.manual_seed(seed * 1_000_003 + utterance)
+        seconds = {"decoder": 0.0}
+        counts = {"talker": 0}
+        audio: list[np.ndarray] = []
+        warnings: list[str] = []
         started = time.perf_counter()
-        with self._inner_loop(loop, captured, seconds):
-            wavs, sample_rate = self.tts.generate_custom_voice(text=text, speaker=speaker, language=language,
-                                                               instruct=instruct, **sampling)
+        with self._hooks(loop, captured, seconds, counts):
+            for index, piece in enumerate(pieces):
+                budget = min(settings.max_frames or self.default_max_frames, frame_budget(piece))
+                torch.manual_seed((seed * 1_000_003 + utterance) * 1_009 + index)
+                wavs, sample_rate = self.tts.generate_custom_voice(
+                    text=piece, speaker=speaker, language=language,
+                    instruct=instruct if self.supports_instruct else None, **settings.generate_kwargs(budget))
+                audio.append(wavs[0])
+                if captured[-1].shape[0] >= budget:
+                    warnings.append(f"chunk {index + 1} of {len(pieces)} was cut at {budget} frames "
+                                    f"({budget / 12.5:.1f} s) for {len(piece)} characters: the model did not end "
+                                    f"its speech (text: {piece[:40]!r})")
+                if on_chunk:
+                    on_chunk(index + 1, len(pieces))
         seconds["wall"] = time.perf_counter() - started
         seconds["predictor"] = loop.seconds
-        seconds["talker"] = seconds["wall"] - loop.seconds - seconds.get("decoder", 0.0)
-        return Synthesis(audio=wavs[0], sample_rate=sample_rate, codes=captured[0].astype(np.int64),
-                         stats=loop.stats, seconds=seconds)
+        seconds["talker"] = seconds["wall"] - loop.seconds - seconds["decoder"]
+        return Synthesis(audio=join_chunks(audio, sample_rate), sample_rate=sample_rate,
+                         codes=np.concatenate(captured).astype(np.int64), stats=loop.stats, seconds=seconds,
+                         talker_calls=counts["talker"], chunks=len(pieces), spec=self.speculation is not None,
+                         tree_nodes=self.speculation.tree.nodes if self.speculation else 0, seed=seed,
+                         warnings=warnings)
+
+
+def choose_speculation(code_predictor_config, tree: str | os.PathLike = "16",
+                       offsets: str | os.PathLike | None = None) -> tuple[Speculation, str | None]:
+    """The tree and offsets to draft with, and a notice when no shipped offsets match the model.
+
+    `tree` is a node budget N (a shipped tree, preferring one calibrated for this model) or a file;
+    without an offsets file, shipped offsets whose fingerprint matches the model are used, else zero
+    offsets (reused heads). Raises TreeFileError / OffsetsFileError / ValueError with their messages.
+    """
+    fingerprint = predictor_fingerprint(code_predictor_config)
+    hidden = code_predictor_config.hidden_size
+    chosen = resolve_tree(tree, fingerprint)
+    notice = None
+    if offsets is not None:
+        drafts = load_offsets(offsets, hidden_size=hidden)
+    else:
+        drafts = shipped_offsets_for(fingerprint, hidden)
+        if drafts is None:
+            drafts = Offsets.zeros(max(DEFAULT_DEPTH, chosen.depth), hidden)
+            notice = "no shipped offsets match this model: drafting with zero offsets (reused heads)"
+    try:
+        return Speculation(chosen, drafts), notice
+    except ValueError as error:
+        raise ValueError(f"tree {tree} with offsets {offsets}: {error}") from error

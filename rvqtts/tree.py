@@ -206,15 +206,21 @@ def shipped_tree_files() -> list[Path]:
     return sorted(SHIPPED_TREES.glob("*.json"))
 
 
-def resolve_tree(spec: str | os.PathLike) -> Tree:
-    """A `--tree` value: a node budget N, meaning the shipped tree of N nodes, or a tree file's path."""
+def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None) -> Tree:
+    """A `--tree` value: a node budget N, meaning a shipped tree of N nodes, or a tree file's path.
+
+    Among shipped trees of N nodes, one calibrated for the model (its `model_fingerprint` equals
+    `fingerprint`) wins over a model-independent one; trees calibrated for other models are passed over.
+    """
     text = str(spec)
     if not text.isdigit():
         return load_tree(text)
     trees = [load_tree(p) for p in shipped_tree_files()]
-    matching = [t for t in trees if t.nodes == int(text)]
+    usable = [t for t in trees if t.extra.get("model_fingerprint") in (None, fingerprint)]
+    matching = sorted((t for t in usable if t.nodes == int(text)),
+                      key=lambda t: t.extra.get("model_fingerprint") is None)
     if not matching:
-        sizes = ", ".join(str(n) for n in sorted({t.nodes for t in trees})) or "none"
+        sizes = ", ".join(str(n) for n in sorted({t.nodes for t in usable})) or "none"
         raise TreeFileError(f"no shipped tree has N = {text} nodes (shipped: {sizes}); pass one of those "
                             f"or the path of a tree file")
     return matching[0]

@@ -1,16 +1,20 @@
-"""The command line: make-tiny-model's reproducible checkpoints, and synth's files and refusals."""
+"""The command line on the tiny checkpoint: files, statistics, seeds, A/B, batches, streams, refusals."""
 
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 
 import numpy as np
+import pytest
 import soundfile
 import torch
 from typer.testing import CliRunner
 
 from rvqtts.cli import app
 from rvqtts.offsets import Offsets, save_offsets
+from rvqtts.synthesis import Synthesizer
 
 runner = CliRunner()
 
@@ -18,6 +22,10 @@ runner = CliRunner()
 def digest(folder):
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def synth(*arguments, input=None):
+    return runner.invoke(app, ["synth", *map(str, arguments)], input=input)
 
 
 def test_make_tiny_model_is_byte_reproducible_and_refuses_a_used_folder(tmp_path, tiny_dir):
@@ -33,35 +41,155 @@ def test_make_tiny_model_is_byte_reproducible_and_refuses_a_used_folder(tmp_path
     assert bad.exit_code == 2 and "--code-groups" in bad.output and not (tmp_path / "bad").exists()
 
 
-def test_synth_writes_wav_and_codes_and_no_spec_matches(tmp_path, tiny_dir):
-    outputs = {}
-    for flag in ("--spec", "--no-spec"):
-        wav, codes = tmp_path / f"{flag}.wav", tmp_path / f"{flag}.npy"
-        result = runner.invoke(app, ["synth", "Hello there.", "--model", str(tiny_dir), "-o", str(wav),
-                                     "--codes-out", str(codes), "--seed", "4", flag])
-        assert result.exit_code == 0, result.output
-        audio, rate = soundfile.read(wav)
-        outputs[flag] = (audio, np.load(codes))
-        assert rate == 24000 and audio.ndim == 1 and audio.shape[0] == outputs[flag][1].shape[0] * 1920
-    assert np.array_equal(outputs["--spec"][1], outputs["--no-spec"][1])
-    assert np.array_equal(outputs["--spec"][0], outputs["--no-spec"][0])
+def run_one(tmp_path, tiny_dir, name, *extra):
+    wav, codes, stats = (tmp_path / f"{name}.{suffix}" for suffix in ("wav", "npy", "json"))
+    result = synth("Hello there.", "--model", tiny_dir, "-o", wav, "--codes-out", codes, "--stats-json", stats,
+                   *extra)
+    assert result.exit_code == 0, result.output
+    return wav.read_bytes(), np.load(codes), json.loads(stats.read_text())
 
 
-def test_synth_refuses_bad_input_and_writes_nothing(tmp_path, tiny_dir):
+def test_synth_wav_codes_and_statistics_agree(tmp_path, tiny_dir):
+    wav, codes, stats = run_one(tmp_path, tiny_dir, "spec", "--seed", "4")
+    audio, rate = soundfile.read(io.BytesIO(wav))
+    frames = codes.shape[0]
+    assert rate == 24000 and audio.ndim == 1 and audio.shape[0] == frames * 1920 and codes.shape == (frames, 16)
+    record = stats["utterances"][0]
+    assert record["frames"] == frames and record["audio_seconds"] == pytest.approx(frames * 0.08)
+    assert record["predictor_codes"] == 15 * frames
+    assert record["predictor_calls"] * record["codes_per_call"] == pytest.approx(record["predictor_codes"], rel=1e-4)
+    assert record["talker_calls"] == frames + 1 and record["chunks"] == 1
+    assert record["spec"] is True and record["tree_nodes"] == 16 and record["seed"] == 4
+    assert record["rtf"] == pytest.approx(record["wall_seconds"] / record["audio_seconds"], rel=1e-2)
+    parts = record["talker_seconds"] + record["predictor_seconds"] + record["decoder_seconds"]
+    assert parts == pytest.approx(record["wall_seconds"], abs=0.01)
+    assert stats["total"]["frames"] == frames and stats["total"]["utterances"] == 1
+
+
+def test_same_seed_same_wav_and_no_spec_gives_the_same_codes(tmp_path, tiny_dir):
+    first = run_one(tmp_path, tiny_dir, "a", "--seed", "4")
+    again = run_one(tmp_path, tiny_dir, "b", "--seed", "4")
+    plain = run_one(tmp_path, tiny_dir, "c", "--seed", "4", "--no-spec")
+    other = run_one(tmp_path, tiny_dir, "d", "--seed", "5")
+    assert first[0] == again[0] and np.array_equal(first[1], again[1])
+    assert first[0] == plain[0] and np.array_equal(first[1], plain[1])
+    assert plain[2]["utterances"][0]["spec"] is False
+    assert plain[2]["utterances"][0]["predictor_calls"] == 15 * plain[1].shape[0]
+    assert not np.array_equal(first[1], other[1])
+
+
+def test_stdin_in_and_stdout_out(tiny_dir):
+    result = synth("-", "--model", tiny_dir, "-o", "-", "--quiet", input="Read from standard input.")
+    assert result.exit_code == 0, result.stderr
+    audio, rate = soundfile.read(io.BytesIO(result.stdout_bytes))
+    assert rate == 24000 and audio.size > 0 and result.stderr == ""
+    no_argument = synth("--model", tiny_dir, "-o", "-", "-q", input="Also without a dash.")
+    assert no_argument.exit_code == 0 and no_argument.stdout_bytes[:4] == b"RIFF"
+
+
+def test_long_text_is_chunked_and_joined(tmp_path, tiny_dir):
+    sentence = "This sentence is part of a long text that must be spoken in several chunks."
+    text = " ".join([sentence] * 8)
+    stats = tmp_path / "long.json"
+    result = synth(text, "--model", tiny_dir, "-o", tmp_path / "long.wav", "--stats-json", stats)
+    assert result.exit_code == 0, result.output
+    record = json.loads(stats.read_text())["utterances"][0]
+    assert record["chunks"] == 3  # 8 x 76 characters in chunks of at most 240
+    assert record["talker_calls"] == record["frames"] + record["chunks"]
+    audio, _ = soundfile.read(tmp_path / "long.wav")
+    assert audio.shape[0] == record["frames"] * 1920 - 2 * 1200  # two 50 ms crossfades
+    assert "was cut at" in result.output and len(record["warnings"]) == 3  # the tiny model never ends speech
+
+
+def test_batch_writes_resumes_and_skips(tmp_path, tiny_dir):
+    batch = tmp_path / "lines.jsonl"
+    batch.write_text('{"text": "One.", "out": "one"}\n{"text": "Two.", "speaker": "ryan"}\n'
+                     '{"text": "Three.", "language": "german"}\n')
+    out = tmp_path / "out"
+    result = synth("-f", batch, "--out-dir", out, "--model", tiny_dir, "--stats-json", tmp_path / "s.json")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["0002.wav", "0003.wav", "manifest.jsonl", "one.wav"]
+    manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert [(m["name"], m["speaker"], m["language"]) for m in manifest] == [
+        ("one.wav", "vivian", "auto"), ("0002.wav", "ryan", "auto"), ("0003.wav", "vivian", "german")]
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert len(stats["utterances"]) == 3 and stats["total"]["frames"] == sum(m["frames"] for m in manifest)
+    kept = (out / "one.wav").read_bytes()
+    (out / "0002.wav").unlink()
+    (out / "one.wav").write_bytes(b"stale")  # an existing output is skipped, whatever it holds
+    again = synth("-f", batch, "--out-dir", out, "--model", tiny_dir)
+    assert again.exit_code == 0 and "1 written, 2 skipped" in again.output
+    assert (out / "0002.wav").exists() and (out / "one.wav").read_bytes() == b"stale"
+    forced = synth("-f", batch, "--out-dir", out, "--model", tiny_dir, "--force")
+    assert forced.exit_code == 0 and (out / "one.wav").read_bytes() == kept  # same seed, same line, same audio
+    done = synth("-f", batch, "--out-dir", out, "--model", "no-such-model-folder")
+    assert done.exit_code == 0 and "already in" in done.output  # nothing to do: the model is not even loaded
+
+
+def test_a_failing_utterance_does_not_stop_the_batch(tmp_path, tiny_dir, monkeypatch):
+    original = Synthesizer.synthesize
+
+    def flaky(self, text, **kwargs):
+        if text == "Break.":
+            raise RuntimeError("simulated failure")
+        return original(self, text, **kwargs)
+
+    monkeypatch.setattr(Synthesizer, "synthesize", flaky)
+    batch = tmp_path / "lines.txt"
+    batch.write_text("Fine.\nBreak.\nAlso fine.\n")
+    result = synth("-f", batch, "--out-dir", tmp_path / "out", "--model", tiny_dir)
+    assert result.exit_code == 1
+    assert "lines.txt:2: failed: RuntimeError: simulated failure" in result.output
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["0001.wav", "0003.wav", "manifest.jsonl"]
+
+
+def test_voices_lists_speakers_and_languages(tiny_dir):
+    result = runner.invoke(app, ["voices", "--model", str(tiny_dir)])
+    assert result.exit_code == 0
+    assert result.stdout.splitlines() == [
+        "speakers: aiden, dylan, eric, ono_anna, ryan, serena, sohee, uncle_fu, vivian",
+        "languages: auto, chinese, english, french, german, italian, japanese, korean, portuguese, russian, spanish"]
+
+
+def test_bad_input_exits_2_with_its_message_and_writes_nothing(tmp_path, tiny_dir):
     bad_tree = tmp_path / "tree.json"
     bad_tree.write_text('{"format": "rvqtts-tree", "depth": 3, "nodes": 1, "paths": [[0, 0]]}')
-    shallow = tmp_path / "k2.safetensors"
+    shallow, wide = tmp_path / "k2.safetensors", tmp_path / "wide.safetensors"
     save_offsets(Offsets(torch.zeros(2, 64)), shallow)
-    cases = [(["Hi", "--model", str(tiny_dir), "--tree", "16", "--offsets", str(shallow)],
-              f"tree 16 with offsets {shallow}: the tree is 3 deep but the offsets draft only K = 2 codes"),
-             (["", "--model", str(tiny_dir)], "the text is empty"),
-             (["Hi", "--model", str(tiny_dir), "--speaker", "nobody"], "Unsupported speakers"),
-             (["Hi", "--model", str(tiny_dir), "--tree", str(bad_tree)], "not closed under prefixes"),
-             (["Hi", "--model", str(tiny_dir), "--tree", "5"], "no shipped tree has N = 5"),
-             (["Hi", "--model", str(tiny_dir), "--offsets", str(tmp_path / "none.safetensors")],
-              "cannot read offsets file")]
+    save_offsets(Offsets(torch.zeros(3, 1024)), wide)
+    malformed = tmp_path / "bad.jsonl"
+    malformed.write_text('{"text": "fine"}\n{"text": "oops",}\n')
+    unknown_voice = tmp_path / "voice.jsonl"
+    unknown_voice.write_text('{"text": "fine"}\n{"text": "who", "speaker": "nobody"}\n')
+    a_file = tmp_path / "plain-file"
+    a_file.write_text("")
+    model = ["--model", tiny_dir]
+    single = tmp_path / "out.wav"
+    cases = [
+        (["", *model, "-o", single], "the text is empty"),
+        (["Hi", *model, "-o", single, "--speaker", "nobody"], "unknown speaker 'nobody'; this model has: aiden"),
+        (["Hi", *model, "-o", single, "--language", "klingon"], "unknown language 'klingon'"),
+        (["Hi", *model, "-o", single, "--tree", bad_tree], "not closed under prefixes"),
+        (["Hi", *model, "-o", single, "--tree", "5"], "no shipped tree has N = 5"),
+        (["Hi", *model, "-o", single, "--offsets", tmp_path / "none.safetensors"], "cannot read offsets file"),
+        (["Hi", *model, "-o", single, "--offsets", wide], "has hidden size 1024, but the model's code predictor has 64"),
+        (["Hi", *model, "-o", single, "--offsets", shallow],
+         "the tree is 3 deep but the offsets draft only K = 2 codes"),
+        (["Hi", *model, "-o", a_file / "out.wav"], "is not a writable folder"),
+        (["Hi", *model, "-o", single, "--backend", "coreml"], "Core ML backend is not available yet"),
+        (["Hi", *model, "-o", single, "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["Hi", "--model", tmp_path / "missing-model", "-o", single], "no model folder"),
+        (["Hi", "--model", "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "-o", single],
+         "the Hugging Face hub cannot be reached and the model is not in the local cache; pass --model PATH"),
+        (["-f", tmp_path / "missing.txt", "--out-dir", tmp_path / "batch", *model], "cannot read batch file"),
+        (["-f", malformed, "--out-dir", tmp_path / "batch", *model], "bad.jsonl:2: not valid JSON"),
+        (["-f", unknown_voice, "--out-dir", tmp_path / "batch", *model], "voice.jsonl:2: unknown speaker 'nobody'"),
+        (["-f", malformed, *model], "-f needs --out-dir"),
+    ]
+    before = sorted(tmp_path.rglob("*")), digest(tmp_path)
     for arguments, message in cases:
-        output = tmp_path / "out.wav"
-        result = runner.invoke(app, ["synth", *arguments, "-o", str(output)])
-        assert result.exit_code == 2 and message in result.output, (arguments, result.output)
-        assert not output.exists() and not list(tmp_path.glob(".out.wav*"))
+        result = synth(*arguments)
+        assert result.exit_code == 2, (arguments, result.output)
+        assert message in result.stderr, (arguments, result.stderr)
+        assert result.stderr.count("error:") == 1 and result.stdout == ""
+        assert (sorted(tmp_path.rglob("*")), digest(tmp_path)) == before, f"{arguments} wrote something"

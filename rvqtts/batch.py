@@ -1,0 +1,147 @@
+"""Batch input files: a `.txt` file (one utterance per non-empty line) or a `.jsonl` file (one JSON
+object per line with `text` and optional `speaker`, `language`, `instruct`, `out`).
+
+Each utterance gets a stable output name: its `out` field, or its line number (`0007.wav`), so a rerun
+writes the same files and can skip the ones already there. The whole file is checked before anything
+is synthesized; a fault names the file and the line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+FIELDS = {"text", "speaker", "language", "instruct", "out"}
+
+
+class BatchFileError(ValueError):
+    """A batch file that cannot be used; the message names the file and the line."""
+
+
+@dataclass(frozen=True)
+class Utterance:
+    line: int
+    text: str
+    name: str
+    speaker: str | None = None
+    language: str | None = None
+    instruct: str | None = None
+
+
+def _output_name(path: Path, line: int, out: object) -> str:
+    if out is None:
+        return f"{line:04d}.wav"
+    if not isinstance(out, str) or not out.strip():
+        raise BatchFileError(f"{path}:{line}: \"out\" must be a non-empty file name")
+    name = PurePosixPath(out.strip())
+    if name.is_absolute() or ".." in name.parts:
+        raise BatchFileError(f"{path}:{line}: \"out\" must stay inside the output folder, got {out!r}")
+    return str(name) if name.suffix.lower() == ".wav" else f"{name}.wav"
+
+
+def _from_json(path: Path, line: int, raw: str) -> Utterance:
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise BatchFileError(f"{path}:{line}: not valid JSON ({error.msg})") from error
+    if not isinstance(record, dict):
+        raise BatchFileError(f"{path}:{line}: expected a JSON object with a \"text\" field")
+    unknown = sorted(set(record) - FIELDS)
+    if unknown:
+        raise BatchFileError(f"{path}:{line}: unknown field(s) {unknown}; allowed: {sorted(FIELDS)}")
+    text = record.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise BatchFileError(f"{path}:{line}: \"text\" must be a non-empty string")
+    for key in ("speaker", "language", "instruct"):
+        if record.get(key) is not None and not isinstance(record[key], str):
+            raise BatchFileError(f"{path}:{line}: \"{key}\" must be a string")
+    return Utterance(line, text.strip(), _output_name(path, line, record.get("out")), record.get("speaker"),
+                     record.get("language"), record.get("instruct"))
+
+
+def read_batch(path: str | Path) -> list[Utterance]:
+    """All utterances of a batch file, checked; raises BatchFileError on the first fault."""
+    path = Path(path)
+    if path.suffix.lower() not in (".txt", ".jsonl"):
+        raise BatchFileError(f"{path}: a batch file must end in .txt or .jsonl")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise BatchFileError(f"cannot read batch file {path}: {error}") from error
+    jsonl = path.suffix.lower() == ".jsonl"
+    utterances = [_from_json(path, n, raw) if jsonl else Utterance(n, raw.strip(), f"{n:04d}.wav")
+                  for n, raw in enumerate(lines, start=1) if raw.strip()]
+    if not utterances:
+        raise BatchFileError(f"{path}: no utterances (the file has no non-empty line)")
+    seen: dict[str, int] = {}
+    for item in utterances:
+        if item.name in seen:
+            raise BatchFileError(f"{path}:{item.line}: output {item.name} is also line {seen[item.name]}'s")
+        seen[item.name] = item.line
+    return utterances
+
+
+@dataclass
+class BatchResult:
+    """What happened to one utterance: "done", "skipped" (its file already existed) or "failed"."""
+
+    utterance: Utterance
+    status: str
+    record: dict | None = None
+    error: str | None = None
+
+
+MANIFEST = "manifest.jsonl"
+
+
+def _read_manifest(path: Path) -> dict[str, dict]:
+    entries: dict[str, dict] = {}
+    if path.is_file():
+        for raw in path.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(raw)
+                entries[entry["name"]] = entry
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a damaged line of an earlier run is dropped, not fatal
+    return entries
+
+
+def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speaker: str, language: str,
+                     instruct: str | None, seed: int, settings, force: bool = False,
+                     codes_dir: Path | None = None, on_done=None) -> list[BatchResult]:
+    """Synthesize every utterance into `out_dir`, skipping existing outputs unless `force`.
+
+    Each utterance's noise and talker seed are keyed by its line number, so a resumed or partial run
+    writes the same audio as a full one. After each utterance the manifest (`manifest.jsonl`: one entry
+    per output with its text, voice and statistics) is rewritten atomically. A failing utterance is
+    reported in its result and the rest go on. `on_done(result)` is called after each one.
+    """
+    from rvqtts.audio import write_atomically, write_codes, write_wav
+
+    manifest_path = out_dir / MANIFEST
+    manifest = _read_manifest(manifest_path)
+    results = []
+    for item in utterances:
+        target = out_dir / item.name
+        if target.exists() and not force:
+            result = BatchResult(item, "skipped")
+        else:
+            voice = dict(speaker=item.speaker or speaker, language=item.language or language)
+            try:
+                synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line,
+                                             instruct=item.instruct or instruct, settings=settings, **voice)
+                write_wav(target, synthesis.audio, synthesis.sample_rate)
+                if codes_dir is not None:
+                    write_codes(codes_dir / Path(item.name).with_suffix(".npy"), synthesis.codes)
+                result = BatchResult(item, "done", synthesis.record())
+                manifest[item.name] = {"name": item.name, "line": item.line, "text": item.text, **voice,
+                                       **result.record}
+                write_atomically(manifest_path, "".join(json.dumps(e, ensure_ascii=False) + "\n"
+                                                        for e in manifest.values()).encode())
+            except Exception as error:  # reported per utterance; the batch goes on
+                result = BatchResult(item, "failed", error=f"{type(error).__name__}: {error}")
+        results.append(result)
+        if on_done:
+            on_done(result)
+    return results

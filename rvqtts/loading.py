@@ -1,0 +1,86 @@
+"""Finding and loading Qwen3-TTS checkpoints the ordinary qwen-tts / Hugging Face way, with errors a
+user can act on: a missing folder, or a hub id that is neither cached nor reachable, fails at once with
+one line instead of minutes of retries."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from rvqtts.compat import qwen_tts
+
+DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OFFLINE_HINT = ("pass --model PATH with a downloaded checkpoint folder, or try rvqtts offline with a tiny "
+                "random-weight one: rvqtts make-tiny-model tiny-model && rvqtts synth \"Hello.\" --model "
+                "tiny-model -o hello.wav")
+
+
+class ModelLoadError(RuntimeError):
+    """A model that cannot be found or loaded; the message says what to do."""
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def resolve_model(model: str | os.PathLike) -> str:
+    """A local folder, a cached hub snapshot, or a hub id that can be downloaded; else ModelLoadError."""
+    text = str(model)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a folder but holds no config.json: it is not a model checkpoint")
+        return str(path)
+    if path.exists() or text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise ModelLoadError(f"no model folder {text}, and it is not a hub id (owner/name): {OFFLINE_HINT}")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(text, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    except ValueError as error:  # not a valid repo id
+        raise ModelLoadError(f"no model folder {text}, and it is not a valid hub id ({error}); "
+                             f"{OFFLINE_HINT}") from error
+    if not _hub_reachable():
+        raise ModelLoadError(f"cannot load {text}: the Hugging Face hub cannot be reached and the model is not "
+                             f"in the local cache; {OFFLINE_HINT}")
+    return text
+
+
+def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
+    """A `qwen_tts.Qwen3TTSModel` loaded with qwen-tts's own from_pretrained."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    source = resolve_model(model)
+    try:
+        tts = qwen_tts().Qwen3TTSModel.from_pretrained(source, device_map=device, dtype=DTYPES[dtype])
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ModelLoadError(f"cannot load {model} as a Qwen3-TTS checkpoint: {error}") from error
+    if tts.model.tts_model_type != "custom_voice" or tts.model.tokenizer_type != "qwen3_tts_tokenizer_12hz":
+        raise ModelLoadError(f"{model} is a {tts.model.tts_model_type} model with the {tts.model.tokenizer_type}; "
+                             f"rvqtts synthesizes with 12 Hz CustomVoice models")
+    return tts
+
+
+def voices(model: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """Speakers and languages of a checkpoint, read from its config alone (no weights are loaded)."""
+    source = resolve_model(model)
+    config = qwen_tts().core.models.Qwen3TTSConfig.from_pretrained(source).talker_config
+    languages = ["auto"] + sorted(k for k in config.codec_language_id if "dialect" not in k)
+    return sorted(config.spk_id), languages

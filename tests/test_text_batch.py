@@ -1,0 +1,112 @@
+"""Pieces of `rvqtts synth`: sentence chunks, frame budgets, batch files, crossfades, batch totals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rvqtts.audio import join_chunks
+from rvqtts.batch import BatchFileError, read_batch
+from rvqtts.report import total_record
+from rvqtts.text import chunk_text, frame_budget, split_sentences, text_weight
+
+
+def test_sentences_split_in_latin_and_cjk_scripts():
+    text = 'He said "hi." Then (he left.) Now!  Why? 你好。我是「测试。」好的！ok'
+    assert split_sentences(text) == ['He said "hi."', "Then (he left.)", "Now!", "Why?", "你好。", "我是「测试。」",
+                                     "好的！", "ok"]
+    assert split_sentences("Dr. Smith arrived.\nShe sat down.") == ["Dr.", "Smith arrived.", "She sat down."]
+
+
+def test_chunks_keep_sentences_whole_and_respect_the_limit():
+    sentences = [f"Sentence number {i} is here." for i in range(30)]
+    chunks = chunk_text(" ".join(sentences), limit=100)
+    assert " ".join(chunks) == " ".join(sentences)
+    assert all(text_weight(c) <= 100 for c in chunks) and len(chunks) > 5
+    assert all(c.endswith(".") for c in chunks)
+
+
+def test_overlong_sentences_are_cut_at_clauses_then_spaces_then_anywhere():
+    clauses = "one two three, four five six, seven eight nine, ten eleven twelve."
+    assert chunk_text(clauses, limit=30) == ["one two three, four five six,", "seven eight nine,",
+                                             "ten eleven twelve."]
+    assert all(text_weight(c) <= 20 for c in chunk_text("word " * 40, limit=20))
+    ideographs = "这" * 100
+    pieces = chunk_text(ideographs, limit=50)
+    assert "".join(pieces) == ideographs and all(text_weight(p) <= 50 for p in pieces)
+
+
+def test_frame_budget_grows_with_text_and_script():
+    assert frame_budget("Hi.") >= 25  # at least two seconds
+    assert frame_budget("a" * 140) > frame_budget("a" * 14)
+    assert frame_budget("你好" * 7) > frame_budget("ab" * 7)
+
+
+def test_batch_txt_uses_line_numbers(tmp_path):
+    path = tmp_path / "lines.txt"
+    path.write_text("First.\n\n  Second.  \n")
+    items = read_batch(path)
+    assert [(u.line, u.text, u.name) for u in items] == [(1, "First.", "0001.wav"), (3, "Second.", "0003.wav")]
+
+
+def test_batch_jsonl_fields_and_names(tmp_path):
+    path = tmp_path / "lines.jsonl"
+    rows = [{"text": "A", "speaker": "ryan", "out": "intro"}, {"text": "B", "language": "german"},
+            {"text": "C", "out": "parts/c.wav", "instruct": "calm"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    items = read_batch(path)
+    assert [u.name for u in items] == ["intro.wav", "0002.wav", "parts/c.wav"]
+    assert items[0].speaker == "ryan" and items[1].language == "german" and items[2].instruct == "calm"
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"text": "ok"}\n{"text": "bad"\n', "lines.jsonl:2: not valid JSON"),
+    ('{"text": ""}\n', "lines.jsonl:1: \"text\" must be a non-empty string"),
+    ('["text"]\n', "lines.jsonl:1: expected a JSON object"),
+    ('{"text": "a", "spekaer": "x"}\n', "lines.jsonl:1: unknown field(s) ['spekaer']"),
+    ('{"text": "a", "out": "../up"}\n', "lines.jsonl:1: \"out\" must stay inside the output folder"),
+    ('{"text": "a", "out": "x"}\n{"text": "b", "out": "x.wav"}\n', "lines.jsonl:2: output x.wav is also line 1's"),
+    ('{"text": "a", "speaker": 3}\n', "lines.jsonl:1: \"speaker\" must be a string"),
+    ("\n\n", "no utterances"),
+])
+def test_bad_batch_files_name_the_line(tmp_path, content, message):
+    path = tmp_path / "lines.jsonl"
+    path.write_text(content)
+    with pytest.raises(BatchFileError) as error:
+        read_batch(path)
+    assert message in str(error.value)
+
+
+def test_unreadable_batch_files(tmp_path):
+    with pytest.raises(BatchFileError, match="cannot read batch file"):
+        read_batch(tmp_path / "missing.txt")
+    with pytest.raises(BatchFileError, match="must end in .txt or .jsonl"):
+        read_batch(tmp_path / "lines.csv")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(BatchFileError, match="cannot read batch file"):
+        read_batch(tmp_path / "binary.txt")
+
+
+def test_crossfade_overlaps_each_seam():
+    rate = 1000
+    parts = [np.ones(200, np.float32), np.ones(300, np.float32) * -1, np.ones(30, np.float32)]
+    joined = join_chunks(parts, rate, crossfade=0.05)
+    assert joined.size == 200 + 300 + 30 - 50 - 30  # the last seam is as long as the short chunk
+    assert joined[0] == 1 and joined[200] == -1 and np.all(np.diff(joined[150:200]) < 0)
+    assert join_chunks([np.ones(5)], rate).tolist() == [1.0] * 5
+
+
+def test_total_record_adds_counts_and_recomputes_ratios():
+    base = dict(chunks=1, talker_calls=11, decoder_seconds=0.1, talker_seconds=0.2, spec=True, tree_nodes=16,
+                seed=0, warnings=[])
+    records = [dict(base, frames=10, audio_seconds=0.8, predictor_calls=100, predictor_codes=150,
+                    wall_seconds=2.0, predictor_seconds=1.0, accepted_per_depth=[20, 5]),
+               dict(base, frames=30, audio_seconds=2.4, predictor_calls=200, predictor_codes=450,
+                    wall_seconds=4.0, predictor_seconds=2.0, accepted_per_depth=[60], warnings=["cut"])]
+    total = total_record(records)
+    assert total["frames"] == 40 and total["predictor_calls"] == 300 and total["predictor_codes"] == 600
+    assert total["codes_per_call"] == 2.0 and total["rtf"] == pytest.approx(6.0 / 3.2, abs=1e-4)
+    assert total["accepted_per_depth"] == [80, 5] and total["warnings"] == 1 and total["utterances"] == 2
+    assert total["spec"] is True and total["tree_nodes"] == 16
