@@ -193,3 +193,11 @@ def test_bad_input_exits_2_with_its_message_and_writes_nothing(tmp_path, tiny_di
         assert message in result.stderr, (arguments, result.stderr)
         assert result.stderr.count("error:") == 1 and result.stdout == ""
         assert (sorted(tmp_path.rglob("*")), digest(tmp_path)) == before, f"{arguments} wrote something"
+
+
+def test_instruct_is_ignored_with_a_warning_on_a_model_without_it(tmp_path, tiny_dir):
+    plain = synth("Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--seed", "2")
+    styled = synth("Hi.", "--model", tiny_dir, "-o", tmp_path / "b.wav", "--seed", "2", "--instruct", "whisper")
+    assert styled.exit_code == 0 and "does not support --instruct" in styled.stderr
+    assert "instruct" not in plain.stderr
+    assert (tmp_path / "a.wav").read_bytes() == (tmp_path / "b.wav").read_bytes()
