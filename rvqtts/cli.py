@@ -227,15 +227,20 @@ def _progress(quiet: bool):
                     console=Console(stderr=True), transient=True, disable=quiet)
 
 
-def _show(rows: list[tuple[str, dict]], quiet: bool) -> None:
+def _console():
+    """A rich console on stderr, at least 110 columns wide (also when stderr is a file)."""
     from rich.console import Console
 
+    console = Console(stderr=True)
+    console.width = max(console.width, 110)
+    return console
+
+
+def _show(rows: list[tuple[str, dict]], quiet: bool) -> None:
     from rvqtts.report import stats_table
 
     if not quiet:
-        console = Console(stderr=True)
-        console.width = max(console.width, 100)  # the table's own width, also when stderr is a file
-        console.print(stats_table(rows))
+        _console().print(stats_table(rows))
 
 
 def _write_stats(path: Optional[Path], entries: list[dict]) -> None:
@@ -296,6 +301,39 @@ def _synth_batch(synthesizer, utterances, out_dir, file, speaker, language, inst
         f"-> {out_dir}", quiet and not failed)
     if failed:
         raise typer.Exit(1)
+
+
+standin_app = typer.Typer(help="The trained stand-in code predictor (a proxy for tests and benchmarks, not "
+                                "Qwen3-TTS).", no_args_is_help=True)
+app.add_typer(standin_app, name="standin")
+
+
+@standin_app.command("build")
+def standin_build(
+    out: Path = typer.Argument(..., help="Folder for the model, codec, contexts and report.json."),
+    small: bool = typer.Option(False, "--small", help="The same pipeline, shrunk to run in well under two minutes."),
+    device: str = typer.Option("cpu", help="cpu or cuda (training and the codec's k-means)."),
+    sentences: Optional[Path] = typer.Option(None, help="Folder of {en,de,es,ru,ja,cmn}.txt; default: the "
+                                                        "shared sentences beside the checkout."),
+) -> None:
+    """Rebuild corpus (espeak-ng), codec, stand-in and contexts with fixed seeds, and report faithfulness.
+
+    Prints the tables and writes OUT/report.json. Needs espeak-ng (Debian: apt-get install espeak-ng).
+    """
+    from rvqtts.report import standin_tables
+    from rvqtts.standin.build import build_standin
+    from rvqtts.standin.corpus import CorpusError
+
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        fail(f"unknown --device {device!r}: choose cpu or cuda")
+    try:
+        report = build_standin(out, small=small, device=device, sentences_dir=sentences, log=lambda m: say(m))
+    except CorpusError as error:
+        fail(str(error))
+    console = _console()
+    for table in standin_tables(report):
+        console.print(table)
+    say(f"wrote {out / 'report.json'}")
 
 
 def main() -> None:

@@ -49,3 +49,29 @@ def stats_table(rows: list[tuple[str, dict]]) -> Table:
                      else "plain inner loop (--no-spec)" if spec == {False} else "mixed")
     table.caption += "; calls = predictor calls; RTF = compute seconds / audio seconds"
     return table
+
+
+def standin_tables(report: dict) -> list[Table]:
+    """The stand-in's faithfulness per position, and reused-heads codes per call per tree size."""
+    per_position = Table(title="stand-in, per position k (held-out frames)", title_justify="left",
+                         box=box.SIMPLE_HEAD)
+    for title in ("k", "sampling entropy bits", "raw entropy bits", "cross-entropy bits", "chain gain bits"):
+        per_position.add_column(title, justify="right")
+    for k in range(len(report["entropy_bits"])):
+        gain = report["chain_gain_bits"][k]
+        per_position.add_row(str(k + 1), f"{report['entropy_bits'][k]:.2f}", f"{report['raw_entropy_bits'][k]:.2f}",
+                             f"{report['cross_entropy_bits'][k]:.2f}", "-" if gain is None else f"{gain:+.2f}")
+    drafts = report["draft_top1_by_depth"]
+    per_position.caption = ("reused-heads draft top-1 by depth: " + ", ".join(f"{a:.3f}" for a in drafts)
+                            + f"; c1 top-1 {report['c1_top1_accuracy']:.3f} (chance {report['chance_top1_accuracy']:.4f})")
+    per_budget = Table(title="reused heads: codes per predictor call (evaluation frames)", title_justify="left",
+                       box=box.SIMPLE_HEAD)
+    languages = sorted(next(iter(report["reused_heads_codes_per_call"].values()))["per_language"])
+    for title in ("N", "overall", "95% CI", *languages, "nodes per depth"):
+        per_budget.add_column(title, justify="right")
+    for budget, row in report["reused_heads_codes_per_call"].items():
+        depths = [sum(len(p) == d for p in row["tree"]) for d in range(1, 4)]
+        per_budget.add_row(budget, f"{row['codes_per_call']:.3f}", "{:.3f}-{:.3f}".format(*row["ci95"]),
+                           *(f"{row['per_language'][lang]['codes_per_call']:.3f}" for lang in languages),
+                           "/".join(map(str, depths)))
+    return [per_position, per_budget]

@@ -79,23 +79,24 @@ def _codec_ids(codebook: int) -> tuple[int, dict[str, int], dict[str, int], dict
 
 
 def _build_main_model(out_dir: Path, tokenizer, codebook: int, code_groups: int, seed: int,
-                      talker_hidden: int, predictor_hidden: int) -> None:
+                      talker_hidden: int, predictor_hidden: int, predictor_layers: int) -> None:
     models = qwen_tts().core.models
     vocab, ids, languages, speakers = _codec_ids(codebook)
     token_id = tokenizer.convert_tokens_to_ids
 
-    def block(hidden: int) -> dict:
-        return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM, hidden_act="silu",
-                    rms_norm_eps=1e-6, rope_theta=1000000, num_code_groups=code_groups)
+    def block(hidden: int, layers: int, heads: int) -> dict:
+        return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                    num_attention_heads=heads, num_key_value_heads=heads // 2, head_dim=hidden // heads,
+                    hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000, num_code_groups=code_groups)
 
+    # The talker's MRoPE sections need head_dim 16; the predictor keeps four heads at any width.
     talker = dict(
-        **block(talker_hidden), vocab_size=vocab, max_position_embeddings=32768,
+        **block(talker_hidden, 2, talker_hidden // HEAD_DIM), vocab_size=vocab, max_position_embeddings=32768,
         rope_scaling={"rope_type": "default", "interleaved": True, "mrope_section": [4, 2, 2]},
         text_hidden_size=32, text_vocab_size=TEXT_VOCAB, spk_id=speakers,
         spk_is_dialect={name: False for name in speakers}, codec_language_id=languages,
         position_id_per_seconds=13,
-        code_predictor_config=dict(**block(predictor_hidden), vocab_size=codebook,
+        code_predictor_config=dict(**block(predictor_hidden, predictor_layers, 4), vocab_size=codebook,
                                    max_position_embeddings=65536, rope_scaling=None),
         **ids,
     )
@@ -168,7 +169,8 @@ def _build_speech_tokenizer(out_dir: Path, codebook: int, code_groups: int, seed
 
 
 def build_tiny_model(out_dir: str | os.PathLike, codebook: int = 2048, code_groups: int = 16, seed: int = 0,
-                     talker_hidden: int = 64, predictor_hidden: int | None = None) -> Path:
+                     talker_hidden: int = 64, predictor_hidden: int | None = None,
+                     predictor_layers: int = 2) -> Path:
     """Write a tiny checkpoint to `out_dir` (which must not exist or be empty) and return its path.
 
     `codebook` is the residual codebook size (the predictor's vocabulary), `code_groups` the codes per
@@ -188,7 +190,7 @@ def build_tiny_model(out_dir: str | os.PathLike, codebook: int = 2048, code_grou
     try:
         tokenizer = _build_text_tokenizer(staging)
         _build_main_model(staging, tokenizer, codebook, code_groups, seed, talker_hidden,
-                          predictor_hidden or talker_hidden)
+                          predictor_hidden or talker_hidden, predictor_layers)
         _build_speech_tokenizer(staging, codebook, code_groups, seed)
         if out.exists():
             out.rmdir()

@@ -1,0 +1,116 @@
+"""A residual VQ codec of the Qwen3-TTS shape: 12.5 Hz frames, 16 codebooks, trained in seconds.
+
+A frame is 80 ms: four 20 ms hops of a 32-band log-mel spectrum, 128 numbers, normalised per band.
+Level 0 quantizes the frame, each further level the residual left by the levels above it (k-means per
+level, deterministic for a seed). Decoding sums the chosen entries; `to_audio` inverts the mel
+spectrum with Griffin-Lim, which is enough to listen to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SAMPLE_RATE = 24000
+HOP = 480            # 20 ms
+HOPS_PER_FRAME = 4   # 80 ms frames: 1920 samples, 12.5 Hz
+N_FFT = 1024
+MELS = 32
+LEVELS = 16
+
+
+def _mel_basis() -> np.ndarray:
+    import librosa
+
+    return librosa.filters.mel(sr=SAMPLE_RATE, n_fft=N_FFT, n_mels=MELS, fmin=40.0, fmax=8000.0)
+
+
+def frame_features(audio: np.ndarray) -> np.ndarray:
+    """Log-mel features [frames, HOPS_PER_FRAME * MELS] of 24 kHz audio (a partial last frame is dropped)."""
+    import librosa
+
+    power = np.abs(librosa.stft(audio, n_fft=N_FFT, hop_length=HOP, center=True)) ** 2
+    mel = np.log(_mel_basis() @ power + 1e-6).T  # [hops, MELS]
+    frames = mel.shape[0] // HOPS_PER_FRAME
+    return mel[:frames * HOPS_PER_FRAME].reshape(frames, HOPS_PER_FRAME * MELS).astype(np.float32)
+
+
+def _nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    distances = (x * x).sum(1, keepdim=True) - 2 * x @ centroids.T + (centroids * centroids).sum(1)[None]
+    return distances.argmin(1)
+
+
+def kmeans(x: torch.Tensor, entries: int, iterations: int, generator: torch.Generator) -> torch.Tensor:
+    """Lloyd's k-means from random distinct points; an emptied cluster restarts at the worst-fit point."""
+    centroids = x[torch.randperm(x.shape[0], generator=generator)[:entries]].clone()
+    for _ in range(iterations):
+        assign = _nearest(x, centroids)
+        sums = torch.zeros_like(centroids).index_add_(0, assign, x)
+        counts = torch.bincount(assign, minlength=entries).to(x.dtype)
+        empty = counts == 0
+        centroids = torch.where(empty[:, None], centroids, sums / counts.clamp(min=1)[:, None])
+        if empty.any():
+            error = ((x - centroids[assign]) ** 2).sum(1)
+            worst = torch.topk(error, int(empty.sum())).indices
+            centroids[empty] = x[worst]
+    return centroids
+
+
+@dataclass
+class ResidualCodec:
+    """Feature normalisation and LEVELS codebooks of `entries` vectors each."""
+
+    mean: np.ndarray
+    std: np.ndarray
+    codebooks: np.ndarray  # [LEVELS, entries, dim]
+
+    @property
+    def entries(self) -> int:
+        return self.codebooks.shape[1]
+
+    @classmethod
+    def fit(cls, features: np.ndarray, entries: int, iterations: int = 12, seed: int = 0,
+            device: str = "cpu") -> "ResidualCodec":
+        mean, std = features.mean(0), features.std(0) + 1e-3
+        residual = torch.from_numpy((features - mean) / std).to(device)
+        generator = torch.Generator().manual_seed(seed)
+        books = []
+        for _ in range(LEVELS):
+            book = kmeans(residual, entries, iterations, generator)
+            residual = residual - book[_nearest(residual, book)]
+            books.append(book.cpu().numpy())
+        return cls(mean, std, np.stack(books))
+
+    def encode(self, features: np.ndarray) -> np.ndarray:
+        """Codes [frames, LEVELS] (int64), greedily level by level."""
+        residual = torch.from_numpy((features - self.mean) / self.std)
+        codes = []
+        for book in torch.from_numpy(self.codebooks):
+            index = _nearest(residual, book)
+            residual = residual - book[index]
+            codes.append(index)
+        return torch.stack(codes, 1).numpy().astype(np.int64)
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        """Features back from codes: the sum of the chosen entries, un-normalised."""
+        total = sum(self.codebooks[level][codes[:, level]] for level in range(codes.shape[1]))
+        return total * self.std + self.mean
+
+    def to_audio(self, codes: np.ndarray) -> np.ndarray:
+        """Audio to listen to: the decoded mel spectrum inverted by Griffin-Lim."""
+        import librosa
+
+        mel = np.exp(self.decode(codes).reshape(-1, MELS).T)
+        return librosa.feature.inverse.mel_to_audio(mel, sr=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP,
+                                                    fmin=40.0, fmax=8000.0, n_iter=32).astype(np.float32)
+
+    def save(self, path: Path) -> None:
+        np.savez(path, mean=self.mean, std=self.std, codebooks=self.codebooks)
+
+    @classmethod
+    def load(cls, path: Path) -> "ResidualCodec":
+        data = np.load(path)
+        return cls(data["mean"], data["std"], data["codebooks"])

@@ -1,0 +1,86 @@
+"""The stand-in pipeline (`rvqtts standin build --small`): it runs, learns, reports every field, and its
+model runs through the engine's ordinary path."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from rvqtts.calibration import frame_prefixes
+from rvqtts.cli import app
+from rvqtts.decode import Speculation
+from rvqtts.offsets import Offsets
+from rvqtts.sampling import SamplingConfig
+from rvqtts.standin.codec import ResidualCodec, frame_features
+from rvqtts.standin.corpus import LANGUAGES, split_of, speak
+from rvqtts.synthesis import InnerLoop, Synthesizer
+from rvqtts.tree import resolve_tree
+
+if shutil.which("espeak-ng") is None:
+    if os.environ.get("CI"):
+        pytest.fail("CI must install espeak-ng (.ci/run does)", pytrace=False)
+    pytest.skip("espeak-ng is not installed (apt-get install espeak-ng)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("standin") / "small"
+    result = CliRunner().invoke(app, ["standin", "build", str(out), "--small"])
+    assert result.exit_code == 0, result.output
+    return out, json.loads((out / "report.json").read_text()), result.output
+
+
+def test_report_holds_every_field(built):
+    out, report, output = built
+    assert len(report["entropy_bits"]) == 15 and len(report["chain_gain_bits"]) == 15
+    assert len(report["draft_top1_by_depth"]) == 3
+    assert set(report["reused_heads_codes_per_call"]) == {"4", "8", "16", "32", "64"}
+    for row in report["reused_heads_codes_per_call"].values():
+        assert 1.0 <= row["ci95"][0] <= row["codes_per_call"] <= row["ci95"][1] <= 3.0
+        assert set(row["per_language"]) == set(LANGUAGES) and row["tree"]
+    assert all(f"{code}/train" in report["corpus"]["seconds"] for code in LANGUAGES)
+    assert "chain gain bits" in output and "codes per predictor call" in output
+    assert (out / "sample.wav").is_file() and (out / "codec.npz").is_file()
+
+
+def test_the_stand_in_learned_c1_from_its_context(built):
+    _, report, _ = built
+    # Chance is 1/128; the small stand-in reaches about 0.17 after 150 steps.
+    assert report["c1_top1_accuracy"] > 8 * report["chance_top1_accuracy"]
+    assert all(0 < h < 7 for h in report["entropy_bits"])  # a peaked distribution, below log2(128) = 7 bits
+
+
+def test_the_engine_runs_on_the_stand_in_unchanged(built):
+    out, _, _ = built
+    synth = Synthesizer.load(out / "model")
+    contexts = np.load(out / "contexts.npz")
+    h_t, codes = contexts["evaluation_h_t"][:40], contexts["evaluation_codes"][:40]
+    prefixes = frame_prefixes(synth.talker.get_input_embeddings(), h_t, codes[:, 0])
+    plain = InnerLoop(synth.code_predictor, None, seed=3)
+    spec = InnerLoop(synth.code_predictor,
+                     Speculation(resolve_tree("16"), Offsets.zeros(3, synth.hidden_size)), seed=3)
+    for frame, prefix in enumerate(prefixes):
+        assert spec.decode(prefix, SamplingConfig(), 0, frame) == plain.decode(prefix, SamplingConfig(), 0, frame)
+    assert spec.stats.calls < plain.stats.calls
+
+
+def test_codec_round_trip_and_splits():
+    audio = speak("The quick brown fox jumps over the lazy dog.", "en-us", "m1", 150, 50)
+    assert audio.dtype == np.float32 and abs(audio.size / 24000 - 2.5) < 1.5
+    features = frame_features(audio)
+    assert features.shape[1] == 128 and features.shape[0] == audio.size // 1920
+    noisy = np.tile(features, (4, 1)) + np.random.default_rng(0).normal(0, 0.1, (4 * len(features), 128))
+    codec = ResidualCodec.fit(noisy.astype(np.float32), 16, seed=1)
+    codes = codec.encode(features)
+    assert codes.shape == (len(features), 16) and np.array_equal(codes, codec.encode(features))
+
+    def error(levels: int) -> float:
+        return float(np.abs(codec.decode(codes[:, :levels]) - features).mean())
+
+    assert error(16) < error(4) < error(1) < float(np.abs(codec.mean - features).mean())
+    assert [split_of(i) for i in range(8)] == ["evaluation", "calibration"] + ["train"] * 5 + ["evaluation"]
