@@ -60,10 +60,9 @@ class RoundPlan:
     tree: Tree
     depth_slices: list[slice]     # query slots of each depth (0 = the root), contiguous (breadth-first)
     draft_ranks: list[int]        # ranked drafts needed at depths 1..depth
-    node_depth: torch.Tensor      # [N] depth of each node, on device
+    slot_depth: torch.Tensor      # [1 + N] depth of each query slot (its position after the root's), on device
     node_rank: torch.Tensor       # [N] rank of each node, on device
     ancestor_mask: torch.Tensor   # [q, q] on device
-    offsets_by_depth: torch.Tensor  # [depth, 1 + N]: position offset of each query slot
 
     @classmethod
     def build(cls, tree: Tree, device: torch.device) -> "RoundPlan":
@@ -71,8 +70,8 @@ class RoundPlan:
         depth = buffers.depth.tolist()
         slices = [slice(depth.index(d), len(depth) - depth[::-1].index(d)) for d in range(tree.depth + 1)]
         return cls(tree=tree, depth_slices=slices, draft_ranks=tree.max_rank_by_depth(),
-                   node_depth=buffers.depth[1:].to(device), node_rank=torch.tensor(buffers.rank[1:], device=device),
-                   ancestor_mask=buffers.ancestor_mask.to(device), offsets_by_depth=buffers.depth.to(device))
+                   slot_depth=buffers.depth.to(device), node_rank=torch.tensor(buffers.rank[1:], device=device),
+                   ancestor_mask=buffers.ancestor_mask.to(device))
 
 
 @dataclass
@@ -159,13 +158,13 @@ def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, nois
             break
         plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
         ranked = draft(runner, hidden, offsets, index, plan.draft_ranks)
-        node_codes = torch.cat([root, ranked[plan.node_depth - 1, plan.node_rank]])
+        node_codes = torch.cat([root, ranked[plan.slot_depth[1:] - 1, plan.node_rank]])
         q = node_codes.shape[0]
         embeds = runner.embed_codes(node_codes, index, plan.depth_slices)
         mask = torch.zeros(q, runner.max_len, dtype=torch.bool, device=runner.device)
         mask[:, :length] = True
         mask[:, length:length + q] = plan.ancestor_mask
-        out = runner.forward(embeds, index + 1 + plan.offsets_by_depth, length, mask)
+        out = runner.forward(embeds, index + 1 + plan.slot_depth, length, mask)
         calls += 1
         # Every slot whose code is not the frame's last scores the next code with its own noise row.
         scored = [(d, s) for d, s in enumerate(plan.depth_slices) if index + d < last]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -62,8 +62,10 @@ def _split_frames(recordings, codec: ResidualCodec, pca: np.ndarray, pca_scale: 
 
 
 def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences_dir: Path | None = None,
-                  log=print) -> dict:
-    """Run the whole pipeline into `out` and return the report (also written to out/report.json)."""
+                  steps: int | None = None, log=print) -> dict:
+    """Run the whole pipeline into `out` and return the report (also written to out/report.json).
+
+    `steps` overrides the plan's training steps (more on a GPU, to train to convergence)."""
     from rvqtts.calibration import acceptance_table, codes_per_call, draft_ranks, frame_prefixes, sample_codes
     from rvqtts.decode import Speculation
     from rvqtts.offsets import Offsets
@@ -74,7 +76,7 @@ def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences
     from rvqtts.tree import grow_tree
 
     plan = SMALL if small else FULL
-    config = plan.config
+    config = plan.config if steps is None else replace(plan.config, steps=steps)
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
     report: dict = {"small": small, "config": asdict(config)}

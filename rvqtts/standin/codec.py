@@ -108,9 +108,10 @@ class ResidualCodec:
                                                     fmin=40.0, fmax=8000.0, n_iter=32).astype(np.float32)
 
     def save(self, path: Path) -> None:
-        np.savez(path, mean=self.mean, std=self.std, codebooks=self.codebooks)
+        """The codebooks are stored in float16 (half the size; decoding is for listening only)."""
+        np.savez(path, mean=self.mean, std=self.std, codebooks=self.codebooks.astype(np.float16))
 
     @classmethod
     def load(cls, path: Path) -> "ResidualCodec":
         data = np.load(path)
-        return cls(data["mean"], data["std"], data["codebooks"])
+        return cls(data["mean"], data["std"], data["codebooks"].astype(np.float32))

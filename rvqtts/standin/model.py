@@ -27,21 +27,23 @@ class StandinConfig:
     layers: int = 3              # predictor layers
     coarse_dims: int = 8         # principal components of the current frame the context sees
     coarse_noise: float = 0.5    # noise added to them, in units of their standard deviation
-    copies: int = 4              # jittered, re-encoded copies of each training frame
+    history_levels: int = 4      # levels of the previous frame's codes the context sees (its coarse part)
+    copies: int = 8              # jittered, re-encoded copies of each training frame
     jitter: float = 0.15         # feature noise of a copy, in standard deviations
-    steps: int = 1200
+    steps: int = 1500
     batch: int = 256
     learning_rate: float = 2e-3
     seed: int = 0
 
 
 class ContextEncoder(torch.nn.Module):
-    """h_t from (previous frame's codes, language, coarse view of the current frame)."""
+    """h_t from (the previous frame's coarse codes, language, coarse view of the current frame)."""
 
     def __init__(self, config: StandinConfig, languages: int):
         super().__init__()
         width = 64
-        self.previous = torch.nn.Embedding(LEVELS * (config.entries + 1), width)  # + 1: "no previous frame"
+        self.levels = config.history_levels
+        self.previous = torch.nn.Embedding(self.levels * (config.entries + 1), width)  # + 1: "no previous frame"
         self.entries = config.entries
         self.language = torch.nn.Embedding(languages, width)
         self.coarse = torch.nn.Linear(config.coarse_dims, width)
@@ -49,8 +51,8 @@ class ContextEncoder(torch.nn.Module):
                                        torch.nn.Linear(2 * config.hidden, config.hidden))
 
     def forward(self, previous: torch.Tensor, language: torch.Tensor, coarse: torch.Tensor) -> torch.Tensor:
-        offsets = torch.arange(LEVELS, device=previous.device) * (self.entries + 1)
-        history = self.previous(previous + offsets).sum(1)
+        offsets = torch.arange(self.levels, device=previous.device) * (self.entries + 1)
+        history = self.previous(previous[:, :self.levels] + offsets).sum(1)
         return self.mlp(torch.cat([history, self.language(language), self.coarse(coarse)], -1))
 
 
