@@ -313,8 +313,8 @@ def standin_build(
     out: Path = typer.Argument(..., help="Folder for the model, codec, contexts and report.json."),
     small: bool = typer.Option(False, "--small", help="The same pipeline, shrunk to run in well under two minutes."),
     device: str = typer.Option("cpu", help="cpu or cuda (training and the codec's k-means)."),
-    sentences: Optional[Path] = typer.Option(None, help="Folder of {en,de,es,ru,ja,cmn}.txt; default: the "
-                                                        "shared sentences beside the checkout."),
+    sentences: Optional[Path] = typer.Option(None, help="Folder of {en,de,es,ru,ja,cmn}.txt; default: the 86 "
+                                                        "sentences shipped with rvqtts."),
     steps: Optional[int] = typer.Option(None, help="Training steps (default 1500, --small 150); more on a GPU."),
 ) -> None:
     """Rebuild corpus (espeak-ng), codec, stand-in and contexts with fixed seeds, and report faithfulness.

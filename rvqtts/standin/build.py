@@ -11,6 +11,7 @@ all from fixed seeds, into one folder:
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -69,6 +70,7 @@ def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences
     from rvqtts.calibration import acceptance_table, codes_per_call, draft_ranks, frame_prefixes, sample_codes
     from rvqtts.decode import Speculation
     from rvqtts.offsets import Offsets
+    from rvqtts.predictor import PredictorRunner
     from rvqtts.standin.corpus import default_sentences_dir
     from rvqtts.standin.measure import chain_gain, draft_top1, entropy_by_position
     from rvqtts.synthesis import Synthesizer
@@ -116,8 +118,6 @@ def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences
 
     model_dir = out / "model"
     if model_dir.exists():
-        import shutil
-
         shutil.rmtree(model_dir)
     build_tiny_model(model_dir, codebook=config.entries, code_groups=LEVELS, seed=config.seed,
                      talker_hidden=config.hidden, predictor_layers=config.layers)
@@ -148,13 +148,10 @@ def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences
     codes_eval = torch.from_numpy(evaluation_codes[pick])
     report.update(entropy_by_position(code_predictor, talker_embedding, h_eval, codes_eval))
     report["chain_gain_bits"] = chain_gain(code_predictor, talker_embedding, h_eval, codes_eval)
-    from rvqtts.predictor import PredictorRunner
-
     runner = PredictorRunner(code_predictor, LEVELS + 1)
     prefixes_eval = frame_prefixes(talker_embedding, evaluation_h[pick], evaluation_codes[pick, 0])
     report["draft_top1_by_depth"] = draft_top1(runner, prefixes_eval, evaluation_codes[pick])
-    c1_accuracy = _c1_accuracy(code_predictor, talker_embedding, h_eval, codes_eval)
-    report["c1_top1_accuracy"] = c1_accuracy
+    report["c1_top1_accuracy"] = _c1_accuracy(code_predictor, talker_embedding, h_eval, codes_eval)
     report["chance_top1_accuracy"] = round(1 / config.entries, 6)
 
     calibration_h, calibration_codes, _ = contexts["calibration"]

@@ -41,8 +41,9 @@ def split_of(sentence: int) -> str:
 
 
 def default_sentences_dir() -> Path:
-    """The shared multilingual sentences beside the checkout (../shared/data/sentences)."""
-    return Path(__file__).resolve().parents[3] / "shared" / "data" / "sentences"
+    """The 86 multilingual test sentences shipped with rvqtts (a copy of the project's shared
+    `data/sentences/`: en, de, es, ru, ja in kana, cmn in tone-numbered pinyin)."""
+    return Path(__file__).resolve().parent / "sentences"
 
 
 def speak(text: str, voice: str, variant: str, speed: int, pitch: int) -> np.ndarray:
