@@ -40,6 +40,12 @@ def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
     return buffer.getvalue()
 
 
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file and a rename: readers never see a partial file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,6 +53,7 @@ def write_atomically(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(handle, "wb") as stream:
             stream.write(data)
+        os.chmod(partial, 0o666 & ~current_umask())  # mkstemp makes 0600; give the file ordinary permissions
         os.replace(partial, path)
     except BaseException:
         Path(partial).unlink(missing_ok=True)

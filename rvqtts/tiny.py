@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from rvqtts.audio import current_umask
 from rvqtts.compat import qwen_tts
 
 SPEAKERS = ["vivian", "serena", "uncle_fu", "dylan", "eric", "ryan", "aiden", "ono_anna", "sohee"]
@@ -194,6 +195,7 @@ def build_tiny_model(out_dir: str | os.PathLike, codebook: int = 2048, code_grou
         _build_speech_tokenizer(staging, codebook, code_groups, seed)
         if out.exists():
             out.rmdir()
+        staging.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; give the folder ordinary permissions
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -12,6 +12,7 @@ import soundfile
 import torch
 from typer.testing import CliRunner
 
+from rvqtts.audio import current_umask
 from rvqtts.cli import app
 from rvqtts.offsets import Offsets, save_offsets
 from rvqtts.synthesis import Synthesizer
@@ -32,6 +33,7 @@ def test_make_tiny_model_is_byte_reproducible_and_refuses_a_used_folder(tmp_path
     result = runner.invoke(app, ["make-tiny-model", str(tmp_path / "again")])
     assert result.exit_code == 0, result.output
     assert digest(tmp_path / "again") == digest(tiny_dir)
+    assert (tmp_path / "again").stat().st_mode & 0o777 == 0o777 & ~current_umask()
     other = runner.invoke(app, ["make-tiny-model", str(tmp_path / "other"), "--seed", "1", "--codebook", "16",
                                 "--code-groups", "4"])
     assert other.exit_code == 0 and digest(tmp_path / "other") != digest(tiny_dir)

@@ -110,3 +110,12 @@ def test_total_record_adds_counts_and_recomputes_ratios():
     assert total["codes_per_call"] == 2.0 and total["rtf"] == pytest.approx(6.0 / 3.2, abs=1e-4)
     assert total["accepted_per_depth"] == [80, 5] and total["warnings"] == 1 and total["utterances"] == 2
     assert total["spec"] is True and total["tree_nodes"] == 16
+
+
+def test_atomic_files_get_ordinary_permissions(tmp_path):
+    from rvqtts.audio import current_umask, write_atomically
+
+    write_atomically(tmp_path / "sub" / "file.bin", b"data")
+    assert (tmp_path / "sub" / "file.bin").read_bytes() == b"data"
+    assert (tmp_path / "sub" / "file.bin").stat().st_mode & 0o777 == 0o666 & ~current_umask()
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["file.bin"]
