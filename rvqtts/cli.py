@@ -223,8 +223,10 @@ def _progress(quiet: bool):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = Console(stderr=True)
+    # A bar only helps on a terminal; in a log file it would leave blank lines behind.
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True, disable=quiet)
+                    console=console, transient=True, disable=quiet or not console.is_terminal)
 
 
 def _console():
