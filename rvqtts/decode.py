@@ -42,16 +42,6 @@ class DecodeStats:
         for d in range(accepted):
             self.accepted_per_depth[d] += 1
 
-    def add(self, other: "DecodeStats") -> None:
-        self.frames += other.frames
-        self.calls += other.calls
-        self.codes += other.codes
-        self.rounds += other.rounds
-        for d, count in enumerate(other.accepted_per_depth):
-            if d == len(self.accepted_per_depth):
-                self.accepted_per_depth.append(0)
-            self.accepted_per_depth[d] += count
-
 
 @dataclass(frozen=True)
 class RoundPlan:

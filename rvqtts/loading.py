@@ -13,7 +13,6 @@ import torch
 
 from rvqtts.compat import qwen_tts
 
-DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OFFLINE_HINT = ("pass --model PATH with a downloaded checkpoint folder, or try rvqtts offline with a tiny "
                 "random-weight one: rvqtts make-tiny-model tiny-model && rvqtts synth \"Hello.\" --model "

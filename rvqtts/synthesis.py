@@ -27,7 +27,7 @@ from rvqtts.loading import load_tts
 from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig, gumbel_noise
-from rvqtts.text import chunk_text, frame_budget
+from rvqtts.text import FRAMES_PER_SECOND, chunk_text, frame_budget
 from rvqtts.tree import resolve_tree
 
 DEFAULT_DEPTH = 3  # K, the paper's draft depth
@@ -237,7 +237,7 @@ class Synthesizer:
                 audio.append(wavs[0])
                 if captured[-1].shape[0] >= budget:
                     warnings.append(f"chunk {index + 1} of {len(pieces)} was cut at {budget} frames "
-                                    f"({budget / 12.5:.1f} s) for {len(piece)} characters: the model did not end "
+                                    f"({budget / FRAMES_PER_SECOND:.1f} s) for {len(piece)} characters: the model did not end "
                                     f"its speech (text: {piece[:40]!r})")
                 if on_chunk:
                     on_chunk(index + 1, len(pieces))
