@@ -1,28 +1,28 @@
 """Acceptance measured on data: per-depth, per-rank acceptance tables, trees grown from them, and codes
 per call measured by running the engine itself.
 
-Frames come as contexts: the talker's h_t and c0 for each frame (recorded from synthesis, or from the
-stand-in). Codes are sampled free-running by the plain inner loop, as a user's run would sample them;
-the hidden states h_1..h_15 of those codes come from one teacher-forced predictor call per frame.
+Frames come as predictor prefixes [h_t, embedding of c0] (rvqtts.contexts). Codes are sampled
+free-running by the plain inner loop, as a user's run would sample them; the hidden states h_1..h_15 of
+those codes come from one batched teacher-forced pass (rvqtts.drafts).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import torch
 
+from rvqtts.contexts import Contexts
 from rvqtts.decode import Speculation
-from rvqtts.predictor import PredictorRunner
+from rvqtts.drafters import OffsetDrafter
+from rvqtts.drafts import draft_ranks, frozen_draft_data, head_weights, top1_by_depth
+from rvqtts.offsets import Offsets, predictor_fingerprint
 from rvqtts.sampling import SamplingConfig
+from rvqtts.tree import Tree, grow_tree
 
-
-def frame_prefixes(talker_embedding: torch.nn.Module, h_t: np.ndarray, c0: np.ndarray) -> torch.Tensor:
-    """Predictor inputs [n, 2, E]: h_t and the talker's embedding of c0, per frame."""
-    with torch.no_grad():
-        embedded = talker_embedding(torch.from_numpy(c0).long())
-    return torch.stack([torch.from_numpy(h_t).float(), embedded.float()], 1)
+MAX_RANK = 16  # ranks per depth an acceptance table records; greedy trees rarely reach past rank 10
 
 
 def sample_codes(code_predictor, prefixes: torch.Tensor, seed: int,
@@ -34,37 +34,17 @@ def sample_codes(code_predictor, prefixes: torch.Tensor, seed: int,
     return np.array([loop.decode(p, sampling, 0, f) for f, p in enumerate(prefixes)], dtype=np.int64)
 
 
-@torch.inference_mode()
-def hidden_states(runner: PredictorRunner, prefix: torch.Tensor, codes: np.ndarray) -> torch.Tensor:
-    """h_1..h_{G-1} [G-1, hidden] of one frame, teacher-forced in one causal call."""
-    embeds = [prefix] + [runner.embeddings[i](torch.tensor([int(c)], device=runner.device))
-                         for i, c in enumerate(codes[:-1])]
-    query = torch.cat(embeds)
-    q = query.shape[0]
-    out = runner.forward(query, torch.arange(q, device=runner.device), 0, runner.causal[:q])
-    return out[1:]
-
-
-@torch.inference_mode()
-def draft_ranks(runner: PredictorRunner, prefixes: torch.Tensor, codes: np.ndarray, offsets: torch.Tensor,
-                max_rank: int) -> np.ndarray:
-    """ranks[f, k-1, j-1]: rank of c_{k+j} among the drafts LMH_{k+j}(h_k + b_j) (max_rank = not in the
-    top max_rank; -1 = past the frame's end)."""
-    last = runner.code_groups - 1
-    depth = offsets.shape[0]
-    ranks = np.full((len(prefixes), last, depth), -1, dtype=np.int64)
-    for f, prefix in enumerate(prefixes):
-        hidden = hidden_states(runner, prefix.to(runner.device), codes[f])
-        for j in range(1, depth + 1):
-            rows = np.arange(1, last - j + 1)  # k with k + j <= last
-            if rows.size == 0:
-                continue
-            scores = torch.stack([runner.logits(hidden[k - 1] + offsets[j - 1], k + j) for k in rows])
-            top = torch.topk(scores.float(), max_rank, dim=-1).indices.cpu().numpy()
-            truth = codes[f][rows + j - 1]
-            hit = top == truth[:, None]
-            ranks[f, rows - 1, j - 1] = np.where(hit.any(1), hit.argmax(1), max_rank)
-    return ranks
+def measure_acceptance(code_predictor, prefixes: torch.Tensor, offsets: torch.Tensor, seed: int,
+                       sampling: SamplingConfig = SamplingConfig(), max_rank: int = MAX_RANK) -> dict:
+    """The acceptance table of drafts with these offsets [K, H] on free-running codes from `prefixes`,
+    with the drafts' top-1 accuracy per depth."""
+    max_rank = min(max_rank, code_predictor.config.vocab_size)
+    sampled = sample_codes(code_predictor, prefixes, seed, sampling)
+    data = frozen_draft_data(code_predictor, prefixes, sampled)
+    drafter = OffsetDrafter(offsets.shape[0], offsets.shape[1], offsets).to(data.hidden.device)
+    ranks = draft_ranks(drafter, head_weights(code_predictor), data, max_rank)
+    return {"acceptance": acceptance_table(ranks, max_rank), "top1_by_depth": top1_by_depth(ranks), "frames": len(prefixes),
+            "max_rank": max_rank}
 
 
 def acceptance_table(ranks: np.ndarray, max_rank: int) -> list[list[float]]:
@@ -94,12 +74,11 @@ def codes_per_call(code_predictor, speculation: Speculation, prefixes: torch.Ten
         before = loop.stats.calls
         loop.decode(prefix, sampling, 0, f)
         calls.append(loop.stats.calls - before)
-    calls = np.array(calls, dtype=np.float64)
-    codes = loop.runner.code_groups - 1
-    by_language: dict[str, list[float]] = defaultdict(list)
-    for language, count in zip(languages, calls):
-        by_language[language].append(count)
+    return summarize_calls(np.array(calls), languages, loop.runner.code_groups - 1)
 
+
+def summarize_calls(calls: np.ndarray, languages: list[str], codes: int) -> dict:
+    """Codes per call from per-frame call counts, overall and per language, with 95 % intervals."""
     def summary(values: np.ndarray) -> dict:
         mean = values.mean()
         half = 1.96 * values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else 0.0
@@ -107,5 +86,48 @@ def codes_per_call(code_predictor, speculation: Speculation, prefixes: torch.Ten
                 "ci95": [round(float(codes / (mean + half)), 4), round(float(codes / max(mean - half, 1e-9)), 4)],
                 "frames": int(len(values))}
 
-    return {**summary(calls),
-            "per_language": {str(k): summary(np.array(v)) for k, v in sorted(by_language.items())}}
+    by_language: dict[str, list[float]] = defaultdict(list)
+    for language, count in zip(languages, calls):
+        by_language[str(language)].append(float(count))
+    return {**summary(calls.astype(np.float64)),
+            "per_language": {k: summary(np.array(v)) for k, v in sorted(by_language.items())}}
+
+
+def replay_calls(ranks: np.ndarray, trees: Tree | list[Tree]) -> np.ndarray:
+    """Predictor calls per frame of the speculative loop, replayed from the ranks of the committed codes
+    among each round's drafts (`ranks[f, k-1, j-1]` as `draft_ranks` gives them for free-running codes).
+
+    The loop's codes are the plain loop's, so a round rooted at c_k accepts the longest tree path
+    (rank of c_{k+1}, rank of c_{k+2}, ...) and its next root is the code after it. Equal to running the
+    engine, up to ranks that float rounding orders differently, and far cheaper: drafters are compared
+    this way without running them inside the engine. `trees` may give one tree per root position k."""
+    per_position = [trees] * ranks.shape[1] if isinstance(trees, Tree) else trees
+    node_sets = [set(t.paths) for t in per_position]
+    frames, length, _ = ranks.shape
+    calls = np.ones(frames, dtype=np.int64)  # the prefill call samples c1
+    for f in range(frames):
+        k = 1
+        while k < length:
+            calls[f] += 1
+            paths, cap = node_sets[k - 1], min(per_position[k - 1].depth, length - k)
+            path: tuple[int, ...] = ()
+            while len(path) < cap and (*path, int(ranks[f, k - 1, len(path)])) in paths:
+                path = (*path, int(ranks[f, k - 1, len(path)]))
+            k += len(path) + 1
+    return calls
+
+
+def calibrate_trees(synthesizer, frames: Contexts, offsets: Offsets, budgets: list[int], seed: int,
+                    model_name: str = "", offsets_name: str = "") -> tuple[dict, dict[int, Tree]]:
+    """The acceptance table of these offsets on free-running codes from the frames, and one greedy tree
+    per budget (depth capped at K), each tagged with the model it was calibrated for."""
+    code_predictor = synthesizer.code_predictor
+    prefixes = frames.prefixes(synthesizer.talker.get_input_embeddings())
+    measured = measure_acceptance(code_predictor, prefixes, offsets.vectors, seed)
+    drafts = offsets_name or ("zero offsets (reused heads)" if offsets.is_zero else "offsets")
+    provenance = {"model": model_name, "model_fingerprint": predictor_fingerprint(code_predictor),
+                  "offsets": drafts, "frames_source": frames.source, "seed": seed}
+    table = {"format": "rvqtts-acceptance", **provenance, **measured}
+    source = f"calibrated on {measured['frames']} free-running frames ({frames.source}) with {drafts}"
+    trees = {n: replace(grow_tree(measured["acceptance"], n, source), extra=provenance) for n in budgets}
+    return table, trees

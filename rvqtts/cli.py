@@ -151,9 +151,8 @@ def synth(
     where the time went, and RTF = compute seconds / audio seconds (below 1 is faster than real time).
     """
     from rvqtts.batch import BatchFileError, Utterance, read_batch
-    from rvqtts.loading import DTYPES, ModelLoadError
     from rvqtts.offsets import OffsetsFileError
-    from rvqtts.synthesis import GenerationSettings, Synthesizer, choose_speculation
+    from rvqtts.synthesis import GenerationSettings, choose_speculation
     from rvqtts.tree import TreeFileError
 
     if backend == "coreml":
@@ -179,23 +178,11 @@ def synth(
         if output != "-":
             _check_writable(Path(output).expanduser().resolve().parent)
         utterances = [Utterance(1, _read_text(text).strip(), output)]
-    if dtype not in ("auto", *DTYPES):
-        fail(f"unknown --dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
-    if device not in ("auto", "cpu", "mps") and not device.startswith("cuda"):
-        fail(f"unknown --device {device!r}: choose auto, cpu, cuda or mps")
     try:
         settings = GenerationSettings(temperature, top_k, top_p, repetition_penalty, max_frames)
     except ValueError as error:
         fail(str(error))
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # HF's per-generate notices are noise on a CLI's stderr
-    chosen_device = _pick_device(device)
-    try:
-        synthesizer = Synthesizer.load(model, device=chosen_device, dtype=_pick_dtype(dtype, chosen_device))
-    except ModelLoadError as error:
-        fail(str(error))
+    synthesizer = _load_synthesizer(model, device, dtype)
     for item in utterances:
         try:
             synthesizer.check_voice(item.speaker or speaker, item.language or language)
@@ -203,7 +190,7 @@ def synth(
             fail(f"{file}:{item.line}: {error}" if file else str(error))
     if spec:
         try:
-            synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor.config, tree, offsets)
+            synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
         except (TreeFileError, OffsetsFileError, ValueError) as error:
             fail(str(error))
         if notice:
@@ -303,6 +290,281 @@ def _synth_batch(synthesizer, utterances, out_dir, file, speaker, language, inst
         f"-> {out_dir}", quiet and not failed)
     if failed:
         raise typer.Exit(1)
+
+
+def _load_synthesizer(model: str, device: str, dtype: str):
+    """The model loaded for the drafting commands (fails with one line on a bad model, device or dtype)."""
+    from rvqtts.loading import DTYPES, ModelLoadError
+    from rvqtts.synthesis import Synthesizer
+
+    if dtype not in ("auto", *DTYPES):
+        fail(f"unknown --dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    if device not in ("auto", "cpu", "mps") and not device.startswith("cuda"):
+        fail(f"unknown --device {device!r}: choose auto, cpu, cuda or mps")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    chosen = _pick_device(device)
+    try:
+        return Synthesizer.load(model, device=chosen, dtype=_pick_dtype(dtype, chosen))
+    except ModelLoadError as error:
+        fail(str(error))
+
+
+def _check_source(texts: Optional[Path], contexts: Optional[Path], audio: Optional[Path] = None,
+                  audio_allowed: bool = False) -> None:
+    if sum(source is not None for source in (texts, contexts, audio)) != 1:
+        fail("give one data source: --texts FILE (synthesize and record), --contexts FILE (recorded frames)"
+             + (" or --audio FILE.jsonl (recordings and transcripts)" if audio_allowed else ""))
+
+
+def _frames(synthesizer, texts: Optional[Path], contexts: Optional[Path], split: str, speaker: str, language: str,
+            seed: int, quiet: bool, audio: Optional[Path] = None):
+    """Frames from a contexts file, from recordings by teacher forcing, or recorded by synthesizing a text
+    file with the plain inner loop."""
+    from rvqtts.batch import BatchFileError, read_batch
+    from rvqtts.contexts import ContextsFileError, force_contexts, load_contexts, read_audio_pairs, record_contexts
+    from rvqtts.synthesis import GenerationSettings
+
+    config = synthesizer.code_predictor.config
+    if contexts is not None:
+        try:
+            return load_contexts(contexts, split, synthesizer.talker.config.hidden_size, config.num_code_groups)
+        except ContextsFileError as error:
+            fail(str(error))
+    if audio is not None:
+        try:
+            pairs = read_audio_pairs(audio)
+            for pair in pairs:
+                synthesizer.check_voice(pair.speaker or speaker, pair.language or language)
+        except (ContextsFileError, ValueError) as error:
+            fail(str(error))
+        with _progress(quiet) as progress:
+            task = progress.add_task(f"teacher forcing {audio.name}", total=len(pairs))
+            frames = force_contexts(synthesizer, pairs, speaker, language,
+                                    on_pair=lambda done, total: progress.update(task, completed=done))
+        say(f"recorded {len(frames)} frames from {len(pairs)} recordings", quiet)
+        return frames
+    try:
+        utterances = read_batch(texts)
+    except BatchFileError as error:
+        fail(str(error))
+    for item in utterances:
+        try:
+            synthesizer.check_voice(item.speaker or speaker, item.language or language)
+        except ValueError as error:
+            fail(f"{texts}:{item.line}: {error}")
+    with _progress(quiet) as progress:
+        task = progress.add_task(f"synthesizing {texts.name}", total=len(utterances))
+        frames = record_contexts(synthesizer, utterances, speaker, language, seed, GenerationSettings(),
+                                 on_utterance=lambda done, total: progress.update(task, completed=done))
+    say(f"recorded {len(frames)} frames from {len(utterances)} texts", quiet)
+    return frames
+
+
+def _check_new_file(path: Path, force: bool, suffix: str) -> None:
+    if path.suffix != suffix:
+        fail(f"{path}: the file name must end in {suffix}")
+    if path.exists() and not force:
+        fail(f"{path} already exists: --force replaces it")
+    _check_writable(path.expanduser().resolve().parent)
+
+
+TEXTS_HELP = "Texts to synthesize and record (.txt, or .jsonl with text/speaker/language per line)."
+CONTEXTS_HELP = "Recorded frames: a contexts .npz (h_t, codes, language), as rvqtts standin build writes."
+SPLIT_HELP = "The split of a contexts file that has splits (calibration or evaluation)."
+
+
+@app.command("train-offsets")
+def train_offsets_command(
+    out: Path = typer.Option(..., help="Offsets file to write (.safetensors)."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP + " Self-distillation: the offsets learn from "
+                                                                 "the model's own codes."),
+    contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP + " Teacher forcing on their codes."),
+    audio: Optional[Path] = typer.Option(None, help="Recordings and transcripts: a .jsonl file of {\"audio\": "
+                                                    "WAV, \"text\": transcript} (optional speaker, language). "
+                                                    "Teacher forcing on the codes of the model's speech tokenizer."),
+    split: str = typer.Option("calibration", help=SPLIT_HELP),
+    resample: bool = typer.Option(False, "--resample", help="With --contexts: train on codes the model samples "
+                                                            "itself from each frame's h_t and c0."),
+    depth: int = typer.Option(3, help="K, codes drafted ahead (1..14)."),
+    target: str = typer.Option("hard", help="hard: the codes; soft: the distribution they are sampled from."),
+    learning_rate: float = typer.Option(1e-3, help="Adam's learning rate."),
+    batch: int = typer.Option(32, help="Frames per step."),
+    max_steps: int = typer.Option(20000, help="Most training steps (training stops earlier when the held-out "
+                                              "loss stops falling)."),
+    held_out: float = typer.Option(0.1, help="Fraction of the frames held out for early stopping."),
+    speaker: str = typer.Option("vivian", help="With --texts or --audio: speaker of lines that name none."),
+    language: str = typer.Option("auto", help="With --texts or --audio: language of lines that name none."),
+    seed: int = typer.Option(0, help="Seed of synthesis, the split and the batches."),
+    save_contexts: Optional[Path] = typer.Option(None, help="With --texts or --audio: also keep the recorded "
+                                                            "frames (.npz) for rvqtts calibrate and accept."),
+    device: str = typer.Option("auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Train the draft offsets (K x hidden numbers) of a frozen model; backbone and heads stay frozen.
+
+    Codes do not change: the verifier never reads an offset state. The file records the model, K, the
+    data and the losses; rvqtts synth uses it when given with --offsets.
+    """
+    from rvqtts.contexts import save_contexts as write_contexts
+    from rvqtts.offsets import save_offsets
+    from rvqtts.training import TrainingConfig, fit_offsets
+
+    _check_source(texts, contexts, audio, audio_allowed=True)
+    _check_new_file(out, force, ".safetensors")
+    if save_contexts is not None:
+        _check_new_file(save_contexts, force, ".npz")
+    try:
+        config = TrainingConfig(depth=depth, learning_rate=learning_rate, batch=batch, max_steps=max_steps,
+                                target=target, seed=seed)
+        if not 0 < held_out < 1:
+            raise ValueError(f"--held-out must be between 0 and 1, got {held_out}")
+    except ValueError as error:
+        fail(str(error))
+    synthesizer = _load_synthesizer(model, device, dtype)
+    frames = _frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, audio)
+    if save_contexts is not None:
+        write_contexts(frames, save_contexts)
+    with _progress(quiet) as progress:
+        task = progress.add_task("training offsets", total=max_steps)
+
+        def report(step: int, total: int, train_loss: float, held_loss: float) -> None:
+            progress.update(task, completed=step,
+                            description=f"training offsets (loss {train_loss:.3f}, held out {held_loss:.3f})")
+
+        try:
+            offsets, record = fit_offsets(synthesizer, frames, config, held_out=held_out, self_distill=resample,
+                                          model_name=model, on_progress=report)
+        except ValueError as error:
+            fail(str(error))
+    save_offsets(offsets, out)
+    say(f"held-out loss {record['initial_held_out_loss']:.4f} -> {record['held_out_loss']:.4f} nats "
+        f"(top-1 by depth {record['initial_held_out_top1']} -> {record['held_out_top1']}) after "
+        f"{record['steps']} steps; wrote {out}", quiet)
+
+
+def _drafting(synthesizer, offsets: Optional[Path], depth: int):
+    """Offsets [K, H] from a file, or zeros (reused heads)."""
+    from rvqtts.offsets import Offsets, OffsetsFileError, load_offsets, predictor_fingerprint
+
+    if offsets is None:
+        return Offsets.zeros(depth, synthesizer.hidden_size)
+    try:
+        return load_offsets(offsets, hidden_size=synthesizer.hidden_size,
+                            fingerprint=predictor_fingerprint(synthesizer.code_predictor))
+    except OffsetsFileError as error:
+        fail(str(error))
+
+
+@app.command()
+def calibrate(
+    out_dir: Path = typer.Option(..., help="Folder for the acceptance table and one tree file per budget."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: zero offsets (reused heads)."),
+    texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP),
+    contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP),
+    split: str = typer.Option("calibration", help=SPLIT_HELP),
+    budgets: str = typer.Option("4,8,16,32,64", help="Node budgets N, comma-separated: one tree each."),
+    name: Optional[str] = typer.Option(None, help="File name prefix; default: the offsets file's name, or "
+                                                  "reused-heads."),
+    speaker: str = typer.Option("vivian", help="With --texts: speaker of lines that name none."),
+    language: str = typer.Option("auto", help="With --texts: language of lines that name none."),
+    seed: int = typer.Option(0, help="Seed of synthesis and of the codes sampled for the table."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    force: bool = typer.Option(False, "--force", help="Replace files that exist."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Measure the per-depth, per-rank acceptance table on free-running codes and grow one sparse tree
+    per node budget (depth capped at K), each with its expected codes per call."""
+    from rvqtts.calibration import calibrate_trees
+    from rvqtts.tree import save_tree
+
+    _check_source(texts, contexts)
+    try:
+        sizes = sorted({int(b) for b in budgets.split(",")})
+    except ValueError:
+        fail(f"--budgets must be comma-separated whole numbers, got {budgets!r}")
+    if not sizes or sizes[0] < 1:
+        fail(f"--budgets must be at least 1, got {budgets!r}")
+    prefix = name or (offsets.stem if offsets else "reused-heads")
+    table_path = out_dir / f"{prefix}-acceptance.json"
+    tree_paths = {n: out_dir / f"{prefix}-n{n}.json" for n in sizes}
+    existing = [str(p) for p in (table_path, *tree_paths.values()) if p.exists()]
+    if existing and not force:
+        fail(f"{', '.join(existing)} already exist: --force replaces them")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_writable(out_dir)
+    synthesizer = _load_synthesizer(model, device, dtype)
+    drafting = _drafting(synthesizer, offsets, 3)
+    frames = _frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet)
+    with _progress(quiet) as progress:
+        progress.add_task(f"sampling {len(frames)} frames and ranking drafts", total=None)
+        table, trees = calibrate_trees(synthesizer, frames, drafting, sizes, seed, model_name=model,
+                                       offsets_name=offsets.name if offsets else "")
+    from rvqtts.audio import write_atomically
+
+    write_atomically(table_path, (json.dumps(table, indent=1) + "\n").encode())
+    for size, tree in trees.items():
+        save_tree(tree, tree_paths[size])
+    summary = ", ".join(f"N={n}: {t.expected_codes_per_call}" for n, t in trees.items())
+    say(f"expected codes per call {summary}; wrote {table_path} and {len(trees)} trees in {out_dir}", quiet)
+
+
+@app.command()
+def accept(
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the "
+                                                      "model, else zero offsets."),
+    tree: str = typer.Option("16", help="A node budget N (a shipped tree) or a tree file."),
+    texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP),
+    contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP),
+    split: str = typer.Option("evaluation", help=SPLIT_HELP),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    speaker: str = typer.Option("vivian", help="With --texts: speaker of lines that name none."),
+    language: str = typer.Option("auto", help="With --texts: language of lines that name none."),
+    seed: int = typer.Option(0, help="Seed of synthesis and of the speculative decoding's draws."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
+) -> None:
+    """Measure codes per predictor call of the speculative inner loop on these frames: overall and per
+    language, with a 95 % confidence interval."""
+    from rvqtts.calibration import codes_per_call
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.report import codes_per_call_table
+    from rvqtts.synthesis import choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    _check_source(texts, contexts)
+    if json_out is not None:
+        _check_writable(json_out.expanduser().resolve().parent)
+    synthesizer = _load_synthesizer(model, device, dtype)
+    try:
+        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
+    except (TreeFileError, OffsetsFileError, ValueError) as error:
+        fail(str(error))
+    if notice:
+        say(notice, quiet)
+    frames = _frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet)
+    with _progress(quiet) as progress:
+        progress.add_task(f"decoding {len(frames)} frames", total=None)
+        result = codes_per_call(synthesizer.code_predictor, speculation,
+                                frames.prefixes(synthesizer.talker.get_input_embeddings()), list(frames.language),
+                                seed)
+    result.update(model=model, tree=tree, tree_nodes=speculation.tree.nodes,
+                  offsets=str(offsets) if offsets else speculation.offsets.metadata.get("source", "shipped"),
+                  frames_source=frames.source)
+    if json_out is not None:
+        from rvqtts.audio import write_atomically
+
+        write_atomically(json_out, (json.dumps(result, indent=1) + "\n").encode())
+    if not quiet:
+        _console().print(codes_per_call_table(result))
 
 
 standin_app = typer.Typer(help="The trained stand-in code predictor (a proxy for tests and benchmarks, not "

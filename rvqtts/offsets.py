@@ -49,11 +49,21 @@ class Offsets:
         return cls(torch.zeros(depth, hidden_size), metadata={"source": "zeros (reused heads)"})
 
 
-def predictor_fingerprint(code_predictor_config) -> str:
-    """A short hash of the code-predictor config, so offsets and trees can be matched to a model."""
+def predictor_fingerprint(code_predictor: torch.nn.Module) -> str:
+    """A short hash that tells code predictors apart, so offsets and trees can be matched to a model.
+
+    The config alone does not: the 0.6B and 1.7B models (and Base and CustomVoice) share the predictor's
+    dimensions. So the hash also covers the talker width the predictor reads and a sample of the first
+    head's weights, rounded to bfloat16 and of magnitude above 1e-3: for checkpoints stored in bfloat16,
+    as Qwen3-TTS's are, loading in float32, bfloat16 or float16 gives the same fingerprint."""
+    config = code_predictor.config
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "num_code_groups", "rope_theta", "rms_norm_eps")
-    summary = {k: getattr(code_predictor_config, k, None) for k in keys}
+    summary = {k: getattr(config, k, None) for k in keys}
+    summary["input_width"] = code_predictor.get_input_embeddings()[0].weight.shape[1]
+    sample = code_predictor.lm_head[0].weight.detach().flatten()[:512].float().cpu().to(torch.bfloat16).float()
+    digest = hashlib.sha256(sample[sample.abs() > 1e-3].numpy().tobytes()).hexdigest()
+    summary["weights"] = digest
     return hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -70,10 +80,11 @@ def save_offsets(offsets: Offsets, path: str | os.PathLike, **metadata: object) 
     partial.replace(path)
 
 
-def load_offsets(path: str | os.PathLike, hidden_size: int | None = None) -> Offsets:
+def load_offsets(path: str | os.PathLike, hidden_size: int | None = None, fingerprint: str | None = None) -> Offsets:
     """Read and validate an offsets file; every fault raises OffsetsFileError naming the file.
 
-    With `hidden_size`, offsets for a model of another hidden size are refused.
+    With `hidden_size` and `fingerprint` (predictor_fingerprint of the loaded model), offsets trained for
+    a model of another hidden size or another code-predictor config are refused.
     """
     from safetensors import safe_open
 
@@ -102,6 +113,12 @@ def load_offsets(path: str | os.PathLike, hidden_size: int | None = None) -> Off
         raise OffsetsFileError(
             f"offsets file {path} has hidden size {hidden}, but the model's code predictor has {hidden_size}: "
             f"these offsets belong to another model (theirs: {meta.get('model') or 'unnamed'})")
+    theirs = meta.get("model_fingerprint")
+    if fingerprint is not None and theirs and theirs != fingerprint:
+        raise OffsetsFileError(
+            f"offsets file {path} was trained for another model ({meta.get('model') or 'unnamed'}, code-predictor "
+            f"fingerprint {theirs}; this model's is {fingerprint}): train offsets for this model with "
+            f"rvqtts train-offsets")
     if not torch.isfinite(vectors).all():
         raise OffsetsFileError(f"offsets file {path} holds NaN or infinite values")
     return Offsets(vectors.float(), model=meta.get("model", ""), model_fingerprint=meta.get("model_fingerprint", ""),

@@ -52,7 +52,7 @@ def stats_table(rows: list[tuple[str, dict]]) -> Table:
 
 
 def standin_tables(report: dict) -> list[Table]:
-    """The stand-in's faithfulness per position, and reused-heads codes per call per tree size."""
+    """The stand-in's faithfulness per position, and each drafter's codes per call per tree size."""
     per_position = Table(title="stand-in, per position k (held-out frames)", title_justify="left",
                          box=box.SIMPLE_HEAD)
     for title in ("k", "sampling entropy bits", "raw entropy bits", "cross-entropy bits", "chain gain bits"):
@@ -64,14 +64,49 @@ def standin_tables(report: dict) -> list[Table]:
     drafts = report["draft_top1_by_depth"]
     per_position.caption = ("reused-heads draft top-1 by depth: " + ", ".join(f"{a:.3f}" for a in drafts)
                             + f"; c1 top-1 {report['c1_top1_accuracy']:.3f} (chance {report['chance_top1_accuracy']:.4f})")
-    per_budget = Table(title="reused heads: codes per predictor call (evaluation frames)", title_justify="left",
-                       box=box.SIMPLE_HEAD)
-    languages = sorted(next(iter(report["reused_heads_codes_per_call"].values()))["per_language"])
-    for title in ("N", "overall", "95% CI", *languages, "nodes per depth"):
-        per_budget.add_column(title, justify="right")
-    for budget, row in report["reused_heads_codes_per_call"].items():
-        depths = [sum(len(p) == d for p in row["tree"]) for d in range(1, 4)]
-        per_budget.add_row(budget, f"{row['codes_per_call']:.3f}", "{:.3f}-{:.3f}".format(*row["ci95"]),
-                           *(f"{row['per_language'][lang]['codes_per_call']:.3f}" for lang in languages),
-                           "/".join(map(str, depths)))
-    return [per_position, per_budget]
+    tables = [per_position]
+    for drafter in ("reused_heads", "offsets"):
+        rows = report.get(f"{drafter}_codes_per_call")
+        if not rows:
+            continue
+        per_budget = Table(title=f"{drafter.replace('_', ' ')}: codes per predictor call (evaluation frames)",
+                           title_justify="left", box=box.SIMPLE_HEAD)
+        languages = sorted(next(iter(rows.values()))["per_language"])
+        for title in ("N", "overall", "95% CI", *languages, "nodes per depth"):
+            per_budget.add_column(title, justify="right")
+        for budget, row in rows.items():
+            depths = [sum(len(p) == d for p in row["tree"]) for d in range(1, 4)]
+            per_budget.add_row(budget, f"{row['codes_per_call']:.3f}", "{:.3f}-{:.3f}".format(*row["ci95"]),
+                               *(f"{row['per_language'][lang]['codes_per_call']:.3f}" for lang in languages),
+                               "/".join(map(str, depths)))
+        tables.append(per_budget)
+    if report.get("drafters"):
+        tables.append(drafters_table(report["drafters"]))
+    return tables
+
+
+def drafters_table(drafters: dict) -> Table:
+    """Drafters side by side: trained parameters, codes per call per N (replayed), draft top-1 by depth."""
+    table = Table(title="drafters, each with its own calibrated trees: codes per predictor call (evaluation frames)",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    budgets = list(next(iter(drafters.values()))["codes_per_call"])
+    for title in ("drafter", "parameters", *(f"N={n}" for n in budgets), "top-1 by depth"):
+        table.add_column(title, justify="left" if title == "drafter" else "right")
+    for name, entry in drafters.items():
+        top1 = "/".join("-" if a is None else f"{a:.3f}" for a in entry["top1_by_depth"][:3])
+        table.add_row(name, f"{entry['parameters']:,}",
+                      *(f"{entry['codes_per_call'][n]['codes_per_call']:.3f}" for n in budgets), top1)
+    return table
+
+
+def codes_per_call_table(result: dict) -> Table:
+    """`rvqtts accept`'s figures: codes per predictor call, overall and per language, with 95 % intervals."""
+    table = Table(title=f"codes per predictor call, tree N = {result['tree_nodes']}", title_justify="left",
+                  box=box.SIMPLE_HEAD)
+    for title in ("frames", "language", "codes/call", "95% CI"):
+        table.add_column(title, justify="right")
+    rows = [("all", result)] + sorted(result["per_language"].items())
+    for name, row in rows:
+        table.add_row(str(row["frames"]), name, f"{row['codes_per_call']:.3f}", "{:.3f}-{:.3f}".format(*row["ci95"]))
+    table.caption = f"offsets: {result['offsets']}; frames: {result['frames_source']}"
+    return table

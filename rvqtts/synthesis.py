@@ -47,8 +47,9 @@ class InnerLoop:
     """
 
     def __init__(self, code_predictor: torch.nn.Module, speculation: Speculation | None, seed: int,
-                 utterance: int = 0):
+                 utterance: int = 0, on_frame: Callable[[torch.Tensor, list[int]], None] | None = None):
         self.speculation = speculation
+        self.on_frame = on_frame
         self.seed = seed
         self.utterance = utterance
         extra = speculation.tree.nodes + 1 if speculation else 0
@@ -65,9 +66,13 @@ class InnerLoop:
         noise = torch.from_numpy(gumbel_noise(self.seed, utterance, frame, positions, self.runner.vocab_size))
         noise = noise.to(self.runner.device)
         if self.speculation is None:
-            return decode_frame_plain(self.runner, prefix, noise, sampling, self.stats)
-        return decode_frame_speculative(self.runner, prefix, noise, sampling, self.speculation, self.offsets,
-                                        self.stats)
+            codes = decode_frame_plain(self.runner, prefix, noise, sampling, self.stats)
+        else:
+            codes = decode_frame_speculative(self.runner, prefix, noise, sampling, self.speculation, self.offsets,
+                                             self.stats)
+        if self.on_frame:
+            self.on_frame(prefix, codes)
+        return codes
 
     def generate(self, inputs_embeds: torch.Tensor, do_sample: bool = True, top_k: int = 50, top_p: float = 1.0,
                  temperature: float = 0.9, **_: object) -> SimpleNamespace:
@@ -181,9 +186,11 @@ class Synthesizer:
             raise ValueError(f"unknown language {language!r}; this model has: {', '.join(self.languages)}")
 
     @contextmanager
-    def _hooks(self, loop: InnerLoop, captured: list, seconds: dict, counts: dict) -> Iterator[None]:
+    def _hooks(self, loop: InnerLoop, captured: list, seconds: dict, counts: dict,
+               forced_c0: list[int] | None = None) -> Iterator[None]:
         """Route qwen-tts's inner-loop calls to `loop`; record the codes the speech decoder gets, time it,
-        and count the talker's forward calls."""
+        and count the talker's forward calls. With `forced_c0`, the talker's n-th call may only emit
+        forced_c0[n] (then end of speech): its logits become -inf elsewhere (teacher forcing)."""
         speech_tokenizer = self.model.speech_tokenizer
         talker_forward = self.talker.forward
 
@@ -197,7 +204,14 @@ class Synthesizer:
         @functools.wraps(talker_forward)  # HF's generate() checks its keywords against this signature
         def forward(*args, **kwargs):
             counts["talker"] += 1
-            return talker_forward(*args, **kwargs)
+            output = talker_forward(*args, **kwargs)
+            if forced_c0 is not None:
+                step = counts["talker"] - 1
+                code = forced_c0[step] if step < len(forced_c0) else self.talker.config.codec_eos_token_id
+                forced = torch.full_like(output.logits[:, -1], float("-inf"))
+                forced[:, code] = 0.0
+                output.logits[:, -1] = forced
+            return output
 
         self.code_predictor.generate = loop.generate
         speech_tokenizer.decode = decode
@@ -209,18 +223,20 @@ class Synthesizer:
 
     def synthesize(self, text: str, speaker: str, language: str = "auto", seed: int = 0, utterance: int = 0,
                    instruct: str | None = None, settings: GenerationSettings = GenerationSettings(),
-                   chunked: bool = True, on_chunk: Callable[[int, int], None] | None = None) -> Synthesis:
+                   chunked: bool = True, on_chunk: Callable[[int, int], None] | None = None,
+                   on_frame: Callable[[torch.Tensor, list[int]], None] | None = None) -> Synthesis:
         """Synthesize one utterance; long text is spoken in sentence chunks joined by a crossfade.
 
         The noise key is (seed, utterance, frame, position) and the talker's generator is seeded from
         (seed, utterance, chunk), so every utterance of a batch is reproducible on its own.
-        `on_chunk(done, total)` reports progress after each chunk.
+        `on_chunk(done, total)` reports progress after each chunk; `on_frame(prefix, codes)` sees every
+        frame the inner loop decodes ([h_t, embedding of c0] and c1..c_{G-1}).
         """
         if not text.strip():
             raise ValueError("the text is empty: give something to say")
         self.check_voice(speaker, language)
         pieces = chunk_text(text) if chunked else [" ".join(text.split())]
-        loop = InnerLoop(self.code_predictor, self.speculation, seed, utterance)
+        loop = InnerLoop(self.code_predictor, self.speculation, seed, utterance, on_frame)
         captured: list[np.ndarray] = []
         seconds = {"decoder": 0.0}
         counts = {"talker": 0}
@@ -251,7 +267,36 @@ class Synthesizer:
                          warnings=warnings)
 
 
-def choose_speculation(code_predictor_config, tree: str | os.PathLike = "16",
+    def force(self, text: str, speaker: str, language: str, codes: np.ndarray,
+              on_frame: Callable[[torch.Tensor, list[int]], None]) -> None:
+        """Teacher forcing: run the talker over `text` while it emits exactly these frame codes [frames, G]
+        (c0 forced through its logits, c1.. returned by the inner loop), and show `on_frame` each frame's
+        predictor prefix [h_t, embedding of c0] with the frame's codes c1.. ."""
+        self.check_voice(speaker, language)
+        loop = ForcedLoop(self.code_predictor, codes, on_frame)
+        captured: list[np.ndarray] = []
+        with self._hooks(loop, captured, {"decoder": 0.0}, {"talker": 0}, forced_c0=codes[:, 0].tolist()):
+            self.tts.generate_custom_voice(text=" ".join(text.split()), speaker=speaker, language=language,
+                                           **GenerationSettings().generate_kwargs(len(codes)))
+        if loop.frame != len(codes):
+            raise RuntimeError(f"teacher forcing stopped after {loop.frame} of {len(codes)} frames")
+
+
+class ForcedLoop(InnerLoop):
+    """An inner loop that returns recorded codes instead of sampling them (teacher forcing)."""
+
+    def __init__(self, code_predictor: torch.nn.Module, codes: np.ndarray,
+                 on_frame: Callable[[torch.Tensor, list[int]], None]):
+        super().__init__(code_predictor, None, 0, on_frame=on_frame)
+        self.codes = codes
+
+    def decode(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
+        codes = [int(c) for c in self.codes[frame, 1:]]
+        self.on_frame(prefix, codes)
+        return codes
+
+
+def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike = "16",
                        offsets: str | os.PathLike | None = None) -> tuple[Speculation, str | None]:
     """The tree and offsets to draft with, and a notice when no shipped offsets match the model.
 
@@ -259,12 +304,12 @@ def choose_speculation(code_predictor_config, tree: str | os.PathLike = "16",
     without an offsets file, shipped offsets whose fingerprint matches the model are used, else zero
     offsets (reused heads). Raises TreeFileError / OffsetsFileError / ValueError with their messages.
     """
-    fingerprint = predictor_fingerprint(code_predictor_config)
-    hidden = code_predictor_config.hidden_size
+    fingerprint = predictor_fingerprint(code_predictor)
+    hidden = code_predictor.config.hidden_size
     chosen = resolve_tree(tree, fingerprint)
     notice = None
     if offsets is not None:
-        drafts = load_offsets(offsets, hidden_size=hidden)
+        drafts = load_offsets(offsets, hidden_size=hidden, fingerprint=fingerprint)
     else:
         drafts = shipped_offsets_for(fingerprint, hidden)
         if drafts is None:

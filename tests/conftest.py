@@ -25,6 +25,12 @@ def small_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def narrow(tmp_path_factory):
+    """16 code groups over a 16-entry codebook: drafts are often right, so deep acceptance paths run."""
+    return Synthesizer.load(build_tiny_model(tmp_path_factory.mktemp("models") / "narrow", codebook=16))
+
+
+@pytest.fixture(scope="session")
 def tiny(tiny_dir):
     return Synthesizer.load(tiny_dir)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from rvqtts.calibration import sample_codes
+from rvqtts.contexts import Contexts
 from rvqtts.synthesis import Synthesizer
 
 
@@ -24,3 +27,14 @@ def stock_path_logits(code_predictor, prefix: torch.Tensor, codes: list[int]) ->
     inputs = code_predictor.small_to_mtp_projection(torch.cat(parts))[None]
     hidden = code_predictor.model(inputs_embeds=inputs).last_hidden_state[0]
     return torch.stack([code_predictor.lm_head[j](hidden[j + 1]) for j in range(len(codes) + 1)])
+
+
+def random_contexts(synth, frames: int, seed: int = 0) -> Contexts:
+    """Random h_t and c0; c1.. sampled by the model itself, as synthesis would record them."""
+    generator = np.random.default_rng(seed)
+    groups = synth.code_predictor.config.num_code_groups
+    codes = generator.integers(0, synth.code_predictor.config.vocab_size, (frames, groups))
+    contexts = Contexts(generator.standard_normal((frames, synth.talker.config.hidden_size)).astype(np.float32),
+                        codes, np.array(["english", "german"] * (frames // 2)), source="random test frames")
+    codes[:, 1:] = sample_codes(synth.code_predictor, contexts.prefixes(synth.talker.get_input_embeddings()), seed)
+    return contexts

@@ -14,8 +14,7 @@ import rvqtts.decode
 from rvqtts.decode import Speculation
 from rvqtts.offsets import Offsets
 from rvqtts.sampling import SamplingConfig, target_probs
-from rvqtts.synthesis import InnerLoop, Synthesizer
-from rvqtts.tiny import build_tiny_model
+from rvqtts.synthesis import InnerLoop
 from rvqtts.tree import grow_tree
 
 # A plausible acceptance table (falling with depth and rank) to shape trees of any budget.
@@ -26,12 +25,6 @@ TABLE = [[0.5, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.01] * 2,
 
 def random_offsets(hidden: int, seed: int) -> Offsets:
     return Offsets(torch.randn(3, hidden, generator=torch.Generator().manual_seed(seed)) * 0.5)
-
-
-@pytest.fixture(scope="module")
-def narrow(tmp_path_factory):
-    """16 code groups over a 16-entry codebook: drafts are often right, so deep acceptance paths run."""
-    return Synthesizer.load(build_tiny_model(tmp_path_factory.mktemp("models") / "narrow", codebook=16))
 
 
 PLAIN_CODES: dict = {}

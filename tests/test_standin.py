@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from rvqtts.calibration import frame_prefixes
 from rvqtts.cli import app
+from rvqtts.contexts import load_contexts
 from rvqtts.decode import Speculation
 from rvqtts.offsets import Offsets
 from rvqtts.sampling import SamplingConfig
 from rvqtts.standin.codec import ResidualCodec, frame_features
 from rvqtts.standin.corpus import LANGUAGES, split_of, speak
 from rvqtts.synthesis import InnerLoop, Synthesizer
-from rvqtts.tree import resolve_tree
+from rvqtts.tree import load_tree, resolve_tree
 
 if shutil.which("espeak-ng") is None:
     if os.environ.get("CI"):
@@ -43,6 +43,16 @@ def test_report_holds_every_field(built):
     for row in report["reused_heads_codes_per_call"].values():
         assert 1.0 <= row["ci95"][0] <= row["codes_per_call"] <= row["ci95"][1] <= 3.0
         assert set(row["per_language"]) == set(LANGUAGES) and row["tree"]
+    for key in ("offsets_codes_per_call", "medusa_codes_per_call"):
+        assert set(report[key]) == {"4", "8", "16", "32", "64"}
+    assert set(report["drafters"]) == {"reused heads", "offsets", "medusa heads"}  # --small: the paper's three
+    assert report["drafter_parameters"] == {"reused heads": 3 * 64, "offsets": 3 * 64,
+                                            "medusa heads": 3 * 15 * (64 * 64 + 64)}
+    assert report["offsets_training"]["held_out_loss"] <= report["offsets_training"]["initial_held_out_loss"]
+    assert (out / "offsets.safetensors").is_file()
+    for drafter in ("reused-heads", "offsets"):
+        assert [load_tree(out / "trees" / f"stand-in-{drafter}-n{n}.json").nodes for n in (4, 8, 16, 32, 64)] == \
+            [4, 8, 16, 32, 64]
     assert all(f"{code}/train" in report["corpus"]["seconds"] for code in LANGUAGES)
     assert "chain gain bits" in output and "codes per predictor call" in output
     assert (out / "sample.wav").is_file() and (out / "codec.npz").is_file()
@@ -58,9 +68,8 @@ def test_the_stand_in_learned_c1_from_its_context(built):
 def test_the_engine_runs_on_the_stand_in_unchanged(built):
     out, _, _ = built
     synth = Synthesizer.load(out / "model")
-    contexts = np.load(out / "contexts.npz")
-    h_t, codes = contexts["evaluation_h_t"][:40], contexts["evaluation_codes"][:40]
-    prefixes = frame_prefixes(synth.talker.get_input_embeddings(), h_t, codes[:, 0])
+    frames = load_contexts(out / "contexts.npz", "evaluation").take(np.arange(40))
+    prefixes = frames.prefixes(synth.talker.get_input_embeddings())
     plain = InnerLoop(synth.code_predictor, None, seed=3)
     spec = InnerLoop(synth.code_predictor,
                      Speculation(resolve_tree("16"), Offsets.zeros(3, synth.hidden_size)), seed=3)

@@ -111,11 +111,13 @@ def write_offsets(path, tensor, **meta):
     (torch.zeros(3, 32), {}, "has hidden size 32, but the model's code predictor has 64"),
     (torch.full((3, 64), float("nan")), {}, "NaN or infinite"),
     (torch.zeros(3, 64), {"format": "other"}, "is not rvqtts offsets"),
+    (torch.zeros(3, 64), {"model": "other-model", "model_fingerprint": "0123"},
+     "was trained for another model (other-model, code-predictor fingerprint 0123; this model's is abcd)"),
 ])
 def test_invalid_offsets_are_refused_with_their_fault(tmp_path, tensor, meta, message):
     path = write_offsets(tmp_path / "bad.safetensors", tensor, **meta)
     with pytest.raises(OffsetsFileError) as error:
-        load_offsets(path, hidden_size=64)
+        load_offsets(path, hidden_size=64, fingerprint="abcd")
     assert message in str(error.value) and str(path) in str(error.value)
 
 
@@ -128,3 +130,12 @@ def test_unreadable_offsets(tmp_path):
               metadata={"format": "rvqtts-offsets"})
     with pytest.raises(OffsetsFileError, match="no tensor named 'offsets'"):
         load_offsets(tmp_path / "named.safetensors")
+
+
+def test_fingerprints_tell_models_apart_but_not_dtypes(tiny_dir, tiny, narrow):
+    from rvqtts.offsets import predictor_fingerprint
+    from rvqtts.synthesis import Synthesizer
+
+    again = Synthesizer.load(tiny_dir, dtype="bfloat16")
+    assert predictor_fingerprint(again.code_predictor) == predictor_fingerprint(tiny.code_predictor)
+    assert predictor_fingerprint(narrow.code_predictor) != predictor_fingerprint(tiny.code_predictor)

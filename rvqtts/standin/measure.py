@@ -55,13 +55,3 @@ def chain_gain(code_predictor, talker_embedding, h_t: torch.Tensor, codes: torch
         with_ = -with_true[:, k - 1].gather(1, codes[:, k:k + 1])[:, 0]
         gains.append(round(float((without - with_).mean() / LN2), 3))
     return gains
-
-
-@torch.no_grad()
-def draft_top1(runner, prefixes: torch.Tensor, codes: np.ndarray, depth: int = 3) -> list[float]:
-    """Top-1 accuracy of the reused heads at depths 1..depth, over all starting positions."""
-    from rvqtts.calibration import draft_ranks
-
-    ranks = draft_ranks(runner, prefixes, codes[:, 1:], torch.zeros(depth, runner.hidden_size,
-                                                                    device=runner.device, dtype=runner.dtype), 1)
-    return [round(float((ranks[:, :, d][ranks[:, :, d] >= 0] == 0).mean()), 4) for d in range(depth)]

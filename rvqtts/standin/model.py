@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rvqtts.drafts import teacher_forced_hidden
 from rvqtts.standin.codec import LEVELS
 
 
@@ -68,13 +69,10 @@ class FrameData:
 
 
 def teacher_forced_logits(code_predictor, talker_embedding, h_t: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """Logits [n, 15, V] of c1..c15 from [h_t, c0, c1..c14] in one causal pass (the training objective)."""
-    embeddings = code_predictor.get_input_embeddings()
-    parts = [h_t[:, None], talker_embedding(codes[:, :1])]
-    parts += [embeddings[i](codes[:, i + 1:i + 2]) for i in range(codes.shape[1] - 2)]
-    inputs = code_predictor.small_to_mtp_projection(torch.cat(parts, 1))
-    hidden = code_predictor.model(inputs_embeds=inputs).last_hidden_state
-    return torch.stack([code_predictor.lm_head[i](hidden[:, i + 1]) for i in range(codes.shape[1] - 1)], 1)
+    """Logits [n, G-1, V] of c1..c_{G-1} from [h_t, c0, c1..c_{G-2}] in one causal pass (the training objective)."""
+    prefixes = torch.stack([h_t, talker_embedding(codes[:, 0])], 1)
+    hidden = teacher_forced_hidden(code_predictor, prefixes, codes[:, 1:-1])
+    return torch.stack([code_predictor.lm_head[i](hidden[:, i]) for i in range(codes.shape[1] - 1)], 1)
 
 
 def train(code_predictor, talker_embedding, encoder: ContextEncoder, data: FrameData, config: StandinConfig,
