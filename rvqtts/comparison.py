@@ -109,7 +109,7 @@ def compare_drafters(synthesizer, calibration: Contexts, evaluation: Contexts, b
         log(f"{name}: {figures} ({entry['seconds']} s)")
         return drafter
 
-    run("reused heads", OffsetDrafter(3, hidden), note="zero offsets: the frozen heads on h_k")
+    run("reused heads", OffsetDrafter(3, hidden).requires_grad_(False), note="zero offsets: the frozen heads on h_k")
     offsets = run("offsets", OffsetDrafter(3, hidden), data.fit_recorded,
                   note="the paper's: K = 3, hard targets, teacher forcing on the recorded codes")
     run("medusa heads", MedusaDrafter(3, hidden, length), data.fit_recorded,

@@ -95,5 +95,5 @@ class MixedDrafter(torch.nn.Module):
 
 
 def parameter_count(drafter: torch.nn.Module) -> int:
-    """Trained parameters (counted tables are statistics, reported separately by their callers)."""
-    return sum(p.numel() for p in drafter.parameters())
+    """Trainable parameters (frozen ones, such as the reused heads' zero offsets, and counted tables are not)."""
+    return sum(p.numel() for p in drafter.parameters() if p.requires_grad)

@@ -46,7 +46,7 @@ def test_report_holds_every_field(built):
     for key in ("offsets_codes_per_call", "medusa_codes_per_call"):
         assert set(report[key]) == {"4", "8", "16", "32", "64"}
     assert set(report["drafters"]) == {"reused heads", "offsets", "medusa heads"}  # --small: the paper's three
-    assert report["drafter_parameters"] == {"reused heads": 3 * 64, "offsets": 3 * 64,
+    assert report["drafter_parameters"] == {"reused heads": 0, "offsets": 3 * 64,
                                             "medusa heads": 3 * 15 * (64 * 64 + 64)}
     assert report["offsets_training"]["held_out_loss"] <= report["offsets_training"]["initial_held_out_loss"]
     assert (out / "offsets.safetensors").is_file()
