@@ -482,7 +482,7 @@ def calibrate(
     """Measure the per-depth, per-rank acceptance table on free-running codes and grow one sparse tree
     per node budget (depth capped at K), each with its expected codes per call."""
     from rvqtts.calibration import calibrate_trees
-    from rvqtts.tree import save_tree
+    from rvqtts.tree import ACCEPTANCE_SUFFIX, save_tree
 
     _check_source(texts, contexts)
     try:
@@ -492,7 +492,7 @@ def calibrate(
     if not sizes or sizes[0] < 1:
         fail(f"--budgets must be at least 1, got {budgets!r}")
     prefix = name or (offsets.stem if offsets else "reused-heads")
-    table_path = out_dir / f"{prefix}-acceptance.json"
+    table_path = out_dir / f"{prefix}{ACCEPTANCE_SUFFIX}"
     tree_paths = {n: out_dir / f"{prefix}-n{n}.json" for n in sizes}
     existing = [str(p) for p in (table_path, *tree_paths.values()) if p.exists()]
     if existing and not force:

@@ -202,8 +202,11 @@ def grow_tree(acceptance: list[list[float]], budget: int, source: str = "") -> T
 SHIPPED_TREES = Path(__file__).resolve().parent.parent / "trees"
 
 
+ACCEPTANCE_SUFFIX = "-acceptance.json"  # `rvqtts calibrate` writes its table beside the trees it grows
+
+
 def shipped_tree_files() -> list[Path]:
-    return sorted(SHIPPED_TREES.glob("*.json"))
+    return sorted(p for p in SHIPPED_TREES.glob("*.json") if not p.name.endswith(ACCEPTANCE_SUFFIX))
 
 
 def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None) -> Tree:

@@ -187,3 +187,31 @@ def test_train_offsets_from_recordings(tmp_path, tiny, tiny_dir):
     bad.write_text('{"audio": "missing.wav", "text": "Hi."}\n')
     refused = run("train-offsets", "--model", tiny_dir, "--audio", bad, "--out", tmp_path / "p.safetensors")
     assert refused.exit_code == 2 and "bad.jsonl:1: no audio file" in refused.output
+
+
+def test_synthesis_picks_up_files_made_for_the_loaded_model(tmp_path, monkeypatch, small, small_dir, small_frames,
+                                                             tiny):
+    import rvqtts.offsets
+    import rvqtts.tree
+    from rvqtts.synthesis import choose_speculation
+
+    shipped_offsets, shipped_trees = tmp_path / "offsets", tmp_path / "trees"
+    shipped_trees.mkdir()
+    trained = run("train-offsets", "--model", small_dir, "--contexts", small_frames, "--out",
+                  shipped_offsets.with_suffix(".safetensors"), "--max-steps", "50", "--learning-rate", "0.01")
+    assert trained.exit_code == 0, trained.output
+    shipped_offsets.mkdir()
+    shipped_offsets.with_suffix(".safetensors").rename(shipped_offsets / "small.safetensors")
+    calibrated = run("calibrate", "--model", small_dir, "--contexts", small_frames, "--offsets",
+                     shipped_offsets / "small.safetensors", "--budgets", "5", "--out-dir", shipped_trees)
+    assert calibrated.exit_code == 0, calibrated.output
+    monkeypatch.setattr(rvqtts.offsets, "SHIPPED_OFFSETS", shipped_offsets)
+    monkeypatch.setattr(rvqtts.tree, "SHIPPED_TREES", shipped_trees)
+    speculation, notice = choose_speculation(small.code_predictor, tree="5")
+    assert notice is None and speculation.tree.nodes == 5
+    assert np.array_equal(speculation.offsets.vectors.numpy(),
+                          load_offsets(shipped_offsets / "small.safetensors").vectors.numpy())
+    with pytest.raises(ValueError, match="no shipped tree has N = 5"):  # another model passes them over
+        choose_speculation(tiny.code_predictor, tree="5")
+    _, notice = choose_speculation(tiny.code_predictor, tree=str(shipped_trees / "small-n5.json"))
+    assert notice and "zero offsets" in notice
