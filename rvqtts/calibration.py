@@ -17,7 +17,7 @@ import torch
 from rvqtts.contexts import Contexts
 from rvqtts.decode import Speculation
 from rvqtts.drafters import OffsetDrafter
-from rvqtts.drafts import draft_ranks, frozen_draft_data, head_weights, top1_by_depth
+from rvqtts.drafts import DraftData, draft_ranks, frozen_draft_data, head_weights, top1_by_depth
 from rvqtts.offsets import Offsets, predictor_fingerprint
 from rvqtts.sampling import SamplingConfig
 from rvqtts.tree import Tree, grow_tree
@@ -34,17 +34,22 @@ def sample_codes(code_predictor, prefixes: torch.Tensor, seed: int,
     return np.array([loop.decode(p, sampling, 0, f) for f, p in enumerate(prefixes)], dtype=np.int64)
 
 
+def free_running_data(code_predictor, prefixes: torch.Tensor, seed: int,
+                      sampling: SamplingConfig = SamplingConfig()) -> DraftData:
+    """Codes sampled free-running from these prefixes, with their hidden states under the frozen predictor."""
+    return frozen_draft_data(code_predictor, prefixes, sample_codes(code_predictor, prefixes, seed, sampling))
+
+
 def measure_acceptance(code_predictor, prefixes: torch.Tensor, offsets: torch.Tensor, seed: int,
                        sampling: SamplingConfig = SamplingConfig(), max_rank: int = MAX_RANK) -> dict:
     """The acceptance table of drafts with these offsets [K, H] on free-running codes from `prefixes`,
     with the drafts' top-1 accuracy per depth."""
     max_rank = min(max_rank, code_predictor.config.vocab_size)
-    sampled = sample_codes(code_predictor, prefixes, seed, sampling)
-    data = frozen_draft_data(code_predictor, prefixes, sampled)
+    data = free_running_data(code_predictor, prefixes, seed, sampling)
     drafter = OffsetDrafter(offsets.shape[0], offsets.shape[1], offsets).to(data.hidden.device)
     ranks = draft_ranks(drafter, head_weights(code_predictor), data, max_rank)
-    return {"acceptance": acceptance_table(ranks, max_rank), "top1_by_depth": top1_by_depth(ranks), "frames": len(prefixes),
-            "max_rank": max_rank}
+    return {"acceptance": acceptance_table(ranks, max_rank), "top1_by_depth": top1_by_depth(ranks),
+            "frames": len(prefixes), "max_rank": max_rank}
 
 
 def acceptance_table(ranks: np.ndarray, max_rank: int) -> list[list[float]]:

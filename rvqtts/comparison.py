@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rvqtts.calibration import MAX_RANK, acceptance_table, replay_calls, sample_codes, summarize_calls
+from rvqtts.calibration import MAX_RANK, acceptance_table, free_running_data, replay_calls, summarize_calls
 from rvqtts.contexts import Contexts
 from rvqtts.drafters import (MedusaDrafter, MixedDrafter, OffsetDrafter, PriorDrafter, TableDrafter,
                              parameter_count)
@@ -36,18 +36,16 @@ class ComparisonData:
 
 
 def comparison_data(synthesizer, calibration: Contexts, evaluation: Contexts, seed: int,
-                    tune_fraction: float = 0.15) -> ComparisonData:
+                    sampling: SamplingConfig = SamplingConfig(), tune_fraction: float = 0.15) -> ComparisonData:
     code_predictor = synthesizer.code_predictor
     embedding = synthesizer.talker.get_input_embeddings()
     fit, tune = calibration.split(tune_fraction, seed)
-
-    def sampled(frames: Contexts, key: int) -> DraftData:
-        prefixes = frames.prefixes(embedding)
-        return frozen_draft_data(code_predictor, prefixes, sample_codes(code_predictor, prefixes, key))
-
-    fit_prefixes = fit.prefixes(embedding)
-    return ComparisonData(frozen_draft_data(code_predictor, fit_prefixes, fit.codes[:, 1:]), sampled(fit, seed),
-                          sampled(tune, seed + 1), sampled(evaluation, seed + 2), evaluation.language)
+    fit_prefixes, tune_prefixes, evaluation_prefixes = (f.prefixes(embedding) for f in (fit, tune, evaluation))
+    return ComparisonData(frozen_draft_data(code_predictor, fit_prefixes, fit.codes[:, 1:]),
+                          free_running_data(code_predictor, fit_prefixes, seed, sampling),
+                          free_running_data(code_predictor, tune_prefixes, seed + 1, sampling),
+                          free_running_data(code_predictor, evaluation_prefixes, seed + 2, sampling),
+                          evaluation.language)
 
 
 def trees_for(ranks: np.ndarray, budget: int, by_position: bool, source: str) -> Tree | list[Tree]:
@@ -89,7 +87,7 @@ def compare_drafters(synthesizer, calibration: Contexts, evaluation: Contexts, b
                      variants: bool = True, log: Callable[[str], None] = print) -> dict:
     """Every drafter of rvqtts.drafters, trained where it has parameters, measured the same way; without
     `variants`, only the paper's three (reused heads, offsets, Medusa heads)."""
-    data = comparison_data(synthesizer, calibration, evaluation, seed)
+    data = comparison_data(synthesizer, calibration, evaluation, seed, sampling)
     weights = head_weights(synthesizer.code_predictor).to(data.tune.hidden.device)
     hidden, vocab, length = weights.shape[2], weights.shape[1], weights.shape[0]
     results: dict = {}
