@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import io
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from rvqtts.files import write_atomically
 
 CROSSFADE_SECONDS = 0.05
 
@@ -38,26 +38,6 @@ def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
     buffer = io.BytesIO()
     soundfile.write(buffer, np.clip(audio, -1.0, 1.0), sample_rate, format="WAV", subtype="PCM_16")
     return buffer.getvalue()
-
-
-def current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file and a rename: readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-        os.chmod(partial, 0o666 & ~current_umask())  # mkstemp makes 0600; give the file ordinary permissions
-        os.replace(partial, path)
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
 
 
 def write_wav(target: str | Path, audio: np.ndarray, sample_rate: int) -> None:

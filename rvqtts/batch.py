@@ -117,7 +117,8 @@ def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speak
     per output with its text, voice and statistics) is rewritten atomically. A failing utterance is
     reported in its result and the rest go on. `on_done(result)` is called after each one.
     """
-    from rvqtts.audio import write_atomically, write_codes, write_wav
+    from rvqtts.audio import write_codes, write_wav
+    from rvqtts.files import write_atomically
 
     manifest_path = out_dir / MANIFEST
     manifest = _read_manifest(manifest_path)

@@ -132,7 +132,7 @@ def calibrate_trees(synthesizer, frames: Contexts, offsets: Offsets, budgets: li
     drafts = offsets_name or ("zero offsets (reused heads)" if offsets.is_zero else "offsets")
     provenance = {"model": model_name, "model_fingerprint": predictor_fingerprint(code_predictor),
                   "offsets": drafts, "frames_source": frames.source, "seed": seed}
-    table = {"format": "rvqtts-acceptance", **provenance, **measured}
+    table = {**provenance, **measured}
     source = f"calibrated on {measured['frames']} free-running frames ({frames.source}) with {drafts}"
     trees = {n: replace(grow_tree(measured["acceptance"], n, source), extra=provenance) for n in budgets}
     return table, trees

@@ -7,7 +7,6 @@ people goes to standard error.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -233,12 +232,11 @@ def _show(rows: list[tuple[str, dict]], quiet: bool) -> None:
 
 
 def _write_stats(path: Optional[Path], entries: list[dict]) -> None:
-    from rvqtts.audio import write_atomically
+    from rvqtts.files import write_json
     from rvqtts.report import total_record
 
     if path is not None:
-        document = {"utterances": entries, "total": total_record(entries)}
-        write_atomically(path, (json.dumps(document, indent=1, ensure_ascii=False) + "\n").encode())
+        write_json(path, {"utterances": entries, "total": total_record(entries)})
 
 
 def _synth_one(synthesizer, item, output, speaker, language, instruct, seed, settings, codes_out, stats_json,
@@ -482,7 +480,7 @@ def calibrate(
     """Measure the per-depth, per-rank acceptance table on free-running codes and grow one sparse tree
     per node budget (depth capped at K), each with its expected codes per call."""
     from rvqtts.calibration import calibrate_trees
-    from rvqtts.tree import ACCEPTANCE_SUFFIX, save_tree
+    from rvqtts.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
 
     _check_source(texts, contexts)
     try:
@@ -506,9 +504,7 @@ def calibrate(
         progress.add_task(f"sampling {len(frames)} frames and ranking drafts", total=None)
         table, trees = calibrate_trees(synthesizer, frames, drafting, sizes, seed, model_name=model,
                                        offsets_name=offsets.name if offsets else "")
-    from rvqtts.audio import write_atomically
-
-    write_atomically(table_path, (json.dumps(table, indent=1) + "\n").encode())
+    save_acceptance(table, table_path)
     for size, tree in trees.items():
         save_tree(tree, tree_paths[size])
     summary = ", ".join(f"N={n}: {t.expected_codes_per_call}" for n, t in trees.items())
@@ -560,9 +556,9 @@ def accept(
                   offsets=str(offsets) if offsets else speculation.offsets.metadata.get("source", "shipped"),
                   frames_source=frames.source)
     if json_out is not None:
-        from rvqtts.audio import write_atomically
+        from rvqtts.files import write_json
 
-        write_atomically(json_out, (json.dumps(result, indent=1) + "\n").encode())
+        write_json(json_out, result)
     if not quiet:
         _console().print(codes_per_call_table(result))
 

@@ -10,6 +10,7 @@ forcing). A contexts file is an `.npz` with `h_t` [n, E] float32, `codes` [n, G]
 
 from __future__ import annotations
 
+import io
 import os
 import zipfile
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+from rvqtts.files import write_atomically
 
 FIELDS = ("h_t", "codes", "language")
 
@@ -55,11 +58,10 @@ class Contexts:
 
 def save_contexts(contexts: Contexts, path: str | os.PathLike) -> None:
     """Write a contexts file (atomically: a temporary file, then a rename)."""
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.partial.npz")
-    np.savez(partial, h_t=contexts.h_t.astype(np.float32), codes=contexts.codes.astype(np.int64),
+    buffer = io.BytesIO()
+    np.savez(buffer, h_t=contexts.h_t.astype(np.float32), codes=contexts.codes.astype(np.int64),
              language=contexts.language.astype(str), source=np.array(contexts.source))
-    partial.replace(path)
+    write_atomically(path, buffer.getvalue())
 
 
 def load_contexts(path: str | os.PathLike, split: str | None = None, hidden_size: int | None = None,

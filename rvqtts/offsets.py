@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from rvqtts.files import write_atomically
+
 OFFSETS_FORMAT = "rvqtts-offsets"
 MAX_DEPTH = 14  # a frame has 15 residual codes, so at most 14 can be drafted ahead of a sampled one
 
@@ -69,15 +71,12 @@ def predictor_fingerprint(code_predictor: torch.nn.Module) -> str:
 
 def save_offsets(offsets: Offsets, path: str | os.PathLike, **metadata: object) -> None:
     """Write an offsets file (atomically: a temporary file, then a rename)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     meta = {**offsets.metadata, **{k: str(v) for k, v in metadata.items()},
             "format": OFFSETS_FORMAT, "hidden_size": str(offsets.hidden_size), "depth": str(offsets.depth),
             "model": offsets.model, "model_fingerprint": offsets.model_fingerprint}
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")
-    save_file({"offsets": offsets.vectors.detach().float().cpu().contiguous()}, str(partial), metadata=meta)
-    partial.replace(path)
+    write_atomically(path, save({"offsets": offsets.vectors.detach().float().cpu().contiguous()}, metadata=meta))
 
 
 def load_offsets(path: str | os.PathLike, hidden_size: int | None = None, fingerprint: str | None = None) -> Offsets:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rvqtts.audio import current_umask
+from rvqtts.files import current_umask
 from rvqtts.compat import qwen_tts
 
 SPEAKERS = ["vivian", "serena", "uncle_fu", "dylan", "eric", "ryan", "aiden", "ono_anna", "sohee"]

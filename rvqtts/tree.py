@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from rvqtts.files import read_json, write_atomically, write_json
+
 TREE_FORMAT = "rvqtts-tree"
 Path_ = tuple[int, ...]
 
@@ -126,12 +128,7 @@ def tree_problem(paths: tuple[Path_, ...] | list, depth_limit: int | None = None
 def load_tree(path: str | os.PathLike) -> Tree:
     """Read and validate a tree file; every fault raises TreeFileError naming the file."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as error:
-        raise TreeFileError(f"cannot read tree file {path}: {error}") from error
-    except json.JSONDecodeError as error:
-        raise TreeFileError(f"tree file {path} is not valid JSON: {error}") from error
+    data = read_json(path, "tree file", TreeFileError)
     if not isinstance(data, dict) or data.get("format") != TREE_FORMAT:
         raise TreeFileError(f"tree file {path} is not an rvqtts tree (expected \"format\": \"{TREE_FORMAT}\")")
     raw = data.get("paths")
@@ -159,10 +156,7 @@ def save_tree(tree: Tree, path: str | os.PathLike) -> None:
               "expected_codes_per_call": tree.expected_codes_per_call, **tree.extra}
     nodes = ",\n".join(f"  {json.dumps(list(p))}" for p in tree.paths)  # one node per line
     text = f'{json.dumps(header, indent=1)[:-2]},\n "paths": [\n{nodes}\n ]\n}}'
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text + "\n")
-    partial.replace(path)
+    write_atomically(path, (text + "\n").encode())
 
 
 def grow_tree(acceptance: list[list[float]], budget: int, source: str = "") -> Tree:
@@ -199,10 +193,53 @@ def grow_tree(acceptance: list[list[float]], budget: int, source: str = "") -> T
                 depth_limit=depth_limit)
 
 
-SHIPPED_TREES = Path(__file__).resolve().parent.parent / "trees"
-
-
+ACCEPTANCE_FORMAT = "rvqtts-acceptance"
 ACCEPTANCE_SUFFIX = "-acceptance.json"  # `rvqtts calibrate` writes its table beside the trees it grows
+
+
+class AcceptanceFileError(ValueError):
+    """An acceptance-table file that cannot be used; the message names the file and the fault."""
+
+
+def acceptance_problem(acceptance: object) -> str | None:
+    """Why `acceptance` is not a per-depth, per-rank acceptance table, or None.
+
+    Each depth's entries are probabilities of disjoint events (the committed code is the rank-r draft),
+    so they lie in [0, 1] and sum to at most 1."""
+    if not isinstance(acceptance, list) or not acceptance:
+        return "\"acceptance\" must be a non-empty list with one list of rates per depth"
+    for d, rates in enumerate(acceptance, 1):
+        if not isinstance(rates, list) or not rates or not all(
+                isinstance(a, (int, float)) and not isinstance(a, bool) and 0.0 <= a <= 1.0 for a in rates):
+            return f"depth {d} of \"acceptance\" must be a non-empty list of rates between 0 and 1"
+        if sum(rates) > 1.0 + 1e-4:
+            return f"depth {d} of \"acceptance\" sums to {sum(rates):.4f}: rates of one depth sum to at most 1"
+    return None
+
+
+def save_acceptance(table: dict, path: str | os.PathLike) -> None:
+    """Write an acceptance table (the `acceptance` rates plus provenance fields) atomically."""
+    problem = acceptance_problem(table.get("acceptance"))
+    if problem:
+        raise ValueError(problem)
+    write_json(path, {"format": ACCEPTANCE_FORMAT, "version": 1, **table})
+
+
+def load_acceptance(path: str | os.PathLike) -> dict:
+    """Read and validate an acceptance table that `rvqtts calibrate` wrote; every fault raises
+    AcceptanceFileError naming the file. `grow_tree(table["acceptance"], N)` gives the tree for any N."""
+    path = Path(path)
+    data = read_json(path, "acceptance table", AcceptanceFileError)
+    if not isinstance(data, dict) or data.get("format") != ACCEPTANCE_FORMAT:
+        raise AcceptanceFileError(f"{path} is not an rvqtts acceptance table (expected \"format\": "
+                                  f"\"{ACCEPTANCE_FORMAT}\"; `rvqtts calibrate` writes one as NAME{ACCEPTANCE_SUFFIX})")
+    problem = acceptance_problem(data.get("acceptance"))
+    if problem:
+        raise AcceptanceFileError(f"acceptance table {path}: {problem}")
+    return data
+
+
+SHIPPED_TREES = Path(__file__).resolve().parent.parent / "trees"
 
 
 def shipped_tree_files() -> list[Path]:

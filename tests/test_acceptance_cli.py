@@ -14,7 +14,7 @@ from rvqtts.cli import app
 from rvqtts.contexts import ContextsFileError, load_contexts, record_contexts, save_contexts
 from rvqtts.offsets import load_offsets, predictor_fingerprint
 from rvqtts.synthesis import GenerationSettings
-from rvqtts.tree import load_tree
+from rvqtts.tree import grow_tree, load_acceptance, load_tree
 
 runner = CliRunner()
 
@@ -92,13 +92,14 @@ def test_train_calibrate_accept_from_a_contexts_file(tmp_path, small, small_dir,
     calibrated = run("calibrate", "--model", small_dir, "--contexts", small_frames, "--offsets", offsets,
                      "--budgets", "4,8", "--out-dir", trees)
     assert calibrated.exit_code == 0, calibrated.output
-    table = json.loads((trees / "small-acceptance.json").read_text())
+    table = load_acceptance(trees / "small-acceptance.json")
     assert table["offsets"] == "small.safetensors" and len(table["acceptance"]) == 3
     assert table["model_fingerprint"] == loaded.model_fingerprint
     for n in (4, 8):
         tree = load_tree(trees / f"small-n{n}.json")
         assert tree.nodes == n and tree.depth <= 3 and tree.expected_codes_per_call > 1
         assert tree.extra["model_fingerprint"] == loaded.model_fingerprint
+        assert tree.paths == grow_tree(table["acceptance"], n).paths  # the table regrows the trees
     again = run("calibrate", "--model", small_dir, "--contexts", small_frames, "--offsets", offsets,
                 "--budgets", "4", "--out-dir", trees)
     assert again.exit_code == 2 and "already exist: --force replaces them" in again.output

@@ -12,7 +12,7 @@ import soundfile
 import torch
 from typer.testing import CliRunner
 
-from rvqtts.audio import current_umask
+from rvqtts.files import current_umask
 from rvqtts.cli import app
 from rvqtts.offsets import Offsets, save_offsets
 from rvqtts.synthesis import Synthesizer

@@ -19,7 +19,7 @@ from rvqtts.sampling import SamplingConfig
 from rvqtts.standin.codec import ResidualCodec, frame_features
 from rvqtts.standin.corpus import LANGUAGES, split_of, speak
 from rvqtts.synthesis import InnerLoop, Synthesizer
-from rvqtts.tree import load_tree, resolve_tree
+from rvqtts.tree import load_acceptance, load_tree, resolve_tree
 
 if shutil.which("espeak-ng") is None:
     if os.environ.get("CI"):
@@ -53,6 +53,8 @@ def test_report_holds_every_field(built):
     for drafter in ("reused-heads", "offsets"):
         assert [load_tree(out / "trees" / f"stand-in-{drafter}-n{n}.json").nodes for n in (4, 8, 16, 32, 64)] == \
             [4, 8, 16, 32, 64]
+        table = load_acceptance(out / "trees" / f"stand-in-{drafter}-acceptance.json")
+        assert table["acceptance"] == report[f"{drafter.replace('-', '_')}_acceptance"]
     assert all(f"{code}/train" in report["corpus"]["seconds"] for code in LANGUAGES)
     assert "chain gain bits" in output and "codes per predictor call" in output
     assert (out / "sample.wav").is_file() and (out / "codec.npz").is_file()

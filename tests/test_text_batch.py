@@ -113,7 +113,7 @@ def test_total_record_adds_counts_and_recomputes_ratios():
 
 
 def test_atomic_files_get_ordinary_permissions(tmp_path):
-    from rvqtts.audio import current_umask, write_atomically
+    from rvqtts.files import current_umask, write_atomically
 
     write_atomically(tmp_path / "sub" / "file.bin", b"data")
     assert (tmp_path / "sub" / "file.bin").read_bytes() == b"data"

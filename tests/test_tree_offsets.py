@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from rvqtts.offsets import Offsets, OffsetsFileError, load_offsets, save_offsets
-from rvqtts.tree import Tree, TreeFileError, grow_tree, load_tree, save_tree
+from rvqtts.tree import (ACCEPTANCE_SUFFIX, SHIPPED_TREES, AcceptanceFileError, Tree, TreeFileError, grow_tree,
+                         load_acceptance, load_tree, save_acceptance, save_tree)
 
 
 def test_buffers_of_a_branching_tree():
@@ -84,6 +85,47 @@ def test_unreadable_tree_files(tmp_path):
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(TreeFileError, match="is not valid JSON"):
         load_tree(tmp_path / "broken.json")
+
+
+def test_acceptance_file_round_trip(tmp_path):
+    table = {"acceptance": [[0.6, 0.2, 0.1], [0.5, 0.1], [0.4]], "frames": 10, "model": "m"}
+    save_acceptance(table, tmp_path / f"x{ACCEPTANCE_SUFFIX}")
+    loaded = load_acceptance(tmp_path / f"x{ACCEPTANCE_SUFFIX}")
+    assert {k: loaded[k] for k in table} == table and loaded["format"] == "rvqtts-acceptance"
+    assert grow_tree(loaded["acceptance"], 4).paths == ((0,), (1,), (0, 0), (0, 0, 0))
+    with pytest.raises(ValueError, match="sums to 1.2"):
+        save_acceptance({"acceptance": [[0.6, 0.6]]}, tmp_path / "never.json")
+    assert not (tmp_path / "never.json").exists()
+
+
+def test_the_shipped_acceptance_table_regrows_the_shipped_trees():
+    table = load_acceptance(SHIPPED_TREES / "stand-in-acceptance.json")
+    for n in (4, 8, 16, 32, 64):
+        shipped = load_tree(SHIPPED_TREES / f"stand-in-n{n}.json")
+        grown = grow_tree(table["acceptance"], n)
+        assert (grown.paths, grown.expected_codes_per_call) == (shipped.paths, shipped.expected_codes_per_call)
+        assert shipped.extra["model_fingerprint"] == table["model_fingerprint"]
+
+
+@pytest.mark.parametrize("document, message", [
+    ({"format": "rvqtts-tree", "acceptance": [[0.5]]}, "is not an rvqtts acceptance table"),
+    ({"format": "rvqtts-acceptance"}, "must be a non-empty list with one list of rates per depth"),
+    ({"format": "rvqtts-acceptance", "acceptance": [[0.5], []]}, "depth 2 of \"acceptance\" must be"),
+    ({"format": "rvqtts-acceptance", "acceptance": [[0.5, -0.1]]}, "rates between 0 and 1"),
+    ({"format": "rvqtts-acceptance", "acceptance": [[0.7, 0.4]]}, "depth 1 of \"acceptance\" sums to 1.1000"),
+    ([1, 2], "is not an rvqtts acceptance table"),
+])
+def test_invalid_acceptance_files_are_refused_with_their_fault(tmp_path, document, message):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(AcceptanceFileError) as error:
+        load_acceptance(path)
+    assert message in str(error.value) and str(path) in str(error.value)
+    with pytest.raises(AcceptanceFileError, match="cannot read acceptance table"):
+        load_acceptance(tmp_path / "missing.json")
+    path.write_text("{")
+    with pytest.raises(AcceptanceFileError, match="is not valid JSON"):
+        load_acceptance(path)
 
 
 def test_offsets_round_trip_and_zeros(tmp_path):

@@ -83,7 +83,7 @@ def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences
     from rvqtts.synthesis import Synthesizer
     from rvqtts.tiny import build_tiny_model
     from rvqtts.training import fit_offsets
-    from rvqtts.tree import save_tree
+    from rvqtts.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
 
     plan = SMALL if small else FULL
     config = plan.config if steps is None else replace(plan.config, steps=steps)
@@ -174,7 +174,7 @@ def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences
                                        model_name="stand-in", offsets_name=name.replace("_", " "))
         report[f"{name}_acceptance"] = table["acceptance"]
         report[f"{name}_codes_per_call"] = {}
-        (out / "trees").mkdir(exist_ok=True)
+        save_acceptance(table, out / "trees" / f"stand-in-{name.replace('_', '-')}{ACCEPTANCE_SUFFIX}")
         for budget, tree in trees.items():
             save_tree(tree, out / "trees" / f"stand-in-{name.replace('_', '-')}-n{budget}.json")
             measured = codes_per_call(code_predictor, Speculation(tree, drafting), prefixes_eval,
@@ -214,7 +214,8 @@ def _save_weights(model_dir: Path, synth) -> None:
 
 
 def _write_sample(out: Path, codec: ResidualCodec, recordings) -> None:
-    from rvqtts.audio import wav_bytes, write_atomically
+    from rvqtts.audio import wav_bytes
+    from rvqtts.files import write_atomically
 
     sample = next(r for r in recordings if r.split == "evaluation")
     audio = codec.to_audio(codec.encode(frame_features(sample.audio)))
