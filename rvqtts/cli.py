@@ -17,6 +17,7 @@ app = typer.Typer(help="Fast, exact Qwen3-TTS synthesis with RVQ position-aware 
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+DEFAULT_BENCH_QUERIES = (1, 2, 4, 5, 8, 9, 16, 17, 24, 32, 33, 48, 64, 65)  # N + 1 for N = 4..64 included
 
 
 def fail(message: str) -> None:
@@ -134,7 +135,9 @@ def synth(
                                                         "the model's own limit."),
     seed: int = typer.Option(0, help="Same seed, same codes, same WAV, speculative or not."),
     spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
-    tree: str = typer.Option("16", help="Draft tree: a node budget N (a shipped tree) or a tree file."),
+    tree: str = typer.Option("auto", help="Draft tree: auto (the best N measured for this device; see "
+                                          "`rvqtts bench speedup --save`), a node budget N (a shipped tree) or "
+                                          "a tree file."),
     offsets: Optional[Path] = typer.Option(None, help="Draft offsets file; default: shipped offsets matching "
                                                       "the model, else zero offsets."),
     backend: str = typer.Option("torch", help="torch, or coreml (macOS, not available yet)."),
@@ -596,6 +599,162 @@ def standin_build(
     for table in standin_tables(report):
         console.print(table)
     say(f"wrote {out / 'report.json'}")
+
+
+bench_app = typer.Typer(help="Benchmarks: predictor call cost per query length, projected speedup per tree size, "
+                             "and whole synthesis against stock qwen-tts (docs/benchmarks.md).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def _list_of_ints(value: str, option: str, least: int = 1) -> list[int]:
+    try:
+        numbers = sorted({int(v) for v in value.split(",")})
+    except ValueError:
+        fail(f"{option} must be comma-separated whole numbers, got {value!r}")
+    if not numbers or numbers[0] < least:
+        fail(f"{option} values must be at least {least}, got {value!r}")
+    return numbers
+
+
+@bench_app.command("predictor")
+def bench_predictor_command(
+    model: Optional[str] = typer.Option(None, help="Time this checkpoint's code predictor (hub id or folder)."),
+    dims: str = typer.Option("0.6b", help="Without --model: random weights at the real 0.6b or 1.7b dimensions."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("bfloat16", help="float32, bfloat16 or float16."),
+    q: str = typer.Option(",".join(map(str, DEFAULT_BENCH_QUERIES)), "--q",
+                          help="Query lengths (q = N + 1 for a tree of N nodes; 1 is always timed)."),
+    repeats: int = typer.Option(30, help="Timed repetitions per query length (after 5 warm-up rounds)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
+) -> None:
+    """Median and spread of one predictor call per query length (tree mask, KV length 8, after warm-up),
+    with qwen-tts's own q = 1 forward timed in the same run, interleaved."""
+    from rvqtts.bench import PREDICTOR_DIMS, bench_predictor, random_code_predictor
+    from rvqtts.files import write_json
+    from rvqtts.loading import DTYPES
+    from rvqtts.report import predictor_table
+
+    queries = _list_of_ints(q, "--q")
+    if 1 not in queries:
+        queries = [1, *queries]
+    if dtype not in DTYPES:
+        fail(f"unknown --dtype {dtype!r}: choose {', '.join(DTYPES)}")
+    if repeats < 1:
+        fail(f"--repeats must be at least 1, got {repeats}")
+    if model is None:
+        if dims not in PREDICTOR_DIMS:
+            fail(f"unknown --dims {dims!r}: choose {', '.join(PREDICTOR_DIMS)}")
+        import torch
+
+        code_predictor = random_code_predictor(dims, getattr(torch, dtype), _pick_device(device))
+        weights = f"random at the real {dims} dimensions"
+    else:
+        code_predictor = _load_synthesizer(model, device, dtype).code_predictor
+        weights = model
+    with _progress(quiet) as progress:
+        task = progress.add_task("warming up and timing", total=len(queries))
+        result = bench_predictor(code_predictor, queries, repeats=repeats, weights=weights,
+                                 progress=lambda done, total: progress.update(task, completed=done))
+    if json_out:
+        write_json(json_out, result)
+    if not quiet:
+        _console().print(predictor_table(result))
+
+
+@bench_app.command("speedup")
+def bench_speedup_command(
+    predictor: Path = typer.Option(..., help="JSON that `rvqtts bench predictor --json` wrote."),
+    acceptance: Optional[Path] = typer.Option(None, help="Acceptance table (`rvqtts calibrate` writes "
+                                                         "NAME-acceptance.json); default: the paper's figures."),
+    plot: Optional[Path] = typer.Option(None, help="Write a PNG in the manner of the paper's Figure 4."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the projection as JSON."),
+    save: bool = typer.Option(False, "--save", help="Make the best N the default tree of `rvqtts synth` on "
+                                                   "this kind of device."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
+) -> None:
+    """Projected inner-loop speedup per N = codes per call at N / (cost of a q = N + 1 call / cost of a
+    q = 1 call), and the best N."""
+    from rvqtts.bench import codes_per_call_by_budget, project_speedup, plot_speedup
+    from rvqtts.files import read_json, write_json
+    from rvqtts.report import speedup_table
+    from rvqtts.tree import AcceptanceFileError, load_acceptance, save_best_budget
+
+    try:
+        measured = read_json(predictor, "predictor bench", ValueError)
+        if not isinstance(measured, dict) or not {"q", "ratio_to_q1", "ratio_to_stock_q1", "device"} <= set(measured):
+            raise ValueError(f"{predictor} is not the JSON of `rvqtts bench predictor --json`")
+        table = load_acceptance(acceptance) if acceptance else None
+        figures, source = codes_per_call_by_budget(table)
+        projection = project_speedup(figures, measured)
+    except (ValueError, AcceptanceFileError) as error:
+        fail(str(error))
+    projection["acceptance_source"] = source
+    if plot:
+        try:
+            plot_speedup(projection, source, plot)
+        except ImportError:
+            fail("--plot needs matplotlib: pip install 'rvqtts[bench]' (or pip install matplotlib)")
+    if json_out:
+        write_json(json_out, projection)
+    if save:
+        where = save_best_budget(projection["device"], projection["best_N"], f"rvqtts bench speedup: {source}; "
+                                 f"{projection['dtype']}, {projection['weights']}")
+        say(f"rvqtts synth on {projection['device'].split(':')[0]} now defaults to --tree {projection['best_N']} "
+            f"(recorded in {where})", quiet)
+    if not quiet:
+        _console().print(speedup_table(projection))
+
+
+@bench_app.command("e2e")
+def bench_e2e_command(
+    texts: Path = typer.Option(..., help="Text file, one utterance per line (.jsonl lines may set speaker and "
+                                         "language)."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    tree: str = typer.Option("auto", help="Tree of the speculative runs: auto (the best N for this device), N, "
+                                          "or a tree file."),
+    offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the model."),
+    speaker: str = typer.Option("vivian", help="Speaker of lines that name none."),
+    language: str = typer.Option("auto", help="Language of lines that name none."),
+    seed: int = typer.Option(0, help="Seed of every run."),
+    max_frames: Optional[int] = typer.Option(None, help="Most frames per utterance."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every run and the totals as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
+) -> None:
+    """Stock qwen-tts, `rvqtts synth --no-spec` and `rvqtts synth` on the same texts and seed, interleaved:
+    wall, inner-loop, talker and decoder time per frame, RTF, and the ratios between them."""
+    from rvqtts.batch import BatchFileError, read_batch
+    from rvqtts.bench import bench_e2e
+    from rvqtts.files import write_json
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.report import e2e_table
+    from rvqtts.synthesis import GenerationSettings, choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    try:
+        lines = [(u.text, u.speaker or speaker, u.language or language) for u in read_batch(texts)]
+        settings = GenerationSettings(max_frames=max_frames)
+    except (BatchFileError, ValueError) as error:
+        fail(str(error))
+    synthesizer = _load_synthesizer(model, device, dtype)
+    try:
+        for _, line_speaker, line_language in lines:
+            synthesizer.check_voice(line_speaker, line_language)
+        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
+    except (TreeFileError, OffsetsFileError, ValueError) as error:
+        fail(str(error))
+    if notice:
+        say(notice, quiet)
+    with _progress(quiet) as progress:
+        task = progress.add_task(f"{len(lines)} texts x 3 variants", total=len(lines) * 3)
+        result = bench_e2e(synthesizer.tts, lines, speculation, seed, settings,
+                           progress=lambda done, total: progress.update(task, completed=done))
+    if json_out:
+        write_json(json_out, result)
+    if not quiet:
+        _console().print(e2e_table(result))
 
 
 def main() -> None:

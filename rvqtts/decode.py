@@ -132,6 +132,30 @@ def draft(runner: PredictorRunner, hidden: torch.Tensor, offsets: torch.Tensor, 
     return torch.stack(rows)
 
 
+def scored_slices(plan: RoundPlan, index: int, last: int) -> list[tuple[int, slice]]:
+    """The depths (with their query slots) whose code is not the frame's last: each scores the next code."""
+    return [(d, s) for d, s in enumerate(plan.depth_slices) if index + d < last]
+
+
+def tree_call(runner: PredictorRunner, plan: RoundPlan, hidden: torch.Tensor, offsets: torch.Tensor,
+              root: torch.Tensor, index: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One speculative call's model work: draft the tree's nodes from `hidden` (h_index), run the root
+    (c_index) and the nodes in one forward pass under the tree mask over `length` committed slots, and
+    score the next code at every slot. Returns node codes [q] (root first), hidden states [q, H] and the
+    logits of the scored slots, depth by depth."""
+    ranked = draft(runner, hidden, offsets, index, plan.draft_ranks)
+    node_codes = torch.cat([root, ranked[plan.slot_depth[1:] - 1, plan.node_rank]])
+    q = node_codes.shape[0]
+    embeds = runner.embed_codes(node_codes, index, plan.depth_slices)
+    mask = torch.zeros(q, runner.max_len, dtype=torch.bool, device=runner.device)
+    mask[:, :length] = True
+    mask[:, length:length + q] = plan.ancestor_mask
+    out = runner.forward(embeds, index + 1 + plan.slot_depth, length, mask)
+    last = runner.code_groups - 1
+    logits = torch.cat([runner.logits(out[s], index + d + 1) for d, s in scored_slices(plan, index, last)])
+    return node_codes, out, logits
+
+
 @torch.inference_mode()
 def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, noise: torch.Tensor,
                              sampling: SamplingConfig, speculation: Speculation, offsets: torch.Tensor,
@@ -147,19 +171,9 @@ def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, nois
             codes.extend(root.tolist())
             break
         plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
-        ranked = draft(runner, hidden, offsets, index, plan.draft_ranks)
-        node_codes = torch.cat([root, ranked[plan.slot_depth[1:] - 1, plan.node_rank]])
-        q = node_codes.shape[0]
-        embeds = runner.embed_codes(node_codes, index, plan.depth_slices)
-        mask = torch.zeros(q, runner.max_len, dtype=torch.bool, device=runner.device)
-        mask[:, :length] = True
-        mask[:, length:length + q] = plan.ancestor_mask
-        out = runner.forward(embeds, index + 1 + plan.slot_depth, length, mask)
+        node_codes, out, logits = tree_call(runner, plan, hidden, offsets, root, index, length)
         calls += 1
-        # Every slot whose code is not the frame's last scores the next code with its own noise row.
-        scored = [(d, s) for d, s in enumerate(plan.depth_slices) if index + d < last]
-        logits = torch.cat([runner.logits(out[s], index + d + 1) for d, s in scored])
-        rows = torch.cat([noise[index + d].expand(s.stop - s.start, -1) for d, s in scored])
+        rows = torch.cat([noise[index + d].expand(s.stop - s.start, -1) for d, s in scored_slices(plan, index, last)])
         draws = draw(logits, rows, sampling)
         host_codes, host_draws = node_codes.tolist(), draws.tolist()
         slot_index = [index + d for d, s in enumerate(plan.depth_slices) for _ in range(s.start, s.stop)]

@@ -42,3 +42,11 @@ def read_json(path: Path, what: str, error: type[Exception]) -> object:
         raise error(f"cannot read {what} {path}: {fault}") from fault
     except json.JSONDecodeError as fault:
         raise error(f"{what} {path} is not valid JSON: {fault}") from fault
+
+
+def cache_dir() -> Path:
+    """rvqtts's per-user folder for measured choices and exported packages ($RVQTTS_CACHE, else the
+    platform's cache folder: $XDG_CACHE_HOME or ~/.cache, then rvqtts)."""
+    if os.environ.get("RVQTTS_CACHE"):
+        return Path(os.environ["RVQTTS_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "rvqtts"

@@ -110,3 +110,49 @@ def codes_per_call_table(result: dict) -> Table:
         table.add_row(str(row["frames"]), name, f"{row['codes_per_call']:.3f}", "{:.3f}-{:.3f}".format(*row["ci95"]))
     table.caption = f"offsets: {result['offsets']}; frames: {result['frames_source']}"
     return table
+
+
+def predictor_table(result: dict) -> Table:
+    """`rvqtts bench predictor`: one call's median and spread per query length, against q = 1 and stock."""
+    table = Table(title=f"one code-predictor call, {result['device']} {result['dtype']}, KV length "
+                        f"{result['kv_length']}, {result['threads']} threads", title_justify="left", box=box.SIMPLE_HEAD)
+    for title in ("q", "median ms", "p10-p90 ms", "x q=1", "x stock q=1"):
+        table.add_column(title, justify="right")
+    for i, q in enumerate(result["q"]):
+        table.add_row(str(q), f"{result['median_ms'][i]:.2f}", f"{result['p10_ms'][i]:.2f}-{result['p90_ms'][i]:.2f}",
+                      f"{result['ratio_to_q1'][i]:.3f}", f"{result['ratio_to_stock_q1'][i]:.3f}")
+    table.add_row("stock 1", f"{result['stock_q1_ms']:.2f}",
+                  f"{result['stock_q1_p10_ms']:.2f}-{result['stock_q1_p90_ms']:.2f}", "", "1.000")
+    table.caption = (f"weights: {result['weights']}; {result['repeats']} interleaved repeats; one frame's inner "
+                     f"loop: stock HF generate() {result['stock_frame_ms']:.1f} ms, rvqtts plain "
+                     f"{result['plain_frame_ms']:.1f} ms")
+    return table
+
+
+def speedup_table(projection: dict) -> Table:
+    """`rvqtts bench speedup`: codes per call, cost ratio and projected inner-loop speedup per N."""
+    table = Table(title=f"projected inner-loop speedup, {projection['device']} {projection['dtype']}: best N = "
+                        f"{projection['best_N']}", title_justify="left", box=box.SIMPLE_HEAD)
+    for title in ("N", "codes/call", "cost q=N+1 / q=1", "speedup", "vs stock"):
+        table.add_column(title, justify="right")
+    for row in projection["rows"]:
+        table.add_row(str(row["N"]), f"{row['codes_per_call']:.3f}", f"{row['cost_ratio']:.3f}",
+                      f"{row['speedup']:.3f}", f"{row['speedup_vs_stock']:.3f}")
+    skipped = projection["not_measured"]
+    table.caption = f"acceptance: {projection['acceptance_source']}" + (
+        f"; N = {', '.join(map(str, skipped))} not projected (q = N + 1 outside the bench's range)" if skipped else "")
+    return table
+
+
+def e2e_table(result: dict) -> Table:
+    """`rvqtts bench e2e`: per-frame times of stock qwen-tts, the plain loop and the speculative loop."""
+    table = Table(title=f"end to end, {result['texts']} texts, seed {result['seed']}, tree N = {result['tree_nodes']}",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for title in ("variant", "frames", "wall ms/frame", "talker", "inner loop", "decoder", "RTF"):
+        table.add_column(title, justify="left" if title == "variant" else "right")
+    for name, total in result["totals"].items():
+        table.add_row(name, str(total["frames"]), *(f"{total[f'{part}_ms_per_frame'] or 0:.1f}"
+                                                    for part in ("wall", "talker", "predictor", "decoder")),
+                      f"{total['rtf'] or 0:.3f}")
+    table.caption = "; ".join(f"{name}: {ratio}x" for name, ratio in result["ratios"].items())
+    return table

@@ -40,6 +40,11 @@ def _synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+def seed_talker(seed: int, utterance: int, chunk: int) -> None:
+    """Seed torch's generator, which the talker samples c0 with, for one chunk of one utterance."""
+    torch.manual_seed((seed * 1_000_003 + utterance) * 1_009 + chunk)
+
+
 class InnerLoop:
     """Produces c1..c_{G-1} for each frame the talker asks for, and counts what it did.
 
@@ -246,7 +251,7 @@ class Synthesizer:
         with self._hooks(loop, captured, seconds, counts):
             for index, piece in enumerate(pieces):
                 budget = min(settings.max_frames or self.default_max_frames, frame_budget(piece))
-                torch.manual_seed((seed * 1_000_003 + utterance) * 1_009 + index)
+                seed_talker(seed, utterance, index)
                 wavs, sample_rate = self.tts.generate_custom_voice(
                     text=piece, speaker=speaker, language=language,
                     instruct=instruct if self.supports_instruct else None, **settings.generate_kwargs(budget))
@@ -266,6 +271,45 @@ class Synthesizer:
                          tree_nodes=self.speculation.tree.nodes if self.speculation else 0, seed=seed,
                          warnings=warnings)
 
+
+    def synthesize_stock(self, text: str, speaker: str, language: str = "auto", seed: int = 0,
+                         settings: GenerationSettings = GenerationSettings()) -> dict:
+        """Stock qwen-tts on the same text and talker seed: its own HF loops for talker and code predictor,
+        timed but untouched (the code predictor's `generate()` and the speech decoder are wrapped only to
+        clock them). Returns the timing fields of `Synthesis.record()`."""
+        self.check_voice(speaker, language)
+        predictor_generate, speech_tokenizer = self.code_predictor.generate, self.model.speech_tokenizer
+        seconds = {"predictor": 0.0, "decoder": 0.0}
+        frames: list[int] = []
+
+        def clocked(name: str, call: Callable) -> Callable:
+            def run(*args, **kwargs):
+                started = time.perf_counter()
+                result = call(*args, **kwargs)
+                seconds[name] += time.perf_counter() - started
+                return result
+            return run
+
+        def decode(items):
+            frames.extend(item["audio_codes"].shape[0] for item in items)
+            return type(speech_tokenizer).decode(speech_tokenizer, items)
+
+        self.code_predictor.generate = clocked("predictor", predictor_generate)
+        speech_tokenizer.decode = clocked("decoder", decode)
+        started = time.perf_counter()
+        try:
+            seed_talker(seed, 0, 0)
+            budget = min(settings.max_frames or self.default_max_frames, frame_budget(text))
+            wavs, sample_rate = self.tts.generate_custom_voice(
+                text=" ".join(text.split()), speaker=speaker, language=language, **settings.generate_kwargs(budget))
+        finally:
+            del self.code_predictor.generate, speech_tokenizer.decode
+        wall = time.perf_counter() - started
+        audio_seconds = wavs[0].size / sample_rate
+        return {"frames": sum(frames), "audio_seconds": round(audio_seconds, 3), "wall_seconds": round(wall, 3),
+                "talker_seconds": round(wall - seconds["predictor"] - seconds["decoder"], 3),
+                "predictor_seconds": round(seconds["predictor"], 3), "decoder_seconds": round(seconds["decoder"], 3),
+                "rtf": round(wall / audio_seconds, 4) if audio_seconds else None}
 
     def force(self, text: str, speaker: str, language: str, codes: np.ndarray,
               on_frame: Callable[[torch.Tensor, list[int]], None]) -> None:
@@ -296,17 +340,18 @@ class ForcedLoop(InnerLoop):
         return codes
 
 
-def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike = "16",
+def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike = "auto",
                        offsets: str | os.PathLike | None = None) -> tuple[Speculation, str | None]:
     """The tree and offsets to draft with, and a notice when no shipped offsets match the model.
 
-    `tree` is a node budget N (a shipped tree, preferring one calibrated for this model) or a file;
+    `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` (the best
+    N measured for the model's device type) or a file;
     without an offsets file, shipped offsets whose fingerprint matches the model are used, else zero
     offsets (reused heads). Raises TreeFileError / OffsetsFileError / ValueError with their messages.
     """
     fingerprint = predictor_fingerprint(code_predictor)
     hidden = code_predictor.config.hidden_size
-    chosen = resolve_tree(tree, fingerprint)
+    chosen = resolve_tree(tree, fingerprint, code_predictor.lm_head[0].weight.device.type)
     notice = None
     if offsets is not None:
         drafts = load_offsets(offsets, hidden_size=hidden, fingerprint=fingerprint)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rvqtts.files import read_json, write_atomically, write_json
+from rvqtts.files import cache_dir, read_json, write_atomically, write_json
 
 TREE_FORMAT = "rvqtts-tree"
 Path_ = tuple[int, ...]
@@ -193,6 +193,30 @@ def grow_tree(acceptance: list[list[float]], budget: int, source: str = "") -> T
                 depth_limit=depth_limit)
 
 
+def frame_codes_per_call(acceptance: list[list[float]], tree: Tree, codes: int = 15) -> float:
+    """Expected codes per predictor call over a whole frame of `codes` residual codes, under the table's
+    model of acceptance (independent rounds): the prefill counts as a call, and near the frame's end the
+    tree is cut to the codes that remain, as the engine cuts it. `tree.expected_codes_per_call` is the
+    per-round figure without those two effects."""
+    def reach(path: Path_) -> float:  # the chance a round accepts this node
+        result = 1.0
+        for d, r in enumerate(path):
+            result *= acceptance[d][r] if d < len(acceptance) and r < len(acceptance[d]) else 0.0
+        return result
+
+    at_least = [1.0] + [sum(reach(p) for p in tree.paths if len(p) == d) for d in range(1, tree.depth + 1)]
+    calls_from = [0.0] * (codes + 2)  # calls_from[k]: expected calls still to make when c_k is the round's root
+    for k in range(codes - 1, 0, -1):
+        depth = min(tree.depth, codes - k)
+        expected = 1.0
+        for accepted in range(depth + 1):
+            chance = at_least[accepted] - (at_least[accepted + 1] if accepted < depth else 0.0)
+            if k + accepted < codes:
+                expected += chance * calls_from[k + accepted + 1]
+        calls_from[k] = expected
+    return codes / (1.0 + calls_from[1])
+
+
 ACCEPTANCE_FORMAT = "rvqtts-acceptance"
 ACCEPTANCE_SUFFIX = "-acceptance.json"  # `rvqtts calibrate` writes its table beside the trees it grows
 
@@ -240,19 +264,50 @@ def load_acceptance(path: str | os.PathLike) -> dict:
 
 
 SHIPPED_TREES = Path(__file__).resolve().parent.parent / "trees"
+BEST_BUDGETS = "best-n.json"  # {device type: {"N": best node budget, "source": how it was measured}}
+FALLBACK_BUDGET = 16
+
+
+def best_budget(device_type: str) -> tuple[int, str]:
+    """The tree size `--tree auto` means on this kind of device (cpu, cuda, mps), and where it came from:
+    the user's own measurement (`rvqtts bench speedup --save`), else the one shipped in trees/, else 16."""
+    for path in (cache_dir() / BEST_BUDGETS, SHIPPED_TREES / BEST_BUDGETS):
+        try:
+            entry = json.loads(path.read_text()).get(device_type)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("N"), int) and entry["N"] >= 1:
+            return entry["N"], f"{path}: {entry.get('source', '')}"
+    return FALLBACK_BUDGET, "default"
+
+
+def save_best_budget(device: str, budget: int, source: str) -> Path:
+    """Record the measured best tree size for this kind of device in the user's cache; returns the file."""
+    path = cache_dir() / BEST_BUDGETS
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        records = {}
+    records = records if isinstance(records, dict) else {}
+    records[device.split(":")[0]] = {"N": budget, "source": source}
+    write_json(path, records)
+    return path
 
 
 def shipped_tree_files() -> list[Path]:
     return sorted(p for p in SHIPPED_TREES.glob("*.json") if not p.name.endswith(ACCEPTANCE_SUFFIX))
 
 
-def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None) -> Tree:
-    """A `--tree` value: a node budget N, meaning a shipped tree of N nodes, or a tree file's path.
+def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None, device_type: str = "cpu") -> Tree:
+    """A `--tree` value: a node budget N, meaning a shipped tree of N nodes; `auto`, the best N measured
+    for this kind of device (`best_budget`); or a tree file's path.
 
     Among shipped trees of N nodes, one calibrated for the model (its `model_fingerprint` equals
     `fingerprint`) wins over a model-independent one; trees calibrated for other models are passed over.
     """
     text = str(spec)
+    if text == "auto":
+        text = str(best_budget(device_type)[0])
     if not text.isdigit():
         return load_tree(text)
     trees = [load_tree(p) for p in shipped_tree_files()]

@@ -12,6 +12,13 @@ from rvqtts.synthesis import Synthesizer
 from rvqtts.tiny import build_tiny_model
 
 
+@pytest.fixture(autouse=True)
+def user_cache(tmp_path, monkeypatch):
+    """An empty per-test cache folder: choices a user saved (`rvqtts bench speedup --save`) never steer tests."""
+    monkeypatch.setenv("RVQTTS_CACHE", str(tmp_path / "rvqtts-cache"))
+    return tmp_path / "rvqtts-cache"
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """The default tiny checkpoint: 16 code groups, codebook 2048."""

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from rvqtts.offsets import Offsets, OffsetsFileError, load_offsets, save_offsets
-from rvqtts.tree import (ACCEPTANCE_SUFFIX, SHIPPED_TREES, AcceptanceFileError, Tree, TreeFileError, grow_tree,
-                         load_acceptance, load_tree, save_acceptance, save_tree)
+from rvqtts.tree import (ACCEPTANCE_SUFFIX, SHIPPED_TREES, AcceptanceFileError, Tree, TreeFileError,
+                         frame_codes_per_call, grow_tree, load_acceptance, load_tree, save_acceptance, save_tree)
 
 
 def test_buffers_of_a_branching_tree():
@@ -98,13 +98,25 @@ def test_acceptance_file_round_trip(tmp_path):
     assert not (tmp_path / "never.json").exists()
 
 
-def test_the_shipped_acceptance_table_regrows_the_shipped_trees():
-    table = load_acceptance(SHIPPED_TREES / "stand-in-acceptance.json")
+@pytest.mark.parametrize("name", ["stand-in", "prior"])
+def test_the_shipped_acceptance_tables_regrow_the_shipped_trees(name):
+    table = load_acceptance(SHIPPED_TREES / f"{name}-acceptance.json")
     for n in (4, 8, 16, 32, 64):
-        shipped = load_tree(SHIPPED_TREES / f"stand-in-n{n}.json")
+        shipped = load_tree(SHIPPED_TREES / f"{name}-n{n}.json")
         grown = grow_tree(table["acceptance"], n)
         assert (grown.paths, grown.expected_codes_per_call) == (shipped.paths, shipped.expected_codes_per_call)
-        assert shipped.extra["model_fingerprint"] == table["model_fingerprint"]
+        assert shipped.extra.get("model_fingerprint") == table.get("model_fingerprint")
+
+
+def test_frame_codes_per_call_counts_the_prefill_and_the_frame_end():
+    never, always = [[0.0], [0.0], [0.0]], [[1.0], [1.0], [1.0]]
+    assert frame_codes_per_call(never, grow_tree(never, 4)) == 1.0
+    # Always accepted: the prefill gives c1, rounds give c2-c5, c6-c9, c10-c13, then c14-c15: 15 codes, 5 calls.
+    assert frame_codes_per_call(always, grow_tree(always, 3)) == 3.0
+    assert frame_codes_per_call(always, grow_tree(always, 3), codes=3) == 1.5  # prefill c1, then c2-c3
+    half = [[0.5], [0.5], [0.5]]
+    chain = grow_tree(half, 3)
+    assert 1.0 < frame_codes_per_call(half, chain) < chain.expected_codes_per_call
 
 
 @pytest.mark.parametrize("document, message", [

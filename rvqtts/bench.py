@@ -1,0 +1,301 @@
+"""Benchmarks: what one predictor call costs per query length, the inner-loop speedup that projects to
+per tree size, and whole synthesis against stock qwen-tts. Timings, not tests: every comparison is
+measured side by side in one run (alternatives interleaved repetition by repetition), because the
+machines they run on are shared and noisy; report medians and ratios, never one-off times.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from rvqtts.decode import RoundPlan, tree_call
+from rvqtts.files import write_atomically
+from rvqtts.predictor import PredictorRunner
+from rvqtts.tree import SHIPPED_TREES, Tree, frame_codes_per_call, grow_tree, load_acceptance
+
+PREDICTOR_DIMS = {"0.6b": 1024, "1.7b": 2048}  # talker width in front of the (same) 1024-wide predictor
+BUDGETS = (4, 8, 16, 32, 64)
+# The paper's codes per call for its offsets drafter (Figure 4, N = 16 / 32 / 64): a labelled reference,
+# used when no acceptance table of the model is given.
+PAPER_CODES_PER_CALL = {16: 2.25, 32: 2.47, 64: 2.60}
+KV_LENGTH = 8  # committed slots before a timed call: mid-frame (a frame holds 2 to 17)
+
+
+def random_code_predictor(dims: str, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
+    """qwen-tts's code predictor at the real dimensions with random weights (cost does not depend on them)."""
+    from rvqtts.compat import qwen_tts
+
+    qwen_tts()
+    from qwen_tts.core.models.configuration_qwen3_tts import (Qwen3TTSTalkerCodePredictorConfig,
+                                                               Qwen3TTSTalkerConfig)
+    from qwen_tts.core.models.modeling_qwen3_tts import \
+        Qwen3TTSTalkerCodePredictorModelForConditionalGeneration as CodePredictor
+
+    if dims not in PREDICTOR_DIMS:
+        raise ValueError(f"unknown dimensions {dims!r}; choose one of {', '.join(PREDICTOR_DIMS)}")
+    config = Qwen3TTSTalkerCodePredictorConfig(num_code_groups=16)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = CodePredictor(config, Qwen3TTSTalkerConfig(hidden_size=PREDICTOR_DIMS[dims]))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_ms(calls: dict[str, Callable[[], object]], device: torch.device, warmup: int = 5,
+                   repeats: int = 30, reset: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Milliseconds of each call, `repeats` times, the calls taking turns so that load on a shared
+    machine falls on all of them alike. `reset` runs untimed before every call."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for repeat in range(warmup + repeats):
+        for name, call in calls.items():
+            if reset:
+                reset()
+            _synchronize(device)
+            started = time.perf_counter()
+            call()
+            _synchronize(device)
+            if repeat >= warmup:
+                times[name].append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def timing_tree(nodes: int) -> Tree:
+    """A tree of `nodes` nodes shaped like a calibrated one (grown from the shipped prior table)."""
+    prior = load_acceptance(SHIPPED_TREES / "prior-acceptance.json")["acceptance"]
+    return grow_tree(prior, nodes)
+
+
+def _stock_step(code_predictor: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+    """qwen-tts's own forward for one code at KV length KV_LENGTH (its HF cache, its LM head), and a
+    reset that crops the cache back after each call."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    width = code_predictor.model.codec_embedding[0].weight.shape[1]
+    talker_width = getattr(code_predictor.small_to_mtp_projection, "in_features", width)
+    with torch.inference_mode():
+        code_predictor(inputs_embeds=torch.randn(1, KV_LENGTH, talker_width, device=device, dtype=dtype),
+                       past_key_values=cache, use_cache=True)
+    code = torch.tensor([[5]], device=device)
+
+    def step() -> None:
+        with torch.inference_mode():
+            code_predictor(input_ids=code, past_key_values=cache, use_cache=True, generation_steps=KV_LENGTH - 1)
+
+    return step, lambda: cache.crop(KV_LENGTH)
+
+
+def _frame_loops(code_predictor: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
+    """One frame's whole inner loop (15 codes, sampled with qwen-tts's defaults): qwen-tts's HF
+    `generate()` as its talker calls it, and rvqtts's plain loop on the same prefix."""
+    from rvqtts.decode import DecodeStats, decode_frame_plain
+    from rvqtts.sampling import SamplingConfig
+
+    groups = code_predictor.config.num_code_groups
+    talker_width = getattr(code_predictor.small_to_mtp_projection, "in_features",
+                           code_predictor.model.codec_embedding[0].weight.shape[1])
+    prefix = torch.randn(1, 2, talker_width, device=device, dtype=dtype)
+    runner = PredictorRunner(code_predictor, groups)
+    noise = torch.zeros(groups - 1, code_predictor.config.vocab_size, device=device)
+    sampling = SamplingConfig()
+
+    def stock() -> None:
+        code_predictor.generate(inputs_embeds=prefix, max_new_tokens=groups - 1, do_sample=True, top_p=1.0,
+                                top_k=50, temperature=0.9, output_hidden_states=True, return_dict_in_generate=True)
+
+    return {"stock_frame": stock,
+            "plain_frame": lambda: decode_frame_plain(runner, prefix[0], noise, sampling, DecodeStats())}
+
+
+def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup: int = 5, repeats: int = 30,
+                    weights: str = "random", progress: Callable[[int, int], None] | None = None) -> dict:
+    """Median and spread of one predictor call per query length q (q = 1: a plain step; q > 1: a verify
+    call of a q - 1 node tree with its drafts, tree mask and LM heads), and of qwen-tts's own q = 1
+    forward, interleaved in one run; also one whole frame's inner loop, qwen-tts's HF `generate()`
+    against rvqtts's plain loop."""
+    weight = code_predictor.lm_head[0].weight
+    device, dtype = weight.device, weight.dtype
+    depth = 3
+    runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + max(queries))
+    offsets = torch.zeros(depth, runner.hidden_size, device=device, dtype=dtype)
+    hidden = torch.randn(runner.hidden_size, device=device, dtype=dtype)
+    code = torch.tensor([5], device=device)
+    index = KV_LENGTH - 1  # the call's root is c_index, after KV_LENGTH committed slots
+
+    def plain() -> None:
+        runner.logits(runner.step(code, index), index + 1)
+
+    def tree_round(plan: RoundPlan) -> Callable[[], object]:
+        return lambda: tree_call(runner, plan, hidden, offsets, code, index, KV_LENGTH)
+
+    calls: dict[str, Callable[[], object]] = {}
+    for q in queries:
+        calls[f"q{q}"] = plain if q == 1 else tree_round(RoundPlan.build(timing_tree(q - 1), device))
+    stock, reset_stock = _stock_step(code_predictor, device, dtype)
+    with torch.inference_mode():
+        for done, call in enumerate(calls.values()):  # compile-free warm-up of every shape's kernels
+            call()
+            if progress:
+                progress(done + 1, len(calls))
+        # Cropping the stock cache runs before every call (untimed); it is cheap and leaves ours untouched.
+        times = interleaved_ms({**calls, "stock": stock}, device, warmup, repeats, reset=reset_stock)
+        frames = interleaved_ms(_frame_loops(code_predictor, device, dtype), device, 2, max(3, repeats // 4))
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    base = medians["q1"] if "q1" in medians else None
+    return {
+        "q": list(queries),
+        "median_ms": [round(medians[f"q{q}"], 3) for q in queries],
+        "p10_ms": [round(_quantile(times[f"q{q}"], 0.1), 3) for q in queries],
+        "p90_ms": [round(_quantile(times[f"q{q}"], 0.9), 3) for q in queries],
+        "ratio_to_q1": [round(medians[f"q{q}"] / base, 4) if base else None for q in queries],
+        "ratio_to_stock_q1": [round(medians[f"q{q}"] / medians["stock"], 4) for q in queries],
+        "stock_q1_ms": round(medians["stock"], 3),
+        "stock_q1_p10_ms": round(_quantile(times["stock"], 0.1), 3),
+        "stock_q1_p90_ms": round(_quantile(times["stock"], 0.9), 3),
+        "stock_frame_ms": round(statistics.median(frames["stock_frame"]), 3),
+        "plain_frame_ms": round(statistics.median(frames["plain_frame"]), 3),
+        "kv_length": KV_LENGTH, "repeats": repeats, "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."), "device": str(device), "weights": weights,
+    }
+
+
+def _quantile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def codes_per_call_by_budget(table: dict | None) -> tuple[dict[int, float], str]:
+    """Codes per call per node budget: from an acceptance table (a greedy tree per budget, whole frames,
+    rvqtts.tree.frame_codes_per_call), or the paper's figures when there is none."""
+    if table is None:
+        return dict(PAPER_CODES_PER_CALL), "paper, offsets drafter (Figure 4; reference, not measured here)"
+    rates = table["acceptance"]
+    figures = {n: round(frame_codes_per_call(rates, grow_tree(rates, n)), 4) for n in BUDGETS}
+    source = table.get("source") or f"acceptance table of {table.get('model') or 'a model'}"
+    return figures, source
+
+
+def cost_at(predictor: dict, q: int, key: str = "ratio_to_q1") -> float:
+    """A predictor bench figure at query length q (within the measured range), interpolated linearly
+    between measured lengths."""
+    lengths, values = predictor["q"], predictor[key]
+    if q in lengths:
+        return values[lengths.index(q)]
+    below = max(x for x in lengths if x < q)
+    above = min(x for x in lengths if x > q)
+    low, high = values[lengths.index(below)], values[lengths.index(above)]
+    return low + (high - low) * (q - below) / (above - below)
+
+
+def project_speedup(codes_per_call: dict[int, float], predictor: dict) -> dict:
+    """Projected inner-loop speedup per N: codes per call at N over the cost of a q = N + 1 call relative
+    to a q = 1 call (against rvqtts's plain loop, and against qwen-tts's stock q = 1 call)."""
+    measured = [n for n in sorted(codes_per_call) if min(predictor["q"]) <= n + 1 <= max(predictor["q"])]
+    if not measured:
+        raise ValueError(f"the predictor bench measured q = {min(predictor['q'])}..{max(predictor['q'])}, none of "
+                         f"q = N + 1 for N = {', '.join(map(str, sorted(codes_per_call)))}: rerun `rvqtts bench "
+                         f"predictor` with --q covering them")
+    rows = []
+    for n in measured:
+        codes = codes_per_call[n]
+        ratio, ratio_stock = cost_at(predictor, n + 1), cost_at(predictor, n + 1, "ratio_to_stock_q1")
+        rows.append({"N": n, "codes_per_call": codes, "cost_ratio": round(ratio, 4),
+                     "speedup": round(codes / ratio, 4), "speedup_vs_stock": round(codes / ratio_stock, 4)})
+    best = max(rows, key=lambda row: row["speedup"])
+    return {"rows": rows, "best_N": best["N"], "best_speedup": best["speedup"],
+            "not_measured": [n for n in sorted(codes_per_call) if n not in measured],
+            "device": predictor["device"], "dtype": predictor["dtype"], "weights": predictor["weights"]}
+
+
+def plot_speedup(projection: dict, acceptance_source: str, path) -> None:
+    """Two panels in the manner of the paper's Figure 4: the acceptance ceiling (codes per call) over N,
+    and the projected speedup over N on the measured device."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = [row["N"] for row in projection["rows"]]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    left.plot(budgets, [row["codes_per_call"] for row in projection["rows"]], "o-", color="tab:blue")
+    left.set(xscale="log", xlabel="tree nodes N", ylabel="codes per call", title="acceptance ceiling")
+    left.text(0.02, 0.02, acceptance_source[:70], transform=left.transAxes, fontsize=7, color="gray")
+    label = f"{projection['device']} {projection['dtype']}"
+    right.plot(budgets, [row["speedup"] for row in projection["rows"]], "o-", color="tab:red",
+               label=f"vs rvqtts plain loop ({label})")
+    right.plot(budgets, [row["speedup_vs_stock"] for row in projection["rows"]], "s--", color="tab:orange",
+               label="vs stock qwen-tts q = 1 call")
+    right.axhline(1.0, color="gray", linewidth=0.8)
+    right.set(xscale="log", xlabel="tree nodes N", ylabel="projected inner-loop speedup",
+              title=f"best N = {projection['best_N']}")
+    right.legend(fontsize=7)
+    for axis in (left, right):
+        axis.set_xticks(budgets, [str(n) for n in budgets])
+    figure.tight_layout()
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=120)
+    plt.close(figure)
+    write_atomically(path, image.getvalue())
+
+
+E2E_VARIANTS = ("stock", "plain", "speculative")
+TIMED_FIELDS = ("wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds")
+
+
+def bench_e2e(tts: object, lines: list[tuple[str, str, str]], speculation, seed: int = 0, settings=None,
+              progress: Callable[[int, int], None] | None = None) -> dict:
+    """Stock qwen-tts, rvqtts's plain loop and rvqtts's speculative loop on the same texts and seeds,
+    taking turns text by text (the order rotating), each text spoken as one piece. Frame counts differ
+    between variants (sampled codes decide where speech ends), so times are compared per frame."""
+    from rvqtts.synthesis import GenerationSettings, Synthesizer
+
+    settings = settings or GenerationSettings()
+    synthesizers = {"plain": Synthesizer(tts, None), "speculative": Synthesizer(tts, speculation)}
+    runs: dict[str, list[dict]] = {name: [] for name in E2E_VARIANTS}
+    for number, (text, speaker, language) in enumerate(lines):
+        order = E2E_VARIANTS[number % 3:] + E2E_VARIANTS[:number % 3]
+        for name in order:
+            if name == "stock":
+                record = synthesizers["plain"].synthesize_stock(text, speaker, language, seed, settings)
+            else:
+                record = synthesizers[name].synthesize(text, speaker, language, seed, settings=settings,
+                                                       chunked=False).record()
+            runs[name].append({key: record[key] for key in ("frames", "audio_seconds", *TIMED_FIELDS, "rtf")}
+                              | ({"codes_per_call": record["codes_per_call"]} if name != "stock" else {}))
+            if progress:
+                progress(number * 3 + order.index(name) + 1, len(lines) * 3)
+    totals = {name: _totals(records) for name, records in runs.items()}
+    return {"runs": runs, "totals": totals, "ratios": _e2e_ratios(totals), "seed": seed,
+            "tree_nodes": speculation.tree.nodes, "texts": len(lines)}
+
+
+def _totals(records: list[dict]) -> dict:
+    frames = sum(r["frames"] for r in records)
+    audio = sum(r["audio_seconds"] for r in records)
+    totals = {"frames": frames, "audio_seconds": round(audio, 3)}
+    for key in TIMED_FIELDS:
+        seconds = sum(r[key] for r in records)
+        totals[key] = round(seconds, 3)
+        totals[key.replace("_seconds", "_ms_per_frame")] = round(1e3 * seconds / frames, 2) if frames else None
+    totals["rtf"] = round(totals["wall_seconds"] / audio, 4) if audio else None
+    return totals
+
+
+def _e2e_ratios(totals: dict) -> dict:
+    """How many times faster the second variant is than the first, per frame."""
+    def faster(slow: str, fast: str, part: str) -> float | None:
+        a, b = totals[slow][f"{part}_ms_per_frame"], totals[fast][f"{part}_ms_per_frame"]
+        return round(a / b, 3) if a and b else None
+
+    return {f"{slow}/{fast} {part}": faster(slow, fast, part)
+            for slow, fast in (("stock", "speculative"), ("stock", "plain"), ("plain", "speculative"))
+            for part in ("wall", "predictor", "talker")}

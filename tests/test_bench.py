@@ -1,0 +1,127 @@
+"""The bench commands run on the tiny checkpoint and write well-formed output; the projection's
+arithmetic and the measured-choice default for `--tree auto` are checked exactly. (Benchmarks are not
+tests: no timing is asserted.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rvqtts.bench import PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
+from rvqtts.cli import app
+from rvqtts.synthesis import choose_speculation
+from rvqtts.tree import FALLBACK_BUDGET, best_budget, frame_codes_per_call, grow_tree, save_acceptance
+
+runner = CliRunner()
+
+
+def run(*arguments):
+    return runner.invoke(app, [*map(str, arguments)])
+
+
+@pytest.fixture(scope="module")
+def predictor_json(tiny_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "predictor.json"
+    result = run("bench", "predictor", "--model", tiny_dir, "--dtype", "float32", "--q", "3,9,17",
+                 "--repeats", "2", "--json", path)
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_bench_predictor_writes_its_figures(predictor_json):
+    result = json.loads(predictor_json.read_text())
+    assert result["q"] == [1, 3, 9, 17]  # q = 1 is always timed: ratios are taken against it
+    for key in ("median_ms", "p10_ms", "p90_ms", "ratio_to_q1", "ratio_to_stock_q1"):
+        assert len(result[key]) == 4 and all(v > 0 for v in result[key])
+    assert result["ratio_to_q1"][0] == 1.0 and result["stock_q1_ms"] > 0
+    assert result["stock_frame_ms"] > 0 and result["plain_frame_ms"] > 0
+    for i in range(4):
+        assert result["p10_ms"][i] <= result["median_ms"][i] <= result["p90_ms"][i]
+        assert result["ratio_to_stock_q1"][i] == pytest.approx(result["median_ms"][i] / result["stock_q1_ms"], rel=0.01)
+    assert (result["dtype"], result["device"]) == ("float32", "cpu") and result["weights"].endswith("tiny")
+
+
+def test_projection_arithmetic():
+    predictor = {"q": [1, 5, 9, 33], "ratio_to_q1": [1.0, 1.2, 1.4, 2.0], "ratio_to_stock_q1": [0.5, 0.6, 0.7, 1.0],
+                 "device": "cpu", "dtype": "bfloat16", "weights": "w"}
+    assert cost_at(predictor, 17) == pytest.approx(1.4 + 0.6 * 8 / 24)  # between q = 9 and q = 33
+    projection = project_speedup({4: 1.5, 8: 1.8, 16: 2.0, 64: 3.0}, predictor)
+    rows = {row["N"]: row for row in projection["rows"]}
+    assert set(rows) == {4, 8, 16} and projection["not_measured"] == [64]
+    assert rows[4]["speedup"] == pytest.approx(1.5 / 1.2) and rows[4]["speedup_vs_stock"] == pytest.approx(1.5 / 0.6)
+    assert rows[16]["speedup"] == pytest.approx(2.0 / 1.6, abs=1e-4)
+    assert projection["best_N"] == 8 and projection["best_speedup"] == pytest.approx(1.8 / 1.4, abs=1e-4)
+    with pytest.raises(ValueError, match="rerun `rvqtts bench predictor`"):
+        project_speedup({64: 3.0}, predictor)
+
+
+def test_codes_per_call_from_a_table_or_the_paper():
+    figures, source = codes_per_call_by_budget(None)
+    assert figures == PAPER_CODES_PER_CALL and "paper" in source
+    table = {"acceptance": [[0.5, 0.2], [0.5, 0.1], [0.5]], "source": "hand"}
+    figures, source = codes_per_call_by_budget(table)
+    assert source == "hand" and list(figures) == [4, 8, 16, 32, 64]
+    assert figures[8] == pytest.approx(frame_codes_per_call(table["acceptance"], grow_tree(table["acceptance"], 8)),
+                                       abs=1e-4)
+
+
+def test_bench_speedup_plots_saves_and_synth_follows(predictor_json, tmp_path, user_cache, tiny):
+    table = tmp_path / "t-acceptance.json"
+    save_acceptance({"acceptance": [[0.6, 0.2, 0.1], [0.6, 0.1], [0.6]], "source": "hand table"}, table)
+    plot, out = tmp_path / "figure.png", tmp_path / "speedup.json"
+    result = run("bench", "speedup", "--predictor", predictor_json, "--acceptance", table, "--plot", plot,
+                 "--json", out, "--save")
+    assert result.exit_code == 0, result.output
+    projection = json.loads(out.read_text())
+    assert [row["N"] for row in projection["rows"]] == [4, 8, 16] and projection["not_measured"] == [32, 64]
+    assert projection["best_N"] in (4, 8, 16) and projection["acceptance_source"] == "hand table"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert best_budget("cpu")[0] == projection["best_N"] and best_budget("cuda") == (FALLBACK_BUDGET, "default")
+    assert f"defaults to --tree {projection['best_N']}" in result.output
+    assert json.loads((user_cache / "best-n.json").read_text())["cpu"]["N"] == projection["best_N"]
+    speculation, _ = choose_speculation(tiny.code_predictor, "auto")
+    assert speculation.tree.nodes == projection["best_N"]
+
+
+@pytest.mark.parametrize("contents, message", [
+    ("{", "is not valid JSON"),
+    ('{"q": [1]}', "is not the JSON of `rvqtts bench predictor --json`"),
+])
+def test_bench_speedup_refuses_bad_input(tmp_path, contents, message):
+    path = tmp_path / "p.json"
+    path.write_text(contents)
+    result = run("bench", "speedup", "--predictor", path)
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_bench_speedup_refuses_a_bad_acceptance_table(predictor_json, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "rvqtts-acceptance", "acceptance": [[0.9, 0.9]]}))
+    result = run("bench", "speedup", "--predictor", predictor_json, "--acceptance", bad)
+    assert result.exit_code == 2 and "sums to 1.8000" in result.output
+
+
+def test_bench_e2e_runs_all_three_variants(tiny_dir, tmp_path):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("Hello there.\nA second line.\n")
+    out = tmp_path / "e2e.json"
+    result = run("bench", "e2e", "--model", tiny_dir, "--texts", texts, "--max-frames", "6", "--tree", "8",
+                 "--json", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert set(report["runs"]) == {"stock", "plain", "speculative"} and report["tree_nodes"] == 8
+    for name, runs in report["runs"].items():
+        assert len(runs) == 2 and all(0 < r["frames"] <= 6 and r["wall_seconds"] > 0 for r in runs)
+        total = report["totals"][name]
+        assert total["frames"] == sum(r["frames"] for r in runs)
+        assert total["wall_ms_per_frame"] == pytest.approx(1e3 * total["wall_seconds"] / total["frames"], rel=0.01)
+    # rvqtts's two loops make the same codes, so they stop at the same frame.
+    assert [r["frames"] for r in report["runs"]["plain"]] == [r["frames"] for r in report["runs"]["speculative"]]
+    assert report["ratios"]["stock/plain wall"] > 0
+
+
+def test_bench_refuses_unknown_dimensions():
+    result = run("bench", "predictor", "--dims", "7b")
+    assert result.exit_code == 2 and "unknown --dims '7b'" in result.output
