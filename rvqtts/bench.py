@@ -9,17 +9,20 @@ from __future__ import annotations
 import io
 import statistics
 import time
+from functools import partial
 from typing import Callable
 
 import torch
 
-from rvqtts.decode import RoundPlan, tree_call
+from rvqtts.decode import RoundPlan, round_call, step_call
+from rvqtts.graphs import StaticCalls
 from rvqtts.files import write_atomically
 from rvqtts.predictor import PredictorRunner
+from rvqtts.sampling import SamplingConfig
 from rvqtts.tree import SHIPPED_TREES, Tree, frame_codes_per_call, grow_tree, load_acceptance
 
 PREDICTOR_DIMS = {"0.6b": 1024, "1.7b": 2048}  # talker width in front of the (same) 1024-wide predictor
-BUDGETS = (4, 8, 16, 32, 64)
+BUDGETS = (4, 7, 8, 15, 16, 31, 32, 63, 64)  # q = N + 1 of 8, 16, 32, 64 are kernel sweet spots on CPUs
 # The paper's codes per call for its offsets drafter (Figure 4, N = 16 / 32 / 64): a labelled reference,
 # used when no acceptance table of the model is given.
 PAPER_CODES_PER_CALL = {16: 2.25, 32: 2.47, 64: 2.60}
@@ -98,7 +101,6 @@ def _frame_loops(code_predictor: torch.nn.Module, device: torch.device, dtype: t
     """One frame's whole inner loop (15 codes, sampled with qwen-tts's defaults): qwen-tts's HF
     `generate()` as its talker calls it, and rvqtts's plain loop on the same prefix."""
     from rvqtts.decode import DecodeStats, decode_frame_plain
-    from rvqtts.sampling import SamplingConfig
 
     groups = code_predictor.config.num_code_groups
     talker_width = getattr(code_predictor.small_to_mtp_projection, "in_features",
@@ -112,16 +114,18 @@ def _frame_loops(code_predictor: torch.nn.Module, device: torch.device, dtype: t
         code_predictor.generate(inputs_embeds=prefix, max_new_tokens=groups - 1, do_sample=True, top_p=1.0,
                                 top_k=50, temperature=0.9, output_hidden_states=True, return_dict_in_generate=True)
 
+    static = StaticCalls.for_device(device)
     return {"stock_frame": stock,
-            "plain_frame": lambda: decode_frame_plain(runner, prefix[0], noise, sampling, DecodeStats())}
+            "plain_frame": lambda: decode_frame_plain(runner, prefix[0], noise, sampling, DecodeStats(), static)}
 
 
 def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup: int = 5, repeats: int = 30,
                     weights: str = "random", progress: Callable[[int, int], None] | None = None) -> dict:
-    """Median and spread of one predictor call per query length q (q = 1: a plain step; q > 1: a verify
-    call of a q - 1 node tree with its drafts, tree mask and LM heads), and of qwen-tts's own q = 1
-    forward, interleaved in one run; also one whole frame's inner loop, qwen-tts's HF `generate()`
-    against rvqtts's plain loop."""
+    """Median and spread of one predictor call per query length q, as the engine makes it (q = 1: a plain
+    step and its draw; q > 1: a verify round of a q - 1 node tree: drafts, forward under the tree mask,
+    LM heads and draws at every slot; CUDA-graph replays on CUDA), and of qwen-tts's own q = 1 forward,
+    interleaved in one run; also one whole frame's inner loop, qwen-tts's HF `generate()` against
+    rvqtts's plain loop."""
     weight = code_predictor.lm_head[0].weight
     device, dtype = weight.device, weight.dtype
     depth = 3
@@ -129,17 +133,20 @@ def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup:
     offsets = torch.zeros(depth, runner.hidden_size, device=device, dtype=dtype)
     hidden = torch.randn(runner.hidden_size, device=device, dtype=dtype)
     code = torch.tensor([5], device=device)
+    noise = torch.zeros(runner.code_groups - 1, runner.vocab_size, device=device)
+    sampling = SamplingConfig()
     index = KV_LENGTH - 1  # the call's root is c_index, after KV_LENGTH committed slots
+    static = StaticCalls.for_device(device)
 
     def plain() -> None:
-        runner.logits(runner.step(code, index), index + 1)
+        static("step", partial(step_call, runner, index, sampling), code, noise)
 
-    def tree_round(plan: RoundPlan) -> Callable[[], object]:
-        return lambda: tree_call(runner, plan, hidden, offsets, code, index, KV_LENGTH)
+    def tree_round(q: int) -> Callable[[], object]:
+        plan = RoundPlan.build(timing_tree(q - 1), device)
+        return lambda: static(("round", q), partial(round_call, runner, plan, offsets, index, sampling),
+                              hidden, code, noise)
 
-    calls: dict[str, Callable[[], object]] = {}
-    for q in queries:
-        calls[f"q{q}"] = plain if q == 1 else tree_round(RoundPlan.build(timing_tree(q - 1), device))
+    calls = {f"q{q}": plain if q == 1 else tree_round(q) for q in queries}
     stock, reset_stock = _stock_step(code_predictor, device, dtype)
     with torch.inference_mode():
         for done, call in enumerate(calls.values()):  # compile-free warm-up of every shape's kernels
@@ -236,10 +243,12 @@ def plot_speedup(projection: dict, acceptance_source: str, path) -> None:
                label="vs stock qwen-tts q = 1 call")
     right.axhline(1.0, color="gray", linewidth=0.8)
     right.set(xscale="log", xlabel="tree nodes N", ylabel="projected inner-loop speedup",
-              title=f"best N = {projection['best_N']}")
+              title=f"{label}: best N = {projection['best_N']}")
     right.legend(fontsize=7)
+    ticks = [n for n in budgets if n & (n - 1) == 0]  # powers of two; neighbours like 15 and 16 would collide
     for axis in (left, right):
-        axis.set_xticks(budgets, [str(n) for n in budgets])
+        axis.set_xticks(ticks, [str(n) for n in ticks])
+        axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     figure.tight_layout()
     image = io.BytesIO()
     figure.savefig(image, format="png", dpi=120)

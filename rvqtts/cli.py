@@ -141,6 +141,8 @@ def synth(
     offsets: Optional[Path] = typer.Option(None, help="Draft offsets file; default: shipped offsets matching "
                                                       "the model, else zero offsets."),
     backend: str = typer.Option("torch", help="torch, or coreml (macOS, not available yet)."),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
+                                     help="On CUDA, replay the inner loop's calls from CUDA graphs."),
     codes_out: Optional[Path] = typer.Option(None, help="Save frame codes as int .npy [frames, 16] (batch: a "
                                                         "folder of NAME.npy)."),
     stats_json: Optional[Path] = typer.Option(None, help="Write the run's statistics as JSON (per utterance and "
@@ -185,6 +187,7 @@ def synth(
     except ValueError as error:
         fail(str(error))
     synthesizer = _load_synthesizer(model, device, dtype)
+    synthesizer.cuda_graphs = cuda_graphs
     for item in utterances:
         try:
             synthesizer.check_voice(item.speaker or speaker, item.language or language)
@@ -469,7 +472,8 @@ def calibrate(
     texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP),
     contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP),
     split: str = typer.Option("calibration", help=SPLIT_HELP),
-    budgets: str = typer.Option("4,8,16,32,64", help="Node budgets N, comma-separated: one tree each."),
+    budgets: str = typer.Option("4,7,8,15,16,31,32,63,64", help="Node budgets N, comma-separated: one tree each "
+                                                               "(N + 1 a multiple of 8 or 16 is often cheaper to run)."),
     name: Optional[str] = typer.Option(None, help="File name prefix; default: the offsets file's name, or "
                                                   "reused-heads."),
     speaker: str = typer.Option("vivian", help="With --texts: speaker of lines that name none."),

@@ -12,13 +12,17 @@ output is the plain loop's, code for code, and follows the target distribution e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
+from rvqtts.graphs import StaticCalls
 from rvqtts.offsets import Offsets
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig, draw
 from rvqtts.tree import Tree
+
+EAGER = StaticCalls("eager")
 
 
 @dataclass
@@ -103,22 +107,35 @@ def walk_tree(children: list[list[tuple[int, int]]], node_rank_codes: list[int],
     return accepted, None
 
 
+def prefill_call(runner: PredictorRunner, sampling: SamplingConfig, prefix: torch.Tensor,
+                 noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frame's first call: h_1 from [h_t, embedding of c0], and c1 drawn from it ([1])."""
+    hidden = runner.prefill(prefix)
+    return hidden, draw(runner.logits(hidden, 1), noise[0], sampling).view(1)
+
+
+def step_call(runner: PredictorRunner, index: int, sampling: SamplingConfig, code: torch.Tensor,
+              noise: torch.Tensor) -> tuple[torch.Tensor]:
+    """One plain call: feed c_index ([1]) and draw c_{index+1} ([1])."""
+    hidden = runner.step(code, index)
+    return (draw(runner.logits(hidden, index + 1), noise[index], sampling).view(1),)
+
+
 @torch.inference_mode()
 def decode_frame_plain(runner: PredictorRunner, prefix: torch.Tensor, noise: torch.Tensor,
-                       sampling: SamplingConfig, stats: DecodeStats) -> list[int]:
-    """c1..c_{G-1} with one call per code. `noise` [G-1, V]: row m-1 draws c_m."""
+                       sampling: SamplingConfig, stats: DecodeStats, calls: StaticCalls = EAGER) -> list[int]:
+    """c1..c_{G-1} with one call per code. `noise` [G-1, V]: row m-1 draws c_m. Codes stay on the
+    device until the frame is done (one read back per frame)."""
     last = runner.code_groups - 1
-    hidden = runner.prefill(prefix)
-    codes = []
-    for index in range(1, last + 1):
-        code = draw(runner.logits(hidden, index), noise[index - 1], sampling)
-        codes.append(code)
-        if index < last:
-            hidden = runner.step(code, index)
+    _, code = calls(("prefill", sampling), partial(prefill_call, runner, sampling), prefix, noise)
+    codes = [code.clone()]  # outputs of a static call are overwritten when that call runs again
+    for index in range(1, last):
+        (code,) = calls(("step", index, sampling), partial(step_call, runner, index, sampling), code, noise)
+        codes.append(code.clone())
     stats.frames += 1
     stats.calls += last
     stats.codes += last
-    return torch.stack(codes).tolist()
+    return torch.cat(codes).tolist()
 
 
 def draft(runner: PredictorRunner, hidden: torch.Tensor, offsets: torch.Tensor, index: int,
@@ -156,40 +173,52 @@ def tree_call(runner: PredictorRunner, plan: RoundPlan, hidden: torch.Tensor, of
     return node_codes, out, logits
 
 
+def round_call(runner: PredictorRunner, plan: RoundPlan, offsets: torch.Tensor, index: int,
+               sampling: SamplingConfig, hidden: torch.Tensor, root: torch.Tensor,
+               noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One verify round rooted at c_index over index + 1 committed slots: node codes [q], hidden states
+    [q, H], and at every scored slot the target's draw of the next code, with that code's noise row."""
+    last = runner.code_groups - 1
+    node_codes, out, logits = tree_call(runner, plan, hidden, offsets, root, index, index + 1)
+    rows = torch.cat([noise[index + d].expand(s.stop - s.start, -1) for d, s in scored_slices(plan, index, last)])
+    return node_codes, out, draw(logits, rows, sampling)
+
+
 @torch.inference_mode()
 def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, noise: torch.Tensor,
                              sampling: SamplingConfig, speculation: Speculation, offsets: torch.Tensor,
-                             stats: DecodeStats) -> list[int]:
-    """c1..c_{G-1} by tree rounds. `offsets` is the speculation's [K, hidden] on the runner's device/dtype."""
+                             stats: DecodeStats, calls: StaticCalls = EAGER) -> list[int]:
+    """c1..c_{G-1} by tree rounds. `offsets` is the speculation's [K, hidden] on the runner's device/dtype.
+
+    A round rooted at c_index always starts after index + 1 committed KV slots ([h_t, c0, c1..c_{index-1}]),
+    so its shapes depend on index alone and `calls` may replay it from a graph keyed by index."""
     last = runner.code_groups - 1
-    hidden = runner.prefill(prefix)
-    root = draw(runner.logits(hidden, 1), noise[0], sampling).view(1)
+    hidden, root = calls(("prefill", sampling), partial(prefill_call, runner, sampling), prefix, noise)
     codes: list[int] = []
-    calls, index, length = 1, 1, 2  # calls made, index of the root code, committed KV slots
+    made, index = 1, 1  # calls made, index of the root code
     while True:
         if index == last:
             codes.extend(root.tolist())
             break
         plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
-        node_codes, out, logits = tree_call(runner, plan, hidden, offsets, root, index, length)
-        calls += 1
-        rows = torch.cat([noise[index + d].expand(s.stop - s.start, -1) for d, s in scored_slices(plan, index, last)])
-        draws = draw(logits, rows, sampling)
+        node_codes, out, draws = calls(("round", index, sampling),
+                                       partial(round_call, runner, plan, offsets, index, sampling), hidden, root, noise)
+        made += 1
         host_codes, host_draws = node_codes.tolist(), draws.tolist()
         slot_index = [index + d for d, s in enumerate(plan.depth_slices) for _ in range(s.start, s.stop)]
         accepted, final = walk_tree(plan.tree.buffers.children, host_codes, host_draws, slot_index, last)
         stats.count_accepted(len(accepted))
         codes.append(host_codes[0])
         codes.extend(host_codes[u] for u in accepted)
-        runner.keep([length + u for u in accepted], length + 1)
-        length += 1 + len(accepted)
+        committed = index + 1
+        runner.keep([committed + u for u in accepted], committed + 1)
         if final is None:
             break
         end = accepted[-1] if accepted else 0
-        hidden = out[end]
+        hidden = out[end]  # read by the next round (another index, so another static call) before any rerun
         index = slot_index[end] + 1
         root = torch.tensor([final], device=runner.device)
     stats.frames += 1
-    stats.calls += calls
+    stats.calls += made
     stats.codes += last
     return codes

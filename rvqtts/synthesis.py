@@ -23,6 +23,7 @@ import torch
 
 from rvqtts.audio import join_chunks
 from rvqtts.decode import DecodeStats, Speculation, decode_frame_plain, decode_frame_speculative
+from rvqtts.graphs import StaticCalls
 from rvqtts.loading import load_tts
 from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
 from rvqtts.predictor import PredictorRunner
@@ -52,7 +53,8 @@ class InnerLoop:
     """
 
     def __init__(self, code_predictor: torch.nn.Module, speculation: Speculation | None, seed: int,
-                 utterance: int = 0, on_frame: Callable[[torch.Tensor, list[int]], None] | None = None):
+                 utterance: int = 0, on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
+                 cuda_graphs: bool = True):
         self.speculation = speculation
         self.on_frame = on_frame
         self.seed = seed
@@ -61,6 +63,7 @@ class InnerLoop:
         self.runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra)
         self.offsets = (speculation.offsets.vectors.to(self.runner.device, self.runner.dtype)
                         if speculation else None)
+        self.calls = StaticCalls.for_device(self.runner.device, cuda_graphs)  # graphs on CUDA, eager elsewhere
         self.frame = 0
         self.stats = DecodeStats()
         self.seconds = 0.0
@@ -71,10 +74,10 @@ class InnerLoop:
         noise = torch.from_numpy(gumbel_noise(self.seed, utterance, frame, positions, self.runner.vocab_size))
         noise = noise.to(self.runner.device)
         if self.speculation is None:
-            codes = decode_frame_plain(self.runner, prefix, noise, sampling, self.stats)
+            codes = decode_frame_plain(self.runner, prefix, noise, sampling, self.stats, self.calls)
         else:
             codes = decode_frame_speculative(self.runner, prefix, noise, sampling, self.speculation, self.offsets,
-                                             self.stats)
+                                             self.stats, self.calls)
         if self.on_frame:
             self.on_frame(prefix, codes)
         return codes
@@ -163,6 +166,7 @@ class Synthesizer:
         self.talker = self.model.talker
         self.code_predictor = self.talker.code_predictor
         self.speculation = speculation
+        self.cuda_graphs = True  # replay the inner loop's calls from CUDA graphs on CUDA devices
         self.speakers = sorted(tts.get_supported_speakers() or [])
         self.languages = sorted(tts.get_supported_languages() or [])
         # qwen-tts's generation default, in frames (N talker tokens make N - 1 frames).
@@ -241,7 +245,7 @@ class Synthesizer:
             raise ValueError("the text is empty: give something to say")
         self.check_voice(speaker, language)
         pieces = chunk_text(text) if chunked else [" ".join(text.split())]
-        loop = InnerLoop(self.code_predictor, self.speculation, seed, utterance, on_frame)
+        loop = InnerLoop(self.code_predictor, self.speculation, seed, utterance, on_frame, self.cuda_graphs)
         captured: list[np.ndarray] = []
         seconds = {"decoder": 0.0}
         counts = {"talker": 0}

@@ -295,7 +295,8 @@ def save_best_budget(device: str, budget: int, source: str) -> Path:
 
 
 def shipped_tree_files() -> list[Path]:
-    return sorted(p for p in SHIPPED_TREES.glob("*.json") if not p.name.endswith(ACCEPTANCE_SUFFIX))
+    return sorted(p for p in SHIPPED_TREES.glob("*.json")
+                  if not p.name.endswith(ACCEPTANCE_SUFFIX) and p.name != BEST_BUDGETS)
 
 
 def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None, device_type: str = "cpu") -> Tree:

@@ -9,10 +9,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from rvqtts.bench import PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
+from rvqtts.bench import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
 from rvqtts.cli import app
 from rvqtts.synthesis import choose_speculation
-from rvqtts.tree import FALLBACK_BUDGET, best_budget, frame_codes_per_call, grow_tree, save_acceptance
+from rvqtts.tree import FALLBACK_BUDGET, SHIPPED_TREES, best_budget, frame_codes_per_call, grow_tree, save_acceptance
 
 runner = CliRunner()
 
@@ -62,7 +62,7 @@ def test_codes_per_call_from_a_table_or_the_paper():
     assert figures == PAPER_CODES_PER_CALL and "paper" in source
     table = {"acceptance": [[0.5, 0.2], [0.5, 0.1], [0.5]], "source": "hand"}
     figures, source = codes_per_call_by_budget(table)
-    assert source == "hand" and list(figures) == [4, 8, 16, 32, 64]
+    assert source == "hand" and list(figures) == list(BUDGETS)
     assert figures[8] == pytest.approx(frame_codes_per_call(table["acceptance"], grow_tree(table["acceptance"], 8)),
                                        abs=1e-4)
 
@@ -70,13 +70,15 @@ def test_codes_per_call_from_a_table_or_the_paper():
 def test_bench_speedup_plots_saves_and_synth_follows(predictor_json, tmp_path, user_cache, tiny):
     table = tmp_path / "t-acceptance.json"
     save_acceptance({"acceptance": [[0.6, 0.2, 0.1], [0.6, 0.1], [0.6]], "source": "hand table"}, table)
+    shipped = json.loads((SHIPPED_TREES / "best-n.json").read_text())["cpu"]["N"]
+    assert best_budget("cpu")[0] == shipped and "trees/best-n.json" in best_budget("cpu")[1]  # nothing saved yet
     plot, out = tmp_path / "figure.png", tmp_path / "speedup.json"
     result = run("bench", "speedup", "--predictor", predictor_json, "--acceptance", table, "--plot", plot,
                  "--json", out, "--save")
     assert result.exit_code == 0, result.output
     projection = json.loads(out.read_text())
-    assert [row["N"] for row in projection["rows"]] == [4, 8, 16] and projection["not_measured"] == [32, 64]
-    assert projection["best_N"] in (4, 8, 16) and projection["acceptance_source"] == "hand table"
+    assert [row["N"] for row in projection["rows"]] == [4, 7, 8, 15, 16]
+    assert projection["not_measured"] == [31, 32, 63, 64] and projection["best_N"] in (4, 7, 8, 15, 16) and projection["acceptance_source"] == "hand table"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert best_budget("cpu")[0] == projection["best_N"] and best_budget("cuda") == (FALLBACK_BUDGET, "default")
     assert f"defaults to --tree {projection['best_N']}" in result.output

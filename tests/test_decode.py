@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 
 import rvqtts.decode
 from rvqtts.decode import Speculation
+from rvqtts.graphs import StaticCalls
 from rvqtts.offsets import Offsets
 from rvqtts.sampling import SamplingConfig, target_probs
 from rvqtts.synthesis import InnerLoop
@@ -143,3 +144,35 @@ def test_the_distribution_test_catches_a_broken_verifier(small, monkeypatch):
     assert chi_square_pvalue(counts, probs) < 1e-6
     # The statistic itself has the power, not only the support check: frames inside the support alone fail too.
     assert chi_square_pvalue(np.where(probs > 0, counts, 0), probs) < 1e-6
+
+
+def test_static_calls_give_the_eager_codes(narrow):
+    """The CUDA-graph path's plumbing, on CPU: every call goes through static input and output buffers
+    (as a graph replay would, outputs overwritten by the next run of the same call), and the codes
+    are the eager codes, plain and speculative, with deep acceptance exercised."""
+    frames = 40
+    speculation = Speculation(grow_tree(TABLE, 16), random_offsets(narrow.hidden_size, 16))
+    for spec in (None, speculation):
+        eager, _ = decode_many(narrow, spec, frames)
+        loop = InnerLoop(narrow.code_predictor, spec, seed=11)
+        loop.calls = StaticCalls("emulated")
+        static = [loop.decode(random_prefix(narrow, seed=f), SamplingConfig(), utterance=0, frame=f)
+                  for f in range(frames)]
+        assert static == eager
+        kinds = {key[0] for key in loop.calls.entries}
+        assert kinds == ({"prefill", "step"} if spec is None else {"prefill", "round"})
+        indices = sorted(key[1] for key in loop.calls.entries if key[0] != "prefill")
+        if spec is None:
+            assert indices == list(range(1, 15))  # one step per code index
+        else:
+            assert len(indices) > 5  # rounds rooted at many different indices
+
+
+def test_static_calls_overwrite_outputs_and_pick_their_mode():
+    calls = StaticCalls("emulated")
+    first = calls("double", lambda x: (2 * x,), torch.tensor([1.0]))[0]
+    second = calls("double", lambda x: (2 * x,), torch.tensor([5.0]))[0]
+    assert second.item() == 10.0 and first.item() == 10.0  # the same static buffer, as a graph replay gives
+    assert StaticCalls.for_device(torch.device("cpu")).mode == "eager"
+    with pytest.raises(ValueError, match="unknown mode 'graph'"):
+        StaticCalls("graph")

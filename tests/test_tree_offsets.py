@@ -101,7 +101,7 @@ def test_acceptance_file_round_trip(tmp_path):
 @pytest.mark.parametrize("name", ["stand-in", "prior"])
 def test_the_shipped_acceptance_tables_regrow_the_shipped_trees(name):
     table = load_acceptance(SHIPPED_TREES / f"{name}-acceptance.json")
-    for n in (4, 8, 16, 32, 64):
+    for n in (4, 7, 8, 15, 16, 31, 32, 63, 64):
         shipped = load_tree(SHIPPED_TREES / f"{name}-n{n}.json")
         grown = grow_tree(table["acceptance"], n)
         assert (grown.paths, grown.expected_codes_per_call) == (shipped.paths, shipped.expected_codes_per_call)
