@@ -205,7 +205,8 @@ def cost_at(predictor: dict, q: int, key: str = "ratio_to_q1") -> float:
 
 def project_speedup(codes_per_call: dict[int, float], predictor: dict) -> dict:
     """Projected inner-loop speedup per N: codes per call at N over the cost of a q = N + 1 call relative
-    to a q = 1 call (against rvqtts's plain loop, and against qwen-tts's stock q = 1 call)."""
+    to a q = 1 call (against rvqtts's plain loop, and against qwen-tts's stock q = 1 call). The best N is
+    the fastest, or 0 when none beats the plain loop."""
     measured = [n for n in sorted(codes_per_call) if min(predictor["q"]) <= n + 1 <= max(predictor["q"])]
     if not measured:
         raise ValueError(f"the predictor bench measured q = {min(predictor['q'])}..{max(predictor['q'])}, none of "
@@ -218,7 +219,8 @@ def project_speedup(codes_per_call: dict[int, float], predictor: dict) -> dict:
         rows.append({"N": n, "codes_per_call": codes, "cost_ratio": round(ratio, 4),
                      "speedup": round(codes / ratio, 4), "speedup_vs_stock": round(codes / ratio_stock, 4)})
     best = max(rows, key=lambda row: row["speedup"])
-    return {"rows": rows, "best_N": best["N"], "best_speedup": best["speedup"],
+    # best_N = 0: no tree beats the plain loop on this device with this acceptance.
+    return {"rows": rows, "best_N": best["N"] if best["speedup"] > 1.0 else 0, "best_speedup": best["speedup"],
             "not_measured": [n for n in sorted(codes_per_call) if n not in measured],
             "device": predictor["device"], "dtype": predictor["dtype"], "weights": predictor["weights"]}
 
@@ -243,7 +245,7 @@ def plot_speedup(projection: dict, acceptance_source: str, path) -> None:
                label="vs stock qwen-tts q = 1 call")
     right.axhline(1.0, color="gray", linewidth=0.8)
     right.set(xscale="log", xlabel="tree nodes N", ylabel="projected inner-loop speedup",
-              title=f"{label}: best N = {projection['best_N']}")
+              title=f"{label}: " + (f"best N = {projection['best_N']}" if projection["best_N"] else "no N pays"))
     right.legend(fontsize=7)
     ticks = [n for n in budgets if n & (n - 1) == 0]  # powers of two; neighbours like 15 and 16 would collide
     for axis in (left, right):

@@ -195,7 +195,8 @@ def synth(
             fail(f"{file}:{item.line}: {error}" if file else str(error))
     if spec:
         try:
-            synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
+            synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets,
+                                                                 allow_plain=True)
         except (TreeFileError, OffsetsFileError, ValueError) as error:
             fail(str(error))
         if notice:
@@ -702,10 +703,14 @@ def bench_speedup_command(
     if json_out:
         write_json(json_out, projection)
     if save:
+        fingerprint = table.get("model_fingerprint") if table else None  # the choice is this model's only
         where = save_best_budget(projection["device"], projection["best_N"], f"rvqtts bench speedup: {source}; "
-                                 f"{projection['dtype']}, {projection['weights']}")
-        say(f"rvqtts synth on {projection['device'].split(':')[0]} now defaults to --tree {projection['best_N']} "
-            f"(recorded in {where})", quiet)
+                                 f"{projection['dtype']}, {projection['weights']}", fingerprint)
+        device_type = projection["device"].split(":")[0]
+        scope = "for this model" if fingerprint else "for every model without its own choice"
+        choice = (f"defaults to --tree {projection['best_N']}" if projection["best_N"]
+                  else "runs the plain loop (no tree pays)")
+        say(f"rvqtts synth on {device_type} now {choice} {scope} (recorded in {where})", quiet)
     if not quiet:
         _console().print(speedup_table(projection))
 

@@ -131,8 +131,9 @@ def predictor_table(result: dict) -> Table:
 
 def speedup_table(projection: dict) -> Table:
     """`rvqtts bench speedup`: codes per call, cost ratio and projected inner-loop speedup per N."""
-    table = Table(title=f"projected inner-loop speedup, {projection['device']} {projection['dtype']}: best N = "
-                        f"{projection['best_N']}", title_justify="left", box=box.SIMPLE_HEAD)
+    best = f"best N = {projection['best_N']}" if projection["best_N"] else "no N beats the plain loop"
+    table = Table(title=f"projected inner-loop speedup, {projection['device']} {projection['dtype']}: {best}",
+                  title_justify="left", box=box.SIMPLE_HEAD)
     for title in ("N", "codes/call", "cost q=N+1 / q=1", "speedup", "vs stock"):
         table.add_column(title, justify="right")
     for row in projection["rows"]:

@@ -29,7 +29,7 @@ from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig, gumbel_noise
 from rvqtts.text import FRAMES_PER_SECOND, chunk_text, frame_budget
-from rvqtts.tree import resolve_tree
+from rvqtts.tree import best_budget, resolve_tree
 
 DEFAULT_DEPTH = 3  # K, the paper's draft depth
 
@@ -46,6 +46,27 @@ def seed_talker(seed: int, utterance: int, chunk: int) -> None:
     torch.manual_seed((seed * 1_000_003 + utterance) * 1_009 + chunk)
 
 
+@dataclass(frozen=True)
+class LoopParts:
+    """What an inner loop runs on: the runner (KV cache, fused weights), the offsets on its device, and
+    the static calls (CUDA graphs capture these very tensors). Reusable from one utterance to the next,
+    since every frame writes the KV slots it reads, as long as the speculation stays the same."""
+
+    speculation: Speculation | None
+    cuda_graphs: bool
+    runner: PredictorRunner
+    offsets: torch.Tensor | None
+    calls: StaticCalls
+
+    @classmethod
+    def build(cls, code_predictor: torch.nn.Module, speculation: Speculation | None,
+              cuda_graphs: bool) -> "LoopParts":
+        extra = speculation.tree.nodes + 1 if speculation else 0
+        runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra)
+        offsets = speculation.offsets.vectors.to(runner.device, runner.dtype) if speculation else None
+        return cls(speculation, cuda_graphs, runner, offsets, StaticCalls.for_device(runner.device, cuda_graphs))
+
+
 class InnerLoop:
     """Produces c1..c_{G-1} for each frame the talker asks for, and counts what it did.
 
@@ -54,16 +75,13 @@ class InnerLoop:
 
     def __init__(self, code_predictor: torch.nn.Module, speculation: Speculation | None, seed: int,
                  utterance: int = 0, on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, parts: LoopParts | None = None):
         self.speculation = speculation
         self.on_frame = on_frame
         self.seed = seed
         self.utterance = utterance
-        extra = speculation.tree.nodes + 1 if speculation else 0
-        self.runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra)
-        self.offsets = (speculation.offsets.vectors.to(self.runner.device, self.runner.dtype)
-                        if speculation else None)
-        self.calls = StaticCalls.for_device(self.runner.device, cuda_graphs)  # graphs on CUDA, eager elsewhere
+        parts = parts or LoopParts.build(code_predictor, speculation, cuda_graphs)
+        self.runner, self.offsets, self.calls = parts.runner, parts.offsets, parts.calls
         self.frame = 0
         self.stats = DecodeStats()
         self.seconds = 0.0
@@ -167,6 +185,7 @@ class Synthesizer:
         self.code_predictor = self.talker.code_predictor
         self.speculation = speculation
         self.cuda_graphs = True  # replay the inner loop's calls from CUDA graphs on CUDA devices
+        self._parts: LoopParts | None = None  # kept between utterances: no re-fusing, no re-capture
         self.speakers = sorted(tts.get_supported_speakers() or [])
         self.languages = sorted(tts.get_supported_languages() or [])
         # qwen-tts's generation default, in frames (N talker tokens make N - 1 frames).
@@ -245,7 +264,10 @@ class Synthesizer:
             raise ValueError("the text is empty: give something to say")
         self.check_voice(speaker, language)
         pieces = chunk_text(text) if chunked else [" ".join(text.split())]
-        loop = InnerLoop(self.code_predictor, self.speculation, seed, utterance, on_frame, self.cuda_graphs)
+        parts = self._parts
+        if parts is None or parts.speculation is not self.speculation or parts.cuda_graphs != self.cuda_graphs:
+            parts = self._parts = LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs)
+        loop = InnerLoop(self.code_predictor, self.speculation, seed, utterance, on_frame, self.cuda_graphs, parts)
         captured: list[np.ndarray] = []
         seconds = {"decoder": 0.0}
         counts = {"talker": 0}
@@ -345,17 +367,25 @@ class ForcedLoop(InnerLoop):
 
 
 def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike = "auto",
-                       offsets: str | os.PathLike | None = None) -> tuple[Speculation, str | None]:
-    """The tree and offsets to draft with, and a notice when no shipped offsets match the model.
+                       offsets: str | os.PathLike | None = None,
+                       allow_plain: bool = False) -> tuple[Speculation | None, str | None]:
+    """The tree and offsets to draft with, and a notice for the user (or None).
 
     `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` (the best
-    N measured for the model's device type) or a file;
-    without an offsets file, shipped offsets whose fingerprint matches the model are used, else zero
-    offsets (reused heads). Raises TreeFileError / OffsetsFileError / ValueError with their messages.
+    N measured for this model or the model's device type) or a file. With `allow_plain`, `auto` returns no
+    speculation (None) where speculation was measured not to pay (best N = 0). Without an offsets file,
+    shipped offsets whose fingerprint matches the model are used, else zero offsets (reused heads).
+    Raises TreeFileError / OffsetsFileError / ValueError with their messages.
     """
     fingerprint = predictor_fingerprint(code_predictor)
     hidden = code_predictor.config.hidden_size
-    chosen = resolve_tree(tree, fingerprint, code_predictor.lm_head[0].weight.device.type)
+    device_type = code_predictor.lm_head[0].weight.device.type
+    if allow_plain and str(tree) == "auto":
+        budget, source = best_budget(device_type, fingerprint)
+        if budget == 0:
+            return None, (f"speculation was measured not to pay for this model on {device_type} ({source}): "
+                          f"plain loop; --tree N forces it")
+    chosen = resolve_tree(tree, fingerprint, device_type)
     notice = None
     if offsets is not None:
         drafts = load_offsets(offsets, hidden_size=hidden, fingerprint=fingerprint)

@@ -264,32 +264,43 @@ def load_acceptance(path: str | os.PathLike) -> dict:
 
 
 SHIPPED_TREES = Path(__file__).resolve().parent.parent / "trees"
-BEST_BUDGETS = "best-n.json"  # {device type: {"N": best node budget, "source": how it was measured}}
+BEST_BUDGETS = "best-n.json"  # {"cpu": {"N": ..., "source": ...}, "cpu/<model fingerprint>": {...}, ...}
 FALLBACK_BUDGET = 16
 
 
-def best_budget(device_type: str) -> tuple[int, str]:
-    """The tree size `--tree auto` means on this kind of device (cpu, cuda, mps), and where it came from:
-    the user's own measurement (`rvqtts bench speedup --save`), else the one shipped in trees/, else 16."""
+def best_budget(device_type: str, fingerprint: str | None = None) -> tuple[int, str]:
+    """The tree size `--tree auto` means on this kind of device (cpu, cuda, mps), and the record it came from.
+
+    A choice measured for this model (`device/fingerprint`) wins over one for the device type; the user's
+    own measurements (`rvqtts bench speedup --save`) win over the ones shipped in trees/; else 16.
+    N = 0 means speculation was measured not to pay: the plain loop."""
+    keys = ([f"{device_type}/{fingerprint}"] if fingerprint else []) + [device_type]
+    records = []
     for path in (cache_dir() / BEST_BUDGETS, SHIPPED_TREES / BEST_BUDGETS):
         try:
-            entry = json.loads(path.read_text()).get(device_type)
-        except (OSError, ValueError, AttributeError):
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
             continue
-        if isinstance(entry, dict) and isinstance(entry.get("N"), int) and entry["N"] >= 1:
-            return entry["N"], f"{path}: {entry.get('source', '')}"
+        records.append((path, data if isinstance(data, dict) else {}))
+    for key in keys:
+        for path, data in records:
+            entry = data.get(key)
+            if isinstance(entry, dict) and isinstance(entry.get("N"), int) and entry["N"] >= 0:
+                return entry["N"], f"{path} [{key}]"  # the entry's "source" says how it was measured
     return FALLBACK_BUDGET, "default"
 
 
-def save_best_budget(device: str, budget: int, source: str) -> Path:
-    """Record the measured best tree size for this kind of device in the user's cache; returns the file."""
+def save_best_budget(device: str, budget: int, source: str, fingerprint: str | None = None) -> Path:
+    """Record the measured best tree size (0: no speculation) for this kind of device, and for one model
+    when the acceptance came from it, in the user's cache; returns the file."""
     path = cache_dir() / BEST_BUDGETS
     try:
         records = json.loads(path.read_text())
     except (OSError, ValueError):
         records = {}
     records = records if isinstance(records, dict) else {}
-    records[device.split(":")[0]] = {"N": budget, "source": source}
+    key = device.split(":")[0] + (f"/{fingerprint}" if fingerprint else "")
+    records[key] = {"N": budget, "source": source}
     write_json(path, records)
     return path
 
@@ -301,14 +312,15 @@ def shipped_tree_files() -> list[Path]:
 
 def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None, device_type: str = "cpu") -> Tree:
     """A `--tree` value: a node budget N, meaning a shipped tree of N nodes; `auto`, the best N measured
-    for this kind of device (`best_budget`); or a tree file's path.
+    for this model or kind of device (`best_budget`; N = 0 falls back to 16 here, callers that can run
+    the plain loop check for it first); or a tree file's path.
 
     Among shipped trees of N nodes, one calibrated for the model (its `model_fingerprint` equals
     `fingerprint`) wins over a model-independent one; trees calibrated for other models are passed over.
     """
     text = str(spec)
     if text == "auto":
-        text = str(best_budget(device_type)[0])
+        text = str(best_budget(device_type, fingerprint)[0] or FALLBACK_BUDGET)
     if not text.isdigit():
         return load_tree(text)
     trees = [load_tree(p) for p in shipped_tree_files()]

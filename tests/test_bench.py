@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from rvqtts.bench import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
 from rvqtts.cli import app
+from rvqtts.offsets import predictor_fingerprint
 from rvqtts.synthesis import choose_speculation
 from rvqtts.tree import FALLBACK_BUDGET, SHIPPED_TREES, best_budget, frame_codes_per_call, grow_tree, save_acceptance
 
@@ -67,9 +68,18 @@ def test_codes_per_call_from_a_table_or_the_paper():
                                        abs=1e-4)
 
 
-def test_bench_speedup_plots_saves_and_synth_follows(predictor_json, tmp_path, user_cache, tiny):
+def write_costs(path):
+    """Fixed call costs (as `bench predictor --json` writes them), so that the best N is known."""
+    path.write_text(json.dumps({"q": [1, 5, 8, 9, 16, 17], "ratio_to_q1": [1.0, 1.1, 1.15, 1.2, 1.25, 1.4],
+                                "ratio_to_stock_q1": [0.9, 0.99, 1.035, 1.08, 1.125, 1.26],
+                                "device": "cpu", "dtype": "bfloat16", "weights": "hand"}))
+    return path
+
+
+def test_bench_speedup_plots_saves_and_synth_follows(tmp_path, user_cache, tiny):
     table = tmp_path / "t-acceptance.json"
     save_acceptance({"acceptance": [[0.6, 0.2, 0.1], [0.6, 0.1], [0.6]], "source": "hand table"}, table)
+    predictor_json = write_costs(tmp_path / "predictor.json")
     shipped = json.loads((SHIPPED_TREES / "best-n.json").read_text())["cpu"]["N"]
     assert best_budget("cpu")[0] == shipped and "trees/best-n.json" in best_budget("cpu")[1]  # nothing saved yet
     plot, out = tmp_path / "figure.png", tmp_path / "speedup.json"
@@ -78,7 +88,9 @@ def test_bench_speedup_plots_saves_and_synth_follows(predictor_json, tmp_path, u
     assert result.exit_code == 0, result.output
     projection = json.loads(out.read_text())
     assert [row["N"] for row in projection["rows"]] == [4, 7, 8, 15, 16]
-    assert projection["not_measured"] == [31, 32, 63, 64] and projection["best_N"] in (4, 7, 8, 15, 16) and projection["acceptance_source"] == "hand table"
+    best = max(projection["rows"], key=lambda row: row["speedup"])
+    assert projection["not_measured"] == [31, 32, 63, 64] and projection["best_N"] == best["N"]
+    assert best["speedup"] > 1 and projection["acceptance_source"] == "hand table"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert best_budget("cpu")[0] == projection["best_N"] and best_budget("cuda") == (FALLBACK_BUDGET, "default")
     assert f"defaults to --tree {projection['best_N']}" in result.output
@@ -127,3 +139,25 @@ def test_bench_e2e_runs_all_three_variants(tiny_dir, tmp_path):
 def test_bench_refuses_unknown_dimensions():
     result = run("bench", "predictor", "--dims", "7b")
     assert result.exit_code == 2 and "unknown --dims '7b'" in result.output
+
+
+def test_a_measured_no_speculation_choice_runs_the_plain_loop(tmp_path, tiny, narrow):
+    fingerprint = predictor_fingerprint(tiny.code_predictor)
+    table = tmp_path / "never-acceptance.json"
+    save_acceptance({"acceptance": [[0.0], [0.0], [0.0]], "model_fingerprint": fingerprint,
+                     "source": "drafts never accepted"}, table)
+    costs = tmp_path / "predictor.json"  # fixed costs: a tree call dearer than a plain step, as it always is
+    costs.write_text(json.dumps({"q": [1, 65], "ratio_to_q1": [1.0, 2.0], "ratio_to_stock_q1": [0.9, 1.8],
+                                 "device": "cpu", "dtype": "bfloat16", "weights": "hand"}))
+    out = tmp_path / "speedup.json"
+    result = run("bench", "speedup", "--predictor", costs, "--acceptance", table, "--save", "--json", out)
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["best_N"] == 0
+    assert "runs the plain loop (no tree pays) for this model" in result.output
+    assert best_budget("cpu", fingerprint)[0] == 0
+    speculation, notice = choose_speculation(tiny.code_predictor, "auto", allow_plain=True)
+    assert speculation is None and "measured not to pay" in notice
+    assert choose_speculation(tiny.code_predictor, "auto")[0].tree.nodes == FALLBACK_BUDGET  # a tree is needed
+    assert choose_speculation(tiny.code_predictor, "8", allow_plain=True)[0].tree.nodes == 8  # an explicit N wins
+    shipped = json.loads((SHIPPED_TREES / "best-n.json").read_text())["cpu"]["N"]
+    assert choose_speculation(narrow.code_predictor, "auto", allow_plain=True)[0].tree.nodes == shipped
