@@ -77,24 +77,35 @@ class PredictorRunner:
         x = self.project(embeds.to(self.dtype))
         cos, sin = self.cos[positions][None], self.sin[positions][None]
         attn_mask = None if mask is None else mask[None, None, :, :end]
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            q, k, v = F.linear(layer.input_layernorm(x), *self.qkv[i]).split(
-                [self.q_width, self.kv_width, self.kv_width], dim=-1)
-            q = attn.q_norm(q.view(q_len, self.n_heads, self.head_dim)).transpose(0, 1)
-            k = attn.k_norm(k.view(q_len, self.n_kv_heads, self.head_dim)).transpose(0, 1)
-            v = v.view(q_len, self.n_kv_heads, self.head_dim).transpose(0, 1)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        for i in range(len(self.layers)):
+            q, k, v = self.attention_inputs(i, x, cos, sin)
             self.k_cache[i, :, start:end] = k
             self.v_cache[i, :, start:end] = v
             # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the unfused math).
             out = F.scaled_dot_product_attention(q[None], self.k_cache[None, i, :, :end], self.v_cache[None, i, :, :end],
                                                  attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv_heads)
-            x = x + attn.o_proj(out[0].transpose(0, 1).reshape(q_len, self.q_width))
-            gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
-            x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+            x = self.layer_rest(i, x, out[0])
         return self.norm(x)
+
+    def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's queries [heads, q, d] and keys, values [kv_heads, q, d] for states x [q, hidden]:
+        one fused map, the q/k norms, then RoPE with the slots' `cos`, `sin` [1, q, d]."""
+        layer, q_len = self.layers[i], x.shape[0]
+        q, k, v = F.linear(layer.input_layernorm(x), *self.qkv[i]).split(
+            [self.q_width, self.kv_width, self.kv_width], dim=-1)
+        q = layer.self_attn.q_norm(q.view(q_len, self.n_heads, self.head_dim)).transpose(0, 1)
+        k = layer.self_attn.k_norm(k.view(q_len, self.n_kv_heads, self.head_dim)).transpose(0, 1)
+        v = v.view(q_len, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def layer_rest(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Layer i after attention: output map and residual, then the MLP (gate and up fused) and residual.
+        `attended` is the attention output [heads, q, d]."""
+        layer = self.layers[i]
+        x = x + layer.self_attn.o_proj(attended.transpose(0, 1).reshape(x.shape[0], self.q_width))
+        gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
+        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def prefill(self, prefix: torch.Tensor) -> torch.Tensor:
         """The frame's first call: [h_t, embedding of c0] at positions 0 and 1. Returns h_1."""

@@ -1,0 +1,65 @@
+"""The fused round (the module Core ML converts): same noise, same codes and calls as the engine, and it
+traces to a static graph that generalises over the root's index."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import random_prefix
+
+from rvqtts.decode import Speculation
+from rvqtts.fused import FusedDecoder
+from rvqtts.offsets import Offsets
+from rvqtts.predictor import PredictorRunner
+from rvqtts.sampling import SamplingConfig, gumbel_noise
+from rvqtts.synthesis import InnerLoop, Synthesizer
+from rvqtts.tree import grow_tree
+
+TABLE = [[0.5, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.01] * 2,
+         [0.4, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01] * 2,
+         [0.3, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01, 0.01] * 2]
+
+
+@pytest.mark.parametrize("which", ["tiny", "narrow"])
+def test_fused_rounds_give_the_engines_codes(which, request):
+    synth = request.getfixturevalue(which)
+    tree = grow_tree(TABLE, 16)
+    offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(16)) * 0.5)
+    loop = InnerLoop(synth.code_predictor, Speculation(tree, offsets), seed=11)
+    fused = FusedDecoder(PredictorRunner(synth.code_predictor, 16), tree, offsets.vectors, SamplingConfig())
+    calls = 0
+    for frame in range(40):
+        prefix = random_prefix(synth, seed=frame)
+        noise = torch.from_numpy(gumbel_noise(11, 0, frame, np.arange(1, 16), loop.runner.vocab_size))
+        codes, made = fused.decode(prefix, noise)
+        assert codes == loop.decode(prefix, SamplingConfig(), 0, frame), f"frame {frame}"
+        calls += made
+    assert calls == loop.stats.calls
+    if which == "narrow":  # deep paths were accepted, so drafts from the fused call were walked
+        assert loop.stats.accepted_per_depth[1] > 10
+
+
+def test_the_fused_round_traces_to_a_static_graph(tiny_dir):
+    synth = Synthesizer.load(tiny_dir)
+    synth.code_predictor.requires_grad_(False)  # traced weights become constants
+    tree = grow_tree(TABLE, 8)
+    decoder = FusedDecoder(PredictorRunner(synth.code_predictor, 16), tree, torch.zeros(3, synth.hidden_size),
+                           SamplingConfig())
+    q, generator = tree.nodes + 1, torch.Generator().manual_seed(0)
+
+    def inputs(index: int):
+        return (torch.randint(0, 2048, (q,), generator=generator), torch.tensor([index]),
+                torch.randn(decoder.k_cache.shape, generator=generator),
+                torch.randn(decoder.v_cache.shape, generator=generator),
+                decoder.mask(index + 1, decoder.ancestors), torch.randn(q, 2048, generator=generator))
+
+    with torch.no_grad():
+        traced = torch.jit.trace(decoder.round, inputs(3), check_trace=False)
+        for index in (1, 7, 14):  # one graph for every root position, the frame's end included
+            example = inputs(index)
+            for ours, theirs in zip(decoder.round(*example), traced(*example)):
+                assert torch.equal(ours, theirs)
+    draws, ranks, new_k, _ = traced(*inputs(5))
+    assert draws.shape == (q,) and ranks.shape == (q, 3, max(tree.max_rank_by_depth()))
+    assert new_k.shape == (decoder.k_cache.shape[0], decoder.k_cache.shape[1], q, decoder.k_cache.shape[3])
