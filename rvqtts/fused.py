@@ -82,11 +82,12 @@ class FusedCall(torch.nn.Module):
 
 
 class FusedRound(FusedCall):
-    """A tree round, with its codes embedded in the graph: slot u's code c_{index+d_u} by its own table."""
+    """A round of slots at fixed depths (a tree's, or [0] for a plain step), with its codes embedded in
+    the graph: slot u's code c_{index+d_u} by its own table."""
 
-    def __init__(self, runner: PredictorRunner, tree: Tree, offsets: torch.Tensor, draft_width: int,
+    def __init__(self, runner: PredictorRunner, slot_depth: list[int], offsets: torch.Tensor, draft_width: int,
                  sampling: SamplingConfig):
-        super().__init__(runner, tree.buffers.depth.tolist(), offsets, draft_width, sampling)
+        super().__init__(runner, slot_depth, offsets, draft_width, sampling)
         self.tables = torch.stack([table.weight for table in runner.embeddings]).detach()  # [G-1, V, E]
 
     def forward(self, codes: torch.Tensor, index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -97,8 +98,9 @@ class FusedRound(FusedCall):
 
 
 class FusedDecoder:
-    """Frames decoded by fused calls with the host walking integers: the reference for Core ML's rounds
-    (same noise, same codes as rvqtts.decode's speculative loop)."""
+    """Frames decoded by fused calls with the host walking integers: the reference for Core ML's calls
+    (same noise, same codes as rvqtts.decode's loops). Speculative frames use the prefill and round
+    calls; plain frames (`decode_plain`) a draft-free prefill and a q = 1 step."""
 
     def __init__(self, runner: PredictorRunner, tree: Tree, offsets: torch.Tensor, sampling: SamplingConfig):
         self.runner, self.tree = runner, tree
@@ -108,13 +110,17 @@ class FusedDecoder:
         self.node_rank = buffers.rank
         self.children = buffers.children
         self.prefill = FusedCall(runner, [-1, 0], offsets, width, sampling)
-        self.round = FusedRound(runner, tree, offsets, width, sampling)
+        self.round = FusedRound(runner, self.slot_depth, offsets, width, sampling)
+        no_drafts = offsets[:0]
+        self.plain_prefill = FusedCall(runner, [-1, 0], no_drafts, 1, sampling)
+        self.step = FusedRound(runner, [0], no_drafts, 1, sampling)
         self.capacity = runner.code_groups + 1  # committed slots: h_t, c0 .. c15
         shape = (len(runner.layers), runner.n_kv_heads, self.capacity, runner.head_dim)
         self.k_cache = torch.zeros(shape, device=runner.device, dtype=runner.dtype)
         self.v_cache = torch.zeros(shape, device=runner.device, dtype=runner.dtype)
         block = buffers.ancestor_mask.to(runner.device)
         self.ancestors = torch.where(block, 0.0, MASKED)
+        self.causal = torch.where(torch.ones(2, 2, dtype=torch.bool, device=runner.device).tril(), 0.0, MASKED)
 
     def mask(self, length: int, block: torch.Tensor) -> torch.Tensor:
         """[q, C + q]: the first `length` cache slots and the query's own visibility `block`."""
@@ -134,9 +140,8 @@ class FusedDecoder:
         """c1..c_{G-1} of one frame from [h_t, embedding of c0] and the frame's noise [G-1, V]; returns
         the codes and the number of calls."""
         runner, last = self.runner, self.runner.code_groups - 1
-        causal = torch.where(torch.ones(2, 2, dtype=torch.bool, device=runner.device).tril(), 0.0, MASKED)
         draws, ranks, new_k, new_v = self.prefill(prefix, torch.tensor([0], device=runner.device), self.k_cache, self.v_cache,
-                                                  self.mask(0, causal), noise[[0, 0]])
+                                                  self.mask(0, self.causal), noise[[0, 0]])
         self.keep(new_k, new_v, [0, 1], 0)
         root, drafts, index, calls = int(draws[1]), ranks[1].tolist(), 1, 1
         codes: list[int] = []
@@ -159,3 +164,20 @@ class FusedDecoder:
             root, drafts, index = final, ranks[end].tolist(), slot_index[end] + 1
         codes.append(root)
         return codes, calls
+
+    @torch.inference_mode()
+    def decode_plain(self, prefix: torch.Tensor, noise: torch.Tensor) -> list[int]:
+        """c1..c_{G-1} of one frame with one call per code (`--no-spec`)."""
+        runner, last = self.runner, self.runner.code_groups - 1
+        draws, _, new_k, new_v = self.plain_prefill(prefix, torch.tensor([0], device=runner.device), self.k_cache,
+                                                    self.v_cache, self.mask(0, self.causal), noise[[0, 0]])
+        self.keep(new_k, new_v, [0, 1], 0)
+        codes = [int(draws[1])]
+        itself = torch.zeros(1, 1, device=runner.device)
+        for index in range(1, last):
+            draws, _, new_k, new_v = self.step(torch.tensor(codes[-1:], device=runner.device),
+                                               torch.tensor([index], device=runner.device), self.k_cache,
+                                               self.v_cache, self.mask(index + 1, itself), noise[[index]])
+            self.keep(new_k, new_v, [0], index + 1)
+            codes.append(int(draws[0]))
+        return codes

@@ -36,6 +36,11 @@ def test_fused_rounds_give_the_engines_codes(which, request):
         assert codes == loop.decode(prefix, SamplingConfig(), 0, frame), f"frame {frame}"
         calls += made
     assert calls == loop.stats.calls
+    plain = InnerLoop(synth.code_predictor, None, seed=11)
+    for frame in range(10):  # the plain q = 1 step Core ML runs for --no-spec
+        prefix = random_prefix(synth, seed=frame)
+        noise = torch.from_numpy(gumbel_noise(11, 0, frame, np.arange(1, 16), loop.runner.vocab_size))
+        assert fused.decode_plain(prefix, noise) == plain.decode(prefix, SamplingConfig(), 0, frame)
     if which == "narrow":  # deep paths were accepted, so drafts from the fused call were walked
         assert loop.stats.accepted_per_depth[1] > 10
 
@@ -60,6 +65,11 @@ def test_the_fused_round_traces_to_a_static_graph(tiny_dir):
             example = inputs(index)
             for ours, theirs in zip(decoder.round(*example), traced(*example)):
                 assert torch.equal(ours, theirs)
+        step = (torch.tensor([7]), torch.tensor([4]), decoder.k_cache, decoder.v_cache,
+                decoder.mask(5, torch.zeros(1, 1)), torch.randn(1, 2048, generator=generator))
+        traced_step = torch.jit.trace(decoder.step, step, check_trace=False)
+        later = (step[0], torch.tensor([14]), *step[2:4], decoder.mask(15, torch.zeros(1, 1)), step[5])
+        assert all(torch.equal(a, b) for a, b in zip(decoder.step(*later), traced_step(*later)))
     draws, ranks, new_k, _ = traced(*inputs(5))
     assert draws.shape == (q,) and ranks.shape == (q, 3, max(tree.max_rank_by_depth()))
     assert new_k.shape == (decoder.k_cache.shape[0], decoder.k_cache.shape[1], q, decoder.k_cache.shape[3])
