@@ -15,10 +15,11 @@ from typing import Callable
 import torch
 
 from rvqtts.decode import RoundPlan, round_call, step_call
-from rvqtts.graphs import StaticCalls
 from rvqtts.files import write_atomically
+from rvqtts.graphs import StaticCalls
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig
+from rvqtts.synthesis import synchronize
 from rvqtts.tree import SHIPPED_TREES, Tree, frame_codes_per_call, grow_tree, load_acceptance
 
 PREDICTOR_DIMS = {"0.6b": 1024, "1.7b": 2048}  # talker width in front of the (same) 1024-wide predictor
@@ -48,11 +49,6 @@ def random_code_predictor(dims: str, dtype: torch.dtype, device: str, seed: int 
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def interleaved_ms(calls: dict[str, Callable[[], object]], device: torch.device, warmup: int = 5,
                    repeats: int = 30, reset: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """Milliseconds of each call, `repeats` times, the calls taking turns so that load on a shared
@@ -62,10 +58,10 @@ def interleaved_ms(calls: dict[str, Callable[[], object]], device: torch.device,
         for name, call in calls.items():
             if reset:
                 reset()
-            _synchronize(device)
+            synchronize(device)
             started = time.perf_counter()
             call()
-            _synchronize(device)
+            synchronize(device)
             if repeat >= warmup:
                 times[name].append((time.perf_counter() - started) * 1e3)
     return times
@@ -77,16 +73,21 @@ def timing_tree(nodes: int) -> Tree:
     return grow_tree(prior, nodes)
 
 
+def _talker_width(code_predictor: torch.nn.Module) -> int:
+    """Width of what the talker hands the predictor (its embeddings), before any projection to 1024."""
+    return getattr(code_predictor.small_to_mtp_projection, "in_features",
+                   code_predictor.model.codec_embedding[0].weight.shape[1])
+
+
 def _stock_step(code_predictor: torch.nn.Module, device: torch.device, dtype: torch.dtype):
     """qwen-tts's own forward for one code at KV length KV_LENGTH (its HF cache, its LM head), and a
     reset that crops the cache back after each call."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    width = code_predictor.model.codec_embedding[0].weight.shape[1]
-    talker_width = getattr(code_predictor.small_to_mtp_projection, "in_features", width)
     with torch.inference_mode():
-        code_predictor(inputs_embeds=torch.randn(1, KV_LENGTH, talker_width, device=device, dtype=dtype),
+        code_predictor(inputs_embeds=torch.randn(1, KV_LENGTH, _talker_width(code_predictor), device=device,
+                                                 dtype=dtype),
                        past_key_values=cache, use_cache=True)
     code = torch.tensor([[5]], device=device)
 
@@ -103,9 +104,7 @@ def _frame_loops(code_predictor: torch.nn.Module, device: torch.device, dtype: t
     from rvqtts.decode import DecodeStats, decode_frame_plain
 
     groups = code_predictor.config.num_code_groups
-    talker_width = getattr(code_predictor.small_to_mtp_projection, "in_features",
-                           code_predictor.model.codec_embedding[0].weight.shape[1])
-    prefix = torch.randn(1, 2, talker_width, device=device, dtype=dtype)
+    prefix = torch.randn(1, 2, _talker_width(code_predictor), device=device, dtype=dtype)
     runner = PredictorRunner(code_predictor, groups)
     noise = torch.zeros(groups - 1, code_predictor.config.vocab_size, device=device)
     sampling = SamplingConfig()

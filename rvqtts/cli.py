@@ -316,6 +316,16 @@ def _load_synthesizer(model: str, device: str, dtype: str):
         fail(str(error))
 
 
+def _list_of_ints(value: str, option: str, least: int = 1) -> list[int]:
+    try:
+        numbers = sorted({int(v) for v in value.split(",")})
+    except ValueError:
+        fail(f"{option} must be comma-separated whole numbers, got {value!r}")
+    if not numbers or numbers[0] < least:
+        fail(f"{option} must be at least {least}, got {value!r}")
+    return numbers
+
+
 def _check_source(texts: Optional[Path], contexts: Optional[Path], audio: Optional[Path] = None,
                   audio_allowed: bool = False) -> None:
     if sum(source is not None for source in (texts, contexts, audio)) != 1:
@@ -491,12 +501,7 @@ def calibrate(
     from rvqtts.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
 
     _check_source(texts, contexts)
-    try:
-        sizes = sorted({int(b) for b in budgets.split(",")})
-    except ValueError:
-        fail(f"--budgets must be comma-separated whole numbers, got {budgets!r}")
-    if not sizes or sizes[0] < 1:
-        fail(f"--budgets must be at least 1, got {budgets!r}")
+    sizes = _list_of_ints(budgets, "--budgets")
     prefix = name or (offsets.stem if offsets else "reused-heads")
     table_path = out_dir / f"{prefix}{ACCEPTANCE_SUFFIX}"
     tree_paths = {n: out_dir / f"{prefix}-n{n}.json" for n in sizes}
@@ -609,16 +614,6 @@ def standin_build(
 bench_app = typer.Typer(help="Benchmarks: predictor call cost per query length, projected speedup per tree size, "
                              "and whole synthesis against stock qwen-tts (docs/benchmarks.md).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-
-
-def _list_of_ints(value: str, option: str, least: int = 1) -> list[int]:
-    try:
-        numbers = sorted({int(v) for v in value.split(",")})
-    except ValueError:
-        fail(f"{option} must be comma-separated whole numbers, got {value!r}")
-    if not numbers or numbers[0] < least:
-        fail(f"{option} values must be at least {least}, got {value!r}")
-    return numbers
 
 
 @bench_app.command("predictor")

@@ -34,7 +34,8 @@ from rvqtts.tree import best_budget, resolve_tree
 DEFAULT_DEPTH = 3  # K, the paper's draft depth
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that host clocks measure it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":
@@ -108,7 +109,7 @@ class InnerLoop:
         rows = [self.decode(inputs_embeds[b], sampling, self.utterance + b, self.frame)
                 for b in range(inputs_embeds.shape[0])]
         self.frame += 1
-        _synchronize(self.runner.device)
+        synchronize(self.runner.device)
         self.seconds += time.perf_counter() - started
         return SimpleNamespace(sequences=torch.tensor(rows, device=inputs_embeds.device))
 
@@ -206,6 +207,11 @@ class Synthesizer:
         """qwen-tts drops instructions for the 0.6B CustomVoice model."""
         return self.model.tts_model_size not in "0b6"
 
+    def frame_budget(self, text: str, settings: GenerationSettings) -> int:
+        """Most frames one piece of text may take: the settings' or the model's limit, and no more than
+        its length warrants (a model that never ends its speech is cut there)."""
+        return min(settings.max_frames or self.default_max_frames, frame_budget(text))
+
     def check_voice(self, speaker: str, language: str) -> None:
         """Raise ValueError naming the valid choices when the speaker or language is not the model's."""
         if speaker.lower() not in self.speakers:
@@ -276,7 +282,7 @@ class Synthesizer:
         started = time.perf_counter()
         with self._hooks(loop, captured, seconds, counts):
             for index, piece in enumerate(pieces):
-                budget = min(settings.max_frames or self.default_max_frames, frame_budget(piece))
+                budget = self.frame_budget(piece, settings)
                 seed_talker(seed, utterance, index)
                 wavs, sample_rate = self.tts.generate_custom_voice(
                     text=piece, speaker=speaker, language=language,
@@ -325,7 +331,7 @@ class Synthesizer:
         started = time.perf_counter()
         try:
             seed_talker(seed, 0, 0)
-            budget = min(settings.max_frames or self.default_max_frames, frame_budget(text))
+            budget = self.frame_budget(text, settings)
             wavs, sample_rate = self.tts.generate_custom_voice(
                 text=" ".join(text.split()), speaker=speaker, language=language, **settings.generate_kwargs(budget))
         finally:

@@ -268,6 +268,15 @@ BEST_BUDGETS = "best-n.json"  # {"cpu": {"N": ..., "source": ...}, "cpu/<model f
 FALLBACK_BUDGET = 16
 
 
+def _budget_records(path: Path) -> dict:
+    """The records of a best-N file; a missing or malformed one counts as empty (nothing measured)."""
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return records if isinstance(records, dict) else {}
+
+
 def best_budget(device_type: str, fingerprint: str | None = None) -> tuple[int, str]:
     """The tree size `--tree auto` means on this kind of device (cpu, cuda, mps), and the record it came from.
 
@@ -275,13 +284,7 @@ def best_budget(device_type: str, fingerprint: str | None = None) -> tuple[int, 
     own measurements (`rvqtts bench speedup --save`) win over the ones shipped in trees/; else 16.
     N = 0 means speculation was measured not to pay: the plain loop."""
     keys = ([f"{device_type}/{fingerprint}"] if fingerprint else []) + [device_type]
-    records = []
-    for path in (cache_dir() / BEST_BUDGETS, SHIPPED_TREES / BEST_BUDGETS):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        records.append((path, data if isinstance(data, dict) else {}))
+    records = [(path, _budget_records(path)) for path in (cache_dir() / BEST_BUDGETS, SHIPPED_TREES / BEST_BUDGETS)]
     for key in keys:
         for path, data in records:
             entry = data.get(key)
@@ -294,11 +297,7 @@ def save_best_budget(device: str, budget: int, source: str, fingerprint: str | N
     """Record the measured best tree size (0: no speculation) for this kind of device, and for one model
     when the acceptance came from it, in the user's cache; returns the file."""
     path = cache_dir() / BEST_BUDGETS
-    try:
-        records = json.loads(path.read_text())
-    except (OSError, ValueError):
-        records = {}
-    records = records if isinstance(records, dict) else {}
+    records = _budget_records(path)
     key = device.split(":")[0] + (f"/{fingerprint}" if fingerprint else "")
     records[key] = {"N": budget, "source": source}
     write_json(path, records)

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from typer.testing import CliRunner
 
 from rvqtts.calibration import sample_codes
+from rvqtts.cli import app
 from rvqtts.contexts import Contexts
 from rvqtts.synthesis import Synthesizer
+
+
+def run_cli(*arguments: object):
+    """`rvqtts ARGUMENTS...` in process; the result has exit_code and output (stderr included)."""
+    return CliRunner().invoke(app, [*map(str, arguments)])
 
 
 def random_prefix(synth: Synthesizer, seed: int) -> torch.Tensor:

@@ -7,21 +7,13 @@ import json
 import numpy as np
 import pytest
 from helpers import random_contexts
-from typer.testing import CliRunner
+from helpers import run_cli as run
 
 from rvqtts.batch import Utterance
-from rvqtts.cli import app
 from rvqtts.contexts import ContextsFileError, load_contexts, record_contexts, save_contexts
 from rvqtts.offsets import load_offsets, predictor_fingerprint
 from rvqtts.synthesis import GenerationSettings
 from rvqtts.tree import grow_tree, load_acceptance, load_tree
-
-runner = CliRunner()
-
-
-def run(*arguments):
-    return runner.invoke(app, [*map(str, arguments)])
-
 
 @pytest.fixture(scope="module")
 def small_frames(small, tmp_path_factory):

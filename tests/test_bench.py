@@ -7,20 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
+from helpers import run_cli as run
 
 from rvqtts.bench import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
-from rvqtts.cli import app
 from rvqtts.offsets import predictor_fingerprint
 from rvqtts.synthesis import choose_speculation
 from rvqtts.tree import FALLBACK_BUDGET, SHIPPED_TREES, best_budget, frame_codes_per_call, grow_tree, save_acceptance
-
-runner = CliRunner()
-
-
-def run(*arguments):
-    return runner.invoke(app, [*map(str, arguments)])
-
 
 @pytest.fixture(scope="module")
 def predictor_json(tiny_dir, tmp_path_factory):
