@@ -140,7 +140,14 @@ def synth(
                                           "a tree file."),
     offsets: Optional[Path] = typer.Option(None, help="Draft offsets file; default: shipped offsets matching "
                                                       "the model, else zero offsets."),
-    backend: str = typer.Option("torch", help="torch, or coreml (macOS, not available yet)."),
+    backend: str = typer.Option("torch", help="torch, or coreml (macOS): the inner loop runs on a Core ML "
+                                              "package (docs/coreml.md)."),
+    compute_units: str = typer.Option("all", help="Core ML compute units: all, cpu_and_ne, cpu_and_gpu or "
+                                                  "cpu_only."),
+    coreml_package: Optional[Path] = typer.Option(None, help="Core ML package from rvqtts export-coreml; default: "
+                                                             "the cache's, exported on first use."),
+    coreml_precision: str = typer.Option("w8a16", help="Precision of a package exported on first use: w8a16 "
+                                                       "or fp16."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
                                      help="On CUDA, replay the inner loop's calls from CUDA graphs."),
     codes_out: Optional[Path] = typer.Option(None, help="Save frame codes as int .npy [frames, 16] (batch: a "
@@ -159,10 +166,10 @@ def synth(
     from rvqtts.synthesis import GenerationSettings, choose_speculation
     from rvqtts.tree import TreeFileError
 
-    if backend == "coreml":
-        fail("the Core ML backend is not available yet (it will need macOS); use --backend torch")
-    if backend != "torch":
+    if backend not in ("torch", "coreml"):
         fail(f"unknown --backend {backend!r}: choose torch or coreml")
+    if backend == "coreml":
+        _check_coreml(compute_units, coreml_precision)
     if file is not None:
         if text is not None:
             fail("give either TEXT or -f FILE, not both")
@@ -188,6 +195,7 @@ def synth(
         fail(str(error))
     synthesizer = _load_synthesizer(model, device, dtype)
     synthesizer.cuda_graphs = cuda_graphs
+    device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
     for item in utterances:
         try:
             synthesizer.check_voice(item.speaker or speaker, item.language or language)
@@ -196,11 +204,13 @@ def synth(
     if spec:
         try:
             synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets,
-                                                                 allow_plain=True)
+                                                                 allow_plain=True, device_type=device_type)
         except (TreeFileError, OffsetsFileError, ValueError) as error:
             fail(str(error))
         if notice:
             say(notice, quiet)
+    if backend == "coreml":
+        _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet)
     if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
         say("warning: this model does not support --instruct (the 0.6B ignores instructions); ignoring it")
 
@@ -210,6 +220,41 @@ def synth(
     else:
         _synth_batch(synthesizer, utterances, out_dir, file, speaker, language, instruct, seed, settings, force,
                      codes_out, stats_json, quiet)
+
+
+def _check_coreml(compute_units: str, precision: str) -> None:
+    """Fail with one line unless Core ML can run here with these settings."""
+    from rvqtts.coreml import COMPUTE_UNITS, PRECISIONS, CoreMLError, coremltools, require_macos
+
+    try:
+        require_macos()
+        coremltools()
+    except CoreMLError as error:
+        fail(str(error))
+    if compute_units not in COMPUTE_UNITS:
+        fail(f"unknown --compute-units {compute_units!r}: choose {', '.join(COMPUTE_UNITS)}")
+    if precision not in PRECISIONS:
+        fail(f"unknown --coreml-precision {precision!r}: choose {' or '.join(PRECISIONS)}")
+
+
+def _use_coreml(synthesizer, tree: str, offsets: Optional[Path], settings, package: Optional[Path],
+                precision: str, compute_units: str, quiet: bool) -> None:
+    """Run the synthesizer's inner loop on a Core ML package (the plain step when it has no speculation)."""
+    from rvqtts.coreml import CoreMLError, coreml_decoder
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.sampling import SamplingConfig
+    from rvqtts.synthesis import choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    try:
+        speculation = synthesizer.speculation  # None: --no-spec, whose package still holds a tree
+        if speculation is None:
+            speculation, _ = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
+        sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
+        synthesizer.fused = coreml_decoder(synthesizer.code_predictor, speculation, sampling, package, precision,
+                                           compute_units, report=lambda message: say(message, quiet))
+    except (CoreMLError, TreeFileError, OffsetsFileError) as error:
+        fail(str(error))
 
 
 def _progress(quiet: bool):
@@ -522,6 +567,52 @@ def calibrate(
         save_tree(tree, tree_paths[size])
     summary = ", ".join(f"N={n}: {t.expected_codes_per_call}" for n, t in trees.items())
     say(f"expected codes per call {summary}; wrote {table_path} and {len(trees)} trees in {out_dir}", quiet)
+
+
+@app.command("export-coreml")
+def export_coreml(
+    out: Path = typer.Option(..., "--out", help="Folder for the .mlpackage (named by what it was built for)."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    tree: str = typer.Option("auto", help="Draft tree: auto (the best N measured for Core ML, else 16), a node "
+                                          "budget N (a shipped tree) or a tree file."),
+    offsets: Optional[Path] = typer.Option(None, help="Draft offsets file; default: shipped offsets matching "
+                                                      "the model, else zero offsets."),
+    precision: str = typer.Option("w8a16", help="w8a16 (int8 per-channel weights, float16 activations) or fp16."),
+    min_target: str = typer.Option("macOS15", help="Oldest macOS the package runs on (macOS15 or later)."),
+    temperature: float = typer.Option(0.9, help="Sampling temperature baked into the package (synth's must match)."),
+    top_k: int = typer.Option(50, help="Top-k baked into the package (0 = off; synth's must match)."),
+    force: bool = typer.Option(False, "--force", help="Export again over a package of the same name."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress messages."),
+) -> None:
+    """Export the fused inner loop (prefill, tree round, plain step) for one tree as a Core ML package,
+    for `rvqtts synth --backend coreml --coreml-package`. Runs on any OS; the package runs on macOS."""
+    from rvqtts.coreml import CoreMLError, check_export_settings, export_package
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.sampling import SamplingConfig
+    from rvqtts.synthesis import choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    try:
+        sampling = SamplingConfig(temperature, top_k)
+        check_export_settings(sampling, precision, min_target)
+    except (CoreMLError, ValueError) as error:
+        fail(str(error))
+    _check_writable(out)
+    synthesizer = _load_synthesizer(model, "cpu", "float32")
+    try:
+        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
+        if notice:
+            say(notice, quiet)
+        exported = export_package(synthesizer.code_predictor, speculation, sampling, out, precision, min_target,
+                                  report=lambda message: say(message, quiet), force=force)
+    except (CoreMLError, TreeFileError, OffsetsFileError, ValueError) as error:
+        fail(str(error))
+    if exported.reused:
+        say(f"{exported.path} is already exported for this model, tree, offsets and sampling (--force redoes it)",
+            quiet)
+    else:
+        say(f"wrote {exported.path}: {exported.bytes / 1e6:.1f} MB in {exported.seconds:.1f} s", quiet)
+    typer.echo(str(exported.path))
 
 
 @app.command()

@@ -39,6 +39,11 @@ class DecodeStats:
     def codes_per_call(self) -> float:
         return self.codes / self.calls if self.calls else 0.0
 
+    def count_frame(self, calls: int, codes: int) -> None:
+        self.frames += 1
+        self.calls += calls
+        self.codes += codes
+
     def count_accepted(self, accepted: int) -> None:
         self.rounds += 1
         if len(self.accepted_per_depth) < accepted:
@@ -132,9 +137,7 @@ def decode_frame_plain(runner: PredictorRunner, prefix: torch.Tensor, noise: tor
     for index in range(1, last):
         (code,) = calls(("step", index, sampling), partial(step_call, runner, index, sampling), code, noise)
         codes.append(code.clone())
-    stats.frames += 1
-    stats.calls += last
-    stats.codes += last
+    stats.count_frame(last, last)
     return torch.cat(codes).tolist()
 
 
@@ -218,7 +221,5 @@ def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, nois
         hidden = out[end]  # read by the next round (another index, so another static call) before any rerun
         index = slot_index[end] + 1
         root = torch.tensor([final], device=runner.device)
-    stats.frames += 1
-    stats.calls += made
-    stats.codes += last
+    stats.count_frame(made, last)
     return codes

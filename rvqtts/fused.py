@@ -15,10 +15,13 @@ whole frame. Attention reads [cache; new slots] through the mask, so the graph h
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
-from rvqtts.decode import walk_tree
+from rvqtts.decode import DecodeStats, walk_tree
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig, warp_logits
 from rvqtts.tree import Tree
@@ -37,13 +40,16 @@ class FusedCall(torch.nn.Module):
         self.offsets = offsets.to(runner.device, runner.dtype)
         self.depth = len(offsets)
         self.heads = torch.stack([head.weight for head in runner.heads]).detach()  # [G-1, V, H]: c_m by [m-1]
+        self.last_head = len(runner.heads) - 1  # Python ints: traced as constants, not shape lookups
+        self.last_position = int(runner.cos.shape[0]) - 1
         self.slot_depth = torch.tensor(slot_depth, device=runner.device)
+        self.slots = len(slot_depth)
         depths = sorted(set(slot_depth) - {-1})
         self.groups = [(d, slot_depth.index(d), len(slot_depth) - slot_depth[::-1].index(d)) for d in depths]
 
     def head(self, code_index: torch.Tensor) -> torch.Tensor:
         """LMH for code c_{code_index} ([V, H]), clamped to the last head past the frame's end."""
-        return self.heads[(code_index - 1).clamp(0, len(self.heads) - 1)].reshape(self.heads.shape[1:])
+        return self.heads[(code_index - 1).clamp(0, self.last_head)][0]
 
     def forward(self, embeds: torch.Tensor, index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 mask: torch.Tensor, noise: torch.Tensor):
@@ -51,7 +57,7 @@ class FusedCall(torch.nn.Module):
         [q, C + q] additive, noise [q, V]. Returns draws [q], draft ranks [q, K, m], new keys and values
         [L, kv_heads, q, head_dim]."""
         runner = self.runner
-        positions = (index + 1 + self.slot_depth).clamp(min=0)
+        positions = (index + 1 + self.slot_depth).clamp(0, self.last_position)
         x = runner.project(embeds.to(runner.dtype))
         cos, sin = runner.cos[positions][None], runner.sin[positions][None]
         attn_mask = mask.to(runner.dtype)[None, None]
@@ -66,7 +72,7 @@ class FusedCall(torch.nn.Module):
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask)
             x = runner.layer_rest(i, x, out[0])
         hidden = runner.norm(x)
-        q_len = hidden.shape[0]
+        q_len = self.slots
         draws = torch.zeros(q_len, dtype=torch.long, device=hidden.device)
         ranks = torch.zeros(q_len, self.depth, self.draft_width, dtype=torch.long, device=hidden.device)
         for d, start, stop in self.groups:
@@ -93,91 +99,129 @@ class FusedRound(FusedCall):
     def forward(self, codes: torch.Tensor, index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 mask: torch.Tensor, noise: torch.Tensor):
         """codes [q]: the root c_index, then the tree's nodes (anything past c15 is ignored)."""
-        table = (index + self.slot_depth - 1).clamp(0, len(self.tables) - 1)
+        table = (index + self.slot_depth - 1).clamp(0, self.last_head)
         return super().forward(self.tables[table, codes], index, k_cache, v_cache, mask, noise)
 
 
-class FusedDecoder:
-    """Frames decoded by fused calls with the host walking integers: the reference for Core ML's calls
-    (same noise, same codes as rvqtts.decode's loops). Speculative frames use the prefill and round
-    calls; plain frames (`decode_plain`) a draft-free prefill and a q = 1 step."""
+FusedFunction = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
-    def __init__(self, runner: PredictorRunner, tree: Tree, offsets: torch.Tensor, sampling: SamplingConfig):
-        self.runner, self.tree = runner, tree
+
+@dataclass(frozen=True)
+class FusedCalls:
+    """The three calls of a fused inner loop and the KV cache they read: one contract for the PyTorch
+    modules, their traced graphs and the functions of a Core ML package. Each takes (first input, index
+    [1], k_cache, v_cache, mask, noise) and returns (draws, ranks, new keys, new values):
+    prefill: embeds [2, E] of [h_t, c0]; round: the tree's codes [q]; step: one code [1] (`--no-spec`)."""
+
+    prefill: FusedFunction
+    round: FusedFunction
+    step: FusedFunction
+    cache_shape: tuple[int, int, int, int]  # [layers, kv_heads, G + 1 committed slots, head_dim]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def modules(cls, runner: PredictorRunner, tree: Tree, offsets: torch.Tensor,
+                sampling: SamplingConfig) -> "FusedCalls":
+        """PyTorch modules for this tree (the ones Core ML converts)."""
         width = max(tree.max_rank_by_depth())
+        slot_depth = tree.buffers.depth.tolist()
+        shape = (len(runner.layers), runner.n_kv_heads, runner.code_groups + 1, runner.head_dim)
+        return cls(prefill=FusedCall(runner, [-1, 0], offsets, width, sampling),
+                   round=FusedRound(runner, slot_depth, offsets, width, sampling),
+                   step=FusedRound(runner, [0], offsets[:0], 1, sampling),
+                   cache_shape=shape, dtype=runner.dtype, device=runner.device)
+
+
+class FusedDecoder:
+    """Frames decoded by fused calls with the host walking integers (same noise, same codes and counts
+    as rvqtts.decode's loops): the prefill and round calls for speculative frames, the prefill and the
+    q = 1 step for plain ones (`decode_plain`). `sampling` is what the calls were built for."""
+
+    def __init__(self, calls: FusedCalls, tree: Tree, sampling: SamplingConfig):
+        self.calls, self.tree, self.sampling = calls, tree, sampling
         buffers = tree.buffers
         self.slot_depth = buffers.depth.tolist()
         self.node_rank = buffers.rank
         self.children = buffers.children
-        self.prefill = FusedCall(runner, [-1, 0], offsets, width, sampling)
-        self.round = FusedRound(runner, self.slot_depth, offsets, width, sampling)
-        no_drafts = offsets[:0]
-        self.plain_prefill = FusedCall(runner, [-1, 0], no_drafts, 1, sampling)
-        self.step = FusedRound(runner, [0], no_drafts, 1, sampling)
-        self.capacity = runner.code_groups + 1  # committed slots: h_t, c0 .. c15
-        shape = (len(runner.layers), runner.n_kv_heads, self.capacity, runner.head_dim)
-        self.k_cache = torch.zeros(shape, device=runner.device, dtype=runner.dtype)
-        self.v_cache = torch.zeros(shape, device=runner.device, dtype=runner.dtype)
-        block = buffers.ancestor_mask.to(runner.device)
-        self.ancestors = torch.where(block, 0.0, MASKED)
-        self.causal = torch.where(torch.ones(2, 2, dtype=torch.bool, device=runner.device).tril(), 0.0, MASKED)
+        self.capacity = calls.cache_shape[2]  # committed slots: h_t, c0 .. c_{G-1}
+        self.code_groups = self.capacity - 1
+        self.device = calls.device
+        self.k_cache = torch.zeros(calls.cache_shape, device=self.device, dtype=calls.dtype)
+        self.v_cache = torch.zeros(calls.cache_shape, device=self.device, dtype=calls.dtype)
+        self.ancestors = torch.where(buffers.ancestor_mask.to(self.device), 0.0, MASKED)
+        self.causal = torch.where(torch.ones(2, 2, dtype=torch.bool, device=self.device).tril(), 0.0, MASKED)
+        self.itself = torch.zeros(1, 1, device=self.device)
+
+    @classmethod
+    def pytorch(cls, runner: PredictorRunner, tree: Tree, offsets: torch.Tensor,
+              sampling: SamplingConfig) -> "FusedDecoder":
+        """A decoder over the PyTorch fused modules."""
+        return cls(FusedCalls.modules(runner, tree, offsets, sampling), tree, sampling)
 
     def mask(self, length: int, block: torch.Tensor) -> torch.Tensor:
         """[q, C + q]: the first `length` cache slots and the query's own visibility `block`."""
         q = block.shape[0]
-        cache = torch.full((q, self.capacity), MASKED, device=self.runner.device)
+        cache = torch.full((q, self.capacity), MASKED, device=self.device)
         cache[:, :length] = 0.0
         return torch.cat([cache, block], dim=1)
 
     def keep(self, new_k: torch.Tensor, new_v: torch.Tensor, slots: list[int], length: int) -> None:
         """Write the new keys and values of these query slots into the cache from slot `length` on."""
-        chosen = torch.tensor(slots, device=self.runner.device)
+        chosen = torch.tensor(slots, device=self.device)
         self.k_cache[:, :, length:length + len(slots)] = new_k[:, :, chosen]
         self.v_cache[:, :, length:length + len(slots)] = new_v[:, :, chosen]
 
-    @torch.inference_mode()
-    def decode(self, prefix: torch.Tensor, noise: torch.Tensor) -> tuple[list[int], int]:
-        """c1..c_{G-1} of one frame from [h_t, embedding of c0] and the frame's noise [G-1, V]; returns
-        the codes and the number of calls."""
-        runner, last = self.runner, self.runner.code_groups - 1
-        draws, ranks, new_k, new_v = self.prefill(prefix, torch.tensor([0], device=runner.device), self.k_cache, self.v_cache,
-                                                  self.mask(0, self.causal), noise[[0, 0]])
+    def index(self, value: int) -> torch.Tensor:
+        return torch.tensor([value], device=self.device)
+
+    def start(self, prefix: torch.Tensor, noise: torch.Tensor) -> tuple[int, list[list[int]]]:
+        """The frame's prefill: commits [h_t, c0] and returns c1 with the drafts made from h_1."""
+        draws, ranks, new_k, new_v = self.calls.prefill(prefix, self.index(0), self.k_cache, self.v_cache,
+                                                        self.mask(0, self.causal), noise[[0, 0]])
         self.keep(new_k, new_v, [0, 1], 0)
-        root, drafts, index, calls = int(draws[1]), ranks[1].tolist(), 1, 1
+        return int(draws[1]), ranks[1].tolist()
+
+    @torch.inference_mode()
+    def decode(self, prefix: torch.Tensor, noise: torch.Tensor, stats: DecodeStats) -> list[int]:
+        """c1..c_{G-1} of one frame from [h_t, embedding of c0] and the frame's noise [G-1, V]."""
+        last = self.code_groups - 1
+        root, drafts = self.start(prefix, noise)
+        index, calls = 1, 1
         codes: list[int] = []
         while index < last:
             node_codes = [root] + [drafts[d - 1][r] if index + d <= last else 0
                                    for d, r in zip(self.slot_depth[1:], self.node_rank[1:])]
             slot_index = [index + d for d in self.slot_depth]
             rows = noise[[min(m, last - 1) for m in slot_index]]
-            draws, ranks, new_k, new_v = self.round(torch.tensor(node_codes, device=runner.device),
-                                                    torch.tensor([index], device=runner.device), self.k_cache,
-                                                    self.v_cache, self.mask(index + 1, self.ancestors), rows)
+            draws, ranks, new_k, new_v = self.calls.round(torch.tensor(node_codes, device=self.device),
+                                                          self.index(index), self.k_cache, self.v_cache,
+                                                          self.mask(index + 1, self.ancestors), rows)
             calls += 1
             accepted, final = walk_tree(self.children, node_codes, draws.tolist(), slot_index, last)
+            stats.count_accepted(len(accepted))
             codes.append(root)
             codes.extend(node_codes[u] for u in accepted)
             self.keep(new_k, new_v, [0, *accepted], index + 1)
             if final is None:
-                return codes, calls
+                break
             end = accepted[-1] if accepted else 0
             root, drafts, index = final, ranks[end].tolist(), slot_index[end] + 1
-        codes.append(root)
-        return codes, calls
+        else:  # the rounds reached the frame's last code: it is the root
+            codes.append(root)
+        stats.count_frame(calls, last)
+        return codes
 
     @torch.inference_mode()
-    def decode_plain(self, prefix: torch.Tensor, noise: torch.Tensor) -> list[int]:
+    def decode_plain(self, prefix: torch.Tensor, noise: torch.Tensor, stats: DecodeStats) -> list[int]:
         """c1..c_{G-1} of one frame with one call per code (`--no-spec`)."""
-        runner, last = self.runner, self.runner.code_groups - 1
-        draws, _, new_k, new_v = self.plain_prefill(prefix, torch.tensor([0], device=runner.device), self.k_cache,
-                                                    self.v_cache, self.mask(0, self.causal), noise[[0, 0]])
-        self.keep(new_k, new_v, [0, 1], 0)
-        codes = [int(draws[1])]
-        itself = torch.zeros(1, 1, device=runner.device)
+        last = self.code_groups - 1
+        codes = [self.start(prefix, noise)[0]]
         for index in range(1, last):
-            draws, _, new_k, new_v = self.step(torch.tensor(codes[-1:], device=runner.device),
-                                               torch.tensor([index], device=runner.device), self.k_cache,
-                                               self.v_cache, self.mask(index + 1, itself), noise[[index]])
+            draws, _, new_k, new_v = self.calls.step(torch.tensor(codes[-1:], device=self.device),
+                                                     self.index(index), self.k_cache, self.v_cache,
+                                                     self.mask(index + 1, self.itself), noise[[index]])
             self.keep(new_k, new_v, [0], index + 1)
             codes.append(int(draws[0]))
+        stats.count_frame(last, last)
         return codes

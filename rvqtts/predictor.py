@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
 
 
 def _stacked(*maps: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -90,20 +90,21 @@ class PredictorRunner:
     def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i's queries [heads, q, d] and keys, values [kv_heads, q, d] for states x [q, hidden]:
-        one fused map, the q/k norms, then RoPE with the slots' `cos`, `sin` [1, q, d]."""
-        layer, q_len = self.layers[i], x.shape[0]
+        one fused map, the q/k norms, then RoPE with the slots' `cos`, `sin` [1, q, d]. Nothing reads
+        x's shape, so traced graphs hold no size lookups (Core ML's converter mishandles them)."""
+        layer = self.layers[i]
         q, k, v = F.linear(layer.input_layernorm(x), *self.qkv[i]).split(
             [self.q_width, self.kv_width, self.kv_width], dim=-1)
-        q = layer.self_attn.q_norm(q.view(q_len, self.n_heads, self.head_dim)).transpose(0, 1)
-        k = layer.self_attn.k_norm(k.view(q_len, self.n_kv_heads, self.head_dim)).transpose(0, 1)
-        v = v.view(q_len, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        q = layer.self_attn.q_norm(q.view(-1, self.n_heads, self.head_dim)).transpose(0, 1)
+        k = layer.self_attn.k_norm(k.view(-1, self.n_kv_heads, self.head_dim)).transpose(0, 1)
+        v = v.view(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def layer_rest(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Layer i after attention: output map and residual, then the MLP (gate and up fused) and residual.
         `attended` is the attention output [heads, q, d]."""
         layer = self.layers[i]
-        x = x + layer.self_attn.o_proj(attended.transpose(0, 1).reshape(x.shape[0], self.q_width))
+        x = x + layer.self_attn.o_proj(attended.transpose(0, 1).flatten(1))
         gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
         return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 

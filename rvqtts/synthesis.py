@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from rvqtts.audio import join_chunks
-from rvqtts.decode import DecodeStats, Speculation, decode_frame_plain, decode_frame_speculative
+from rvqtts.decode import EAGER, DecodeStats, Speculation, decode_frame_plain, decode_frame_speculative
+from rvqtts.fused import FusedDecoder
 from rvqtts.graphs import StaticCalls
 from rvqtts.loading import load_tts
 from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
@@ -50,14 +51,16 @@ def seed_talker(seed: int, utterance: int, chunk: int) -> None:
 @dataclass(frozen=True)
 class LoopParts:
     """What an inner loop runs on: the runner (KV cache, fused weights), the offsets on its device, and
-    the static calls (CUDA graphs capture these very tensors). Reusable from one utterance to the next,
-    since every frame writes the KV slots it reads, as long as the speculation stays the same."""
+    the static calls (CUDA graphs capture these very tensors); or, for Core ML, a fused decoder over a
+    package's calls and no runner. Reusable from one utterance to the next, since every frame writes the
+    KV slots it reads, as long as the speculation stays the same."""
 
     speculation: Speculation | None
     cuda_graphs: bool
-    runner: PredictorRunner
+    runner: PredictorRunner | None
     offsets: torch.Tensor | None
     calls: StaticCalls
+    fused: FusedDecoder | None = None
 
     @classmethod
     def build(cls, code_predictor: torch.nn.Module, speculation: Speculation | None,
@@ -66,6 +69,12 @@ class LoopParts:
         runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra)
         offsets = speculation.offsets.vectors.to(runner.device, runner.dtype) if speculation else None
         return cls(speculation, cuda_graphs, runner, offsets, StaticCalls.for_device(runner.device, cuda_graphs))
+
+    @classmethod
+    def package(cls, decoder: FusedDecoder, speculation: Speculation | None) -> "LoopParts":
+        """Parts whose frames run fused calls (a Core ML package's): speculative with a speculation,
+        else the plain q = 1 step."""
+        return cls(speculation, False, None, None, EAGER, decoder)
 
 
 class InnerLoop:
@@ -82,17 +91,26 @@ class InnerLoop:
         self.seed = seed
         self.utterance = utterance
         parts = parts or LoopParts.build(code_predictor, speculation, cuda_graphs)
-        self.runner, self.offsets, self.calls = parts.runner, parts.offsets, parts.calls
+        self.runner, self.offsets, self.calls, self.fused = parts.runner, parts.offsets, parts.calls, parts.fused
+        self.code_groups = code_predictor.config.num_code_groups
+        self.vocab_size = code_predictor.config.vocab_size
+        self.device = self.fused.device if self.fused else self.runner.device
         self.frame = 0
         self.stats = DecodeStats()
         self.seconds = 0.0
 
     def decode(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
         """The codes c1..c_{G-1} of one frame; `prefix` is [h_t, embedding of c0], shape [2, E]."""
-        positions = np.arange(1, self.runner.code_groups)
-        noise = torch.from_numpy(gumbel_noise(self.seed, utterance, frame, positions, self.runner.vocab_size))
-        noise = noise.to(self.runner.device)
-        if self.speculation is None:
+        positions = np.arange(1, self.code_groups)
+        noise = torch.from_numpy(gumbel_noise(self.seed, utterance, frame, positions, self.vocab_size))
+        noise = noise.to(self.device)
+        if self.fused is not None:
+            if sampling != self.fused.sampling:
+                raise ValueError(f"the Core ML package samples with {self.fused.sampling}, but this frame asks "
+                                 f"for {sampling}: export a package for these settings")
+            decode = self.fused.decode if self.speculation else self.fused.decode_plain
+            codes = decode(prefix, noise, self.stats)
+        elif self.speculation is None:
             codes = decode_frame_plain(self.runner, prefix, noise, sampling, self.stats, self.calls)
         else:
             codes = decode_frame_speculative(self.runner, prefix, noise, sampling, self.speculation, self.offsets,
@@ -109,7 +127,7 @@ class InnerLoop:
         rows = [self.decode(inputs_embeds[b], sampling, self.utterance + b, self.frame)
                 for b in range(inputs_embeds.shape[0])]
         self.frame += 1
-        synchronize(self.runner.device)
+        synchronize(self.device)
         self.seconds += time.perf_counter() - started
         return SimpleNamespace(sequences=torch.tensor(rows, device=inputs_embeds.device))
 
@@ -186,6 +204,7 @@ class Synthesizer:
         self.code_predictor = self.talker.code_predictor
         self.speculation = speculation
         self.cuda_graphs = True  # replay the inner loop's calls from CUDA graphs on CUDA devices
+        self.fused: FusedDecoder | None = None  # set (rvqtts.coreml) to run the inner loop on a Core ML package
         self._parts: LoopParts | None = None  # kept between utterances: no re-fusing, no re-capture
         self.speakers = sorted(tts.get_supported_speakers() or [])
         self.languages = sorted(tts.get_supported_languages() or [])
@@ -271,7 +290,11 @@ class Synthesizer:
         self.check_voice(speaker, language)
         pieces = chunk_text(text) if chunked else [" ".join(text.split())]
         parts = self._parts
-        if parts is None or parts.speculation is not self.speculation or parts.cuda_graphs != self.cuda_graphs:
+        if self.fused is not None:
+            if parts is None or parts.fused is not self.fused or parts.speculation is not self.speculation:
+                parts = self._parts = LoopParts.package(self.fused, self.speculation)
+        elif (parts is None or parts.fused is not None or parts.speculation is not self.speculation
+              or parts.cuda_graphs != self.cuda_graphs):
             parts = self._parts = LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs)
         loop = InnerLoop(self.code_predictor, self.speculation, seed, utterance, on_frame, self.cuda_graphs, parts)
         captured: list[np.ndarray] = []
@@ -373,19 +396,19 @@ class ForcedLoop(InnerLoop):
 
 
 def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike = "auto",
-                       offsets: str | os.PathLike | None = None,
-                       allow_plain: bool = False) -> tuple[Speculation | None, str | None]:
+                       offsets: str | os.PathLike | None = None, allow_plain: bool = False,
+                       device_type: str | None = None) -> tuple[Speculation | None, str | None]:
     """The tree and offsets to draft with, and a notice for the user (or None).
 
     `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` (the best
-    N measured for this model or the model's device type) or a file. With `allow_plain`, `auto` returns no
+    N measured for this model or `device_type`, by default the model's: cpu, cuda, mps, or coreml) or a file. With `allow_plain`, `auto` returns no
     speculation (None) where speculation was measured not to pay (best N = 0). Without an offsets file,
     shipped offsets whose fingerprint matches the model are used, else zero offsets (reused heads).
     Raises TreeFileError / OffsetsFileError / ValueError with their messages.
     """
     fingerprint = predictor_fingerprint(code_predictor)
     hidden = code_predictor.config.hidden_size
-    device_type = code_predictor.lm_head[0].weight.device.type
+    device_type = device_type or code_predictor.lm_head[0].weight.device.type
     if allow_plain and str(tree) == "auto":
         budget, source = best_budget(device_type, fingerprint)
         if budget == 0:

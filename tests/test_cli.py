@@ -179,7 +179,6 @@ def test_bad_input_exits_2_with_its_message_and_writes_nothing(tmp_path, tiny_di
         (["Hi", *model, "-o", single, "--offsets", shallow],
          "the tree is 3 deep but the offsets draft only K = 2 codes"),
         (["Hi", *model, "-o", a_file / "out.wav"], "is not a writable folder"),
-        (["Hi", *model, "-o", single, "--backend", "coreml"], "Core ML backend is not available yet"),
         (["Hi", *model, "-o", single, "--top-p", "0"], "top_p must be in (0, 1]"),
         (["Hi", "--model", tmp_path / "missing-model", "-o", single], "no model folder"),
         (["Hi", "--model", "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "-o", single],

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import random_prefix
 
-from rvqtts.decode import Speculation
+from rvqtts.decode import DecodeStats, Speculation
 from rvqtts.fused import FusedDecoder
 from rvqtts.offsets import Offsets
 from rvqtts.predictor import PredictorRunner
@@ -27,20 +27,21 @@ def test_fused_rounds_give_the_engines_codes(which, request):
     tree = grow_tree(TABLE, 16)
     offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(16)) * 0.5)
     loop = InnerLoop(synth.code_predictor, Speculation(tree, offsets), seed=11)
-    fused = FusedDecoder(PredictorRunner(synth.code_predictor, 16), tree, offsets.vectors, SamplingConfig())
-    calls = 0
+    fused = FusedDecoder.pytorch(PredictorRunner(synth.code_predictor, 16), tree, offsets.vectors, SamplingConfig())
+    stats = DecodeStats()
     for frame in range(40):
         prefix = random_prefix(synth, seed=frame)
         noise = torch.from_numpy(gumbel_noise(11, 0, frame, np.arange(1, 16), loop.runner.vocab_size))
-        codes, made = fused.decode(prefix, noise)
+        codes = fused.decode(prefix, noise, stats)
         assert codes == loop.decode(prefix, SamplingConfig(), 0, frame), f"frame {frame}"
-        calls += made
-    assert calls == loop.stats.calls
+    assert stats == loop.stats  # the same calls, codes, rounds and acceptance depths
     plain = InnerLoop(synth.code_predictor, None, seed=11)
+    plain_stats = DecodeStats()
     for frame in range(10):  # the plain q = 1 step Core ML runs for --no-spec
         prefix = random_prefix(synth, seed=frame)
         noise = torch.from_numpy(gumbel_noise(11, 0, frame, np.arange(1, 16), loop.runner.vocab_size))
-        assert fused.decode_plain(prefix, noise) == plain.decode(prefix, SamplingConfig(), 0, frame)
+        assert fused.decode_plain(prefix, noise, plain_stats) == plain.decode(prefix, SamplingConfig(), 0, frame)
+    assert plain_stats == plain.stats
     if which == "narrow":  # deep paths were accepted, so drafts from the fused call were walked
         assert loop.stats.accepted_per_depth[1] > 10
 
@@ -49,8 +50,8 @@ def test_the_fused_round_traces_to_a_static_graph(tiny_dir):
     synth = Synthesizer.load(tiny_dir)
     synth.code_predictor.requires_grad_(False)  # traced weights become constants
     tree = grow_tree(TABLE, 8)
-    decoder = FusedDecoder(PredictorRunner(synth.code_predictor, 16), tree, torch.zeros(3, synth.hidden_size),
-                           SamplingConfig())
+    decoder = FusedDecoder.pytorch(PredictorRunner(synth.code_predictor, 16), tree, torch.zeros(3, synth.hidden_size),
+                                 SamplingConfig())
     q, generator = tree.nodes + 1, torch.Generator().manual_seed(0)
 
     def inputs(index: int):
@@ -60,16 +61,16 @@ def test_the_fused_round_traces_to_a_static_graph(tiny_dir):
                 decoder.mask(index + 1, decoder.ancestors), torch.randn(q, 2048, generator=generator))
 
     with torch.no_grad():
-        traced = torch.jit.trace(decoder.round, inputs(3), check_trace=False)
+        traced = torch.jit.trace(decoder.calls.round, inputs(3), check_trace=False)
         for index in (1, 7, 14):  # one graph for every root position, the frame's end included
             example = inputs(index)
-            for ours, theirs in zip(decoder.round(*example), traced(*example)):
+            for ours, theirs in zip(decoder.calls.round(*example), traced(*example)):
                 assert torch.equal(ours, theirs)
         step = (torch.tensor([7]), torch.tensor([4]), decoder.k_cache, decoder.v_cache,
                 decoder.mask(5, torch.zeros(1, 1)), torch.randn(1, 2048, generator=generator))
-        traced_step = torch.jit.trace(decoder.step, step, check_trace=False)
+        traced_step = torch.jit.trace(decoder.calls.step, step, check_trace=False)
         later = (step[0], torch.tensor([14]), *step[2:4], decoder.mask(15, torch.zeros(1, 1)), step[5])
-        assert all(torch.equal(a, b) for a, b in zip(decoder.step(*later), traced_step(*later)))
+        assert all(torch.equal(a, b) for a, b in zip(decoder.calls.step(*later), traced_step(*later)))
     draws, ranks, new_k, _ = traced(*inputs(5))
     assert draws.shape == (q,) and ranks.shape == (q, 3, max(tree.max_rank_by_depth()))
     assert new_k.shape == (decoder.k_cache.shape[0], decoder.k_cache.shape[1], q, decoder.k_cache.shape[3])

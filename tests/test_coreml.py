@@ -1,0 +1,238 @@
+"""Core ML export: the traced graphs handed to the converter give the engine's codes; packages export for
+the tiny checkpoint and at the real 0.6B predictor dimensions; the package's declared inputs and outputs
+are what the host feeds and reads (checked by running the host side against the traced graphs); and the
+backend refuses clearly where Core ML cannot run. Prediction itself needs macOS (tests marked so)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+from helpers import random_prefix, run_cli
+
+from rvqtts.bench import random_code_predictor
+from rvqtts.coreml import (FIRST_INPUT, FUNCTIONS, INPUTS, OUTPUTS, CoreMLError, PackageKey, check_package,
+                           export_package, load_decoder, package_calls, read_package, trace_calls)
+from rvqtts.decode import DecodeStats, Speculation
+from rvqtts.fused import FusedCalls, FusedDecoder
+from rvqtts.offsets import Offsets
+from rvqtts.sampling import SamplingConfig, gumbel_noise
+from rvqtts.synthesis import GenerationSettings, InnerLoop, Synthesizer
+from rvqtts.tree import resolve_tree
+
+macos = pytest.mark.skipif(sys.platform != "darwin", reason="Core ML prediction needs macOS")
+
+
+def drafting(synth, nodes: int = 8) -> Speculation:
+    generator = torch.Generator().manual_seed(5)
+    return Speculation(resolve_tree(str(nodes)), Offsets(torch.randn(3, synth.hidden_size, generator=generator) * 0.5))
+
+
+def frame_noise(frame: int, vocab: int) -> torch.Tensor:
+    return torch.from_numpy(gumbel_noise(3, 0, frame, np.arange(1, 16), vocab))
+
+
+def emulated_predictors(traced: FusedCalls, signatures) -> dict:
+    """Core ML's `predict` stood in for by the traced graph the package was converted from: it gets the
+    package's own named inputs (float16 arrays, int32 codes) and answers with its output names and types."""
+
+    def predictor(module, signature):
+        def predict(feed: dict) -> dict:
+            args = [torch.from_numpy(feed[name]).to(torch.long if dtype == np.int32 else torch.float32)
+                    for name, _, dtype in signature.inputs]
+            outputs = module(*args)
+            return {name: value.numpy().astype(np.int32 if value.dtype == torch.long else np.float16)
+                    for name, value in zip(signature.outputs, outputs)}
+        return predict
+
+    return {name: predictor(getattr(traced, name), signatures[name]) for name in FUNCTIONS}
+
+
+@pytest.fixture(scope="module")
+def tiny_package(tiny_dir, tmp_path_factory):
+    """The tiny checkpoint exported in float16 for a tree of N = 8, through the CLI."""
+    out = tmp_path_factory.mktemp("packages")
+    result = run_cli("export-coreml", "--model", tiny_dir, "--out", out, "--tree", "8", "--precision", "fp16")
+    return result, out
+
+
+@pytest.mark.parametrize("which", ["tiny", "narrow"])
+def test_the_traced_graphs_give_the_engines_codes(which, request):
+    synth = request.getfixturevalue(which)
+    speculation, sampling = drafting(synth), SamplingConfig()
+    traced, _ = trace_calls(synth.code_predictor, speculation.tree, speculation.offsets.vectors, sampling)
+    assert all(isinstance(getattr(traced, name), torch.jit.ScriptModule) for name in FUNCTIONS)
+    decoder = FusedDecoder(traced, speculation.tree, sampling)
+    engine = InnerLoop(synth.code_predictor, speculation, seed=3)
+    plain = InnerLoop(synth.code_predictor, None, seed=3)
+    stats, plain_stats = DecodeStats(), DecodeStats()
+    vocab = synth.code_predictor.config.vocab_size
+    for frame in range(24):
+        prefix = random_prefix(synth, seed=100 + frame)
+        assert decoder.decode(prefix, frame_noise(frame, vocab), stats) == engine.decode(prefix, sampling, 0, frame)
+        if frame < 6:
+            ours = decoder.decode_plain(prefix, frame_noise(frame, vocab), plain_stats)
+            assert ours == plain.decode(prefix, sampling, 0, frame)
+    assert stats == engine.stats and plain_stats == plain.stats
+    if which == "narrow":
+        assert sum(engine.stats.accepted_per_depth) > 20  # drafts from the traced graphs were accepted
+
+
+def test_export_writes_a_package_with_the_declared_interface(tiny, tiny_package, tiny_dir):
+    result, out = tiny_package
+    assert result.exit_code == 0, result.output
+    path = Path(result.output.strip().splitlines()[-1])
+    assert path.parent == out and path.name.startswith("rvqtts-n8-fp16-") and path.is_dir()
+    speculation, sampling = drafting(tiny), SamplingConfig()
+    key, signatures = read_package(path)
+    expected = PackageKey.build(tiny.code_predictor, speculation, sampling, "fp16", "macOS15")
+    assert key.model == expected.model and key.tree == expected.tree and key.sampling == expected.sampling
+    assert key.offsets == PackageKey.build(tiny.code_predictor, Speculation(speculation.tree, Offsets.zeros(
+        3, tiny.hidden_size)), sampling, "fp16", "macOS15").offsets  # no shipped offsets match tiny: zeros
+    for name in FUNCTIONS:
+        assert [item[0] for item in signatures[name].inputs] == [FIRST_INPUT[name], *INPUTS]
+        assert signatures[name].outputs == OUTPUTS
+    queries = {name: dict((n, s) for n, s, _ in signatures[name].inputs)["noise"][0] for name in FUNCTIONS}
+    assert queries == {"prefill": 2, "round": 9, "step": 1}
+    assert dict((n, t) for n, _, t in signatures["round"].inputs) == {
+        "codes": np.int32, "index": np.int32, "k_cache": np.float16, "v_cache": np.float16, "mask": np.float16,
+        "noise": np.float16}
+    again = run_cli("export-coreml", "--model", tiny_dir, "--out", out, "--tree", "8", "--precision", "fp16")
+    assert again.exit_code == 0 and "already exported" in again.output
+
+
+def test_the_host_runs_the_package_interface(tiny, tiny_package):
+    """The host side of the Core ML backend (feeds built from the package's own declarations, outputs read
+    back, fused frames decoded), with the traced graphs answering for Core ML: the engine's codes, up to
+    float16 rounding of the cache and noise that the package's inputs impose."""
+    result, _ = tiny_package
+    path = Path(result.output.strip().splitlines()[-1])
+    speculation, sampling = Speculation(resolve_tree("8"), Offsets.zeros(3, tiny.hidden_size)), SamplingConfig()
+    signatures = check_package(path, PackageKey.build(tiny.code_predictor, speculation, sampling, "w8a16",
+                                                      "macOS15"))
+    traced, _ = trace_calls(tiny.code_predictor, speculation.tree, speculation.offsets.vectors, sampling)
+    decoder = FusedDecoder(package_calls(signatures, emulated_predictors(traced, signatures)), speculation.tree,
+                           sampling)
+    assert decoder.k_cache.dtype == torch.float16
+    engine = InnerLoop(tiny.code_predictor, speculation, seed=3)
+    same = total = 0
+    for frame in range(24):
+        prefix = random_prefix(tiny, seed=frame)
+        ours = decoder.decode(prefix, frame_noise(frame, 2048), DecodeStats())
+        theirs = engine.decode(prefix, sampling, 0, frame)
+        same += sum(a == b for a, b in zip(ours, theirs))
+        total += len(theirs)
+    assert same / total >= 0.97, f"{same} of {total} codes agree"
+
+
+def test_a_package_for_another_setup_is_refused(tiny, tiny_package):
+    result, _ = tiny_package
+    path = Path(result.output.strip().splitlines()[-1])
+    speculation = Speculation(resolve_tree("8"), Offsets.zeros(3, tiny.hidden_size))
+    hotter = PackageKey.build(tiny.code_predictor, speculation, SamplingConfig(temperature=1.2), "fp16", "macOS15")
+    with pytest.raises(CoreMLError, match="sampling"):
+        check_package(path, hotter)
+    bigger = Speculation(resolve_tree("15"), speculation.offsets)
+    with pytest.raises(CoreMLError, match="tree"):
+        check_package(path, PackageKey.build(tiny.code_predictor, bigger, SamplingConfig(), "fp16", "macOS15"))
+    with pytest.raises(CoreMLError, match="not a package rvqtts exported|no Core ML package"):
+        read_package(path.parent / "missing.mlpackage")
+
+
+def test_export_at_the_real_predictor_dimensions(tmp_path):
+    """Random weights at the 0.6B predictor's dimensions, W8A16: about one byte per weight."""
+    predictor = random_code_predictor("0.6b", torch.float32, "cpu")
+    weights = sum(p.numel() for p in predictor.parameters())
+    exported = export_package(predictor, Speculation(resolve_tree("15"), Offsets.zeros(3, 1024)), SamplingConfig(),
+                              tmp_path, precision="w8a16")
+    assert 0.8 < exported.bytes / weights < 1.2, (exported.bytes, weights)
+    key, signatures = read_package(exported.path)
+    assert key.precision == "w8a16" and len(key.tree) == 15
+    assert dict((n, s) for n, s, _ in signatures["round"].inputs)["k_cache"] == (5, 8, 17, 128)
+
+
+def test_export_refuses_what_the_graph_cannot_do(tiny_dir, tmp_path):
+    for options, message in [(["--top-k", "50", "--precision", "int4"], "unknown precision"),
+                             (["--min-target", "macOS14"], "macOS15 or later"),
+                             (["--temperature", "0"], "temperature")]:
+        result = run_cli("export-coreml", "--model", tiny_dir, "--out", tmp_path / "out", *options)
+        assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CoreMLError, match="top-p"):
+        export_package(None, None, SamplingConfig(top_p=0.9), tmp_path)
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="off macOS only")
+def test_the_coreml_backend_needs_macos(tiny_dir, tmp_path):
+    result = run_cli("synth", "Hello.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--backend", "coreml")
+    assert result.exit_code == 2 and "Core ML runs only on macOS" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "a.wav").exists()
+    with pytest.raises(CoreMLError, match="only on macOS"):
+        load_decoder(tmp_path, None, None, SamplingConfig())
+
+
+@macos
+def test_package_predictions_match_pytorch(tiny, tiny_package):
+    result, _ = tiny_package
+    path = Path(result.output.strip().splitlines()[-1])
+    speculation, sampling = Speculation(resolve_tree("8"), Offsets.zeros(3, tiny.hidden_size)), SamplingConfig()
+    key = PackageKey.build(tiny.code_predictor, speculation, sampling, "fp16", "macOS15")
+    decoder = load_decoder(path, key, speculation.tree, sampling, "cpu_only")
+    engine = InnerLoop(tiny.code_predictor, speculation, seed=3)
+    same = total = 0
+    for frame in range(24):
+        prefix = random_prefix(tiny, seed=frame)
+        ours = decoder.decode(prefix, frame_noise(frame, 2048), DecodeStats())
+        theirs = engine.decode(prefix, sampling, 0, frame)
+        same += sum(a == b for a, b in zip(ours, theirs))
+        total += len(theirs)
+    assert same / total >= 0.95, f"{same} of {total} codes agree"
+
+
+@macos
+def test_synth_with_coreml_gives_the_torch_codes(tiny_dir, tmp_path):
+    runs = {}
+    for backend in ("torch", "coreml"):
+        wav, codes = tmp_path / f"{backend}.wav", tmp_path / f"{backend}.npy"
+        result = run_cli("synth", "Hello there, how are you?", "--model", tiny_dir, "-o", wav, "--backend", backend,
+                         "--tree", "8", "--max-frames", "12", "--seed", "4", "--codes-out", codes,
+                         "--device", "cpu", "--compute-units", "cpu_only")
+        assert result.exit_code == 0, result.output
+        assert soundfile.info(str(wav)).frames > 0
+        runs[backend] = np.load(codes)
+    assert runs["torch"].shape == runs["coreml"].shape
+    assert (runs["torch"] == runs["coreml"]).mean() >= 0.9
+
+
+def test_synthesis_runs_its_inner_loop_on_a_package(tiny_dir, tiny_package):
+    """Synthesizer.fused routes every frame to the package's calls (speculative, or the plain step without
+    a speculation), and frames asking for other sampling than the package's are refused."""
+    result, _ = tiny_package
+    path = Path(result.output.strip().splitlines()[-1])
+    synth = Synthesizer.load(tiny_dir)  # its own instance: the test sets its inner loop
+    synth.speculation = Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size))
+    settings = GenerationSettings(max_frames=12)
+
+    def run(**options):
+        return synth.synthesize("Hello there, how are you?", "ryan", "english", seed=4, **options)
+
+    reference = run(settings=settings)
+    signatures = read_package(path)[1]
+    traced, _ = trace_calls(synth.code_predictor, synth.speculation.tree, synth.speculation.offsets.vectors,
+                            SamplingConfig())
+    synth.fused = FusedDecoder(package_calls(signatures, emulated_predictors(traced, signatures)),
+                               synth.speculation.tree, SamplingConfig())
+    spec = run(settings=settings)
+    assert spec.codes.shape == reference.codes.shape and (spec.codes == reference.codes).mean() >= 0.9
+    assert spec.stats.calls < spec.stats.codes  # tree rounds ran on the package
+    speculation, synth.speculation = synth.speculation, None
+    plain = run(settings=settings)
+    assert plain.stats.calls == plain.stats.codes == 15 * plain.codes.shape[0]
+    assert (plain.codes == spec.codes).mean() >= 0.9
+    synth.speculation = speculation
+    with pytest.raises(ValueError, match="export a package for these settings"):
+        run(settings=GenerationSettings(temperature=1.3, max_frames=2))
