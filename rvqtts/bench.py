@@ -309,3 +309,39 @@ def _e2e_ratios(totals: dict) -> dict:
     return {f"{slow}/{fast} {part}": faster(slow, fast, part)
             for slow, fast in (("stock", "speculative"), ("stock", "plain"), ("plain", "speculative"))
             for part in ("wall", "predictor", "talker")}
+
+
+def bench_fused(code_predictor: torch.nn.Module, speculation, candidate, prefixes: torch.Tensor, seed: int = 0,
+                sampling: SamplingConfig = SamplingConfig()) -> dict:
+    """A fused decoder (a Core ML package, or PyTorch in float16 standing in for one off macOS) against the
+    float32 PyTorch engine on the same frames and noise: how many codes and whole frames agree, speculative
+    and plain, the candidate's codes per call, and its milliseconds per frame both ways (interleaved)."""
+    import numpy as np
+
+    from rvqtts.decode import DecodeStats
+    from rvqtts.sampling import gumbel_noise
+    from rvqtts.synthesis import InnerLoop
+
+    engine = InnerLoop(code_predictor, speculation, seed)
+    positions = np.arange(1, engine.code_groups)
+    spec_stats, plain_stats = DecodeStats(), DecodeStats()
+    same = {"spec": [0, 0], "plain": [0, 0]}  # codes, frames
+    seconds = {"spec": 0.0, "plain": 0.0}
+    for frame, prefix in enumerate(prefixes):
+        noise = torch.from_numpy(gumbel_noise(seed, 0, frame, positions, engine.vocab_size))
+        reference = engine.decode(prefix, sampling, 0, frame)
+        for mode, decode, stats in (("spec", candidate.decode, spec_stats), ("plain", candidate.decode_plain,
+                                                                              plain_stats)):
+            started = time.perf_counter()
+            codes = decode(prefix, noise.to(candidate.device), stats)
+            seconds[mode] += time.perf_counter() - started
+            same[mode][0] += sum(a == b for a, b in zip(codes, reference))
+            same[mode][1] += codes == reference
+    frames, codes = len(prefixes), len(prefixes) * (engine.code_groups - 1)
+    return {"frames": frames,
+            **{f"{mode}_code_agreement": round(same[mode][0] / codes, 5) for mode in same},
+            **{f"{mode}_frame_agreement": round(same[mode][1] / frames, 5) for mode in same},
+            "codes_per_call": round(spec_stats.codes_per_call, 4),
+            "engine_codes_per_call": round(engine.stats.codes_per_call, 4),
+            **{f"{mode}_ms_per_frame": round(1e3 * seconds[mode] / frames, 3) for mode in seconds},
+            "inner_loop_speedup": round(seconds["plain"] / seconds["spec"], 3) if seconds["spec"] else None}

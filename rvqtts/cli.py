@@ -852,6 +852,78 @@ def bench_e2e_command(
         _console().print(e2e_table(result))
 
 
+@bench_app.command("coreml")
+def bench_coreml_command(
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP),
+    texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP),
+    split: str = typer.Option("evaluation", help=SPLIT_HELP),
+    frames: int = typer.Option(200, help="Frames to decode (the first of the source)."),
+    package: Optional[Path] = typer.Option(None, help="Package to measure (macOS); default: the cache's, "
+                                                      "exported on first use."),
+    tree: str = typer.Option("auto", help="auto (the best N measured for Core ML, else 16), N, or a tree file."),
+    offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the model."),
+    precision: str = typer.Option("w8a16", help="Precision of a package exported on first use: w8a16 or fp16."),
+    compute_units: str = typer.Option("all", help="all, cpu_and_ne, cpu_and_gpu or cpu_only."),
+    seed: int = typer.Option(0, help="Seed of the noise."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress or table."),
+) -> None:
+    """Core ML package against the float32 PyTorch engine on the same frames and noise: codes and frames that
+    agree, codes per call, ms per frame speculative and plain. Off macOS, PyTorch float16 stands in for the
+    package (a proxy for float16 rounding, not a Core ML measurement)."""
+    import sys
+
+    from rvqtts.bench import bench_fused
+    from rvqtts.coreml import CoreMLError, coreml_decoder, float16_stand_in
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.sampling import SamplingConfig
+    from rvqtts.synthesis import choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    _check_source(texts, contexts)
+    if frames < 1:
+        fail(f"--frames must be at least 1, got {frames}")
+    on_mac = sys.platform == "darwin"
+    if on_mac:
+        _check_coreml(compute_units, precision)
+    if json_out is not None:
+        _check_writable(json_out.expanduser().resolve().parent)
+    synthesizer = _load_synthesizer(model, "cpu", "float32")
+    sampling = SamplingConfig()
+    try:
+        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
+        if on_mac:
+            candidate = coreml_decoder(synthesizer.code_predictor, speculation, sampling, package, precision,
+                                       compute_units, report=lambda message: say(message, quiet))
+        else:
+            candidate = float16_stand_in(synthesizer.code_predictor, speculation, sampling)
+    except (CoreMLError, TreeFileError, OffsetsFileError, ValueError) as error:
+        fail(str(error))
+    if notice:
+        say(notice, quiet)
+    source = _frames(synthesizer, texts, contexts, split, "vivian", "auto", seed, quiet)
+    prefixes = source.prefixes(synthesizer.talker.get_input_embeddings())[:frames]
+    with _progress(quiet) as progress:
+        progress.add_task(f"decoding {len(prefixes)} frames three ways", total=None)
+        result = bench_fused(synthesizer.code_predictor, speculation, candidate, prefixes, seed, sampling)
+    result.update(model=model, candidate=f"coreml {compute_units}" if on_mac else "pytorch float16 (proxy)",
+                  tree_nodes=speculation.tree.nodes, frames_source=source.source)
+    if json_out is not None:
+        from rvqtts.files import write_json
+
+        write_json(json_out, result)
+    if not quiet:
+        from rich.table import Table
+
+        table = Table(title=f"{result['candidate']} vs PyTorch float32, N = {speculation.tree.nodes}", min_width=64)
+        table.add_column("measure")
+        table.add_column("value", justify="right")
+        for name, value in result.items():
+            if name not in ("model", "candidate", "frames_source"):
+                table.add_row(name, str(value))
+        _console().print(table)
+
 def main() -> None:
     app(prog_name="rvqtts")
 

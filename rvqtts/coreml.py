@@ -314,6 +314,14 @@ def load_decoder(path: str | Path, expected: PackageKey, tree: Tree, sampling: S
     return FusedDecoder(package_calls(signatures, predictors), tree, sampling)
 
 
+def float16_stand_in(code_predictor: torch.nn.Module, speculation: Speculation,
+                     sampling: SamplingConfig) -> FusedDecoder:
+    """The fused calls in PyTorch float16 on the CPU: where Core ML cannot run, a proxy for how often float16
+    rounding flips a draw (Core ML's kernels round differently, so only a Mac measures the package)."""
+    predictor = copy.deepcopy(code_predictor).to("cpu", torch.float16)
+    runner = PredictorRunner(predictor, predictor.config.num_code_groups)
+    return FusedDecoder.pytorch(runner, speculation.tree, speculation.offsets.vectors, sampling)
+
 def coreml_decoder(code_predictor: torch.nn.Module, speculation: Speculation, sampling: SamplingConfig,
                    package: str | Path | None = None, precision: str = "w8a16", compute_units: str = "all",
                    report: Callable[[str], None] = lambda message: None) -> FusedDecoder:

@@ -5,6 +5,7 @@ backend refuses clearly where Core ML cannot run. Prediction itself needs macOS 
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -12,11 +13,12 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-from helpers import random_prefix, run_cli
+from helpers import random_contexts, random_prefix, run_cli
 
 from rvqtts.bench import random_code_predictor
 from rvqtts.coreml import (FIRST_INPUT, FUNCTIONS, INPUTS, OUTPUTS, CoreMLError, PackageKey, check_package,
                            export_package, load_decoder, package_calls, read_package, trace_calls)
+from rvqtts.contexts import save_contexts
 from rvqtts.decode import DecodeStats, Speculation
 from rvqtts.fused import FusedCalls, FusedDecoder
 from rvqtts.offsets import Offsets
@@ -236,3 +238,17 @@ def test_synthesis_runs_its_inner_loop_on_a_package(tiny_dir, tiny_package):
     synth.speculation = speculation
     with pytest.raises(ValueError, match="export a package for these settings"):
         run(settings=GenerationSettings(temperature=1.3, max_frames=2))
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="off macOS, PyTorch float16 stands in for the package")
+def test_bench_coreml_measures_agreement_with_the_float32_engine(tiny, tiny_dir, tmp_path):
+    save_contexts(random_contexts(tiny, 12), tmp_path / "frames.npz")
+    result = run_cli("bench", "coreml", "--model", tiny_dir, "--contexts", tmp_path / "frames.npz", "--tree", "8",
+                     "--frames", "10", "--json", tmp_path / "agreement.json", "--quiet")
+    assert result.exit_code == 0, result.output
+    figures = json.loads((tmp_path / "agreement.json").read_text())
+    assert figures["candidate"] == "pytorch float16 (proxy)" and figures["frames"] == 10
+    assert figures["tree_nodes"] == 8 and 1 <= figures["codes_per_call"] <= 15
+    for mode in ("spec", "plain"):  # float16 flips a few near ties at most; miswired calls would agree by chance
+        assert figures[f"{mode}_code_agreement"] >= 0.9 and 0 <= figures[f"{mode}_frame_agreement"] <= 1
+        assert figures[f"{mode}_ms_per_frame"] > 0
