@@ -46,9 +46,11 @@ COMPUTE_UNITS = {"all": "ALL", "cpu_and_ne": "CPU_AND_NE", "cpu_and_gpu": "CPU_A
 FUNCTIONS = ("prefill", "round", "step")
 INPUTS = ("index", "k_cache", "v_cache", "mask", "noise")  # after each function's first input
 FIRST_INPUT = {"prefill": "embeds", "round": "codes", "step": "codes"}
-OUTPUTS = ("draws", "ranks", "new_k", "new_v")
+OUTPUTS = {"prefill": ("draws", "ranks", "new_k", "new_v"), "round": ("draws", "ranks", "new_k", "new_v"),
+           "step": ("draws", "new_k", "new_v")}
 METADATA_KEY = "rvqtts"
 FORMAT = "rvqtts-coreml-1"
+QUANTIZE_FROM = 65536  # elements: W8A16 quantizes constants at least this large
 
 
 class CoreMLError(ValueError):
@@ -124,10 +126,11 @@ def check_export_settings(sampling: SamplingConfig, precision: str, min_target: 
     if precision not in PRECISIONS:
         raise CoreMLError(f"unknown precision {precision!r}: choose {' or '.join(PRECISIONS)}")
     ct = coremltools()
-    target = getattr(ct.target, min_target, None)
-    if target is None or not min_target.startswith("macOS") or target < ct.target.macOS15:
+    usable = [name for name, target in ct.target.__members__.items()
+              if name.startswith("macOS") and target >= ct.target.macOS15]
+    if min_target not in usable:
         raise CoreMLError(f"unknown or too old --min-target {min_target!r}: the package holds several functions, "
-                          f"which needs macOS15 or later")
+                          f"which needs macOS15 or later: choose {' or '.join(usable)}")
 
 
 def example_inputs(calls: FusedCalls, decoder: FusedDecoder, function: str, embed_width: int,
@@ -164,7 +167,7 @@ def _convert(ct, traced: torch.jit.ScriptModule, example: tuple[torch.Tensor, ..
                             dtype=np.int32 if value.dtype == torch.long else np.float16)
               for name, value in zip(names, example)]
     outputs = [ct.TensorType(name=name, dtype=np.int32 if name in ("draws", "ranks") else np.float16)
-               for name in OUTPUTS]
+               for name in OUTPUTS[function]]
     with warnings.catch_warnings():  # the top-k filter's -inf is cast to float16 through float32's lowest
         warnings.filterwarnings("ignore", "overflow encountered in cast", RuntimeWarning)
         model = ct.convert(traced, inputs=inputs, outputs=outputs, convert_to="mlprogram",
@@ -173,7 +176,10 @@ def _convert(ct, traced: torch.jit.ScriptModule, example: tuple[torch.Tensor, ..
     if precision == "w8a16":
         from coremltools.optimize.coreml import OpLinearQuantizerConfig, OptimizationConfig, linear_quantize_weights
 
-        config = OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel")
+        # Small constants stay float16: the offsets (K x hidden, zero rows for reused heads, whose per-channel
+        # scale would be 0), norms and rotary tables; the matrices and the stacked heads and tables are int8.
+        config = OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel",
+                                         weight_threshold=QUANTIZE_FROM)
         model = linear_quantize_weights(model, OptimizationConfig(global_config=config))
     return model
 
@@ -289,7 +295,7 @@ class PackageFunction:
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         result = self.predict(self.feed(*args))
-        return tuple(torch.from_numpy(np.asarray(result[name])) for name in self.signature.outputs)
+        return tuple(torch.from_numpy(np.array(result[name])) for name in self.signature.outputs)  # a writable copy
 
 
 def package_calls(signatures: dict[str, Signature], predictors: dict[str, Callable[[dict], dict]]) -> FusedCalls:

@@ -84,6 +84,8 @@ class FusedCall(torch.nn.Module):
             for j in range(1, self.depth + 1):
                 drafted = (rows + self.offsets[j - 1]) @ self.head(index + d + 1 + j).T
                 ranks[start:stop, j - 1] = torch.topk(drafted.float(), self.draft_width, dim=-1).indices
+        if not self.depth:  # no drafts (the plain step): no ranks output, rather than an empty one
+            return draws, torch.stack(new_k), torch.stack(new_v)
         return draws, ranks, torch.stack(new_k), torch.stack(new_v)
 
 
@@ -111,7 +113,8 @@ class FusedCalls:
     """The three calls of a fused inner loop and the KV cache they read: one contract for the PyTorch
     modules, their traced graphs and the functions of a Core ML package. Each takes (first input, index
     [1], k_cache, v_cache, mask, noise) and returns (draws, ranks, new keys, new values):
-    prefill: embeds [2, E] of [h_t, c0]; round: the tree's codes [q]; step: one code [1] (`--no-spec`)."""
+    prefill: embeds [2, E] of [h_t, c0]; round: the tree's codes [q]; step: one code [1] (`--no-spec`),
+    which drafts nothing and returns no ranks."""
 
     prefill: FusedFunction
     round: FusedFunction
@@ -218,9 +221,9 @@ class FusedDecoder:
         last = self.code_groups - 1
         codes = [self.start(prefix, noise)[0]]
         for index in range(1, last):
-            draws, _, new_k, new_v = self.calls.step(torch.tensor(codes[-1:], device=self.device),
-                                                     self.index(index), self.k_cache, self.v_cache,
-                                                     self.mask(index + 1, self.itself), noise[[index]])
+            draws, new_k, new_v = self.calls.step(torch.tensor(codes[-1:], device=self.device),
+                                                  self.index(index), self.k_cache, self.v_cache,
+                                                  self.mask(index + 1, self.itself), noise[[index]])
             self.keep(new_k, new_v, [0], index + 1)
             codes.append(int(draws[0]))
         stats.count_frame(last, last)

@@ -97,7 +97,7 @@ def test_export_writes_a_package_with_the_declared_interface(tiny, tiny_package,
         3, tiny.hidden_size)), sampling, "fp16", "macOS15").offsets  # no shipped offsets match tiny: zeros
     for name in FUNCTIONS:
         assert [item[0] for item in signatures[name].inputs] == [FIRST_INPUT[name], *INPUTS]
-        assert signatures[name].outputs == OUTPUTS
+        assert signatures[name].outputs == OUTPUTS[name]
     queries = {name: dict((n, s) for n, s, _ in signatures[name].inputs)["noise"][0] for name in FUNCTIONS}
     assert queries == {"prefill": 2, "round": 9, "step": 1}
     assert dict((n, t) for n, _, t in signatures["round"].inputs) == {
