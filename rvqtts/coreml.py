@@ -89,6 +89,7 @@ class PackageKey:
     @classmethod
     def build(cls, code_predictor: torch.nn.Module, speculation: Speculation, sampling: SamplingConfig,
               precision: str, min_target: str) -> "PackageKey":
+        check_sampling(sampling)
         vectors = speculation.offsets.vectors.detach().float().cpu().numpy()
         return cls(predictor_fingerprint(code_predictor), tuple(tuple(p) for p in speculation.tree.paths),
                    hashlib.sha256(vectors.tobytes()).hexdigest()[:16],
@@ -118,11 +119,16 @@ class PackageKey:
                 for field, label in named.items() if getattr(self, field) != getattr(other, field)]
 
 
-def check_export_settings(sampling: SamplingConfig, precision: str, min_target: str) -> None:
-    """Raise CoreMLError for settings the exported graph cannot honour."""
+def check_sampling(sampling: SamplingConfig) -> None:
+    """Raise CoreMLError for sampling the graph cannot do (it has no top-p filter)."""
     if sampling.top_p < 1.0:
         raise CoreMLError(f"the Core ML graph samples with temperature and top-k only; top-p {sampling.top_p} "
                           f"needs --top-p 1 (or --backend torch)")
+
+
+def check_export_settings(sampling: SamplingConfig, precision: str, min_target: str) -> None:
+    """Raise CoreMLError for settings the exported graph cannot honour."""
+    check_sampling(sampling)
     if precision not in PRECISIONS:
         raise CoreMLError(f"unknown precision {precision!r}: choose {' or '.join(PRECISIONS)}")
     ct = coremltools()

@@ -166,6 +166,8 @@ def test_export_refuses_what_the_graph_cannot_do(tiny_dir, tmp_path):
     assert not (tmp_path / "out").exists()
     with pytest.raises(CoreMLError, match="top-p"):
         export_package(None, None, SamplingConfig(top_p=0.9), tmp_path)
+    with pytest.raises(CoreMLError, match="top-p"):  # nor is a given package run with it
+        PackageKey.build(None, None, SamplingConfig(top_p=0.9), "fp16", "macOS15")
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="off macOS only")
