@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 
@@ -281,6 +281,16 @@ def _show(rows: list[tuple[str, dict]], quiet: bool) -> None:
 
     if not quiet:
         _console().print(stats_table(rows))
+
+
+def _publish(result: dict, json_out: Optional[Path], table: Callable[[dict], object], quiet: bool) -> None:
+    """A command's figures: to `json_out` if given, and as `table(result)` on stderr unless quiet."""
+    from rvqtts.files import write_json
+
+    if json_out is not None:
+        write_json(json_out, result)
+    if not quiet:
+        _console().print(table(result))
 
 
 def _write_stats(path: Optional[Path], entries: list[dict]) -> None:
@@ -659,12 +669,7 @@ def accept(
     result.update(model=model, tree=tree, tree_nodes=speculation.tree.nodes,
                   offsets=str(offsets) if offsets else speculation.offsets.metadata.get("source", "shipped"),
                   frames_source=frames.source)
-    if json_out is not None:
-        from rvqtts.files import write_json
-
-        write_json(json_out, result)
-    if not quiet:
-        _console().print(codes_per_call_table(result))
+    _publish(result, json_out, codes_per_call_table, quiet)
 
 
 standin_app = typer.Typer(help="The trained stand-in code predictor (a proxy for tests and benchmarks, not "
@@ -722,7 +727,6 @@ def bench_predictor_command(
     """Median and spread of one predictor call per query length (tree mask, KV length 8, after warm-up),
     with qwen-tts's own q = 1 forward timed in the same run, interleaved."""
     from rvqtts.bench import PREDICTOR_DIMS, bench_predictor, random_code_predictor
-    from rvqtts.files import write_json
     from rvqtts.loading import DTYPES
     from rvqtts.report import predictor_table
 
@@ -747,10 +751,7 @@ def bench_predictor_command(
         task = progress.add_task("warming up and timing", total=len(queries))
         result = bench_predictor(code_predictor, queries, repeats=repeats, weights=weights,
                                  progress=lambda done, total: progress.update(task, completed=done))
-    if json_out:
-        write_json(json_out, result)
-    if not quiet:
-        _console().print(predictor_table(result))
+    _publish(result, json_out, predictor_table, quiet)
 
 
 @bench_app.command("speedup")
@@ -822,7 +823,6 @@ def bench_e2e_command(
     wall, inner-loop, talker and decoder time per frame, RTF, and the ratios between them."""
     from rvqtts.batch import BatchFileError, read_batch
     from rvqtts.bench import bench_e2e
-    from rvqtts.files import write_json
     from rvqtts.offsets import OffsetsFileError
     from rvqtts.report import e2e_table
     from rvqtts.synthesis import GenerationSettings, choose_speculation
@@ -846,10 +846,7 @@ def bench_e2e_command(
         task = progress.add_task(f"{len(lines)} texts x 3 variants", total=len(lines) * 3)
         result = bench_e2e(synthesizer.tts, lines, speculation, seed, settings,
                            progress=lambda done, total: progress.update(task, completed=done))
-    if json_out:
-        write_json(json_out, result)
-    if not quiet:
-        _console().print(e2e_table(result))
+    _publish(result, json_out, e2e_table, quiet)
 
 
 @bench_app.command("coreml")
@@ -877,6 +874,7 @@ def bench_coreml_command(
     from rvqtts.bench import bench_fused
     from rvqtts.coreml import CoreMLError, coreml_decoder, float16_stand_in
     from rvqtts.offsets import OffsetsFileError
+    from rvqtts.report import coreml_table
     from rvqtts.sampling import SamplingConfig
     from rvqtts.synthesis import choose_speculation
     from rvqtts.tree import TreeFileError
@@ -909,20 +907,7 @@ def bench_coreml_command(
         result = bench_fused(synthesizer.code_predictor, speculation, candidate, prefixes, seed, sampling)
     result.update(model=model, candidate=f"coreml {compute_units}" if on_mac else "pytorch float16 (proxy)",
                   tree_nodes=speculation.tree.nodes, frames_source=source.source)
-    if json_out is not None:
-        from rvqtts.files import write_json
-
-        write_json(json_out, result)
-    if not quiet:
-        from rich.table import Table
-
-        table = Table(title=f"{result['candidate']} vs PyTorch float32, N = {speculation.tree.nodes}", min_width=64)
-        table.add_column("measure")
-        table.add_column("value", justify="right")
-        for name, value in result.items():
-            if name not in ("model", "candidate", "frames_source"):
-                table.add_row(name, str(value))
-        _console().print(table)
+    _publish(result, json_out, coreml_table, quiet)
 
 def main() -> None:
     app(prog_name="rvqtts")

@@ -139,14 +139,13 @@ def check_export_settings(sampling: SamplingConfig, precision: str, min_target: 
                           f"which needs macOS15 or later: choose {' or '.join(usable)}")
 
 
-def example_inputs(calls: FusedCalls, decoder: FusedDecoder, function: str, embed_width: int,
-                   vocab: int) -> tuple[torch.Tensor, ...]:
+def example_inputs(decoder: FusedDecoder, function: str, embed_width: int, vocab: int) -> tuple[torch.Tensor, ...]:
     """Inputs of the right shapes and types for one function (values do not matter to the trace)."""
     queries = {"prefill": 2, "round": decoder.tree.nodes + 1, "step": 1}[function]
     block = {"prefill": decoder.causal, "round": decoder.ancestors, "step": decoder.itself}[function]
     first = (torch.zeros(queries, embed_width) if function == "prefill"
              else torch.zeros(queries, dtype=torch.long))
-    cache = torch.zeros(calls.cache_shape)
+    cache = torch.zeros(decoder.calls.cache_shape)
     return first, torch.tensor([1]), cache, cache.clone(), decoder.mask(2, block), torch.zeros(queries, vocab)
 
 
@@ -158,7 +157,7 @@ def trace_calls(code_predictor: torch.nn.Module, tree: Tree, offsets: torch.Tens
     calls = FusedCalls.modules(runner, tree, offsets.detach().to("cpu", torch.float32), sampling)
     decoder = FusedDecoder(calls, tree, sampling)
     embed_width = predictor.get_input_embeddings()[0].weight.shape[1]
-    examples = {name: example_inputs(calls, decoder, name, embed_width, runner.vocab_size) for name in FUNCTIONS}
+    examples = {name: example_inputs(decoder, name, embed_width, runner.vocab_size) for name in FUNCTIONS}
     with torch.no_grad():
         traced = {name: torch.jit.trace(getattr(calls, name).eval(), examples[name], check_trace=False)
                   for name in FUNCTIONS}

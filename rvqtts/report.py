@@ -157,3 +157,14 @@ def e2e_table(result: dict) -> Table:
                       f"{total['rtf'] or 0:.3f}")
     table.caption = "; ".join(f"{name}: {ratio}x" for name, ratio in result["ratios"].items())
     return table
+
+
+def coreml_table(result: dict) -> Table:
+    """`rvqtts bench coreml`: a fused decoder against the float32 engine, measure by measure."""
+    table = Table(title=f"{result['candidate']} vs PyTorch float32, N = {result['tree_nodes']}", min_width=64)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in result.items():
+        if name not in ("model", "candidate", "frames_source"):
+            table.add_row(name, str(value))
+    return table

@@ -29,9 +29,35 @@ from rvqtts.tree import resolve_tree
 macos = pytest.mark.skipif(sys.platform != "darwin", reason="Core ML prediction needs macOS")
 
 
-def drafting(synth, nodes: int = 8) -> Speculation:
+def random_drafting(synth) -> Speculation:
+    """Tree N = 8 with random nonzero offsets, so the drafts depend on them."""
     generator = torch.Generator().manual_seed(5)
-    return Speculation(resolve_tree(str(nodes)), Offsets(torch.randn(3, synth.hidden_size, generator=generator) * 0.5))
+    return Speculation(resolve_tree("8"), Offsets(torch.randn(3, synth.hidden_size, generator=generator) * 0.5))
+
+
+def exported_drafting(synth) -> Speculation:
+    """What `tiny_package` was exported for: tree N = 8 and zero offsets (none are shipped for tiny)."""
+    return Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size))
+
+
+def package_path(tiny_package) -> Path:
+    result, _ = tiny_package
+    assert result.exit_code == 0, result.output
+    return Path(result.output.strip().splitlines()[-1])
+
+
+def codes_agreement(decoder: FusedDecoder, synth, speculation: Speculation, sampling: SamplingConfig,
+                    frames: int = 24) -> tuple[int, int]:
+    """Codes the decoder and the engine agree on over the same frames and noise, and codes compared."""
+    engine = InnerLoop(synth.code_predictor, speculation, seed=3)
+    same = total = 0
+    for frame in range(frames):
+        prefix = random_prefix(synth, seed=frame)
+        ours = decoder.decode(prefix, frame_noise(frame, synth.code_predictor.config.vocab_size), DecodeStats())
+        theirs = engine.decode(prefix, sampling, 0, frame)
+        same += sum(a == b for a, b in zip(ours, theirs))
+        total += len(theirs)
+    return same, total
 
 
 def frame_noise(frame: int, vocab: int) -> torch.Tensor:
@@ -65,7 +91,7 @@ def tiny_package(tiny_dir, tmp_path_factory):
 @pytest.mark.parametrize("which", ["tiny", "narrow"])
 def test_the_traced_graphs_give_the_engines_codes(which, request):
     synth = request.getfixturevalue(which)
-    speculation, sampling = drafting(synth), SamplingConfig()
+    speculation, sampling = random_drafting(synth), SamplingConfig()
     traced, _ = trace_calls(synth.code_predictor, speculation.tree, speculation.offsets.vectors, sampling)
     assert all(isinstance(getattr(traced, name), torch.jit.ScriptModule) for name in FUNCTIONS)
     decoder = FusedDecoder(traced, speculation.tree, sampling)
@@ -85,16 +111,11 @@ def test_the_traced_graphs_give_the_engines_codes(which, request):
 
 
 def test_export_writes_a_package_with_the_declared_interface(tiny, tiny_package, tiny_dir):
-    result, out = tiny_package
-    assert result.exit_code == 0, result.output
-    path = Path(result.output.strip().splitlines()[-1])
+    _, out = tiny_package
+    path = package_path(tiny_package)
     assert path.parent == out and path.name.startswith("rvqtts-n8-fp16-") and path.is_dir()
-    speculation, sampling = drafting(tiny), SamplingConfig()
     key, signatures = read_package(path)
-    expected = PackageKey.build(tiny.code_predictor, speculation, sampling, "fp16", "macOS15")
-    assert key.model == expected.model and key.tree == expected.tree and key.sampling == expected.sampling
-    assert key.offsets == PackageKey.build(tiny.code_predictor, Speculation(speculation.tree, Offsets.zeros(
-        3, tiny.hidden_size)), sampling, "fp16", "macOS15").offsets  # no shipped offsets match tiny: zeros
+    assert key == PackageKey.build(tiny.code_predictor, exported_drafting(tiny), SamplingConfig(), "fp16", "macOS15")
     for name in FUNCTIONS:
         assert [item[0] for item in signatures[name].inputs] == [FIRST_INPUT[name], *INPUTS]
         assert signatures[name].outputs == OUTPUTS[name]
@@ -111,30 +132,20 @@ def test_the_host_runs_the_package_interface(tiny, tiny_package):
     """The host side of the Core ML backend (feeds built from the package's own declarations, outputs read
     back, fused frames decoded), with the traced graphs answering for Core ML: the engine's codes, up to
     float16 rounding of the cache and noise that the package's inputs impose."""
-    result, _ = tiny_package
-    path = Path(result.output.strip().splitlines()[-1])
-    speculation, sampling = Speculation(resolve_tree("8"), Offsets.zeros(3, tiny.hidden_size)), SamplingConfig()
-    signatures = check_package(path, PackageKey.build(tiny.code_predictor, speculation, sampling, "w8a16",
-                                                      "macOS15"))
+    speculation, sampling = exported_drafting(tiny), SamplingConfig()
+    signatures = check_package(package_path(tiny_package), PackageKey.build(tiny.code_predictor, speculation,
+                                                                            sampling, "w8a16", "macOS15"))
     traced, _ = trace_calls(tiny.code_predictor, speculation.tree, speculation.offsets.vectors, sampling)
     decoder = FusedDecoder(package_calls(signatures, emulated_predictors(traced, signatures)), speculation.tree,
                            sampling)
     assert decoder.k_cache.dtype == torch.float16
-    engine = InnerLoop(tiny.code_predictor, speculation, seed=3)
-    same = total = 0
-    for frame in range(24):
-        prefix = random_prefix(tiny, seed=frame)
-        ours = decoder.decode(prefix, frame_noise(frame, 2048), DecodeStats())
-        theirs = engine.decode(prefix, sampling, 0, frame)
-        same += sum(a == b for a, b in zip(ours, theirs))
-        total += len(theirs)
+    same, total = codes_agreement(decoder, tiny, speculation, sampling)
     assert same / total >= 0.97, f"{same} of {total} codes agree"
 
 
 def test_a_package_for_another_setup_is_refused(tiny, tiny_package):
-    result, _ = tiny_package
-    path = Path(result.output.strip().splitlines()[-1])
-    speculation = Speculation(resolve_tree("8"), Offsets.zeros(3, tiny.hidden_size))
+    path = package_path(tiny_package)
+    speculation = exported_drafting(tiny)
     hotter = PackageKey.build(tiny.code_predictor, speculation, SamplingConfig(temperature=1.2), "fp16", "macOS15")
     with pytest.raises(CoreMLError, match="sampling"):
         check_package(path, hotter)
@@ -181,19 +192,10 @@ def test_the_coreml_backend_needs_macos(tiny_dir, tmp_path):
 
 @macos
 def test_package_predictions_match_pytorch(tiny, tiny_package):
-    result, _ = tiny_package
-    path = Path(result.output.strip().splitlines()[-1])
-    speculation, sampling = Speculation(resolve_tree("8"), Offsets.zeros(3, tiny.hidden_size)), SamplingConfig()
+    speculation, sampling = exported_drafting(tiny), SamplingConfig()
     key = PackageKey.build(tiny.code_predictor, speculation, sampling, "fp16", "macOS15")
-    decoder = load_decoder(path, key, speculation.tree, sampling, "cpu_only")
-    engine = InnerLoop(tiny.code_predictor, speculation, seed=3)
-    same = total = 0
-    for frame in range(24):
-        prefix = random_prefix(tiny, seed=frame)
-        ours = decoder.decode(prefix, frame_noise(frame, 2048), DecodeStats())
-        theirs = engine.decode(prefix, sampling, 0, frame)
-        same += sum(a == b for a, b in zip(ours, theirs))
-        total += len(theirs)
+    decoder = load_decoder(package_path(tiny_package), key, speculation.tree, sampling, "cpu_only")
+    same, total = codes_agreement(decoder, tiny, speculation, sampling)
     assert same / total >= 0.95, f"{same} of {total} codes agree"
 
 
@@ -215,10 +217,9 @@ def test_synth_with_coreml_gives_the_torch_codes(tiny_dir, tmp_path):
 def test_synthesis_runs_its_inner_loop_on_a_package(tiny_dir, tiny_package):
     """Synthesizer.fused routes every frame to the package's calls (speculative, or the plain step without
     a speculation), and frames asking for other sampling than the package's are refused."""
-    result, _ = tiny_package
-    path = Path(result.output.strip().splitlines()[-1])
+    path = package_path(tiny_package)
     synth = Synthesizer.load(tiny_dir)  # its own instance: the test sets its inner loop
-    synth.speculation = Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size))
+    synth.speculation = exported_drafting(synth)
     settings = GenerationSettings(max_frames=12)
 
     def run(**options):
