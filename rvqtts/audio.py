@@ -1,4 +1,5 @@
-"""Audio out: joining chunks with a short crossfade, and WAV files written atomically (or to stdout)."""
+"""Audio out: joining chunks with a short crossfade, and WAV, FLAC or Ogg files written atomically (or a WAV
+to stdout)."""
 
 from __future__ import annotations
 
@@ -31,18 +32,34 @@ def join_chunks(parts: list[np.ndarray], sample_rate: int, crossfade: float = CR
     return joined
 
 
-def wav_bytes(audio: np.ndarray, sample_rate: int) -> bytes:
-    """A 16-bit PCM mono WAV file in memory."""
+# Output containers soundfile writes, by file suffix; standard output ("-") always gets a WAV.
+AUDIO_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
+
+
+def audio_format(target: str | Path) -> tuple[str, str]:
+    """soundfile's (format, subtype) for an output name; ValueError for a suffix rvqtts cannot write."""
+    if str(target) == "-":
+        return AUDIO_FORMATS[".wav"]
+    suffix = Path(target).suffix.lower()
+    if suffix not in AUDIO_FORMATS:
+        raise ValueError(f"{target}: rvqtts writes {', '.join(AUDIO_FORMATS)} files (or - for a WAV on standard "
+                         f"output), not {suffix or 'a name without a suffix'}")
+    return AUDIO_FORMATS[suffix]
+
+
+def audio_bytes(audio: np.ndarray, sample_rate: int, container: tuple[str, str] = AUDIO_FORMATS[".wav"]) -> bytes:
+    """A mono audio file in memory (16-bit PCM WAV unless `container` says otherwise)."""
     import soundfile
 
     buffer = io.BytesIO()
-    soundfile.write(buffer, np.clip(audio, -1.0, 1.0), sample_rate, format="WAV", subtype="PCM_16")
+    soundfile.write(buffer, np.clip(audio, -1.0, 1.0), sample_rate, format=container[0], subtype=container[1])
     return buffer.getvalue()
 
 
-def write_wav(target: str | Path, audio: np.ndarray, sample_rate: int) -> None:
-    """Write a WAV to a path (atomically) or, for "-", to standard output."""
-    data = wav_bytes(audio, sample_rate)
+def write_audio(target: str | Path, audio: np.ndarray, sample_rate: int) -> None:
+    """Write audio in the format its suffix names (.wav, .flac, .ogg) atomically, or a WAV to standard
+    output for "-"."""
+    data = audio_bytes(audio, sample_rate, audio_format(target))
     if str(target) == "-":
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()

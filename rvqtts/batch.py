@@ -12,6 +12,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from rvqtts.audio import AUDIO_FORMATS
+from rvqtts.sampling import NonFiniteError
+from rvqtts.text import MAX_CHUNK_WEIGHT
+
 FIELDS = {"text", "speaker", "language", "instruct", "out"}
 
 
@@ -37,7 +41,7 @@ def _output_name(path: Path, line: int, out: object) -> str:
     name = PurePosixPath(out.strip())
     if name.is_absolute() or ".." in name.parts:
         raise BatchFileError(f"{path}:{line}: \"out\" must stay inside the output folder, got {out!r}")
-    return str(name) if name.suffix.lower() == ".wav" else f"{name}.wav"
+    return str(name) if name.suffix.lower() in AUDIO_FORMATS else f"{name}.wav"
 
 
 def _from_json(path: Path, line: int, raw: str) -> Utterance:
@@ -109,15 +113,17 @@ def _read_manifest(path: Path) -> dict[str, dict]:
 
 def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speaker: str, language: str,
                      instruct: str | None, seed: int, settings, force: bool = False,
-                     codes_dir: Path | None = None, on_done=None) -> list[BatchResult]:
+                     codes_dir: Path | None = None, on_done=None,
+                     chunk_chars: float | None = MAX_CHUNK_WEIGHT) -> list[BatchResult]:
     """Synthesize every utterance into `out_dir`, skipping existing outputs unless `force`.
 
     Each utterance's noise and talker seed are keyed by its line number, so a resumed or partial run
     writes the same audio as a full one. After each utterance the manifest (`manifest.jsonl`: one entry
     per output with its text, voice and statistics) is rewritten atomically. A failing utterance is
-    reported in its result and the rest go on. `on_done(result)` is called after each one.
+    reported in its result and the rest go on, except a model that produced NaN or inf (NonFiniteError), which
+    every utterance would meet: that stops the batch. `on_done(result)` is called after each one.
     """
-    from rvqtts.audio import write_codes, write_wav
+    from rvqtts.audio import write_audio, write_codes
     from rvqtts.files import write_atomically
 
     manifest_path = out_dir / MANIFEST
@@ -131,8 +137,9 @@ def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speak
             voice = dict(speaker=item.speaker or speaker, language=item.language or language)
             try:
                 synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line,
-                                             instruct=item.instruct or instruct, settings=settings, **voice)
-                write_wav(target, synthesis.audio, synthesis.sample_rate)
+                                             instruct=item.instruct or instruct, settings=settings,
+                                             chunk_chars=chunk_chars, **voice)
+                write_audio(target, synthesis.audio, synthesis.sample_rate)
                 if codes_dir is not None:
                     write_codes(codes_dir / Path(item.name).with_suffix(".npy"), synthesis.codes)
                 result = BatchResult(item, "done", synthesis.record())
@@ -140,6 +147,8 @@ def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speak
                                        **result.record}
                 write_atomically(manifest_path, "".join(json.dumps(e, ensure_ascii=False) + "\n"
                                                         for e in manifest.values()).encode())
+            except NonFiniteError:
+                raise
             except Exception as error:  # reported per utterance; the batch goes on
                 result = BatchResult(item, "failed", error=f"{type(error).__name__}: {error}")
         results.append(result)

@@ -278,7 +278,7 @@ def bench_e2e(tts: object, lines: list[tuple[str, str, str]], speculation, seed:
                 record = synthesizers["plain"].synthesize_stock(text, speaker, language, seed, settings)
             else:
                 record = synthesizers[name].synthesize(text, speaker, language, seed, settings=settings,
-                                                       chunked=False).record()
+                                                       chunk_chars=None).record()
             runs[name].append({key: record[key] for key in ("frames", "audio_seconds", *TIMED_FIELDS, "rtf")}
                               | ({"codes_per_call": record["codes_per_call"]} if name != "stock" else {}))
             if progress:

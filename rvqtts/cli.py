@@ -13,8 +13,10 @@ from typing import Callable, Optional
 
 import typer
 
+# Plain (click) help: no "<bool>" placeholders after switches, and it reads the same in a pipe or a log.
+HELP_STYLE = dict(no_args_is_help=True, rich_markup_mode=None)
 app = typer.Typer(help="Fast, exact Qwen3-TTS synthesis with RVQ position-aware speculative decoding.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  add_completion=False, pretty_exceptions_enable=False, **HELP_STYLE)
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 DEFAULT_BENCH_QUERIES = (1, 2, 4, 5, 8, 9, 16, 17, 24, 32, 33, 48, 64, 65)  # N + 1 for N = 4..64 included
@@ -31,18 +33,38 @@ def say(message: str, quiet: bool = False) -> None:
         typer.echo(f"rvqtts: {message}", err=True)
 
 
+def _version(show: bool) -> None:
+    if show:
+        from importlib.metadata import version
+
+        typer.echo(f"rvqtts {version('rvqtts')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Show rvqtts's version and exit.")) -> None:
+    """Fast, exact Qwen3-TTS synthesis with RVQ position-aware speculative decoding."""
+
+
 @app.command("make-tiny-model")
 def make_tiny_model(
     directory: Path = typer.Argument(..., help="Folder to create; it must not exist or be empty."),
-    codebook: int = typer.Option(2048, help="Residual codebook size (the code predictor's vocabulary)."),
-    code_groups: int = typer.Option(16, help="Codes per frame: c0 plus code_groups - 1 residual codes."),
+    dims: str = typer.Option("tiny", help="tiny (shrunk), or 0.6b / 1.7b: the released CustomVoice model's "
+                                          "dimensions and layout (rvqtts/released/), stored in bfloat16."),
+    shallow: bool = typer.Option(False, "--shallow", help="With --dims: two talker and two code-predictor layers "
+                                                          "and a small speech tokenizer, released widths and heads."),
+    codebook: int = typer.Option(2048, help="--dims tiny: residual codebook size (the code predictor's "
+                                            "vocabulary)."),
+    code_groups: int = typer.Option(16, help="--dims tiny: codes per frame, c0 plus code_groups - 1 residual codes."),
     seed: int = typer.Option(0, help="Seed of the random weights; same arguments give byte-identical files."),
     force: bool = typer.Option(False, "--force", help="Replace the folder if it already exists."),
 ) -> None:
-    """Write a tiny random-weight Qwen3-TTS 12 Hz CustomVoice checkpoint, offline, for tests and trials.
+    """Write a random-weight Qwen3-TTS 12 Hz CustomVoice checkpoint, offline, for tests, trials and benchmarks.
 
     It loads with qwen_tts.Qwen3TTSModel.from_pretrained(DIR) like a real checkpoint. Its weights are
-    random: its audio is noise and its acceptance figures mean nothing about real models.
+    random: its audio is noise, its talker never ends its speech (use --max-frames), and its acceptance
+    figures mean nothing about real models. --dims 0.6b / 1.7b cost what the real models cost to run.
     """
     import shutil
 
@@ -51,7 +73,8 @@ def make_tiny_model(
     if force and directory.is_dir():
         shutil.rmtree(directory)
     try:
-        build_tiny_model(directory, codebook=codebook, code_groups=code_groups, seed=seed)
+        build_tiny_model(directory, codebook=codebook, code_groups=code_groups, seed=seed, dims=dims,
+                         shallow=shallow)
     except (ValueError, FileExistsError) as error:
         fail(str(error))
     say(f"wrote {directory}")
@@ -72,8 +95,16 @@ def voices(model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder
 
 
 def _pick_device(device: str) -> str:
+    """The device to run on: `auto` picks the best one present; a named one must be present."""
     import torch
 
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"--device {device}: " + ("this torch is built without CUDA; install a CUDA build of torch, or "
+                                       "use --device cpu" if torch.version.cuda is None else
+                                       "no CUDA GPU is visible; use --device cpu"))
+    if device == "mps" and not torch.backends.mps.is_available():
+        fail("--device mps: MPS is not available here (it needs a Mac with Apple silicon and a torch built with "
+             "MPS); use --device cpu")
     if device != "auto":
         return device
     if torch.cuda.is_available():
@@ -93,21 +124,26 @@ def _read_text(text: Optional[str]) -> str:
     if text is None or text == "-":
         if sys.stdin is None or sys.stdin.isatty():
             fail("no text: give TEXT, pipe text on standard input, or use -f FILE")
-        text = sys.stdin.read()
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+        try:
+            text = data.decode("utf-8") if isinstance(data, bytes) else data
+        except UnicodeDecodeError as error:
+            fail(f"standard input is not UTF-8 text (byte {error.start} is {data[error.start:error.start + 1]!r}): "
+                 f"convert it first, e.g. iconv -f LATIN1 -t UTF-8")
     if not text.strip():
         fail("the text is empty: give something to say")
     return text
 
 
-def _check_writable(folder: Path) -> None:
-    """Fail early unless files can be made in `folder` (or in the nearest existing folder above it)."""
-    import os
+def _check_writable(path: Path, folder: bool = False) -> None:
+    """Fail with one line, before any model work, unless a file can be written at `path` (or, with
+    `folder`, into the folder `path`); nothing is left behind by the check."""
+    from rvqtts.files import OutputPathError, check_writable
 
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        fail(f"cannot write to {folder}: {existing} is not a writable folder")
+    try:
+        check_writable(path, folder)
+    except OutputPathError as error:
+        fail(str(error))
 
 
 @app.command()
@@ -127,12 +163,25 @@ def synth(
     language: str = typer.Option("auto", help="Language, or auto."),
     instruct: Optional[str] = typer.Option(None, help="Style instruction (ignored, with a warning, by models "
                                                       "without instruction support such as the 0.6B)."),
-    temperature: float = typer.Option(0.9, help="Sampling temperature of both loops."),
-    top_k: int = typer.Option(50, help="Top-k of both loops (0 = off)."),
-    top_p: float = typer.Option(1.0, help="Top-p of both loops (1 = off)."),
-    repetition_penalty: float = typer.Option(1.05, help="Repetition penalty of the talker."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature of both loops; default: the "
+                                                           "model's generation_config.json (talker and code "
+                                                           "predictor apart), else 0.9."),
+    top_k: Optional[int] = typer.Option(None, help="Top-k of both loops (0 = off); default: the model's, else 50."),
+    top_p: Optional[float] = typer.Option(None, help="Top-p of both loops (1 = off); default: the model's, else 1."),
+    predictor_temperature: Optional[float] = typer.Option(None, help="The code predictor's temperature apart "
+                                                                     "from the talker's."),
+    predictor_top_k: Optional[int] = typer.Option(None, help="The code predictor's top-k apart from the talker's."),
+    predictor_top_p: Optional[float] = typer.Option(None, help="The code predictor's top-p apart from the talker's."),
+    repetition_penalty: Optional[float] = typer.Option(None, help="Repetition penalty of the talker; default: the "
+                                                                  "model's, else 1.05."),
     max_frames: Optional[int] = typer.Option(None, help="Most frames per chunk (12.5 frames = 1 s); default: "
-                                                        "the model's own limit."),
+                                                        "three times what the chunk's text needs plus 2 s, within "
+                                                        "the model's max_new_tokens."),
+    chunk_chars: int = typer.Option(240, help="Long text is spoken in chunks of about this many characters, cut "
+                                              "at sentence ends (ideographs and kana count 2.5)."),
+    no_chunk: bool = typer.Option(False, "--no-chunk", help="Speak the whole text in one pass, as qwen-tts does "
+                                                            "(keeps prosody across sentences; the runaway cut "
+                                                            "still applies)."),
     seed: int = typer.Option(0, help="Same seed, same codes, same WAV, speculative or not."),
     spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
     tree: str = typer.Option("auto", help="Draft tree: auto (the best N measured for this device; see "
@@ -161,46 +210,67 @@ def synth(
     The statistics table (stderr) and --stats-json report frames, predictor calls, codes per call,
     where the time went, and RTF = compute seconds / audio seconds (below 1 is faster than real time).
     """
+    from rvqtts.audio import audio_format
+    from rvqtts.sampling import NonFiniteError
     from rvqtts.batch import BatchFileError, Utterance, read_batch
+    from rvqtts.loading import ModelLoadError, check_voice, voices
     from rvqtts.offsets import OffsetsFileError
     from rvqtts.synthesis import GenerationSettings, choose_speculation
     from rvqtts.tree import TreeFileError
 
+    # Everything that can be checked without the model is checked first: bad input costs no model load.
     if backend not in ("torch", "coreml"):
         fail(f"unknown --backend {backend!r}: choose torch or coreml")
     if backend == "coreml":
         _check_coreml(compute_units, coreml_precision)
+    if chunk_chars < 20:
+        fail(f"--chunk-chars must be at least 20, got {chunk_chars} (--no-chunk speaks the text in one pass)")
     if file is not None:
         if text is not None:
             fail("give either TEXT or -f FILE, not both")
         if out_dir is None:
-            fail("-f needs --out-dir DIR for its WAV files")
+            fail("-f needs --out-dir DIR for its audio files")
         try:
             utterances = read_batch(file)
         except BatchFileError as error:
             fail(str(error))
-        _check_writable(out_dir)
-        if not force and all((out_dir / u.name).exists() for u in utterances):
-            say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
-            return
+        _check_writable(out_dir, folder=True)
+        if codes_out is not None:
+            _check_writable(codes_out, folder=True)
     else:
         if output is None:
-            fail("give -o FILE.wav (or -o - for standard output)")
+            fail("give -o FILE.wav (.flac, .ogg; or -o - for a WAV on standard output)")
+        try:
+            audio_format(output)
+        except ValueError as error:
+            fail(str(error))
         if output != "-":
-            _check_writable(Path(output).expanduser().resolve().parent)
+            _check_writable(Path(output))
+        if codes_out is not None:
+            _check_writable(codes_out)
         utterances = [Utterance(1, _read_text(text).strip(), output)]
+    if stats_json is not None:
+        _check_writable(stats_json)
     try:
-        settings = GenerationSettings(temperature, top_k, top_p, repetition_penalty, max_frames)
+        settings = GenerationSettings(temperature, top_k, top_p, repetition_penalty, max_frames,
+                                      predictor_temperature, predictor_top_k, predictor_top_p)
     except ValueError as error:
         fail(str(error))
+    if file is not None and not force and all((out_dir / u.name).exists() for u in utterances):
+        say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
+        return
+    try:
+        known_speakers, known_languages = voices(model)
+    except ModelLoadError as error:
+        fail(str(error))
+    for item in utterances:
+        try:
+            check_voice(known_speakers, known_languages, item.speaker or speaker, item.language or language)
+        except ValueError as error:
+            fail(f"{file}:{item.line}: {error}" if file else str(error))
     synthesizer = _load_synthesizer(model, device, dtype)
     synthesizer.cuda_graphs = cuda_graphs
     device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
-    for item in utterances:
-        try:
-            synthesizer.check_voice(item.speaker or speaker, item.language or language)
-        except ValueError as error:
-            fail(f"{file}:{item.line}: {error}" if file else str(error))
     if spec:
         try:
             synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets,
@@ -214,12 +284,16 @@ def synth(
     if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
         say("warning: this model does not support --instruct (the 0.6B ignores instructions); ignoring it")
 
-    if file is None:
-        _synth_one(synthesizer, utterances[0], output, speaker, language, instruct, seed, settings, codes_out,
-                   stats_json, quiet)
-    else:
-        _synth_batch(synthesizer, utterances, out_dir, file, speaker, language, instruct, seed, settings, force,
-                     codes_out, stats_json, quiet)
+    run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings,
+               chunk_chars=None if no_chunk else chunk_chars)
+    try:
+        if file is None:
+            _synth_one(synthesizer, utterances[0], output, run, codes_out, stats_json, quiet)
+        else:
+            _synth_batch(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
+    except NonFiniteError as error:
+        typer.echo(f"rvqtts: error: {error}", err=True)
+        raise typer.Exit(1)
 
 
 def _check_coreml(compute_units: str, precision: str) -> None:
@@ -242,7 +316,6 @@ def _use_coreml(synthesizer, tree: str, offsets: Optional[Path], settings, packa
     """Run the synthesizer's inner loop on a Core ML package (the plain step when it has no speculation)."""
     from rvqtts.coreml import CoreMLError, coreml_decoder
     from rvqtts.offsets import OffsetsFileError
-    from rvqtts.sampling import SamplingConfig
     from rvqtts.synthesis import choose_speculation
     from rvqtts.tree import TreeFileError
 
@@ -250,7 +323,7 @@ def _use_coreml(synthesizer, tree: str, offsets: Optional[Path], settings, packa
         speculation = synthesizer.speculation  # None: --no-spec, whose package still holds a tree
         if speculation is None:
             speculation, _ = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
-        sampling = SamplingConfig(settings.temperature, settings.top_k, settings.top_p)
+        sampling = synthesizer.sampling(settings).predictor
         synthesizer.fused = coreml_decoder(synthesizer.code_predictor, speculation, sampling, package, precision,
                                            compute_units, report=lambda message: say(message, quiet))
     except (CoreMLError, TreeFileError, OffsetsFileError) as error:
@@ -301,19 +374,17 @@ def _write_stats(path: Optional[Path], entries: list[dict]) -> None:
         write_json(path, {"utterances": entries, "total": total_record(entries)})
 
 
-def _synth_one(synthesizer, item, output, speaker, language, instruct, seed, settings, codes_out, stats_json,
-               quiet) -> None:
-    from rvqtts.audio import write_codes, write_wav
+def _synth_one(synthesizer, item, output, run: dict, codes_out, stats_json, quiet) -> None:
+    from rvqtts.audio import write_audio, write_codes
 
     with _progress(quiet) as progress:
         task = progress.add_task("synthesizing", total=None)
-        result = synthesizer.synthesize(item.text, speaker=speaker, language=language, instruct=instruct, seed=seed,
-                                        settings=settings,
+        result = synthesizer.synthesize(item.text, **run,
                                         on_chunk=lambda done, total: progress.update(task, completed=done,
                                                                                      total=total))
     for warning in result.warnings:
         say(f"warning: {warning}", quiet)
-    write_wav(output, result.audio, result.sample_rate)
+    write_audio(output, result.audio, result.sample_rate)
     if codes_out:
         write_codes(codes_out, result.codes)
     record = result.record()
@@ -321,8 +392,7 @@ def _synth_one(synthesizer, item, output, speaker, language, instruct, seed, set
     _show([(output, record)], quiet)
 
 
-def _synth_batch(synthesizer, utterances, out_dir, file, speaker, language, instruct, seed, settings, force,
-                 codes_out, stats_json, quiet) -> None:
+def _synth_batch(synthesizer, utterances, out_dir, file, run: dict, force, codes_out, stats_json, quiet) -> None:
     from rvqtts.batch import synthesize_batch
 
     with _progress(quiet) as progress:
@@ -335,9 +405,8 @@ def _synth_batch(synthesizer, utterances, out_dir, file, speaker, language, inst
             for warning in (result.record or {}).get("warnings", []):
                 say(f"warning: {result.utterance.name}: {warning}", quiet)
 
-        results = synthesize_batch(synthesizer, utterances, out_dir, speaker=speaker, language=language,
-                                   instruct=instruct, seed=seed, settings=settings, force=force,
-                                   codes_dir=codes_out, on_done=done)
+        results = synthesize_batch(synthesizer, utterances, out_dir, **run, force=force, codes_dir=codes_out,
+                                   on_done=done)
     made = [(r.utterance.name, r.record) for r in results if r.status == "done"]
     skipped = sum(r.status == "skipped" for r in results)
     failed = sum(r.status == "failed" for r in results)
@@ -437,7 +506,7 @@ def _check_new_file(path: Path, force: bool, suffix: str) -> None:
         fail(f"{path}: the file name must end in {suffix}")
     if path.exists() and not force:
         fail(f"{path} already exists: --force replaces it")
-    _check_writable(path.expanduser().resolve().parent)
+    _check_writable(path)
 
 
 TEXTS_HELP = "Texts to synthesize and record (.txt, or .jsonl with text/speaker/language per line)."
@@ -563,8 +632,8 @@ def calibrate(
     existing = [str(p) for p in (table_path, *tree_paths.values()) if p.exists()]
     if existing and not force:
         fail(f"{', '.join(existing)} already exist: --force replaces them")
+    _check_writable(out_dir, folder=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _check_writable(out_dir)
     synthesizer = _load_synthesizer(model, device, dtype)
     drafting = _drafting(synthesizer, offsets, 3)
     frames = _frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet)
@@ -607,7 +676,7 @@ def export_coreml(
         check_export_settings(sampling, precision, min_target)
     except (CoreMLError, ValueError) as error:
         fail(str(error))
-    _check_writable(out)
+    _check_writable(out, folder=True)
     synthesizer = _load_synthesizer(model, "cpu", "float32")
     try:
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
@@ -652,7 +721,7 @@ def accept(
 
     _check_source(texts, contexts)
     if json_out is not None:
-        _check_writable(json_out.expanduser().resolve().parent)
+        _check_writable(json_out)
     synthesizer = _load_synthesizer(model, device, dtype)
     try:
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
@@ -673,7 +742,7 @@ def accept(
 
 
 standin_app = typer.Typer(help="The trained stand-in code predictor (a proxy for tests and benchmarks, not "
-                                "Qwen3-TTS).", no_args_is_help=True)
+                                "Qwen3-TTS).", **HELP_STYLE)
 app.add_typer(standin_app, name="standin")
 
 
@@ -708,7 +777,7 @@ def standin_build(
 
 
 bench_app = typer.Typer(help="Benchmarks: predictor call cost per query length, projected speedup per tree size, "
-                             "and whole synthesis against stock qwen-tts (docs/benchmarks.md).", no_args_is_help=True)
+                             "and whole synthesis against stock qwen-tts (docs/benchmarks.md).", **HELP_STYLE)
 app.add_typer(bench_app, name="bench")
 
 
@@ -886,7 +955,7 @@ def bench_coreml_command(
     if on_mac:
         _check_coreml(compute_units, precision)
     if json_out is not None:
-        _check_writable(json_out.expanduser().resolve().parent)
+        _check_writable(json_out)
     synthesizer = _load_synthesizer(model, "cpu", "float32")
     sampling = SamplingConfig()
     try:

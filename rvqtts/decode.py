@@ -19,10 +19,11 @@ import torch
 from rvqtts.graphs import StaticCalls
 from rvqtts.offsets import Offsets
 from rvqtts.predictor import PredictorRunner
-from rvqtts.sampling import SamplingConfig, draw
+from rvqtts.sampling import NonFiniteError, SamplingConfig, draw_checked
 from rvqtts.tree import Tree
 
 EAGER = StaticCalls("eager")
+DEFAULT_DEPTH = 3  # K, the paper's draft depth
 
 
 @dataclass
@@ -33,7 +34,7 @@ class DecodeStats:
     calls: int = 0
     codes: int = 0
     rounds: int = 0
-    accepted_per_depth: list[int] = field(default_factory=list)
+    accepted_per_depth: list[int] = field(default_factory=lambda: [0] * DEFAULT_DEPTH)  # K entries, or more
 
     @property
     def codes_per_call(self) -> float:
@@ -62,6 +63,23 @@ class RoundPlan:
     slot_depth: torch.Tensor      # [1 + N] depth of each query slot (its position after the root's), on device
     node_rank: torch.Tensor       # [N] rank of each node, on device
     ancestor_mask: torch.Tensor   # [q, q] on device
+    _groups: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def attention_groups(self, length: int) -> list[tuple[slice, torch.Tensor]]:
+        """Per depth, its query slots and the cache slots each of them attends to, in position order:
+        [n_d, length + d + 1] = the `length` committed slots, then its ancestors' and its own tree slots.
+        A plain step at the same position attends to exactly these keys, in this order, so attention
+        run row by row over them gives what the step would, bit for bit (one masked call over every
+        slot does not: its kernel blocks and sums differently, which reduced precision makes visible)."""
+        if length not in self._groups:
+            device = self.ancestor_mask.device
+            committed = torch.arange(length, device=device)
+            groups = []
+            for s in self.depth_slices:
+                ancestors = [length + torch.nonzero(row).flatten() for row in self.ancestor_mask[s]]
+                groups.append((s, torch.stack([torch.cat([committed, a]) for a in ancestors])))
+            self._groups[length] = groups
+        return self._groups[length]
 
     @classmethod
     def build(cls, tree: Tree, device: torch.device) -> "RoundPlan":
@@ -113,17 +131,20 @@ def walk_tree(children: list[list[tuple[int, int]]], node_rank_codes: list[int],
 
 
 def prefill_call(runner: PredictorRunner, sampling: SamplingConfig, prefix: torch.Tensor,
-                 noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A frame's first call: h_1 from [h_t, embedding of c0], and c1 drawn from it ([1])."""
+                 noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A frame's first call: h_1 from [h_t, embedding of c0], c1 drawn from it ([1]), and whether its
+    logits were finite. Every call returns that flag; the frame reads it back with its codes."""
     hidden = runner.prefill(prefix)
-    return hidden, draw(runner.logits(hidden, 1), noise[0], sampling).view(1)
+    code, finite = draw_checked(runner.logits(hidden, 1), noise[0], sampling)
+    return hidden, code.view(1), finite
 
 
 def step_call(runner: PredictorRunner, index: int, sampling: SamplingConfig, code: torch.Tensor,
-              noise: torch.Tensor) -> tuple[torch.Tensor]:
-    """One plain call: feed c_index ([1]) and draw c_{index+1} ([1])."""
+              noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One plain call: feed c_index ([1]) and draw c_{index+1} ([1]), with the finite flag."""
     hidden = runner.step(code, index)
-    return (draw(runner.logits(hidden, index + 1), noise[index], sampling).view(1),)
+    code, finite = draw_checked(runner.logits(hidden, index + 1), noise[index], sampling)
+    return code.view(1), finite
 
 
 @torch.inference_mode()
@@ -132,13 +153,17 @@ def decode_frame_plain(runner: PredictorRunner, prefix: torch.Tensor, noise: tor
     """c1..c_{G-1} with one call per code. `noise` [G-1, V]: row m-1 draws c_m. Codes stay on the
     device until the frame is done (one read back per frame)."""
     last = runner.code_groups - 1
-    _, code = calls(("prefill", sampling), partial(prefill_call, runner, sampling), prefix, noise)
-    codes = [code.clone()]  # outputs of a static call are overwritten when that call runs again
+    _, code, finite = calls(("prefill", sampling), partial(prefill_call, runner, sampling), prefix, noise)
+    codes, flags = [code.clone()], [finite.clone()]  # outputs of a static call are overwritten when it runs again
     for index in range(1, last):
-        (code,) = calls(("step", index, sampling), partial(step_call, runner, index, sampling), code, noise)
+        code, finite = calls(("step", index, sampling), partial(step_call, runner, index, sampling), code, noise)
         codes.append(code.clone())
+        flags.append(finite.clone())
+    frame = torch.cat(codes).tolist()
+    if not bool(torch.stack(flags).all()):
+        raise NonFiniteError("code predictor", runner.dtype)
     stats.count_frame(last, last)
-    return torch.cat(codes).tolist()
+    return frame
 
 
 def draft(runner: PredictorRunner, hidden: torch.Tensor, offsets: torch.Tensor, index: int,
@@ -165,12 +190,8 @@ def tree_call(runner: PredictorRunner, plan: RoundPlan, hidden: torch.Tensor, of
     logits of the scored slots, depth by depth."""
     ranked = draft(runner, hidden, offsets, index, plan.draft_ranks)
     node_codes = torch.cat([root, ranked[plan.slot_depth[1:] - 1, plan.node_rank]])
-    q = node_codes.shape[0]
     embeds = runner.embed_codes(node_codes, index, plan.depth_slices)
-    mask = torch.zeros(q, runner.max_len, dtype=torch.bool, device=runner.device)
-    mask[:, :length] = True
-    mask[:, length:length + q] = plan.ancestor_mask
-    out = runner.forward(embeds, index + 1 + plan.slot_depth, length, mask)
+    out = runner.forward(embeds, index + 1 + plan.slot_depth, length, groups=plan.attention_groups(length))
     last = runner.code_groups - 1
     logits = torch.cat([runner.logits(out[s], index + d + 1) for d, s in scored_slices(plan, index, last)])
     return node_codes, out, logits
@@ -178,13 +199,14 @@ def tree_call(runner: PredictorRunner, plan: RoundPlan, hidden: torch.Tensor, of
 
 def round_call(runner: PredictorRunner, plan: RoundPlan, offsets: torch.Tensor, index: int,
                sampling: SamplingConfig, hidden: torch.Tensor, root: torch.Tensor,
-               noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One verify round rooted at c_index over index + 1 committed slots: node codes [q], hidden states
-    [q, H], and at every scored slot the target's draw of the next code, with that code's noise row."""
+    [q, H], at every scored slot the target's draw of the next code, with that code's noise row, and
+    whether the logits were finite."""
     last = runner.code_groups - 1
     node_codes, out, logits = tree_call(runner, plan, hidden, offsets, root, index, index + 1)
     rows = torch.cat([noise[index + d].expand(s.stop - s.start, -1) for d, s in scored_slices(plan, index, last)])
-    return node_codes, out, draw(logits, rows, sampling)
+    return node_codes, out, *draw_checked(logits, rows, sampling)
 
 
 @torch.inference_mode()
@@ -196,7 +218,9 @@ def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, nois
     A round rooted at c_index always starts after index + 1 committed KV slots ([h_t, c0, c1..c_{index-1}]),
     so its shapes depend on index alone and `calls` may replay it from a graph keyed by index."""
     last = runner.code_groups - 1
-    hidden, root = calls(("prefill", sampling), partial(prefill_call, runner, sampling), prefix, noise)
+    hidden, root, finite = calls(("prefill", sampling), partial(prefill_call, runner, sampling), prefix, noise)
+    if not bool(finite):
+        raise NonFiniteError("code predictor", runner.dtype)
     codes: list[int] = []
     made, index = 1, 1  # calls made, index of the root code
     while True:
@@ -204,10 +228,13 @@ def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, nois
             codes.extend(root.tolist())
             break
         plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
-        node_codes, out, draws = calls(("round", index, sampling),
-                                       partial(round_call, runner, plan, offsets, index, sampling), hidden, root, noise)
+        node_codes, out, draws, finite = calls(("round", index, sampling),
+                                               partial(round_call, runner, plan, offsets, index, sampling), hidden,
+                                               root, noise)
         made += 1
         host_codes, host_draws = node_codes.tolist(), draws.tolist()
+        if not bool(finite):
+            raise NonFiniteError("code predictor", runner.dtype)
         slot_index = [index + d for d, s in enumerate(plan.depth_slices) for _ in range(s.start, s.stop)]
         accepted, final = walk_tree(plan.tree.buffers.children, host_codes, host_draws, slot_index, last)
         stats.count_accepted(len(accepted))
@@ -215,10 +242,10 @@ def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, nois
         codes.extend(host_codes[u] for u in accepted)
         committed = index + 1
         runner.keep([committed + u for u in accepted], committed + 1)
-        if final is None:
-            break
         end = accepted[-1] if accepted else 0
         hidden = out[end]  # read by the next round (another index, so another static call) before any rerun
+        if final is None:
+            break
         index = slot_index[end] + 1
         root = torch.tensor([final], device=runner.device)
     stats.count_frame(made, last)

@@ -50,3 +50,43 @@ def cache_dir() -> Path:
     if os.environ.get("RVQTTS_CACHE"):
         return Path(os.environ["RVQTTS_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "rvqtts"
+
+
+class OutputPathError(OSError):
+    """An output path that cannot be written; the message names it and why."""
+
+
+def check_writable(path: str | os.PathLike, folder: bool = False) -> None:
+    """Raise OutputPathError unless a file can be written at `path` (or into it, a folder, with `folder`).
+
+    Checked by doing it: missing folders are made, a probe file is created in the target folder, and
+    both are removed again, so a run can stop before any model work and leave nothing behind."""
+    path = Path(path).expanduser()
+    target = path if folder else path.parent
+    made: list[Path] = []
+    try:
+        if not folder and path.is_dir():
+            raise OutputPathError(f"cannot write {path}: it is a folder; give a file name")
+        missing, existing = [], target
+        while not existing.exists():
+            missing.append(existing)
+            existing = existing.parent
+        if not existing.is_dir():
+            raise OutputPathError(f"cannot write {path}: {existing} is a file, not a folder")
+        for part in reversed(missing):
+            part.mkdir()
+            made.append(part)
+        handle, probe = tempfile.mkstemp(prefix=".rvqtts-probe.", dir=target)
+        os.close(handle)
+        os.unlink(probe)
+    except OutputPathError:
+        raise
+    except OSError as error:
+        raise OutputPathError(f"cannot write {path}: {error.strerror or error}"
+                              + (f" ({error.filename})" if error.filename else "")) from error
+    finally:
+        for part in reversed(made):
+            try:
+                part.rmdir()
+            except OSError:
+                pass

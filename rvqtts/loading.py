@@ -62,6 +62,12 @@ def resolve_model(model: str | os.PathLike) -> str:
     return text
 
 
+def _check_kind(model: str | os.PathLike, model_type: str, tokenizer_type: str) -> None:
+    if model_type != "custom_voice" or tokenizer_type != "qwen3_tts_tokenizer_12hz":
+        raise ModelLoadError(f"{model} is a {model_type} model with the {tokenizer_type}; rvqtts synthesizes with "
+                             f"12 Hz CustomVoice models (such as Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)")
+
+
 def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
     """A `qwen_tts.Qwen3TTSModel` loaded with qwen-tts's own from_pretrained."""
     if dtype not in DTYPES:
@@ -71,15 +77,27 @@ def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float3
         tts = qwen_tts().Qwen3TTSModel.from_pretrained(source, device_map=device, dtype=DTYPES[dtype])
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"cannot load {model} as a Qwen3-TTS checkpoint: {error}") from error
-    if tts.model.tts_model_type != "custom_voice" or tts.model.tokenizer_type != "qwen3_tts_tokenizer_12hz":
-        raise ModelLoadError(f"{model} is a {tts.model.tts_model_type} model with the {tts.model.tokenizer_type}; "
-                             f"rvqtts synthesizes with 12 Hz CustomVoice models")
+    _check_kind(model, tts.model.tts_model_type, tts.model.tokenizer_type)
     return tts
 
 
 def voices(model: str | os.PathLike) -> tuple[list[str], list[str]]:
-    """Speakers and languages of a checkpoint, read from its config alone (no weights are loaded)."""
+    """Speakers and languages of a checkpoint, as qwen-tts lists them, read from its config alone (no weights
+    are loaded). ModelLoadError for a model rvqtts cannot synthesize with."""
     source = resolve_model(model)
-    config = qwen_tts().core.models.Qwen3TTSConfig.from_pretrained(source).talker_config
-    languages = ["auto"] + sorted(k for k in config.codec_language_id if "dialect" not in k)
-    return sorted(config.spk_id), languages
+    try:
+        config = qwen_tts().core.models.Qwen3TTSConfig.from_pretrained(source)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ModelLoadError(f"cannot read {model}'s config as a Qwen3-TTS checkpoint's: {error}") from error
+    _check_kind(model, config.tts_model_type, config.tokenizer_type)
+    talker = config.talker_config
+    languages = ["auto"] + [k for k in talker.codec_language_id if "dialect" not in k]
+    return sorted(k.lower() for k in talker.spk_id), sorted(k.lower() for k in languages)
+
+
+def check_voice(speakers: list[str], languages: list[str], speaker: str, language: str) -> None:
+    """Raise ValueError naming the valid choices when the speaker or language is not among the model's."""
+    if speaker.lower() not in speakers:
+        raise ValueError(f"unknown speaker {speaker!r}; this model has: {', '.join(speakers)}")
+    if language.lower() not in languages:
+        raise ValueError(f"unknown language {language!r}; this model has: {', '.join(languages)}")

@@ -65,11 +65,14 @@ class PredictorRunner:
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, start: int,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None = None,
+                groups: list[tuple[slice, torch.Tensor]] | None = None) -> torch.Tensor:
         """Run `embeds` [q, E] at `positions` [q], writing their KV to slots start..start+q-1.
 
         `mask` [q, max_len] says which cache slots each query attends to (after this call's writes);
-        None lets every query see every slot up to its own writes (a single query, as in plain steps).
+        `groups` instead gives, for slices of the queries, the slots [n, L] each query attends to in
+        order (a tree round: rvqtts.decode.RoundPlan.attention_groups); with neither, every query sees
+        every slot up to its own writes (a single query, as in plain steps).
         Returns the final-normed hidden states [q, hidden], the input of the LM heads.
         """
         q_len = embeds.shape[0]
@@ -81,11 +84,25 @@ class PredictorRunner:
             q, k, v = self.attention_inputs(i, x, cos, sin)
             self.k_cache[i, :, start:end] = k
             self.v_cache[i, :, start:end] = v
-            # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the unfused math).
-            out = F.scaled_dot_product_attention(q[None], self.k_cache[None, i, :, :end], self.v_cache[None, i, :, :end],
-                                                 attn_mask=attn_mask, enable_gqa=self.n_heads != self.n_kv_heads)
-            x = self.layer_rest(i, x, out[0])
+            if groups is None:
+                # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the unfused math).
+                out = self.attend(q[None], self.k_cache[None, i, :, :end], self.v_cache[None, i, :, :end],
+                                  attn_mask)[0]
+            else:
+                out = torch.cat([self.attend_gathered(i, q[:, rows], slots) for rows, slots in groups], dim=1)
+            x = self.layer_rest(i, x, out)
         return self.norm(x)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+
+    def attend_gathered(self, i: int, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention of queries [heads, n, d], each over its own cache slots `slots` [n, L]:
+        a batch of n single-query attentions, each computed as a plain step computes its one query."""
+        keys = self.k_cache[i][:, slots].transpose(0, 1)  # [n, kv_heads, L, d]
+        values = self.v_cache[i][:, slots].transpose(0, 1)
+        return self.attend(q.transpose(0, 1)[:, :, None], keys, values)[:, :, 0].transpose(0, 1)
 
     def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -34,15 +34,19 @@ def stats_table(rows: list[tuple[str, dict]]) -> Table:
                ("wall", "wall_seconds", ".2f"), ("talker", "talker_seconds", ".2f"),
                ("predictor", "predictor_seconds", ".2f"), ("decoder", "decoder_seconds", ".2f"),
                ("RTF", "rtf", ".2f")]
-    for title, _, _ in columns:
-        table.add_column(title, justify="right" if title else "left", no_wrap=True,
-                         max_width=None if title else 24, overflow="ellipsis")
+    cells = []
     for name, record in rows:
-        cells = []
-        for _, key, fmt in columns:
-            value = name if key == "name" else record.get(key)
-            cells.append("-" if value is None else format(value, fmt) if fmt else str(value))
-        table.add_row(*cells)
+        values = [name if key == "name" else record.get(key) for _, key, _ in columns]
+        cells.append(["-" if value is None else format(value, fmt) if fmt else str(value)
+                      for value, (_, _, fmt) in zip(values, columns)])
+    for i, (title, _, _) in enumerate(columns):
+        if title:  # figures are never cut: their columns keep their full width; a long name folds instead
+            width = max(len(title), *(len(row[i]) for row in cells))
+            table.add_column(title, justify="right", no_wrap=True, min_width=width)
+        else:
+            table.add_column(title, justify="left", overflow="fold", ratio=1)
+    for row in cells:
+        table.add_row(*row)
     spec = {r.get("spec") for _, r in rows}
     nodes = {r.get("tree_nodes") for _, r in rows}
     table.caption = ("speculative, tree N = " + "/".join(str(n) for n in sorted(nodes)) if spec == {True}

@@ -43,6 +43,24 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+class NonFiniteError(RuntimeError):
+    """A model produced NaN or inf logits (an overflow in its dtype, or broken weights); the message says
+    what to do."""
+
+    def __init__(self, model: str, dtype: torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+        advice = {"float16": "run again with --dtype bfloat16 or --dtype float32",
+                  "bfloat16": "run again with --dtype float32"}.get(name, "the checkpoint's weights may be broken")
+        super().__init__(f"the {model} produced NaN or inf values in {name} (an overflow in this dtype, or broken "
+                         f"weights), so no code can be drawn from them: {advice}")
+
+
+def check_finite(logits: torch.Tensor, model: str) -> None:
+    """Raise NonFiniteError unless every logit is finite."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteError(model, logits.dtype)
+
+
 def warp_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """Float32 logits over the last axis, scaled and filtered (-inf outside the kept set).
 
@@ -74,12 +92,23 @@ def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     return scores.softmax(dim=-1)
 
 
+def _noisy_scores(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    scores = warp_logits(logits, config)
+    return scores + noise if config.do_sample else scores
+
+
 def draw(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """Gumbel-max draw over the last axis: argmax(warped logits + noise); noise is ignored when greedy."""
-    scores = warp_logits(logits, config)
-    if config.do_sample:
-        scores = scores + noise
-    return scores.argmax(dim=-1)
+    return _noisy_scores(logits, noise, config).argmax(dim=-1)
+
+
+def draw_checked(logits: torch.Tensor, noise: torch.Tensor,
+                 config: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draw`, and whether every row's logits were finite (a 0-d bool on the device, read back with the
+    codes): argmax takes a NaN or +inf where a row has one, so the drawn score alone tells."""
+    scores = _noisy_scores(logits, noise, config)
+    codes = scores.argmax(dim=-1)
+    return codes, torch.isfinite(scores.gather(-1, codes.unsqueeze(-1))).all()
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

@@ -22,17 +22,17 @@ import numpy as np
 import torch
 
 from rvqtts.audio import join_chunks
-from rvqtts.decode import EAGER, DecodeStats, Speculation, decode_frame_plain, decode_frame_speculative
+from rvqtts.decode import (DEFAULT_DEPTH, EAGER, DecodeStats, Speculation, decode_frame_plain,
+                           decode_frame_speculative)
 from rvqtts.fused import FusedDecoder
 from rvqtts.graphs import StaticCalls
-from rvqtts.loading import load_tts
+from rvqtts.loading import check_voice, load_tts
 from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
 from rvqtts.predictor import PredictorRunner
-from rvqtts.sampling import SamplingConfig, gumbel_noise
-from rvqtts.text import FRAMES_PER_SECOND, chunk_text, frame_budget
+from rvqtts.sampling import SamplingConfig, check_finite, gumbel_noise
+from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_budget
 from rvqtts.tree import best_budget, resolve_tree
 
-DEFAULT_DEPTH = 3  # K, the paper's draft depth
 
 
 def synchronize(device: torch.device) -> None:
@@ -96,7 +96,9 @@ class InnerLoop:
         self.vocab_size = code_predictor.config.vocab_size
         self.device = self.fused.device if self.fused else self.runner.device
         self.frame = 0
-        self.stats = DecodeStats()
+        # One entry per draft depth K, also when nothing is accepted (or nothing is drafted: --no-spec).
+        self.stats = DecodeStats(accepted_per_depth=[0] * (speculation.offsets.depth if speculation
+                                                           else DEFAULT_DEPTH))
         self.seconds = 0.0
 
     def decode(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
@@ -132,30 +134,79 @@ class InnerLoop:
         return SimpleNamespace(sequences=torch.tensor(rows, device=inputs_embeds.device))
 
 
+QWEN_TTS_DEFAULTS = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
+                         subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0,
+                         subtalker_temperature=0.9)  # qwen-tts's own, for keys a checkpoint does not set
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
-    """Sampling of both loops (qwen-tts's defaults) and the most frames one chunk may take
-    (None: the model's own generation default)."""
+    """What the user asked for; None means the checkpoint's generation_config.json, as qwen-tts reads it
+    (talker and code predictor separately), else qwen-tts's defaults. `temperature`, `top_k` and `top_p`
+    set both loops; the `predictor_*` fields set the code predictor's apart. `max_frames` caps every chunk
+    (None: as long as its text warrants, within the model's limit)."""
 
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.05
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
     max_frames: int | None = None
+    predictor_temperature: float | None = None
+    predictor_top_k: int | None = None
+    predictor_top_p: float | None = None
 
     def __post_init__(self) -> None:
-        SamplingConfig(self.temperature, self.top_k, self.top_p)  # the same checks, with their messages
-        if self.repetition_penalty <= 0:
+        # The same checks as the sampler's, with their messages, on whatever was given.
+        for temperature, top_k, top_p in ((self.temperature, self.top_k, self.top_p),
+                                          (self.predictor_temperature, self.predictor_top_k, self.predictor_top_p)):
+            SamplingConfig(0.9 if temperature is None else temperature, 50 if top_k is None else top_k,
+                           1.0 if top_p is None else top_p)
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise ValueError(f"repetition penalty must be positive, got {self.repetition_penalty}")
         if self.max_frames is not None and self.max_frames < 1:
             raise ValueError(f"max frames must be at least 1, got {self.max_frames}")
 
+    def resolve(self, defaults: dict) -> "ResolvedSampling":
+        """The sampling both loops run with: given values first, then `defaults` (the checkpoint's
+        generation config), then qwen-tts's own defaults."""
+
+        def pick(key: str, *given):
+            """The first value given, else the checkpoint's, else qwen-tts's."""
+            return next((v for v in given if v is not None), defaults.get(key, QWEN_TTS_DEFAULTS[key]))
+
+        talker = SamplingConfig(pick("temperature", self.temperature), pick("top_k", self.top_k) or 0,
+                                pick("top_p", self.top_p), bool(pick("do_sample")))
+        predictor = SamplingConfig(pick("subtalker_temperature", self.predictor_temperature, self.temperature),
+                                   pick("subtalker_top_k", self.predictor_top_k, self.top_k) or 0,
+                                   pick("subtalker_top_p", self.predictor_top_p, self.top_p),
+                                   bool(pick("subtalker_dosample")))
+        return ResolvedSampling(talker, predictor, float(pick("repetition_penalty", self.repetition_penalty)))
+
+
+@dataclass(frozen=True)
+class ResolvedSampling:
+    """The sampling of one run: the talker's (c0, with its repetition penalty) and the code predictor's."""
+
+    talker: SamplingConfig
+    predictor: SamplingConfig
+    repetition_penalty: float
+
     def generate_kwargs(self, max_frames: int) -> dict:
         """qwen-tts keywords. N generated talker tokens make N - 1 frames, hence the + 1."""
-        return dict(do_sample=True, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                    repetition_penalty=self.repetition_penalty, subtalker_dosample=True,
-                    subtalker_temperature=self.temperature, subtalker_top_k=self.top_k,
-                    subtalker_top_p=self.top_p, max_new_tokens=max_frames + 1)
+        return dict(do_sample=self.talker.do_sample, temperature=self.talker.temperature,
+                    top_k=self.talker.top_k, top_p=self.talker.top_p, repetition_penalty=self.repetition_penalty,
+                    subtalker_dosample=self.predictor.do_sample, subtalker_temperature=self.predictor.temperature,
+                    subtalker_top_k=self.predictor.top_k, subtalker_top_p=self.predictor.top_p,
+                    max_new_tokens=max_frames + 1)
+
+    def record(self) -> dict:
+        """What `--stats-json` shows under "sampling"."""
+        def loop(config: SamplingConfig) -> dict:
+            return dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                        do_sample=config.do_sample)
+
+        return {"talker": {**loop(self.talker), "repetition_penalty": self.repetition_penalty},
+                "predictor": loop(self.predictor)}
 
 
 @dataclass
@@ -172,6 +223,7 @@ class Synthesis:
     spec: bool
     tree_nodes: int
     seed: int
+    sampling: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     def record(self) -> dict:
@@ -187,7 +239,8 @@ class Synthesis:
             "predictor_seconds": round(self.seconds["predictor"], 3),
             "decoder_seconds": round(self.seconds["decoder"], 3),
             "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
-            "spec": self.spec, "tree_nodes": self.tree_nodes, "seed": self.seed, "warnings": list(self.warnings),
+            "spec": self.spec, "tree_nodes": self.tree_nodes, "seed": self.seed, "sampling": self.sampling,
+            "warnings": list(self.warnings),
         }
 
 
@@ -227,16 +280,20 @@ class Synthesizer:
         return self.model.tts_model_size not in "0b6"
 
     def frame_budget(self, text: str, settings: GenerationSettings) -> int:
-        """Most frames one piece of text may take: the settings' or the model's limit, and no more than
-        its length warrants (a model that never ends its speech is cut there)."""
-        return min(settings.max_frames or self.default_max_frames, frame_budget(text))
+        """Most frames one piece of text may take: the settings' limit when given (it may exceed the text's
+        warrant), else as many as its length warrants (a model that never ends its speech is cut there)
+        within the model's own limit."""
+        if settings.max_frames is not None:
+            return settings.max_frames
+        return min(self.default_max_frames, frame_budget(text))
+
+    def sampling(self, settings: GenerationSettings) -> ResolvedSampling:
+        """Both loops' sampling: the settings over the checkpoint's generation_config.json."""
+        return settings.resolve(self.tts.generate_defaults)
 
     def check_voice(self, speaker: str, language: str) -> None:
         """Raise ValueError naming the valid choices when the speaker or language is not the model's."""
-        if speaker.lower() not in self.speakers:
-            raise ValueError(f"unknown speaker {speaker!r}; this model has: {', '.join(self.speakers)}")
-        if language.lower() not in self.languages:
-            raise ValueError(f"unknown language {language!r}; this model has: {', '.join(self.languages)}")
+        check_voice(self.speakers, self.languages, speaker, language)
 
     @contextmanager
     def _hooks(self, loop: InnerLoop, captured: list, seconds: dict, counts: dict,
@@ -258,6 +315,7 @@ class Synthesizer:
         def forward(*args, **kwargs):
             counts["talker"] += 1
             output = talker_forward(*args, **kwargs)
+            check_finite(output.logits[:, -1], "talker")
             if forced_c0 is not None:
                 step = counts["talker"] - 1
                 code = forced_c0[step] if step < len(forced_c0) else self.talker.config.codec_eos_token_id
@@ -276,9 +334,10 @@ class Synthesizer:
 
     def synthesize(self, text: str, speaker: str, language: str = "auto", seed: int = 0, utterance: int = 0,
                    instruct: str | None = None, settings: GenerationSettings = GenerationSettings(),
-                   chunked: bool = True, on_chunk: Callable[[int, int], None] | None = None,
+                   chunk_chars: float | None = MAX_CHUNK_WEIGHT, on_chunk: Callable[[int, int], None] | None = None,
                    on_frame: Callable[[torch.Tensor, list[int]], None] | None = None) -> Synthesis:
-        """Synthesize one utterance; long text is spoken in sentence chunks joined by a crossfade.
+        """Synthesize one utterance; long text is spoken in sentence chunks of at most `chunk_chars`
+        (None: the whole text in one pass, as qwen-tts does) joined by a crossfade.
 
         The noise key is (seed, utterance, frame, position) and the talker's generator is seeded from
         (seed, utterance, chunk), so every utterance of a batch is reproducible on its own.
@@ -288,7 +347,8 @@ class Synthesizer:
         if not text.strip():
             raise ValueError("the text is empty: give something to say")
         self.check_voice(speaker, language)
-        pieces = chunk_text(text) if chunked else [" ".join(text.split())]
+        pieces = chunk_text(text, chunk_chars) if chunk_chars else [" ".join(text.split())]
+        sampling = self.sampling(settings)
         parts = self._parts
         if self.fused is not None:
             if parts is None or parts.fused is not self.fused or parts.speculation is not self.speculation:
@@ -309,7 +369,7 @@ class Synthesizer:
                 seed_talker(seed, utterance, index)
                 wavs, sample_rate = self.tts.generate_custom_voice(
                     text=piece, speaker=speaker, language=language,
-                    instruct=instruct if self.supports_instruct else None, **settings.generate_kwargs(budget))
+                    instruct=instruct if self.supports_instruct else None, **sampling.generate_kwargs(budget))
                 audio.append(wavs[0])
                 if captured[-1].shape[0] >= budget:
                     warnings.append(f"chunk {index + 1} of {len(pieces)} was cut at {budget} frames "
@@ -324,7 +384,7 @@ class Synthesizer:
                          codes=np.concatenate(captured).astype(np.int64), stats=loop.stats, seconds=seconds,
                          talker_calls=counts["talker"], chunks=len(pieces), spec=self.speculation is not None,
                          tree_nodes=self.speculation.tree.nodes if self.speculation else 0, seed=seed,
-                         warnings=warnings)
+                         sampling=sampling.record(), warnings=warnings)
 
 
     def synthesize_stock(self, text: str, speaker: str, language: str = "auto", seed: int = 0,
@@ -356,7 +416,8 @@ class Synthesizer:
             seed_talker(seed, 0, 0)
             budget = self.frame_budget(text, settings)
             wavs, sample_rate = self.tts.generate_custom_voice(
-                text=" ".join(text.split()), speaker=speaker, language=language, **settings.generate_kwargs(budget))
+                text=" ".join(text.split()), speaker=speaker, language=language,
+                **self.sampling(settings).generate_kwargs(budget))
         finally:
             del self.code_predictor.generate, speech_tokenizer.decode
         wall = time.perf_counter() - started
@@ -376,7 +437,7 @@ class Synthesizer:
         captured: list[np.ndarray] = []
         with self._hooks(loop, captured, {"decoder": 0.0}, {"talker": 0}, forced_c0=codes[:, 0].tolist()):
             self.tts.generate_custom_voice(text=" ".join(text.split()), speaker=speaker, language=language,
-                                           **GenerationSettings().generate_kwargs(len(codes)))
+                                           **self.sampling(GenerationSettings()).generate_kwargs(len(codes)))
         if loop.frame != len(codes):
             raise RuntimeError(f"teacher forcing stopped after {loop.frame} of {len(codes)} frames")
 

@@ -31,6 +31,8 @@ QWEN2_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\
                        r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 TEXT_VOCAB = 512
 HEAD_DIM = 16
+RELEASED = Path(__file__).parent / "released"  # the released models' configuration files, with provenance
+SHALLOW_LAYERS = 2
 # qwen-tts reads generation_config.json as a plain dict of its own sampling keys.
 GENERATION_DEFAULTS = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
                            subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0,
@@ -79,11 +81,10 @@ def _codec_ids(codebook: int) -> tuple[int, dict[str, int], dict[str, int], dict
     return codebook + 1024, ids, languages, speakers
 
 
-def _build_main_model(out_dir: Path, tokenizer, codebook: int, code_groups: int, seed: int,
-                      talker_hidden: int, predictor_hidden: int, predictor_layers: int) -> None:
-    models = qwen_tts().core.models
+def _tiny_talker(codebook: int, code_groups: int, talker_hidden: int, predictor_hidden: int,
+                 predictor_layers: int) -> tuple[dict, str]:
+    """The talker config (with its code predictor's) of the tiny layout, and its tts_model_size."""
     vocab, ids, languages, speakers = _codec_ids(codebook)
-    token_id = tokenizer.convert_tokens_to_ids
 
     def block(hidden: int, layers: int, heads: int) -> dict:
         return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -94,15 +95,40 @@ def _build_main_model(out_dir: Path, tokenizer, codebook: int, code_groups: int,
     talker = dict(
         **block(talker_hidden, 2, talker_hidden // HEAD_DIM), vocab_size=vocab, max_position_embeddings=32768,
         rope_scaling={"rope_type": "default", "interleaved": True, "mrope_section": [4, 2, 2]},
-        text_hidden_size=32, text_vocab_size=TEXT_VOCAB, spk_id=speakers,
+        text_hidden_size=32, spk_id=speakers,
         spk_is_dialect={name: False for name in speakers}, codec_language_id=languages,
         position_id_per_seconds=13,
         code_predictor_config=dict(**block(predictor_hidden, predictor_layers, 4), vocab_size=codebook,
                                    max_position_embeddings=65536, rope_scaling=None),
         **ids,
     )
+    return talker, "0b6"
+
+
+def released_file(name: str) -> dict:
+    """One of the released configuration files shipped in rvqtts/released/ (see its README)."""
+    return json.loads((RELEASED / name).read_text())
+
+
+def _released_talker(dims: str, shallow: bool) -> tuple[dict, str]:
+    """The released talker config of a model size (shallow: two layers in talker and code predictor)."""
+    config = released_file(f"{dims}-customvoice-config.json")
+    talker = config["talker_config"]
+    if shallow:
+        talker["num_hidden_layers"] = SHALLOW_LAYERS
+        predictor = talker["code_predictor_config"]
+        predictor["num_hidden_layers"] = SHALLOW_LAYERS
+        predictor["layer_types"] = predictor["layer_types"][:SHALLOW_LAYERS]
+    return talker, config["tts_model_size"]
+
+
+def _build_main_model(out_dir: Path, tokenizer, talker: dict, model_size: str, seed: int,
+                      dtype: torch.dtype) -> None:
+    models = qwen_tts().core.models
+    token_id = tokenizer.convert_tokens_to_ids
+    talker = dict(talker, text_vocab_size=TEXT_VOCAB)  # rvqtts's tiny text tokenizer
     config = models.Qwen3TTSConfig(
-        talker_config=talker, tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size="0b6",
+        talker_config=talker, tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size=model_size,
         tts_model_type="custom_voice", im_start_token_id=token_id("<|im_start|>"),
         im_end_token_id=token_id("<|im_end|>"), tts_pad_token_id=token_id("<|tts_pad|>"),
         tts_bos_token_id=token_id("<|tts_text_bos|>"), tts_eos_token_id=token_id("<|tts_text_eod|>"),
@@ -110,26 +136,23 @@ def _build_main_model(out_dir: Path, tokenizer, codebook: int, code_groups: int,
     )
     torch.manual_seed(seed)
     model = models.Qwen3TTSForConditionalGeneration(config).eval()
+    predictor_hidden = config.talker_config.code_predictor_config.hidden_size
     with torch.no_grad():
         # HF init (std 0.02) gives nearly uniform code distributions; a wider spread in the predictor's
         # heads makes its distributions peaked enough for sampling and acceptance to be non-trivial.
         for head in model.talker.code_predictor.lm_head:
             head.weight.normal_(0.0, 1.0 / predictor_hidden ** 0.5 * 2.0)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
     config_path = out_dir / "config.json"
     saved = json.loads(config_path.read_text())
     # save_pretrained writes "model_type": "" into the speaker encoder config, which then fails to reload.
     saved["speaker_encoder_config"].pop("model_type", None)
     config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
-    (out_dir / "generation_config.json").write_text(json.dumps(GENERATION_DEFAULTS, indent=2) + "\n")
 
 
-def _build_speech_tokenizer(out_dir: Path, codebook: int, code_groups: int, seed: int) -> None:
-    from transformers import EncodecFeatureExtractor
-
+def _tiny_speech_tokenizer_config(codebook: int, code_groups: int):
+    """A shrunk speech tokenizer config (the decoder's cost and sound do not matter to tests)."""
     core = qwen_tts().core
-    folder = out_dir / "speech_tokenizer"
-    folder.mkdir()
     # Mimi encoder and 12 Hz decoder, shrunk; the rates are kept, so 24 kHz <-> 12.5 Hz (1920 samples/frame).
     encoder = dict(
         sampling_rate=24000, frame_rate=12.5, audio_channels=1, hidden_size=32, num_filters=4,
@@ -147,10 +170,19 @@ def _build_speech_tokenizer(out_dir: Path, codebook: int, code_groups: int, seed
         upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=32,
         layer_scale_initial_scale=0.01, rms_norm_eps=1e-5,
     )
-    config = core.Qwen3TTSTokenizerV2Config(
+    return core.Qwen3TTSTokenizerV2Config(
         encoder_config=encoder, decoder_config=decoder, encoder_valid_num_quantizers=code_groups,
         input_sample_rate=24000, output_sample_rate=24000, decode_upsample_rate=1920,
         encode_downsample_rate=1920, architectures=["Qwen3TTSTokenizerV2Model"])
+
+
+def _build_speech_tokenizer(out_dir: Path, config, seed: int) -> None:
+    """The speech tokenizer (Mimi encoder and 12 Hz decoder) of `config`, with weights that make noise."""
+    from transformers import EncodecFeatureExtractor
+
+    core = qwen_tts().core
+    folder = out_dir / "speech_tokenizer"
+    folder.mkdir()
     torch.manual_seed(seed + 1)
     model = core.Qwen3TTSTokenizerV2Model(config).eval()
     with torch.no_grad():
@@ -169,30 +201,54 @@ def _build_speech_tokenizer(out_dir: Path, codebook: int, code_groups: int, seed
     EncodecFeatureExtractor(feature_size=1, sampling_rate=24000).save_pretrained(folder)
 
 
+DIMS = ("tiny", "0.6b", "1.7b")
+
+
 def build_tiny_model(out_dir: str | os.PathLike, codebook: int = 2048, code_groups: int = 16, seed: int = 0,
                      talker_hidden: int = 64, predictor_hidden: int | None = None,
-                     predictor_layers: int = 2) -> Path:
-    """Write a tiny checkpoint to `out_dir` (which must not exist or be empty) and return its path.
+                     predictor_layers: int = 2, dims: str = "tiny", shallow: bool = False) -> Path:
+    """Write a random-weight checkpoint to `out_dir` (which must not exist or be empty) and return its path.
 
-    `codebook` is the residual codebook size (the predictor's vocabulary), `code_groups` the codes per
-    frame (c0 plus code_groups - 1 residual codes). A `predictor_hidden` different from `talker_hidden`
-    gives the 1.7B layout, with a projection in front of the code predictor.
+    `dims="tiny"`: shrunk dimensions; `codebook` is the residual codebook size (the predictor's
+    vocabulary), `code_groups` the codes per frame (c0 plus code_groups - 1 residual codes), and a
+    `predictor_hidden` different from `talker_hidden` gives the 1.7B layout, with a projection in front
+    of the code predictor. `dims="0.6b"` or `"1.7b"`: the released configuration of that model
+    (rvqtts/released/), stored in bfloat16; with `shallow`, two layers in talker and code predictor and
+    a small speech tokenizer (released widths and heads, cheap enough for tests).
     """
+    if dims not in DIMS:
+        raise ValueError(f"--dims must be one of {', '.join(DIMS)}, got {dims!r}")
+    if shallow and dims == "tiny":
+        raise ValueError("--shallow keeps the released widths: use it with --dims 0.6b or --dims 1.7b")
+    if dims != "tiny" and (codebook, code_groups) != (2048, 16):
+        raise ValueError("--codebook and --code-groups apply to --dims tiny; the released models have 2048 and 16")
     if not 2 <= codebook <= 65536:
         raise ValueError(f"--codebook must be between 2 and 65536, got {codebook}")
     if not 2 <= code_groups <= 32:
         raise ValueError(f"--code-groups must be between 2 and 32, got {code_groups}")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} already exists and is not an empty folder: choose another path or remove it")
+        raise FileExistsError(f"{out} already exists and is not an empty folder: choose another path, remove it, "
+                              f"or pass --force to replace it")
     # Build beside the target and rename at the end, so an interrupted build leaves nothing half-written.
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         tokenizer = _build_text_tokenizer(staging)
-        _build_main_model(staging, tokenizer, codebook, code_groups, seed, talker_hidden,
-                          predictor_hidden or talker_hidden, predictor_layers)
-        _build_speech_tokenizer(staging, codebook, code_groups, seed)
+        if dims == "tiny":
+            talker, model_size = _tiny_talker(codebook, code_groups, talker_hidden,
+                                              predictor_hidden or talker_hidden, predictor_layers)
+            generation, dtype = GENERATION_DEFAULTS, torch.float32
+        else:
+            talker, model_size = _released_talker(dims, shallow)
+            generation, dtype = released_file("generation_config.json"), torch.bfloat16
+        _build_main_model(staging, tokenizer, talker, model_size, seed, dtype)
+        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if dims == "tiny" or shallow:
+            speech = _tiny_speech_tokenizer_config(codebook, code_groups)
+        else:
+            speech = qwen_tts().core.Qwen3TTSTokenizerV2Config.from_dict(released_file("speech_tokenizer-config.json"))
+        _build_speech_tokenizer(staging, speech, seed)
         if out.exists():
             out.rmdir()
         staging.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; give the folder ordinary permissions

@@ -45,3 +45,25 @@ def tiny(tiny_dir):
 @pytest.fixture(scope="session")
 def small(small_dir):
     return Synthesizer.load(small_dir)
+
+
+@pytest.fixture(scope="session")
+def released_06_dir(tmp_path_factory):
+    """The released 0.6B layout, shallow: real widths, heads, codec ids and speakers; two layers each."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "released-0.6b", dims="0.6b", shallow=True)
+
+
+@pytest.fixture(scope="session")
+def released_17_dir(tmp_path_factory):
+    """The released 1.7B layout, shallow: a 2048-wide talker in front of the projected 1024-wide predictor."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "released-1.7b", dims="1.7b", shallow=True)
+
+
+@pytest.fixture(scope="session")
+def released_06(released_06_dir):
+    return Synthesizer.load(released_06_dir)
+
+
+@pytest.fixture(scope="session")
+def released_17(released_17_dir):
+    return Synthesizer.load(released_17_dir)

@@ -45,3 +45,25 @@ def random_contexts(synth, frames: int, seed: int = 0) -> Contexts:
                         codes, np.array(["english", "german"] * (frames // 2)), source="random test frames")
     codes[:, 1:] = sample_codes(synth.code_predictor, contexts.prefixes(synth.talker.get_input_embeddings()), seed)
     return contexts
+
+
+def linear_maps_are_row_invariant(code_predictor, rows: int = 16) -> bool:
+    """Whether this machine's matrix kernels give one row the same bits alone as in a batch of `rows`, for
+    every linear map the runner applies (they choose kernels by shape, and do so differently per CPU and
+    dtype). Where they do, a tree call's rows equal plain steps bit for bit; elsewhere, in the last bit."""
+    from rvqtts.predictor import PredictorRunner
+
+    runner = PredictorRunner(code_predictor, 2)
+    layer = runner.layers[0]
+    maps = [runner.qkv[0], runner.gate_up[0], (layer.self_attn.o_proj.weight, None),
+            (layer.mlp.down_proj.weight, None), (runner.heads[0].weight, None)]
+    if isinstance(runner.project, torch.nn.Linear):
+        maps.append((runner.project.weight, runner.project.bias))
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for weight, bias in maps:
+            x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
+            batch = torch.nn.functional.linear(x, weight, bias)
+            if not torch.equal(torch.nn.functional.linear(x[:1], weight, bias)[0], batch[0]):
+                return False
+    return True

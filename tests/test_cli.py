@@ -178,7 +178,7 @@ def test_bad_input_exits_2_with_its_message_and_writes_nothing(tmp_path, tiny_di
         (["Hi", *model, "-o", single, "--offsets", wide], "has hidden size 1024, but the model's code predictor has 64"),
         (["Hi", *model, "-o", single, "--offsets", shallow],
          "the tree is 3 deep but the offsets draft only K = 2 codes"),
-        (["Hi", *model, "-o", a_file / "out.wav"], "is not a writable folder"),
+        (["Hi", *model, "-o", a_file / "out.wav"], "is a file, not a folder"),
         (["Hi", *model, "-o", single, "--top-p", "0"], "top_p must be in (0, 1]"),
         (["Hi", "--model", tmp_path / "missing-model", "-o", single], "no model folder"),
         (["Hi", "--model", "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "-o", single],
@@ -201,5 +201,139 @@ def test_instruct_is_ignored_with_a_warning_on_a_model_without_it(tmp_path, tiny
     plain = synth("Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--seed", "2")
     styled = synth("Hi.", "--model", tiny_dir, "-o", tmp_path / "b.wav", "--seed", "2", "--instruct", "whisper")
     assert styled.exit_code == 0 and "does not support --instruct" in styled.stderr
-    assert "instruct" not in plain.stderr
+    assert "does not support --instruct" not in plain.stderr
     assert (tmp_path / "a.wav").read_bytes() == (tmp_path / "b.wav").read_bytes()
+
+
+def test_input_that_needs_no_model_is_refused_before_the_model_loads(tmp_path, tiny_dir, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(Synthesizer, "load", no_load)
+    base = tmp_path / "base-model"
+    base.mkdir()
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**config, "tts_model_type": "base"}))
+    model = ["--model", tiny_dir]
+    out, folder = tmp_path / "out.wav", tmp_path / "folder.wav"
+    folder.mkdir()
+    cases = [
+        (["Hi", *model, "-o", out, "--speaker", "nobody"], [], "unknown speaker 'nobody'"),
+        (["Hi", *model, "-o", out, "--language", "klingon"], [], "unknown language 'klingon'"),
+        (["Hi", *model, "-o", "/proc/none/x.wav"], [], "cannot write /proc/none/x.wav"),
+        (["Hi", *model, "-o", out, "--stats-json", "/proc/none/s.json"], [], "cannot write /proc/none/s.json"),
+        (["Hi", *model, "-o", out, "--codes-out", "/proc/none/c.npy"], [], "cannot write /proc/none/c.npy"),
+        (["-f", tmp_path / "none.txt", *model, "--out-dir", "/proc/none/d"], [], "cannot read batch file"),
+        (["Hi", *model, "-o", tmp_path / "x.mp3"], [], "writes .wav, .flac, .ogg files"),
+        (["Hi", *model, "-o", folder], [], "it is a folder"),
+        (["Hi", *model, "-o", out, "--device", "cuda"], [], "--device cuda: this torch is built without CUDA"),
+        (["Hi", *model, "-o", out, "--device", "mps"], [], "--device mps: MPS is not available here"),
+        (["-", *model, "-o", out], b"caf\xe9\n", "standard input is not UTF-8 text (byte 3"),
+        (["Hi", *model, "-o", out, "--chunk-chars", "5"], [], "--chunk-chars must be at least 20"),
+        (["Hi", "--model", base, "-o", out], [], "is a base model with the qwen3_tts_tokenizer_12hz; rvqtts synthesizes"),
+    ]
+    lines = tmp_path / "lines.txt"
+    lines.write_text("One.\n")
+    cases.append((["-f", lines, *model, "--out-dir", "/proc/none/d"], [], "cannot write /proc/none/d"))
+    before = sorted(tmp_path.rglob("*")), digest(tmp_path)
+    for arguments, stdin, message in cases:
+        result = synth(*arguments, input=stdin or None)
+        assert result.exit_code == 2, (arguments, result.output)
+        assert message in result.stderr, (arguments, result.stderr)
+        assert result.stderr.count("\n") == 1 and result.stdout == ""
+        assert (sorted(tmp_path.rglob("*")), digest(tmp_path)) == before, f"{arguments} wrote something"
+    listing = runner.invoke(app, ["voices", "--model", str(base)])
+    assert listing.exit_code == 2 and "is a base model" in listing.stderr and listing.stdout == ""
+
+
+def test_output_formats_follow_the_suffix(tmp_path, tiny_dir):
+    for suffix, container in (("flac", "FLAC"), ("ogg", "OGG"), ("WAV", "WAV")):
+        target = tmp_path / f"out.{suffix}"
+        result = synth("Hi.", "--model", tiny_dir, "-o", target, "--max-frames", "4", "-q")
+        assert result.exit_code == 0, result.output
+        info = soundfile.info(target)
+        assert info.format == container and info.samplerate == 24000 and info.frames == 4 * 1920
+
+
+def test_max_frames_raises_the_limit_and_no_chunk_speaks_in_one_pass(tmp_path, tiny_dir):
+    stats = tmp_path / "s.json"
+    result = synth("Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames", "40",
+                   "--stats-json", stats, "--no-spec")
+    record = json.loads(stats.read_text())["utterances"][0]
+    assert result.exit_code == 0 and record["frames"] == 40  # "Hi." alone warrants 33 frames
+    assert record["accepted_per_depth"] == [0, 0, 0]  # K entries also when nothing was drafted
+    text = "One short sentence. Another short sentence. A third short one."
+    for extra, chunks in ((["--chunk-chars", "25"], 3), (["--no-chunk"], 1)):
+        result = synth(text, "--model", tiny_dir, "-o", tmp_path / "b.wav", "--max-frames", "3",
+                       "--stats-json", stats, *extra)
+        record = json.loads(stats.read_text())["utterances"][0]
+        assert result.exit_code == 0 and record["chunks"] == chunks and record["frames"] == 3 * chunks
+        assert len(record["accepted_per_depth"]) == 3
+
+
+def test_sampling_defaults_come_from_the_checkpoint_and_flags_override(tmp_path, tiny_dir):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    generation.update(temperature=0.8, top_k=30, subtalker_temperature=0.6, subtalker_top_k=7,
+                      repetition_penalty=1.2)
+    (model / "generation_config.json").write_text(json.dumps(generation))
+    stats = tmp_path / "s.json"
+
+    def sampling(*flags):
+        result = synth("Hi.", "--model", model, "-o", tmp_path / "a.wav", "--max-frames", "2", "--stats-json",
+                       stats, *flags)
+        assert result.exit_code == 0, result.output
+        return json.loads(stats.read_text())["utterances"][0]["sampling"]
+
+    assert sampling() == {"talker": {"temperature": 0.8, "top_k": 30, "top_p": 1.0, "do_sample": True,
+                                     "repetition_penalty": 1.2},
+                          "predictor": {"temperature": 0.6, "top_k": 7, "top_p": 1.0, "do_sample": True}}
+    both = sampling("--temperature", "0.5", "--top-k", "9")
+    assert both["talker"]["temperature"] == both["predictor"]["temperature"] == 0.5
+    assert both["talker"]["top_k"] == both["predictor"]["top_k"] == 9
+    apart = sampling("--temperature", "0.5", "--predictor-temperature", "0.7", "--predictor-top-k", "4")
+    assert apart["talker"]["temperature"] == 0.5 and apart["predictor"]["temperature"] == 0.7
+    assert apart["talker"]["top_k"] == 30 and apart["predictor"]["top_k"] == 4
+
+
+def test_non_finite_logits_stop_with_the_dtype_and_a_suggestion(tmp_path, tiny_dir):
+    from rvqtts.sampling import NonFiniteError
+    from rvqtts.synthesis import GenerationSettings
+
+    for part in ("talker", "predictor"):
+        synthesizer = Synthesizer.load(tiny_dir)
+        module = synthesizer.talker.codec_head if part == "talker" else synthesizer.code_predictor.lm_head[3]
+        with torch.no_grad():
+            module.weight[5, 0] = float("nan")
+        with pytest.raises(NonFiniteError, match=f"the {'talker' if part == 'talker' else 'code predictor'} "
+                                                 f"produced NaN or inf values in float32"):
+            synthesizer.synthesize("Hi.", speaker="vivian", settings=GenerationSettings(max_frames=3))
+
+
+def test_the_command_line_basics(tmp_path, tiny_dir):
+    from importlib.metadata import version
+
+    assert runner.invoke(app, ["--version"]).stdout == f"rvqtts {version('rvqtts')}\n"
+    used = runner.invoke(app, ["make-tiny-model", str(tiny_dir)])
+    assert used.exit_code == 2 and "pass --force" in used.stderr
+    for command in (["synth"], ["make-tiny-model"], ["bench", "e2e"], ["train-offsets"]):
+        help_text = runner.invoke(app, [*command, "--help"]).stdout
+        assert "--help" in help_text and "<bool>" not in help_text and "BOOLEAN" not in help_text
+
+
+def test_the_statistics_table_never_cuts_a_figure():
+    from rich.console import Console
+
+    from rvqtts.report import stats_table
+
+    record = dict(frames=1234, audio_seconds=98.72, predictor_calls=12345, codes_per_call=1.23456,
+                  wall_seconds=123.456, talker_seconds=45.678, predictor_seconds=67.891, decoder_seconds=9.876,
+                  rtf=1.2506, spec=True, tree_nodes=15)
+    console = Console(width=110, record=True, file=io.StringIO())
+    console.print(stats_table([("/a/very/long/output/folder/name/that/goes/on/and/on/utterance-0001.wav", record)]))
+    shown = console.export_text()
+    for figure in ("1234", "98.72", "12345", "1.23", "123.46", "45.68", "67.89", "9.88", "1.25"):
+        assert figure in shown, (figure, shown)

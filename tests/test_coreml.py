@@ -88,7 +88,7 @@ def tiny_package(tiny_dir, tmp_path_factory):
     return result, out
 
 
-@pytest.mark.parametrize("which", ["tiny", "narrow"])
+@pytest.mark.parametrize("which", ["tiny", "narrow", "released_17"])
 def test_the_traced_graphs_give_the_engines_codes(which, request):
     synth = request.getfixturevalue(which)
     speculation, sampling = random_drafting(synth), SamplingConfig()

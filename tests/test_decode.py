@@ -65,7 +65,7 @@ def test_codes_per_call_is_counted_from_real_calls(narrow, monkeypatch):
     calls = []
     original = rvqtts.predictor.PredictorRunner.forward
     monkeypatch.setattr(rvqtts.predictor.PredictorRunner, "forward",
-                        lambda self, *args: calls.append(1) or original(self, *args))
+                        lambda self, *args, **kwargs: calls.append(1) or original(self, *args, **kwargs))
     speculation = Speculation(grow_tree(TABLE, 16), random_offsets(narrow.hidden_size, 0))
     frames = 50
     codes, stats = decode_many(narrow, speculation, frames)

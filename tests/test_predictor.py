@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import random_prefix, stock_path_logits
 
+from rvqtts.decode import RoundPlan
 from rvqtts.predictor import PredictorRunner
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tiny import build_tiny_model
@@ -22,7 +23,7 @@ def projected(tmp_path_factory):
     return Synthesizer.load(folder)
 
 
-@pytest.mark.parametrize("which", ["tiny", "projected"])
+@pytest.mark.parametrize("which", ["tiny", "projected", "released_06", "released_17"])
 @torch.no_grad()
 def test_prefill_and_steps_match_stock_cached_forward(which, request):
     synth = request.getfixturevalue(which)
@@ -45,10 +46,14 @@ def test_prefill_and_steps_match_stock_cached_forward(which, request):
         assert (ours - stock.logits[0, -1]).abs().max() <= TOLERANCE, f"step {index}"
 
 
+@pytest.mark.parametrize("which", ["tiny", "released_17"])
+@pytest.mark.parametrize("attention", ["mask", "groups"])
 @pytest.mark.parametrize("committed", [1, 6])
 @torch.no_grad()
-def test_tree_call_matches_stock_forward_on_every_path(tiny, committed):
-    """A tree call at any depth of the frame: each node's logits equal the stock forward over its own path."""
+def test_tree_call_matches_stock_forward_on_every_path(which, attention, committed, request):
+    """A tree call at any depth of the frame, with a tree mask or with per-row slots (as the engine runs
+    it): each node's logits equal the stock forward over its own path."""
+    tiny = request.getfixturevalue(which)
     code_predictor = tiny.code_predictor
     tree = Tree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)))
     runner = PredictorRunner(code_predictor, max_len=16 + tree.nodes + 1)
@@ -68,10 +73,14 @@ def test_tree_call_matches_stock_forward_on_every_path(tiny, committed):
     codes = torch.tensor(node_codes)
     embeds = torch.cat([code_predictor.get_input_embeddings()[committed - 1 + int(d)](codes[i:i + 1])
                         for i, d in enumerate(buffers.depth)])
-    mask = torch.zeros(q, runner.max_len, dtype=torch.bool)
-    mask[:, :length] = True
-    mask[:, length:length + q] = buffers.ancestor_mask
-    out = runner.forward(embeds, committed + 1 + buffers.depth, length, mask)
+    if attention == "mask":
+        mask = torch.zeros(q, runner.max_len, dtype=torch.bool)
+        mask[:, :length] = True
+        mask[:, length:length + q] = buffers.ancestor_mask
+        out = runner.forward(embeds, committed + 1 + buffers.depth, length, mask)
+    else:
+        groups = RoundPlan.build(tree, runner.device).attention_groups(length)
+        out = runner.forward(embeds, committed + 1 + buffers.depth, length, groups=groups)
     for slot in range(q):
         path = []
         node = slot

@@ -214,9 +214,9 @@ def _save_weights(model_dir: Path, synth) -> None:
 
 
 def _write_sample(out: Path, codec: ResidualCodec, recordings) -> None:
-    from rvqtts.audio import wav_bytes
+    from rvqtts.audio import audio_bytes
     from rvqtts.files import write_atomically
 
     sample = next(r for r in recordings if r.split == "evaluation")
     audio = codec.to_audio(codec.encode(frame_features(sample.audio)))
-    write_atomically(out / "sample.wav", wav_bytes(audio / max(1e-6, np.abs(audio).max()) * 0.9, 24000))
+    write_atomically(out / "sample.wav", audio_bytes(audio / max(1e-6, np.abs(audio).max()) * 0.9, 24000))
