@@ -311,6 +311,80 @@ def _e2e_ratios(totals: dict) -> dict:
             for part in ("wall", "predictor", "talker")}
 
 
+def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int = 0) -> dict:
+    """What the speech decoder costs per frame as an utterance grows: qwen-tts's `decode()` on random
+    codes of each length (its cost does not depend on the codes), the lengths interleaved. Past 300
+    frames qwen-tts decodes in chunks of 300 with 25 frames of left context."""
+    tokenizer = tts.model.speech_tokenizer
+    device = next(tokenizer.model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    groups = tts.model.config.talker_config.num_code_groups
+    vocab = tts.model.config.talker_config.code_predictor_config.vocab_size
+    items = {n: [{"audio_codes": torch.randint(0, vocab, (n, groups), generator=generator).to(device)}]
+             for n in lengths}
+    with torch.inference_mode():
+        times = interleaved_ms({f"f{n}": partial(tokenizer.decode, items[n]) for n in lengths}, device,
+                               warmup=1, repeats=repeats)
+    rows = [{"frames": n, "ms": round(statistics.median(times[f"f{n}"]), 1),
+             "ms_per_frame": round(statistics.median(times[f"f{n}"]) / n, 2)} for n in lengths]
+    return {"rows": rows, "repeats": repeats, "device": str(device),
+            "dtype": str(next(tokenizer.model.parameters()).dtype).removeprefix("torch.")}
+
+
+def random_prefixes(talker: torch.nn.Module, frames: int, seed: int = 0) -> torch.Tensor:
+    """Frame contexts [frames, 2, E] like the talker hands over: random h_t, and a random c0's embedding."""
+    generator = torch.Generator().manual_seed(seed)
+    embedding = talker.get_input_embeddings()
+    h_t = torch.randn(frames, talker.config.hidden_size, generator=generator)
+    c0 = torch.randint(0, talker.config.code_predictor_config.vocab_size, (frames,), generator=generator)
+    with torch.inference_mode():
+        return torch.stack([h_t.to(embedding.weight.dtype), embedding(c0.to(embedding.weight.device)).cpu()], dim=1)
+
+
+def bench_dtype(reference: torch.nn.Module, candidate: torch.nn.Module, prefixes: torch.Tensor, seed: int = 0,
+                sampling: SamplingConfig = SamplingConfig()) -> dict:
+    """A code predictor in another dtype (`candidate`) against the `reference` (float32) on the same
+    frames and noise, plain loops: codes drawn by the candidate given the reference's earlier codes
+    (teacher forcing: how often the dtype changes a draw), frames whose 15 codes all agree when each runs
+    free, and the codes a free-running frame gets right before its first difference; with the two
+    loops' ms per frame, timed frame by frame in turn."""
+    from rvqtts.sampling import draw, gumbel_noise
+    from rvqtts.synthesis import InnerLoop
+
+    loops = {"reference": InnerLoop(reference, None, seed), "candidate": InnerLoop(candidate, None, seed)}
+    runner = loops["candidate"].runner
+    last = runner.code_groups - 1
+    forced = agree = frames_equal = before_first = 0
+    ms = {name: [] for name in loops}
+    with torch.inference_mode():
+        for frame, prefix in enumerate(prefixes):
+            codes = {}
+            for name, loop in loops.items():
+                started = time.perf_counter()
+                codes[name] = loop.decode(prefix.to(loop.runner.device, loop.runner.dtype), sampling, 0, frame)
+                synchronize(loop.runner.device)
+                ms[name].append((time.perf_counter() - started) * 1e3)
+            ours, theirs = codes["candidate"], codes["reference"]
+            frames_equal += ours == theirs
+            before_first += next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), last)
+            noise = torch.from_numpy(gumbel_noise(seed, 0, frame, list(range(1, last + 1)), runner.vocab_size))
+            noise = noise.to(runner.device)
+            hidden = runner.prefill(prefix.to(runner.device, runner.dtype))
+            for index in range(1, last + 1):  # c_index drawn by the candidate after the reference's c_<index
+                if index > 1:
+                    hidden = runner.step(torch.tensor([theirs[index - 2]], device=runner.device), index - 1)
+                agree += int(draw(runner.logits(hidden, index), noise[index - 1], sampling)) == theirs[index - 1]
+                forced += 1
+    frames = len(prefixes)
+    return {"frames": frames, "dtype": str(runner.dtype).removeprefix("torch."),
+            "reference_dtype": str(loops["reference"].runner.dtype).removeprefix("torch."),
+            "teacher_forced_code_agreement": round(agree / forced, 5),
+            "free_running_frames_identical": round(frames_equal / frames, 4),
+            "codes_before_first_difference": round(before_first / frames, 3),
+            "ms_per_frame": {name: round(statistics.median(values), 2) for name, values in ms.items()},
+            "device": str(runner.device)}
+
+
 def bench_fused(code_predictor: torch.nn.Module, speculation, candidate, prefixes: torch.Tensor, seed: int = 0,
                 sampling: SamplingConfig = SamplingConfig()) -> dict:
     """A fused decoder (a Core ML package, or PyTorch in float16 standing in for one off macOS) against the

@@ -163,6 +163,32 @@ def e2e_table(result: dict) -> Table:
     return table
 
 
+def dtype_table(result: dict) -> Table:
+    """`rvqtts bench dtype`: a reduced dtype's codes and speed against float32."""
+    table = Table(title=f"code predictor, {result['dtype']} vs {result['reference_dtype']}, {result['frames']} frames",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("codes agreeing, teacher forced", f"{100 * result['teacher_forced_code_agreement']:.2f} %")
+    table.add_row("frames identical, free running", f"{100 * result['free_running_frames_identical']:.1f} %")
+    table.add_row("codes before the first difference", f"{result['codes_before_first_difference']:.2f} of 15")
+    for name, value in result["ms_per_frame"].items():
+        table.add_row(f"plain loop ms/frame, {result['dtype'] if name == 'candidate' else result['reference_dtype']}",
+                      f"{value:.1f}")
+    return table
+
+
+def decoder_table(result: dict) -> Table:
+    """`rvqtts bench decoder`: the speech decoder's cost per frame by utterance length."""
+    table = Table(title=f"speech decoder, {result['device']} {result['dtype']}, median of {result['repeats']}",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for title in ("frames", "ms", "ms/frame"):
+        table.add_column(title, justify="right")
+    for row in result["rows"]:
+        table.add_row(str(row["frames"]), f"{row['ms']:.1f}", f"{row['ms_per_frame']:.2f}")
+    return table
+
+
 def coreml_table(result: dict) -> Table:
     """`rvqtts bench coreml`: a fused decoder against the float32 engine, measure by measure."""
     table = Table(title=f"{result['candidate']} vs PyTorch float32, N = {result['tree_nodes']}", min_width=64)

@@ -31,7 +31,7 @@ from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig, check_finite, gumbel_noise
 from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_budget
-from rvqtts.tree import best_budget, resolve_tree
+from rvqtts.tree import best_budget, platform_key, resolve_tree
 
 
 
@@ -462,20 +462,23 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
     """The tree and offsets to draft with, and a notice for the user (or None).
 
     `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` (the best
-    N measured for this model or `device_type`, by default the model's: cpu, cuda, mps, or coreml) or a file. With `allow_plain`, `auto` returns no
-    speculation (None) where speculation was measured not to pay (best N = 0). Without an offsets file,
-    shipped offsets whose fingerprint matches the model are used, else zero offsets (reused heads).
-    Raises TreeFileError / OffsetsFileError / ValueError with their messages.
+    N measured for this model on this platform: the kind of device, by default the model's (cpu, cuda,
+    mps) or `device_type` (coreml), and the dtype) or a file. With `allow_plain`, `auto` returns no
+    speculation (None) where speculation was measured not to pay (best N = 0), or was not measured on a
+    CPU. Without an offsets file, shipped offsets whose fingerprint matches the model are used, else
+    zero offsets (reused heads). Raises TreeFileError / OffsetsFileError / ValueError with their messages.
     """
     fingerprint = predictor_fingerprint(code_predictor)
     hidden = code_predictor.config.hidden_size
-    device_type = device_type or code_predictor.lm_head[0].weight.device.type
+    weight = code_predictor.lm_head[0].weight
+    platform = platform_key(device_type, "float16") if device_type == "coreml" else platform_key(
+        weight.device.type, weight.dtype)
     if allow_plain and str(tree) == "auto":
-        budget, source = best_budget(device_type, fingerprint)
+        budget, source = best_budget(platform, fingerprint)
         if budget == 0:
-            return None, (f"speculation was measured not to pay for this model on {device_type} ({source}): "
-                          f"plain loop; --tree N forces it")
-    chosen = resolve_tree(tree, fingerprint, device_type)
+            return None, (f"plain inner loop: no tree was measured to pay for this model on {platform} ({source});"
+                          f" --tree N forces speculation")
+    chosen = resolve_tree(tree, fingerprint, platform)
     notice = None
     if offsets is not None:
         drafts = load_offsets(offsets, hidden_size=hidden, fingerprint=fingerprint)

@@ -264,8 +264,15 @@ def load_acceptance(path: str | os.PathLike) -> dict:
 
 
 SHIPPED_TREES = Path(__file__).resolve().parent.parent / "trees"
-BEST_BUDGETS = "best-n.json"  # {"cpu": {"N": ..., "source": ...}, "cpu/<model fingerprint>": {...}, ...}
-FALLBACK_BUDGET = 16
+BEST_BUDGETS = "best-n.json"  # {"cpu/bfloat16": {"N": ..., "source": ...}, "cpu/bfloat16/<fingerprint>": ...}
+FALLBACK_BUDGET = 16  # a tree size to run when one is needed and nothing was measured
+# Unmeasured platforms: accelerators run a 17-query call in about the time of one query; a CPU does not.
+UNMEASURED_BUDGET = {"cpu": 0}
+
+
+def platform_key(device_type: str, dtype: str) -> str:
+    """The key of what best tree sizes are measured for: a kind of device and a dtype (cpu/bfloat16)."""
+    return f"{device_type.split(':')[0]}/{str(dtype).removeprefix('torch.')}"
 
 
 def _budget_records(path: Path) -> dict:
@@ -277,28 +284,29 @@ def _budget_records(path: Path) -> dict:
     return records if isinstance(records, dict) else {}
 
 
-def best_budget(device_type: str, fingerprint: str | None = None) -> tuple[int, str]:
-    """The tree size `--tree auto` means on this kind of device (cpu, cuda, mps), and the record it came from.
+def best_budget(platform: str, fingerprint: str | None = None) -> tuple[int, str]:
+    """The tree size `--tree auto` means on this platform (`platform_key`: cpu/float32, cuda/bfloat16, ...),
+    and the record it came from.
 
-    A choice measured for this model (`device/fingerprint`) wins over one for the device type; the user's
-    own measurements (`rvqtts bench speedup --save`) win over the ones shipped in trees/; else 16.
-    N = 0 means speculation was measured not to pay: the plain loop."""
-    keys = ([f"{device_type}/{fingerprint}"] if fingerprint else []) + [device_type]
+    A choice measured for this model (`platform/fingerprint`) wins over one for the platform; the user's
+    own measurements (`rvqtts bench speedup --save`) win over the ones shipped in trees/. Unmeasured:
+    no speculation on CPUs, 16 elsewhere. N = 0 means the plain loop (speculation does not pay)."""
+    keys = ([f"{platform}/{fingerprint}"] if fingerprint else []) + [platform]
     records = [(path, _budget_records(path)) for path in (cache_dir() / BEST_BUDGETS, SHIPPED_TREES / BEST_BUDGETS)]
     for key in keys:
         for path, data in records:
             entry = data.get(key)
             if isinstance(entry, dict) and isinstance(entry.get("N"), int) and entry["N"] >= 0:
                 return entry["N"], f"{path} [{key}]"  # the entry's "source" says how it was measured
-    return FALLBACK_BUDGET, "default"
+    return UNMEASURED_BUDGET.get(platform.split("/")[0], FALLBACK_BUDGET), f"nothing measured for {platform}"
 
 
-def save_best_budget(device: str, budget: int, source: str, fingerprint: str | None = None) -> Path:
-    """Record the measured best tree size (0: no speculation) for this kind of device, and for one model
-    when the acceptance came from it, in the user's cache; returns the file."""
+def save_best_budget(platform: str, budget: int, source: str, fingerprint: str | None = None) -> Path:
+    """Record the measured best tree size (0: no speculation) for this platform, and for one model when
+    the acceptance came from it, in the user's cache; returns the file."""
     path = cache_dir() / BEST_BUDGETS
     records = _budget_records(path)
-    key = device.split(":")[0] + (f"/{fingerprint}" if fingerprint else "")
+    key = platform + (f"/{fingerprint}" if fingerprint else "")
     records[key] = {"N": budget, "source": source}
     write_json(path, records)
     return path
@@ -309,9 +317,9 @@ def shipped_tree_files() -> list[Path]:
                   if not p.name.endswith(ACCEPTANCE_SUFFIX) and p.name != BEST_BUDGETS)
 
 
-def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None, device_type: str = "cpu") -> Tree:
+def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None, platform: str = "cpu/float32") -> Tree:
     """A `--tree` value: a node budget N, meaning a shipped tree of N nodes; `auto`, the best N measured
-    for this model or kind of device (`best_budget`; N = 0 falls back to 16 here, callers that can run
+    for this model or platform (`best_budget`; N = 0 falls back to 16 here, callers that can run
     the plain loop check for it first); or a tree file's path.
 
     Among shipped trees of N nodes, one calibrated for the model (its `model_fingerprint` equals
@@ -319,7 +327,7 @@ def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None, device
     """
     text = str(spec)
     if text == "auto":
-        text = str(best_budget(device_type, fingerprint)[0] or FALLBACK_BUDGET)
+        text = str(best_budget(platform, fingerprint)[0] or FALLBACK_BUDGET)
     if not text.isdigit():
         return load_tree(text)
     trees = [load_tree(p) for p in shipped_tree_files()]

@@ -171,7 +171,7 @@ def test_train_offsets_from_recordings(tmp_path, tiny, tiny_dir):
     pairs.write_text('{"audio": "a.wav", "text": "Hello there.", "language": "english"}\n')
     recorded = tmp_path / "forced.npz"
     trained = run("train-offsets", "--model", tiny_dir, "--audio", pairs, "--out", tmp_path / "o.safetensors",
-                  "--save-contexts", recorded, "--max-steps", "10")
+                  "--save-contexts", recorded, "--max-steps", "10", "--dtype", "float32")
     assert trained.exit_code == 0, trained.output
     frames = load_contexts(recorded)
     encoded = tiny.model.speech_tokenizer.encode(str(tmp_path / "a.wav")).audio_codes[0].numpy()

@@ -12,7 +12,8 @@ from helpers import run_cli as run
 from rvqtts.bench import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
 from rvqtts.offsets import predictor_fingerprint
 from rvqtts.synthesis import choose_speculation
-from rvqtts.tree import FALLBACK_BUDGET, SHIPPED_TREES, best_budget, frame_codes_per_call, grow_tree, save_acceptance
+from rvqtts.tree import (FALLBACK_BUDGET, SHIPPED_TREES, best_budget, frame_codes_per_call, grow_tree, save_acceptance,
+                         save_best_budget)
 
 @pytest.fixture(scope="module")
 def predictor_json(tiny_dir, tmp_path_factory):
@@ -64,7 +65,7 @@ def write_costs(path):
     """Fixed call costs (as `bench predictor --json` writes them), so that the best N is known."""
     path.write_text(json.dumps({"q": [1, 5, 8, 9, 16, 17], "ratio_to_q1": [1.0, 1.1, 1.15, 1.2, 1.25, 1.4],
                                 "ratio_to_stock_q1": [0.9, 0.99, 1.035, 1.08, 1.125, 1.26],
-                                "device": "cpu", "dtype": "bfloat16", "weights": "hand"}))
+                                "device": "cpu", "dtype": "float32", "weights": "hand"}))
     return path
 
 
@@ -72,8 +73,8 @@ def test_bench_speedup_plots_saves_and_synth_follows(tmp_path, user_cache, tiny)
     table = tmp_path / "t-acceptance.json"
     save_acceptance({"acceptance": [[0.6, 0.2, 0.1], [0.6, 0.1], [0.6]], "source": "hand table"}, table)
     predictor_json = write_costs(tmp_path / "predictor.json")
-    shipped = json.loads((SHIPPED_TREES / "best-n.json").read_text())["cpu"]["N"]
-    assert best_budget("cpu")[0] == shipped and "trees/best-n.json" in best_budget("cpu")[1]  # nothing saved yet
+    shipped = json.loads((SHIPPED_TREES / "best-n.json").read_text())["cpu/float32"]["N"]
+    assert best_budget("cpu/float32")[0] == shipped and "trees/best-n.json" in best_budget("cpu/float32")[1]
     plot, out = tmp_path / "figure.png", tmp_path / "speedup.json"
     result = run("bench", "speedup", "--predictor", predictor_json, "--acceptance", table, "--plot", plot,
                  "--json", out, "--save")
@@ -84,9 +85,10 @@ def test_bench_speedup_plots_saves_and_synth_follows(tmp_path, user_cache, tiny)
     assert projection["not_measured"] == [31, 32, 63, 64] and projection["best_N"] == best["N"]
     assert best["speedup"] > 1 and projection["acceptance_source"] == "hand table"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert best_budget("cpu")[0] == projection["best_N"] and best_budget("cuda") == (FALLBACK_BUDGET, "default")
+    assert best_budget("cpu/float32")[0] == projection["best_N"]  # saved for the device and dtype measured
+    assert best_budget("cuda/bfloat16")[0] == FALLBACK_BUDGET and best_budget("cpu/float16")[0] == 0  # unmeasured
     assert f"defaults to --tree {projection['best_N']}" in result.output
-    assert json.loads((user_cache / "best-n.json").read_text())["cpu"]["N"] == projection["best_N"]
+    assert json.loads((user_cache / "best-n.json").read_text())["cpu/float32"]["N"] == projection["best_N"]
     speculation, _ = choose_speculation(tiny.code_predictor, "auto")
     assert speculation.tree.nodes == projection["best_N"]
 
@@ -128,6 +130,32 @@ def test_bench_e2e_runs_all_three_variants(tiny_dir, tmp_path):
     assert report["ratios"]["stock/plain wall"] > 0
 
 
+def test_bench_decoder_times_each_length(tiny_dir, tmp_path):
+    out = tmp_path / "decoder.json"
+    result = run("bench", "decoder", "--model", tiny_dir, "--frames", "4,12", "--repeats", "1", "--json", out,
+                 "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert [row["frames"] for row in report["rows"]] == [4, 12] and report["dtype"] == "float32"
+    assert all(row["ms"] > 0 and row["ms_per_frame"] == pytest.approx(row["ms"] / row["frames"], abs=0.05)
+               for row in report["rows"])
+    assert "ms/frame" in result.output
+
+
+def test_bench_dtype_compares_codes_with_float32(tiny_dir, tmp_path):
+    out = tmp_path / "dtype.json"
+    result = run("bench", "dtype", "--model", tiny_dir, "--frames", "6", "--json", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16" and report["reference_dtype"] == "float32" and report["frames"] == 6
+    # bfloat16 changes a draw now and then; a broken comparison would agree on about 1 code in 50.
+    assert 0.8 < report["teacher_forced_code_agreement"] <= 1
+    assert 0 <= report["free_running_frames_identical"] <= 1 and 0 <= report["codes_before_first_difference"] <= 15
+    assert set(report["ms_per_frame"]) == {"reference", "candidate"}
+    refused = run("bench", "dtype", "--model", tiny_dir, "--dtype", "float32")
+    assert refused.exit_code == 2 and "--dtype must be bfloat16 or float16" in refused.output
+
+
 def test_bench_refuses_unknown_dimensions():
     result = run("bench", "predictor", "--dims", "7b")
     assert result.exit_code == 2 and "unknown --dims '7b'" in result.output
@@ -140,16 +168,16 @@ def test_a_measured_no_speculation_choice_runs_the_plain_loop(tmp_path, tiny, na
                      "source": "drafts never accepted"}, table)
     costs = tmp_path / "predictor.json"  # fixed costs: a tree call dearer than a plain step, as it always is
     costs.write_text(json.dumps({"q": [1, 65], "ratio_to_q1": [1.0, 2.0], "ratio_to_stock_q1": [0.9, 1.8],
-                                 "device": "cpu", "dtype": "bfloat16", "weights": "hand"}))
+                                 "device": "cpu", "dtype": "float32", "weights": "hand"}))
     out = tmp_path / "speedup.json"
     result = run("bench", "speedup", "--predictor", costs, "--acceptance", table, "--save", "--json", out)
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["best_N"] == 0
     assert "runs the plain loop (no tree pays) for this model" in result.output
-    assert best_budget("cpu", fingerprint)[0] == 0
+    assert best_budget("cpu/float32", fingerprint)[0] == 0
+    save_best_budget("cpu/float32", 8, "a platform measurement")  # for every other model
     speculation, notice = choose_speculation(tiny.code_predictor, "auto", allow_plain=True)
-    assert speculation is None and "measured not to pay" in notice
+    assert speculation is None and "no tree was measured to pay for this model on cpu/float32" in notice
     assert choose_speculation(tiny.code_predictor, "auto")[0].tree.nodes == FALLBACK_BUDGET  # a tree is needed
-    assert choose_speculation(tiny.code_predictor, "8", allow_plain=True)[0].tree.nodes == 8  # an explicit N wins
-    shipped = json.loads((SHIPPED_TREES / "best-n.json").read_text())["cpu"]["N"]
-    assert choose_speculation(narrow.code_predictor, "auto", allow_plain=True)[0].tree.nodes == shipped
+    assert choose_speculation(tiny.code_predictor, "7", allow_plain=True)[0].tree.nodes == 7  # an explicit N wins
+    assert choose_speculation(narrow.code_predictor, "auto", allow_plain=True)[0].tree.nodes == 8

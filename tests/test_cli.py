@@ -16,7 +16,7 @@ from rvqtts.cli import app
 from rvqtts.files import current_umask
 from rvqtts.offsets import Offsets, save_offsets
 from rvqtts.synthesis import Synthesizer
-from rvqtts.tree import best_budget
+from rvqtts.tree import best_budget, platform_key
 
 runner = CliRunner()
 
@@ -45,9 +45,10 @@ def test_make_tiny_model_is_byte_reproducible_and_refuses_a_used_folder(tmp_path
 
 
 def run_one(tmp_path, tiny_dir, name, *extra):
+    """A float32 run with the 15-node tree (the defaults depend on the CPU), or as `extra` says."""
     wav, codes, stats = (tmp_path / f"{name}.{suffix}" for suffix in ("wav", "npy", "json"))
     result = synth("Hello there.", "--model", tiny_dir, "-o", wav, "--codes-out", codes, "--stats-json", stats,
-                   *extra)
+                   "--dtype", "float32", "--tree", "15", *extra)
     assert result.exit_code == 0, result.output
     return wav.read_bytes(), np.load(codes), json.loads(stats.read_text())
 
@@ -62,7 +63,7 @@ def test_synth_wav_codes_and_statistics_agree(tmp_path, tiny_dir):
     assert record["predictor_codes"] == 15 * frames
     assert record["predictor_calls"] * record["codes_per_call"] == pytest.approx(record["predictor_codes"], rel=1e-4)
     assert record["talker_calls"] == frames + 1 and record["chunks"] == 1
-    assert record["spec"] is True and record["tree_nodes"] == best_budget("cpu")[0] and record["seed"] == 4
+    assert record["spec"] is True and record["tree_nodes"] == 15 and record["seed"] == 4
     assert record["rtf"] == pytest.approx(record["wall_seconds"] / record["audio_seconds"], rel=1e-2)
     parts = record["talker_seconds"] + record["predictor_seconds"] + record["decoder_seconds"]
     assert parts == pytest.approx(record["wall_seconds"], abs=0.01)
@@ -337,3 +338,29 @@ def test_the_statistics_table_never_cuts_a_figure():
     shown = console.export_text()
     for figure in ("1234", "98.72", "12345", "1.23", "123.46", "45.68", "67.89", "9.88", "1.25"):
         assert figure in shown, (figure, shown)
+
+
+def test_the_default_run_picks_its_dtype_and_tree_by_what_was_measured(tmp_path, tiny_dir):
+    from rvqtts.devices import native_bf16_flag, pick_dtype
+
+    stats = tmp_path / "s.json"
+    result = synth("Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames", "3", "--stats-json", stats)
+    assert result.exit_code == 0, result.output
+    record = json.loads(stats.read_text())["utterances"][0]
+    dtype, reason = pick_dtype("auto", "cpu")
+    assert dtype == ("bfloat16" if native_bf16_flag() else "float32")
+    assert (reason is not None) == (dtype == "bfloat16") and (reason or "") in result.stderr
+    budget = best_budget(platform_key("cpu", dtype))[0]
+    assert record["spec"] == (budget > 0) and record["tree_nodes"] == budget
+    if not budget:
+        assert "plain inner loop: no tree was measured to pay" in result.stderr
+
+
+def test_native_bf16_is_read_from_the_cpu_flags():
+    from rvqtts.devices import native_bf16_flag, pick_dtype
+
+    assert native_bf16_flag("processor\t: 0\nflags\t\t: fpu sse avx512f amx_tile amx_bf16\n") == "amx_bf16"
+    assert native_bf16_flag("flags\t\t: fpu avx2 avx512_bf16\n") == "avx512_bf16"
+    assert native_bf16_flag("flags\t\t: fpu avx2 avx512f\n") is None and native_bf16_flag("") is None
+    assert pick_dtype("auto", "cuda:1") == ("bfloat16", None) and pick_dtype("auto", "mps") == ("float16", None)
+    assert pick_dtype("float16", "cpu") == ("float16", None)

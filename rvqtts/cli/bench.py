@@ -1,0 +1,274 @@
+"""`rvqtts bench`: predictor call costs, projected speedup, end to end, dtypes, the speech decoder, Core ML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rvqtts.cli.common import (DEFAULT_MODEL, HELP_STYLE, app, check_coreml, ensure_writable, fail, list_of_ints,
+                               load_synthesizer, progress_bar, publish, resolve_device, say, stderr_console)
+from rvqtts.cli.frames import CONTEXTS_HELP, SPLIT_HELP, TEXTS_HELP, check_source, recorded_frames
+
+DEFAULT_BENCH_QUERIES = (1, 2, 4, 5, 8, 9, 16, 17, 24, 32, 33, 48, 64, 65)  # N + 1 for N = 4..64 included
+
+
+bench_app = typer.Typer(help="Benchmarks: predictor call cost per query length, projected speedup per tree size, "
+                             "and whole synthesis against stock qwen-tts (docs/benchmarks.md).", **HELP_STYLE)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("predictor")
+def bench_predictor_command(
+    model: Optional[str] = typer.Option(None, help="Time this checkpoint's code predictor (hub id or folder)."),
+    dims: str = typer.Option("0.6b", help="Without --model: random weights at the real 0.6b or 1.7b dimensions."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("bfloat16", help="float32, bfloat16 or float16."),
+    q: str = typer.Option(",".join(map(str, DEFAULT_BENCH_QUERIES)), "--q",
+                          help="Query lengths (q = N + 1 for a tree of N nodes; 1 is always timed)."),
+    repeats: int = typer.Option(30, help="Timed repetitions per query length (after 5 warm-up rounds)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
+) -> None:
+    """Median and spread of one predictor call per query length (tree mask, KV length 8, after warm-up),
+    with qwen-tts's own q = 1 forward timed in the same run, interleaved."""
+    from rvqtts.bench import PREDICTOR_DIMS, bench_predictor, random_code_predictor
+    from rvqtts.loading import DTYPES
+    from rvqtts.report import predictor_table
+
+    queries = list_of_ints(q, "--q")
+    if 1 not in queries:
+        queries = [1, *queries]
+    if dtype not in DTYPES:
+        fail(f"unknown --dtype {dtype!r}: choose {', '.join(DTYPES)}")
+    if repeats < 1:
+        fail(f"--repeats must be at least 1, got {repeats}")
+    if model is None:
+        if dims not in PREDICTOR_DIMS:
+            fail(f"unknown --dims {dims!r}: choose {', '.join(PREDICTOR_DIMS)}")
+        import torch
+
+        code_predictor = random_code_predictor(dims, getattr(torch, dtype), resolve_device(device))
+        weights = f"random at the real {dims} dimensions"
+    else:
+        code_predictor = load_synthesizer(model, device, dtype).code_predictor
+        weights = model
+    with progress_bar(quiet) as progress:
+        task = progress.add_task("warming up and timing", total=len(queries))
+        result = bench_predictor(code_predictor, queries, repeats=repeats, weights=weights,
+                                 progress=lambda done, total: progress.update(task, completed=done))
+    publish(result, json_out, predictor_table, quiet)
+
+
+@bench_app.command("speedup")
+def bench_speedup_command(
+    predictor: Path = typer.Option(..., help="JSON that `rvqtts bench predictor --json` wrote."),
+    acceptance: Optional[Path] = typer.Option(None, help="Acceptance table (`rvqtts calibrate` writes "
+                                                         "NAME-acceptance.json); default: the paper's figures."),
+    plot: Optional[Path] = typer.Option(None, help="Write a PNG in the manner of the paper's Figure 4."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the projection as JSON."),
+    save: bool = typer.Option(False, "--save", help="Make the best N the default tree of `rvqtts synth` on "
+                                                   "this kind of device."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
+) -> None:
+    """Projected inner-loop speedup per N = codes per call at N / (cost of a q = N + 1 call / cost of a
+    q = 1 call), and the best N."""
+    from rvqtts.bench import codes_per_call_by_budget, project_speedup, plot_speedup
+    from rvqtts.files import read_json, write_json
+    from rvqtts.report import speedup_table
+    from rvqtts.tree import AcceptanceFileError, load_acceptance, platform_key, save_best_budget
+
+    try:
+        measured = read_json(predictor, "predictor bench", ValueError)
+        if not isinstance(measured, dict) or not {"q", "ratio_to_q1", "ratio_to_stock_q1", "device"} <= set(measured):
+            raise ValueError(f"{predictor} is not the JSON of `rvqtts bench predictor --json`")
+        table = load_acceptance(acceptance) if acceptance else None
+        figures, source = codes_per_call_by_budget(table)
+        projection = project_speedup(figures, measured)
+    except (ValueError, AcceptanceFileError) as error:
+        fail(str(error))
+    projection["acceptance_source"] = source
+    if plot:
+        try:
+            plot_speedup(projection, source, plot)
+        except ImportError:
+            fail("--plot needs matplotlib: pip install 'rvqtts[bench]' (or pip install matplotlib)")
+    if json_out:
+        write_json(json_out, projection)
+    if save:
+        fingerprint = table.get("model_fingerprint") if table else None  # the choice is this model's only
+        platform = platform_key(projection["device"], projection["dtype"])
+        where = save_best_budget(platform, projection["best_N"], f"rvqtts bench speedup: {source}; "
+                                 f"{projection['weights']}", fingerprint)
+        scope = "for this model" if fingerprint else "for every model without its own choice"
+        choice = (f"defaults to --tree {projection['best_N']}" if projection["best_N"]
+                  else "runs the plain loop (no tree pays)")
+        say(f"rvqtts synth on {platform} now {choice} {scope} (recorded in {where})", quiet)
+    if not quiet:
+        stderr_console().print(speedup_table(projection))
+
+
+@bench_app.command("e2e")
+def bench_e2e_command(
+    texts: Path = typer.Option(..., help="Text file, one utterance per line (.jsonl lines may set speaker and "
+                                         "language)."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    tree: str = typer.Option("auto", help="Tree of the speculative runs: auto (the best N for this device), N, "
+                                          "or a tree file."),
+    offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the model."),
+    speaker: str = typer.Option("vivian", help="Speaker of lines that name none."),
+    language: str = typer.Option("auto", help="Language of lines that name none."),
+    seed: int = typer.Option(0, help="Seed of every run."),
+    max_frames: Optional[int] = typer.Option(None, help="Most frames per utterance."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every run and the totals as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
+) -> None:
+    """Stock qwen-tts, `rvqtts synth --no-spec` and `rvqtts synth` on the same texts and seed, interleaved:
+    wall, inner-loop, talker and decoder time per frame, RTF, and the ratios between them."""
+    from rvqtts.batch import BatchFileError, read_batch
+    from rvqtts.bench import bench_e2e
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.report import e2e_table
+    from rvqtts.synthesis import GenerationSettings, choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    try:
+        lines = [(u.text, u.speaker or speaker, u.language or language) for u in read_batch(texts)]
+        settings = GenerationSettings(max_frames=max_frames)
+    except (BatchFileError, ValueError) as error:
+        fail(str(error))
+    synthesizer = load_synthesizer(model, device, dtype)
+    try:
+        for _, line_speaker, line_language in lines:
+            synthesizer.check_voice(line_speaker, line_language)
+        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
+    except (TreeFileError, OffsetsFileError, ValueError) as error:
+        fail(str(error))
+    if notice:
+        say(notice, quiet)
+    with progress_bar(quiet) as progress:
+        task = progress.add_task(f"{len(lines)} texts x 3 variants", total=len(lines) * 3)
+        result = bench_e2e(synthesizer.tts, lines, speculation, seed, settings,
+                           progress=lambda done, total: progress.update(task, completed=done))
+    publish(result, json_out, e2e_table, quiet)
+
+
+@bench_app.command("dtype")
+def bench_dtype_command(
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    dtype: str = typer.Option("bfloat16", help="The dtype to compare with float32: bfloat16 or float16."),
+    frames: int = typer.Option(100, help="Frames to decode (random contexts)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    seed: int = typer.Option(0, help="Seed of the contexts and the noise."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
+) -> None:
+    """The code predictor in a reduced dtype against float32 on the same frames and noise: how often the
+    dtype changes a code (teacher forcing), frames that stay identical, and both plain loops' ms per frame."""
+    from rvqtts.bench import bench_dtype, random_prefixes
+    from rvqtts.report import dtype_table
+
+    if dtype not in ("bfloat16", "float16"):
+        fail(f"--dtype must be bfloat16 or float16 (the reference is float32), got {dtype!r}")
+    if frames < 1:
+        fail(f"--frames must be at least 1, got {frames}")
+    if json_out is not None:
+        ensure_writable(json_out)
+    reference = load_synthesizer(model, device, "float32", quiet)
+    candidate = load_synthesizer(model, device, dtype, quiet)
+    prefixes = random_prefixes(reference.talker, frames, seed)
+    with progress_bar(quiet) as progress:
+        progress.add_task(f"decoding {frames} frames in float32 and {dtype}", total=None)
+        result = bench_dtype(reference.code_predictor, candidate.code_predictor, prefixes, seed)
+    result["model"] = model
+    publish(result, json_out, dtype_table, quiet)
+
+
+@bench_app.command("decoder")
+def bench_decoder_command(
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    frames: str = typer.Option("50,300,301,600", help="Utterance lengths in frames (qwen-tts decodes in chunks "
+                                                     "of 300 past 300)."),
+    repeats: int = typer.Option(3, help="Timed repetitions per length (after one warm-up)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
+) -> None:
+    """The speech decoder's cost per frame over utterances of growing length (random codes)."""
+    from rvqtts.bench import bench_decoder
+    from rvqtts.report import decoder_table
+
+    lengths = list_of_ints(frames, "--frames")
+    if repeats < 1:
+        fail(f"--repeats must be at least 1, got {repeats}")
+    if json_out is not None:
+        ensure_writable(json_out)
+    synthesizer = load_synthesizer(model, device, dtype, quiet)
+    result = bench_decoder(synthesizer.tts, lengths, repeats)
+    result["model"] = model
+    publish(result, json_out, decoder_table, quiet)
+
+
+@bench_app.command("coreml")
+def bench_coreml_command(
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP),
+    texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP),
+    split: str = typer.Option("evaluation", help=SPLIT_HELP),
+    frames: int = typer.Option(200, help="Frames to decode (the first of the source)."),
+    package: Optional[Path] = typer.Option(None, help="Package to measure (macOS); default: the cache's, "
+                                                      "exported on first use."),
+    tree: str = typer.Option("auto", help="auto (the best N measured for Core ML, else 16), N, or a tree file."),
+    offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the model."),
+    precision: str = typer.Option("w8a16", help="Precision of a package exported on first use: w8a16 or fp16."),
+    compute_units: str = typer.Option("all", help="all, cpu_and_ne, cpu_and_gpu or cpu_only."),
+    seed: int = typer.Option(0, help="Seed of the noise."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress or table."),
+) -> None:
+    """Core ML package against the float32 PyTorch engine on the same frames and noise: codes and frames that
+    agree, codes per call, ms per frame speculative and plain. Off macOS, PyTorch float16 stands in for the
+    package (a proxy for float16 rounding, not a Core ML measurement)."""
+    import sys
+
+    from rvqtts.bench import bench_fused
+    from rvqtts.coreml import CoreMLError, coreml_decoder, float16_stand_in
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.report import coreml_table
+    from rvqtts.sampling import SamplingConfig
+    from rvqtts.synthesis import choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    check_source(texts, contexts)
+    if frames < 1:
+        fail(f"--frames must be at least 1, got {frames}")
+    on_mac = sys.platform == "darwin"
+    if on_mac:
+        check_coreml(compute_units, precision)
+    if json_out is not None:
+        ensure_writable(json_out)
+    synthesizer = load_synthesizer(model, "cpu", "float32")
+    sampling = SamplingConfig()
+    try:
+        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
+        if on_mac:
+            candidate = coreml_decoder(synthesizer.code_predictor, speculation, sampling, package, precision,
+                                       compute_units, report=lambda message: say(message, quiet))
+        else:
+            candidate = float16_stand_in(synthesizer.code_predictor, speculation, sampling)
+    except (CoreMLError, TreeFileError, OffsetsFileError, ValueError) as error:
+        fail(str(error))
+    if notice:
+        say(notice, quiet)
+    source = recorded_frames(synthesizer, texts, contexts, split, "vivian", "auto", seed, quiet)
+    prefixes = source.prefixes(synthesizer.talker.get_input_embeddings())[:frames]
+    with progress_bar(quiet) as progress:
+        progress.add_task(f"decoding {len(prefixes)} frames three ways", total=None)
+        result = bench_fused(synthesizer.code_predictor, speculation, candidate, prefixes, seed, sampling)
+    result.update(model=model, candidate=f"coreml {compute_units}" if on_mac else "pytorch float16 (proxy)",
+                  tree_nodes=speculation.tree.nodes, frames_source=source.source)
+    publish(result, json_out, coreml_table, quiet)

@@ -1,0 +1,123 @@
+"""What the command groups share: the app, one-line failures and notices, progress, tables and JSON,
+output-path checks, and loading a model on the chosen device and dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+
+# Plain (click) help: no "<bool>" placeholders after switches, and it reads the same in a pipe or a log.
+HELP_STYLE = dict(no_args_is_help=True, rich_markup_mode=None)
+app = typer.Typer(help="Fast, exact Qwen3-TTS synthesis with RVQ position-aware speculative decoding.",
+                  add_completion=False, pretty_exceptions_enable=False, **HELP_STYLE)
+
+DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+
+
+def fail(message: str) -> None:
+    """One line on stderr and exit code 2: the input was wrong, nothing was written."""
+    typer.echo(f"rvqtts: error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def say(message: str, quiet: bool = False) -> None:
+    if not quiet:
+        typer.echo(f"rvqtts: {message}", err=True)
+
+
+def ensure_writable(path: Path, folder: bool = False) -> None:
+    """Fail with one line, before any model work, unless a file can be written at `path` (or, with
+    `folder`, into the folder `path`); nothing is left behind by the check."""
+    from rvqtts.files import OutputPathError, check_writable
+
+    try:
+        check_writable(path, folder)
+    except OutputPathError as error:
+        fail(str(error))
+
+
+def check_coreml(compute_units: str, precision: str) -> None:
+    """Fail with one line unless Core ML can run here with these settings."""
+    from rvqtts.coreml import COMPUTE_UNITS, PRECISIONS, CoreMLError, coremltools, require_macos
+
+    try:
+        require_macos()
+        coremltools()
+    except CoreMLError as error:
+        fail(str(error))
+    if compute_units not in COMPUTE_UNITS:
+        fail(f"unknown --compute-units {compute_units!r}: choose {', '.join(COMPUTE_UNITS)}")
+    if precision not in PRECISIONS:
+        fail(f"unknown --coreml-precision {precision!r}: choose {' or '.join(PRECISIONS)}")
+
+
+def progress_bar(quiet: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    # A bar only helps on a terminal; in a log file it would leave blank lines behind.
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=quiet or not console.is_terminal)
+
+
+def stderr_console():
+    """A rich console on stderr, at least 110 columns wide (also when stderr is a file)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    console.width = max(console.width, 110)
+    return console
+
+
+def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], object], quiet: bool) -> None:
+    """A command's figures: to `json_out` if given, and as `table(result)` on stderr unless quiet."""
+    from rvqtts.files import write_json
+
+    if json_out is not None:
+        write_json(json_out, result)
+    if not quiet:
+        stderr_console().print(table(result))
+
+
+def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False):
+    """The model on the chosen device and dtype (fails with one line on a bad model, device or dtype; says
+    which dtype `auto` chose on a CPU, and why)."""
+    from rvqtts.devices import pick_dtype
+    from rvqtts.loading import DTYPES, ModelLoadError
+    from rvqtts.synthesis import Synthesizer
+
+    if dtype not in ("auto", *DTYPES):
+        fail(f"unknown --dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    chosen = resolve_device(device)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    dtype, reason = pick_dtype(dtype, chosen)
+    if reason:
+        say(reason, quiet)
+    try:
+        return Synthesizer.load(model, device=chosen, dtype=dtype)
+    except ModelLoadError as error:
+        fail(str(error))
+
+
+def resolve_device(device: str) -> str:
+    from rvqtts.devices import DeviceError, pick_device
+
+    try:
+        return pick_device(device)
+    except DeviceError as error:
+        fail(str(error))
+
+
+def list_of_ints(value: str, option: str, least: int = 1) -> list[int]:
+    try:
+        numbers = sorted({int(v) for v in value.split(",")})
+    except ValueError:
+        fail(f"{option} must be comma-separated whole numbers, got {value!r}")
+    if not numbers or numbers[0] < least:
+        fail(f"{option} must be at least {least}, got {value!r}")
+    return numbers

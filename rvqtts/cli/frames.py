@@ -1,0 +1,77 @@
+"""Where the drafting commands' frames come from: recorded contexts, recordings (teacher forcing), or
+texts the model speaks; and the offsets they draft with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from rvqtts.cli.common import fail, progress_bar, say
+
+TEXTS_HELP = "Texts to synthesize and record (.txt, or .jsonl with text/speaker/language per line)."
+CONTEXTS_HELP = "Recorded frames: a contexts .npz (h_t, codes, language), as rvqtts standin build writes."
+SPLIT_HELP = "The split of a contexts file that has splits (calibration or evaluation)."
+
+
+def check_source(texts: Optional[Path], contexts: Optional[Path], audio: Optional[Path] = None,
+                  audio_allowed: bool = False) -> None:
+    if sum(source is not None for source in (texts, contexts, audio)) != 1:
+        fail("give one data source: --texts FILE (synthesize and record), --contexts FILE (recorded frames)"
+             + (" or --audio FILE.jsonl (recordings and transcripts)" if audio_allowed else ""))
+
+
+def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path], split: str, speaker: str, language: str,
+            seed: int, quiet: bool, audio: Optional[Path] = None):
+    """Frames from a contexts file, from recordings by teacher forcing, or recorded by synthesizing a text
+    file with the plain inner loop."""
+    from rvqtts.batch import BatchFileError, read_batch
+    from rvqtts.contexts import ContextsFileError, force_contexts, load_contexts, read_audio_pairs, record_contexts
+    from rvqtts.synthesis import GenerationSettings
+
+    config = synthesizer.code_predictor.config
+    if contexts is not None:
+        try:
+            return load_contexts(contexts, split, synthesizer.talker.config.hidden_size, config.num_code_groups)
+        except ContextsFileError as error:
+            fail(str(error))
+    if audio is not None:
+        try:
+            pairs = read_audio_pairs(audio)
+            for pair in pairs:
+                synthesizer.check_voice(pair.speaker or speaker, pair.language or language)
+        except (ContextsFileError, ValueError) as error:
+            fail(str(error))
+        with progress_bar(quiet) as progress:
+            task = progress.add_task(f"teacher forcing {audio.name}", total=len(pairs))
+            frames = force_contexts(synthesizer, pairs, speaker, language,
+                                    on_pair=lambda done, total: progress.update(task, completed=done))
+        say(f"recorded {len(frames)} frames from {len(pairs)} recordings", quiet)
+        return frames
+    try:
+        utterances = read_batch(texts)
+    except BatchFileError as error:
+        fail(str(error))
+    for item in utterances:
+        try:
+            synthesizer.check_voice(item.speaker or speaker, item.language or language)
+        except ValueError as error:
+            fail(f"{texts}:{item.line}: {error}")
+    with progress_bar(quiet) as progress:
+        task = progress.add_task(f"synthesizing {texts.name}", total=len(utterances))
+        frames = record_contexts(synthesizer, utterances, speaker, language, seed, GenerationSettings(),
+                                 on_utterance=lambda done, total: progress.update(task, completed=done))
+    say(f"recorded {len(frames)} frames from {len(utterances)} texts", quiet)
+    return frames
+
+
+def drafting_offsets(synthesizer, offsets: Optional[Path], depth: int):
+    """Offsets [K, H] from a file, or zeros (reused heads)."""
+    from rvqtts.offsets import Offsets, OffsetsFileError, load_offsets, predictor_fingerprint
+
+    if offsets is None:
+        return Offsets.zeros(depth, synthesizer.hidden_size)
+    try:
+        return load_offsets(offsets, hidden_size=synthesizer.hidden_size,
+                            fingerprint=predictor_fingerprint(synthesizer.code_predictor))
+    except OffsetsFileError as error:
+        fail(str(error))

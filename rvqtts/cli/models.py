@@ -1,0 +1,139 @@
+"""Models and packages: `make-tiny-model`, `voices`, `standin build`, `export-coreml`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rvqtts.cli.common import (DEFAULT_MODEL, HELP_STYLE, app, ensure_writable, fail, load_synthesizer, say,
+                               stderr_console)
+
+
+@app.command("make-tiny-model")
+def make_tiny_model(
+    directory: Path = typer.Argument(..., help="Folder to create; it must not exist or be empty."),
+    dims: str = typer.Option("tiny", help="tiny (shrunk), or 0.6b / 1.7b: the released CustomVoice model's "
+                                          "dimensions and layout (rvqtts/released/), stored in bfloat16."),
+    shallow: bool = typer.Option(False, "--shallow", help="With --dims: two talker and two code-predictor layers "
+                                                          "and a small speech tokenizer, released widths and heads."),
+    codebook: int = typer.Option(2048, help="--dims tiny: residual codebook size (the code predictor's "
+                                            "vocabulary)."),
+    code_groups: int = typer.Option(16, help="--dims tiny: codes per frame, c0 plus code_groups - 1 residual codes."),
+    seed: int = typer.Option(0, help="Seed of the random weights; same arguments give byte-identical files."),
+    force: bool = typer.Option(False, "--force", help="Replace the folder if it already exists."),
+) -> None:
+    """Write a random-weight Qwen3-TTS 12 Hz CustomVoice checkpoint, offline, for tests, trials and benchmarks.
+
+    It loads with qwen_tts.Qwen3TTSModel.from_pretrained(DIR) like a real checkpoint. Its weights are
+    random: its audio is noise, its talker never ends its speech (use --max-frames), and its acceptance
+    figures mean nothing about real models. --dims 0.6b / 1.7b cost what the real models cost to run.
+    """
+    import shutil
+
+    from rvqtts.tiny import build_tiny_model
+
+    if force and directory.is_dir():
+        shutil.rmtree(directory)
+    try:
+        build_tiny_model(directory, codebook=codebook, code_groups=code_groups, seed=seed, dims=dims,
+                         shallow=shallow)
+    except (ValueError, FileExistsError) as error:
+        fail(str(error))
+    say(f"wrote {directory}")
+
+
+@app.command()
+def voices(model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model.")) -> None:
+    """List the speakers and languages of a model (reads its config only)."""
+    from rvqtts.loading import ModelLoadError
+    from rvqtts.loading import voices as model_voices
+
+    try:
+        speakers, languages = model_voices(model)
+    except ModelLoadError as error:
+        fail(str(error))
+    typer.echo("speakers: " + ", ".join(speakers))
+    typer.echo("languages: " + ", ".join(languages))
+
+
+@app.command("export-coreml")
+def export_coreml(
+    out: Path = typer.Option(..., "--out", help="Folder for the .mlpackage (named by what it was built for)."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    tree: str = typer.Option("auto", help="Draft tree: auto (the best N measured for Core ML, else 16), a node "
+                                          "budget N (a shipped tree) or a tree file."),
+    offsets: Optional[Path] = typer.Option(None, help="Draft offsets file; default: shipped offsets matching "
+                                                      "the model, else zero offsets."),
+    precision: str = typer.Option("w8a16", help="w8a16 (int8 per-channel weights, float16 activations) or fp16."),
+    min_target: str = typer.Option("macOS15", help="Oldest macOS the package runs on (macOS15 or later)."),
+    temperature: float = typer.Option(0.9, help="Sampling temperature baked into the package (synth's must match)."),
+    top_k: int = typer.Option(50, help="Top-k baked into the package (0 = off; synth's must match)."),
+    force: bool = typer.Option(False, "--force", help="Export again over a package of the same name."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress messages."),
+) -> None:
+    """Export the fused inner loop (prefill, tree round, plain step) for one tree as a Core ML package,
+    for `rvqtts synth --backend coreml --coreml-package`. Runs on any OS; the package runs on macOS."""
+    from rvqtts.coreml import CoreMLError, check_export_settings, export_package
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.sampling import SamplingConfig
+    from rvqtts.synthesis import choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    try:
+        sampling = SamplingConfig(temperature, top_k)
+        check_export_settings(sampling, precision, min_target)
+    except (CoreMLError, ValueError) as error:
+        fail(str(error))
+    ensure_writable(out, folder=True)
+    synthesizer = load_synthesizer(model, "cpu", "float32")
+    try:
+        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
+        if notice:
+            say(notice, quiet)
+        exported = export_package(synthesizer.code_predictor, speculation, sampling, out, precision, min_target,
+                                  report=lambda message: say(message, quiet), force=force)
+    except (CoreMLError, TreeFileError, OffsetsFileError, ValueError) as error:
+        fail(str(error))
+    if exported.reused:
+        say(f"{exported.path} is already exported for this model, tree, offsets and sampling (--force redoes it)",
+            quiet)
+    else:
+        say(f"wrote {exported.path}: {exported.bytes / 1e6:.1f} MB in {exported.seconds:.1f} s", quiet)
+    typer.echo(str(exported.path))
+
+
+standin_app = typer.Typer(help="The trained stand-in code predictor (a proxy for tests and benchmarks, not "
+                                "Qwen3-TTS).", **HELP_STYLE)
+app.add_typer(standin_app, name="standin")
+
+
+@standin_app.command("build")
+def standin_build(
+    out: Path = typer.Argument(..., help="Folder for the model, codec, contexts and report.json."),
+    small: bool = typer.Option(False, "--small", help="The same pipeline, shrunk to run in well under two minutes."),
+    device: str = typer.Option("cpu", help="cpu or cuda (training and the codec's k-means)."),
+    sentences: Optional[Path] = typer.Option(None, help="Folder of {en,de,es,ru,ja,cmn}.txt; default: the 86 "
+                                                        "sentences shipped with rvqtts."),
+    steps: Optional[int] = typer.Option(None, help="Training steps (default 1500, --small 150); more on a GPU."),
+) -> None:
+    """Rebuild corpus (espeak-ng), codec, stand-in and contexts with fixed seeds, and report faithfulness.
+
+    Prints the tables and writes OUT/report.json. Needs espeak-ng (Debian: apt-get install espeak-ng).
+    """
+    from rvqtts.report import standin_tables
+    from rvqtts.standin.build import build_standin
+    from rvqtts.standin.corpus import CorpusError
+
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        fail(f"unknown --device {device!r}: choose cpu or cuda")
+    try:
+        report = build_standin(out, small=small, device=device, sentences_dir=sentences, steps=steps,
+                               log=lambda m: say(m))
+    except CorpusError as error:
+        fail(str(error))
+    console = stderr_console()
+    for table in standin_tables(report):
+        console.print(table)
+    say(f"wrote {out / 'report.json'}")

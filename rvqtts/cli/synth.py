@@ -1,0 +1,261 @@
+"""`rvqtts synth`: one text, standard input or a batch file to audio, with statistics."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rvqtts.cli.common import (DEFAULT_MODEL, app, check_coreml, ensure_writable, fail, load_synthesizer, progress_bar,
+                               say, stderr_console)
+
+
+def _read_text(text: Optional[str]) -> str:
+    if text is None or text == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            fail("no text: give TEXT, pipe text on standard input, or use -f FILE")
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+        try:
+            text = data.decode("utf-8") if isinstance(data, bytes) else data
+        except UnicodeDecodeError as error:
+            fail(f"standard input is not UTF-8 text (byte {error.start} is {data[error.start:error.start + 1]!r}): "
+                 f"convert it first, e.g. iconv -f LATIN1 -t UTF-8")
+    if not text.strip():
+        fail("the text is empty: give something to say")
+    return text
+
+
+@app.command()
+def synth(
+    text: Optional[str] = typer.Argument(None, help="Text to speak; '-' or nothing reads standard input."),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="Audio file to write: .wav, .flac or .ogg; '-' writes a WAV to stdout."),
+    file: Optional[Path] = typer.Option(None, "-f", "--file",
+                                        help="Batch: a .txt file (one utterance per line) or a .jsonl file "
+                                             "(text, speaker, language, instruct, out)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Batch output folder (required with -f)."),
+    force: bool = typer.Option(False, "--force", help="Batch: overwrite outputs that already exist."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of a Qwen3-TTS 12 Hz CustomVoice model."),
+    device: str = typer.Option("auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 on cuda and on CPUs that multiply bfloat16 natively: "
+                                           "AMX, AVX512-BF16; float16 on mps; else float32), float32, bfloat16 "
+                                           "or float16."),
+    speaker: str = typer.Option("vivian", help="Speaker (rvqtts voices lists them)."),
+    language: str = typer.Option("auto", help="Language, or auto."),
+    instruct: Optional[str] = typer.Option(None, help="Style instruction (ignored, with a warning, by models "
+                                                      "without instruction support such as the 0.6B)."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature of both loops; default: the "
+                                                           "model's generation_config.json (talker and code "
+                                                           "predictor apart), else 0.9."),
+    top_k: Optional[int] = typer.Option(None, help="Top-k of both loops (0 = off); default: the model's, else 50."),
+    top_p: Optional[float] = typer.Option(None, help="Top-p of both loops (1 = off); default: the model's, else 1."),
+    predictor_temperature: Optional[float] = typer.Option(None, help="The code predictor's temperature apart "
+                                                                     "from the talker's."),
+    predictor_top_k: Optional[int] = typer.Option(None, help="The code predictor's top-k apart from the talker's."),
+    predictor_top_p: Optional[float] = typer.Option(None, help="The code predictor's top-p apart from the talker's."),
+    repetition_penalty: Optional[float] = typer.Option(None, help="Repetition penalty of the talker; default: the "
+                                                                  "model's, else 1.05."),
+    max_frames: Optional[int] = typer.Option(None, help="Most frames per chunk (12.5 frames = 1 s); default: "
+                                                        "three times what the chunk's text needs plus 2 s, within "
+                                                        "the model's max_new_tokens."),
+    chunk_chars: int = typer.Option(240, help="Long text is spoken in chunks of about this many characters, cut "
+                                              "at sentence ends (ideographs and kana count 2.5)."),
+    no_chunk: bool = typer.Option(False, "--no-chunk", help="Speak the whole text in one pass, as qwen-tts does "
+                                                            "(keeps prosody across sentences; the runaway cut "
+                                                            "still applies)."),
+    seed: int = typer.Option(0, help="Same seed, same codes, same audio, speculative or not: by construction in "
+                                     "bfloat16 where the CPU's kernels are row-invariant, as measured in float32 "
+                                     "(README: Same seed, same codes)."),
+    spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
+    tree: str = typer.Option("auto", help="Draft tree: auto (the best N measured for this device and dtype, "
+                                          "0 = the plain loop where no tree pays; see `rvqtts bench speedup "
+                                          "--save`), a node budget N (a shipped tree) or a tree file."),
+    offsets: Optional[Path] = typer.Option(None, help="Draft offsets file; default: shipped offsets matching "
+                                                      "the model, else zero offsets."),
+    backend: str = typer.Option("torch", help="torch, or coreml (macOS): the inner loop runs on a Core ML "
+                                              "package (docs/coreml.md)."),
+    compute_units: str = typer.Option("all", help="Core ML compute units: all, cpu_and_ne, cpu_and_gpu or "
+                                                  "cpu_only."),
+    coreml_package: Optional[Path] = typer.Option(None, help="Core ML package from rvqtts export-coreml; default: "
+                                                             "the cache's, exported on first use."),
+    coreml_precision: str = typer.Option("w8a16", help="Precision of a package exported on first use: w8a16 "
+                                                       "or fp16."),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
+                                     help="On CUDA, replay the inner loop's calls from CUDA graphs."),
+    codes_out: Optional[Path] = typer.Option(None, help="Save frame codes as int .npy [frames, 16] (batch: a "
+                                                        "folder of NAME.npy)."),
+    stats_json: Optional[Path] = typer.Option(None, help="Write the run's statistics as JSON (per utterance and "
+                                                         "total)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, table or notices."),
+) -> None:
+    """Synthesize speech to audio files: one text, standard input, or a batch file.
+
+    The statistics table (stderr) and --stats-json report frames, predictor calls, codes per call,
+    where the time went, and RTF = compute seconds / audio seconds (below 1 is faster than real time).
+    """
+    from rvqtts.audio import audio_format
+    from rvqtts.batch import BatchFileError, Utterance, read_batch
+    from rvqtts.loading import ModelLoadError, check_voice, voices
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.sampling import NonFiniteError
+    from rvqtts.synthesis import GenerationSettings, choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    # Everything that can be checked without the model is checked first: bad input costs no model load.
+    if backend not in ("torch", "coreml"):
+        fail(f"unknown --backend {backend!r}: choose torch or coreml")
+    if backend == "coreml":
+        check_coreml(compute_units, coreml_precision)
+    if chunk_chars < 20:
+        fail(f"--chunk-chars must be at least 20, got {chunk_chars} (--no-chunk speaks the text in one pass)")
+    if file is not None:
+        if text is not None:
+            fail("give either TEXT or -f FILE, not both")
+        if out_dir is None:
+            fail("-f needs --out-dir DIR for its audio files")
+        try:
+            utterances = read_batch(file)
+        except BatchFileError as error:
+            fail(str(error))
+        ensure_writable(out_dir, folder=True)
+        if codes_out is not None:
+            ensure_writable(codes_out, folder=True)
+    else:
+        if output is None:
+            fail("give -o FILE.wav (.flac, .ogg; or -o - for a WAV on standard output)")
+        try:
+            audio_format(output)
+        except ValueError as error:
+            fail(str(error))
+        if output != "-":
+            ensure_writable(Path(output))
+        if codes_out is not None:
+            ensure_writable(codes_out)
+        utterances = [Utterance(1, _read_text(text).strip(), output)]
+    if stats_json is not None:
+        ensure_writable(stats_json)
+    try:
+        settings = GenerationSettings(temperature, top_k, top_p, repetition_penalty, max_frames,
+                                      predictor_temperature, predictor_top_k, predictor_top_p)
+    except ValueError as error:
+        fail(str(error))
+    if file is not None and not force and all((out_dir / u.name).exists() for u in utterances):
+        say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
+        return
+    try:
+        known_speakers, known_languages = voices(model)
+    except ModelLoadError as error:
+        fail(str(error))
+    for item in utterances:
+        try:
+            check_voice(known_speakers, known_languages, item.speaker or speaker, item.language or language)
+        except ValueError as error:
+            fail(f"{file}:{item.line}: {error}" if file else str(error))
+    synthesizer = load_synthesizer(model, device, dtype, quiet)
+    synthesizer.cuda_graphs = cuda_graphs
+    device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
+    if spec:
+        try:
+            synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets,
+                                                                 allow_plain=True, device_type=device_type)
+        except (TreeFileError, OffsetsFileError, ValueError) as error:
+            fail(str(error))
+        if notice:
+            say(notice, quiet)
+    if backend == "coreml":
+        _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet)
+    if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
+        say("warning: this model does not support --instruct (the 0.6B ignores instructions); ignoring it")
+
+    run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings,
+               chunk_chars=None if no_chunk else chunk_chars)
+    try:
+        if file is None:
+            _synth_one(synthesizer, utterances[0], output, run, codes_out, stats_json, quiet)
+        else:
+            _synth_batch(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
+    except NonFiniteError as error:
+        typer.echo(f"rvqtts: error: {error}", err=True)
+        raise typer.Exit(1)
+
+
+def _use_coreml(synthesizer, tree: str, offsets: Optional[Path], settings, package: Optional[Path],
+                precision: str, compute_units: str, quiet: bool) -> None:
+    """Run the synthesizer's inner loop on a Core ML package (the plain step when it has no speculation)."""
+    from rvqtts.coreml import CoreMLError, coreml_decoder
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.synthesis import choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    try:
+        speculation = synthesizer.speculation  # None: --no-spec, whose package still holds a tree
+        if speculation is None:
+            speculation, _ = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
+        sampling = synthesizer.sampling(settings).predictor
+        synthesizer.fused = coreml_decoder(synthesizer.code_predictor, speculation, sampling, package, precision,
+                                           compute_units, report=lambda message: say(message, quiet))
+    except (CoreMLError, TreeFileError, OffsetsFileError) as error:
+        fail(str(error))
+
+
+def show_stats(rows: list[tuple[str, dict]], quiet: bool) -> None:
+    from rvqtts.report import stats_table
+
+    if not quiet:
+        stderr_console().print(stats_table(rows))
+
+
+def _write_stats(path: Optional[Path], entries: list[dict]) -> None:
+    from rvqtts.files import write_json
+    from rvqtts.report import total_record
+
+    if path is not None:
+        write_json(path, {"utterances": entries, "total": total_record(entries)})
+
+
+def _synth_one(synthesizer, item, output, run: dict, codes_out, stats_json, quiet) -> None:
+    from rvqtts.audio import write_audio, write_codes
+
+    with progress_bar(quiet) as progress:
+        task = progress.add_task("synthesizing", total=None)
+        result = synthesizer.synthesize(item.text, **run,
+                                        on_chunk=lambda done, total: progress.update(task, completed=done,
+                                                                                     total=total))
+    for warning in result.warnings:
+        say(f"warning: {warning}", quiet)
+    write_audio(output, result.audio, result.sample_rate)
+    if codes_out:
+        write_codes(codes_out, result.codes)
+    record = result.record()
+    _write_stats(stats_json, [{"name": output, **record}])
+    show_stats([(output, record)], quiet)
+
+
+def _synth_batch(synthesizer, utterances, out_dir, file, run: dict, force, codes_out, stats_json, quiet) -> None:
+    from rvqtts.batch import synthesize_batch
+
+    with progress_bar(quiet) as progress:
+        task = progress.add_task(f"synthesizing {file.name}", total=len(utterances))
+
+        def done(result) -> None:
+            progress.advance(task)
+            if result.status == "failed":
+                typer.echo(f"rvqtts: {file}:{result.utterance.line}: failed: {result.error}", err=True)
+            for warning in (result.record or {}).get("warnings", []):
+                say(f"warning: {result.utterance.name}: {warning}", quiet)
+
+        results = synthesize_batch(synthesizer, utterances, out_dir, **run, force=force, codes_dir=codes_out,
+                                   on_done=done)
+    made = [(r.utterance.name, r.record) for r in results if r.status == "done"]
+    skipped = sum(r.status == "skipped" for r in results)
+    failed = sum(r.status == "failed" for r in results)
+    _write_stats(stats_json, [{"name": name, **record} for name, record in made])
+    if made:
+        from rvqtts.report import total_record
+
+        show_stats(made + ([("total", total_record([r for _, r in made]))] if len(made) > 1 else []), quiet)
+    say(f"{len(made)} written, {skipped} skipped (already there; --force redoes them), {failed} failed "
+        f"-> {out_dir}", quiet and not failed)
+    if failed:
+        raise typer.Exit(1)

@@ -1,0 +1,189 @@
+"""Offsets and trees for a model: `train-offsets`, `calibrate`, `accept`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rvqtts.cli.common import (DEFAULT_MODEL, app, ensure_writable, fail, list_of_ints, load_synthesizer, progress_bar,
+                               publish, say)
+from rvqtts.cli.frames import (CONTEXTS_HELP, SPLIT_HELP, TEXTS_HELP, check_source, drafting_offsets,
+                               recorded_frames)
+
+
+def check_new_file(path: Path, force: bool, suffix: str) -> None:
+    if path.suffix != suffix:
+        fail(f"{path}: the file name must end in {suffix}")
+    if path.exists() and not force:
+        fail(f"{path} already exists: --force replaces it")
+    ensure_writable(path)
+
+
+@app.command("train-offsets")
+def train_offsets_command(
+    out: Path = typer.Option(..., help="Offsets file to write (.safetensors)."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP + " Self-distillation: the offsets learn from "
+                                                                 "the model's own codes."),
+    contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP + " Teacher forcing on their codes."),
+    audio: Optional[Path] = typer.Option(None, help="Recordings and transcripts: a .jsonl file of {\"audio\": "
+                                                    "WAV, \"text\": transcript} (optional speaker, language). "
+                                                    "Teacher forcing on the codes of the model's speech tokenizer."),
+    split: str = typer.Option("calibration", help=SPLIT_HELP),
+    resample: bool = typer.Option(False, "--resample", help="With --contexts: train on codes the model samples "
+                                                            "itself from each frame's h_t and c0."),
+    depth: int = typer.Option(3, help="K, codes drafted ahead (1..14)."),
+    target: str = typer.Option("hard", help="hard: the codes; soft: the distribution they are sampled from."),
+    learning_rate: float = typer.Option(1e-3, help="Adam's learning rate."),
+    batch: int = typer.Option(32, help="Frames per step."),
+    max_steps: int = typer.Option(20000, help="Most training steps (training stops earlier when the held-out "
+                                              "loss stops falling)."),
+    held_out: float = typer.Option(0.1, help="Fraction of the frames held out for early stopping."),
+    speaker: str = typer.Option("vivian", help="With --texts or --audio: speaker of lines that name none."),
+    language: str = typer.Option("auto", help="With --texts or --audio: language of lines that name none."),
+    seed: int = typer.Option(0, help="Seed of synthesis, the split and the batches."),
+    save_contexts: Optional[Path] = typer.Option(None, help="With --texts or --audio: also keep the recorded "
+                                                            "frames (.npz) for rvqtts calibrate and accept."),
+    device: str = typer.Option("auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Train the draft offsets (K x hidden numbers) of a frozen model; backbone and heads stay frozen.
+
+    Codes do not change: the verifier never reads an offset state. The file records the model, K, the
+    data and the losses; rvqtts synth uses it when given with --offsets.
+    """
+    from rvqtts.contexts import save_contexts as write_contexts
+    from rvqtts.offsets import save_offsets
+    from rvqtts.training import TrainingConfig, fit_offsets
+
+    check_source(texts, contexts, audio, audio_allowed=True)
+    check_new_file(out, force, ".safetensors")
+    if save_contexts is not None:
+        check_new_file(save_contexts, force, ".npz")
+    try:
+        config = TrainingConfig(depth=depth, learning_rate=learning_rate, batch=batch, max_steps=max_steps,
+                                target=target, seed=seed)
+        if not 0 < held_out < 1:
+            raise ValueError(f"--held-out must be between 0 and 1, got {held_out}")
+    except ValueError as error:
+        fail(str(error))
+    synthesizer = load_synthesizer(model, device, dtype)
+    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, audio)
+    if save_contexts is not None:
+        write_contexts(frames, save_contexts)
+    with progress_bar(quiet) as progress:
+        task = progress.add_task("training offsets", total=max_steps)
+
+        def report(step: int, total: int, train_loss: float, held_loss: float) -> None:
+            progress.update(task, completed=step,
+                            description=f"training offsets (loss {train_loss:.3f}, held out {held_loss:.3f})")
+
+        try:
+            offsets, record = fit_offsets(synthesizer, frames, config, held_out=held_out, self_distill=resample,
+                                          model_name=model, on_progress=report)
+        except ValueError as error:
+            fail(str(error))
+    save_offsets(offsets, out)
+    say(f"held-out loss {record['initial_held_out_loss']:.4f} -> {record['held_out_loss']:.4f} nats "
+        f"(top-1 by depth {record['initial_held_out_top1']} -> {record['held_out_top1']}) after "
+        f"{record['steps']} steps; wrote {out}", quiet)
+
+
+@app.command()
+def calibrate(
+    out_dir: Path = typer.Option(..., help="Folder for the acceptance table and one tree file per budget."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: zero offsets (reused heads)."),
+    texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP),
+    contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP),
+    split: str = typer.Option("calibration", help=SPLIT_HELP),
+    budgets: str = typer.Option("4,7,8,15,16,31,32,63,64", help="Node budgets N, comma-separated: one tree each "
+                                                               "(N + 1 a multiple of 8 or 16 is often cheaper to run)."),
+    name: Optional[str] = typer.Option(None, help="File name prefix; default: the offsets file's name, or "
+                                                  "reused-heads."),
+    speaker: str = typer.Option("vivian", help="With --texts: speaker of lines that name none."),
+    language: str = typer.Option("auto", help="With --texts: language of lines that name none."),
+    seed: int = typer.Option(0, help="Seed of synthesis and of the codes sampled for the table."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    force: bool = typer.Option(False, "--force", help="Replace files that exist."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Measure the per-depth, per-rank acceptance table on free-running codes and grow one sparse tree
+    per node budget (depth capped at K), each with its expected codes per call."""
+    from rvqtts.calibration import calibrate_trees
+    from rvqtts.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
+
+    check_source(texts, contexts)
+    sizes = list_of_ints(budgets, "--budgets")
+    prefix = name or (offsets.stem if offsets else "reused-heads")
+    table_path = out_dir / f"{prefix}{ACCEPTANCE_SUFFIX}"
+    tree_paths = {n: out_dir / f"{prefix}-n{n}.json" for n in sizes}
+    existing = [str(p) for p in (table_path, *tree_paths.values()) if p.exists()]
+    if existing and not force:
+        fail(f"{', '.join(existing)} already exist: --force replaces them")
+    ensure_writable(out_dir, folder=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    synthesizer = load_synthesizer(model, device, dtype)
+    drafting = drafting_offsets(synthesizer, offsets, 3)
+    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet)
+    with progress_bar(quiet) as progress:
+        progress.add_task(f"sampling {len(frames)} frames and ranking drafts", total=None)
+        table, trees = calibrate_trees(synthesizer, frames, drafting, sizes, seed, model_name=model,
+                                       offsets_name=offsets.name if offsets else "")
+    save_acceptance(table, table_path)
+    for size, tree in trees.items():
+        save_tree(tree, tree_paths[size])
+    summary = ", ".join(f"N={n}: {t.expected_codes_per_call}" for n, t in trees.items())
+    say(f"expected codes per call {summary}; wrote {table_path} and {len(trees)} trees in {out_dir}", quiet)
+
+
+@app.command()
+def accept(
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the "
+                                                      "model, else zero offsets."),
+    tree: str = typer.Option("16", help="A node budget N (a shipped tree) or a tree file."),
+    texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP),
+    contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP),
+    split: str = typer.Option("evaluation", help=SPLIT_HELP),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    speaker: str = typer.Option("vivian", help="With --texts: speaker of lines that name none."),
+    language: str = typer.Option("auto", help="With --texts: language of lines that name none."),
+    seed: int = typer.Option(0, help="Seed of synthesis and of the speculative decoding's draws."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
+) -> None:
+    """Measure codes per predictor call of the speculative inner loop on these frames: overall and per
+    language, with a 95 % confidence interval."""
+    from rvqtts.calibration import codes_per_call
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.report import codes_per_call_table
+    from rvqtts.synthesis import choose_speculation
+    from rvqtts.tree import TreeFileError
+
+    check_source(texts, contexts)
+    if json_out is not None:
+        ensure_writable(json_out)
+    synthesizer = load_synthesizer(model, device, dtype)
+    try:
+        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
+    except (TreeFileError, OffsetsFileError, ValueError) as error:
+        fail(str(error))
+    if notice:
+        say(notice, quiet)
+    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet)
+    with progress_bar(quiet) as progress:
+        progress.add_task(f"decoding {len(frames)} frames", total=None)
+        result = codes_per_call(synthesizer.code_predictor, speculation,
+                                frames.prefixes(synthesizer.talker.get_input_embeddings()), list(frames.language),
+                                seed)
+    result.update(model=model, tree=tree, tree_nodes=speculation.tree.nodes,
+                  offsets=str(offsets) if offsets else speculation.offsets.metadata.get("source", "shipped"),
+                  frames_source=frames.source)
+    publish(result, json_out, codes_per_call_table, quiet)
