@@ -121,8 +121,8 @@ def _frame_loops(code_predictor: torch.nn.Module, device: torch.device, dtype: t
 def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup: int = 5, repeats: int = 30,
                     weights: str = "random", progress: Callable[[int, int], None] | None = None) -> dict:
     """Median and spread of one predictor call per query length q, as the engine makes it (q = 1: a plain
-    step and its draw; q > 1: a verify round of a q - 1 node tree: drafts, forward under the tree mask,
-    LM heads and draws at every slot; CUDA-graph replays on CUDA), and of qwen-tts's own q = 1 forward,
+    step and its draw; q > 1: a verify round of a q - 1 node tree: drafts, forward with tree attention row by
+    row, LM heads and draws at every slot; CUDA-graph replays on CUDA), and of qwen-tts's own q = 1 forward,
     interleaved in one run; also one whole frame's inner loop, qwen-tts's HF `generate()` against
     rvqtts's plain loop."""
     weight = code_predictor.lm_head[0].weight
@@ -376,7 +376,7 @@ def bench_dtype(reference: torch.nn.Module, candidate: torch.nn.Module, prefixes
                 agree += int(draw(runner.logits(hidden, index), noise[index - 1], sampling)) == theirs[index - 1]
                 forced += 1
     frames = len(prefixes)
-    return {"frames": frames, "dtype": str(runner.dtype).removeprefix("torch."),
+    return {"frames": frames, "codes_per_frame": last, "dtype": str(runner.dtype).removeprefix("torch."),
             "reference_dtype": str(loops["reference"].runner.dtype).removeprefix("torch."),
             "teacher_forced_code_agreement": round(agree / forced, 5),
             "free_running_frames_identical": round(frames_equal / frames, 4),

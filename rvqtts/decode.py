@@ -219,19 +219,20 @@ def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, nois
     so its shapes depend on index alone and `calls` may replay it from a graph keyed by index."""
     last = runner.code_groups - 1
     hidden, root, finite = calls(("prefill", sampling), partial(prefill_call, runner, sampling), prefix, noise)
-    if not bool(finite):
-        raise NonFiniteError("code predictor", runner.dtype)
     codes: list[int] = []
     made, index = 1, 1  # calls made, index of the root code
     while True:
         if index == last:
             codes.extend(root.tolist())
+            if not bool(finite):
+                raise NonFiniteError("code predictor", runner.dtype)
             break
         plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
-        node_codes, out, draws, finite = calls(("round", index, sampling),
-                                               partial(round_call, runner, plan, offsets, index, sampling), hidden,
-                                               root, noise)
+        node_codes, out, draws, round_finite = calls(("round", index, sampling),
+                                                     partial(round_call, runner, plan, offsets, index, sampling),
+                                                     hidden, root, noise)
         made += 1
+        finite = finite & round_finite  # the prefill's flag too, read back with the first round's codes
         host_codes, host_draws = node_codes.tolist(), draws.tolist()
         if not bool(finite):
             raise NonFiniteError("code predictor", runner.dtype)

@@ -27,6 +27,10 @@ def pick_device(device: str = "auto") -> str:
         raise DeviceError(f"--device {device}: " + (
             "this torch is built without CUDA; install a CUDA build of torch, or use --device cpu"
             if torch.version.cuda is None else "no CUDA GPU is visible; use --device cpu"))
+    if device.startswith("cuda:"):
+        index = device.removeprefix("cuda:")
+        if not index.isdigit() or int(index) >= torch.cuda.device_count():
+            raise DeviceError(f"--device {device}: this machine has CUDA devices 0 to {torch.cuda.device_count() - 1}")
     if device == "mps" and not torch.backends.mps.is_available():
         raise DeviceError("--device mps: MPS is not available here (it needs a Mac with Apple silicon and a torch "
                           "built with MPS); use --device cpu")

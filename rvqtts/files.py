@@ -61,14 +61,14 @@ def check_writable(path: str | os.PathLike, folder: bool = False) -> None:
 
     Checked by doing it: missing folders are made, a probe file is created in the target folder, and
     both are removed again, so a run can stop before any model work and leave nothing behind."""
-    path = Path(path).expanduser()
-    target = path if folder else path.parent
     made: list[Path] = []
     try:
+        path = Path(path).expanduser()
+        target = path if folder else path.parent
         if not folder and path.is_dir():
             raise OutputPathError(f"cannot write {path}: it is a folder; give a file name")
         missing, existing = [], target
-        while not existing.exists():
+        while not existing.exists() and existing != existing.parent:
             missing.append(existing)
             existing = existing.parent
         if not existing.is_dir():
@@ -81,6 +81,8 @@ def check_writable(path: str | os.PathLike, folder: bool = False) -> None:
         os.unlink(probe)
     except OutputPathError:
         raise
+    except RuntimeError as error:  # expanduser: no such user
+        raise OutputPathError(f"cannot write {path}: {error}") from error
     except OSError as error:
         raise OutputPathError(f"cannot write {path}: {error.strerror or error}"
                               + (f" ({error.filename})" if error.filename else "")) from error

@@ -171,7 +171,7 @@ def dtype_table(result: dict) -> Table:
     table.add_column("value", justify="right")
     table.add_row("codes agreeing, teacher forced", f"{100 * result['teacher_forced_code_agreement']:.2f} %")
     table.add_row("frames identical, free running", f"{100 * result['free_running_frames_identical']:.1f} %")
-    table.add_row("codes before the first difference", f"{result['codes_before_first_difference']:.2f} of 15")
+    table.add_row("codes before the first difference", f"{result['codes_before_first_difference']:.2f} of {result['codes_per_frame']}")
     for name, value in result["ms_per_frame"].items():
         table.add_row(f"plain loop ms/frame, {result['dtype'] if name == 'candidate' else result['reference_dtype']}",
                       f"{value:.1f}")

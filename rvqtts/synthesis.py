@@ -172,7 +172,8 @@ class GenerationSettings:
 
         def pick(key: str, *given):
             """The first value given, else the checkpoint's, else qwen-tts's."""
-            return next((v for v in given if v is not None), defaults.get(key, QWEN_TTS_DEFAULTS[key]))
+            stored = defaults.get(key)
+            return next((v for v in given if v is not None), QWEN_TTS_DEFAULTS[key] if stored is None else stored)
 
         talker = SamplingConfig(pick("temperature", self.temperature), pick("top_k", self.top_k) or 0,
                                 pick("top_p", self.top_p), bool(pick("do_sample")))

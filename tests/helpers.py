@@ -47,10 +47,11 @@ def random_contexts(synth, frames: int, seed: int = 0) -> Contexts:
     return contexts
 
 
-def linear_maps_are_row_invariant(code_predictor, rows: int = 16) -> bool:
-    """Whether this machine's matrix kernels give one row the same bits alone as in a batch of `rows`, for
-    every linear map the runner applies (they choose kernels by shape, and do so differently per CPU and
-    dtype). Where they do, a tree call's rows equal plain steps bit for bit; elsewhere, in the last bit."""
+def linear_maps_are_row_invariant(code_predictor, rows: int = 17) -> bool:
+    """Whether this machine's matrix kernels give one row the same bits alone as in a batch of 2 to `rows`
+    rows (a round's query, and each depth's rows through its LM head), for every linear map the runner
+    applies (kernels are chosen by shape, differently per CPU and dtype). Where they do, a tree call's
+    rows equal plain steps bit for bit; elsewhere they differ in the last bit."""
     from rvqtts.predictor import PredictorRunner
 
     runner = PredictorRunner(code_predictor, 2)
@@ -63,7 +64,8 @@ def linear_maps_are_row_invariant(code_predictor, rows: int = 16) -> bool:
     with torch.inference_mode():
         for weight, bias in maps:
             x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
-            batch = torch.nn.functional.linear(x, weight, bias)
-            if not torch.equal(torch.nn.functional.linear(x[:1], weight, bias)[0], batch[0]):
-                return False
+            alone = torch.nn.functional.linear(x[:1], weight, bias)[0]
+            for size in range(2, rows + 1):
+                if not torch.equal(torch.nn.functional.linear(x[:size], weight, bias)[0], alone):
+                    return False
     return True

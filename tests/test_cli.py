@@ -16,7 +16,6 @@ from rvqtts.cli import app
 from rvqtts.files import current_umask
 from rvqtts.offsets import Offsets, save_offsets
 from rvqtts.synthesis import Synthesizer
-from rvqtts.tree import best_budget, platform_key
 
 runner = CliRunner()
 
@@ -211,6 +210,9 @@ def test_input_that_needs_no_model_is_refused_before_the_model_loads(tmp_path, t
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(Synthesizer, "load", no_load)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only torch, whatever this one is
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     base = tmp_path / "base-model"
     base.mkdir()
     config = json.loads((tiny_dir / "config.json").read_text())
@@ -340,20 +342,23 @@ def test_the_statistics_table_never_cuts_a_figure():
         assert figure in shown, (figure, shown)
 
 
-def test_the_default_run_picks_its_dtype_and_tree_by_what_was_measured(tmp_path, tiny_dir):
-    from rvqtts.devices import native_bf16_flag, pick_dtype
+@pytest.mark.parametrize("flag", ["amx_bf16", None])
+def test_the_default_run_picks_its_dtype_and_tree_by_what_was_measured(tmp_path, tiny_dir, monkeypatch, flag):
+    """On a CPU that multiplies bfloat16 natively: bfloat16 and the 15-node tree (`cpu/bfloat16` in
+    trees/best-n.json); elsewhere float32 and the plain loop (`cpu/float32`: no tree pays there)."""
+    import rvqtts.devices
 
+    monkeypatch.setattr(rvqtts.devices, "native_bf16_flag", lambda: flag)
     stats = tmp_path / "s.json"
     result = synth("Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames", "3", "--stats-json", stats)
     assert result.exit_code == 0, result.output
     record = json.loads(stats.read_text())["utterances"][0]
-    dtype, reason = pick_dtype("auto", "cpu")
-    assert dtype == ("bfloat16" if native_bf16_flag() else "float32")
-    assert (reason is not None) == (dtype == "bfloat16") and (reason or "") in result.stderr
-    budget = best_budget(platform_key("cpu", dtype))[0]
-    assert record["spec"] == (budget > 0) and record["tree_nodes"] == budget
-    if not budget:
-        assert "plain inner loop: no tree was measured to pay" in result.stderr
+    if flag:
+        assert "bfloat16: this CPU multiplies bfloat16 natively (amx_bf16)" in result.stderr
+        assert record["spec"] is True and record["tree_nodes"] == 15
+    else:
+        assert "bfloat16" not in result.stderr and record["spec"] is False and record["tree_nodes"] == 0
+        assert "plain inner loop: no tree was measured to pay for this model on cpu/float32" in result.stderr
 
 
 def test_native_bf16_is_read_from_the_cpu_flags():

@@ -64,9 +64,10 @@ def decode_frames(synth, speculation, frames: int, calls: StaticCalls | None = N
 def test_speculative_codes_equal_plain_codes_in_every_dtype(dims, dtype, request):
     """Tree attention runs row by row over each row's own slots, so a tree call's row is computed as a
     plain step computes it wherever the machine's linear kernels are row-invariant (bfloat16 on an AMX
-    Xeon): there every frame must agree. Elsewhere rows differ in the last bit and a near-tie can flip a
-    draw; nearly all frames must still agree (before the row-by-row attention, bfloat16 on this layout
-    differed on about one frame in eight)."""
+    Xeon): there every frame must agree. Elsewhere (float32 and float16 there) rows differ in the last
+    bit and a near-tie can flip a draw; nearly all frames must still agree (before the row-by-row
+    attention, bfloat16 on this layout differed on about one frame in eight; a broken verifier differs
+    on nearly every frame)."""
     folder = request.getfixturevalue(SIZES[dims] + "_dir")
     synth = request.getfixturevalue(SIZES[dims]) if dtype == "float32" else Synthesizer.load(folder, dtype=dtype)
     hidden = synth.hidden_size
@@ -76,7 +77,7 @@ def test_speculative_codes_equal_plain_codes_in_every_dtype(dims, dtype, request
     plain, _ = decode_frames(synth, None, frames)
     spec, stats = decode_frames(synth, speculation, frames)
     differing = np.flatnonzero((plain != spec).any(axis=1)).tolist()
-    allowed = 0 if dtype == "float32" or linear_maps_are_row_invariant(synth.code_predictor) else frames // 10
+    allowed = 0 if linear_maps_are_row_invariant(synth.code_predictor) else frames // 10
     assert len(differing) <= allowed, f"{dtype}: frames {differing} differ"
     assert stats.accepted_per_depth[0] > 0 and stats.calls < 15 * frames  # drafts were accepted
 

@@ -31,7 +31,7 @@ def bench_predictor_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
 ) -> None:
-    """Median and spread of one predictor call per query length (tree mask, KV length 8, after warm-up),
+    """Median and spread of one predictor call per query length (a verify round for q > 1, KV length 8, after warm-up),
     with qwen-tts's own q = 1 forward timed in the same run, interleaved."""
     from rvqtts.bench import PREDICTOR_DIMS, bench_predictor, random_code_predictor
     from rvqtts.loading import DTYPES
@@ -52,7 +52,7 @@ def bench_predictor_command(
         code_predictor = random_code_predictor(dims, getattr(torch, dtype), resolve_device(device))
         weights = f"random at the real {dims} dimensions"
     else:
-        code_predictor = load_synthesizer(model, device, dtype).code_predictor
+        code_predictor = load_synthesizer(model, device, dtype, quiet).code_predictor
         weights = model
     with progress_bar(quiet) as progress:
         task = progress.add_task("warming up and timing", total=len(queries))
@@ -133,18 +133,21 @@ def bench_e2e_command(
     from rvqtts.offsets import OffsetsFileError
     from rvqtts.report import e2e_table
     from rvqtts.synthesis import GenerationSettings, choose_speculation
-    from rvqtts.tree import TreeFileError
+    from rvqtts.tree import FALLBACK_BUDGET, TreeFileError
 
     try:
         lines = [(u.text, u.speaker or speaker, u.language or language) for u in read_batch(texts)]
         settings = GenerationSettings(max_frames=max_frames)
     except (BatchFileError, ValueError) as error:
         fail(str(error))
-    synthesizer = load_synthesizer(model, device, dtype)
+    synthesizer = load_synthesizer(model, device, dtype, quiet)
     try:
         for _, line_speaker, line_language in lines:
             synthesizer.check_voice(line_speaker, line_language)
-        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
+        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, allow_plain=True)
+        if speculation is None:  # the speculative column still needs a tree
+            say(f"{notice}; the speculative runs use N = {FALLBACK_BUDGET}", quiet)
+            speculation, notice = choose_speculation(synthesizer.code_predictor, FALLBACK_BUDGET, offsets)
     except (TreeFileError, OffsetsFileError, ValueError) as error:
         fail(str(error))
     if notice:
@@ -251,7 +254,7 @@ def bench_coreml_command(
         check_coreml(compute_units, precision)
     if json_out is not None:
         ensure_writable(json_out)
-    synthesizer = load_synthesizer(model, "cpu", "float32")
+    synthesizer = load_synthesizer(model, "cpu", "float32", quiet)
     sampling = SamplingConfig()
     try:
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")

@@ -20,8 +20,8 @@ def check_source(texts: Optional[Path], contexts: Optional[Path], audio: Optiona
              + (" or --audio FILE.jsonl (recordings and transcripts)" if audio_allowed else ""))
 
 
-def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path], split: str, speaker: str, language: str,
-            seed: int, quiet: bool, audio: Optional[Path] = None):
+def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path], split: str, speaker: str,
+                    language: str, seed: int, quiet: bool, audio: Optional[Path] = None):
     """Frames from a contexts file, from recordings by teacher forcing, or recorded by synthesizing a text
     file with the plain inner loop."""
     from rvqtts.batch import BatchFileError, read_batch

@@ -87,7 +87,7 @@ def export_coreml(
     except (CoreMLError, ValueError) as error:
         fail(str(error))
     ensure_writable(out, folder=True)
-    synthesizer = load_synthesizer(model, "cpu", "float32")
+    synthesizer = load_synthesizer(model, "cpu", "float32", quiet)
     try:
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
         if notice:

@@ -130,6 +130,7 @@ def synth(
             fail(str(error))
         if output != "-":
             ensure_writable(Path(output))
+            output = str(Path(output).expanduser())  # as checked, also where no shell expanded a "~"
         if codes_out is not None:
             ensure_writable(codes_out)
         utterances = [Utterance(1, _read_text(text).strip(), output)]

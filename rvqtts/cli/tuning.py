@@ -71,7 +71,7 @@ def train_offsets_command(
             raise ValueError(f"--held-out must be between 0 and 1, got {held_out}")
     except ValueError as error:
         fail(str(error))
-    synthesizer = load_synthesizer(model, device, dtype)
+    synthesizer = load_synthesizer(model, device, dtype, quiet)
     frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, audio)
     if save_contexts is not None:
         write_contexts(frames, save_contexts)
@@ -128,7 +128,7 @@ def calibrate(
         fail(f"{', '.join(existing)} already exist: --force replaces them")
     ensure_writable(out_dir, folder=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    synthesizer = load_synthesizer(model, device, dtype)
+    synthesizer = load_synthesizer(model, device, dtype, quiet)
     drafting = drafting_offsets(synthesizer, offsets, 3)
     frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet)
     with progress_bar(quiet) as progress:
@@ -170,7 +170,7 @@ def accept(
     check_source(texts, contexts)
     if json_out is not None:
         ensure_writable(json_out)
-    synthesizer = load_synthesizer(model, device, dtype)
+    synthesizer = load_synthesizer(model, device, dtype, quiet)
     try:
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
     except (TreeFileError, OffsetsFileError, ValueError) as error:
