@@ -34,7 +34,6 @@ from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_b
 from rvqtts.tree import best_budget, platform_key, resolve_tree
 
 
-
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so that host clocks measure it."""
     if device.type == "cuda":

@@ -19,6 +19,7 @@ import torch
 
 from rvqtts.files import current_umask
 from rvqtts.compat import qwen_tts
+from rvqtts.synthesis import QWEN_TTS_DEFAULTS
 
 SPEAKERS = ["vivian", "serena", "uncle_fu", "dylan", "eric", "ryan", "aiden", "ono_anna", "sohee"]
 LANGUAGES = ["chinese", "english", "japanese", "korean", "german", "french", "russian",
@@ -33,10 +34,9 @@ TEXT_VOCAB = 512
 HEAD_DIM = 16
 RELEASED = Path(__file__).parent / "released"  # the released models' configuration files, with provenance
 SHALLOW_LAYERS = 2
-# qwen-tts reads generation_config.json as a plain dict of its own sampling keys.
-GENERATION_DEFAULTS = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
-                           subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0,
-                           subtalker_temperature=0.9, max_new_tokens=48)
+# qwen-tts reads generation_config.json as a plain dict of its own sampling keys; its defaults, and a short
+# generation limit (the tiny talker never ends its speech).
+GENERATION_DEFAULTS = {**QWEN_TTS_DEFAULTS, "max_new_tokens": 48}
 
 
 def _build_text_tokenizer(out_dir: Path):
