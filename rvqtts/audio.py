@@ -1,35 +1,87 @@
-"""Audio out: joining chunks with a short crossfade, and WAV, FLAC or Ogg files written atomically (or a WAV
-to stdout)."""
+"""Audio out: joining chunks with a short crossfade; WAV, FLAC or Ogg files written atomically, whole or as
+a stream; WAV or raw PCM on standard output."""
 
 from __future__ import annotations
 
 import io
+import struct
 import sys
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
-from rvqtts.files import write_atomically
+from rvqtts.files import atomic_path, write_atomically
 
 CROSSFADE_SECONDS = 0.05
+
+
+class StreamJoiner:
+    """Joins chunk waveforms as they arrive, overlapping each seam by a linear crossfade of `crossfade`
+    seconds (shortened where either side is shorter): what `add` and `finish` return, concatenated, is
+    `join_chunks` of the chunks. The last samples of the output so far are held back until the next
+    chunk's start (or the end) is known."""
+
+    def __init__(self, sample_rate: int, crossfade: float = CROSSFADE_SECONDS):
+        self.overlap = int(crossfade * sample_rate)
+        self.tail = np.zeros(0, dtype=np.float32)  # output not yet handed out
+        self.head = np.zeros(0, dtype=np.float32)  # the start of a chunk waiting for its crossfade
+        self.mixing = False
+        self.started = False
+        self.out: list[np.ndarray] = []
+
+    def add(self, samples: np.ndarray, new_part: bool = False) -> np.ndarray:
+        """Take the next samples (`new_part`: the first of a chunk); return those ready to play."""
+        samples = samples.astype(np.float32)
+        if new_part and self.started:
+            if self.mixing:
+                self._mix()
+            self.mixing = True
+        self.started = True
+        if self.mixing:
+            self.head = np.concatenate([self.head, samples])
+            if self.head.size >= self.overlap:
+                self._mix()
+        else:
+            self.tail = np.concatenate([self.tail, samples])
+        ready = max(self.tail.size - self.overlap, 0)
+        return self._hand_out(ready)
+
+    def finish(self) -> np.ndarray:
+        """The samples still held, at the end of the last chunk."""
+        if self.mixing:
+            self._mix()
+        return self._hand_out(self.tail.size)
+
+    def audio(self) -> np.ndarray:
+        """Everything handed out so far."""
+        return np.concatenate(self.out) if self.out else np.zeros(0, dtype=np.float32)
+
+    def _mix(self) -> None:
+        overlap = min(self.overlap, self.tail.size, self.head.size)
+        if overlap:
+            fade = np.linspace(0.0, 1.0, overlap + 2, dtype=np.float32)[1:-1]
+            seam = self.tail[-overlap:] * (1.0 - fade) + self.head[:overlap] * fade
+            self.tail = np.concatenate([self.tail[:-overlap], seam, self.head[overlap:]])
+        else:
+            self.tail = np.concatenate([self.tail, self.head])
+        self.head = np.zeros(0, dtype=np.float32)
+        self.mixing = False
+
+    def _hand_out(self, count: int) -> np.ndarray:
+        ready, self.tail = self.tail[:count], self.tail[count:]
+        self.out.append(ready)
+        return ready
 
 
 def join_chunks(parts: list[np.ndarray], sample_rate: int, crossfade: float = CROSSFADE_SECONDS) -> np.ndarray:
     """Concatenate chunk waveforms, overlapping each seam by a linear crossfade of `crossfade` seconds
     (shortened where a chunk is shorter than that)."""
-    if not parts:
-        return np.zeros(0, dtype=np.float32)
-    joined = parts[0].astype(np.float32)
-    for part in parts[1:]:
-        part = part.astype(np.float32)
-        overlap = min(int(crossfade * sample_rate), joined.size, part.size)
-        if overlap:
-            fade = np.linspace(0.0, 1.0, overlap + 2, dtype=np.float32)[1:-1]
-            seam = joined[-overlap:] * (1.0 - fade) + part[:overlap] * fade
-            joined = np.concatenate([joined[:-overlap], seam, part[overlap:]])
-        else:
-            joined = np.concatenate([joined, part])
-    return joined
+    joiner = StreamJoiner(sample_rate, crossfade)
+    for part in parts:
+        joiner.add(part, new_part=True)
+    joiner.finish()
+    return joiner.audio()
 
 
 # Output containers soundfile writes, by file suffix; standard output ("-") always gets a WAV.
@@ -56,15 +108,56 @@ def audio_bytes(audio: np.ndarray, sample_rate: int, container: tuple[str, str] 
     return buffer.getvalue()
 
 
-def write_audio(target: str | Path, audio: np.ndarray, sample_rate: int) -> None:
-    """Write audio in the format its suffix names (.wav, .flac, .ogg) atomically, or a WAV to standard
-    output for "-"."""
-    data = audio_bytes(audio, sample_rate, audio_format(target))
+STDOUT_FORMATS = ("wav", "raw")  # what `-o -` carries: a 16-bit PCM WAV, or the bare 16-bit little-endian samples
+UNKNOWN_SIZE = 0xFFFFFFFF  # the RIFF and data sizes of a WAV whose length is not known when its header is written
+
+
+def pcm16(audio: np.ndarray) -> bytes:
+    """Mono samples in [-1, 1] as 16-bit little-endian PCM."""
+    return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+def wav_header(sample_rate: int, data_bytes: int = UNKNOWN_SIZE) -> bytes:
+    """The 44-byte header of a mono 16-bit PCM WAV; by default for a stream of unknown length (both sizes
+    0xFFFFFFFF, which sox, ffmpeg and common players read as "until the end of the input")."""
+    riff = UNKNOWN_SIZE if data_bytes == UNKNOWN_SIZE else 36 + data_bytes
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate,
+                                                                           sample_rate * 2, 2, 16)
+            + b"data" + struct.pack("<I", data_bytes))
+
+
+def _stdout_write(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+def write_audio(target: str | Path, audio: np.ndarray, sample_rate: int, stdout_format: str = "wav") -> None:
+    """Write audio in the format its suffix names (.wav, .flac, .ogg) atomically, or to standard output
+    for "-" (`stdout_format`: wav or raw)."""
     if str(target) == "-":
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
+        _stdout_write(audio_bytes(audio, sample_rate) if stdout_format == "wav" else pcm16(audio))
     else:
-        write_atomically(Path(target), data)
+        write_atomically(Path(target), audio_bytes(audio, sample_rate, audio_format(target)))
+
+
+def write_stream(target: str | Path, chunks: Iterable[np.ndarray], sample_rate: int,
+                 stdout_format: str = "wav") -> None:
+    """Write audio chunk by chunk as `chunks` yields them: to standard output for "-" (a WAV of unknown
+    length, or raw PCM), flushed after every chunk; else to a file in the format its suffix names, which
+    appears complete when the stream ends (and not at all if it fails)."""
+    if str(target) == "-":
+        if stdout_format == "wav":
+            _stdout_write(wav_header(sample_rate))
+        for chunk in chunks:
+            _stdout_write(pcm16(chunk))
+        return
+    import soundfile
+
+    container, subtype = audio_format(target)
+    with atomic_path(target) as partial:
+        with soundfile.SoundFile(partial, "w", sample_rate, 1, subtype, format=container) as sink:
+            for chunk in chunks:
+                sink.write(np.clip(chunk, -1.0, 1.0))
 
 
 def write_codes(path: Path, codes: np.ndarray) -> None:

@@ -19,7 +19,7 @@ from rvqtts.files import write_atomically
 from rvqtts.graphs import StaticCalls
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig
-from rvqtts.synthesis import synchronize
+from rvqtts.inner_loop import synchronize
 from rvqtts.tree import SHIPPED_TREES, Tree, frame_codes_per_call, grow_tree, load_acceptance
 
 PREDICTOR_DIMS = {"0.6b": 1024, "1.7b": 2048}  # talker width in front of the (same) 1024-wide predictor
@@ -331,6 +331,43 @@ def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int =
             "dtype": str(next(tokenizer.model.parameters()).dtype).removeprefix("torch.")}
 
 
+def bench_talker(talker: torch.nn.Module, contexts: list[int], repeats: int = 20, seed: int = 0) -> dict:
+    """One talker step at each context length: rvqtts's runner (rvqtts.talker) against qwen-tts's talker
+    transformer and codec head as its HF loop calls them (a dynamic cache, the attention mask and MRoPE
+    positions of generate()), the two taking turns. The stock step's code-predictor call, which qwen-tts
+    makes inside the same forward, is not part of it: this is the talker's share of a frame."""
+    from transformers import DynamicCache
+
+    from rvqtts.talker import TalkerRunner
+
+    device, dtype = talker.codec_head.weight.device, talker.codec_head.weight.dtype
+    generator = torch.Generator().manual_seed(seed)
+    runner = TalkerRunner(talker)
+    rows = []
+    for length in contexts:
+        prompt = (0.02 * torch.randn(length, talker.config.hidden_size, generator=generator)).to(device, dtype)
+        step = (0.02 * torch.randn(1, talker.config.hidden_size, generator=generator)).to(device, dtype)
+        cache = DynamicCache()
+        mask = torch.ones(1, length + 1, dtype=torch.long, device=device)
+        positions = torch.full((3, 1, 1), length, dtype=torch.long, device=device)
+        with torch.inference_mode():
+            runner.prefill(prompt)
+            talker.model(inputs_embeds=prompt[None], past_key_values=cache, use_cache=True)
+
+            def stock() -> torch.Tensor:
+                hidden = talker.model(inputs_embeds=step[None], attention_mask=mask, position_ids=positions,
+                                      past_key_values=cache, use_cache=True).last_hidden_state
+                return talker.codec_head(hidden)
+
+            times = interleaved_ms({"stock": stock, "rvqtts": partial(runner.step, step, length)}, device,
+                                   warmup=3, repeats=repeats, reset=lambda: cache.crop(length))
+        stock_ms, ours_ms = (statistics.median(times[name]) for name in ("stock", "rvqtts"))
+        rows.append({"context": length, "stock_ms": round(stock_ms, 2), "rvqtts_ms": round(ours_ms, 2),
+                     "ratio": round(ours_ms / stock_ms, 3)})
+    return {"rows": rows, "repeats": repeats, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "layers": talker.config.num_hidden_layers, "hidden_size": talker.config.hidden_size}
+
+
 def random_prefixes(talker: torch.nn.Module, frames: int, seed: int = 0) -> torch.Tensor:
     """Frame contexts [frames, 2, E] like the talker hands over: random h_t, and a random c0's embedding."""
     generator = torch.Generator().manual_seed(seed)
@@ -349,7 +386,7 @@ def bench_dtype(reference: torch.nn.Module, candidate: torch.nn.Module, prefixes
     free, and the codes a free-running frame gets right before its first difference; with the two
     loops' ms per frame, timed frame by frame in turn."""
     from rvqtts.sampling import draw, gumbel_noise
-    from rvqtts.synthesis import InnerLoop
+    from rvqtts.inner_loop import InnerLoop
 
     loops = {"reference": InnerLoop(reference, None, seed), "candidate": InnerLoop(candidate, None, seed)}
     runner = loops["candidate"].runner
@@ -394,7 +431,7 @@ def bench_fused(code_predictor: torch.nn.Module, speculation, candidate, prefixe
 
     from rvqtts.decode import DecodeStats
     from rvqtts.sampling import gumbel_noise
-    from rvqtts.synthesis import InnerLoop
+    from rvqtts.inner_loop import InnerLoop
 
     engine = InnerLoop(code_predictor, speculation, seed)
     positions = np.arange(1, engine.code_groups)

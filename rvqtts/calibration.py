@@ -28,7 +28,7 @@ MAX_RANK = 16  # ranks per depth an acceptance table records; greedy trees rarel
 def sample_codes(code_predictor, prefixes: torch.Tensor, seed: int,
                  sampling: SamplingConfig = SamplingConfig()) -> np.ndarray:
     """Free-running codes c1..c15 [n, 15] from the plain inner loop, frame f keyed (seed, 0, f)."""
-    from rvqtts.synthesis import InnerLoop
+    from rvqtts.inner_loop import InnerLoop
 
     loop = InnerLoop(code_predictor, None, seed)
     return np.array([loop.decode(p, sampling, 0, f) for f, p in enumerate(prefixes)], dtype=np.int64)
@@ -71,7 +71,7 @@ def codes_per_call(code_predictor, speculation: Speculation, prefixes: torch.Ten
                    seed: int, sampling: SamplingConfig = SamplingConfig()) -> dict:
     """Codes per predictor call of the engine's speculative loop over these frames, overall and per language,
     with a 95 % interval from the spread of per-frame calls."""
-    from rvqtts.synthesis import InnerLoop
+    from rvqtts.inner_loop import InnerLoop
 
     loop = InnerLoop(code_predictor, speculation, seed)
     calls = []

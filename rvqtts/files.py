@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 def current_umask() -> int:
@@ -14,19 +16,27 @@ def current_umask() -> int:
     return mask
 
 
-def write_atomically(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file and a rename: readers never see a partial file."""
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside `path` to write; renamed to `path` when the block ends, removed if it fails:
+    readers never see a partial file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(handle)
     try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
+        yield Path(partial)
         os.chmod(partial, 0o666 & ~current_umask())  # mkstemp makes 0600; give the file ordinary permissions
         os.replace(partial, path)
     except BaseException:
         Path(partial).unlink(missing_ok=True)
         raise
+
+
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file and a rename."""
+    with atomic_path(path) as partial:
+        partial.write_bytes(data)
 
 
 def write_json(path: str | os.PathLike, document: object) -> None:

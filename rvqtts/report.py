@@ -33,7 +33,7 @@ def stats_table(rows: list[tuple[str, dict]]) -> Table:
                ("calls", "predictor_calls", None), ("codes/call", "codes_per_call", ".2f"),
                ("wall", "wall_seconds", ".2f"), ("talker", "talker_seconds", ".2f"),
                ("predictor", "predictor_seconds", ".2f"), ("decoder", "decoder_seconds", ".2f"),
-               ("RTF", "rtf", ".2f")]
+               ("1st audio", "first_audio_seconds", ".2f"), ("RTF", "rtf", ".2f")]
     cells = []
     for name, record in rows:
         values = [name if key == "name" else record.get(key) for _, key, _ in columns]
@@ -186,6 +186,17 @@ def decoder_table(result: dict) -> Table:
         table.add_column(title, justify="right")
     for row in result["rows"]:
         table.add_row(str(row["frames"]), f"{row['ms']:.1f}", f"{row['ms_per_frame']:.2f}")
+    return table
+
+
+def talker_table(result: dict) -> Table:
+    """`rvqtts bench talker`: one talker step, rvqtts's against qwen-tts's, by context length."""
+    table = Table(title=f"talker step, {result['device']} {result['dtype']}, median of {result['repeats']}",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for title in ("context", "stock ms", "rvqtts ms", "rvqtts / stock"):
+        table.add_column(title, justify="right")
+    for row in result["rows"]:
+        table.add_row(str(row["context"]), f"{row['stock_ms']:.2f}", f"{row['rvqtts_ms']:.2f}", f"{row['ratio']:.3f}")
     return table
 
 

@@ -55,12 +55,6 @@ class NonFiniteError(RuntimeError):
                          f"weights), so no code can be drawn from them: {advice}")
 
 
-def check_finite(logits: torch.Tensor, model: str) -> None:
-    """Raise NonFiniteError unless every logit is finite."""
-    if not bool(torch.isfinite(logits).all()):
-        raise NonFiniteError(model, logits.dtype)
-
-
 def warp_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """Float32 logits over the last axis, scaled and filtered (-inf outside the kept set).
 
@@ -111,6 +105,35 @@ def draw_checked(logits: torch.Tensor, noise: torch.Tensor,
     return codes, torch.isfinite(scores.gather(-1, codes.unsqueeze(-1))).all()
 
 
+class C0Rules:
+    """The logits processors qwen-tts asks Hugging Face's `generate()` to apply to the talker's scores
+    before the warpers: the repetition penalty over the utterance's c0 history (each id once, however
+    often it recurs: a negative score is multiplied by the penalty, a positive one divided), end of
+    speech barred for the first `min_frames` draws (qwen-tts's `min_new_tokens`), and the top 1,024 ids
+    of the codec vocabulary (its control tokens) suppressed, except end of speech."""
+
+    MIN_FRAMES = 2  # qwen-tts's min_new_tokens
+    SUPPRESSED_TAIL = 1024
+
+    def __init__(self, vocab_size: int, eos_id: int, repetition_penalty: float, device: torch.device):
+        self.eos_id = eos_id
+        self.penalty = repetition_penalty
+        self.suppressed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.suppressed[vocab_size - self.SUPPRESSED_TAIL:] = True
+        self.suppressed[eos_id] = False
+
+    def scores(self, logits: torch.Tensor, seen: torch.Tensor, draws: int) -> torch.Tensor:
+        """Float32 scores [vocab] for the next c0 from the talker's logits, given which ids were drawn
+        before (`seen`, a bool mask) and how many draws there were."""
+        scores = logits.float()
+        if self.penalty != 1.0:
+            scores = torch.where(seen, torch.where(scores < 0, scores * self.penalty, scores / self.penalty), scores)
+        scores = scores.masked_fill(self.suppressed, float("-inf"))
+        if draws < self.MIN_FRAMES:
+            scores[self.eos_id] = float("-inf")
+        return scores
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """SplitMix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -126,7 +149,7 @@ def gumbel_noise(seed: int, utterance: int, frame: int, positions: np.ndarray | 
                  vocab: int) -> np.ndarray:
     """Gumbel noise of shape [len(positions), vocab], float32, for the given key fields.
 
-    Positions are code indices within the frame (1 = c1 ... 15 = c15). Every field must be a
+    Positions are code indices within the frame (0 = c0, the talker's, 1 = c1 ... 15 = c15). Every field must be a
     non-negative integer below 2**63.
     """
     with np.errstate(over="ignore"):

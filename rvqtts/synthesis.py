@@ -1,136 +1,39 @@
-"""Text to waveform through qwen-tts, with the code predictor's inner loop replaced by rvqtts's.
+"""Text to waveform: qwen-tts's model, prompts and decoder, with both loops run by rvqtts.
 
-qwen-tts owns loading, prompts, speakers, the talker loop and the speech decoder. Inside its talker
-loop, every frame calls `talker.code_predictor.generate(...)` for c1..c15; while a synthesis runs,
-that call is answered by `InnerLoop.generate`, plain or speculative, with noise keyed by (seed,
-utterance, frame, position). The talker's own sampling uses torch's generator, seeded per chunk,
-which the inner loop never touches: the same seed gives the same codes, with or without speculation.
-Long text is spoken chunk by chunk (rvqtts.text) and joined with a short crossfade (rvqtts.audio).
+qwen-tts owns loading, prompts, speakers and the speech decoder's weights. rvqtts runs the talker
+(rvqtts.talker), the inner loop (rvqtts.inner_loop) and the frame loop joining them (rvqtts.frame_loop),
+with every code drawn from keyed noise: the same seed gives the same codes, with or without speculation.
+Audio comes offline (qwen-tts's decoder over each text chunk) or streamed (rvqtts.streaming, a few
+frames at a time). Long text is spoken chunk by chunk (rvqtts.text) and joined with a short crossfade
+(rvqtts.audio).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 import numpy as np
 import torch
 
-from rvqtts.audio import join_chunks
-from rvqtts.decode import (DEFAULT_DEPTH, EAGER, DecodeStats, Speculation, decode_frame_plain,
-                           decode_frame_speculative)
+from rvqtts.audio import StreamJoiner
+from rvqtts.decode import DEFAULT_DEPTH, DecodeStats, Speculation
+from rvqtts.frame_loop import FrameLoop
 from rvqtts.fused import FusedDecoder
 from rvqtts.graphs import StaticCalls
+from rvqtts.inner_loop import ForcedLoop, InnerLoop, LoopParts
 from rvqtts.loading import check_voice, load_tts
 from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
-from rvqtts.predictor import PredictorRunner
-from rvqtts.sampling import SamplingConfig, check_finite, gumbel_noise
+from rvqtts.prompt import Prompt, capture_prompt
+from rvqtts.sampling import C0Rules, SamplingConfig
+from rvqtts.streaming import StreamingDecoder
+from rvqtts.talker import TalkerRunner
 from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_budget
 from rvqtts.tree import best_budget, platform_key, resolve_tree
 
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that host clocks measure it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def seed_talker(seed: int, utterance: int, chunk: int) -> None:
-    """Seed torch's generator, which the talker samples c0 with, for one chunk of one utterance."""
-    torch.manual_seed((seed * 1_000_003 + utterance) * 1_009 + chunk)
-
-
-@dataclass(frozen=True)
-class LoopParts:
-    """What an inner loop runs on: the runner (KV cache, fused weights), the offsets on its device, and
-    the static calls (CUDA graphs capture these very tensors); or, for Core ML, a fused decoder over a
-    package's calls and no runner. Reusable from one utterance to the next, since every frame writes the
-    KV slots it reads, as long as the speculation stays the same."""
-
-    speculation: Speculation | None
-    cuda_graphs: bool
-    runner: PredictorRunner | None
-    offsets: torch.Tensor | None
-    calls: StaticCalls
-    fused: FusedDecoder | None = None
-
-    @classmethod
-    def build(cls, code_predictor: torch.nn.Module, speculation: Speculation | None,
-              cuda_graphs: bool) -> "LoopParts":
-        extra = speculation.tree.nodes + 1 if speculation else 0
-        runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra)
-        offsets = speculation.offsets.vectors.to(runner.device, runner.dtype) if speculation else None
-        return cls(speculation, cuda_graphs, runner, offsets, StaticCalls.for_device(runner.device, cuda_graphs))
-
-    @classmethod
-    def package(cls, decoder: FusedDecoder, speculation: Speculation | None) -> "LoopParts":
-        """Parts whose frames run fused calls (a Core ML package's): speculative with a speculation,
-        else the plain q = 1 step."""
-        return cls(speculation, False, None, None, EAGER, decoder)
-
-
-class InnerLoop:
-    """Produces c1..c_{G-1} for each frame the talker asks for, and counts what it did.
-
-    Frames are numbered from 0 within an utterance, across its chunks, so no two frames share noise.
-    """
-
-    def __init__(self, code_predictor: torch.nn.Module, speculation: Speculation | None, seed: int,
-                 utterance: int = 0, on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
-                 cuda_graphs: bool = True, parts: LoopParts | None = None):
-        self.speculation = speculation
-        self.on_frame = on_frame
-        self.seed = seed
-        self.utterance = utterance
-        parts = parts or LoopParts.build(code_predictor, speculation, cuda_graphs)
-        self.runner, self.offsets, self.calls, self.fused = parts.runner, parts.offsets, parts.calls, parts.fused
-        self.code_groups = code_predictor.config.num_code_groups
-        self.vocab_size = code_predictor.config.vocab_size
-        self.device = self.fused.device if self.fused else self.runner.device
-        self.frame = 0
-        # One entry per draft depth K, also when nothing is accepted (or nothing is drafted: --no-spec).
-        self.stats = DecodeStats(accepted_per_depth=[0] * (speculation.offsets.depth if speculation
-                                                           else DEFAULT_DEPTH))
-        self.seconds = 0.0
-
-    def decode(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
-        """The codes c1..c_{G-1} of one frame; `prefix` is [h_t, embedding of c0], shape [2, E]."""
-        positions = np.arange(1, self.code_groups)
-        noise = torch.from_numpy(gumbel_noise(self.seed, utterance, frame, positions, self.vocab_size))
-        noise = noise.to(self.device)
-        if self.fused is not None:
-            if sampling != self.fused.sampling:
-                raise ValueError(f"the Core ML package samples with {self.fused.sampling}, but this frame asks "
-                                 f"for {sampling}: export a package for these settings")
-            decode = self.fused.decode if self.speculation else self.fused.decode_plain
-            codes = decode(prefix, noise, self.stats)
-        elif self.speculation is None:
-            codes = decode_frame_plain(self.runner, prefix, noise, sampling, self.stats, self.calls)
-        else:
-            codes = decode_frame_speculative(self.runner, prefix, noise, sampling, self.speculation, self.offsets,
-                                             self.stats, self.calls)
-        if self.on_frame:
-            self.on_frame(prefix, codes)
-        return codes
-
-    def generate(self, inputs_embeds: torch.Tensor, do_sample: bool = True, top_k: int = 50, top_p: float = 1.0,
-                 temperature: float = 0.9, **_: object) -> SimpleNamespace:
-        """Stands in for the code predictor's HF `generate()` as qwen-tts's talker calls it."""
-        started = time.perf_counter()
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k or 0, top_p=top_p, do_sample=do_sample)
-        rows = [self.decode(inputs_embeds[b], sampling, self.utterance + b, self.frame)
-                for b in range(inputs_embeds.shape[0])]
-        self.frame += 1
-        synchronize(self.device)
-        self.seconds += time.perf_counter() - started
-        return SimpleNamespace(sequences=torch.tensor(rows, device=inputs_embeds.device))
+STREAM_FRAMES = 4  # frames per streamed audio chunk: 320 ms, the Qwen3-TTS report's packet
 
 
 QWEN_TTS_DEFAULTS = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
@@ -192,7 +95,7 @@ class ResolvedSampling:
     repetition_penalty: float
 
     def generate_kwargs(self, max_frames: int) -> dict:
-        """qwen-tts keywords. N generated talker tokens make N - 1 frames, hence the + 1."""
+        """qwen-tts keywords, for its stock loops. N generated talker tokens make N - 1 frames, hence the + 1."""
         return dict(do_sample=self.talker.do_sample, temperature=self.talker.temperature,
                     top_k=self.talker.top_k, top_p=self.talker.top_p, repetition_penalty=self.repetition_penalty,
                     subtalker_dosample=self.predictor.do_sample, subtalker_temperature=self.predictor.temperature,
@@ -225,6 +128,7 @@ class Synthesis:
     seed: int
     sampling: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    stream_frames: int | None = None
 
     def record(self) -> dict:
         """The statistics users see (`--stats-json`, the table). rtf = compute seconds / audio seconds."""
@@ -238,16 +142,33 @@ class Synthesis:
             "talker_seconds": round(self.seconds["talker"], 3),
             "predictor_seconds": round(self.seconds["predictor"], 3),
             "decoder_seconds": round(self.seconds["decoder"], 3),
+            "first_audio_seconds": round(self.seconds["first_audio"], 3), "stream_frames": self.stream_frames,
             "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
             "spec": self.spec, "tree_nodes": self.tree_nodes, "seed": self.seed, "sampling": self.sampling,
             "warnings": list(self.warnings),
         }
 
 
-class Synthesizer:
-    """A loaded Qwen3-TTS 12 Hz CustomVoice model whose inner loop rvqtts runs.
+class AudioStream:
+    """Audio as it is made: iterate for float32 chunks at `sample_rate`; once the iteration ends, `result`
+    holds the Synthesis (codes, statistics and the whole waveform)."""
 
-    `speculation=None` runs the plain inner loop (one predictor call per code).
+    def __init__(self, run: Generator[np.ndarray, None, Synthesis], sample_rate: int):
+        self._run = run
+        self.sample_rate = sample_rate
+        self.result: Synthesis | None = None
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        self.result = yield from self._run
+
+
+class Synthesizer:
+    """A loaded Qwen3-TTS 12 Hz CustomVoice model and the loops rvqtts runs on its weights: the talker
+    (rvqtts.talker), the inner loop (rvqtts.inner_loop) and the frame loop joining them
+    (rvqtts.frame_loop); qwen-tts builds the prompts and decodes offline.
+
+    `speculation=None` runs the plain inner loop (one predictor call per code). The runners are kept
+    between utterances (a KV cache only grows; fused weights and captured graphs are reused).
     """
 
     def __init__(self, tts: object, speculation: Speculation | None = None):
@@ -256,11 +177,13 @@ class Synthesizer:
         self.talker = self.model.talker
         self.code_predictor = self.talker.code_predictor
         self.speculation = speculation
-        self.cuda_graphs = True  # replay the inner loop's calls from CUDA graphs on CUDA devices
+        self.cuda_graphs = True  # replay the talker's and the inner loop's calls from CUDA graphs on CUDA devices
         self.fused: FusedDecoder | None = None  # set (rvqtts.coreml) to run the inner loop on a Core ML package
-        self._parts: LoopParts | None = None  # kept between utterances: no re-fusing, no re-capture
+        self._parts: LoopParts | None = None
+        self._talker: TalkerRunner | None = None
         self.speakers = sorted(tts.get_supported_speakers() or [])
         self.languages = sorted(tts.get_supported_languages() or [])
+        self.sample_rate = int(self.model.speech_tokenizer.model.get_output_sample_rate())
         # qwen-tts's generation default, in frames (N talker tokens make N - 1 frames).
         self.default_max_frames = int(tts.generate_defaults.get("max_new_tokens", 2048)) - 1
 
@@ -295,42 +218,60 @@ class Synthesizer:
         """Raise ValueError naming the valid choices when the speaker or language is not the model's."""
         check_voice(self.speakers, self.languages, speaker, language)
 
-    @contextmanager
-    def _hooks(self, loop: InnerLoop, captured: list, seconds: dict, counts: dict,
-               forced_c0: list[int] | None = None) -> Iterator[None]:
-        """Route qwen-tts's inner-loop calls to `loop`; record the codes the speech decoder gets, time it,
-        and count the talker's forward calls. With `forced_c0`, the talker's n-th call may only emit
-        forced_c0[n] (then end of speech): its logits become -inf elsewhere (teacher forcing)."""
-        speech_tokenizer = self.model.speech_tokenizer
-        talker_forward = self.talker.forward
+    def prompt(self, text: str, speaker: str, language: str = "auto", instruct: str | None = None) -> Prompt:
+        """The talker's prompt for one piece of text, as qwen-tts's `generate_custom_voice` builds it."""
+        return capture_prompt(self.talker, lambda: self.tts.generate_custom_voice(
+            text=text, speaker=speaker, language=language,
+            instruct=instruct if self.supports_instruct else None, max_new_tokens=2))
 
-        def decode(items):
-            started = time.perf_counter()
-            captured.extend(item["audio_codes"].detach().cpu().numpy() for item in items)
-            result = type(speech_tokenizer).decode(speech_tokenizer, items)
-            seconds["decoder"] += time.perf_counter() - started
-            return result
+    def talker_runner(self) -> TalkerRunner:
+        """The talker runner, made on first use (CUDA graphs per `cuda_graphs`)."""
+        if self._talker is None or (self._talker.calls.mode == "cuda") != self._cuda_graphs_on():
+            device = self.talker.codec_head.weight.device
+            self._talker = TalkerRunner(self.talker, calls=StaticCalls.for_device(device, self.cuda_graphs))
+        return self._talker
 
-        @functools.wraps(talker_forward)  # HF's generate() checks its keywords against this signature
-        def forward(*args, **kwargs):
-            counts["talker"] += 1
-            output = talker_forward(*args, **kwargs)
-            check_finite(output.logits[:, -1], "talker")
-            if forced_c0 is not None:
-                step = counts["talker"] - 1
-                code = forced_c0[step] if step < len(forced_c0) else self.talker.config.codec_eos_token_id
-                forced = torch.full_like(output.logits[:, -1], float("-inf"))
-                forced[:, code] = 0.0
-                output.logits[:, -1] = forced
-            return output
+    def _cuda_graphs_on(self) -> bool:
+        return self.cuda_graphs and self.talker.codec_head.weight.device.type == "cuda"
 
-        self.code_predictor.generate = loop.generate
-        speech_tokenizer.decode = decode
-        self.talker.forward = forward
-        try:
-            yield
-        finally:
-            del self.code_predictor.generate, speech_tokenizer.decode, self.talker.forward
+    def inner_parts(self) -> LoopParts:
+        """The inner loop's parts for the current speculation and backend, rebuilt when they change."""
+        parts = self._parts
+        if self.fused is not None:
+            if parts is None or parts.fused is not self.fused or parts.speculation is not self.speculation:
+                parts = self._parts = LoopParts.package(self.fused, self.speculation)
+        elif (parts is None or parts.fused is not None or parts.speculation is not self.speculation
+              or parts.cuda_graphs != self.cuda_graphs):
+            parts = self._parts = LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs)
+        return parts
+
+    def frame_loop(self, sampling: ResolvedSampling, seed: int, utterance: int,
+                   inner: InnerLoop | None = None) -> FrameLoop:
+        """A frame loop for one utterance over the kept runners (`inner`: another inner loop, e.g. forced)."""
+        runner = self.talker_runner()
+        config = self.talker.config
+        rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, runner.device)
+        inner = inner or InnerLoop(self.code_predictor, self.speculation, seed, parts=self.inner_parts())
+        return FrameLoop(runner, inner, rules, sampling.talker, sampling.predictor, seed, utterance)
+
+    def decode(self, codes: np.ndarray) -> np.ndarray:
+        """The waveform of frame codes [frames, G], by qwen-tts's speech decoder (all at once)."""
+        device = self.talker.codec_head.weight.device
+        wavs, _ = self.model.speech_tokenizer.decode([{"audio_codes": torch.from_numpy(codes).to(device)}])
+        return wavs[0]
+
+    def stream(self, text: str, speaker: str, language: str = "auto", seed: int = 0, utterance: int = 0,
+               instruct: str | None = None, settings: GenerationSettings = GenerationSettings(),
+               chunk_chars: float | None = MAX_CHUNK_WEIGHT, frames_per_chunk: int = STREAM_FRAMES,
+               on_chunk: Callable[[int, int], None] | None = None,
+               on_frame: Callable[[torch.Tensor, list[int]], None] | None = None) -> AudioStream:
+        """Synthesize one utterance as a stream of audio chunks: every `frames_per_chunk` frames, their
+        samples, decoded incrementally (rvqtts.streaming). Arguments as for `synthesize`, which makes the
+        same codes and, up to float rounding, the same waveform."""
+        if frames_per_chunk < 1:
+            raise ValueError(f"frames per stream chunk must be at least 1, got {frames_per_chunk}")
+        return AudioStream(self._speak(text, speaker, language, seed, utterance, instruct, settings, chunk_chars,
+                                       frames_per_chunk, on_chunk, on_frame), self.sample_rate)
 
     def synthesize(self, text: str, speaker: str, language: str = "auto", seed: int = 0, utterance: int = 0,
                    instruct: str | None = None, settings: GenerationSettings = GenerationSettings(),
@@ -339,121 +280,133 @@ class Synthesizer:
         """Synthesize one utterance; long text is spoken in sentence chunks of at most `chunk_chars`
         (None: the whole text in one pass, as qwen-tts does) joined by a crossfade.
 
-        The noise key is (seed, utterance, frame, position) and the talker's generator is seeded from
-        (seed, utterance, chunk), so every utterance of a batch is reproducible on its own.
-        `on_chunk(done, total)` reports progress after each chunk; `on_frame(prefix, codes)` sees every
-        frame the inner loop decodes ([h_t, embedding of c0] and c1..c_{G-1}).
+        Every code is drawn with noise keyed by (seed, utterance, frame, position) (rvqtts.frame_loop),
+        so every utterance of a batch is reproducible on its own. `on_chunk(done, total)` reports
+        progress after each chunk; `on_frame(prefix, codes)` sees every frame the inner loop decodes
+        ([h_t, embedding of c0] and c1..c_{G-1}).
         """
+        run = self._speak(text, speaker, language, seed, utterance, instruct, settings, chunk_chars, None, on_chunk,
+                          on_frame)
+        stream = AudioStream(run, self.sample_rate)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def _speak(self, text: str, speaker: str, language: str, seed: int, utterance: int, instruct: str | None,
+               settings: GenerationSettings, chunk_chars: float | None, stream_frames: int | None,
+               on_chunk: Callable[[int, int], None] | None,
+               on_frame: Callable[[torch.Tensor, list[int]], None] | None) -> Generator[np.ndarray, None, Synthesis]:
+        """The audio of one utterance, chunk of text after chunk: decoded every `stream_frames` frames by
+        the streaming decoder, or (None) each text chunk at once by qwen-tts's; then the Synthesis."""
         if not text.strip():
             raise ValueError("the text is empty: give something to say")
         self.check_voice(speaker, language)
         pieces = chunk_text(text, chunk_chars) if chunk_chars else [" ".join(text.split())]
         sampling = self.sampling(settings)
-        parts = self._parts
-        if self.fused is not None:
-            if parts is None or parts.fused is not self.fused or parts.speculation is not self.speculation:
-                parts = self._parts = LoopParts.package(self.fused, self.speculation)
-        elif (parts is None or parts.fused is not None or parts.speculation is not self.speculation
-              or parts.cuda_graphs != self.cuda_graphs):
-            parts = self._parts = LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs)
-        loop = InnerLoop(self.code_predictor, self.speculation, seed, utterance, on_frame, self.cuda_graphs, parts)
-        captured: list[np.ndarray] = []
-        seconds = {"decoder": 0.0}
-        counts = {"talker": 0}
-        audio: list[np.ndarray] = []
+        loop = self.frame_loop(sampling, seed, utterance)
+        loop.inner.on_frame = on_frame
+        joiner = StreamJoiner(self.sample_rate)
+        decoder = StreamingDecoder(self.model.speech_tokenizer) if stream_frames else None
+        seconds = {"decoder": 0.0, "first_audio": None}
+        started = time.perf_counter()
+        spoken: list[np.ndarray] = []
         warnings: list[str] = []
-        started = time.perf_counter()
-        with self._hooks(loop, captured, seconds, counts):
-            for index, piece in enumerate(pieces):
-                budget = self.frame_budget(piece, settings)
-                seed_talker(seed, utterance, index)
-                wavs, sample_rate = self.tts.generate_custom_voice(
-                    text=piece, speaker=speaker, language=language,
-                    instruct=instruct if self.supports_instruct else None, **sampling.generate_kwargs(budget))
-                audio.append(wavs[0])
-                if captured[-1].shape[0] >= budget:
-                    warnings.append(f"chunk {index + 1} of {len(pieces)} was cut at {budget} frames "
-                                    f"({budget / FRAMES_PER_SECOND:.1f} s) for {len(piece)} characters: the model did not end "
-                                    f"its speech (text: {piece[:40]!r})")
-                if on_chunk:
-                    on_chunk(index + 1, len(pieces))
+
+        def audio_of(codes: list[np.ndarray], first: bool) -> np.ndarray:
+            """Decode `codes`, join them to what came before, and time both; the samples ready to play."""
+            begun = time.perf_counter()
+            samples = decoder.push(np.stack(codes)) if decoder else self.decode(np.stack(codes))
+            ready = joiner.add(samples, new_part=first)
+            seconds["decoder"] += time.perf_counter() - begun
+            if ready.size and seconds["first_audio"] is None:
+                seconds["first_audio"] = time.perf_counter() - started
+            return ready
+
+        for index, piece in enumerate(pieces):
+            budget = self.frame_budget(piece, settings)
+            frames: list[np.ndarray] = []
+            pending = 0  # frames not decoded yet
+            if decoder:
+                decoder.reset()
+            for codes in loop.run(self.prompt(piece, speaker, language, instruct), budget):
+                frames.append(codes)
+                pending += 1
+                if decoder and pending == stream_frames:
+                    yield audio_of(frames[-pending:], first=len(frames) == pending)
+                    pending = 0
+            if pending:
+                yield audio_of(frames[-pending:], first=len(frames) == pending)
+            spoken.extend(frames)
+            if len(frames) >= budget:
+                warnings.append(f"chunk {index + 1} of {len(pieces)} was cut at {budget} frames "
+                                f"({budget / FRAMES_PER_SECOND:.1f} s) for {len(piece)} characters: the model did not "
+                                f"end its speech (text: {piece[:40]!r})")
+            if on_chunk:
+                on_chunk(index + 1, len(pieces))
+        yield joiner.finish()
         seconds["wall"] = time.perf_counter() - started
-        seconds["predictor"] = loop.seconds
-        seconds["talker"] = seconds["wall"] - loop.seconds - seconds["decoder"]
-        return Synthesis(audio=join_chunks(audio, sample_rate), sample_rate=sample_rate,
-                         codes=np.concatenate(captured).astype(np.int64), stats=loop.stats, seconds=seconds,
-                         talker_calls=counts["talker"], chunks=len(pieces), spec=self.speculation is not None,
+        seconds.update(loop.seconds)
+        return Synthesis(audio=joiner.audio(), sample_rate=self.sample_rate, codes=np.stack(spoken),
+                         stats=loop.inner.stats, seconds=seconds, talker_calls=loop.talker_calls,
+                         chunks=len(pieces), spec=self.speculation is not None,
                          tree_nodes=self.speculation.tree.nodes if self.speculation else 0, seed=seed,
-                         sampling=sampling.record(), warnings=warnings)
-
-
-    def synthesize_stock(self, text: str, speaker: str, language: str = "auto", seed: int = 0,
-                         settings: GenerationSettings = GenerationSettings()) -> dict:
-        """Stock qwen-tts on the same text and talker seed: its own HF loops for talker and code predictor,
-        timed but untouched (the code predictor's `generate()` and the speech decoder are wrapped only to
-        clock them). Returns the timing fields of `Synthesis.record()`."""
-        self.check_voice(speaker, language)
-        predictor_generate, speech_tokenizer = self.code_predictor.generate, self.model.speech_tokenizer
-        seconds = {"predictor": 0.0, "decoder": 0.0}
-        frames: list[int] = []
-
-        def clocked(name: str, call: Callable) -> Callable:
-            def run(*args, **kwargs):
-                started = time.perf_counter()
-                result = call(*args, **kwargs)
-                seconds[name] += time.perf_counter() - started
-                return result
-            return run
-
-        def decode(items):
-            frames.extend(item["audio_codes"].shape[0] for item in items)
-            return type(speech_tokenizer).decode(speech_tokenizer, items)
-
-        self.code_predictor.generate = clocked("predictor", predictor_generate)
-        speech_tokenizer.decode = clocked("decoder", decode)
-        started = time.perf_counter()
-        try:
-            seed_talker(seed, 0, 0)
-            budget = self.frame_budget(text, settings)
-            wavs, sample_rate = self.tts.generate_custom_voice(
-                text=" ".join(text.split()), speaker=speaker, language=language,
-                **self.sampling(settings).generate_kwargs(budget))
-        finally:
-            del self.code_predictor.generate, speech_tokenizer.decode
-        wall = time.perf_counter() - started
-        audio_seconds = wavs[0].size / sample_rate
-        return {"frames": sum(frames), "audio_seconds": round(audio_seconds, 3), "wall_seconds": round(wall, 3),
-                "talker_seconds": round(wall - seconds["predictor"] - seconds["decoder"], 3),
-                "predictor_seconds": round(seconds["predictor"], 3), "decoder_seconds": round(seconds["decoder"], 3),
-                "rtf": round(wall / audio_seconds, 4) if audio_seconds else None}
+                         sampling=sampling.record(), warnings=warnings, stream_frames=stream_frames)
 
     def force(self, text: str, speaker: str, language: str, codes: np.ndarray,
               on_frame: Callable[[torch.Tensor, list[int]], None]) -> None:
         """Teacher forcing: run the talker over `text` while it emits exactly these frame codes [frames, G]
-        (c0 forced through its logits, c1.. returned by the inner loop), and show `on_frame` each frame's
+        (c0 read instead of drawn, c1.. returned by the inner loop), and show `on_frame` each frame's
         predictor prefix [h_t, embedding of c0] with the frame's codes c1.. ."""
         self.check_voice(speaker, language)
-        loop = ForcedLoop(self.code_predictor, codes, on_frame)
-        captured: list[np.ndarray] = []
-        with self._hooks(loop, captured, {"decoder": 0.0}, {"talker": 0}, forced_c0=codes[:, 0].tolist()):
-            self.tts.generate_custom_voice(text=" ".join(text.split()), speaker=speaker, language=language,
-                                           **self.sampling(GenerationSettings()).generate_kwargs(len(codes)))
+        loop = self.frame_loop(self.sampling(GenerationSettings()), 0, 0, ForcedLoop(self.code_predictor, codes,
+                                                                                     on_frame))
+        for _ in loop.run(self.prompt(" ".join(text.split()), speaker, language), len(codes), forced=codes):
+            pass
         if loop.frame != len(codes):
             raise RuntimeError(f"teacher forcing stopped after {loop.frame} of {len(codes)} frames")
 
+    def synthesize_stock(self, text: str, speaker: str, language: str = "auto", seed: int = 0,
+                         settings: GenerationSettings = GenerationSettings()) -> dict:
+        """Stock qwen-tts on the same text, untouched: its own HF loops for talker and code predictor,
+        sampling with torch's generator (seeded with `seed`), then its decoder. Timed through forward
+        hooks: the talker's calls minus their transformer are the code predictor (which qwen-tts runs
+        inside the talker's forward), and what follows the last talker call is the decoder. Returns the
+        timing fields of `Synthesis.record()`."""
+        self.check_voice(speaker, language)
+        clock = {"calls": 0.0, "transformer": 0.0, "last": 0.0}
+        opened: dict[str, float] = {}
 
-class ForcedLoop(InnerLoop):
-    """An inner loop that returns recorded codes instead of sampling them (teacher forcing)."""
+        def enter(name: str) -> Callable:
+            return lambda *_: opened.__setitem__(name, time.perf_counter())
 
-    def __init__(self, code_predictor: torch.nn.Module, codes: np.ndarray,
-                 on_frame: Callable[[torch.Tensor, list[int]], None]):
-        super().__init__(code_predictor, None, 0, on_frame=on_frame)
-        self.codes = codes
+        def leave(name: str) -> Callable:
+            def hook(*_: object) -> None:
+                now = time.perf_counter()
+                clock[name] += now - opened[name]
+                clock["last"] = now
+            return hook
 
-    def decode(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
-        codes = [int(c) for c in self.codes[frame, 1:]]
-        self.on_frame(prefix, codes)
-        return codes
+        handles = [self.talker.register_forward_pre_hook(enter("calls")),
+                   self.talker.register_forward_hook(leave("calls")),
+                   self.talker.model.register_forward_pre_hook(enter("transformer")),
+                   self.talker.model.register_forward_hook(leave("transformer"))]
+        budget = self.frame_budget(text, settings)
+        torch.manual_seed(seed)
+        started = time.perf_counter()
+        try:
+            wavs, sample_rate = self.tts.generate_custom_voice(
+                text=" ".join(text.split()), speaker=speaker, language=language,
+                **self.sampling(settings).generate_kwargs(budget))
+        finally:
+            for handle in handles:
+                handle.remove()
+        ended = time.perf_counter()
+        wall, predictor, decoder = ended - started, clock["calls"] - clock["transformer"], ended - clock["last"]
+        audio_seconds = wavs[0].size / sample_rate
+        return {"frames": round(audio_seconds * FRAMES_PER_SECOND), "audio_seconds": round(audio_seconds, 3),
+                "wall_seconds": round(wall, 3), "talker_seconds": round(wall - predictor - decoder, 3),
+                "predictor_seconds": round(predictor, 3), "decoder_seconds": round(decoder, 3),
+                "first_audio_seconds": round(wall, 3), "rtf": round(wall / audio_seconds, 4) if audio_seconds else None}
 
 
 def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike = "auto",

@@ -23,7 +23,8 @@ from rvqtts.decode import DecodeStats, Speculation
 from rvqtts.fused import FusedCalls, FusedDecoder
 from rvqtts.offsets import Offsets
 from rvqtts.sampling import SamplingConfig, gumbel_noise
-from rvqtts.synthesis import GenerationSettings, InnerLoop, Synthesizer
+from rvqtts.inner_loop import InnerLoop
+from rvqtts.synthesis import GenerationSettings, Synthesizer
 from rvqtts.tree import resolve_tree
 
 macos = pytest.mark.skipif(sys.platform != "darwin", reason="Core ML prediction needs macOS")

@@ -15,7 +15,7 @@ from rvqtts.decode import Speculation
 from rvqtts.graphs import StaticCalls
 from rvqtts.offsets import Offsets
 from rvqtts.sampling import SamplingConfig, target_probs
-from rvqtts.synthesis import InnerLoop
+from rvqtts.inner_loop import InnerLoop
 from rvqtts.tree import grow_tree
 
 # A plausible acceptance table (falling with depth and rank) to shape trees of any budget.

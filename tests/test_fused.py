@@ -13,7 +13,8 @@ from rvqtts.fused import FusedDecoder
 from rvqtts.offsets import Offsets
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig, gumbel_noise
-from rvqtts.synthesis import InnerLoop, Synthesizer
+from rvqtts.inner_loop import InnerLoop
+from rvqtts.synthesis import Synthesizer
 from rvqtts.tree import grow_tree
 
 TABLE = [[0.5, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.01] * 2,

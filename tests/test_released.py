@@ -15,7 +15,8 @@ from rvqtts.decode import Speculation
 from rvqtts.graphs import StaticCalls
 from rvqtts.offsets import Offsets
 from rvqtts.sampling import SamplingConfig
-from rvqtts.synthesis import GenerationSettings, InnerLoop, Synthesizer
+from rvqtts.inner_loop import InnerLoop
+from rvqtts.synthesis import GenerationSettings, Synthesizer
 from rvqtts.tiny import released_file
 from rvqtts.tree import resolve_tree
 

@@ -18,7 +18,8 @@ from rvqtts.offsets import Offsets
 from rvqtts.sampling import SamplingConfig
 from rvqtts.standin.codec import ResidualCodec, frame_features
 from rvqtts.standin.corpus import LANGUAGES, split_of, speak
-from rvqtts.synthesis import InnerLoop, Synthesizer
+from rvqtts.inner_loop import InnerLoop
+from rvqtts.synthesis import Synthesizer
 from rvqtts.tree import load_acceptance, load_tree, resolve_tree
 
 if shutil.which("espeak-ng") is None:

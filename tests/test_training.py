@@ -18,7 +18,7 @@ from rvqtts.drafters import OffsetDrafter
 from rvqtts.offsets import Offsets
 from rvqtts.drafts import DraftData, draft_ranks, frozen_draft_data, head_weights
 from rvqtts.sampling import SamplingConfig
-from rvqtts.synthesis import InnerLoop
+from rvqtts.inner_loop import InnerLoop
 from rvqtts.training import TrainingConfig, evaluate, fit_offsets, train_offsets
 from rvqtts.tree import grow_tree
 

@@ -216,6 +216,31 @@ def bench_decoder_command(
     publish(result, json_out, decoder_table, quiet)
 
 
+@bench_app.command("talker")
+def bench_talker_command(
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    contexts: str = typer.Option("64,256,1024", help="Context lengths (prompt plus frames so far) to step at."),
+    repeats: int = typer.Option(20, help="Timed steps per context length and side (after three warm-ups)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
+) -> None:
+    """One talker step, rvqtts's static-cache runner against qwen-tts's talker forward, by context length."""
+    from rvqtts.bench import bench_talker
+    from rvqtts.report import talker_table
+
+    lengths = list_of_ints(contexts, "--contexts")
+    if repeats < 1:
+        fail(f"--repeats must be at least 1, got {repeats}")
+    if json_out is not None:
+        ensure_writable(json_out)
+    synthesizer = load_synthesizer(model, device, dtype, quiet)
+    result = bench_talker(synthesizer.talker, lengths, repeats)
+    result["model"] = model
+    publish(result, json_out, talker_table, quiet)
+
+
 @bench_app.command("coreml")
 def bench_coreml_command(
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),

@@ -30,7 +30,15 @@ def _read_text(text: Optional[str]) -> str:
 @app.command()
 def synth(
     text: Optional[str] = typer.Argument(None, help="Text to speak; '-' or nothing reads standard input."),
-    output: Optional[str] = typer.Option(None, "-o", "--output", help="Audio file to write: .wav, .flac or .ogg; '-' writes a WAV to stdout."),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="Audio file to write: .wav, .flac or .ogg; "
+                                                                      "'-' writes to standard output (--format)."),
+    stream: bool = typer.Option(False, "--stream", help="Write audio while it is made, every --stream-frames "
+                                                        "frames (decoded incrementally; the same audio as "
+                                                        "without --stream); a file appears when it is complete."),
+    stream_frames: int = typer.Option(4, help="Frames per streamed chunk (12.5 frames = 1 s; 4 = 320 ms)."),
+    stdout_format: str = typer.Option("wav", "--format", help="What -o - writes: wav (streamed: a WAV header of "
+                                                              "unknown length) or raw (16-bit little-endian mono "
+                                                              "PCM at 24 kHz)."),
     file: Optional[Path] = typer.Option(None, "-f", "--file",
                                         help="Batch: a .txt file (one utterance per line) or a .jsonl file "
                                              "(text, speaker, language, instruct, out)."),
@@ -82,7 +90,8 @@ def synth(
     coreml_precision: str = typer.Option("w8a16", help="Precision of a package exported on first use: w8a16 "
                                                        "or fp16."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
-                                     help="On CUDA, replay the inner loop's calls from CUDA graphs."),
+                                     help="On CUDA, replay the talker's and the inner loop's calls from CUDA "
+                                          "graphs."),
     codes_out: Optional[Path] = typer.Option(None, help="Save frame codes as int .npy [frames, 16] (batch: a "
                                                         "folder of NAME.npy)."),
     stats_json: Optional[Path] = typer.Option(None, help="Write the run's statistics as JSON (per utterance and "
@@ -92,9 +101,10 @@ def synth(
     """Synthesize speech to audio files: one text, standard input, or a batch file.
 
     The statistics table (stderr) and --stats-json report frames, predictor calls, codes per call,
-    where the time went, and RTF = compute seconds / audio seconds (below 1 is faster than real time).
+    where the time went, the time to first audio, and RTF = compute seconds / audio seconds (below 1 is
+    faster than real time).
     """
-    from rvqtts.audio import audio_format
+    from rvqtts.audio import STDOUT_FORMATS, audio_format
     from rvqtts.batch import BatchFileError, Utterance, read_batch
     from rvqtts.loading import ModelLoadError, check_voice, voices
     from rvqtts.offsets import OffsetsFileError
@@ -107,6 +117,10 @@ def synth(
         fail(f"unknown --backend {backend!r}: choose torch or coreml")
     if backend == "coreml":
         check_coreml(compute_units, coreml_precision)
+    if stdout_format not in STDOUT_FORMATS:
+        fail(f"unknown --format {stdout_format!r}: choose wav or raw")
+    if stream_frames < 1:
+        fail(f"--stream-frames must be at least 1, got {stream_frames}")
     if chunk_chars < 20:
         fail(f"--chunk-chars must be at least 20, got {chunk_chars} (--no-chunk speaks the text in one pass)")
     if file is not None:
@@ -114,6 +128,8 @@ def synth(
             fail("give either TEXT or -f FILE, not both")
         if out_dir is None:
             fail("-f needs --out-dir DIR for its audio files")
+        if stream:
+            fail("--stream is for one text; a batch writes each line's file whole")
         try:
             utterances = read_batch(file)
         except BatchFileError as error:
@@ -128,6 +144,8 @@ def synth(
             audio_format(output)
         except ValueError as error:
             fail(str(error))
+        if stdout_format != "wav" and output != "-":
+            fail("--format is for -o - (standard output); a file's suffix picks its format")
         if output != "-":
             ensure_writable(Path(output))
             output = str(Path(output).expanduser())  # as checked, also where no shell expanded a "~"
@@ -173,7 +191,8 @@ def synth(
                chunk_chars=None if no_chunk else chunk_chars)
     try:
         if file is None:
-            _synth_one(synthesizer, utterances[0], output, run, codes_out, stats_json, quiet)
+            streaming = dict(stream=stream, frames=stream_frames, stdout_format=stdout_format)
+            _synth_one(synthesizer, utterances[0], output, run, streaming, codes_out, stats_json, quiet)
         else:
             _synth_batch(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
     except NonFiniteError as error:
@@ -215,17 +234,22 @@ def _write_stats(path: Optional[Path], entries: list[dict]) -> None:
         write_json(path, {"utterances": entries, "total": total_record(entries)})
 
 
-def _synth_one(synthesizer, item, output, run: dict, codes_out, stats_json, quiet) -> None:
-    from rvqtts.audio import write_audio, write_codes
+def _synth_one(synthesizer, item, output, run: dict, streaming: dict, codes_out, stats_json, quiet) -> None:
+    from rvqtts.audio import write_audio, write_codes, write_stream
 
     with progress_bar(quiet) as progress:
         task = progress.add_task("synthesizing", total=None)
-        result = synthesizer.synthesize(item.text, **run,
-                                        on_chunk=lambda done, total: progress.update(task, completed=done,
-                                                                                     total=total))
+        run = dict(run, on_chunk=lambda done, total: progress.update(task, completed=done, total=total))
+        if streaming["stream"]:
+            audio = synthesizer.stream(item.text, **run, frames_per_chunk=streaming["frames"])
+            write_stream(output, audio, synthesizer.sample_rate, streaming["stdout_format"])
+            result = audio.result
+        else:
+            result = synthesizer.synthesize(item.text, **run)
     for warning in result.warnings:
         say(f"warning: {warning}", quiet)
-    write_audio(output, result.audio, result.sample_rate)
+    if not streaming["stream"]:
+        write_audio(output, result.audio, result.sample_rate, streaming["stdout_format"])
     if codes_out:
         write_codes(codes_out, result.codes)
     record = result.record()

@@ -1,0 +1,63 @@
+"""The talker's prompt, built by qwen-tts's own prompt code.
+
+qwen-tts builds the prompt (role tokens, codec tags, language or dialect, speaker, instruction, text)
+inside `Qwen3TTSForConditionalGeneration.generate()` and hands it to the talker's HF `generate()`, whose
+first forward call receives it. rvqtts calls qwen-tts's public entry point as a user would and reads
+that first call's inputs through a forward pre-hook (PyTorch's hook API; no method is replaced), then
+stops the call there: nothing of qwen-tts's loop runs. So every speaker, dialect, instruction and text
+layout qwen-tts supports is reproduced exactly, without a second copy of its rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """What the talker starts from: the prefill [L, hidden], the text embeddings that follow it one per
+    frame [T, hidden], and the pad embedding [hidden] that follows those."""
+
+    embeds: torch.Tensor
+    trailing: torch.Tensor
+    pad: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.embeds.shape[0]
+
+    def text_after(self, frame: int) -> torch.Tensor:
+        """What is added to the step input that follows `frame` (qwen-tts's `trailing_text_hidden`
+        entry for that generation step, else the pad embedding)."""
+        return self.trailing[frame] if frame < self.trailing.shape[0] else self.pad
+
+
+class _Captured(Exception):
+    def __init__(self, inputs: dict):
+        super().__init__("prompt captured")
+        self.inputs = inputs
+
+
+def capture_prompt(talker: torch.nn.Module, generate: Callable[[], object]) -> Prompt:
+    """Run `generate` (a qwen-tts generation call for one utterance) up to the talker's first forward
+    call and return the prompt that call received."""
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        raise _Captured(kwargs)
+
+    handle = talker.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        generate()
+    except _Captured as captured:
+        inputs = captured.inputs
+    else:
+        raise RuntimeError("qwen-tts finished without calling the talker: no prompt to capture")
+    finally:
+        handle.remove()
+    embeds, mask = inputs["inputs_embeds"], inputs.get("attention_mask")
+    if embeds.shape[0] != 1 or (mask is not None and not bool(mask.all())):
+        raise RuntimeError("expected the prompt of one unpadded utterance")
+    return Prompt(embeds=embeds[0], trailing=inputs["trailing_text_hidden"][0], pad=inputs["tts_pad_embed"].view(-1))

@@ -1,0 +1,99 @@
+"""The talker (the paper's CodeDecoder) run by hand: static KV cache, explicit positions, one call per frame.
+
+The weights are the loaded qwen-tts module's own; this file owns its forward pass, in the code predictor's
+style (rvqtts.transformer). A synthesis is one prefill over the prompt qwen-tts builds (rvqtts.prompt),
+then one step per frame, whose input is what qwen-tts feeds back: the sum of the frame's 16 code
+embeddings (c0 through the talker's codec embedding, c1..c15 through the code predictor's) plus the next
+text embedding, or the pad embedding once the text is consumed.
+
+Positions are MRoPE's: three axes (time, height, width), each rotating its own section of the head. The
+talker only ever sees text and codec tokens of one unpadded utterance, whose three position ids are all
+equal to the token's index (qwen-tts's `get_rope_index` over a mask of ones; no rope delta), and with
+equal ids every section rotates by the same angle: the table of one axis is the table of all three.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rvqtts.graphs import StaticCalls
+from rvqtts.transformer import CachedDecoder
+
+CAPACITY_STEP = 256  # the cache grows in these many slots; CUDA graphs attend over spans rounded to it
+
+
+class TalkerRunner(CachedDecoder):
+    """Prefill and per-frame steps of the talker over a KV cache that grows as utterances need.
+
+    With `calls` in a static mode (CUDA graphs), a step's shapes depend only on its span, the slots it
+    attends to rounded up to CAPACITY_STEP: the step is captured once per span and replayed, its position
+    a tensor and the slots beyond it masked. Eagerly (CPUs), the same step attends to exactly its slots.
+    """
+
+    def __init__(self, talker: torch.nn.Module, capacity: int = CAPACITY_STEP, calls: StaticCalls | None = None):
+        self.rotary = talker.model.rotary_emb
+        self.head = talker.codec_head
+        self.codec_embedding = talker.model.codec_embedding
+        self.predictor_embeddings = talker.code_predictor.model.codec_embedding
+        self.calls = calls or StaticCalls()
+        weight = talker.codec_head.weight
+        super().__init__(talker.model.layers, talker.model.norm, talker.config, capacity, weight.device, weight.dtype)
+        self.vocab_size = talker.config.vocab_size
+
+    def allocate(self, max_len: int) -> None:
+        """Caches and RoPE tables for `max_len` positions (captured graphs read the old ones: start over)."""
+        super().allocate(max_len)
+        positions = torch.arange(max_len, device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = self.rotary(probe, positions)  # [3, 1, max_len, head_dim]: three equal axes
+        self.cos, self.sin = cos[0, 0], sin[0, 0]
+        self.calls = StaticCalls(self.calls.mode)
+
+    def reserve(self, slots: int) -> None:
+        """Make room for `slots` positions (a prompt and the frames it may take)."""
+        if slots > self.max_len:
+            self.allocate(-(-slots // CAPACITY_STEP) * CAPACITY_STEP)
+
+    @torch.inference_mode()
+    def prefill(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt [L, hidden] at positions 0..L-1. Returns the last position's hidden state h [hidden]
+        and its logits [vocab] (the scores of the first frame's c0)."""
+        length = embeds.shape[0]
+        self.reserve(length)
+        causal = torch.ones(length, length, device=self.device, dtype=torch.bool).tril()
+        hidden = self.run_layers(embeds.to(self.dtype), self.cos[None, :length], self.sin[None, :length],
+                                 slice(0, length), length, causal)[-1]
+        return hidden, self.head(hidden)
+
+    @torch.inference_mode()
+    def step(self, embed: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame's input [1, hidden] at `position`. Returns (h [hidden], logits [vocab]), which a
+        replayed graph overwrites on its next replay: read them first."""
+        self.reserve(position + 1)
+        index = torch.full((1,), position, device=self.device, dtype=torch.long)
+        if self.calls.mode == "eager":
+            return self._step(embed, index, position + 1)
+        span = min(self.max_len, -(-(position + 1) // CAPACITY_STEP) * CAPACITY_STEP)
+        return self.calls(("talker", span), lambda e, i: self._step(e, i, span), embed, index)
+
+    def _step(self, embed: torch.Tensor, index: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step at position `index` (a 1-element tensor), attending to the first `span` slots, masked
+        beyond the position where the span is longer."""
+        slots = torch.arange(span, device=self.device)
+        mask = None if self.calls.mode == "eager" else (slots <= index)[None]
+        hidden = self.run_layers(embed.to(self.dtype), self.cos[index][None], self.sin[index][None], index, span,
+                                 mask)[0]
+        return hidden, self.head(hidden)
+
+    @torch.inference_mode()
+    def code_embedding(self, c0: torch.Tensor) -> torch.Tensor:
+        """The talker's embedding of c0 (a 1-element tensor) [1, hidden]: the inner loop's second input."""
+        return self.codec_embedding(c0.view(1))
+
+    @torch.inference_mode()
+    def frame_input(self, codes: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """The next step's input [1, hidden] after a frame's codes [G]: the sum of their embeddings (in the
+        same order and shapes as qwen-tts sums them) plus `text` [hidden], the next text or pad embedding."""
+        parts = [self.codec_embedding(codes[:1])] + [table(codes[i + 1:i + 2])
+                                                      for i, table in enumerate(self.predictor_embeddings)]
+        return torch.cat(parts)[None].sum(1) + text

@@ -1,0 +1,110 @@
+"""A Qwen3 decoder stack run by hand over a static KV cache: what the talker and the code predictor share.
+
+Both of qwen-tts's transformers are the same Qwen3 layer (RMSNorm, q/k norms, RoPE, grouped-query SDPA
+attention, a SiLU-gated MLP); they differ in what goes in (embeddings, projections), in their position
+tables and in their heads. This class owns the layers' forward pass over the loaded modules' own
+weights; `rvqtts.predictor` and `rvqtts.talker` add the rest. Numerics follow qwen-tts: RMSNorm in
+float32 (the modules' own), RoPE tables computed by the model's rotary module and cast to its dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _stacked(*maps: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weight and bias of one linear map computing `maps` side by side."""
+    bias = None if maps[0].bias is None else torch.cat([m.bias for m in maps]).detach()
+    return torch.cat([m.weight for m in maps]).detach(), bias
+
+
+class CachedDecoder:
+    """The layers of a loaded Qwen3 decoder with a preallocated KV cache of `max_len` slots."""
+
+    def __init__(self, layers: torch.nn.ModuleList, norm: torch.nn.Module, config: object, max_len: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.layers, self.norm = layers, norm
+        self.device, self.dtype = device, dtype
+        self.hidden_size = config.hidden_size
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # One matrix product for q, k and v, and one for the MLP's gate and up maps: fewer, larger kernels
+        # (on a 2-core CPU in bf16 this cut the linear maps' time by about a tenth; docs/benchmarks.md).
+        self.qkv = [_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+                    for layer in layers]
+        self.gate_up = [_stacked(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers]
+        self.q_width = self.n_heads * self.head_dim
+        self.kv_width = self.n_kv_heads * self.head_dim
+        self.allocate(max_len)
+
+    def allocate(self, max_len: int) -> None:
+        """Fresh, zeroed K and V caches of `max_len` slots per layer."""
+        self.max_len = max_len
+        shape = (len(self.layers), self.n_kv_heads, max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: slice | torch.Tensor,
+                   span: int, mask: torch.Tensor | None = None,
+                   groups: list[tuple[slice, torch.Tensor]] | None = None) -> torch.Tensor:
+        """The layers over states x [q, hidden] with RoPE tables `cos`, `sin` [1, q, d]; their keys and values
+        go to the cache slots `write` (a slice, or a tensor of slot indices, which keeps shapes static), and
+        attention reads slots 0..span-1. `mask` [q, span] says which slots each query attends to; `groups`
+        instead gives, for slices of the queries, the slots [n, L] each one attends to in order; with
+        neither, every query sees every slot read. Returns the final-normed hidden states [q, hidden]."""
+        attn_mask = None if mask is None else mask[None, None]
+        for i in range(len(self.layers)):
+            q, k, v = self.attention_inputs(i, x, cos, sin)
+            if isinstance(write, slice):
+                self.k_cache[i, :, write] = k
+                self.v_cache[i, :, write] = v
+            else:
+                self.k_cache[i].index_copy_(1, write, k)
+                self.v_cache[i].index_copy_(1, write, v)
+            if groups is None:
+                # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the unfused math).
+                out = self.attend(q[None], self.k_cache[None, i, :, :span], self.v_cache[None, i, :, :span],
+                                  attn_mask)[0]
+            else:
+                out = torch.cat([self.attend_gathered(i, q[:, rows], slots) for rows, slots in groups], dim=1)
+            x = self.layer_rest(i, x, out)
+        return self.norm(x)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+
+    def attend_gathered(self, i: int, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention of queries [heads, n, d], each over its own cache slots `slots` [n, L]:
+        a batch of n single-query attentions, each computed as a plain step computes its one query."""
+        keys = self.k_cache[i][:, slots].transpose(0, 1)  # [n, kv_heads, L, d]
+        values = self.v_cache[i][:, slots].transpose(0, 1)
+        return self.attend(q.transpose(0, 1)[:, :, None], keys, values)[:, :, 0].transpose(0, 1)
+
+    def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer i's queries [heads, q, d] and keys, values [kv_heads, q, d] for states x [q, hidden]:
+        one fused map, the q/k norms, then RoPE with the slots' `cos`, `sin` [1, q, d]. Nothing reads
+        x's shape, so traced graphs hold no size lookups (Core ML's converter mishandles them)."""
+        layer = self.layers[i]
+        q, k, v = F.linear(layer.input_layernorm(x), *self.qkv[i]).split(
+            [self.q_width, self.kv_width, self.kv_width], dim=-1)
+        q = layer.self_attn.q_norm(q.view(-1, self.n_heads, self.head_dim)).transpose(0, 1)
+        k = layer.self_attn.k_norm(k.view(-1, self.n_kv_heads, self.head_dim)).transpose(0, 1)
+        v = v.view(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def layer_rest(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Layer i after attention: output map and residual, then the MLP (gate and up fused) and residual.
+        `attended` is the attention output [heads, q, d]."""
+        layer = self.layers[i]
+        x = x + layer.self_attn.o_proj(attended.transpose(0, 1).flatten(1))
+        gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
+        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)

@@ -1,0 +1,167 @@
+"""The frame loop rvqtts owns: the talker runner against qwen-tts's talker, c0 drawn as qwen-tts's generate()
+draws it, and utterances that are pure functions of their inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                                                    RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from rvqtts.graphs import StaticCalls
+from rvqtts.sampling import C0Rules
+from rvqtts.synthesis import GenerationSettings, ResolvedSampling
+from rvqtts.talker import TalkerRunner
+
+TEXT = "Hello there, how are you?"
+
+
+def stock_logits(talker, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """qwen-tts's talker transformer and codec head, call after call over a Hugging Face cache."""
+    cache, logits = DynamicCache(), []
+    with torch.inference_mode():
+        for embeds in inputs:
+            hidden = talker.model(inputs_embeds=embeds[None], past_key_values=cache, use_cache=True).last_hidden_state
+            logits.append(talker.codec_head(hidden[0, -1]))
+    return logits
+
+
+@pytest.mark.parametrize("name", ["tiny", "released_06", "released_17"])
+def test_talker_runner_matches_the_stock_talker_over_a_whole_utterance(name, request):
+    synth = request.getfixturevalue(name)
+    codes = synth.synthesize(TEXT, "vivian", "english", seed=2, settings=GenerationSettings(max_frames=30)).codes
+    prompt = synth.prompt(TEXT, "vivian", "english")
+    runner = TalkerRunner(synth.talker)
+    inputs = [prompt.embeds] + [runner.frame_input(torch.from_numpy(codes[n]), prompt.text_after(n))
+                                for n in range(len(codes))]
+    ours = [runner.prefill(prompt.embeds)[1]] + [runner.step(x, prompt.length + n)[1]
+                                                 for n, x in enumerate(inputs[1:])]
+    stock = stock_logits(synth.talker, inputs)
+    assert len(codes) >= 20 and prompt.length > 10
+    assert max(float((a - b).abs().max()) for a, b in zip(ours, stock)) <= 1e-4
+
+
+def test_talker_steps_replayed_through_static_calls_equal_eager_steps(tiny):
+    prompt = tiny.prompt(TEXT, "vivian", "english")
+    eager, static = TalkerRunner(tiny.talker), TalkerRunner(tiny.talker, calls=StaticCalls("emulated"))
+    generator = torch.Generator().manual_seed(0)
+    for runner in (eager, static):
+        runner.prefill(prompt.embeds)
+    for n in range(6):
+        x = torch.randn(1, eager.hidden_size, generator=generator)
+        (h_eager, l_eager), (h_static, l_static) = (r.step(x, prompt.length + n) for r in (eager, static))
+        assert torch.allclose(h_eager, h_static, atol=1e-5) and torch.allclose(l_eager, l_static, atol=1e-5)
+    assert list(static.calls.entries) == [("talker", 256)]  # one capture serves every position in its span
+
+
+def greedy(synth, penalty: float) -> ResolvedSampling:
+    sampling = synth.sampling(GenerationSettings(repetition_penalty=penalty))
+    return ResolvedSampling(dataclasses.replace(sampling.talker, do_sample=False),
+                            dataclasses.replace(sampling.predictor, do_sample=False), penalty)
+
+
+@pytest.mark.parametrize("name, penalty", [("tiny", 1.05), ("small", 1.05), ("small", 3.0)])
+def test_greedy_frames_equal_stock_qwen_tts(name, penalty, request):
+    """Without noise both loops are deterministic: prompt, talker, step inputs, penalty, suppression and
+    minimum length must all be qwen-tts's for every code of every frame to agree (the small model has 8
+    codes, so c0 repeats and the penalty binds)."""
+    tiny = request.getfixturevalue(name)
+    tts, frames = tiny.tts, 40
+    sampling = greedy(tiny, penalty)
+    ids = tts._tokenize_texts([tts._build_assistant_text(TEXT)])
+    stock, _ = tts.model.generate(input_ids=ids, instruct_ids=[None], languages=["english"], speakers=["vivian"],
+                                  non_streaming_mode=True, **sampling.generate_kwargs(frames))
+    ours = np.stack(list(tiny.frame_loop(sampling, 0, 0).run(tiny.prompt(TEXT, "vivian", "english"), frames)))
+    assert np.array_equal(stock[0].numpy(), ours)
+    if penalty > 2:  # the penalty binds: without it, greedy decoding goes elsewhere
+        unpenalized = np.stack(list(tiny.frame_loop(greedy(tiny, 1.0), 0, 0).run(
+            tiny.prompt(TEXT, "vivian", "english"), frames)))
+        assert not np.array_equal(unpenalized[:, 0], ours[:, 0])
+
+
+def hf_c0_probs(logits: torch.Tensor, history: list[int], eos: int, sampling, penalty: float) -> torch.Tensor:
+    """The c0 distribution as Hugging Face's generate() computes it, with the processors qwen-tts asks for."""
+    vocab = logits.shape[-1]
+    processors = LogitsProcessorList([
+        RepetitionPenaltyLogitsProcessor(penalty), MinNewTokensLengthLogitsProcessor(0, 2, eos),
+        SuppressTokensLogitsProcessor([i for i in range(vocab - 1024, vocab) if i != eos]),
+        TemperatureLogitsWarper(sampling.temperature), TopKLogitsWarper(sampling.top_k),
+        TopPLogitsWarper(sampling.top_p)])
+    scores = processors(torch.tensor([history]), logits[None].float().clone())
+    return scores.softmax(-1)[0]
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    kept = expected >= 5
+    observed = np.append(counts[kept], counts[~kept].sum())
+    expected = np.append(expected[kept], expected[~kept].sum())
+    return float((((observed - expected) ** 2) / np.maximum(expected, 1e-12)).sum())
+
+
+def test_c0_follows_qwen_tts_distribution_with_the_repetition_penalty_active(small):
+    """Keyed draws of c0 over many frames against the enumerated distribution (8 codes and end of speech):
+    a sampler that skips the penalty must fail the same test."""
+    sampling = small.sampling(GenerationSettings(temperature=0.1, repetition_penalty=2.0, top_k=6, top_p=0.95))
+    runner = small.talker_runner()
+    _, logits = runner.prefill(small.prompt("Hello there.", "vivian", "english").embeds)
+    eos = small.talker.config.codec_eos_token_id
+    favourites = logits[:8].topk(2).indices.tolist()
+    history = [favourites[0], favourites[1], favourites[0], 5, 5]
+    seen = torch.zeros(runner.vocab_size, dtype=torch.bool)
+    seen[history] = True
+    probs = hf_c0_probs(logits, history, eos, sampling.talker, 2.0).numpy()
+    unpenalized = hf_c0_probs(logits, history, eos, sampling.talker, 1.0).numpy()
+    assert np.abs(probs - unpenalized).max() > 0.1 and probs[eos] > 0.01
+
+    def counts(rules: C0Rules, draws: int = 5, frames: int = 3000) -> np.ndarray:
+        loop = small.frame_loop(sampling, seed=9, utterance=0)
+        loop.rules = rules
+        tally = np.zeros(runner.vocab_size)
+        for frame in range(frames):
+            loop.frame = frame
+            tally[loop.draw_c0(logits, seen, draws)] += 1
+        return tally
+
+    vocab = runner.vocab_size
+    assert chi_square(counts(C0Rules(vocab, eos, 2.0, logits.device)), probs) < 26.1  # p = 0.001 at <= 8 df
+    assert chi_square(counts(C0Rules(vocab, eos, 1.0, logits.device)), probs) > 100
+    assert counts(C0Rules(vocab, eos, 2.0, logits.device), draws=1, frames=300)[eos] == 0  # the minimum length
+
+
+def test_an_utterance_depends_only_on_its_own_inputs_and_not_on_torch_generator(tiny):
+    settings = GenerationSettings(max_frames=12)
+    first = tiny.synthesize(TEXT, "vivian", "english", seed=5, utterance=3, settings=settings)
+    tiny.synthesize("Something else entirely.", "ryan", "english", seed=5, utterance=2, settings=settings)
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    again = tiny.synthesize(TEXT, "vivian", "english", seed=5, utterance=3, settings=settings)
+    assert torch.equal(state, torch.get_rng_state()), "nothing may draw from torch's global generator"
+    assert np.array_equal(first.codes, again.codes) and np.array_equal(first.audio, again.audio)
+    other = tiny.synthesize(TEXT, "vivian", "english", seed=5, utterance=4, settings=settings)
+    assert not np.array_equal(first.codes[:4], other.codes[:4])
+
+
+def test_no_upstream_method_is_replaced_while_synthesizing(tiny):
+    parts = {"talker": tiny.talker, "code predictor": tiny.code_predictor,
+             "speech tokenizer": tiny.model.speech_tokenizer, "model": tiny.model}
+    seen: list[str] = []
+
+    def look(prefix, codes) -> None:
+        for name, part in parts.items():
+            seen.extend(f"{name}.{key}" for key in ("forward", "generate", "decode") if key in vars(part))
+        seen.extend("talker hook" for _ in tiny.talker._forward_pre_hooks)
+
+    tiny.synthesize(TEXT, "vivian", "english", settings=GenerationSettings(max_frames=4), on_frame=look)
+    assert seen == []
+
+
+def test_cut_utterances_skip_the_unused_last_step(tiny):
+    result = tiny.synthesize(TEXT, "vivian", "english", settings=GenerationSettings(max_frames=7))
+    assert result.codes.shape[0] == 7 and result.talker_calls == 7  # prefill and 6 steps; no 8th c0 is needed
+    assert result.warnings and "cut at 7 frames" in result.warnings[0]

@@ -1,0 +1,119 @@
+"""Streaming: the incremental speech decoder against qwen-tts's, streams against offline synthesis, and the
+bytes `rvqtts synth --stream` writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from helpers import run_cli
+from rvqtts.audio import StreamJoiner, join_chunks
+from rvqtts.streaming import StreamingDecoder
+from rvqtts.synthesis import GenerationSettings
+
+BOUND = 1e-5  # float rounding between one pass and many; the waveform's peak is about 0.25
+LONG = "The first sentence is here. A second one follows it. And a third ends the text."
+
+
+@pytest.mark.parametrize("step", [1, 4, 7])
+def test_streaming_decoder_equals_qwen_tts_decode(tiny, step):
+    codes = torch.randint(0, 2048, (61, 16), generator=torch.Generator().manual_seed(step))
+    offline = tiny.decode(codes.numpy())
+    decoder = StreamingDecoder(tiny.model.speech_tokenizer)
+    pieces = [decoder.push(codes[i:i + step]) for i in range(0, len(codes), step)]
+    assert all(p.size == min(step, len(codes) - i * step) * 1920 for i, p in enumerate(pieces))
+    streamed = np.concatenate(pieces)
+    assert streamed.shape == offline.shape and np.abs(offline).max() > 0.05
+    assert np.abs(streamed - offline).max() <= BOUND
+    decoder.reset()  # a new utterance starts from silence, as the offline decode does
+    assert np.abs(decoder.push(codes[:5]) - offline[:5 * 1920]).max() <= BOUND
+
+
+def test_a_stream_has_the_codes_and_audio_of_offline_synthesis_chunk_after_chunk(tiny):
+    run = dict(speaker="vivian", language="english", seed=6, chunk_chars=30, settings=GenerationSettings(max_frames=18))
+    offline = tiny.synthesize(LONG, **run)
+    stream = tiny.stream(LONG, **run, frames_per_chunk=4)
+    pieces = list(stream)
+    result = stream.result
+    assert result.chunks == offline.chunks == 3
+    assert np.array_equal(result.codes, offline.codes)
+    streamed = np.concatenate(pieces)
+    assert streamed.shape == offline.audio.shape and np.abs(streamed - offline.audio).max() <= BOUND
+    assert np.array_equal(result.audio, streamed)
+    # 4 frames a piece (the crossfade holds back its 50 ms until the next piece or chunk is known)
+    assert pieces[0].size == 4 * 1920 - 1200 and pieces[1].size == 4 * 1920
+    record = result.record()
+    assert record["stream_frames"] == 4 and 0 < record["first_audio_seconds"] < record["wall_seconds"]
+    assert offline.record()["first_audio_seconds"] >= record["first_audio_seconds"]
+
+
+def test_the_stream_joiner_makes_join_chunks_audio_from_any_pieces():
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        parts = [rng.standard_normal(int(rng.integers(0, 40))).astype(np.float32) for _ in range(rng.integers(1, 5))]
+        joiner, out = StreamJoiner(100, 0.1), []
+        for part in parts:
+            cuts = sorted(rng.integers(0, part.size + 1, size=2))
+            for k, piece in enumerate(np.split(part, cuts)):
+                out.append(joiner.add(piece, new_part=k == 0))
+        out.append(joiner.finish())
+        assert np.array_equal(np.concatenate(out), join_chunks(parts, 100, 0.1))
+
+
+def test_synth_stream_to_stdout_writes_a_wav_of_unknown_length(tmp_path, tiny_dir):
+    text = "Hello there."
+    options = ("--model", tiny_dir, "--max-frames", "9", "-q", "--seed", "3", "--dtype", "float32")
+    streamed = run_cli("synth", text, *options, "--stream", "-o", "-", "--stats-json", tmp_path / "s.json")
+    assert streamed.exit_code == 0, streamed.output
+    data = streamed.stdout_bytes
+    assert data[:4] == b"RIFF" and struct.unpack("<I", data[4:8])[0] == 0xFFFFFFFF
+    assert data[36:40] == b"data" and struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF
+    samples = np.frombuffer(data[44:], dtype="<i2")
+    whole = run_cli("synth", text, *options, "-o", tmp_path / "whole.wav")
+    reference, rate = soundfile.read(tmp_path / "whole.wav", dtype="int16")
+    assert rate == 24000 and samples.shape == reference.shape == (9 * 1920,)
+    assert np.abs(samples.astype(int) - reference).max() <= 1
+    raw = run_cli("synth", text, *options, "--stream", "-o", "-", "--format", "raw")
+    assert raw.exit_code == 0 and raw.stdout_bytes == data[44:]
+    record = json.loads((tmp_path / "s.json").read_text())["utterances"][0]
+    assert record["stream_frames"] == 4 and record["first_audio_seconds"] <= record["wall_seconds"]
+
+
+def test_synth_stream_to_a_file_writes_it_whole(tmp_path, tiny_dir):
+    out = tmp_path / "streamed.flac"
+    result = run_cli("synth", "Hello there.", "--model", tiny_dir, "--max-frames", "6", "-q", "--stream",
+                     "--stream-frames", "1", "-o", out)
+    assert result.exit_code == 0, result.output
+    audio, rate = soundfile.read(out)
+    assert rate == 24000 and audio.shape == (6 * 1920,)
+    assert [p.name for p in tmp_path.iterdir()] == ["streamed.flac"]  # no partial file left behind
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--stream-frames", "0"], "--stream-frames must be at least 1"),
+    (["--format", "mp3"], "unknown --format 'mp3'"),
+    (["--format", "raw", "-o", "x.wav"], "--format is for -o -"),
+])
+def test_bad_stream_options_fail_before_the_model_loads(tmp_path, arguments, message):
+    output = [] if "-o" in arguments else ["-o", "-"]
+    result = run_cli("synth", "Hi.", "--model", tmp_path / "missing", "--stream", *arguments, *output)
+    assert result.exit_code == 2 and message in result.output
+
+
+@pytest.mark.skipif(shutil.which("sox") is None, reason="sox is not installed")
+def test_sox_reads_the_streamed_wav_from_a_pipe(tiny_dir):
+    command = [sys.executable, "-m", "rvqtts.cli", "synth", "Hello there.", "--model", str(tiny_dir),
+               "--max-frames", "8", "-q", "--stream", "-o", "-"]
+    synth = subprocess.Popen(command, stdout=subprocess.PIPE)
+    stat = subprocess.run(["sox", "-t", "wav", "-", "-n", "stat"], stdin=synth.stdout, capture_output=True, text=True)
+    synth.stdout.close()
+    assert synth.wait() == 0 and stat.returncode == 0
+    assert "Samples read:             15360" in stat.stderr  # 8 frames of 1920 samples
