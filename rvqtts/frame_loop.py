@@ -37,6 +37,7 @@ class FrameLoop:
         self.frame = 0  # the next frame's number within the utterance
         self.talker_calls = 0
         self.seconds = {"talker": 0.0, "predictor": 0.0}
+        self.first_prefill: float | None = None  # seconds of the utterance's first prefill
 
     def run(self, prompt: Prompt, budget: int, forced: np.ndarray | None = None) -> Iterator[np.ndarray]:
         """The frame codes [G] (int64) the talker speaks for `prompt`, at most `budget` of them. With
@@ -46,6 +47,9 @@ class FrameLoop:
         started = time.perf_counter()
         hidden, logits = self.talker.prefill(prompt.embeds)
         self.talker_calls += 1
+        if self.first_prefill is None:
+            synchronize(device)
+            self.first_prefill = time.perf_counter() - started
         seen = torch.zeros(self.talker.vocab_size, dtype=torch.bool, device=device)
         limit = budget if forced is None else len(forced)
         for step in range(limit):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from rvqtts.transformer import CachedDecoder
+from rvqtts.transformer import CachedDecoder, linear
 
 
 class PredictorRunner(CachedDecoder):
@@ -73,7 +73,7 @@ class PredictorRunner(CachedDecoder):
 
     def logits(self, hidden: torch.Tensor, index: int) -> torch.Tensor:
         """Scores of code c_index from hidden states [..., hidden] (the head LMH_index)."""
-        return self.heads[index - 1](hidden)
+        return linear(hidden, self.heads[index - 1].weight, self.heads[index - 1].bias)
 
     def keep(self, sources: list[int], destination: int) -> None:
         """Move the KV entries of `sources` (accepted tree slots) to the slots from `destination` on."""

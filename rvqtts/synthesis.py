@@ -142,7 +142,9 @@ class Synthesis:
             "talker_seconds": round(self.seconds["talker"], 3),
             "predictor_seconds": round(self.seconds["predictor"], 3),
             "decoder_seconds": round(self.seconds["decoder"], 3),
-            "first_audio_seconds": round(self.seconds["first_audio"], 3), "stream_frames": self.stream_frames,
+            "prefill_seconds": round(self.seconds["prefill"], 3),
+            "first_audio_seconds": round(self.seconds["first_audio"], 3),
+            "first_audio_split": self.seconds["first_audio_split"], "stream_frames": self.stream_frames,
             "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
             "spec": self.spec, "tree_nodes": self.tree_nodes, "seed": self.seed, "sampling": self.sampling,
             "warnings": list(self.warnings),
@@ -320,6 +322,10 @@ class Synthesizer:
             seconds["decoder"] += time.perf_counter() - begun
             if ready.size and seconds["first_audio"] is None:
                 seconds["first_audio"] = time.perf_counter() - started
+                frames_seconds = loop.seconds["talker"] + loop.seconds["predictor"] - loop.first_prefill
+                seconds["first_audio_split"] = {"prefill": round(seconds["prompt"] + loop.first_prefill, 3),
+                                                "frames": round(frames_seconds, 3),
+                                                "decoder": round(seconds["decoder"], 3)}
             return ready
 
         for index, piece in enumerate(pieces):
@@ -328,7 +334,10 @@ class Synthesizer:
             pending = 0  # frames not decoded yet
             if decoder:
                 decoder.reset()
-            for codes in loop.run(self.prompt(piece, speaker, language, instruct), budget):
+            begun = time.perf_counter()
+            prompt = self.prompt(piece, speaker, language, instruct)
+            seconds.setdefault("prompt", time.perf_counter() - begun)
+            for codes in loop.run(prompt, budget):
                 frames.append(codes)
                 pending += 1
                 if decoder and pending == stream_frames:
@@ -345,7 +354,7 @@ class Synthesizer:
                 on_chunk(index + 1, len(pieces))
         yield joiner.finish()
         seconds["wall"] = time.perf_counter() - started
-        seconds.update(loop.seconds)
+        seconds.update(loop.seconds, prefill=seconds["prompt"] + loop.first_prefill)
         return Synthesis(audio=joiner.audio(), sample_rate=self.sample_rate, codes=np.stack(spoken),
                          stats=loop.inner.stats, seconds=seconds, talker_calls=loop.talker_calls,
                          chunks=len(pieces), spec=self.speculation is not None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from rvqtts.graphs import StaticCalls
-from rvqtts.transformer import CachedDecoder
+from rvqtts.transformer import CachedDecoder, linear
 
 CAPACITY_STEP = 256  # the cache grows in these many slots; CUDA graphs attend over spans rounded to it
 
@@ -63,7 +63,7 @@ class TalkerRunner(CachedDecoder):
         causal = torch.ones(length, length, device=self.device, dtype=torch.bool).tril()
         hidden = self.run_layers(embeds.to(self.dtype), self.cos[None, :length], self.sin[None, :length],
                                  slice(0, length), length, causal)[-1]
-        return hidden, self.head(hidden)
+        return hidden, linear(hidden, self.head.weight, self.head.bias)
 
     @torch.inference_mode()
     def step(self, embed: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +83,7 @@ class TalkerRunner(CachedDecoder):
         mask = None if self.calls.mode == "eager" else (slots <= index)[None]
         hidden = self.run_layers(embed.to(self.dtype), self.cos[index][None], self.sin[index][None], index, span,
                                  mask)[0]
-        return hidden, self.head(hidden)
+        return hidden, linear(hidden, self.head.weight, self.head.bias)
 
     @torch.inference_mode()
     def code_embedding(self, c0: torch.Tensor) -> torch.Tensor:

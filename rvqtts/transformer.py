@@ -18,10 +18,37 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through a matrix-vector product where x is one row (1-D, or [1, in]) and there is no bias.
+
+    One-row bfloat16 F.linear runs at about 60 % of torch.mv's speed on x86 CPUs (a 1024 x 6144 map:
+    0.59 against 0.37 ms on a 2-vCPU Xeon with AMX) and gives the same bits, as one row of a batched
+    F.linear does there; in float32 both give F.linear's one-row bits. Not while tracing (Core ML
+    export), whose graphs keep F.linear."""
+    if bias is None and not torch.jit.is_tracing():
+        if x.dim() == 1:
+            return torch.mv(weight, x)
+        if x.dim() == 2 and x.shape[0] == 1:
+            return torch.mv(weight, x[0])[None]
+    return F.linear(x, weight, bias)
+
+
 def _stacked(*maps: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weight and bias of one linear map computing `maps` side by side."""
-    bias = None if maps[0].bias is None else torch.cat([m.bias for m in maps]).detach()
-    return torch.cat([m.weight for m in maps]).detach(), bias
+    """Weight and bias of one linear map computing `maps` side by side. The maps' own parameters become
+    views of the stacked tensors (same values), so the model's weights are held once, not twice."""
+    stacked = []
+    for name in ("weight", "bias"):
+        if getattr(maps[0], name) is None:
+            stacked.append(None)
+            continue
+        joined = torch.cat([getattr(m, name).detach() for m in maps])
+        start = 0
+        for m in maps:
+            part = getattr(m, name)
+            part.data = joined[start:start + part.shape[0]]
+            start += part.shape[0]
+        stacked.append(joined)
+    return stacked[0], stacked[1]
 
 
 class CachedDecoder:
@@ -94,7 +121,7 @@ class CachedDecoder:
         one fused map, the q/k norms, then RoPE with the slots' `cos`, `sin` [1, q, d]. Nothing reads
         x's shape, so traced graphs hold no size lookups (Core ML's converter mishandles them)."""
         layer = self.layers[i]
-        q, k, v = F.linear(layer.input_layernorm(x), *self.qkv[i]).split(
+        q, k, v = linear(layer.input_layernorm(x), *self.qkv[i]).split(
             [self.q_width, self.kv_width, self.kv_width], dim=-1)
         q = layer.self_attn.q_norm(q.view(-1, self.n_heads, self.head_dim)).transpose(0, 1)
         k = layer.self_attn.k_norm(k.view(-1, self.n_kv_heads, self.head_dim)).transpose(0, 1)
@@ -105,6 +132,6 @@ class CachedDecoder:
         """Layer i after attention: output map and residual, then the MLP (gate and up fused) and residual.
         `attended` is the attention output [heads, q, d]."""
         layer = self.layers[i]
-        x = x + layer.self_attn.o_proj(attended.transpose(0, 1).flatten(1))
-        gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
-        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        x = x + linear(attended.transpose(0, 1).flatten(1), layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias)
+        gate, up = linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
+        return x + linear(layer.mlp.act_fn(gate) * up, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)

@@ -53,6 +53,7 @@ def linear_maps_are_row_invariant(code_predictor, rows: int = 17) -> bool:
     applies (kernels are chosen by shape, differently per CPU and dtype). Where they do, a tree call's
     rows equal plain steps bit for bit; elsewhere they differ in the last bit."""
     from rvqtts.predictor import PredictorRunner
+    from rvqtts.transformer import linear
 
     runner = PredictorRunner(code_predictor, 2)
     layer = runner.layers[0]
@@ -64,7 +65,7 @@ def linear_maps_are_row_invariant(code_predictor, rows: int = 17) -> bool:
     with torch.inference_mode():
         for weight, bias in maps:
             x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
-            alone = torch.nn.functional.linear(x[:1], weight, bias)[0]
+            alone = linear(x[:1], weight, bias)[0]  # how the runner maps one row
             for size in range(2, rows + 1):
                 if not torch.equal(torch.nn.functional.linear(x[:size], weight, bias)[0], alone):
                     return False

@@ -52,6 +52,9 @@ def test_a_stream_has_the_codes_and_audio_of_offline_synthesis_chunk_after_chunk
     assert pieces[0].size == 4 * 1920 - 1200 and pieces[1].size == 4 * 1920
     record = result.record()
     assert record["stream_frames"] == 4 and 0 < record["first_audio_seconds"] < record["wall_seconds"]
+    # first audio comes after the prompt's prefill, four frames and one decoder chunk, and nothing else
+    assert sum(record["first_audio_split"].values()) == pytest.approx(record["first_audio_seconds"], abs=0.01)
+    assert 0 < record["prefill_seconds"] == record["first_audio_split"]["prefill"]
     assert offline.record()["first_audio_seconds"] >= record["first_audio_seconds"]
 
 
