@@ -142,6 +142,18 @@ def test_bench_decoder_times_each_length(tiny_dir, tmp_path):
     assert "ms/frame" in result.output
 
 
+def test_bench_talker_times_both_steps_at_each_context(tiny_dir, tmp_path):
+    out = tmp_path / "talker.json"
+    result = run("bench", "talker", "--model", tiny_dir, "--contexts", "8,300", "--repeats", "2", "--json", out,
+                 "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert [row["context"] for row in report["rows"]] == [8, 300] and report["dtype"] == "float32"
+    assert all(row["stock_ms"] > 0 and row["ratio"] == pytest.approx(row["rvqtts_ms"] / row["stock_ms"], rel=0.05)
+               for row in report["rows"])
+    assert "rvqtts / stock" in result.output
+
+
 def test_bench_dtype_compares_codes_with_float32(tiny_dir, tmp_path):
     out = tmp_path / "dtype.json"
     result = run("bench", "dtype", "--model", tiny_dir, "--frames", "6", "--json", out)

@@ -206,14 +206,8 @@ def bench_decoder_command(
     from rvqtts.report import decoder_table
 
     lengths = list_of_ints(frames, "--frames")
-    if repeats < 1:
-        fail(f"--repeats must be at least 1, got {repeats}")
-    if json_out is not None:
-        ensure_writable(json_out)
-    synthesizer = load_synthesizer(model, device, dtype, quiet)
-    result = bench_decoder(synthesizer.tts, lengths, repeats)
-    result["model"] = model
-    publish(result, json_out, decoder_table, quiet)
+    _model_bench(model, device, dtype, repeats, json_out, quiet,
+                 lambda synthesizer: bench_decoder(synthesizer.tts, lengths, repeats), decoder_table)
 
 
 @bench_app.command("talker")
@@ -231,14 +225,20 @@ def bench_talker_command(
     from rvqtts.report import talker_table
 
     lengths = list_of_ints(contexts, "--contexts")
+    _model_bench(model, device, dtype, repeats, json_out, quiet,
+                 lambda synthesizer: bench_talker(synthesizer.talker, lengths, repeats), talker_table)
+
+
+def _model_bench(model: str, device: str, dtype: str, repeats: int, json_out: Optional[Path], quiet: bool,
+                 measure, table) -> None:
+    """Check the options, load the model, measure it and publish the result (JSON and a table)."""
     if repeats < 1:
         fail(f"--repeats must be at least 1, got {repeats}")
     if json_out is not None:
         ensure_writable(json_out)
-    synthesizer = load_synthesizer(model, device, dtype, quiet)
-    result = bench_talker(synthesizer.talker, lengths, repeats)
+    result = measure(load_synthesizer(model, device, dtype, quiet))
     result["model"] = model
-    publish(result, json_out, talker_table, quiet)
+    publish(result, json_out, table, quiet)
 
 
 @bench_app.command("coreml")
