@@ -117,7 +117,7 @@ def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speak
                      chunk_chars: float | None = MAX_CHUNK_WEIGHT) -> list[BatchResult]:
     """Synthesize every utterance into `out_dir`, skipping existing outputs unless `force`.
 
-    Each utterance's noise and talker seed are keyed by its line number, so a resumed or partial run
+    Every code's noise (c0's included) is keyed by the utterance's line number, so a resumed or partial run
     writes the same audio as a full one. After each utterance the manifest (`manifest.jsonl`: one entry
     per output with its text, voice and statistics) is rewritten atomically. A failing utterance is
     reported in its result and the rest go on, except a model that produced NaN or inf (NonFiniteError), which
