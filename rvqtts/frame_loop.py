@@ -45,13 +45,14 @@ class FrameLoop:
         returns the recorded c1.. too) and the prompt ends after its frames."""
         device = self.talker.device
         started = time.perf_counter()
+        limit = budget if forced is None else len(forced)
+        self.talker.reserve(prompt.length + limit)  # room for every step at once: no growth mid-utterance
         hidden, logits = self.talker.prefill(prompt.embeds)
         self.talker_calls += 1
         if self.first_prefill is None:
             synchronize(device)
             self.first_prefill = time.perf_counter() - started
         seen = torch.zeros(self.talker.vocab_size, dtype=torch.bool, device=device)
-        limit = budget if forced is None else len(forced)
         for step in range(limit):
             c0 = self.draw_c0(logits, seen, step) if forced is None else int(forced[step, 0])
             if c0 == self.rules.eos_id:

@@ -7,7 +7,7 @@ trick, argmax(warped logits + G), where G is Gumbel noise fixed by the key (seed
 position, token). Plain and speculative decoding therefore consume the same noise for the same code
 and emit the same codes, on any backend and in any call shape.
 
-Noise key layout (documented in docs/sampling.md): a 64-bit stream key is made by folding the four
+Noise key layout (documented in docs/engine.md): a 64-bit stream key is made by folding the four
 fields into a SplitMix64 chain, key = mix(mix(mix(mix(TAG + seed) + utterance) + frame) + position)
 (each `+` also adds the golden-ratio increment, all arithmetic modulo 2**64), and the token's bits
 are the SplitMix64 output mix(key + (token + 1) * GOLDEN). The top 53 bits give u in (0, 1), and

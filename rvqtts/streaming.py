@@ -74,7 +74,10 @@ class StreamingDecoder:
             for part in module.block:
                 x = self._run(part, x)
             return x
-        return module(x)
+        if hasattr(module, "alpha") and hasattr(module, "beta"):  # SnakeBeta: pointwise in time
+            return module(x)
+        raise ValueError(f"the streaming decoder does not know {type(module).__name__}: it may not be pointwise in "
+                         f"time, so it cannot run incrementally (decode offline, without --stream)")
 
     def _carried(self, module: torch.nn.Module, x: torch.Tensor, keep: int) -> torch.Tensor:
         """x with the module's last `keep` inputs in front (zeros before the first push), keeping the new

@@ -309,7 +309,7 @@ class Synthesizer:
         loop.inner.on_frame = on_frame
         joiner = StreamJoiner(self.sample_rate)
         decoder = StreamingDecoder(self.model.speech_tokenizer) if stream_frames else None
-        seconds = {"decoder": 0.0, "first_audio": None}
+        seconds = {"decoder": 0.0, "first_audio": None, "prompts": 0.0}
         started = time.perf_counter()
         spoken: list[np.ndarray] = []
         warnings: list[str] = []
@@ -336,7 +336,8 @@ class Synthesizer:
                 decoder.reset()
             begun = time.perf_counter()
             prompt = self.prompt(piece, speaker, language, instruct)
-            seconds.setdefault("prompt", time.perf_counter() - begun)
+            seconds["prompts"] += time.perf_counter() - begun
+            seconds.setdefault("prompt", seconds["prompts"])  # the first chunk's, before any audio
             for codes in loop.run(prompt, budget):
                 frames.append(codes)
                 pending += 1
@@ -354,7 +355,9 @@ class Synthesizer:
                 on_chunk(index + 1, len(pieces))
         yield joiner.finish()
         seconds["wall"] = time.perf_counter() - started
-        seconds.update(loop.seconds, prefill=seconds["prompt"] + loop.first_prefill)
+        # Building prompts is talker work: it counts there (and the first one in the prefill).
+        seconds.update(talker=loop.seconds["talker"] + seconds["prompts"], predictor=loop.seconds["predictor"],
+                       prefill=seconds["prompt"] + loop.first_prefill)
         return Synthesis(audio=joiner.audio(), sample_rate=self.sample_rate, codes=np.stack(spoken),
                          stats=loop.inner.stats, seconds=seconds, talker_calls=loop.talker_calls,
                          chunks=len(pieces), spec=self.speculation is not None,

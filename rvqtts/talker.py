@@ -41,8 +41,14 @@ class TalkerRunner(CachedDecoder):
         self.vocab_size = talker.config.vocab_size
 
     def allocate(self, max_len: int) -> None:
-        """Caches and RoPE tables for `max_len` positions (captured graphs read the old ones: start over)."""
+        """Caches and RoPE tables for `max_len` positions, keeping what the old caches hold (captured graphs
+        read the old tensors: they start over)."""
+        old = (self.k_cache, self.v_cache) if hasattr(self, "k_cache") else None
         super().allocate(max_len)
+        if old is not None:
+            kept = min(old[0].shape[2], max_len)
+            self.k_cache[:, :, :kept] = old[0][:, :, :kept]
+            self.v_cache[:, :, :kept] = old[1][:, :, :kept]
         positions = torch.arange(max_len, device=self.device).view(1, 1, -1).expand(3, 1, -1)
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         cos, sin = self.rotary(probe, positions)  # [3, 1, max_len, head_dim]: three equal axes

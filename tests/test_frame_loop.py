@@ -46,6 +46,19 @@ def test_talker_runner_matches_the_stock_talker_over_a_whole_utterance(name, req
     assert max(float((a - b).abs().max()) for a, b in zip(ours, stock)) <= 1e-4
 
 
+def test_the_talker_cache_grows_past_its_first_allocation_without_losing_what_it_holds(tiny):
+    """Steps far past the first 256 slots, the cache growing mid-utterance, against the stock talker."""
+    prompt = tiny.prompt(TEXT, "vivian", "english")
+    generator = torch.Generator().manual_seed(1)
+    inputs = [prompt.embeds] + [torch.randn(1, tiny.talker.config.hidden_size, generator=generator)
+                                for _ in range(300)]
+    runner = TalkerRunner(tiny.talker)
+    ours = [runner.prefill(prompt.embeds)[1]] + [runner.step(x, prompt.length + n)[1]
+                                                 for n, x in enumerate(inputs[1:])]
+    assert runner.max_len == 512 and prompt.length + 300 > 256
+    assert max(float((a - b).abs().max()) for a, b in zip(ours, stock_logits(tiny.talker, inputs))) <= 1e-4
+
+
 def test_talker_steps_replayed_through_static_calls_equal_eager_steps(tiny):
     prompt = tiny.prompt(TEXT, "vivian", "english")
     eager, static = TalkerRunner(tiny.talker), TalkerRunner(tiny.talker, calls=StaticCalls("emulated"))

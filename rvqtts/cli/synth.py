@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -33,8 +34,10 @@ def synth(
     output: Optional[str] = typer.Option(None, "-o", "--output", help="Audio file to write: .wav, .flac or .ogg; "
                                                                       "'-' writes to standard output (--format)."),
     stream: bool = typer.Option(False, "--stream", help="Write audio while it is made, every --stream-frames "
-                                                        "frames (decoded incrementally; the same audio as "
-                                                        "without --stream); a file appears when it is complete."),
+                                                        "frames (decoded incrementally: the audio of a run "
+                                                        "without --stream up to float rounding, for chunks "
+                                                        "of up to 300 frames); a file appears when it is "
+                                                        "complete."),
     stream_frames: int = typer.Option(4, help="Frames per streamed chunk (12.5 frames = 1 s; 4 = 320 ms)."),
     stdout_format: str = typer.Option("wav", "--format", help="What -o - writes: wav (streamed: a WAV header of "
                                                               "unknown length) or raw (16-bit little-endian mono "
@@ -197,6 +200,11 @@ def synth(
             _synth_batch(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
     except NonFiniteError as error:
         typer.echo(f"rvqtts: error: {error}", err=True)
+        raise typer.Exit(1)
+    except BrokenPipeError:
+        # Whoever read standard output stopped (`| head`): stop too, without a traceback or a failed flush.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        typer.echo("rvqtts: standard output was closed before the audio ended", err=True)
         raise typer.Exit(1)
 
 
