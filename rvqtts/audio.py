@@ -109,7 +109,7 @@ def audio_bytes(audio: np.ndarray, sample_rate: int, container: tuple[str, str] 
 
 
 STDOUT_FORMATS = ("wav", "raw")  # what `-o -` carries: a 16-bit PCM WAV, or the bare 16-bit little-endian samples
-UNKNOWN_SIZE = 0xFFFFFFFF  # the RIFF and data sizes of a WAV whose length is not known when its header is written
+UNKNOWN_SIZE = 0xFFFFFFFF  # the RIFF and data sizes of a WAV stream whose length is not known yet
 
 
 def pcm16(audio: np.ndarray) -> bytes:
@@ -117,13 +117,12 @@ def pcm16(audio: np.ndarray) -> bytes:
     return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
 
 
-def wav_header(sample_rate: int, data_bytes: int = UNKNOWN_SIZE) -> bytes:
-    """The 44-byte header of a mono 16-bit PCM WAV; by default for a stream of unknown length (both sizes
-    0xFFFFFFFF, which sox, ffmpeg and common players read as "until the end of the input")."""
-    riff = UNKNOWN_SIZE if data_bytes == UNKNOWN_SIZE else 36 + data_bytes
-    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate,
-                                                                           sample_rate * 2, 2, 16)
-            + b"data" + struct.pack("<I", data_bytes))
+def wav_header(sample_rate: int) -> bytes:
+    """The 44-byte header of a mono 16-bit PCM WAV stream of unknown length: both sizes 0xFFFFFFFF, which
+    sox, ffmpeg and common players read as "until the end of the input"."""
+    return (b"RIFF" + struct.pack("<I", UNKNOWN_SIZE) + b"WAVEfmt "
+            + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+            + b"data" + struct.pack("<I", UNKNOWN_SIZE))
 
 
 def _stdout_write(data: bytes) -> None:

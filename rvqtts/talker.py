@@ -85,8 +85,7 @@ class TalkerRunner(CachedDecoder):
     def _step(self, embed: torch.Tensor, index: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step at position `index` (a 1-element tensor), attending to the first `span` slots, masked
         beyond the position where the span is longer."""
-        slots = torch.arange(span, device=self.device)
-        mask = None if self.calls.mode == "eager" else (slots <= index)[None]
+        mask = None if self.calls.mode == "eager" else (torch.arange(span, device=self.device) <= index)[None]
         hidden = self.run_layers(embed.to(self.dtype), self.cos[index][None], self.sin[index][None], index, span,
                                  mask)[0]
         return hidden, linear(hidden, self.head.weight, self.head.bias)

@@ -194,8 +194,8 @@ def synth(
                chunk_chars=None if no_chunk else chunk_chars)
     try:
         if file is None:
-            streaming = dict(stream=stream, frames=stream_frames, stdout_format=stdout_format)
-            _synth_one(synthesizer, utterances[0], output, run, streaming, codes_out, stats_json, quiet)
+            _synth_one(synthesizer, utterances[0], output, run, stream_frames if stream else None, stdout_format,
+                       codes_out, stats_json, quiet)
         else:
             _synth_batch(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
     except NonFiniteError as error:
@@ -242,22 +242,23 @@ def _write_stats(path: Optional[Path], entries: list[dict]) -> None:
         write_json(path, {"utterances": entries, "total": total_record(entries)})
 
 
-def _synth_one(synthesizer, item, output, run: dict, streaming: dict, codes_out, stats_json, quiet) -> None:
+def _synth_one(synthesizer, item, output, run: dict, stream_frames: Optional[int], stdout_format: str, codes_out,
+               stats_json, quiet) -> None:
+    """One text to `output`: streamed every `stream_frames` frames, or (None) written whole at the end."""
     from rvqtts.audio import write_audio, write_codes, write_stream
 
     with progress_bar(quiet) as progress:
         task = progress.add_task("synthesizing", total=None)
         run = dict(run, on_chunk=lambda done, total: progress.update(task, completed=done, total=total))
-        if streaming["stream"]:
-            audio = synthesizer.stream(item.text, **run, frames_per_chunk=streaming["frames"])
-            write_stream(output, audio, synthesizer.sample_rate, streaming["stdout_format"])
+        if stream_frames:
+            audio = synthesizer.stream(item.text, **run, frames_per_chunk=stream_frames)
+            write_stream(output, audio, synthesizer.sample_rate, stdout_format)
             result = audio.result
         else:
             result = synthesizer.synthesize(item.text, **run)
+            write_audio(output, result.audio, result.sample_rate, stdout_format)
     for warning in result.warnings:
         say(f"warning: {warning}", quiet)
-    if not streaming["stream"]:
-        write_audio(output, result.audio, result.sample_rate, streaming["stdout_format"])
     if codes_out:
         write_codes(codes_out, result.codes)
     record = result.record()
