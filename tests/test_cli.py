@@ -345,22 +345,22 @@ def test_the_statistics_table_never_cuts_a_figure():
 
 @pytest.mark.parametrize("flag", ["amx_bf16", None])
 def test_the_default_run_picks_its_dtype_and_tree_by_what_was_measured(tmp_path, tiny_dir, monkeypatch, flag):
-    """On a CPU that multiplies bfloat16 natively: bfloat16 and the tree `cpu/bfloat16` names in
-    trees/best-n.json; elsewhere float32 and the plain loop (`cpu/float32`: no tree pays there)."""
+    """On a CPU that multiplies bfloat16 natively: bfloat16; elsewhere float32. Both run the plain loop
+    (`cpu/bfloat16` and `cpu/float32` in trees/best-n.json: no tree was measured to pay on a CPU), and say so."""
     import rvqtts.devices
-    from rvqtts.tree import best_budget
 
     monkeypatch.setattr(rvqtts.devices, "native_bf16_flag", lambda: flag)
     stats = tmp_path / "s.json"
     result = synth("Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames", "3", "--stats-json", stats)
     assert result.exit_code == 0, result.output
     record = json.loads(stats.read_text())["utterances"][0]
+    platform = "cpu/bfloat16" if flag else "cpu/float32"
     if flag:
         assert "bfloat16: this CPU multiplies bfloat16 natively (amx_bf16)" in result.stderr
-        assert record["spec"] is True and record["tree_nodes"] == best_budget("cpu/bfloat16", "")[0] > 0
     else:
-        assert "bfloat16" not in result.stderr and record["spec"] is False and record["tree_nodes"] == 0
-        assert "plain inner loop: no tree was measured to pay for this model on cpu/float32" in result.stderr
+        assert "bfloat16" not in result.stderr
+    assert record["spec"] is False and record["tree_nodes"] == 0
+    assert f"plain inner loop: no tree was measured to pay for this model on {platform}" in result.stderr
 
 
 def test_native_bf16_is_read_from_the_cpu_flags():
