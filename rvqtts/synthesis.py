@@ -430,7 +430,7 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
     N measured for this model on this platform: the kind of device, by default the model's (cpu, cuda,
     mps) or `device_type` (coreml), and the dtype) or a file. With `allow_plain`, `auto` returns no
     speculation (None) where speculation was measured not to pay (best N = 0), or was not measured on a
-    CPU. Without an offsets file, shipped offsets whose fingerprint matches the model are used, else
+    CPU; a given offsets file is still checked then, so a bad one fails as it would elsewhere. Without an offsets file, shipped offsets whose fingerprint matches the model are used, else
     zero offsets (reused heads). Raises TreeFileError / OffsetsFileError / ValueError with their messages.
     """
     fingerprint = predictor_fingerprint(code_predictor)
@@ -438,11 +438,14 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
     weight = code_predictor.lm_head[0].weight
     platform = platform_key(device_type, "float16") if device_type == "coreml" else platform_key(
         weight.device.type, weight.dtype)
+    plain = None
     if allow_plain and str(tree) == "auto":
         budget, source = best_budget(platform, fingerprint)
         if budget == 0:
-            return None, (f"plain inner loop: no tree was measured to pay for this model on {platform} ({source});"
-                          f" --tree N forces speculation")
+            plain = (f"plain inner loop: no tree was measured to pay for this model on {platform} ({source});"
+                     f" --tree N forces speculation")
+            if offsets is None:
+                return None, plain
     chosen = resolve_tree(tree, fingerprint, platform)
     notice = None
     if offsets is not None:
@@ -453,6 +456,9 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
             drafts = Offsets.zeros(max(DEFAULT_DEPTH, chosen.depth), hidden)
             notice = "no shipped offsets match this model: drafting with zero offsets (reused heads)"
     try:
-        return Speculation(chosen, drafts), notice
+        speculation = Speculation(chosen, drafts)
     except ValueError as error:
         raise ValueError(f"tree {tree} with offsets {offsets}: {error}") from error
+    if plain:  # a given offsets file is checked, against the tree it would draft, even where it goes unused
+        return None, f"{plain}; the offsets file is not used"
+    return speculation, notice
