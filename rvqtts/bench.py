@@ -16,6 +16,7 @@ import torch
 
 from rvqtts.decode import RoundPlan, round_call, step_call
 from rvqtts.files import write_atomically
+from rvqtts.floor import megabytes, predictor_weights, read_pass, round_heads, talker_weights
 from rvqtts.graphs import StaticCalls
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig
@@ -146,6 +147,11 @@ def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup:
                               hidden, code, noise)
 
     calls = {f"q{q}": plain if q == 1 else tree_round(q) for q in queries}
+    last = runner.code_groups - 1
+    weights_read = {q: predictor_weights(runner, [index + 1] if q == 1 else
+                                         round_heads(RoundPlan.build(timing_tree(q - 1), device), index, last))
+                    for q in queries}
+    floors = {f"floor{q}": read_pass(tensors) for q, tensors in weights_read.items()}
     stock, reset_stock = _stock_step(code_predictor, device, dtype)
     with torch.inference_mode():
         for done, call in enumerate(calls.values()):  # compile-free warm-up of every shape's kernels
@@ -153,13 +159,16 @@ def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup:
             if progress:
                 progress(done + 1, len(calls))
         # Cropping the stock cache runs before every call (untimed); it is cheap and leaves ours untouched.
-        times = interleaved_ms({**calls, "stock": stock}, device, warmup, repeats, reset=reset_stock)
+        times = interleaved_ms({**calls, **floors, "stock": stock}, device, warmup, repeats, reset=reset_stock)
         frames = interleaved_ms(_frame_loops(code_predictor, device, dtype), device, 2, max(3, repeats // 4))
     medians = {name: statistics.median(values) for name, values in times.items()}
     base = medians["q1"] if "q1" in medians else None
     return {
         "q": list(queries),
         "median_ms": [round(medians[f"q{q}"], 3) for q in queries],
+        "floor_ms": [round(medians[f"floor{q}"], 4) for q in queries],
+        "ratio_to_floor": [round(medians[f"q{q}"] / medians[f"floor{q}"], 4) for q in queries],
+        "weights_mb": [round(megabytes(weights_read[q]), 3) for q in queries],
         "p10_ms": [round(_quantile(times[f"q{q}"], 0.1), 3) for q in queries],
         "p90_ms": [round(_quantile(times[f"q{q}"], 0.9), 3) for q in queries],
         "ratio_to_q1": [round(medians[f"q{q}"] / base, 4) if base else None for q in queries],
@@ -271,6 +280,9 @@ def bench_e2e(tts: object, lines: list[tuple[str, str, str]], speculation, seed:
     settings = settings or GenerationSettings()
     synthesizers = {"plain": Synthesizer(tts, None), "speculative": Synthesizer(tts, speculation)}
     runs: dict[str, list[dict]] = {name: [] for name in E2E_VARIANTS}
+    talker, runner = synthesizers["plain"].talker_runner(), synthesizers["speculative"].inner_parts().runner
+    floors = _e2e_floor_passes(talker, runner, speculation)
+    floor_times: dict[str, list[float]] = {name: [] for name in floors}
     for number, (text, speaker, language) in enumerate(lines):
         order = E2E_VARIANTS[number % 3:] + E2E_VARIANTS[:number % 3]
         for name in order:
@@ -280,12 +292,41 @@ def bench_e2e(tts: object, lines: list[tuple[str, str, str]], speculation, seed:
                 record = synthesizers[name].synthesize(text, speaker, language, seed, settings=settings,
                                                        chunk_chars=None).record()
             runs[name].append({key: record[key] for key in ("frames", "audio_seconds", *TIMED_FIELDS, "rtf")}
-                              | ({"codes_per_call": record["codes_per_call"]} if name != "stock" else {}))
+                              | ({key: record[key] for key in ("codes_per_call", "predictor_calls", "talker_calls")}
+                                 if name != "stock" else {}))
             if progress:
                 progress(number * 3 + order.index(name) + 1, len(lines) * 3)
-    totals = {name: _totals(records) for name, records in runs.items()}
+        for name, values in interleaved_ms(floors, talker.device, warmup=1, repeats=3).items():
+            floor_times[name].extend(values)
+    floor_ms = {name: round(statistics.median(values), 3) for name, values in floor_times.items()}
+    totals = {name: _totals(records) | _floor_per_frame(name, records, floor_ms, runner.code_groups - 1)
+              for name, records in runs.items()}
     return {"runs": runs, "totals": totals, "ratios": _e2e_ratios(totals), "seed": seed,
-            "tree_nodes": speculation.tree.nodes, "texts": len(lines)}
+            "tree_nodes": speculation.tree.nodes, "texts": len(lines), "floor_ms": floor_ms}
+
+
+def _e2e_floor_passes(talker: object, runner: PredictorRunner, speculation) -> dict[str, Callable[[], None]]:
+    """Passes over what each kind of call reads: a talker step, a plain predictor step, a verify round of
+    `speculation`'s tree mid-frame (KV_LENGTH committed slots)."""
+    index, last = KV_LENGTH - 1, runner.code_groups - 1
+    plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
+    return {"talker_step": read_pass(talker_weights(talker)),
+            "predictor_step": read_pass(predictor_weights(runner, [index + 1])),
+            "predictor_round": read_pass(predictor_weights(runner, round_heads(plan, index, last)))}
+
+
+def _floor_per_frame(variant: str, records: list[dict], floor_ms: dict[str, float], plain_calls: int) -> dict:
+    """The floor of a variant's talker and inner loop per frame: the read passes of the calls it made (stock:
+    one talker step and `plain_calls` predictor calls per frame; speculative: a prefill, then rounds)."""
+    frames = sum(r["frames"] for r in records)
+    if not frames:
+        return {"talker_floor_ms_per_frame": None, "predictor_floor_ms_per_frame": None}
+    talker_calls = sum(r.get("talker_calls", r["frames"]) for r in records)
+    calls = sum(r.get("predictor_calls", 0) for r in records) or frames * plain_calls
+    rounds = calls - frames if variant == "speculative" else 0
+    predictor = (calls - rounds) * floor_ms["predictor_step"] + rounds * floor_ms["predictor_round"]
+    return {"talker_floor_ms_per_frame": round(talker_calls * floor_ms["talker_step"] / frames, 2),
+            "predictor_floor_ms_per_frame": round(predictor / frames, 2)}
 
 
 def _totals(records: list[dict]) -> dict:
@@ -343,6 +384,8 @@ def bench_talker(talker: torch.nn.Module, contexts: list[int], repeats: int = 20
     device, dtype = talker.codec_head.weight.device, talker.codec_head.weight.dtype
     generator = torch.Generator().manual_seed(seed)
     runner = TalkerRunner(talker)
+    weights = talker_weights(runner)
+    floor = read_pass(weights)
     rows = []
     for length in contexts:
         prompt = (0.02 * torch.randn(length, talker.config.hidden_size, generator=generator)).to(device, dtype)
@@ -359,13 +402,15 @@ def bench_talker(talker: torch.nn.Module, contexts: list[int], repeats: int = 20
                                       past_key_values=cache, use_cache=True).last_hidden_state
                 return talker.codec_head(hidden)
 
-            times = interleaved_ms({"stock": stock, "rvqtts": partial(runner.step, step, length)}, device,
-                                   warmup=3, repeats=repeats, reset=lambda: cache.crop(length))
-        stock_ms, ours_ms = (statistics.median(times[name]) for name in ("stock", "rvqtts"))
+            times = interleaved_ms({"stock": stock, "rvqtts": partial(runner.step, step, length), "floor": floor},
+                                   device, warmup=3, repeats=repeats, reset=lambda: cache.crop(length))
+        stock_ms, ours_ms, floor_ms = (statistics.median(times[name]) for name in ("stock", "rvqtts", "floor"))
         rows.append({"context": length, "stock_ms": round(stock_ms, 2), "rvqtts_ms": round(ours_ms, 2),
-                     "ratio": round(ours_ms / stock_ms, 3)})
+                     "ratio": round(ours_ms / stock_ms, 3), "floor_ms": round(floor_ms, 4),
+                     "ratio_to_floor": round(ours_ms / floor_ms, 3)})
     return {"rows": rows, "repeats": repeats, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-            "layers": talker.config.num_hidden_layers, "hidden_size": talker.config.hidden_size}
+            "layers": talker.config.num_hidden_layers, "hidden_size": talker.config.hidden_size,
+            "weights_mb": round(megabytes(weights), 3)}
 
 
 def random_prefixes(talker: torch.nn.Module, frames: int, seed: int = 0) -> torch.Tensor:

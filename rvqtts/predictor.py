@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from rvqtts.transformer import CachedDecoder, linear
+from rvqtts.transformer import CachedDecoder, can_pack, module_map
 
 
 class PredictorRunner(CachedDecoder):
@@ -23,9 +23,11 @@ class PredictorRunner(CachedDecoder):
     def __init__(self, code_predictor: torch.nn.Module, max_len: int):
         config = code_predictor.config
         weight = code_predictor.lm_head[0].weight
+        # Packed weights make a tree round of up to 32 slots cost about one step (rvqtts.transformer).
+        pack = can_pack(weight.device, weight.dtype)
         super().__init__(code_predictor.model.layers, code_predictor.model.norm, config, max_len,
-                         weight.device, weight.dtype)
-        self.heads = code_predictor.lm_head
+                         weight.device, weight.dtype, pack)
+        self.heads = [module_map(head, pack) for head in code_predictor.lm_head]
         self.embeddings = code_predictor.model.codec_embedding
         self.project = code_predictor.small_to_mtp_projection
         self.code_groups = config.num_code_groups
@@ -73,7 +75,7 @@ class PredictorRunner(CachedDecoder):
 
     def logits(self, hidden: torch.Tensor, index: int) -> torch.Tensor:
         """Scores of code c_index from hidden states [..., hidden] (the head LMH_index)."""
-        return linear(hidden, self.heads[index - 1].weight, self.heads[index - 1].bias)
+        return self.heads[index - 1](hidden)
 
     def keep(self, sources: list[int], destination: int) -> None:
         """Move the KV entries of `sources` (accepted tree slots) to the slots from `destination` on."""

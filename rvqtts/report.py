@@ -120,14 +120,16 @@ def predictor_table(result: dict) -> Table:
     """`rvqtts bench predictor`: one call's median and spread per query length, against q = 1 and stock."""
     table = Table(title=f"one code-predictor call, {result['device']} {result['dtype']}, KV length "
                         f"{result['kv_length']}, {result['threads']} threads", title_justify="left", box=box.SIMPLE_HEAD)
-    for title in ("q", "median ms", "p10-p90 ms", "x q=1", "x stock q=1"):
+    for title in ("q", "median ms", "p10-p90 ms", "x q=1", "x stock q=1", "weights MB", "floor ms", "x floor"):
         table.add_column(title, justify="right")
     for i, q in enumerate(result["q"]):
         table.add_row(str(q), f"{result['median_ms'][i]:.2f}", f"{result['p10_ms'][i]:.2f}-{result['p90_ms'][i]:.2f}",
-                      f"{result['ratio_to_q1'][i]:.3f}", f"{result['ratio_to_stock_q1'][i]:.3f}")
+                      f"{result['ratio_to_q1'][i]:.3f}", f"{result['ratio_to_stock_q1'][i]:.3f}",
+                      f"{result['weights_mb'][i]:.1f}", f"{result['floor_ms'][i]:.2f}", f"{result['ratio_to_floor'][i]:.3f}")
     table.add_row("stock 1", f"{result['stock_q1_ms']:.2f}",
-                  f"{result['stock_q1_p10_ms']:.2f}-{result['stock_q1_p90_ms']:.2f}", "", "1.000")
-    table.caption = (f"weights: {result['weights']}; {result['repeats']} interleaved repeats; one frame's inner "
+                  f"{result['stock_q1_p10_ms']:.2f}-{result['stock_q1_p90_ms']:.2f}", "", "1.000", "", "", "")
+    table.caption = (f"weights: {result['weights']}; {result['repeats']} interleaved repeats; floor: one pass reading "
+                     f"the call's weights, timed in the same run; one frame's inner "
                      f"loop: stock HF generate() {result['stock_frame_ms']:.1f} ms, rvqtts plain "
                      f"{result['plain_frame_ms']:.1f} ms")
     return table
@@ -153,13 +155,14 @@ def e2e_table(result: dict) -> Table:
     """`rvqtts bench e2e`: per-frame times of stock qwen-tts, the plain loop and the speculative loop."""
     table = Table(title=f"end to end, {result['texts']} texts, seed {result['seed']}, tree N = {result['tree_nodes']}",
                   title_justify="left", box=box.SIMPLE_HEAD)
-    for title in ("variant", "frames", "wall ms/frame", "talker", "inner loop", "decoder", "RTF"):
+    for title in ("variant", "frames", "wall ms/frame", "talker", "floor", "inner loop", "floor", "decoder", "RTF"):
         table.add_column(title, justify="left" if title == "variant" else "right")
     for name, total in result["totals"].items():
-        table.add_row(name, str(total["frames"]), *(f"{total[f'{part}_ms_per_frame'] or 0:.1f}"
-                                                    for part in ("wall", "talker", "predictor", "decoder")),
-                      f"{total['rtf'] or 0:.3f}")
-    table.caption = "; ".join(f"{name}: {ratio}x" for name, ratio in result["ratios"].items())
+        table.add_row(name, str(total["frames"]), *(f"{total[key] or 0:.1f}" for key in (
+            "wall_ms_per_frame", "talker_ms_per_frame", "talker_floor_ms_per_frame", "predictor_ms_per_frame",
+            "predictor_floor_ms_per_frame", "decoder_ms_per_frame")), f"{total['rtf'] or 0:.3f}")
+    table.caption = ("; ".join(f"{name}: {ratio}x" for name, ratio in result["ratios"].items())
+                     + "; floor: read passes over the weights of the calls made, timed in the same run")
     return table
 
 
@@ -193,10 +196,12 @@ def talker_table(result: dict) -> Table:
     """`rvqtts bench talker`: one talker step, rvqtts's against qwen-tts's, by context length."""
     table = Table(title=f"talker step, {result['device']} {result['dtype']}, median of {result['repeats']}",
                   title_justify="left", box=box.SIMPLE_HEAD)
-    for title in ("context", "stock ms", "rvqtts ms", "rvqtts / stock"):
+    for title in ("context", "stock ms", "rvqtts ms", "rvqtts / stock", "floor ms", "rvqtts / floor"):
         table.add_column(title, justify="right")
     for row in result["rows"]:
-        table.add_row(str(row["context"]), f"{row['stock_ms']:.2f}", f"{row['rvqtts_ms']:.2f}", f"{row['ratio']:.3f}")
+        table.add_row(str(row["context"]), f"{row['stock_ms']:.2f}", f"{row['rvqtts_ms']:.2f}", f"{row['ratio']:.3f}",
+                      f"{row['floor_ms']:.2f}", f"{row['ratio_to_floor']:.3f}")
+    table.caption = f"floor: one pass reading the step's {result['weights_mb']:.0f} MB of weights, timed in the same run"
     return table
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from rvqtts.graphs import StaticCalls
-from rvqtts.transformer import CachedDecoder, linear
+from rvqtts.transformer import CachedDecoder, module_map
 
 CAPACITY_STEP = 256  # the cache grows in these many slots; CUDA graphs attend over spans rounded to it
 
@@ -32,7 +32,7 @@ class TalkerRunner(CachedDecoder):
 
     def __init__(self, talker: torch.nn.Module, capacity: int = CAPACITY_STEP, calls: StaticCalls | None = None):
         self.rotary = talker.model.rotary_emb
-        self.head = talker.codec_head
+        self.head = module_map(talker.codec_head)
         self.codec_embedding = talker.model.codec_embedding
         self.predictor_embeddings = talker.code_predictor.model.codec_embedding
         self.calls = calls or StaticCalls()
@@ -69,7 +69,7 @@ class TalkerRunner(CachedDecoder):
         causal = torch.ones(length, length, device=self.device, dtype=torch.bool).tril()
         hidden = self.run_layers(embeds.to(self.dtype), self.cos[None, :length], self.sin[None, :length],
                                  slice(0, length), length, causal)[-1]
-        return hidden, linear(hidden, self.head.weight, self.head.bias)
+        return hidden, self.head(hidden)
 
     @torch.inference_mode()
     def step(self, embed: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +88,7 @@ class TalkerRunner(CachedDecoder):
         mask = None if self.calls.mode == "eager" else (torch.arange(span, device=self.device) <= index)[None]
         hidden = self.run_layers(embed.to(self.dtype), self.cos[index][None], self.sin[index][None], index, span,
                                  mask)[0]
-        return hidden, linear(hidden, self.head.weight, self.head.bias)
+        return hidden, self.head(hidden)
 
     @torch.inference_mode()
     def code_embedding(self, c0: torch.Tensor) -> torch.Tensor:

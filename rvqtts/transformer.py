@@ -9,6 +9,8 @@ float32 (the modules' own), RoPE tables computed by the model's rotary module an
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -18,24 +20,69 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through a matrix-vector product where x is one row (1-D, or [1, in]) and there is no bias.
-
-    One-row bfloat16 F.linear runs at about 60 % of torch.mv's speed on x86 CPUs (a 1024 x 6144 map:
-    0.59 against 0.37 ms on a 2-vCPU Xeon with AMX) and gives the same bits, as one row of a batched
-    F.linear does there; in float32 both give F.linear's one-row bits. CPUs only (that is where it was
-    measured), and not while tracing (Core ML export), whose graphs keep F.linear."""
-    if bias is None and x.device.type == "cpu" and not torch.jit.is_tracing():
-        if x.dim() == 1:
-            return torch.mv(weight, x)
-        if x.dim() == 2 and x.shape[0] == 1:
-            return torch.mv(weight, x[0])[None]
-    return F.linear(x, weight, bias)
+PACKED_ROWS = 32  # rows per call of a packed map: up to here each row gets torch.mv's bits (docs/engine.md)
 
 
-def _stacked(*maps: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weight and bias of one linear map computing `maps` side by side. The maps' own parameters become
-    views of the stacked tensors (same values), so the model's weights are held once, not twice."""
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether maps on `device` in `dtype` take oneDNN-packed weights: bfloat16 on CPUs whose oneDNN
+    kernel gives every row of a call of up to PACKED_ROWS rows torch.mv's bits (float32's packed kernel
+    does not, so neither is packed there)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and _packed_rows_match_mv()
+
+
+@functools.cache
+def _packed_rows_match_mv() -> bool:
+    """Probe this machine's kernel once (kernels are chosen per CPU): rows of 1 to PACKED_ROWS at a time
+    through a packed 1024 x 1024 bfloat16 map against torch.mv, row by row."""
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1024, 1024, generator=generator).to(torch.bfloat16)
+    rows = torch.randn(PACKED_ROWS, 1024, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        steps = torch.stack([torch.mv(weight, row) for row in rows])
+        return all(torch.equal(torch.ops.mkldnn._linear_pointwise(rows[:n], packed, None, "none", [], ""), steps[:n])
+                   for n in range(1, PACKED_ROWS + 1))
+
+
+class LinearMap:
+    """A linear map (weight [out, in], optional bias) as the hot loops apply it.
+
+    One row without bias goes through torch.mv on CPUs: one-row bfloat16 F.linear ran at about 60 % of
+    its speed (2-vCPU Xeon with AMX) and gives the same bits. With `pack`, the map also holds its weights
+    reordered once for oneDNN's bfloat16 kernel: a 16-row call then costs about what one row does, where
+    F.linear costs 1.5x (docs/benchmarks.md), and each row's result equals torch.mv's bit for bit for up
+    to PACKED_ROWS rows per call (`can_pack` checks), so more rows go in chunks of that many: a tree
+    round's rows are what plain steps compute. Packing costs a second copy of the weights. Not while tracing (Core ML export),
+    whose graphs keep F.linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
+        self.weight, self.bias = weight, bias
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if pack else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or torch.jit.is_tracing():
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None and x.dim() == 1:
+            return torch.mv(self.weight, x)
+        if self.bias is None and x.dim() == 2 and x.shape[0] == 1:
+            return torch.mv(self.weight, x[0])[None]
+        if self.packed is not None and x.dim() == 2:
+            parts = [torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+                     for rows in x.split(PACKED_ROWS)]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return F.linear(x, self.weight, self.bias)
+
+
+def module_map(linear: torch.nn.Linear, pack: bool = False) -> LinearMap:
+    return LinearMap(linear.weight, linear.bias, pack)
+
+
+def _stacked(*maps: torch.nn.Linear, pack: bool = False) -> LinearMap:
+    """One linear map computing `maps` side by side. The maps' own parameters become views of the stacked
+    tensors (same values), so the model's weights are held once, not twice."""
     stacked = []
     for name in ("weight", "bias"):
         if getattr(maps[0], name) is None:
@@ -48,15 +95,16 @@ def _stacked(*maps: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]
             part.data = joined[start:start + part.shape[0]]
             start += part.shape[0]
         stacked.append(joined)
-    return stacked[0], stacked[1]
+    return LinearMap(stacked[0], stacked[1], pack)
 
 
 class CachedDecoder:
     """The layers of a loaded Qwen3 decoder with a preallocated KV cache of `max_len` slots."""
 
     def __init__(self, layers: torch.nn.ModuleList, norm: torch.nn.Module, config: object, max_len: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, pack: bool = False):
         self.layers, self.norm = layers, norm
+        self.pack = pack
         self.device, self.dtype = device, dtype
         self.hidden_size = config.hidden_size
         self.n_heads = config.num_attention_heads
@@ -64,9 +112,11 @@ class CachedDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One matrix product for q, k and v, and one for the MLP's gate and up maps: fewer, larger kernels
         # (on a 2-core CPU in bf16 this cut the linear maps' time by about a tenth; docs/benchmarks.md).
-        self.qkv = [_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+        self.qkv = [_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, pack=pack)
                     for layer in layers]
-        self.gate_up = [_stacked(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers]
+        self.gate_up = [_stacked(layer.mlp.gate_proj, layer.mlp.up_proj, pack=pack) for layer in layers]
+        self.out = [module_map(layer.self_attn.o_proj, pack) for layer in layers]
+        self.down = [module_map(layer.mlp.down_proj, pack) for layer in layers]
         self.q_width = self.n_heads * self.head_dim
         self.kv_width = self.n_kv_heads * self.head_dim
         self.allocate(max_len)
@@ -121,7 +171,7 @@ class CachedDecoder:
         one fused map, the q/k norms, then RoPE with the slots' `cos`, `sin` [1, q, d]. Nothing reads
         x's shape, so traced graphs hold no size lookups (Core ML's converter mishandles them)."""
         layer = self.layers[i]
-        q, k, v = linear(layer.input_layernorm(x), *self.qkv[i]).split(
+        q, k, v = self.qkv[i](layer.input_layernorm(x)).split(
             [self.q_width, self.kv_width, self.kv_width], dim=-1)
         q = layer.self_attn.q_norm(q.view(-1, self.n_heads, self.head_dim)).transpose(0, 1)
         k = layer.self_attn.k_norm(k.view(-1, self.n_kv_heads, self.head_dim)).transpose(0, 1)
@@ -132,6 +182,6 @@ class CachedDecoder:
         """Layer i after attention: output map and residual, then the MLP (gate and up fused) and residual.
         `attended` is the attention output [heads, q, d]."""
         layer = self.layers[i]
-        x = x + linear(attended.transpose(0, 1).flatten(1), layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias)
-        gate, up = linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
-        return x + linear(layer.mlp.act_fn(gate) * up, layer.mlp.down_proj.weight, layer.mlp.down_proj.bias)
+        x = x + self.out[i](attended.transpose(0, 1).flatten(1))
+        gate, up = self.gate_up[i](layer.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down[i](layer.mlp.act_fn(gate) * up)

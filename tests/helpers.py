@@ -47,26 +47,25 @@ def random_contexts(synth, frames: int, seed: int = 0) -> Contexts:
     return contexts
 
 
-def linear_maps_are_row_invariant(code_predictor, rows: int = 17) -> bool:
-    """Whether this machine's matrix kernels give one row the same bits alone as in a batch of 2 to `rows`
-    rows (a round's query, and each depth's rows through its LM head), for every linear map the runner
-    applies (kernels are chosen by shape, differently per CPU and dtype). Where they do, a tree call's
-    rows equal plain steps bit for bit; elsewhere they differ in the last bit."""
+def linear_maps_are_row_invariant(code_predictor, rows: int = 34) -> bool:
+    """Whether the runner's linear maps give one row the same bits alone as in a call of 2 to `rows` rows
+    (a round's query, and each depth's rows through its LM head) on this machine (kernels are chosen by
+    shape, differently per CPU and dtype; packed maps take rows PACKED_ROWS at a time). Where they do, a
+    tree call's rows equal plain steps bit for bit; elsewhere they differ in the last bit."""
     from rvqtts.predictor import PredictorRunner
-    from rvqtts.transformer import linear
+    from rvqtts.transformer import LinearMap
 
     runner = PredictorRunner(code_predictor, 2)
-    layer = runner.layers[0]
-    maps = [runner.qkv[0], runner.gate_up[0], (layer.self_attn.o_proj.weight, None),
-            (layer.mlp.down_proj.weight, None), (runner.heads[0].weight, None)]
+    maps = [runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[0]]
     if isinstance(runner.project, torch.nn.Linear):
-        maps.append((runner.project.weight, runner.project.bias))
+        maps.append(LinearMap(runner.project.weight, runner.project.bias))  # the module's F.linear
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for weight, bias in maps:
-            x = torch.randn(rows, weight.shape[1], generator=generator).to(weight.dtype)
-            alone = linear(x[:1], weight, bias)[0]  # how the runner maps one row
+        for linear in maps:
+            x = torch.randn(rows, linear.weight.shape[1], generator=generator).to(linear.weight.dtype)
+            alone = linear(x[:1])[0]  # how the runner maps one row
             for size in range(2, rows + 1):
-                if not torch.equal(torch.nn.functional.linear(x[:size], weight, bias)[0], alone):
+                if not torch.equal(linear(x[:size])[0], alone) or not torch.equal(linear(x[:size])[-1],
+                                                                                  linear(x[size - 1:size])[0]):
                     return False
     return True

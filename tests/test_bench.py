@@ -8,10 +8,12 @@ import json
 
 import pytest
 from helpers import run_cli as run
+from rich.console import Console
 
 from rvqtts.bench import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
 from rvqtts.offsets import predictor_fingerprint
-from rvqtts.synthesis import choose_speculation
+from rvqtts.report import predictor_table
+from rvqtts.synthesis import Synthesizer, choose_speculation
 from rvqtts.tree import (FALLBACK_BUDGET, SHIPPED_TREES, best_budget, frame_codes_per_call, grow_tree, save_acceptance,
                          save_best_budget)
 
@@ -35,6 +37,25 @@ def test_bench_predictor_writes_its_figures(predictor_json):
         assert result["p10_ms"][i] <= result["median_ms"][i] <= result["p90_ms"][i]
         assert result["ratio_to_stock_q1"][i] == pytest.approx(result["median_ms"][i] / result["stock_q1_ms"], rel=0.01)
     assert (result["dtype"], result["device"]) == ("float32", "cpu") and result["weights"].endswith("tiny")
+
+
+def test_bench_predictor_sets_each_call_beside_a_pass_over_its_weights(predictor_json, tiny):
+    """A plain step reads the layers, the input projection and one LM head; a round of a 3-deep tree rooted
+    at c_k drafts with heads k+1..k+3 and scores with heads k+1..k+4: four heads (the floor is a pass over
+    exactly those bytes, each once)."""
+    result = json.loads(predictor_json.read_text())
+    predictor = tiny.code_predictor
+    shared = sum(p.numel() for module in (predictor.model.layers, predictor.model.norm,
+                                          predictor.small_to_mtp_projection) for p in module.parameters())
+    head = predictor.lm_head[0].weight.numel()
+    assert result["weights_mb"][0] == pytest.approx(4 * (shared + head) / 1e6, abs=1e-3)
+    assert result["weights_mb"][-1] == pytest.approx(4 * (shared + 4 * head) / 1e6, abs=1e-3)  # q = 17, depth 3
+    assert all(f > 0 for f in result["floor_ms"])
+    assert result["ratio_to_floor"] == [pytest.approx(m / f, rel=0.01) for m, f in zip(result["median_ms"],
+                                                                                       result["floor_ms"])]
+    console = Console(width=200, record=True)
+    console.print(predictor_table(result))
+    assert "x floor" in console.export_text()
 
 
 def test_projection_arithmetic():
@@ -128,6 +149,17 @@ def test_bench_e2e_runs_all_three_variants(tiny_dir, tmp_path):
     # rvqtts's two loops make the same codes, so they stop at the same frame.
     assert [r["frames"] for r in report["runs"]["plain"]] == [r["frames"] for r in report["runs"]["speculative"]]
     assert report["ratios"]["stock/plain wall"] > 0
+    # Floors: the plain loop's inner loop reads a step's weights 15 times a frame, stock's the same.
+    floor = report["floor_ms"]
+    assert floor["predictor_round"] > 0 and floor["talker_step"] > 0
+    for name in ("stock", "plain"):
+        total = report["totals"][name]
+        assert total["predictor_floor_ms_per_frame"] == pytest.approx(15 * floor["predictor_step"], abs=0.01)
+    spec = report["totals"]["speculative"]
+    calls = sum(r["predictor_calls"] for r in report["runs"]["speculative"])
+    rounds = calls - spec["frames"]
+    assert spec["predictor_floor_ms_per_frame"] == pytest.approx(
+        (spec["frames"] * floor["predictor_step"] + rounds * floor["predictor_round"]) / spec["frames"], abs=0.01)
 
 
 def test_bench_decoder_times_each_length(tiny_dir, tmp_path):
@@ -151,7 +183,13 @@ def test_bench_talker_times_both_steps_at_each_context(tiny_dir, tmp_path):
     assert [row["context"] for row in report["rows"]] == [8, 300] and report["dtype"] == "float32"
     assert all(row["stock_ms"] > 0 and row["ratio"] == pytest.approx(row["rvqtts_ms"] / row["stock_ms"], rel=0.05)
                for row in report["rows"])
-    assert "rvqtts / stock" in result.output
+    assert "rvqtts / stock" in result.output and "rvqtts / floor" in result.output
+    talker = Synthesizer.load(tiny_dir).talker
+    weights = sum(p.numel() for module in (talker.model.layers, talker.model.norm, talker.codec_head)
+                  for p in module.parameters())
+    assert report["weights_mb"] == pytest.approx(4 * weights / 1e6, abs=1e-3)
+    assert all(row["ratio_to_floor"] == pytest.approx(row["rvqtts_ms"] / row["floor_ms"], rel=0.05)
+               for row in report["rows"])
 
 
 def test_bench_dtype_compares_codes_with_float32(tiny_dir, tmp_path):

@@ -10,6 +10,7 @@ from rvqtts.decode import RoundPlan
 from rvqtts.predictor import PredictorRunner
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tiny import build_tiny_model
+from rvqtts.transformer import PACKED_ROWS, can_pack
 from rvqtts.tree import Tree
 
 TOLERANCE = 1e-4
@@ -121,3 +122,18 @@ def test_half_precision_runs_close_to_float32(tiny_dir, dtype):
     logits = runner.logits(hidden, 1).float()
     assert torch.isfinite(logits).all()
     assert (logits - expected).abs().max() < 0.1 * expected.abs().max()
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16),
+                    reason="this CPU's oneDNN kernel does not give packed bfloat16 rows torch.mv's bits")
+def test_packed_maps_give_every_row_the_bits_of_a_plain_step(released_06_dir):
+    """Where the runner packs its maps (bfloat16 on this CPU), a call of any number of rows, chunked past
+    PACKED_ROWS, gives each row what torch.mv gives it alone: tree rounds compute what plain steps do."""
+    runner = PredictorRunner(Synthesizer.load(released_06_dir, dtype="bfloat16").code_predictor, 2)
+    generator = torch.Generator().manual_seed(6)
+    for linear in (runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[3]):
+        assert linear.packed is not None
+        x = torch.randn(PACKED_ROWS + 8, linear.weight.shape[1], generator=generator).to(torch.bfloat16)
+        steps = torch.stack([torch.mv(linear.weight, row) for row in x])
+        for rows in (2, 16, PACKED_ROWS, PACKED_ROWS + 8):
+            assert torch.equal(linear(x[:rows]), steps[:rows]), f"{rows} rows"

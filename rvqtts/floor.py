@@ -1,0 +1,66 @@
+"""The memory-bandwidth floor of a model call: how long reading the weights it touches takes, measured.
+
+On a CPU every call of the talker and the code predictor reads each weight it uses once and does a
+few multiply-adds per weight read, so its cost is bounded below by the time the weights take to come
+from memory. That time is measured, not assumed: a pass over the same tensors that reads every byte
+and does almost no arithmetic (the maximum of the bytes), timed in the same run as the calls it is set
+beside (machines differ, and so does their load from one minute to the next). Embedding rows (a few KB
+a call) are left out; packed copies of weights hold the same bytes in another order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+
+def distinct(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors once each (a weight reached twice, or tied, is read once)."""
+    seen, kept = set(), []
+    for tensor in tensors:
+        key = (tensor.data_ptr(), tensor.numel(), tensor.dtype)
+        if key not in seen:
+            seen.add(key)
+            kept.append(tensor.detach())
+    return kept
+
+
+def megabytes(tensors: list[torch.Tensor]) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / 1e6
+
+
+def read_pass(tensors: list[torch.Tensor]) -> Callable[[], None]:
+    """A call that reads every byte of `tensors` once: the floor of a call that reads them."""
+    flat = [t.reshape(-1).view(torch.uint8) for t in tensors]  # the weights are contiguous: views, no copies
+
+    def read() -> None:
+        for values in flat:
+            values.amax()
+
+    return read
+
+
+def decoder_weights(runner: object) -> list[torch.Tensor]:
+    """What every call of a rvqtts.transformer.CachedDecoder reads: its layers and final norm."""
+    return [p for layer in runner.layers for p in layer.parameters()] + list(runner.norm.parameters())
+
+
+def predictor_weights(runner: object, heads: Iterable[int]) -> list[torch.Tensor]:
+    """A code-predictor call's weights: the layers, the input projection, and the LM heads of `heads`
+    (code indices; a plain step scores one code, a tree round drafts and scores several)."""
+    project = list(runner.project.parameters())
+    return distinct(decoder_weights(runner) + project + [runner.heads[index - 1].weight for index in heads])
+
+
+def talker_weights(runner: object) -> list[torch.Tensor]:
+    """A talker step's weights: the layers and the codec head."""
+    return distinct(decoder_weights(runner) + [runner.head.weight])
+
+
+def round_heads(plan: object, index: int, last: int) -> list[int]:
+    """The LM heads a verify round rooted at c_index reads: one per drafted depth, one per scored depth."""
+    from rvqtts.decode import scored_slices
+
+    drafted = range(index + 1, index + len(plan.draft_ranks) + 1)
+    return [*drafted, *(index + d + 1 for d, _ in scored_slices(plan, index, last))]
