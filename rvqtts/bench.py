@@ -99,14 +99,15 @@ def _stock_step(code_predictor: torch.nn.Module, device: torch.device, dtype: to
     return step, lambda: cache.crop(KV_LENGTH)
 
 
-def _frame_loops(code_predictor: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
+def _frame_loops(code_predictor: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                 weight_format: str = "native") -> dict:
     """One frame's whole inner loop (15 codes, sampled with qwen-tts's defaults): qwen-tts's HF
     `generate()` as its talker calls it, and rvqtts's plain loop on the same prefix."""
     from rvqtts.decode import DecodeStats, decode_frame_plain
 
     groups = code_predictor.config.num_code_groups
     prefix = torch.randn(1, 2, _talker_width(code_predictor), device=device, dtype=dtype)
-    runner = PredictorRunner(code_predictor, groups)
+    runner = PredictorRunner(code_predictor, groups, weight_format)
     noise = torch.zeros(groups - 1, code_predictor.config.vocab_size, device=device)
     sampling = SamplingConfig()
 
@@ -120,7 +121,8 @@ def _frame_loops(code_predictor: torch.nn.Module, device: torch.device, dtype: t
 
 
 def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup: int = 5, repeats: int = 30,
-                    weights: str = "random", progress: Callable[[int, int], None] | None = None) -> dict:
+                    weights: str = "random", progress: Callable[[int, int], None] | None = None,
+                    weight_format: str = "native") -> dict:
     """Median and spread of one predictor call per query length q, as the engine makes it (q = 1: a plain
     step and its draw; q > 1: a verify round of a q - 1 node tree: drafts, forward with tree attention row by
     row, LM heads and draws at every slot; CUDA-graph replays on CUDA), and of qwen-tts's own q = 1 forward,
@@ -129,7 +131,7 @@ def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup:
     weight = code_predictor.lm_head[0].weight
     device, dtype = weight.device, weight.dtype
     depth = 3
-    runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + max(queries))
+    runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + max(queries), weight_format)
     offsets = torch.zeros(depth, runner.hidden_size, device=device, dtype=dtype)
     hidden = torch.randn(runner.hidden_size, device=device, dtype=dtype)
     code = torch.tensor([5], device=device)
@@ -160,7 +162,8 @@ def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup:
                 progress(done + 1, len(calls))
         # Cropping the stock cache runs before every call (untimed); it is cheap and leaves ours untouched.
         times = interleaved_ms({**calls, **floors, "stock": stock}, device, warmup, repeats, reset=reset_stock)
-        frames = interleaved_ms(_frame_loops(code_predictor, device, dtype), device, 2, max(3, repeats // 4))
+        frames = interleaved_ms(_frame_loops(code_predictor, device, dtype, weight_format), device, 2,
+                                max(3, repeats // 4))
     medians = {name: statistics.median(values) for name, values in times.items()}
     base = medians["q1"] if "q1" in medians else None
     return {
@@ -180,6 +183,7 @@ def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup:
         "plain_frame_ms": round(statistics.median(frames["plain_frame"]), 3),
         "kv_length": KV_LENGTH, "repeats": repeats, "threads": torch.get_num_threads(),
         "dtype": str(dtype).removeprefix("torch."), "device": str(device), "weights": weights,
+        "weight_format": weight_format,
     }
 
 
@@ -230,7 +234,8 @@ def project_speedup(codes_per_call: dict[int, float], predictor: dict) -> dict:
     # best_N = 0: no tree beats the plain loop on this device with this acceptance.
     return {"rows": rows, "best_N": best["N"] if best["speedup"] > 1.0 else 0, "best_speedup": best["speedup"],
             "not_measured": [n for n in sorted(codes_per_call) if n not in measured],
-            "device": predictor["device"], "dtype": predictor["dtype"], "weights": predictor["weights"]}
+            "device": predictor["device"], "dtype": predictor["dtype"], "weights": predictor["weights"],
+            "weight_format": predictor.get("weight_format", "native")}
 
 
 def plot_speedup(projection: dict, acceptance_source: str, path) -> None:
@@ -271,14 +276,15 @@ TIMED_FIELDS = ("wall_seconds", "talker_seconds", "predictor_seconds", "decoder_
 
 
 def bench_e2e(tts: object, lines: list[tuple[str, str, str]], speculation, seed: int = 0, settings=None,
-              progress: Callable[[int, int], None] | None = None) -> dict:
+              progress: Callable[[int, int], None] | None = None, weight_format: str = "native") -> dict:
     """Stock qwen-tts, rvqtts's plain loop and rvqtts's speculative loop on the same texts and seeds,
     taking turns text by text (the order rotating), each text spoken as one piece. Frame counts differ
     between variants (sampled codes decide where speech ends), so times are compared per frame."""
     from rvqtts.synthesis import GenerationSettings, Synthesizer
 
     settings = settings or GenerationSettings()
-    synthesizers = {"plain": Synthesizer(tts, None), "speculative": Synthesizer(tts, speculation)}
+    synthesizers = {"plain": Synthesizer(tts, None, weight_format),
+                    "speculative": Synthesizer(tts, speculation, weight_format)}
     runs: dict[str, list[dict]] = {name: [] for name in E2E_VARIANTS}
     talker, runner = synthesizers["plain"].talker_runner(), synthesizers["speculative"].inner_parts().runner
     floors = _e2e_floor_passes(talker, runner, speculation)
@@ -302,7 +308,8 @@ def bench_e2e(tts: object, lines: list[tuple[str, str, str]], speculation, seed:
     totals = {name: _totals(records) | _floor_per_frame(name, records, floor_ms, runner.code_groups - 1)
               for name, records in runs.items()}
     return {"runs": runs, "totals": totals, "ratios": _e2e_ratios(totals), "seed": seed,
-            "tree_nodes": speculation.tree.nodes, "texts": len(lines), "floor_ms": floor_ms}
+            "tree_nodes": speculation.tree.nodes, "texts": len(lines), "floor_ms": floor_ms,
+            "weight_format": weight_format}
 
 
 def _e2e_floor_passes(talker: object, runner: PredictorRunner, speculation) -> dict[str, Callable[[], None]]:
@@ -372,7 +379,8 @@ def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int =
             "dtype": str(next(tokenizer.model.parameters()).dtype).removeprefix("torch.")}
 
 
-def bench_talker(talker: torch.nn.Module, contexts: list[int], repeats: int = 20, seed: int = 0) -> dict:
+def bench_talker(talker: torch.nn.Module, contexts: list[int], repeats: int = 20, seed: int = 0,
+                 weight_format: str = "native") -> dict:
     """One talker step at each context length: rvqtts's runner (rvqtts.talker) against qwen-tts's talker
     transformer and codec head as its HF loop calls them (a dynamic cache, the attention mask and MRoPE
     positions of generate()), the two taking turns. The stock step's code-predictor call, which qwen-tts
@@ -383,7 +391,7 @@ def bench_talker(talker: torch.nn.Module, contexts: list[int], repeats: int = 20
 
     device, dtype = talker.codec_head.weight.device, talker.codec_head.weight.dtype
     generator = torch.Generator().manual_seed(seed)
-    runner = TalkerRunner(talker)
+    runner = TalkerRunner(talker, weights=weight_format)
     weights = talker_weights(runner)
     floor = read_pass(weights)
     rows = []
@@ -410,7 +418,7 @@ def bench_talker(talker: torch.nn.Module, contexts: list[int], repeats: int = 20
                      "ratio_to_floor": round(ours_ms / floor_ms, 3)})
     return {"rows": rows, "repeats": repeats, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
             "layers": talker.config.num_hidden_layers, "hidden_size": talker.config.hidden_size,
-            "weights_mb": round(megabytes(weights), 3)}
+            "weights_mb": round(megabytes(weights), 3), "weight_format": weight_format}
 
 
 def random_prefixes(talker: torch.nn.Module, frames: int, seed: int = 0) -> torch.Tensor:
@@ -424,16 +432,18 @@ def random_prefixes(talker: torch.nn.Module, frames: int, seed: int = 0) -> torc
 
 
 def bench_dtype(reference: torch.nn.Module, candidate: torch.nn.Module, prefixes: torch.Tensor, seed: int = 0,
-                sampling: SamplingConfig = SamplingConfig()) -> dict:
-    """A code predictor in another dtype (`candidate`) against the `reference` (float32) on the same
-    frames and noise, plain loops: codes drawn by the candidate given the reference's earlier codes
+                sampling: SamplingConfig = SamplingConfig(), candidate_weights: str = "native") -> dict:
+    """A code predictor in another dtype or with 8-bit weights (`candidate`, `candidate_weights`) against
+    the `reference` (float32, or the same model's own weights) on the same frames and noise, plain loops: codes drawn by the candidate given the reference's earlier codes
     (teacher forcing: how often the dtype changes a draw), frames whose 15 codes all agree when each runs
     free, and the codes a free-running frame gets right before its first difference; with the two
     loops' ms per frame, timed frame by frame in turn."""
     from rvqtts.sampling import draw, gumbel_noise
-    from rvqtts.inner_loop import InnerLoop
+    from rvqtts.inner_loop import InnerLoop, LoopParts
 
-    loops = {"reference": InnerLoop(reference, None, seed), "candidate": InnerLoop(candidate, None, seed)}
+    loops = {"reference": InnerLoop(reference, None, seed),
+             "candidate": InnerLoop(candidate, None, seed, parts=LoopParts.build(candidate, None, True,
+                                                                                 candidate_weights))}
     runner = loops["candidate"].runner
     last = runner.code_groups - 1
     forced = agree = frames_equal = before_first = 0
@@ -464,7 +474,7 @@ def bench_dtype(reference: torch.nn.Module, candidate: torch.nn.Module, prefixes
             "free_running_frames_identical": round(frames_equal / frames, 4),
             "codes_before_first_difference": round(before_first / frames, 3),
             "ms_per_frame": {name: round(statistics.median(values), 2) for name, values in ms.items()},
-            "device": str(runner.device)}
+            "device": str(runner.device), "weights": candidate_weights}
 
 
 def bench_fused(code_predictor: torch.nn.Module, speculation, candidate, prefixes: torch.Tensor, seed: int = 0,

@@ -42,20 +42,22 @@ def read_pass(tensors: list[torch.Tensor]) -> Callable[[], None]:
 
 
 def decoder_weights(runner: object) -> list[torch.Tensor]:
-    """What every call of a rvqtts.transformer.CachedDecoder reads: its layers and final norm."""
-    return [p for layer in runner.layers for p in layer.parameters()] + list(runner.norm.parameters())
+    """What every call of a rvqtts.transformer.CachedDecoder reads: its layers' maps (as they are held:
+    the dtype's own weights, or 8-bit ones and their scales) and norms, and the final norm."""
+    norms = [p for layer in runner.layers for name, p in layer.named_parameters() if "norm" in name]
+    return [t for linear in runner.layer_maps() for t in linear.reads()] + norms + list(runner.norm.parameters())
 
 
 def predictor_weights(runner: object, heads: Iterable[int]) -> list[torch.Tensor]:
     """A code-predictor call's weights: the layers, the input projection, and the LM heads of `heads`
     (code indices; a plain step scores one code, a tree round drafts and scores several)."""
     project = list(runner.project.parameters())
-    return distinct(decoder_weights(runner) + project + [runner.heads[index - 1].weight for index in heads])
+    return distinct(decoder_weights(runner) + project + [t for index in heads for t in runner.heads[index - 1].reads()])
 
 
 def talker_weights(runner: object) -> list[torch.Tensor]:
     """A talker step's weights: the layers and the codec head."""
-    return distinct(decoder_weights(runner) + [runner.head.weight])
+    return distinct(decoder_weights(runner) + runner.head.reads())
 
 
 def round_heads(plan: object, index: int, last: int) -> list[int]:

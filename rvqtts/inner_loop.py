@@ -39,14 +39,16 @@ class LoopParts:
     offsets: torch.Tensor | None
     calls: StaticCalls
     fused: FusedDecoder | None = None
+    weights: str = "native"
 
     @classmethod
     def build(cls, code_predictor: torch.nn.Module, speculation: Speculation | None,
-              cuda_graphs: bool) -> "LoopParts":
+              cuda_graphs: bool, weights: str = "native") -> "LoopParts":
         extra = speculation.tree.nodes + 1 if speculation else 0
-        runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra)
+        runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra, weights)
         offsets = speculation.offsets.vectors.to(runner.device, runner.dtype) if speculation else None
-        return cls(speculation, cuda_graphs, runner, offsets, StaticCalls.for_device(runner.device, cuda_graphs))
+        return cls(speculation, cuda_graphs, runner, offsets, StaticCalls.for_device(runner.device, cuda_graphs),
+                   weights=weights)
 
     @classmethod
     def package(cls, decoder: FusedDecoder, speculation: Speculation | None) -> "LoopParts":

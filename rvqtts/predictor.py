@@ -20,14 +20,14 @@ from rvqtts.transformer import CachedDecoder, can_pack, module_map
 class PredictorRunner(CachedDecoder):
     """Forward passes of one utterance's code predictor over a preallocated KV cache of `max_len` slots."""
 
-    def __init__(self, code_predictor: torch.nn.Module, max_len: int):
+    def __init__(self, code_predictor: torch.nn.Module, max_len: int, weights: str = "native"):
         config = code_predictor.config
         weight = code_predictor.lm_head[0].weight
         # Packed weights make a tree round of up to 32 slots cost about one step (rvqtts.transformer).
         pack = can_pack(weight.device, weight.dtype)
         super().__init__(code_predictor.model.layers, code_predictor.model.norm, config, max_len,
-                         weight.device, weight.dtype, pack)
-        self.heads = [module_map(head, pack) for head in code_predictor.lm_head]
+                         weight.device, weight.dtype, weights, pack)
+        self.heads = [module_map(head, weights, self.pack) for head in code_predictor.lm_head]
         self.embeddings = code_predictor.model.codec_embedding
         self.project = code_predictor.small_to_mtp_projection
         self.code_groups = config.num_code_groups

@@ -167,8 +167,11 @@ def e2e_table(result: dict) -> Table:
 
 
 def dtype_table(result: dict) -> Table:
-    """`rvqtts bench dtype`: a reduced dtype's codes and speed against float32."""
-    table = Table(title=f"code predictor, {result['dtype']} vs {result['reference_dtype']}, {result['frames']} frames",
+    """`rvqtts bench dtype`: a reduced dtype's codes and speed against float32 (or 8-bit weights' against
+    the dtype's own)."""
+    candidate = result["dtype"] + (f" with {result['weights']} weights" if result.get("weights", "native") != "native"
+                                   else "")
+    table = Table(title=f"code predictor, {candidate} vs {result['reference_dtype']}, {result['frames']} frames",
                   title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -176,7 +179,7 @@ def dtype_table(result: dict) -> Table:
     table.add_row("frames identical, free running", f"{100 * result['free_running_frames_identical']:.1f} %")
     table.add_row("codes before the first difference", f"{result['codes_before_first_difference']:.2f} of {result['codes_per_frame']}")
     for name, value in result["ms_per_frame"].items():
-        table.add_row(f"plain loop ms/frame, {result['dtype'] if name == 'candidate' else result['reference_dtype']}",
+        table.add_row(f"plain loop ms/frame, {candidate if name == 'candidate' else result['reference_dtype']}",
                       f"{value:.1f}")
     return table
 

@@ -27,6 +27,7 @@ from rvqtts.inner_loop import ForcedLoop, InnerLoop, LoopParts
 from rvqtts.loading import check_voice, load_tts
 from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
 from rvqtts.prompt import Prompt, capture_prompt
+from rvqtts.quantize import check_weights
 from rvqtts.sampling import C0Rules, SamplingConfig
 from rvqtts.streaming import StreamingDecoder
 from rvqtts.talker import TalkerRunner
@@ -129,6 +130,7 @@ class Synthesis:
     sampling: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     stream_frames: int | None = None
+    weights: str = "native"
 
     def record(self) -> dict:
         """The statistics users see (`--stats-json`, the table). rtf = compute seconds / audio seconds."""
@@ -146,7 +148,8 @@ class Synthesis:
             "first_audio_seconds": round(self.seconds["first_audio"], 3),
             "first_audio_split": self.seconds["first_audio_split"], "stream_frames": self.stream_frames,
             "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
-            "spec": self.spec, "tree_nodes": self.tree_nodes, "seed": self.seed, "sampling": self.sampling,
+            "spec": self.spec, "tree_nodes": self.tree_nodes, "weights": self.weights, "seed": self.seed,
+            "sampling": self.sampling,
             "warnings": list(self.warnings),
         }
 
@@ -173,12 +176,14 @@ class Synthesizer:
     between utterances (a KV cache only grows; fused weights and captured graphs are reused).
     """
 
-    def __init__(self, tts: object, speculation: Speculation | None = None):
+    def __init__(self, tts: object, speculation: Speculation | None = None, weights: str = "native"):
         self.tts = tts
         self.model = tts.model
         self.talker = self.model.talker
         self.code_predictor = self.talker.code_predictor
         self.speculation = speculation
+        check_weights(weights, self.talker.codec_head.weight.device)
+        self.weights = weights  # "int8": both loops run 8-bit weights (rvqtts.quantize)
         self.cuda_graphs = True  # replay the talker's and the inner loop's calls from CUDA graphs on CUDA devices
         self.fused: FusedDecoder | None = None  # set (rvqtts.coreml) to run the inner loop on a Core ML package
         self._parts: LoopParts | None = None
@@ -191,9 +196,10 @@ class Synthesizer:
 
     @classmethod
     def load(cls, model: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
-             speculation: Speculation | None = None) -> "Synthesizer":
+             speculation: Speculation | None = None, weights: str = "native") -> "Synthesizer":
         """Load a checkpoint (hub id or local folder) the ordinary qwen-tts way."""
-        return cls(load_tts(model, device, dtype), speculation)
+        check_weights(weights, torch.device(device))
+        return cls(load_tts(model, device, dtype), speculation, weights)
 
     @property
     def hidden_size(self) -> int:
@@ -228,9 +234,11 @@ class Synthesizer:
 
     def talker_runner(self) -> TalkerRunner:
         """The talker runner, made on first use (CUDA graphs per `cuda_graphs`)."""
-        if self._talker is None or (self._talker.calls.mode == "cuda") != self._cuda_graphs_on():
+        if (self._talker is None or (self._talker.calls.mode == "cuda") != self._cuda_graphs_on()
+                or self._talker.weights != self.weights):
             device = self.talker.codec_head.weight.device
-            self._talker = TalkerRunner(self.talker, calls=StaticCalls.for_device(device, self.cuda_graphs))
+            self._talker = TalkerRunner(self.talker, calls=StaticCalls.for_device(device, self.cuda_graphs),
+                                        weights=self.weights)
         return self._talker
 
     def _cuda_graphs_on(self) -> bool:
@@ -243,8 +251,9 @@ class Synthesizer:
             if parts is None or parts.fused is not self.fused or parts.speculation is not self.speculation:
                 parts = self._parts = LoopParts.package(self.fused, self.speculation)
         elif (parts is None or parts.fused is not None or parts.speculation is not self.speculation
-              or parts.cuda_graphs != self.cuda_graphs):
-            parts = self._parts = LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs)
+              or parts.cuda_graphs != self.cuda_graphs or parts.weights != self.weights):
+            parts = self._parts = LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs,
+                                                  self.weights)
         return parts
 
     def frame_loop(self, sampling: ResolvedSampling, seed: int, utterance: int,
@@ -362,7 +371,8 @@ class Synthesizer:
                          stats=loop.inner.stats, seconds=seconds, talker_calls=loop.talker_calls,
                          chunks=len(pieces), spec=self.speculation is not None,
                          tree_nodes=self.speculation.tree.nodes if self.speculation else 0, seed=seed,
-                         sampling=sampling.record(), warnings=warnings, stream_frames=stream_frames)
+                         sampling=sampling.record(), warnings=warnings, stream_frames=stream_frames,
+                         weights=self.weights)
 
     def force(self, text: str, speaker: str, language: str, codes: np.ndarray,
               on_frame: Callable[[torch.Tensor, list[int]], None]) -> None:
@@ -423,12 +433,12 @@ class Synthesizer:
 
 def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike = "auto",
                        offsets: str | os.PathLike | None = None, allow_plain: bool = False,
-                       device_type: str | None = None) -> tuple[Speculation | None, str | None]:
+                       device_type: str | None = None, weights: str = "native") -> tuple[Speculation | None, str | None]:
     """The tree and offsets to draft with, and a notice for the user (or None).
 
     `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` (the best
     N measured for this model on this platform: the kind of device, by default the model's (cpu, cuda,
-    mps) or `device_type` (coreml), and the dtype) or a file. With `allow_plain`, `auto` returns no
+    mps) or `device_type` (coreml), the dtype and the `weights` format) or a file. With `allow_plain`, `auto` returns no
     speculation (None) where speculation was measured not to pay (best N = 0), or was not measured on a
     CPU; a given offsets file is still checked then, so a bad one fails as it would elsewhere. Without an offsets file, shipped offsets whose fingerprint matches the model are used, else
     zero offsets (reused heads). Raises TreeFileError / OffsetsFileError / ValueError with their messages.
@@ -437,7 +447,7 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
     hidden = code_predictor.config.hidden_size
     weight = code_predictor.lm_head[0].weight
     platform = platform_key(device_type, "float16") if device_type == "coreml" else platform_key(
-        weight.device.type, weight.dtype)
+        weight.device.type, weight.dtype, weights)
     plain = None
     if allow_plain and str(tree) == "auto":
         budget, source = best_budget(platform, fingerprint)

@@ -30,14 +30,16 @@ class TalkerRunner(CachedDecoder):
     a tensor and the slots beyond it masked. Eagerly (CPUs), the same step attends to exactly its slots.
     """
 
-    def __init__(self, talker: torch.nn.Module, capacity: int = CAPACITY_STEP, calls: StaticCalls | None = None):
+    def __init__(self, talker: torch.nn.Module, capacity: int = CAPACITY_STEP, calls: StaticCalls | None = None,
+                 weights: str = "native"):
         self.rotary = talker.model.rotary_emb
-        self.head = module_map(talker.codec_head)
+        self.head = module_map(talker.codec_head, weights)
         self.codec_embedding = talker.model.codec_embedding
         self.predictor_embeddings = talker.code_predictor.model.codec_embedding
         self.calls = calls or StaticCalls()
         weight = talker.codec_head.weight
-        super().__init__(talker.model.layers, talker.model.norm, talker.config, capacity, weight.device, weight.dtype)
+        super().__init__(talker.model.layers, talker.model.norm, talker.config, capacity, weight.device, weight.dtype,
+                         weights)
         self.vocab_size = talker.config.vocab_size
 
     def allocate(self, max_len: int) -> None:

@@ -14,6 +14,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from rvqtts.quantize import Int8Map, check_weights
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
@@ -62,6 +64,10 @@ class LinearMap:
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if pack else None
 
+    def reads(self) -> list[torch.Tensor]:
+        """The tensors a call reads (a packed copy holds the weight's bytes in another order)."""
+        return [self.weight] + ([] if self.bias is None else [self.bias])
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or torch.jit.is_tracing():
             return F.linear(x, self.weight, self.bias)
@@ -76,11 +82,19 @@ class LinearMap:
         return F.linear(x, self.weight, self.bias)
 
 
-def module_map(linear: torch.nn.Linear, pack: bool = False) -> LinearMap:
-    return LinearMap(linear.weight, linear.bias, pack)
+Map = LinearMap | Int8Map
 
 
-def _stacked(*maps: torch.nn.Linear, pack: bool = False) -> LinearMap:
+def make_map(weight: torch.Tensor, bias: torch.Tensor | None, weights: str = "native", pack: bool = False) -> Map:
+    """The map of `weight` as `weights` asks: the dtype's own (packed where `pack`), or 8-bit."""
+    return Int8Map(weight, bias) if weights == "int8" else LinearMap(weight, bias, pack)
+
+
+def module_map(linear: torch.nn.Linear, weights: str = "native", pack: bool = False) -> Map:
+    return make_map(linear.weight, linear.bias, weights, pack)
+
+
+def _stacked(*maps: torch.nn.Linear, weights: str = "native", pack: bool = False) -> Map:
     """One linear map computing `maps` side by side. The maps' own parameters become views of the stacked
     tensors (same values), so the model's weights are held once, not twice."""
     stacked = []
@@ -95,16 +109,17 @@ def _stacked(*maps: torch.nn.Linear, pack: bool = False) -> LinearMap:
             part.data = joined[start:start + part.shape[0]]
             start += part.shape[0]
         stacked.append(joined)
-    return LinearMap(stacked[0], stacked[1], pack)
+    return make_map(stacked[0], stacked[1], weights, pack)
 
 
 class CachedDecoder:
     """The layers of a loaded Qwen3 decoder with a preallocated KV cache of `max_len` slots."""
 
     def __init__(self, layers: torch.nn.ModuleList, norm: torch.nn.Module, config: object, max_len: int,
-                 device: torch.device, dtype: torch.dtype, pack: bool = False):
+                 device: torch.device, dtype: torch.dtype, weights: str = "native", pack: bool = False):
+        check_weights(weights, device)
         self.layers, self.norm = layers, norm
-        self.pack = pack
+        self.weights, self.pack = weights, pack and weights == "native"
         self.device, self.dtype = device, dtype
         self.hidden_size = config.hidden_size
         self.n_heads = config.num_attention_heads
@@ -112,14 +127,19 @@ class CachedDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One matrix product for q, k and v, and one for the MLP's gate and up maps: fewer, larger kernels
         # (on a 2-core CPU in bf16 this cut the linear maps' time by about a tenth; docs/benchmarks.md).
-        self.qkv = [_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, pack=pack)
+        kind = dict(weights=weights, pack=self.pack)
+        self.qkv = [_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, **kind)
                     for layer in layers]
-        self.gate_up = [_stacked(layer.mlp.gate_proj, layer.mlp.up_proj, pack=pack) for layer in layers]
-        self.out = [module_map(layer.self_attn.o_proj, pack) for layer in layers]
-        self.down = [module_map(layer.mlp.down_proj, pack) for layer in layers]
+        self.gate_up = [_stacked(layer.mlp.gate_proj, layer.mlp.up_proj, **kind) for layer in layers]
+        self.out = [module_map(layer.self_attn.o_proj, **kind) for layer in layers]
+        self.down = [module_map(layer.mlp.down_proj, **kind) for layer in layers]
         self.q_width = self.n_heads * self.head_dim
         self.kv_width = self.n_kv_heads * self.head_dim
         self.allocate(max_len)
+
+    def layer_maps(self) -> list[Map]:
+        """Every layer's linear maps (what each call applies)."""
+        return [*self.qkv, *self.out, *self.gate_up, *self.down]
 
     def allocate(self, max_len: int) -> None:
         """Fresh, zeroed K and V caches of `max_len` slots per layer."""

@@ -270,9 +270,11 @@ FALLBACK_BUDGET = 16  # a tree size to run when one is needed and nothing was me
 UNMEASURED_BUDGET = {"cpu": 0}
 
 
-def platform_key(device_type: str, dtype: str) -> str:
-    """The key of what best tree sizes are measured for: a kind of device and a dtype (cpu/bfloat16)."""
-    return f"{device_type.split(':')[0]}/{str(dtype).removeprefix('torch.')}"
+def platform_key(device_type: str, dtype: str, weights: str = "native") -> str:
+    """The key of what best tree sizes are measured for: a kind of device and a dtype (cpu/bfloat16), and
+    8-bit weights where the loops run them (cpu/bfloat16+int8: other kernels, other call costs)."""
+    key = f"{device_type.split(':')[0]}/{str(dtype).removeprefix('torch.')}"
+    return key if weights == "native" else f"{key}+{weights}"
 
 
 def _budget_records(path: Path) -> dict:

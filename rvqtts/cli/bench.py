@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from rvqtts.cli.common import (DEFAULT_MODEL, HELP_STYLE, app, check_coreml, ensure_writable, fail, list_of_ints,
-                               load_synthesizer, progress_bar, publish, resolve_device, say, stderr_console)
+                               load_synthesizer, progress_bar, publish, resolve_device, say, stderr_console,
+                               WEIGHTS_HELP)
 from rvqtts.cli.frames import CONTEXTS_HELP, SPLIT_HELP, TEXTS_HELP, check_source, recorded_frames
 
 DEFAULT_BENCH_QUERIES = (1, 2, 4, 5, 8, 9, 16, 17, 24, 32, 33, 48, 64, 65)  # N + 1 for N = 4..64 included
@@ -28,6 +29,7 @@ def bench_predictor_command(
     q: str = typer.Option(",".join(map(str, DEFAULT_BENCH_QUERIES)), "--q",
                           help="Query lengths (q = N + 1 for a tree of N nodes; 1 is always timed)."),
     repeats: int = typer.Option(30, help="Timed repetitions per query length (after 5 warm-up rounds)."),
+    weights: str = typer.Option("native", help=WEIGHTS_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
 ) -> None:
@@ -49,15 +51,23 @@ def bench_predictor_command(
             fail(f"unknown --dims {dims!r}: choose {', '.join(PREDICTOR_DIMS)}")
         import torch
 
-        code_predictor = random_code_predictor(dims, getattr(torch, dtype), resolve_device(device))
-        weights = f"random at the real {dims} dimensions"
+        from rvqtts.quantize import check_weights
+
+        chosen = resolve_device(device)
+        try:
+            check_weights(weights, torch.device(chosen))
+        except ValueError as error:
+            fail(str(error))
+        code_predictor = random_code_predictor(dims, getattr(torch, dtype), chosen)
+        source = f"random at the real {dims} dimensions"
     else:
-        code_predictor = load_synthesizer(model, device, dtype, quiet).code_predictor
-        weights = model
+        code_predictor = load_synthesizer(model, device, dtype, quiet, weights).code_predictor
+        source = model
     with progress_bar(quiet) as progress:
         task = progress.add_task("warming up and timing", total=len(queries))
-        result = bench_predictor(code_predictor, queries, repeats=repeats, weights=weights,
-                                 progress=lambda done, total: progress.update(task, completed=done))
+        result = bench_predictor(code_predictor, queries, repeats=repeats, weights=source,
+                                 progress=lambda done, total: progress.update(task, completed=done),
+                                 weight_format=weights)
     publish(result, json_out, predictor_table, quiet)
 
 
@@ -98,7 +108,7 @@ def bench_speedup_command(
         write_json(json_out, projection)
     if save:
         fingerprint = table.get("model_fingerprint") if table else None  # the choice is this model's only
-        platform = platform_key(projection["device"], projection["dtype"])
+        platform = platform_key(projection["device"], projection["dtype"], projection["weight_format"])
         where = save_best_budget(platform, projection["best_N"], f"rvqtts bench speedup: {source}; "
                                  f"{projection['weights']}", fingerprint)
         scope = "for this model" if fingerprint else "for every model without its own choice"
@@ -123,6 +133,7 @@ def bench_e2e_command(
     max_frames: Optional[int] = typer.Option(None, help="Most frames per utterance."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    weights: str = typer.Option("native", help=WEIGHTS_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every run and the totals as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
 ) -> None:
@@ -140,11 +151,12 @@ def bench_e2e_command(
         settings = GenerationSettings(max_frames=max_frames)
     except (BatchFileError, ValueError) as error:
         fail(str(error))
-    synthesizer = load_synthesizer(model, device, dtype, quiet)
+    synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
     try:
         for _, line_speaker, line_language in lines:
             synthesizer.check_voice(line_speaker, line_language)
-        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, allow_plain=True)
+        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, allow_plain=True,
+                                                 weights=weights)
         if speculation is None:  # the speculative column still needs a tree
             say(f"{notice}; the speculative runs use N = {FALLBACK_BUDGET}", quiet)
             speculation, notice = choose_speculation(synthesizer.code_predictor, FALLBACK_BUDGET, offsets)
@@ -155,37 +167,44 @@ def bench_e2e_command(
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"{len(lines)} texts x 3 variants", total=len(lines) * 3)
         result = bench_e2e(synthesizer.tts, lines, speculation, seed, settings,
-                           progress=lambda done, total: progress.update(task, completed=done))
+                           progress=lambda done, total: progress.update(task, completed=done), weight_format=weights)
     publish(result, json_out, e2e_table, quiet)
 
 
 @bench_app.command("dtype")
 def bench_dtype_command(
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
-    dtype: str = typer.Option("bfloat16", help="The dtype to compare with float32: bfloat16 or float16."),
+    dtype: str = typer.Option("bfloat16", help="The dtype to compare with float32 (bfloat16 or float16), or, with "
+                                               "--weights int8, the dtype whose own weights are the reference."),
+    weights: str = typer.Option("native", help="native, or int8: compare 8-bit weights with the dtype's own."),
     frames: int = typer.Option(100, help="Frames to decode (random contexts)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     seed: int = typer.Option(0, help="Seed of the contexts and the noise."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
-    """The code predictor in a reduced dtype against float32 on the same frames and noise: how often the
-    dtype changes a code (teacher forcing), frames that stay identical, and both plain loops' ms per frame."""
+    """The code predictor in a reduced dtype against float32, or with 8-bit weights against its own, on the
+    same frames and noise: how often the change alters a code (teacher forcing), frames that stay identical,
+    and both plain loops' ms per frame."""
     from rvqtts.bench import bench_dtype, random_prefixes
     from rvqtts.report import dtype_table
 
-    if dtype not in ("bfloat16", "float16"):
+    if weights == "native" and dtype not in ("bfloat16", "float16"):
         fail(f"--dtype must be bfloat16 or float16 (the reference is float32), got {dtype!r}")
     if frames < 1:
         fail(f"--frames must be at least 1, got {frames}")
     if json_out is not None:
         ensure_writable(json_out)
-    reference = load_synthesizer(model, device, "float32", quiet)
-    candidate = load_synthesizer(model, device, dtype, quiet)
+    if weights == "native":
+        reference, candidate = load_synthesizer(model, device, "float32", quiet), load_synthesizer(model, device,
+                                                                                                  dtype, quiet)
+    else:  # one model: the runners hold the 8-bit weights beside the module's own
+        reference = candidate = load_synthesizer(model, device, dtype, quiet, weights)
     prefixes = random_prefixes(reference.talker, frames, seed)
     with progress_bar(quiet) as progress:
-        progress.add_task(f"decoding {frames} frames in float32 and {dtype}", total=None)
-        result = bench_dtype(reference.code_predictor, candidate.code_predictor, prefixes, seed)
+        progress.add_task(f"decoding {frames} frames both ways", total=None)
+        result = bench_dtype(reference.code_predictor, candidate.code_predictor, prefixes, seed,
+                             candidate_weights=weights)
     result["model"] = model
     publish(result, json_out, dtype_table, quiet)
 
@@ -217,6 +236,7 @@ def bench_talker_command(
     repeats: int = typer.Option(20, help="Timed steps per context length and side (after three warm-ups)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    weights: str = typer.Option("native", help=WEIGHTS_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
@@ -226,17 +246,18 @@ def bench_talker_command(
 
     lengths = list_of_ints(contexts, "--contexts")
     _model_bench(model, device, dtype, repeats, json_out, quiet,
-                 lambda synthesizer: bench_talker(synthesizer.talker, lengths, repeats), talker_table)
+                 lambda synthesizer: bench_talker(synthesizer.talker, lengths, repeats,
+                                                  weight_format=synthesizer.weights), talker_table, weights)
 
 
 def _model_bench(model: str, device: str, dtype: str, repeats: int, json_out: Optional[Path], quiet: bool,
-                 measure, table) -> None:
+                 measure, table, weights: str = "native") -> None:
     """Check the options, load the model, measure it and publish the result (JSON and a table)."""
     if repeats < 1:
         fail(f"--repeats must be at least 1, got {repeats}")
     if json_out is not None:
         ensure_writable(json_out)
-    result = measure(load_synthesizer(model, device, dtype, quiet))
+    result = measure(load_synthesizer(model, device, dtype, quiet, weights))
     result["model"] = model
     publish(result, json_out, table, quiet)
 

@@ -14,6 +14,8 @@ app = typer.Typer(help="Fast, exact Qwen3-TTS synthesis with RVQ position-aware 
                   add_completion=False, pretty_exceptions_enable=False, **HELP_STYLE)
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+WEIGHTS_HELP = ("native (the dtype's own), or int8: both loops' linear maps as 8-bit weights with per-channel "
+                "scales (W8A16; CPUs only; changes the model slightly, docs/benchmarks.md).")
 
 
 def fail(message: str) -> None:
@@ -82,7 +84,7 @@ def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], obje
         stderr_console().print(table(result))
 
 
-def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False):
+def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, weights: str = "native"):
     """The model on the chosen device and dtype (fails with one line on a bad model, device or dtype; says
     which dtype `auto` chose on a CPU, and why)."""
     from rvqtts.devices import pick_dtype
@@ -99,8 +101,8 @@ def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False):
     if reason:
         say(reason, quiet)
     try:
-        return Synthesizer.load(model, device=chosen, dtype=dtype)
-    except ModelLoadError as error:
+        return Synthesizer.load(model, device=chosen, dtype=dtype, weights=weights)
+    except (ModelLoadError, ValueError) as error:
         fail(str(error))
 
 

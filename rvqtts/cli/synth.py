@@ -9,8 +9,8 @@ from typing import Optional
 
 import typer
 
-from rvqtts.cli.common import (DEFAULT_MODEL, app, check_coreml, ensure_writable, fail, load_synthesizer, progress_bar,
-                               say, stderr_console)
+from rvqtts.cli.common import (DEFAULT_MODEL, WEIGHTS_HELP, app, check_coreml, ensure_writable, fail, load_synthesizer,
+                               progress_bar, say, stderr_console)
 
 
 def _read_text(text: Optional[str]) -> str:
@@ -52,6 +52,7 @@ def synth(
     dtype: str = typer.Option("auto", help="auto (bfloat16 on cuda and on CPUs that multiply bfloat16 natively: "
                                            "AMX, AVX512-BF16; float16 on mps; else float32), float32, bfloat16 "
                                            "or float16."),
+    weights: str = typer.Option("native", help=WEIGHTS_HELP),
     speaker: str = typer.Option("vivian", help="Speaker (rvqtts voices lists them)."),
     language: str = typer.Option("auto", help="Language, or auto."),
     instruct: Optional[str] = typer.Option(None, help="Style instruction (ignored, with a warning, by models "
@@ -118,6 +119,8 @@ def synth(
     # Everything that can be checked without the model is checked first: bad input costs no model load.
     if backend not in ("torch", "coreml"):
         fail(f"unknown --backend {backend!r}: choose torch or coreml")
+    if backend == "coreml" and weights != "native":
+        fail("--weights int8 is for the torch backend: Core ML packages hold their own weights (--coreml-precision)")
     if backend == "coreml":
         check_coreml(compute_units, coreml_precision)
     if stdout_format not in STDOUT_FORMATS:
@@ -174,13 +177,14 @@ def synth(
             check_voice(known_speakers, known_languages, item.speaker or speaker, item.language or language)
         except ValueError as error:
             fail(f"{file}:{item.line}: {error}" if file else str(error))
-    synthesizer = load_synthesizer(model, device, dtype, quiet)
+    synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
     synthesizer.cuda_graphs = cuda_graphs
     device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
     if spec:
         try:
             synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets,
-                                                                 allow_plain=True, device_type=device_type)
+                                                                 allow_plain=True, device_type=device_type,
+                                                                 weights=weights)
         except (TreeFileError, OffsetsFileError, ValueError) as error:
             fail(str(error))
         if notice:

@@ -1,0 +1,113 @@
+"""8-bit weights (W8A16): the quantization rule, the maps, exactness of speculation within the quantized
+model, and the command line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import random_prefix
+from helpers import run_cli as run
+
+from rvqtts.decode import Speculation
+from rvqtts.inner_loop import InnerLoop, LoopParts
+from rvqtts.offsets import Offsets
+from rvqtts.quantize import Int8Map, check_weights, quantize_rows
+from rvqtts.sampling import SamplingConfig
+from rvqtts.synthesis import Synthesizer
+from rvqtts.tree import resolve_tree
+
+
+def test_rows_round_to_the_nearest_step_of_their_own_scale():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 40, generator=generator) * torch.tensor([1e-3, 0.1, 1, 10, 100, 0.0])[:, None]
+    q, scales = quantize_rows(weight)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert torch.equal(q.abs().amax(dim=1)[:5], torch.full((5,), 127, dtype=torch.int8))  # each row's peak
+    error = (q.float() * scales[:, None] - weight).abs()
+    assert (error <= scales[:, None] / 2 * (1 + 1e-6)).all()
+    assert torch.equal(q[5], torch.zeros(40, dtype=torch.int8))  # an all-zero row stays zero
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_map_applies_its_dequantized_weights_and_gives_rows_the_same_bits_in_any_call(dtype):
+    generator = torch.Generator().manual_seed(1)
+    weight = (torch.randn(96, 64, generator=generator) * 0.05).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    linear = Int8Map(weight, bias)
+    x = torch.randn(20, 64, generator=generator).to(dtype)
+    q, scales = quantize_rows(weight)
+    expected = x.float() @ (q.float() * scales.to(dtype).float()[:, None]).T + bias.float()
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05
+    assert (linear(x).float() - expected).abs().max() <= tolerance
+    alone = torch.stack([linear(row) for row in x])  # 1-D rows, as plain steps map them
+    for rows in (1, 2, 5, 16, 20):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+def test_int8_weights_are_refused_off_the_cpu_and_unknown_formats_everywhere():
+    with pytest.raises(ValueError, match="CPUs only"):
+        check_weights("int8", torch.device("cuda"))
+    with pytest.raises(ValueError, match="choose native or int8"):
+        check_weights("int4", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_codes_equal_plain_codes_within_the_quantized_model(tiny_dir, dtype):
+    """torch's int8 kernel gives a row the same bits whatever the call's row count, so a tree round's
+    rows are what plain steps compute: every frame agrees, in float32 too (unlike float32's own maps)."""
+    synth = Synthesizer.load(tiny_dir, dtype=dtype)
+    predictor = synth.code_predictor
+    offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5)
+    frames = {}
+    for name, speculation in (("plain", None), ("tree", Speculation(resolve_tree("15"), offsets))):
+        loop = InnerLoop(predictor, speculation, seed=7, parts=LoopParts.build(predictor, speculation, False, "int8"))
+        prefixes = [random_prefix(synth, seed=f).to(getattr(torch, dtype)) for f in range(25)]
+        frames[name] = np.array([loop.decode(p, SamplingConfig(), 0, f) for f, p in enumerate(prefixes)])
+        if speculation:
+            assert loop.stats.accepted_per_depth[0] > 0  # drafts were accepted
+    native = InnerLoop(predictor, None, seed=7)
+    unquantized = np.array([native.decode(random_prefix(synth, seed=f).to(getattr(torch, dtype)), SamplingConfig(),
+                                          0, f) for f in range(25)])
+    assert np.array_equal(frames["plain"], frames["tree"])
+    assert not np.array_equal(frames["plain"], unquantized)  # the runner did quantize
+
+
+def test_synth_with_int8_weights_and_its_refusals(tiny_dir, tmp_path):
+    out, stats = tmp_path / "a.wav", tmp_path / "a.json"
+    result = run("synth", "--model", tiny_dir, "--weights", "int8", "--max-frames", "5", "-o", out,
+                 "--stats-json", stats, "Hello there.")
+    assert result.exit_code == 0, result.output
+    assert out.stat().st_size > 44 and json.loads(stats.read_text())["utterances"][0]["weights"] == "int8"
+    bad = run("synth", "--model", tiny_dir, "--weights", "int4", "-o", tmp_path / "b.wav", "Hello.")
+    assert bad.exit_code == 2 and "choose native or int8" in bad.output and not (tmp_path / "b.wav").exists()
+    coreml = run("synth", "--model", tiny_dir, "--weights", "int8", "--backend", "coreml", "-o", tmp_path / "c.wav",
+                 "Hello.")
+    assert coreml.exit_code == 2 and "torch backend" in coreml.output
+
+
+def test_bench_talker_reads_fewer_bytes_with_int8_weights(tiny_dir, tmp_path):
+    reports = {}
+    for weights in ("native", "int8"):
+        out = tmp_path / f"{weights}.json"
+        result = run("bench", "talker", "--model", tiny_dir, "--contexts", "8", "--repeats", "1", "--dtype",
+                     "float32", "--weights", weights, "--json", out, "-q")
+        assert result.exit_code == 0, result.output
+        reports[weights] = json.loads(out.read_text())
+    # float32 maps become one byte a weight plus a float32 scale per row: about a quarter of the bytes.
+    ratio = reports["int8"]["weights_mb"] / reports["native"]["weights_mb"]
+    assert 0.2 < ratio < 0.35 and reports["int8"]["weight_format"] == "int8"
+
+
+def test_bench_dtype_compares_int8_weights_with_the_dtypes_own(tiny_dir, tmp_path):
+    out = tmp_path / "dtype.json"
+    result = run("bench", "dtype", "--model", tiny_dir, "--dtype", "float32", "--weights", "int8", "--frames", "6",
+                 "--json", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert (report["dtype"], report["reference_dtype"], report["weights"]) == ("float32", "float32", "int8")
+    # 8-bit weights change a draw now and then; a broken comparison would agree on about 1 code in 50.
+    assert 0.8 < report["teacher_forced_code_agreement"] < 1
+    assert "float32 with int8 weights vs float32" in result.output
