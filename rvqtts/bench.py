@@ -16,7 +16,7 @@ import torch
 
 from rvqtts.decode import RoundPlan, round_call, step_call
 from rvqtts.files import write_atomically
-from rvqtts.floor import megabytes, predictor_weights, read_pass, round_heads, talker_weights
+from rvqtts.floor import megabytes, module_weights, predictor_weights, read_pass, round_heads, talker_weights
 from rvqtts.graphs import StaticCalls
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig
@@ -287,7 +287,7 @@ def bench_e2e(tts: object, lines: list[tuple[str, str, str]], speculation, seed:
                     "speculative": Synthesizer(tts, speculation, weight_format)}
     runs: dict[str, list[dict]] = {name: [] for name in E2E_VARIANTS}
     talker, runner = synthesizers["plain"].talker_runner(), synthesizers["speculative"].inner_parts().runner
-    floors = _e2e_floor_passes(talker, runner, speculation)
+    floors = _e2e_floor_passes(talker, runner, speculation, tts.model.talker)
     floor_times: dict[str, list[float]] = {name: [] for name in floors}
     for number, (text, speaker, language) in enumerate(lines):
         order = E2E_VARIANTS[number % 3:] + E2E_VARIANTS[:number % 3]
@@ -312,14 +312,21 @@ def bench_e2e(tts: object, lines: list[tuple[str, str, str]], speculation, seed:
             "weight_format": weight_format}
 
 
-def _e2e_floor_passes(talker: object, runner: PredictorRunner, speculation) -> dict[str, Callable[[], None]]:
-    """Passes over what each kind of call reads: a talker step, a plain predictor step, a verify round of
-    `speculation`'s tree mid-frame (KV_LENGTH committed slots)."""
+def _e2e_floor_passes(talker: object, runner: PredictorRunner, speculation,
+                      module: torch.nn.Module) -> dict[str, Callable[[], None]]:
+    """Passes over what each kind of call reads: rvqtts's talker step, plain predictor step and verify round
+    of `speculation`'s tree mid-frame (KV_LENGTH committed slots), as the runners hold their weights (8-bit
+    ones too), and stock's talker and predictor steps over the modules' own weights."""
     index, last = KV_LENGTH - 1, runner.code_groups - 1
     plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
+    predictor = module.code_predictor
+    stock_predictor = [predictor.model.layers, predictor.model.norm, predictor.small_to_mtp_projection,
+                       predictor.lm_head[index]]
     return {"talker_step": read_pass(talker_weights(talker)),
             "predictor_step": read_pass(predictor_weights(runner, [index + 1])),
-            "predictor_round": read_pass(predictor_weights(runner, round_heads(plan, index, last)))}
+            "predictor_round": read_pass(predictor_weights(runner, round_heads(plan, index, last))),
+            "stock_talker_step": read_pass(module_weights(module.model.layers, module.model.norm, module.codec_head)),
+            "stock_predictor_step": read_pass(module_weights(*stock_predictor))}
 
 
 def _floor_per_frame(variant: str, records: list[dict], floor_ms: dict[str, float], plain_calls: int) -> dict:
@@ -331,8 +338,9 @@ def _floor_per_frame(variant: str, records: list[dict], floor_ms: dict[str, floa
     talker_calls = sum(r.get("talker_calls", r["frames"]) for r in records)
     calls = sum(r.get("predictor_calls", 0) for r in records) or frames * plain_calls
     rounds = calls - frames if variant == "speculative" else 0
-    predictor = (calls - rounds) * floor_ms["predictor_step"] + rounds * floor_ms["predictor_round"]
-    return {"talker_floor_ms_per_frame": round(talker_calls * floor_ms["talker_step"] / frames, 2),
+    kind = "stock_" if variant == "stock" else ""  # stock reads the modules' own weights
+    predictor = (calls - rounds) * floor_ms[f"{kind}predictor_step"] + rounds * floor_ms["predictor_round"]
+    return {"talker_floor_ms_per_frame": round(talker_calls * floor_ms[f"{kind}talker_step"] / frames, 2),
             "predictor_floor_ms_per_frame": round(predictor / frames, 2)}
 
 

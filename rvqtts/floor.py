@@ -41,6 +41,11 @@ def read_pass(tensors: list[torch.Tensor]) -> Callable[[], None]:
     return read
 
 
+def module_weights(*modules: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters of `modules`, once each: what qwen-tts's own forward reads of them."""
+    return distinct(p for module in modules for p in module.parameters())
+
+
 def decoder_weights(runner: object) -> list[torch.Tensor]:
     """What every call of a rvqtts.transformer.CachedDecoder reads: its layers' maps (as they are held:
     the dtype's own weights, or 8-bit ones and their scales) and norms, and the final norm."""

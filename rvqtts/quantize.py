@@ -1,11 +1,12 @@
-"""8-bit weights (W8A16): the talker's and the code predictor's linear maps held as int8, activations in
-the model's dtype.
+"""8-bit weights (W8A16): the linear maps of the talker's and the code predictor's layers and their heads
+held as int8, activations in the model's dtype (the 1.7B predictor's small input projection stays as it is).
 
 On a CPU both loops are bound by reading their weights (rvqtts.floor), so halving the bytes is the lever
 that arithmetic cannot give. Each output channel (a row of the weight) gets its own scale, the largest
 magnitude in the row over 127, and its weights are rounded to the nearest step: symmetric, no zero point,
 as the paper's W8A16 deployment. The maps run through torch's int8 matrix kernel, which gives each row
-the same bits in a call of any number of rows (1 to 40 checked, bfloat16 and float32), so a tree round's
+the same bits in a call of any number of rows (checked up to 65 rows at the released map shapes, bfloat16
+and float32; tests/test_quantize.py), so a tree round's
 rows equal plain steps within the quantized model and speculative and plain decoding emit the same codes.
 Quantization changes the model: its codes differ from the unquantized model's now and then
 (`rvqtts bench dtype --weights int8` measures how often).
@@ -50,5 +51,5 @@ class Int8Map:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch._weight_int8pack_mm(rows, self.qweight, self.scales).view(*x.shape[:-1], -1)
+        out = torch._weight_int8pack_mm(rows, self.qweight, self.scales).view(*x.shape[:-1], self.qweight.shape[0])
         return out if self.bias is None else out + self.bias

@@ -19,7 +19,7 @@ def total_record(records: list[dict]) -> dict:
     total["codes_per_call"] = round(total["predictor_codes"] / calls, 4) if calls else 0.0
     total["rtf"] = round(total["wall_seconds"] / total["audio_seconds"], 4) if total["audio_seconds"] else None
     total["utterances"] = len(records)
-    for key in ("spec", "tree_nodes", "seed"):
+    for key in ("spec", "tree_nodes", "weights", "seed"):
         values = {r[key] for r in records}
         total[key] = values.pop() if len(values) == 1 else None
     total["warnings"] = sum(len(r["warnings"]) for r in records)

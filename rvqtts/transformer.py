@@ -26,21 +26,21 @@ PACKED_ROWS = 32  # rows per call of a packed map: up to here each row gets torc
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether maps on `device` in `dtype` take oneDNN-packed weights: bfloat16 on CPUs whose oneDNN
-    kernel gives every row of a call of up to PACKED_ROWS rows torch.mv's bits (float32's packed kernel
-    does not, so neither is packed there)."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and _packed_rows_match_mv()
+    """Whether maps on `device` in `dtype` may take oneDNN-packed weights: bfloat16 on CPUs with oneDNN's
+    bfloat16 kernels (float32's packed kernel gives rows other bits than a step's, so it is not used).
+    Each map's shape is then probed (`packed_rows_match_mv`)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @functools.cache
-def _packed_rows_match_mv() -> bool:
-    """Probe this machine's kernel once (kernels are chosen per CPU): rows of 1 to PACKED_ROWS at a time
-    through a packed 1024 x 1024 bfloat16 map against torch.mv, row by row."""
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return False
+def packed_rows_match_mv(out_features: int, in_features: int) -> bool:
+    """Whether this machine's packed kernel gives every row of a call of 1 to PACKED_ROWS rows torch.mv's
+    bits for a bfloat16 map of this shape (kernels are chosen per CPU and shape): probed once per shape
+    on random weights, about 50 ms for a 1024 x 1024 map."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(1024, 1024, generator=generator).to(torch.bfloat16)
-    rows = torch.randn(PACKED_ROWS, 1024, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    rows = torch.randn(PACKED_ROWS, in_features, generator=generator).to(torch.bfloat16)
     with torch.inference_mode():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         steps = torch.stack([torch.mv(weight, row) for row in rows])
@@ -55,14 +55,17 @@ class LinearMap:
     its speed (2-vCPU Xeon with AMX) and gives the same bits. With `pack`, the map also holds its weights
     reordered once for oneDNN's bfloat16 kernel: a 16-row call then costs about what one row does, where
     F.linear costs 1.5x (docs/benchmarks.md), and each row's result equals torch.mv's bit for bit for up
-    to PACKED_ROWS rows per call (`can_pack` checks), so more rows go in chunks of that many: a tree
-    round's rows are what plain steps compute. Packing costs a second copy of the weights. Not while tracing (Core ML export),
-    whose graphs keep F.linear."""
+    to PACKED_ROWS rows per call (`packed_rows_match_mv` checks the shape; a map whose shape fails is
+    not packed), so more rows go in chunks of that many: a tree round's rows are what plain steps compute.
+    Packing costs a second copy of the weights. Not while tracing (Core ML export), whose graphs keep
+    F.linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
         self.weight, self.bias = weight, bias
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()) if pack else None
+        self.packed = None
+        if pack and packed_rows_match_mv(*weight.shape):
+            with torch.no_grad():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
     def reads(self) -> list[torch.Tensor]:
         """The tensors a call reads (a packed copy holds the weight's bytes in another order)."""

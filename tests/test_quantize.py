@@ -14,6 +14,7 @@ from helpers import run_cli as run
 from rvqtts.decode import Speculation
 from rvqtts.inner_loop import InnerLoop, LoopParts
 from rvqtts.offsets import Offsets
+from rvqtts.predictor import PredictorRunner
 from rvqtts.quantize import Int8Map, check_weights, quantize_rows
 from rvqtts.sampling import SamplingConfig
 from rvqtts.synthesis import Synthesizer
@@ -45,6 +46,18 @@ def test_an_int8_map_applies_its_dequantized_weights_and_gives_rows_the_same_bit
     alone = torch.stack([linear(row) for row in x])  # 1-D rows, as plain steps map them
     for rows in (1, 2, 5, 16, 20):
         assert torch.equal(linear(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_maps_of_the_released_shapes_give_rows_the_same_bits_in_calls_of_up_to_65_rows(released_06_dir, dtype):
+    """The claim speculation's exactness rests on, at the shapes that run (a 64-node round has 65 rows)."""
+    runner = PredictorRunner(Synthesizer.load(released_06_dir, dtype=dtype).code_predictor, 2, weights="int8")
+    generator = torch.Generator().manual_seed(4)
+    for linear in (runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[0]):
+        x = torch.randn(65, linear.weight.shape[1], generator=generator).to(getattr(torch, dtype))
+        alone = torch.cat([linear(x[i:i + 1]) for i in range(65)])
+        for rows in (2, 17, 33, 65):
+            assert torch.equal(linear(x[:rows]), alone[:rows]), f"{tuple(linear.weight.shape)}, {rows} rows"
 
 
 def test_int8_weights_are_refused_off_the_cpu_and_unknown_formats_everywhere():

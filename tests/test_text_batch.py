@@ -100,7 +100,7 @@ def test_crossfade_overlaps_each_seam():
 
 def test_total_record_adds_counts_and_recomputes_ratios():
     base = dict(chunks=1, talker_calls=11, decoder_seconds=0.1, talker_seconds=0.2, spec=True, tree_nodes=16,
-                seed=0, warnings=[])
+                weights="int8", seed=0, warnings=[])
     records = [dict(base, frames=10, audio_seconds=0.8, predictor_calls=100, predictor_codes=150,
                     wall_seconds=2.0, predictor_seconds=1.0, accepted_per_depth=[20, 5]),
                dict(base, frames=30, audio_seconds=2.4, predictor_calls=200, predictor_codes=450,
@@ -109,7 +109,7 @@ def test_total_record_adds_counts_and_recomputes_ratios():
     assert total["frames"] == 40 and total["predictor_calls"] == 300 and total["predictor_codes"] == 600
     assert total["codes_per_call"] == 2.0 and total["rtf"] == pytest.approx(6.0 / 3.2, abs=1e-4)
     assert total["accepted_per_depth"] == [80, 5] and total["warnings"] == 1 and total["utterances"] == 2
-    assert total["spec"] is True and total["tree_nodes"] == 16
+    assert total["spec"] is True and total["tree_nodes"] == 16 and total["weights"] == "int8"
 
 
 def test_atomic_files_get_ordinary_permissions(tmp_path):

@@ -14,8 +14,9 @@ app = typer.Typer(help="Fast, exact Qwen3-TTS synthesis with RVQ position-aware 
                   add_completion=False, pretty_exceptions_enable=False, **HELP_STYLE)
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
-WEIGHTS_HELP = ("native (the dtype's own), or int8: both loops' linear maps as 8-bit weights with per-channel "
-                "scales (W8A16; CPUs only; changes the model slightly, docs/benchmarks.md).")
+WEIGHTS_HELP = ("native (the dtype's own), or int8: the linear maps of both loops' layers and heads as 8-bit "
+                "weights with per-channel scales (W8A16; CPUs only; changes the model slightly, "
+                "docs/benchmarks.md).")
 
 
 def fail(message: str) -> None:

@@ -120,7 +120,8 @@ def synth(
     if backend not in ("torch", "coreml"):
         fail(f"unknown --backend {backend!r}: choose torch or coreml")
     if backend == "coreml" and weights != "native":
-        fail("--weights int8 is for the torch backend: Core ML packages hold their own weights (--coreml-precision)")
+        fail(f"--weights {weights} is for the torch backend: Core ML packages hold their own weights "
+             "(--coreml-precision)")
     if backend == "coreml":
         check_coreml(compute_units, coreml_precision)
     if stdout_format not in STDOUT_FORMATS:
