@@ -143,15 +143,15 @@ def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup:
     def plain() -> None:
         static("step", partial(step_call, runner, index, sampling), code, noise)
 
+    plans = {q: RoundPlan.build(timing_tree(q - 1), device) for q in queries if q > 1}
+
     def tree_round(q: int) -> Callable[[], object]:
-        plan = RoundPlan.build(timing_tree(q - 1), device)
-        return lambda: static(("round", q), partial(round_call, runner, plan, offsets, index, sampling),
+        return lambda: static(("round", q), partial(round_call, runner, plans[q], offsets, index, sampling),
                               hidden, code, noise)
 
     calls = {f"q{q}": plain if q == 1 else tree_round(q) for q in queries}
     last = runner.code_groups - 1
-    weights_read = {q: predictor_weights(runner, [index + 1] if q == 1 else
-                                         round_heads(RoundPlan.build(timing_tree(q - 1), device), index, last))
+    weights_read = {q: predictor_weights(runner, [index + 1] if q == 1 else round_heads(plans[q], index, last))
                     for q in queries}
     floors = {f"floor{q}": read_pass(tensors) for q, tensors in weights_read.items()}
     stock, reset_stock = _stock_step(code_predictor, device, dtype)
@@ -442,8 +442,8 @@ def random_prefixes(talker: torch.nn.Module, frames: int, seed: int = 0) -> torc
 def bench_dtype(reference: torch.nn.Module, candidate: torch.nn.Module, prefixes: torch.Tensor, seed: int = 0,
                 sampling: SamplingConfig = SamplingConfig(), candidate_weights: str = "native") -> dict:
     """A code predictor in another dtype or with 8-bit weights (`candidate`, `candidate_weights`) against
-    the `reference` (float32, or the same model's own weights) on the same frames and noise, plain loops: codes drawn by the candidate given the reference's earlier codes
-    (teacher forcing: how often the dtype changes a draw), frames whose 15 codes all agree when each runs
+    the `reference` (float32, or the same model's own weights) on the same frames and noise, plain loops:
+    codes drawn by the candidate given the reference's earlier codes (teacher forcing: how often the dtype changes a draw), frames whose 15 codes all agree when each runs
     free, and the codes a free-running frame gets right before its first difference; with the two
     loops' ms per frame, timed frame by frame in turn."""
     from rvqtts.sampling import draw, gumbel_noise

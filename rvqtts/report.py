@@ -125,7 +125,8 @@ def predictor_table(result: dict) -> Table:
     for i, q in enumerate(result["q"]):
         table.add_row(str(q), f"{result['median_ms'][i]:.2f}", f"{result['p10_ms'][i]:.2f}-{result['p90_ms'][i]:.2f}",
                       f"{result['ratio_to_q1'][i]:.3f}", f"{result['ratio_to_stock_q1'][i]:.3f}",
-                      f"{result['weights_mb'][i]:.1f}", f"{result['floor_ms'][i]:.2f}", f"{result['ratio_to_floor'][i]:.3f}")
+                      f"{result['weights_mb'][i]:.1f}", f"{result['floor_ms'][i]:.2f}",
+                      f"{result['ratio_to_floor'][i]:.3f}")
     table.add_row("stock 1", f"{result['stock_q1_ms']:.2f}",
                   f"{result['stock_q1_p10_ms']:.2f}-{result['stock_q1_p90_ms']:.2f}", "", "1.000", "", "", "")
     table.caption = (f"weights: {result['weights']}; {result['repeats']} interleaved repeats; floor: one pass reading "
@@ -204,7 +205,8 @@ def talker_table(result: dict) -> Table:
     for row in result["rows"]:
         table.add_row(str(row["context"]), f"{row['stock_ms']:.2f}", f"{row['rvqtts_ms']:.2f}", f"{row['ratio']:.3f}",
                       f"{row['floor_ms']:.2f}", f"{row['ratio_to_floor']:.3f}")
-    table.caption = f"floor: one pass reading the step's {result['weights_mb']:.0f} MB of weights, timed in the same run"
+    table.caption = (f"floor: one pass reading the step's {result['weights_mb']:.0f} MB of weights, timed in the "
+                     "same run")
     return table
 
 

@@ -433,14 +433,16 @@ class Synthesizer:
 
 def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike = "auto",
                        offsets: str | os.PathLike | None = None, allow_plain: bool = False,
-                       device_type: str | None = None, weights: str = "native") -> tuple[Speculation | None, str | None]:
+                       device_type: str | None = None,
+                       weights: str = "native") -> tuple[Speculation | None, str | None]:
     """The tree and offsets to draft with, and a notice for the user (or None).
 
     `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` (the best
     N measured for this model on this platform: the kind of device, by default the model's (cpu, cuda,
-    mps) or `device_type` (coreml), the dtype and the `weights` format) or a file. With `allow_plain`, `auto` returns no
-    speculation (None) where speculation was measured not to pay (best N = 0), or was not measured on a
-    CPU; a given offsets file is still checked then, so a bad one fails as it would elsewhere. Without an offsets file, shipped offsets whose fingerprint matches the model are used, else
+    mps) or `device_type` (coreml), the dtype and the `weights` format) or a file. With `allow_plain`,
+    `auto` returns no speculation (None) where speculation was measured not to pay (best N = 0), or was
+    not measured on a CPU; a given offsets file is still checked then, so a bad one fails as it would
+    elsewhere. Without an offsets file, shipped offsets whose fingerprint matches the model are used, else
     zero offsets (reused heads). Raises TreeFileError / OffsetsFileError / ValueError with their messages.
     """
     fingerprint = predictor_fingerprint(code_predictor)

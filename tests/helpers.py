@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 from typer.testing import CliRunner
@@ -15,6 +18,13 @@ from rvqtts.synthesis import Synthesizer
 def run_cli(*arguments: object):
     """`rvqtts ARGUMENTS...` in process; the result has exit_code and output (stderr included)."""
     return CliRunner().invoke(app, [*map(str, arguments)])
+
+
+def run_cli_json(out: Path, *arguments: object):
+    """`rvqtts ARGUMENTS... --json OUT`, which must succeed: the result and the JSON it wrote."""
+    result = run_cli(*arguments, "--json", out)
+    assert result.exit_code == 0, result.output
+    return result, json.loads(Path(out).read_text())
 
 
 def random_prefix(synth: Synthesizer, seed: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import json
 
 import pytest
 from helpers import run_cli as run
+from helpers import run_cli_json as run_json
 from rich.console import Console
 
 from rvqtts.bench import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
@@ -96,11 +97,9 @@ def test_bench_speedup_plots_saves_and_synth_follows(tmp_path, user_cache, tiny)
     predictor_json = write_costs(tmp_path / "predictor.json")
     shipped = json.loads((SHIPPED_TREES / "best-n.json").read_text())["cpu/float32"]["N"]
     assert best_budget("cpu/float32")[0] == shipped and "trees/best-n.json" in best_budget("cpu/float32")[1]
-    plot, out = tmp_path / "figure.png", tmp_path / "speedup.json"
-    result = run("bench", "speedup", "--predictor", predictor_json, "--acceptance", table, "--plot", plot,
-                 "--json", out, "--save")
-    assert result.exit_code == 0, result.output
-    projection = json.loads(out.read_text())
+    plot = tmp_path / "figure.png"
+    result, projection = run_json(tmp_path / "speedup.json", "bench", "speedup", "--predictor", predictor_json,
+                                  "--acceptance", table, "--plot", plot, "--save")
     assert [row["N"] for row in projection["rows"]] == [4, 7, 8, 15, 16]
     best = max(projection["rows"], key=lambda row: row["speedup"])
     assert projection["not_measured"] == [31, 32, 63, 64] and projection["best_N"] == best["N"]
@@ -135,11 +134,8 @@ def test_bench_speedup_refuses_a_bad_acceptance_table(predictor_json, tmp_path):
 def test_bench_e2e_runs_all_three_variants(tiny_dir, tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text("Hello there.\nA second line.\n")
-    out = tmp_path / "e2e.json"
-    result = run("bench", "e2e", "--model", tiny_dir, "--texts", texts, "--max-frames", "6", "--tree", "8",
-                 "--json", out)
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+    _, report = run_json(tmp_path / "e2e.json", "bench", "e2e", "--model", tiny_dir, "--texts", texts,
+                         "--max-frames", "6", "--tree", "8")
     assert set(report["runs"]) == {"stock", "plain", "speculative"} and report["tree_nodes"] == 8
     for name, runs in report["runs"].items():
         assert len(runs) == 2 and all(0 < r["frames"] <= 6 and r["wall_seconds"] > 0 for r in runs)
@@ -163,11 +159,8 @@ def test_bench_e2e_runs_all_three_variants(tiny_dir, tmp_path):
 
 
 def test_bench_decoder_times_each_length(tiny_dir, tmp_path):
-    out = tmp_path / "decoder.json"
-    result = run("bench", "decoder", "--model", tiny_dir, "--frames", "4,12", "--repeats", "1", "--json", out,
-                 "--dtype", "float32")
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+    result, report = run_json(tmp_path / "decoder.json", "bench", "decoder", "--model", tiny_dir, "--frames", "4,12",
+                              "--repeats", "1", "--dtype", "float32")
     assert [row["frames"] for row in report["rows"]] == [4, 12] and report["dtype"] == "float32"
     assert all(row["ms"] > 0 and row["ms_per_frame"] == pytest.approx(row["ms"] / row["frames"], abs=0.05)
                for row in report["rows"])
@@ -175,11 +168,8 @@ def test_bench_decoder_times_each_length(tiny_dir, tmp_path):
 
 
 def test_bench_talker_times_both_steps_at_each_context(tiny_dir, tmp_path):
-    out = tmp_path / "talker.json"
-    result = run("bench", "talker", "--model", tiny_dir, "--contexts", "8,300", "--repeats", "2", "--json", out,
-                 "--dtype", "float32")
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+    result, report = run_json(tmp_path / "talker.json", "bench", "talker", "--model", tiny_dir, "--contexts", "8,300",
+                              "--repeats", "2", "--dtype", "float32")
     assert [row["context"] for row in report["rows"]] == [8, 300] and report["dtype"] == "float32"
     assert all(row["stock_ms"] > 0 and row["ratio"] == pytest.approx(row["rvqtts_ms"] / row["stock_ms"], rel=0.05)
                for row in report["rows"])
@@ -193,10 +183,7 @@ def test_bench_talker_times_both_steps_at_each_context(tiny_dir, tmp_path):
 
 
 def test_bench_dtype_compares_codes_with_float32(tiny_dir, tmp_path):
-    out = tmp_path / "dtype.json"
-    result = run("bench", "dtype", "--model", tiny_dir, "--frames", "6", "--json", out)
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+    _, report = run_json(tmp_path / "dtype.json", "bench", "dtype", "--model", tiny_dir, "--frames", "6")
     assert report["dtype"] == "bfloat16" and report["reference_dtype"] == "float32" and report["frames"] == 6
     # bfloat16 changes a draw now and then; a broken comparison would agree on about 1 code in 50.
     assert 0.8 < report["teacher_forced_code_agreement"] <= 1
@@ -219,10 +206,9 @@ def test_a_measured_no_speculation_choice_runs_the_plain_loop(tmp_path, tiny, na
     costs = tmp_path / "predictor.json"  # fixed costs: a tree call dearer than a plain step, as it always is
     costs.write_text(json.dumps({"q": [1, 65], "ratio_to_q1": [1.0, 2.0], "ratio_to_stock_q1": [0.9, 1.8],
                                  "device": "cpu", "dtype": "float32", "weights": "hand"}))
-    out = tmp_path / "speedup.json"
-    result = run("bench", "speedup", "--predictor", costs, "--acceptance", table, "--save", "--json", out)
-    assert result.exit_code == 0, result.output
-    assert json.loads(out.read_text())["best_N"] == 0
+    result, projection = run_json(tmp_path / "speedup.json", "bench", "speedup", "--predictor", costs,
+                                  "--acceptance", table, "--save")
+    assert projection["best_N"] == 0
     assert "runs the plain loop (no tree pays) for this model" in result.output
     assert best_budget("cpu/float32", fingerprint)[0] == 0
     save_best_budget("cpu/float32", 8, "a platform measurement")  # for every other model

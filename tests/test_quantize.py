@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import random_prefix
 from helpers import run_cli as run
+from helpers import run_cli_json as run_json
 
 from rvqtts.decode import Speculation
 from rvqtts.inner_loop import InnerLoop, LoopParts
@@ -104,22 +105,17 @@ def test_synth_with_int8_weights_and_its_refusals(tiny_dir, tmp_path):
 def test_bench_talker_reads_fewer_bytes_with_int8_weights(tiny_dir, tmp_path):
     reports = {}
     for weights in ("native", "int8"):
-        out = tmp_path / f"{weights}.json"
-        result = run("bench", "talker", "--model", tiny_dir, "--contexts", "8", "--repeats", "1", "--dtype",
-                     "float32", "--weights", weights, "--json", out, "-q")
-        assert result.exit_code == 0, result.output
-        reports[weights] = json.loads(out.read_text())
+        _, reports[weights] = run_json(tmp_path / f"{weights}.json", "bench", "talker", "--model", tiny_dir,
+                                       "--contexts", "8", "--repeats", "1", "--dtype", "float32", "--weights",
+                                       weights, "-q")
     # float32 maps become one byte a weight plus a float32 scale per row: about a quarter of the bytes.
     ratio = reports["int8"]["weights_mb"] / reports["native"]["weights_mb"]
     assert 0.2 < ratio < 0.35 and reports["int8"]["weight_format"] == "int8"
 
 
 def test_bench_dtype_compares_int8_weights_with_the_dtypes_own(tiny_dir, tmp_path):
-    out = tmp_path / "dtype.json"
-    result = run("bench", "dtype", "--model", tiny_dir, "--dtype", "float32", "--weights", "int8", "--frames", "6",
-                 "--json", out)
-    assert result.exit_code == 0, result.output
-    report = json.loads(out.read_text())
+    result, report = run_json(tmp_path / "dtype.json", "bench", "dtype", "--model", tiny_dir, "--dtype", "float32",
+                              "--weights", "int8", "--frames", "6")
     assert (report["dtype"], report["reference_dtype"], report["weights"]) == ("float32", "float32", "int8")
     # 8-bit weights change a draw now and then; a broken comparison would agree on about 1 code in 50.
     assert 0.8 < report["teacher_forced_code_agreement"] < 1
