@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+import numpy as np
+
 from rvqtts.audio import AUDIO_FORMATS
 from rvqtts.sampling import NonFiniteError
 from rvqtts.text import MAX_CHUNK_WEIGHT
@@ -88,69 +90,117 @@ def read_batch(path: str | Path) -> list[Utterance]:
 
 @dataclass
 class BatchResult:
-    """What happened to one utterance: "done", "skipped" (its file already existed) or "failed"."""
+    """What happened to one utterance: "done", "skipped" (its file already existed) or "failed"; on a
+    cluster, `worker` is the rvqtts.cluster.WorkerRecord of the worker that made it."""
 
     utterance: Utterance
     status: str
     record: dict | None = None
     error: str | None = None
+    worker: object | None = None
+
+
+@dataclass
+class Rendered:
+    """One utterance made and not yet written: its output file's bytes, its frame codes, its voice and its
+    statistics. Made where the model is (here, or a cluster worker) and written where the batch is."""
+
+    audio: bytes
+    codes: np.ndarray
+    voice: dict
+    record: dict
+
+
+def render(synth, item: Utterance, *, speaker: str, language: str, instruct: str | None, seed: int, settings,
+           chunk_chars: float | None = MAX_CHUNK_WEIGHT) -> Rendered:
+    """Synthesize one utterance into the bytes of its output file. Every code's noise (c0's included) is
+    keyed by the utterance's line number, so any run, partial, resumed or on any worker, makes the same
+    audio for it."""
+    from rvqtts.audio import audio_bytes, audio_format
+
+    voice = dict(speaker=item.speaker or speaker, language=item.language or language)
+    synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line, instruct=item.instruct or instruct,
+                                 settings=settings, chunk_chars=chunk_chars, **voice)
+    return Rendered(audio_bytes(synthesis.audio, synthesis.sample_rate, audio_format(item.name)),
+                    synthesis.codes, voice, synthesis.record())
+
+
+def describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 MANIFEST = "manifest.jsonl"
 
 
-def _read_manifest(path: Path) -> dict[str, dict]:
-    entries: dict[str, dict] = {}
-    if path.is_file():
-        for raw in path.read_text(encoding="utf-8").splitlines():
-            try:
-                entry = json.loads(raw)
-                entries[entry["name"]] = entry
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a damaged line of an earlier run is dropped, not fatal
-    return entries
+class Manifest:
+    """`manifest.jsonl` of an output folder: one entry per output (its line, text, voice and statistics),
+    in line order, rewritten atomically after each output. Entries of earlier runs are kept."""
+
+    def __init__(self, out_dir: Path):
+        self.path = out_dir / MANIFEST
+        self.entries: dict[str, dict] = {}
+        if self.path.is_file():
+            for raw in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(raw)
+                    self.entries[entry["name"]] = entry
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a damaged line of an earlier run is dropped, not fatal
+
+    def add(self, item: Utterance, rendered: Rendered) -> None:
+        from rvqtts.files import write_atomically
+
+        self.entries[item.name] = {"name": item.name, "line": item.line, "text": item.text, **rendered.voice,
+                                   **rendered.record}
+        ordered = sorted(self.entries.values(), key=lambda e: (e.get("line", 0), e["name"]))
+        write_atomically(self.path, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in ordered).encode())
+
+
+def save(out_dir: Path, item: Utterance, rendered: Rendered, manifest: Manifest,
+         codes_dir: Path | None = None) -> None:
+    """Write one made utterance: its codes (if asked), its audio file, then its manifest entry; each
+    atomically, so an interrupted batch leaves whole files and a rerun redoes only what is missing."""
+    from rvqtts.audio import write_codes
+    from rvqtts.files import write_atomically
+
+    if codes_dir is not None:
+        write_codes(codes_dir / Path(item.name).with_suffix(".npy"), rendered.codes)
+    write_atomically(out_dir / item.name, rendered.audio)
+    manifest.add(item, rendered)
+
+
+def to_do(utterances: list[Utterance], out_dir: Path, force: bool = False) -> list[Utterance]:
+    """The utterances whose output is not in `out_dir` yet (all of them with `force`)."""
+    return [item for item in utterances if force or not (out_dir / item.name).exists()]
 
 
 def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speaker: str, language: str,
                      instruct: str | None, seed: int, settings, force: bool = False,
                      codes_dir: Path | None = None, on_done=None,
                      chunk_chars: float | None = MAX_CHUNK_WEIGHT) -> list[BatchResult]:
-    """Synthesize every utterance into `out_dir`, skipping existing outputs unless `force`.
+    """Synthesize every utterance into `out_dir` here, skipping existing outputs unless `force`.
 
-    Every code's noise (c0's included) is keyed by the utterance's line number, so a resumed or partial run
-    writes the same audio as a full one. After each utterance the manifest (`manifest.jsonl`: one entry
-    per output with its text, voice and statistics) is rewritten atomically. A failing utterance is
-    reported in its result and the rest go on, except a model that produced NaN or inf (NonFiniteError), which
-    every utterance would meet: that stops the batch. `on_done(result)` is called after each one.
+    A failing utterance is reported in its result and the rest go on, except a model that produced NaN or
+    inf (NonFiniteError), which every utterance would meet: that stops the batch. `on_done(result)` is
+    called after each one. rvqtts.cluster runs the same on Ray workers.
     """
-    from rvqtts.audio import write_audio, write_codes
-    from rvqtts.files import write_atomically
-
-    manifest_path = out_dir / MANIFEST
-    manifest = _read_manifest(manifest_path)
+    manifest = Manifest(out_dir)
+    pending = {item.line for item in to_do(utterances, out_dir, force)}
+    run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings,
+               chunk_chars=chunk_chars)
     results = []
     for item in utterances:
-        target = out_dir / item.name
-        if target.exists() and not force:
+        if item.line not in pending:
             result = BatchResult(item, "skipped")
         else:
-            voice = dict(speaker=item.speaker or speaker, language=item.language or language)
             try:
-                synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line,
-                                             instruct=item.instruct or instruct, settings=settings,
-                                             chunk_chars=chunk_chars, **voice)
-                write_audio(target, synthesis.audio, synthesis.sample_rate)
-                if codes_dir is not None:
-                    write_codes(codes_dir / Path(item.name).with_suffix(".npy"), synthesis.codes)
-                result = BatchResult(item, "done", synthesis.record())
-                manifest[item.name] = {"name": item.name, "line": item.line, "text": item.text, **voice,
-                                       **result.record}
-                write_atomically(manifest_path, "".join(json.dumps(e, ensure_ascii=False) + "\n"
-                                                        for e in manifest.values()).encode())
+                rendered = render(synth, item, **run)
+                save(out_dir, item, rendered, manifest, codes_dir)
+                result = BatchResult(item, "done", rendered.record)
             except NonFiniteError:
                 raise
             except Exception as error:  # reported per utterance; the batch goes on
-                result = BatchResult(item, "failed", error=f"{type(error).__name__}: {error}")
+                result = BatchResult(item, "failed", error=describe(error))
         results.append(result)
         if on_done:
             on_done(result)

@@ -55,6 +55,29 @@ def stats_table(rows: list[tuple[str, dict]]) -> Table:
     return table
 
 
+def workers_table(workers: list[dict], totals: dict) -> Table:
+    """A cluster batch's workers (rvqtts.cluster): where each ran, what it made, how busy it was."""
+    table = Table(title="workers (seconds)", title_justify="left", box=box.SIMPLE_HEAD)
+    columns = [("worker", "worker"), ("node", "node"), ("pid", "pid"), ("device", "device"), ("dtype", "dtype"),
+               ("threads", "threads"), ("lines", "lines"), ("failed", "failed"), ("audio", "audio_seconds"),
+               ("busy", "busy_seconds")]
+    for title, _ in columns:
+        table.add_column(title, justify="left" if title in ("worker", "node") else "right", no_wrap=True)
+    table.add_column("lines/s busy", justify="right", no_wrap=True)
+    for worker in workers:
+        busy = worker["busy_seconds"]
+        cells = [f"{worker[key]:.2f}" if key.endswith("seconds") else str(worker[key]) for _, key in columns]
+        table.add_row(*cells, f"{worker['lines'] / busy:.3f}" if busy else "-",
+                      style="dim" if worker["died"] else None)
+    table.caption = (f"{totals['lines']} lines in {totals['wall_seconds']:.1f} s wall (the first "
+                     f"{totals['startup_seconds']:.1f} s starting workers): "
+                     f"{totals['lines_per_second']:.3f} lines/s, {totals['audio_seconds_per_wall_second']:.2f} "
+                     f"audio s per wall s on {totals['workers']} worker(s)"
+                     + (f"; {totals['workers_died']} died, {totals['retried_lines']} line(s) retried"
+                        if totals["workers_died"] else ""))
+    return table
+
+
 def standin_tables(report: dict) -> list[Table]:
     """The stand-in's faithfulness per position, and each drafter's codes per call per tree size."""
     per_position = Table(title="stand-in, per position k (held-out frames)", title_justify="left",

@@ -17,6 +17,8 @@ from rvqtts.files import current_umask
 from rvqtts.offsets import Offsets, save_offsets
 from rvqtts.synthesis import Synthesizer
 
+from faults import failing_synthesize
+
 runner = CliRunner()
 
 
@@ -131,14 +133,7 @@ def test_batch_writes_resumes_and_skips(tmp_path, tiny_dir):
 
 
 def test_a_failing_utterance_does_not_stop_the_batch(tmp_path, tiny_dir, monkeypatch):
-    original = Synthesizer.synthesize
-
-    def flaky(self, text, **kwargs):
-        if text == "Break.":
-            raise RuntimeError("simulated failure")
-        return original(self, text, **kwargs)
-
-    monkeypatch.setattr(Synthesizer, "synthesize", flaky)
+    monkeypatch.setattr(Synthesizer, "synthesize", failing_synthesize(Synthesizer.synthesize))
     batch = tmp_path / "lines.txt"
     batch.write_text("Fine.\nBreak.\nAlso fine.\n")
     result = synth("-f", batch, "--out-dir", tmp_path / "out", "--model", tiny_dir)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rvqtts.audio import join_chunks
-from rvqtts.batch import BatchFileError, read_batch
+from rvqtts.batch import MANIFEST, BatchFileError, Manifest, Rendered, Utterance, read_batch
 from rvqtts.report import total_record
 from rvqtts.text import chunk_text, frame_budget, split_sentences, text_weight
 
@@ -119,3 +119,19 @@ def test_atomic_files_get_ordinary_permissions(tmp_path):
     assert (tmp_path / "sub" / "file.bin").read_bytes() == b"data"
     assert (tmp_path / "sub" / "file.bin").stat().st_mode & 0o777 == 0o666 & ~current_umask()
     assert [p.name for p in (tmp_path / "sub").iterdir()] == ["file.bin"]
+
+
+def test_the_manifest_keeps_line_order_and_earlier_runs_entries(tmp_path):
+    def made(line: int) -> tuple[Utterance, Rendered]:
+        return Utterance(line, f"line {line}", f"{line:04d}.wav"), Rendered(b"", None, {"speaker": "ryan"},
+                                                                           {"frames": line})
+
+    first = Manifest(tmp_path)
+    first.add(*made(3))  # lines finish in any order on a cluster
+    first.add(*made(1))
+    with (tmp_path / MANIFEST).open("a") as damaged:
+        damaged.write("{not json\n")  # an interrupted run's damaged line is dropped
+    Manifest(tmp_path).add(*made(2))  # a resumed run keeps what the first one wrote
+    entries = [json.loads(line) for line in (tmp_path / MANIFEST).read_text().splitlines()]
+    assert [(e["line"], e["name"], e["speaker"], e["frames"]) for e in entries] == [
+        (1, "0001.wav", "ryan", 1), (2, "0002.wav", "ryan", 2), (3, "0003.wav", "ryan", 3)]

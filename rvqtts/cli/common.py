@@ -75,6 +75,23 @@ def stderr_console():
     return console
 
 
+def show_stats(rows: list[tuple[str, dict]], quiet: bool) -> None:
+    """`rvqtts synth`'s table of (name, record) rows on stderr, unless quiet."""
+    from rvqtts.report import stats_table
+
+    if not quiet:
+        stderr_console().print(stats_table(rows))
+
+
+def write_stats(path: Optional[Path], entries: list[dict], **extra: object) -> None:
+    """`rvqtts synth --stats-json`: per-utterance records, their total, and `extra` sections."""
+    from rvqtts.files import write_json
+    from rvqtts.report import total_record
+
+    if path is not None:
+        write_json(path, {"utterances": entries, "total": total_record(entries), **extra})
+
+
 def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], object], quiet: bool) -> None:
     """A command's figures: to `json_out` if given, and as `table(result)` on stderr unless quiet."""
     from rvqtts.files import write_json

@@ -1,4 +1,5 @@
-"""`rvqtts synth`: one text, standard input or a batch file to audio, with statistics."""
+"""`rvqtts synth`: one text, standard input or a batch file (here or on a Ray cluster) to audio, with
+statistics."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Optional
 import typer
 
 from rvqtts.cli.common import (DEFAULT_MODEL, WEIGHTS_HELP, app, check_coreml, ensure_writable, fail, load_synthesizer,
-                               progress_bar, say, stderr_console)
+                               progress_bar, say, show_stats, write_stats)
 
 
 def _read_text(text: Optional[str]) -> str:
@@ -47,6 +48,17 @@ def synth(
                                              "(text, speaker, language, instruct, out)."),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Batch output folder (required with -f)."),
     force: bool = typer.Option(False, "--force", help="Batch: overwrite outputs that already exist."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Batch on a Ray cluster (pip install 'rvqtts[ray]'): "
+                                                          "auto ($RAY_ADDRESS, or the cluster `ray start` made "
+                                                          "here, else a new one on this machine) or the "
+                                                          "cluster's address (HOST:PORT). "
+                                                          "This machine writes every file (docs/cluster.md)."),
+    workers: Optional[int] = typer.Option(None, help="--ray: workers, each loading the model once; default: as "
+                                                     "many as the cluster's CPUs (GPUs) hold."),
+    cpus_per_worker: Optional[float] = typer.Option(None, help="--ray: CPUs (torch threads) per worker; "
+                                                               "default 1."),
+    gpus_per_worker: Optional[float] = typer.Option(None, help="--ray: GPUs per worker (fractions share one); "
+                                                               "default 0. With GPUs, --device auto is cuda."),
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of a Qwen3-TTS 12 Hz CustomVoice model."),
     device: str = typer.Option("auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="auto (bfloat16 on cuda and on CPUs that multiply bfloat16 natively: "
@@ -130,6 +142,11 @@ def synth(
         fail(f"--stream-frames must be at least 1, got {stream_frames}")
     if chunk_chars < 20:
         fail(f"--chunk-chars must be at least 20, got {chunk_chars} (--no-chunk speaks the text in one pass)")
+    if ray is None and (workers, cpus_per_worker, gpus_per_worker) != (None, None, None):
+        fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
+    if ray is not None:
+        worker_spec = _ray_worker_spec(file, backend, model, device, dtype, weights, spec, tree, offsets,
+                                       cuda_graphs, workers, cpus_per_worker, gpus_per_worker)
     if file is not None:
         if text is not None:
             fail("give either TEXT or -f FILE, not both")
@@ -178,31 +195,39 @@ def synth(
             check_voice(known_speakers, known_languages, item.speaker or speaker, item.language or language)
         except ValueError as error:
             fail(f"{file}:{item.line}: {error}" if file else str(error))
-    synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
-    synthesizer.cuda_graphs = cuda_graphs
-    device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
-    if spec:
-        try:
-            synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets,
-                                                                 allow_plain=True, device_type=device_type,
-                                                                 weights=weights)
-        except (TreeFileError, OffsetsFileError, ValueError) as error:
-            fail(str(error))
-        if notice:
-            say(notice, quiet)
-    if backend == "coreml":
-        _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet)
-    if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
-        say("warning: this model does not support --instruct (the 0.6B ignores instructions); ignoring it")
-
     run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings,
                chunk_chars=None if no_chunk else chunk_chars)
+    if ray is None:  # the model is loaded here; on Ray each worker loads its own
+        synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
+        synthesizer.cuda_graphs = cuda_graphs
+        device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
+        if spec:
+            try:
+                synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets,
+                                                                     allow_plain=True, device_type=device_type,
+                                                                     weights=weights)
+            except (TreeFileError, OffsetsFileError, ValueError) as error:
+                fail(str(error))
+            if notice:
+                say(notice, quiet)
+        if backend == "coreml":
+            _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units,
+                        quiet)
+        if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
+            say("warning: this model does not support --instruct (the 0.6B ignores instructions); ignoring it")
     try:
-        if file is None:
+        if ray is not None:
+            from rvqtts.cli.batch import run_on_ray
+
+            run_on_ray(worker_spec, ray, workers, utterances, out_dir, file, run, force, codes_out, stats_json,
+                       quiet)
+        elif file is None:
             _synth_one(synthesizer, utterances[0], output, run, stream_frames if stream else None, stdout_format,
                        codes_out, stats_json, quiet)
         else:
-            _synth_batch(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
+            from rvqtts.cli.batch import run_here
+
+            run_here(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
     except NonFiniteError as error:
         typer.echo(f"rvqtts: error: {error}", err=True)
         raise typer.Exit(1)
@@ -211,6 +236,42 @@ def synth(
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         typer.echo("rvqtts: standard output was closed before the audio ended", err=True)
         raise typer.Exit(1)
+
+
+def _ray_worker_spec(file: Optional[Path], backend: str, model: str, device: str, dtype: str, weights: str,
+                     spec: bool, tree: str, offsets: Optional[Path], cuda_graphs: bool, workers: Optional[int],
+                     cpus: Optional[float], gpus: Optional[float]):
+    """What each Ray worker loads, checked here: the workers' own machines resolve the device."""
+    from rvqtts.cluster import ClusterError, WorkerSpec, require_ray
+    from rvqtts.loading import DTYPES
+    from rvqtts.quantize import WEIGHTS
+
+    if file is None:
+        fail("--ray is for batch files: give -f FILE --out-dir DIR")
+    if backend != "torch":
+        fail("--ray runs the torch backend; Core ML packages run on one Mac (drop --backend coreml)")
+    cpus, gpus = 1.0 if cpus is None else cpus, 0.0 if gpus is None else gpus
+    if workers is not None and workers < 1:
+        fail(f"--workers must be at least 1, got {workers}")
+    if cpus <= 0 or gpus < 0:
+        fail(f"--cpus-per-worker must be above 0 and --gpus-per-worker at least 0, got {cpus:g} and {gpus:g}")
+    if device.startswith("cuda") and gpus == 0:
+        fail(f"--device {device} on Ray needs GPUs for the workers: add --gpus-per-worker (e.g. 1)")
+    if device not in ("auto", "cpu") and not device.startswith("cuda"):
+        fail(f"--device {device} cannot run on Ray workers: choose auto, cpu or cuda")
+    if dtype not in ("auto", *DTYPES):
+        fail(f"unknown --dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    if weights not in WEIGHTS:
+        fail(f"unknown --weights {weights!r}: choose {' or '.join(WEIGHTS)}")
+    try:
+        require_ray()
+    except ClusterError as error:
+        fail(str(error))
+    def here(path: str) -> str:  # a worker starts in a folder of its own: local paths go to it absolute
+        return str(Path(path).expanduser().resolve()) if Path(path).expanduser().exists() else path
+
+    return WorkerSpec(here(model), device, dtype, weights, spec, here(tree), None if offsets is None else
+                      here(str(offsets)), cuda_graphs, cpus, gpus)
 
 
 def _use_coreml(synthesizer, tree: str, offsets: Optional[Path], settings, package: Optional[Path],
@@ -230,21 +291,6 @@ def _use_coreml(synthesizer, tree: str, offsets: Optional[Path], settings, packa
                                            compute_units, report=lambda message: say(message, quiet))
     except (CoreMLError, TreeFileError, OffsetsFileError) as error:
         fail(str(error))
-
-
-def show_stats(rows: list[tuple[str, dict]], quiet: bool) -> None:
-    from rvqtts.report import stats_table
-
-    if not quiet:
-        stderr_console().print(stats_table(rows))
-
-
-def _write_stats(path: Optional[Path], entries: list[dict]) -> None:
-    from rvqtts.files import write_json
-    from rvqtts.report import total_record
-
-    if path is not None:
-        write_json(path, {"utterances": entries, "total": total_record(entries)})
 
 
 def _synth_one(synthesizer, item, output, run: dict, stream_frames: Optional[int], stdout_format: str, codes_out,
@@ -267,34 +313,5 @@ def _synth_one(synthesizer, item, output, run: dict, stream_frames: Optional[int
     if codes_out:
         write_codes(codes_out, result.codes)
     record = result.record()
-    _write_stats(stats_json, [{"name": output, **record}])
+    write_stats(stats_json, [{"name": output, **record}])
     show_stats([(output, record)], quiet)
-
-
-def _synth_batch(synthesizer, utterances, out_dir, file, run: dict, force, codes_out, stats_json, quiet) -> None:
-    from rvqtts.batch import synthesize_batch
-
-    with progress_bar(quiet) as progress:
-        task = progress.add_task(f"synthesizing {file.name}", total=len(utterances))
-
-        def done(result) -> None:
-            progress.advance(task)
-            if result.status == "failed":
-                typer.echo(f"rvqtts: {file}:{result.utterance.line}: failed: {result.error}", err=True)
-            for warning in (result.record or {}).get("warnings", []):
-                say(f"warning: {result.utterance.name}: {warning}", quiet)
-
-        results = synthesize_batch(synthesizer, utterances, out_dir, **run, force=force, codes_dir=codes_out,
-                                   on_done=done)
-    made = [(r.utterance.name, r.record) for r in results if r.status == "done"]
-    skipped = sum(r.status == "skipped" for r in results)
-    failed = sum(r.status == "failed" for r in results)
-    _write_stats(stats_json, [{"name": name, **record} for name, record in made])
-    if made:
-        from rvqtts.report import total_record
-
-        show_stats(made + ([("total", total_record([r for _, r in made]))] if len(made) > 1 else []), quiet)
-    say(f"{len(made)} written, {skipped} skipped (already there; --force redoes them), {failed} failed "
-        f"-> {out_dir}", quiet and not failed)
-    if failed:
-        raise typer.Exit(1)

@@ -1,0 +1,71 @@
+"""How `rvqtts synth -f` runs a batch file: here on one loaded model, or on a Ray cluster's workers
+(`--ray`); both report per line as they go, then the table, the totals and the exit code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rvqtts.cli.common import fail, progress_bar, say, show_stats, stderr_console, write_stats
+
+
+def _on_done(progress, task, file: Path, quiet: bool):
+    """Advance the bar, and name a failed line (always) and a line's warnings (unless quiet)."""
+    def done(result) -> None:
+        progress.advance(task)
+        if result.status == "failed":
+            typer.echo(f"rvqtts: {file}:{result.utterance.line}: failed: {result.error}", err=True)
+        for warning in (result.record or {}).get("warnings", []):
+            say(f"warning: {result.utterance.name}: {warning}", quiet)
+    return done
+
+
+def _report(results, out_dir: Path, stats_json: Optional[Path], quiet: bool, cluster=None) -> None:
+    """The made lines' table and total, the counts, --stats-json; exit 1 when a line failed."""
+    from rvqtts.report import total_record, workers_table
+
+    made = [(r.utterance.name, r.record) for r in results if r.status == "done"]
+    skipped = sum(r.status == "skipped" for r in results)
+    failed = sum(r.status == "failed" for r in results)
+    extra = {} if cluster is None else {"cluster": cluster.totals(), "workers": [w.summary() for w in cluster.workers]}
+    write_stats(stats_json, [{"name": name, **record} for name, record in made], **extra)
+    if made:
+        show_stats(made + ([("total", total_record([r for _, r in made]))] if len(made) > 1 else []), quiet)
+    if cluster is not None and cluster.workers and not quiet:
+        stderr_console().print(workers_table(extra["workers"], extra["cluster"]))
+    say(f"{len(made)} written, {skipped} skipped (already there; --force redoes them), {failed} failed "
+        f"-> {out_dir}", quiet and not failed)
+    if failed:
+        raise typer.Exit(1)
+
+
+def run_here(synthesizer, utterances, out_dir: Path, file: Path, run: dict, force: bool,
+             codes_out: Optional[Path], stats_json: Optional[Path], quiet: bool) -> None:
+    from rvqtts.batch import synthesize_batch
+
+    with progress_bar(quiet) as progress:
+        task = progress.add_task(f"synthesizing {file.name}", total=len(utterances))
+        results = synthesize_batch(synthesizer, utterances, out_dir, **run, force=force, codes_dir=codes_out,
+                                   on_done=_on_done(progress, task, file, quiet))
+    _report(results, out_dir, stats_json, quiet)
+
+
+def run_on_ray(spec, address: str, workers: Optional[int], utterances, out_dir: Path, file: Path, run: dict,
+               force: bool, codes_out: Optional[Path], stats_json: Optional[Path], quiet: bool) -> None:
+    """The batch on a Ray cluster; the driver (this process) writes every file."""
+    from rvqtts.cluster import ClusterError, synthesize_batch_on_ray
+
+    say(f"starting Ray workers for {file.name} ({'a cluster here or $RAY_ADDRESS' if address == 'auto' else address})",
+        quiet)
+    with progress_bar(quiet) as progress:
+        task = progress.add_task(f"synthesizing {file.name} on Ray", total=None)
+        try:
+            batch = synthesize_batch_on_ray(utterances, out_dir, spec, run, address=address, workers=workers,
+                                            force=force, codes_dir=codes_out,
+                                            on_start=lambda lines: progress.update(task, total=lines),
+                                            on_done=_on_done(progress, task, file, quiet))
+        except ClusterError as error:
+            fail(str(error))
+    _report(batch.results, out_dir, stats_json, quiet, cluster=batch)

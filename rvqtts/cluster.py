@@ -1,0 +1,294 @@
+"""Batch files on a Ray cluster: the lines go to Ray actors that each load the model once and keep it.
+
+A worker makes a line's output file in memory (rvqtts.batch.render: the same code and the same keyed noise
+as a local batch) and hands the bytes back; the driver alone writes files, each once and atomically, and
+the manifest in line order. So the output folder only has to exist where the driver runs, an interrupted
+batch leaves whole files, and a rerun (resume) redoes only the missing ones. A line whose worker dies goes
+back to the front of the queue and a new worker takes the dead one's place.
+
+Ray is an optional extra (`pip install 'rvqtts[ray]'`); this module imports it only when a batch runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import Callable
+
+from rvqtts.batch import BatchResult, Manifest, Utterance, describe, render, save, to_do
+from rvqtts.sampling import NonFiniteError
+
+INSTALL_HINT = "pip install 'rvqtts[ray]' (in a checkout: pip install -e '.[ray]')"
+DEATHS_PER_LINE = 3  # a line whose workers died this often is reported failed rather than tried again
+START_TIMEOUT = 600.0  # seconds to wait for a first worker the cluster cannot place before giving up
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot run the batch (no Ray, no cluster, too few resources, a worker that cannot
+    load the model); the message says what to do."""
+
+
+def require_ray():
+    """The ray module, or ClusterError with the line that installs it."""
+    try:
+        import ray
+    except ImportError as error:
+        raise ClusterError(f"--ray needs Ray, which is not installed: {INSTALL_HINT}") from error
+    return ray
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What each worker loads, as `rvqtts synth` would on its machine; `device="auto"` is cuda where the
+    worker was given GPUs, else cpu."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    weights: str = "native"
+    spec: bool = True
+    tree: str = "auto"
+    offsets: str | None = None
+    cuda_graphs: bool = True
+    cpus: float = 1.0
+    gpus: float = 0.0
+
+
+class SynthesisWorker:
+    """One Ray actor: a model loaded once, then one line at a time rendered into its output file's bytes."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.synth = None
+
+    def load(self) -> dict:
+        """Load the model; what this worker is (node, pid, device, dtype, versions) for the driver."""
+        import ray
+        import torch
+
+        from rvqtts.devices import pick_device, pick_dtype
+        from rvqtts.synthesis import Synthesizer, choose_speculation
+
+        spec = self.spec
+        torch.set_num_threads(max(1, int(spec.cpus)))  # the CPUs Ray gave this worker, not the whole node's
+        device = pick_device("cuda" if spec.device == "auto" and spec.gpus > 0 else
+                             "cpu" if spec.device == "auto" else spec.device)
+        dtype, _ = pick_dtype(spec.dtype, device)
+        self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights)
+        self.synth.cuda_graphs = spec.cuda_graphs
+        if spec.spec:
+            self.synth.speculation, _ = choose_speculation(self.synth.code_predictor, spec.tree, spec.offsets,
+                                                           allow_plain=True, weights=spec.weights)
+        return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(), "device": device, "dtype": dtype,
+                "threads": torch.get_num_threads(), "rvqtts": version("rvqtts"), "torch": torch.__version__}
+
+    def render(self, item: Utterance, run: dict) -> tuple[str, object]:
+        """("done", Rendered), ("failed", message) or ("nonfinite", message): a line's failure is an
+        answer, so only a dead worker raises."""
+        try:
+            return "done", render(self.synth, item, **run)
+        except NonFiniteError as error:
+            return "nonfinite", str(error)
+        except Exception as error:  # the line failed; the worker and the batch go on
+            return "failed", describe(error)
+
+
+@dataclass
+class WorkerRecord:
+    """One worker's share of the batch."""
+
+    name: str
+    node: str = ""
+    pid: int = 0
+    device: str = ""
+    dtype: str = ""
+    threads: int = 0
+    lines: int = 0
+    failed: int = 0
+    audio_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    alive: bool = True
+
+    def summary(self) -> dict:
+        return {"worker": self.name, "node": self.node, "pid": self.pid, "device": self.device,
+                "dtype": self.dtype, "threads": self.threads, "lines": self.lines, "failed": self.failed,
+                "audio_seconds": round(self.audio_seconds, 3), "busy_seconds": round(self.busy_seconds, 3),
+                "died": not self.alive}
+
+
+@dataclass
+class ClusterBatch:
+    """A batch's results in line order, and how the cluster did: its workers, wall time and retries."""
+
+    results: list[BatchResult]
+    workers: list[WorkerRecord] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    startup_seconds: float = 0.0  # until the first worker had its model loaded
+    retried_lines: int = 0
+
+    def totals(self) -> dict:
+        """Throughput over the whole batch: lines per second and audio seconds per wall second."""
+        done = [r.record for r in self.results if r.status == "done"]
+        audio = sum(r["audio_seconds"] for r in done)
+        wall = self.wall_seconds or float("nan")
+        return {"lines": len(done), "wall_seconds": round(self.wall_seconds, 3),
+                "startup_seconds": round(self.startup_seconds, 3),
+                "lines_per_second": round(len(done) / wall, 4), "audio_seconds": round(audio, 3),
+                "audio_seconds_per_wall_second": round(audio / wall, 4),
+                "workers": len(self.workers), "workers_died": sum(not w.alive for w in self.workers),
+                "retried_lines": self.retried_lines}
+
+
+def connect(address: str) -> bool:
+    """Join the Ray cluster at `address` ("auto": $RAY_ADDRESS or the cluster `ray start` made on this
+    machine, else a new one here); True when this call started the connection (and so should end it)."""
+    ray = require_ray()
+    if ray.is_initialized():
+        return False
+    import logging
+
+    try:
+        ray.init(address=None if address == "auto" else address, logging_level=logging.ERROR,
+                 log_to_driver=False, configure_logging=True)
+    except (ConnectionError, ValueError, RuntimeError) as error:
+        raise ClusterError(f"cannot reach a Ray cluster at {address!r}: {error}; start one with "
+                           "`ray start --head` or pass --ray auto for one on this machine") from error
+    return True
+
+
+def _worker_count(ray, spec: WorkerSpec, workers: int | None, lines: int) -> int:
+    """`workers`, or as many as the cluster's CPUs (GPUs when each worker takes some) hold; an error
+    when the cluster cannot place even one worker, or fewer than asked."""
+    resources = ray.cluster_resources()
+    fits = [int(resources.get("CPU", 0) // spec.cpus)] if spec.cpus > 0 else []
+    if spec.gpus > 0:
+        fits.append(int(resources.get("GPU", 0) // spec.gpus))
+    room = min(fits) if fits else lines
+    have = (f"{resources.get('CPU', 0):g} CPUs and {resources.get('GPU', 0):g} GPUs")
+    if room < 1 or (workers is not None and workers > room):
+        wanted = workers or 1
+        raise ClusterError(f"the cluster has {have}; {wanted} worker(s) of {spec.cpus:g} CPUs and "
+                           f"{spec.gpus:g} GPUs need more: use fewer --workers, or smaller --cpus-per-worker "
+                           "/ --gpus-per-worker")
+    return max(1, min(workers or room, lines))
+
+
+def synthesize_batch_on_ray(utterances: list[Utterance], out_dir: Path, spec: WorkerSpec, run: dict, *,
+                            address: str = "auto", workers: int | None = None, force: bool = False,
+                            codes_dir: Path | None = None, on_done: Callable[[BatchResult], None] | None = None,
+                            on_start: Callable[[int], None] | None = None) -> ClusterBatch:
+    """Synthesize the utterances whose output is missing from `out_dir` (all with `force`) on Ray workers.
+
+    `run` holds the synthesis settings as for rvqtts.batch.synthesize_batch (speaker, language, instruct,
+    seed, settings, chunk_chars). `on_start(lines)` is called once the work is known, `on_done(result)`
+    after each line. Raises ClusterError when the cluster cannot run the batch and NonFiniteError when the
+    model produced NaN or inf (every line would).
+    """
+    ray = require_ray()
+    pending = to_do(utterances, out_dir, force)
+    results = {item.line: BatchResult(item, "skipped") for item in utterances}
+    batch = ClusterBatch([])
+    if on_start:
+        on_start(len(pending))
+    if pending:
+        started = connect(address)
+        try:
+            _run(ray, pending, out_dir, spec, run, workers, codes_dir, on_done, results, batch)
+        finally:
+            if started:
+                ray.shutdown()
+    batch.results = [results[item.line] for item in utterances]
+    return batch
+
+
+def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: dict, workers: int | None,
+         codes_dir: Path | None, on_done, results: dict[int, BatchResult], batch: ClusterBatch) -> None:
+    """The driver's loop: keep every worker busy with one line, write what comes back, replace the dead."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    actor_class = ray.remote(SynthesisWorker)
+    count = _worker_count(ray, spec, workers, len(pending))
+    queue = deque(pending)
+    deaths: dict[int, int] = {}  # line -> how often its worker died on it
+    load_deaths = 0
+    calls: dict = {}  # ObjectRef -> (actor, its record, the line or None for its load, when it was sent)
+    idle: list = []
+    manifest = Manifest(out_dir)
+    ours = version("rvqtts")
+
+    def start_worker() -> None:
+        record = WorkerRecord(f"w{len(batch.workers) + 1}")
+        batch.workers.append(record)
+        actor = actor_class.options(num_cpus=spec.cpus, num_gpus=spec.gpus).remote(spec)
+        calls[actor.load.remote()] = (actor, record, None, time.perf_counter())
+
+    def finish(result: BatchResult) -> None:
+        results[result.utterance.line] = result
+        if on_done:
+            on_done(result)
+
+    began = time.perf_counter()
+    try:
+        for _ in range(count):
+            start_worker()
+        while queue or any(line is not None for _, _, line, _ in calls.values()):
+            while idle and queue:
+                actor, record = idle.pop()
+                item = queue.popleft()
+                calls[actor.render.remote(item, run)] = (actor, record, item, time.perf_counter())
+            ready, _ = ray.wait(list(calls), num_returns=1, timeout=START_TIMEOUT)
+            if not ready:
+                raise ClusterError(f"no worker answered in {START_TIMEOUT:g} s: the cluster cannot place a worker "
+                                   f"of {spec.cpus:g} CPUs and {spec.gpus:g} GPUs (see `ray status`)")
+            actor, record, item, sent = calls.pop(ready[0])
+            try:
+                answer = ray.get(ready[0])
+            except RayActorError:  # the worker died (its process or its node): its line goes to another
+                record.alive = False
+                if item is None:
+                    load_deaths += 1
+                    if load_deaths >= DEATHS_PER_LINE:
+                        raise ClusterError(f"{load_deaths} workers died while loading the model (out of "
+                                           "memory? see `ray status` and the Ray logs)") from None
+                elif deaths.setdefault(item.line, 0) >= DEATHS_PER_LINE - 1:
+                    finish(BatchResult(item, "failed", error=f"its worker died {DEATHS_PER_LINE} times",
+                                       worker=record))
+                else:
+                    deaths[item.line] += 1
+                    batch.retried_lines += 1
+                    queue.appendleft(item)
+                if queue:
+                    start_worker()
+                continue
+            except RayTaskError as error:  # only load raises: a worker that cannot load the model stops all
+                raise ClusterError(f"a worker could not load the model: {describe(error.cause)}") from error
+            if item is None:
+                batch.startup_seconds = batch.startup_seconds or time.perf_counter() - began
+                for key in ("node", "pid", "device", "dtype", "threads"):
+                    setattr(record, key, answer[key])
+                if answer["rvqtts"] != ours:
+                    raise ClusterError(f"worker {record.name} on {record.node} runs rvqtts {answer['rvqtts']}, "
+                                       f"this driver {ours}: install the same version on every node")
+                idle.append((actor, record))
+                continue
+            status, value = answer
+            record.busy_seconds += time.perf_counter() - sent
+            if status == "nonfinite":
+                raise NonFiniteError(value)
+            if status == "failed":
+                record.failed += 1
+                finish(BatchResult(item, "failed", error=value, worker=record))
+            else:
+                save(out_dir, item, value, manifest, codes_dir)
+                record.lines += 1
+                record.audio_seconds += value.record["audio_seconds"]
+                finish(BatchResult(item, "done", value.record, worker=record))
+            idle.append((actor, record))
+        batch.wall_seconds = time.perf_counter() - began
+    finally:
+        for actor in {id(a): a for a, *_ in [*calls.values(), *idle]}.values():
+            ray.kill(actor)

@@ -1,0 +1,21 @@
+"""A failure on purpose, for batch tests here and in Ray workers (where a setup hook installs it)."""
+
+from __future__ import annotations
+
+BREAK = "Break."  # a batch line with this text fails
+
+
+def failing_synthesize(original):
+    """Synthesizer.synthesize, except that the text BREAK raises RuntimeError("simulated failure")."""
+    def synthesize(self, text, **kwargs):
+        if text == BREAK:
+            raise RuntimeError("simulated failure")
+        return original(self, text, **kwargs)
+    return synthesize
+
+
+def break_lines() -> None:
+    """A Ray worker_process_setup_hook: this process's Synthesizer fails on BREAK."""
+    from rvqtts.synthesis import Synthesizer
+
+    Synthesizer.synthesize = failing_synthesize(Synthesizer.synthesize)

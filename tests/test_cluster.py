@@ -1,0 +1,178 @@
+"""`rvqtts synth -f --ray` on a local Ray cluster this module starts (2 CPUs, the tiny checkpoint): the same
+files as a local run, a failing line, a worker killed mid-batch, a driver killed and resumed, no Ray."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from rvqtts.batch import MANIFEST, read_batch
+from rvqtts.cluster import WorkerSpec, synthesize_batch_on_ray
+from rvqtts.synthesis import GenerationSettings, Synthesizer
+
+from faults import failing_synthesize
+from helpers import run_cli
+
+LINES = [{"text": "One."}, {"text": "Break."}, {"text": "Three.", "speaker": "ryan"},
+         {"text": "Four.", "out": "four.flac"}, {"text": "Five.", "language": "german"}]
+OUTPUTS = ["0001.wav", "0003.wav", "0005.wav", "four.flac"]  # line 2 fails, everywhere
+FRAMES = 12  # --max-frames: short lines keep the module fast
+TIMINGS = {"wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds", "prefill_seconds",
+           "first_audio_seconds", "first_audio_split", "rtf"}
+RUN = dict(speaker="vivian", language="auto", instruct=None, seed=0, settings=GenerationSettings(max_frames=FRAMES),
+           chunk_chars=240)  # what `rvqtts synth --max-frames 12` runs
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A 2-CPU Ray cluster on this machine whose workers fail the line "Break." (tests/faults.py); yields
+    its address and the job's runtime environment (for a second driver)."""
+    here = str(Path(__file__).parent)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+           "RVQTTS_CACHE": str(tmp_path_factory.mktemp("worker-cache")), "HF_HUB_OFFLINE": "1"}
+    runtime_env = {"env_vars": env, "worker_process_setup_hook": "faults.break_lines"}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
+             runtime_env=runtime_env)
+    yield ray.get_runtime_context().gcs_address, runtime_env
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "lines.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    return path
+
+
+@pytest.fixture(scope="module")
+def local(corpus, tiny_dir):
+    """What a local run writes, with the workers' one torch thread (float32 audio depends on the count)."""
+    out = corpus.parent / "local"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Synthesizer, "synthesize", failing_synthesize(Synthesizer.synthesize))
+            result = run_cli("synth", "-f", corpus, "--out-dir", out, "--model", tiny_dir, "--max-frames", FRAMES)
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 1 and "lines.jsonl:2: failed" in result.output, result.output
+    return out
+
+
+def manifest(folder: Path) -> list[dict]:
+    """The manifest's entries without their timings, in the file's order."""
+    entries = [json.loads(line) for line in (folder / MANIFEST).read_text().splitlines()]
+    return [{k: v for k, v in entry.items() if k not in TIMINGS} for entry in entries]
+
+
+def assert_same_outputs(folder: Path, local: Path) -> None:
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*OUTPUTS, MANIFEST])  # no partial files
+    for name in OUTPUTS:
+        assert (folder / name).read_bytes() == (local / name).read_bytes(), name
+    assert manifest(folder) == manifest(local)
+    assert [entry["line"] for entry in manifest(folder)] == [1, 3, 4, 5]
+
+
+def test_a_ray_batch_writes_a_local_runs_files_and_reports_its_failing_line(cluster, corpus, local, tiny_dir,
+                                                                            tmp_path):
+    out, stats = tmp_path / "out", tmp_path / "stats.json"
+    result = run_cli("synth", "-f", corpus, "--out-dir", out, "--model", tiny_dir, "--max-frames", FRAMES,
+                     "--ray", "auto", "--workers", 2, "--stats-json", stats)
+    assert result.exit_code == 1, result.output
+    assert "lines.jsonl:2: failed: RuntimeError: simulated failure" in result.output
+    assert "4 written, 0 skipped" in result.output and "1 failed" in result.output
+    assert_same_outputs(out, local)
+    report = json.loads(stats.read_text())
+    workers = report["workers"]
+    assert len(workers) == 2 and sum(w["lines"] for w in workers) == 4 and sum(w["failed"] for w in workers) == 1
+    assert {w["threads"] for w in workers} == {1} and len({w["pid"] for w in workers}) == 2
+    assert report["cluster"]["lines"] == 4 and report["cluster"]["lines_per_second"] > 0
+
+
+def test_a_killed_workers_line_is_made_by_another(cluster, corpus, local, tiny_dir, tmp_path):
+    killed = []
+
+    def kill_a_worker(result) -> None:
+        if result.status == "done" and not killed:  # its worker is shot before it gets its next line
+            killed.append(result.worker.pid)
+            os.kill(killed[0], signal.SIGKILL)
+
+    out = tmp_path / "out"
+    batch = synthesize_batch_on_ray(read_batch(corpus), out, WorkerSpec(str(tiny_dir)), RUN, workers=2,
+                                    on_done=kill_a_worker)
+    assert killed and [r.status for r in batch.results] == ["done", "failed", "done", "done", "done"]
+    assert_same_outputs(out, local)
+    totals = batch.totals()
+    assert totals["workers_died"] == 1 and totals["retried_lines"] >= 1 and totals["workers"] == 3
+    assert [w.pid for w in batch.workers if not w.alive] == killed
+
+
+DRIVER = """
+import json, os, signal, sys
+from pathlib import Path
+import ray
+from rvqtts.batch import read_batch
+from rvqtts.cluster import WorkerSpec, synthesize_batch_on_ray
+from rvqtts.synthesis import GenerationSettings
+
+address, runtime_env, corpus, out, model, frames = sys.argv[1:]
+ray.init(address=address, runtime_env=json.loads(runtime_env), log_to_driver=False)
+done = []
+
+def die_after_two(result):
+    done.append(result.status)
+    if done.count("done") == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+run = dict(speaker="vivian", language="auto", instruct=None, seed=0,
+           settings=GenerationSettings(max_frames=int(frames)), chunk_chars=240)
+synthesize_batch_on_ray(read_batch(corpus), Path(out), WorkerSpec(model), run, workers=2, on_done=die_after_two)
+"""
+
+
+def test_a_killed_driver_leaves_whole_files_and_a_rerun_finishes_the_batch(cluster, corpus, local, tiny_dir,
+                                                                         tmp_path):
+    address, runtime_env = cluster
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", DRIVER, address, json.dumps(runtime_env), str(corpus), str(out),
+                             str(tiny_dir), str(FRAMES)], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    written = sorted(p.name for p in out.iterdir() if p.name != MANIFEST)
+    assert len(written) == 2 and len(manifest(out)) == 2  # two whole files and their entries, nothing partial
+    for name in written:
+        assert (out / name).read_bytes() == (local / name).read_bytes()
+    resumed = run_cli("synth", "-f", corpus, "--out-dir", out, "--model", tiny_dir, "--max-frames", FRAMES,
+                      "--ray", "auto", "--workers", 2)
+    assert resumed.exit_code == 1 and "2 written, 2 skipped" in resumed.output, resumed.output
+    assert_same_outputs(out, local)
+
+
+def test_ray_options_are_checked_before_anything_runs(tmp_path, tiny_dir, monkeypatch):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("One.\n")
+    out = tmp_path / "out"
+    batch = ["synth", "-f", lines, "--out-dir", out, "--model", tiny_dir]
+    cases = [([*batch, "--workers", 2], "--workers, --cpus-per-worker and --gpus-per-worker are for --ray"),
+             (["synth", "Hi.", "-o", tmp_path / "a.wav", "--ray", "auto"], "--ray is for batch files"),
+             ([*batch, "--ray", "auto", "--workers", 0], "--workers must be at least 1"),
+             ([*batch, "--ray", "auto", "--device", "cuda"], "needs GPUs for the workers"),
+             ([*batch, "--ray", "auto", "--dtype", "float8"], "unknown --dtype")]
+    for arguments, message in cases:
+        result = run_cli(*arguments)
+        assert result.exit_code == 2 and message in result.output, (arguments, result.output)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    result = run_cli(*batch, "--ray", "auto")
+    assert result.exit_code == 2
+    assert result.output.strip() == ("rvqtts: error: --ray needs Ray, which is not installed: pip install "
+                                     "'rvqtts[ray]' (in a checkout: pip install -e '.[ray]')")
+    assert not out.exists()
