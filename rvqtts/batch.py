@@ -125,8 +125,19 @@ def render(synth, item: Utterance, *, speaker: str, language: str, instruct: str
                     synthesis.codes, voice, synthesis.record())
 
 
-def describe(error: Exception) -> str:
+def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+def attempt(synth, item: Utterance, run: dict) -> tuple[str, object]:
+    """("done", Rendered), or ("failed", why) for a line that failed while synthesizing. A model that
+    produced NaN or inf (NonFiniteError) is raised: every line would meet it."""
+    try:
+        return "done", render(synth, item, **run)
+    except NonFiniteError:
+        raise
+    except Exception as error:  # reported per line; the batch goes on
+        return "failed", describe(error)
 
 
 MANIFEST = "manifest.jsonl"
@@ -169,6 +180,19 @@ def save(out_dir: Path, item: Utterance, rendered: Rendered, manifest: Manifest,
     manifest.add(item, rendered)
 
 
+def conclude(out_dir: Path, item: Utterance, status: str, value: object, manifest: Manifest,
+             codes_dir: Path | None = None, worker: object | None = None) -> BatchResult:
+    """A line's result from `attempt`'s answer, made here or on a worker: a made line is written (`save`),
+    and a write that fails fails the line."""
+    if status == "done":
+        try:
+            save(out_dir, item, value, manifest, codes_dir)
+            return BatchResult(item, "done", value.record, worker=worker)
+        except Exception as error:  # a full disk, a folder made unwritable: this line fails, the rest go on
+            value = describe(error)
+    return BatchResult(item, "failed", error=value, worker=worker)
+
+
 def to_do(utterances: list[Utterance], out_dir: Path, force: bool = False) -> list[Utterance]:
     """The utterances whose output is not in `out_dir` yet (all of them with `force`)."""
     return [item for item in utterances if force or not (out_dir / item.name).exists()]
@@ -190,17 +214,10 @@ def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speak
                chunk_chars=chunk_chars)
     results = []
     for item in utterances:
-        if item.line not in pending:
-            result = BatchResult(item, "skipped")
+        if item.line in pending:
+            result = conclude(out_dir, item, *attempt(synth, item, run), manifest, codes_dir)
         else:
-            try:
-                rendered = render(synth, item, **run)
-                save(out_dir, item, rendered, manifest, codes_dir)
-                result = BatchResult(item, "done", rendered.record)
-            except NonFiniteError:
-                raise
-            except Exception as error:  # reported per utterance; the batch goes on
-                result = BatchResult(item, "failed", error=describe(error))
+            result = BatchResult(item, "skipped")
         results.append(result)
         if on_done:
             on_done(result)

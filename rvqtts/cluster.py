@@ -19,7 +19,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
-from rvqtts.batch import BatchResult, Manifest, Utterance, describe, render, save, to_do
+from rvqtts.batch import BatchResult, Manifest, Utterance, attempt, conclude, describe, to_do
 from rvqtts.sampling import NonFiniteError
 
 INSTALL_HINT = "pip install 'rvqtts[ray]' (in a checkout: pip install -e '.[ray]')"
@@ -66,12 +66,13 @@ class SynthesisWorker:
         self.synth = None
 
     def load(self) -> dict:
-        """Load the model; what this worker is (node, pid, device, dtype, versions) for the driver."""
+        """Load the model; what this worker is (node, pid, device, dtype, versions) and what a local run
+        would have told its user, for the driver."""
         import ray
         import torch
 
         from rvqtts.devices import pick_device, pick_dtype
-        from rvqtts.synthesis import Synthesizer, choose_speculation
+        from rvqtts.synthesis import Synthesizer, prepare_inner_loop
 
         spec = self.spec
         torch.set_num_threads(max(1, int(spec.cpus)))  # the CPUs Ray gave this worker, not the whole node's
@@ -79,22 +80,18 @@ class SynthesisWorker:
                              "cpu" if spec.device == "auto" else spec.device)
         dtype, _ = pick_dtype(spec.dtype, device)
         self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights)
-        self.synth.cuda_graphs = spec.cuda_graphs
-        if spec.spec:
-            self.synth.speculation, _ = choose_speculation(self.synth.code_predictor, spec.tree, spec.offsets,
-                                                           allow_plain=True, weights=spec.weights)
+        notice = prepare_inner_loop(self.synth, spec.spec, spec.tree, spec.offsets, spec.cuda_graphs)
         return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(), "device": device, "dtype": dtype,
-                "threads": torch.get_num_threads(), "rvqtts": version("rvqtts"), "torch": torch.__version__}
+                "threads": torch.get_num_threads(), "rvqtts": version("rvqtts"), "torch": torch.__version__,
+                "notice": notice, "instruct": self.synth.supports_instruct}
 
     def render(self, item: Utterance, run: dict) -> tuple[str, object]:
-        """("done", Rendered), ("failed", message) or ("nonfinite", message): a line's failure is an
-        answer, so only a dead worker raises."""
+        """rvqtts.batch.attempt's answer, or ("nonfinite", (model, dtype)): a line's failure is an answer,
+        so only a worker in trouble raises."""
         try:
-            return "done", render(self.synth, item, **run)
+            return attempt(self.synth, item, run)
         except NonFiniteError as error:
-            return "nonfinite", str(error)
-        except Exception as error:  # the line failed; the worker and the batch go on
-            return "failed", describe(error)
+            return "nonfinite", (error.model, error.dtype)
 
 
 @dataclass
@@ -126,6 +123,11 @@ class ClusterBatch:
 
     results: list[BatchResult]
     workers: list[WorkerRecord] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)  # what a local run would have said (tree, --instruct)
+    began: float = field(default_factory=time.perf_counter)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
     wall_seconds: float = 0.0
     startup_seconds: float = 0.0  # until the first worker had its model loaded
     retried_lines: int = 0
@@ -153,10 +155,12 @@ def connect(address: str) -> bool:
 
     try:
         ray.init(address=None if address == "auto" else address, logging_level=logging.ERROR,
-                 log_to_driver=False, configure_logging=True)
-    except (ConnectionError, ValueError, RuntimeError) as error:
-        raise ClusterError(f"cannot reach a Ray cluster at {address!r}: {error}; start one with "
-                           "`ray start --head` or pass --ray auto for one on this machine") from error
+                 log_to_driver=False)
+    except Exception as error:  # Ray raises ConnectionError, RuntimeError, ValueError or a bare Exception
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        hint = "see `ray status`" if address == "auto" else "check it with `ray status --address` there"
+        raise ClusterError(f"cannot reach a Ray cluster at {address!r}: {first} ({hint}; `ray start --head` "
+                           "starts one)") from error
     return True
 
 
@@ -208,15 +212,16 @@ def synthesize_batch_on_ray(utterances: list[Utterance], out_dir: Path, spec: Wo
 def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: dict, workers: int | None,
          codes_dir: Path | None, on_done, results: dict[int, BatchResult], batch: ClusterBatch) -> None:
     """The driver's loop: keep every worker busy with one line, write what comes back, replace the dead."""
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import ActorDiedError, RayError, RayTaskError
 
     actor_class = ray.remote(SynthesisWorker)
     count = _worker_count(ray, spec, workers, len(pending))
     queue = deque(pending)
-    deaths: dict[int, int] = {}  # line -> how often its worker died on it
+    deaths: dict[int, int] = {}  # line -> how often its worker was lost on it
     load_deaths = 0
     calls: dict = {}  # ObjectRef -> (actor, its record, the line or None for its load, when it was sent)
     idle: list = []
+    actors: list = []  # every actor started, killed when the batch ends however it ends
     manifest = Manifest(out_dir)
     ours = version("rvqtts")
 
@@ -224,14 +229,41 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
         record = WorkerRecord(f"w{len(batch.workers) + 1}")
         batch.workers.append(record)
         actor = actor_class.options(num_cpus=spec.cpus, num_gpus=spec.gpus).remote(spec)
+        actors.append(actor)
         calls[actor.load.remote()] = (actor, record, None, time.perf_counter())
 
     def finish(result: BatchResult) -> None:
         results[result.utterance.line] = result
+        if result.status == "failed" and result.worker is not None:
+            result.worker.failed += 1
         if on_done:
             on_done(result)
 
-    began = time.perf_counter()
+    def lose(actor, record: WorkerRecord, item: Utterance | None, error: RayError) -> None:
+        """A worker lost (its process or node died, or Ray gave up on it): its line goes to another."""
+        nonlocal load_deaths
+        record.alive = False
+        ray.kill(actor)  # one that is only unreachable must not keep its CPUs and GPUs
+        if item is None:
+            if isinstance(error, ActorDiedError) and error.actor_init_failed:
+                raise ClusterError(f"a worker could not start on {record.node or 'its node'} (is rvqtts "
+                                   f"installed there?): {_first_line(error)}")
+            load_deaths += 1
+            if load_deaths >= DEATHS_PER_LINE:
+                raise ClusterError(f"{load_deaths} workers died while loading the model (out of memory? see "
+                                   f"`ray status` and the Ray logs): {_first_line(error)}")
+        elif deaths.setdefault(item.line, 0) >= DEATHS_PER_LINE - 1:
+            finish(BatchResult(item, "failed", error=f"its worker was lost {DEATHS_PER_LINE} times "
+                                                      f"({_first_line(error)})", worker=record))
+        else:
+            deaths[item.line] += 1
+            batch.retried_lines += 1
+            queue.appendleft(item)
+        if queue:
+            start_worker()
+
+    batch.began = time.perf_counter()  # the batch's wall time starts with its workers, after connecting
+    wants_instruct = bool(run.get("instruct")) or any(item.instruct for item in pending)
     try:
         for _ in range(count):
             start_worker()
@@ -240,55 +272,58 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
                 actor, record = idle.pop()
                 item = queue.popleft()
                 calls[actor.render.remote(item, run)] = (actor, record, item, time.perf_counter())
-            ready, _ = ray.wait(list(calls), num_returns=1, timeout=START_TIMEOUT)
+            serving = bool(idle) or any(line is not None for _, _, line, _ in calls.values())
+            ready, _ = ray.wait(list(calls), num_returns=1, timeout=None if serving else START_TIMEOUT)
             if not ready:
-                raise ClusterError(f"no worker answered in {START_TIMEOUT:g} s: the cluster cannot place a worker "
-                                   f"of {spec.cpus:g} CPUs and {spec.gpus:g} GPUs (see `ray status`)")
+                raise ClusterError(f"no worker loaded the model in {START_TIMEOUT:g} s: the cluster cannot "
+                                   f"place a worker of {spec.cpus:g} CPUs and {spec.gpus:g} GPUs, or the load "
+                                   "is stuck (see `ray status`)")
             actor, record, item, sent = calls.pop(ready[0])
             try:
                 answer = ray.get(ready[0])
-            except RayActorError:  # the worker died (its process or its node): its line goes to another
-                record.alive = False
+            except RayTaskError as error:  # the call itself raised
                 if item is None:
-                    load_deaths += 1
-                    if load_deaths >= DEATHS_PER_LINE:
-                        raise ClusterError(f"{load_deaths} workers died while loading the model (out of "
-                                           "memory? see `ray status` and the Ray logs)") from None
-                elif deaths.setdefault(item.line, 0) >= DEATHS_PER_LINE - 1:
-                    finish(BatchResult(item, "failed", error=f"its worker died {DEATHS_PER_LINE} times",
-                                       worker=record))
-                else:
-                    deaths[item.line] += 1
-                    batch.retried_lines += 1
-                    queue.appendleft(item)
-                if queue:
-                    start_worker()
+                    raise ClusterError(f"a worker could not load the model: {describe(error.cause)}") from error
+                finish(BatchResult(item, "failed", error=_first_line(error), worker=record))
+                idle.append((actor, record))
                 continue
-            except RayTaskError as error:  # only load raises: a worker that cannot load the model stops all
-                raise ClusterError(f"a worker could not load the model: {describe(error.cause)}") from error
+            except RayError as error:  # the worker died, its node was lost, or Ray could not run it
+                lose(actor, record, item, error)
+                continue
             if item is None:
-                batch.startup_seconds = batch.startup_seconds or time.perf_counter() - began
-                for key in ("node", "pid", "device", "dtype", "threads"):
-                    setattr(record, key, answer[key])
-                if answer["rvqtts"] != ours:
-                    raise ClusterError(f"worker {record.name} on {record.node} runs rvqtts {answer['rvqtts']}, "
-                                       f"this driver {ours}: install the same version on every node")
+                _loaded(record, answer, ours, wants_instruct, batch)
                 idle.append((actor, record))
                 continue
             status, value = answer
             record.busy_seconds += time.perf_counter() - sent
             if status == "nonfinite":
-                raise NonFiniteError(value)
-            if status == "failed":
-                record.failed += 1
-                finish(BatchResult(item, "failed", error=value, worker=record))
-            else:
-                save(out_dir, item, value, manifest, codes_dir)
+                raise NonFiniteError(*value)
+            result = conclude(out_dir, item, status, value, manifest, codes_dir, record)
+            if result.status == "done":
                 record.lines += 1
-                record.audio_seconds += value.record["audio_seconds"]
-                finish(BatchResult(item, "done", value.record, worker=record))
+                record.audio_seconds += result.record["audio_seconds"]
+            finish(result)
             idle.append((actor, record))
-        batch.wall_seconds = time.perf_counter() - began
+        batch.wall_seconds = batch.elapsed()
     finally:
-        for actor in {id(a): a for a, *_ in [*calls.values(), *idle]}.values():
+        for actor in actors:
             ray.kill(actor)
+
+
+def _loaded(record: WorkerRecord, answer: dict, ours: str, wants_instruct: bool, batch: ClusterBatch) -> None:
+    """A worker's load answer: who it is, a version check, and its notices (each said once)."""
+    batch.startup_seconds = batch.startup_seconds or batch.elapsed()
+    for key in ("node", "pid", "device", "dtype", "threads"):
+        setattr(record, key, answer[key])
+    if answer["rvqtts"] != ours:
+        raise ClusterError(f"worker {record.name} on {record.node} runs rvqtts {answer['rvqtts']}, this driver "
+                           f"{ours}: install the same version on every node (their files could differ)")
+    notices = [answer["notice"]] if answer["notice"] else []
+    if wants_instruct and not answer["instruct"]:
+        notices.append("warning: this model does not support --instruct (the 0.6B ignores instructions)")
+    batch.notices.extend(n for n in notices if n not in batch.notices)
+
+
+def _first_line(error: BaseException) -> str:
+    """Ray's errors carry tracebacks and advice over many lines; a user's line needs the first."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

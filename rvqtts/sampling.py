@@ -48,6 +48,7 @@ class NonFiniteError(RuntimeError):
     what to do."""
 
     def __init__(self, model: str, dtype: torch.dtype):
+        self.model, self.dtype = model, dtype  # to raise it again elsewhere (a cluster's driver)
         name = str(dtype).removeprefix("torch.")
         advice = {"float16": "run again with --dtype bfloat16 or --dtype float32",
                   "bfloat16": "run again with --dtype float32"}.get(name, "the checkpoint's weights may be broken")

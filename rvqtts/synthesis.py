@@ -431,6 +431,20 @@ class Synthesizer:
                 "first_audio_seconds": round(wall, 3), "rtf": round(wall / audio_seconds, 4) if audio_seconds else None}
 
 
+def prepare_inner_loop(synth: Synthesizer, spec: bool = True, tree: str | os.PathLike = "auto",
+                       offsets: str | os.PathLike | None = None, cuda_graphs: bool = True,
+                       device_type: str | None = None) -> str | None:
+    """Set up `synth`'s inner loop as `rvqtts synth` does: CUDA graphs on or off and, with `spec`, the tree
+    and offsets `choose_speculation` picks (the plain loop where `auto` finds that no tree pays). Returns
+    its notice for the user, or None; raises as choose_speculation does."""
+    synth.cuda_graphs = cuda_graphs
+    if not spec:
+        return None
+    synth.speculation, notice = choose_speculation(synth.code_predictor, tree, offsets, allow_plain=True,
+                                                   device_type=device_type, weights=synth.weights)
+    return notice
+
+
 def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike = "auto",
                        offsets: str | os.PathLike | None = None, allow_plain: bool = False,
                        device_type: str | None = None,

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 BREAK = "Break."  # a batch line with this text fails
+OVERFLOW = "Overflow."  # and one with this text meets NaN logits, as a float16 overflow would
 
 
 def failing_synthesize(original):
-    """Synthesizer.synthesize, except that the text BREAK raises RuntimeError("simulated failure")."""
+    """Synthesizer.synthesize, except that the text BREAK raises RuntimeError("simulated failure") and
+    OVERFLOW the NonFiniteError of a talker in float16."""
     def synthesize(self, text, **kwargs):
+        import torch
+
+        from rvqtts.sampling import NonFiniteError
+
         if text == BREAK:
             raise RuntimeError("simulated failure")
+        if text == OVERFLOW:
+            raise NonFiniteError("talker", torch.float16)
         return original(self, text, **kwargs)
     return synthesize
 

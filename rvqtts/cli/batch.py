@@ -54,18 +54,31 @@ def run_here(synthesizer, utterances, out_dir: Path, file: Path, run: dict, forc
 
 def run_on_ray(spec, address: str, workers: Optional[int], utterances, out_dir: Path, file: Path, run: dict,
                force: bool, codes_out: Optional[Path], stats_json: Optional[Path], quiet: bool) -> None:
-    """The batch on a Ray cluster; the driver (this process) writes every file."""
+    """The batch on a Ray cluster; the driver (this process) writes every file. A cluster that fails
+    before any file is written is exit 2 with one line, after some were written exit 1 (they stay)."""
     from rvqtts.cluster import ClusterError, synthesize_batch_on_ray
 
     say(f"starting Ray workers for {file.name} ({'a cluster here or $RAY_ADDRESS' if address == 'auto' else address})",
         quiet)
+    written = []
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {file.name} on Ray", total=None)
+        report = _on_done(progress, task, file, quiet)
+
+        def done(result) -> None:
+            written.append(result.status == "done")
+            report(result)
+
         try:
             batch = synthesize_batch_on_ray(utterances, out_dir, spec, run, address=address, workers=workers,
                                             force=force, codes_dir=codes_out,
-                                            on_start=lambda lines: progress.update(task, total=lines),
-                                            on_done=_on_done(progress, task, file, quiet))
+                                            on_start=lambda lines: progress.update(task, total=lines), on_done=done)
         except ClusterError as error:
-            fail(str(error))
+            if not any(written):
+                fail(str(error))
+            typer.echo(f"rvqtts: error: {error} ({sum(written)} files were written to {out_dir}; a rerun "
+                       "resumes)", err=True)
+            raise typer.Exit(1)
+    for notice in batch.notices:
+        say(notice, quiet and not notice.startswith("warning"))
     _report(batch.results, out_dir, stats_json, quiet, cluster=batch)

@@ -106,11 +106,10 @@ def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, w
     """The model on the chosen device and dtype (fails with one line on a bad model, device or dtype; says
     which dtype `auto` chose on a CPU, and why)."""
     from rvqtts.devices import pick_dtype
-    from rvqtts.loading import DTYPES, ModelLoadError
+    from rvqtts.loading import ModelLoadError
     from rvqtts.synthesis import Synthesizer
 
-    if dtype not in ("auto", *DTYPES):
-        fail(f"unknown --dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    check_dtype(dtype)
     chosen = resolve_device(device)
     from transformers.utils import logging as hf_logging
 
@@ -122,6 +121,13 @@ def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, w
         return Synthesizer.load(model, device=chosen, dtype=dtype, weights=weights)
     except (ModelLoadError, ValueError) as error:
         fail(str(error))
+
+
+def check_dtype(dtype: str) -> None:
+    from rvqtts.loading import DTYPES
+
+    if dtype not in ("auto", *DTYPES):
+        fail(f"unknown --dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
 
 
 def resolve_device(device: str) -> str:

@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from rvqtts.cli.common import (DEFAULT_MODEL, WEIGHTS_HELP, app, check_coreml, ensure_writable, fail, load_synthesizer,
-                               progress_bar, say, show_stats, write_stats)
+from rvqtts.cli.common import (DEFAULT_MODEL, WEIGHTS_HELP, app, check_coreml, check_dtype, ensure_writable, fail,
+                               load_synthesizer, progress_bar, say, show_stats, write_stats)
 
 
 def _read_text(text: Optional[str]) -> str:
@@ -125,7 +125,7 @@ def synth(
     from rvqtts.loading import ModelLoadError, check_voice, voices
     from rvqtts.offsets import OffsetsFileError
     from rvqtts.sampling import NonFiniteError
-    from rvqtts.synthesis import GenerationSettings, choose_speculation
+    from rvqtts.synthesis import GenerationSettings, prepare_inner_loop
     from rvqtts.tree import TreeFileError
 
     # Everything that can be checked without the model is checked first: bad input costs no model load.
@@ -199,17 +199,13 @@ def synth(
                chunk_chars=None if no_chunk else chunk_chars)
     if ray is None:  # the model is loaded here; on Ray each worker loads its own
         synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
-        synthesizer.cuda_graphs = cuda_graphs
         device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
-        if spec:
-            try:
-                synthesizer.speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets,
-                                                                     allow_plain=True, device_type=device_type,
-                                                                     weights=weights)
-            except (TreeFileError, OffsetsFileError, ValueError) as error:
-                fail(str(error))
-            if notice:
-                say(notice, quiet)
+        try:
+            notice = prepare_inner_loop(synthesizer, spec, tree, offsets, cuda_graphs, device_type)
+        except (TreeFileError, OffsetsFileError, ValueError) as error:
+            fail(str(error))
+        if notice:
+            say(notice, quiet)
         if backend == "coreml":
             _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units,
                         quiet)
@@ -241,9 +237,10 @@ def synth(
 def _ray_worker_spec(file: Optional[Path], backend: str, model: str, device: str, dtype: str, weights: str,
                      spec: bool, tree: str, offsets: Optional[Path], cuda_graphs: bool, workers: Optional[int],
                      cpus: Optional[float], gpus: Optional[float]):
-    """What each Ray worker loads, checked here: the workers' own machines resolve the device."""
+    """What each Ray worker loads, checked here as far as it can be: the workers' machines resolve the
+    device and read the model, tree and offsets (local paths go to them absolute: a worker starts in a
+    folder of its own)."""
     from rvqtts.cluster import ClusterError, WorkerSpec, require_ray
-    from rvqtts.loading import DTYPES
     from rvqtts.quantize import WEIGHTS
 
     if file is None:
@@ -255,23 +252,29 @@ def _ray_worker_spec(file: Optional[Path], backend: str, model: str, device: str
         fail(f"--workers must be at least 1, got {workers}")
     if cpus <= 0 or gpus < 0:
         fail(f"--cpus-per-worker must be above 0 and --gpus-per-worker at least 0, got {cpus:g} and {gpus:g}")
-    if device.startswith("cuda") and gpus == 0:
-        fail(f"--device {device} on Ray needs GPUs for the workers: add --gpus-per-worker (e.g. 1)")
-    if device not in ("auto", "cpu") and not device.startswith("cuda"):
-        fail(f"--device {device} cannot run on Ray workers: choose auto, cpu or cuda")
-    if dtype not in ("auto", *DTYPES):
-        fail(f"unknown --dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+    if device not in ("auto", "cpu", "cuda"):
+        fail(f"--device {device} cannot be given to Ray workers: choose auto, cpu or cuda (Ray hands each "
+             "worker its own GPUs)")
+    if device == "cuda" and gpus == 0:
+        fail("--device cuda on Ray needs GPUs for the workers: add --gpus-per-worker (e.g. 1)")
+    check_dtype(dtype)
     if weights not in WEIGHTS:
         fail(f"unknown --weights {weights!r}: choose {' or '.join(WEIGHTS)}")
+    if tree != "auto" and not tree.isdigit() and not Path(tree).expanduser().is_file():
+        fail(f"--tree {tree}: no such tree file (give auto, a node budget N or a tree file)")
+    if offsets is not None and not offsets.expanduser().is_file():
+        fail(f"--offsets {offsets}: no such file")
     try:
         require_ray()
     except ClusterError as error:
         fail(str(error))
-    def here(path: str) -> str:  # a worker starts in a folder of its own: local paths go to it absolute
+
+    def absolute(path: str) -> str:
         return str(Path(path).expanduser().resolve()) if Path(path).expanduser().exists() else path
 
-    return WorkerSpec(here(model), device, dtype, weights, spec, here(tree), None if offsets is None else
-                      here(str(offsets)), cuda_graphs, cpus, gpus)
+    return WorkerSpec(absolute(model), device, dtype, weights, spec,
+                      tree if tree == "auto" or tree.isdigit() else absolute(tree),
+                      None if offsets is None else absolute(str(offsets)), cuda_graphs, cpus, gpus)
 
 
 def _use_coreml(synthesizer, tree: str, offsets: Optional[Path], settings, package: Optional[Path],
