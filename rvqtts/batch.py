@@ -119,10 +119,11 @@ def render(synth, item: Utterance, *, speaker: str, language: str, instruct: str
     from rvqtts.audio import audio_bytes, audio_format
 
     voice = dict(speaker=item.speaker or speaker, language=item.language or language)
-    synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line, instruct=item.instruct or instruct,
+    described = item.instruct or instruct
+    synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line, instruct=described,
                                  settings=settings, chunk_chars=chunk_chars, **voice)
     return Rendered(audio_bytes(synthesis.audio, synthesis.sample_rate, audio_format(item.name)),
-                    synthesis.codes, voice, synthesis.record())
+                    synthesis.codes, {**voice, **({"instruct": described} if described else {})}, synthesis.record())
 
 
 def describe(error: BaseException) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -62,10 +63,23 @@ def resolve_model(model: str | os.PathLike) -> str:
     return text
 
 
-def _check_kind(model: str | os.PathLike, model_type: str, tokenizer_type: str) -> None:
-    if model_type != "custom_voice" or tokenizer_type != "qwen3_tts_tokenizer_12hz":
-        raise ModelLoadError(f"{model} is a {model_type} model with the {tokenizer_type}; rvqtts synthesizes with "
-                             f"12 Hz CustomVoice models (such as Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)")
+# The 12 Hz model kinds (config.tts_model_type), by their released names, and what each takes from a user.
+KINDS = {"custom_voice": ("CustomVoice", "built-in speakers (--speaker), a style instruction (--instruct) on the "
+                                         "1.7B"),
+         "base": ("Base", "voice cloning from reference audio (not yet run by rvqtts synth)"),
+         "voice_design": ("VoiceDesign", "a voice described in words (--instruct)")}
+SYNTHESIZED = ("custom_voice", "voice_design")  # the kinds rvqtts synth runs so far
+DEFAULT_SPEAKER = "vivian"  # a CustomVoice model's speaker when none is named
+
+
+def _check_kind(model: str | os.PathLike, model_type: str, tokenizer_type: str, synthesis: bool = True) -> None:
+    """ModelLoadError unless the checkpoint is a 12 Hz model (and, for `synthesis`, one synth runs)."""
+    if tokenizer_type != "qwen3_tts_tokenizer_12hz" or model_type not in KINDS:
+        raise ModelLoadError(f"{model} is a {model_type} model with the {tokenizer_type}; rvqtts runs the 12 Hz "
+                             f"models (such as Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)")
+    if synthesis and model_type not in SYNTHESIZED:
+        raise ModelLoadError(f"{model} is a 12 Hz {KINDS[model_type][0]} model; rvqtts synth runs 12 Hz CustomVoice "
+                             f"and VoiceDesign models so far (such as Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)")
 
 
 def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
@@ -81,23 +95,42 @@ def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float3
     return tts
 
 
-def voices(model: str | os.PathLike) -> tuple[list[str], list[str]]:
-    """Speakers and languages of a checkpoint, as qwen-tts lists them, read from its config alone (no weights
-    are loaded). ModelLoadError for a model rvqtts cannot synthesize with."""
+@dataclass(frozen=True)
+class ModelVoices:
+    """What a checkpoint's config says about its voices: its kind, built-in speakers and languages."""
+
+    kind: str
+    speakers: list[str]
+    languages: list[str]
+
+
+def model_voices(model: str | os.PathLike, synthesis: bool = True) -> ModelVoices:
+    """A checkpoint's kind, speakers and languages, as qwen-tts lists them, read from its config alone (no
+    weights are loaded). ModelLoadError for a model rvqtts cannot synthesize with (any 12 Hz kind without
+    `synthesis`)."""
     source = resolve_model(model)
     try:
         config = qwen_tts().core.models.Qwen3TTSConfig.from_pretrained(source)
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"cannot read {model}'s config as a Qwen3-TTS checkpoint's: {error}") from error
-    _check_kind(model, config.tts_model_type, config.tokenizer_type)
+    _check_kind(model, config.tts_model_type, config.tokenizer_type, synthesis)
     talker = config.talker_config
     languages = ["auto"] + [k for k in talker.codec_language_id if "dialect" not in k]
-    return sorted(k.lower() for k in talker.spk_id), sorted(k.lower() for k in languages)
+    return ModelVoices(config.tts_model_type, sorted(k.lower() for k in talker.spk_id or {}),
+                       sorted(k.lower() for k in languages))
 
 
-def check_voice(speakers: list[str], languages: list[str], speaker: str, language: str) -> None:
-    """Raise ValueError naming the valid choices when the speaker or language is not among the model's."""
-    if speaker.lower() not in speakers:
+def check_voice(speakers: list[str], languages: list[str], speaker: str | None, language: str) -> str | None:
+    """The speaker to use (None: the default speaker, where the model has speakers); ValueError naming
+    the valid choices when the speaker or language is not among the model's."""
+    if not speakers:
+        if speaker is not None:
+            raise ValueError(f"this model has no built-in speakers (got {speaker!r}): a VoiceDesign model speaks "
+                             "the voice its instruction describes (--instruct)")
+    elif speaker is None:
+        speaker = DEFAULT_SPEAKER if DEFAULT_SPEAKER in speakers else speakers[0]
+    elif speaker.lower() not in speakers:
         raise ValueError(f"unknown speaker {speaker!r}; this model has: {', '.join(speakers)}")
     if language.lower() not in languages:
         raise ValueError(f"unknown language {language!r}; this model has: {', '.join(languages)}")
+    return speaker

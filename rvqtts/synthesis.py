@@ -206,9 +206,16 @@ class Synthesizer:
         return self.code_predictor.config.hidden_size
 
     @property
+    def kind(self) -> str:
+        """custom_voice, base or voice_design (the checkpoint's tts_model_type)."""
+        return self.model.tts_model_type
+
+    @property
     def supports_instruct(self) -> bool:
-        """qwen-tts drops instructions for the 0.6B CustomVoice model."""
-        return self.model.tts_model_size not in "0b6"
+        """VoiceDesign speaks what its instruction describes; qwen-tts drops instructions for the 0.6B
+        CustomVoice model."""
+        return self.kind == "voice_design" or (self.kind == "custom_voice"
+                                               and self.model.tts_model_size not in "0b6")
 
     def frame_budget(self, text: str, settings: GenerationSettings) -> int:
         """Most frames one piece of text may take: the settings' limit when given (it may exceed the text's
@@ -222,15 +229,23 @@ class Synthesizer:
         """Both loops' sampling: the settings over the checkpoint's generation_config.json."""
         return settings.resolve(self.tts.generate_defaults)
 
-    def check_voice(self, speaker: str, language: str) -> None:
-        """Raise ValueError naming the valid choices when the speaker or language is not the model's."""
-        check_voice(self.speakers, self.languages, speaker, language)
+    def check_voice(self, speaker: str | None, language: str) -> str | None:
+        """The speaker to use (None: the default one, on a model with speakers); ValueError naming the
+        valid choices when the speaker or language is not the model's."""
+        return check_voice(self.speakers, self.languages, speaker, language)
 
-    def prompt(self, text: str, speaker: str, language: str = "auto", instruct: str | None = None) -> Prompt:
-        """The talker's prompt for one piece of text, as qwen-tts's `generate_custom_voice` builds it."""
-        return capture_prompt(self.talker, lambda: self.tts.generate_custom_voice(
-            text=text, speaker=speaker, language=language,
-            instruct=instruct if self.supports_instruct else None, max_new_tokens=2))
+    def prompt(self, text: str, speaker: str | None, language: str = "auto", instruct: str | None = None) -> Prompt:
+        """The talker's prompt for one piece of text, as qwen-tts's `generate_custom_voice` (or, on a
+        VoiceDesign model, `generate_voice_design`) builds it."""
+        return capture_prompt(self.talker, lambda: self._generate(text, speaker, language, instruct,
+                                                                  max_new_tokens=2))
+
+    def _generate(self, text: str, speaker: str | None, language: str, instruct: str | None, **options):
+        """qwen-tts's own generation call for this model's kind."""
+        if self.kind == "voice_design":
+            return self.tts.generate_voice_design(text=text, instruct=instruct or "", language=language, **options)
+        return self.tts.generate_custom_voice(text=text, speaker=speaker, language=language,
+                                              instruct=instruct if self.supports_instruct else None, **options)
 
     def talker_runner(self) -> TalkerRunner:
         """The talker runner, made on first use (CUDA graphs per `cuda_graphs`)."""
@@ -271,7 +286,8 @@ class Synthesizer:
         wavs, _ = self.model.speech_tokenizer.decode([{"audio_codes": torch.from_numpy(codes).to(device)}])
         return wavs[0]
 
-    def stream(self, text: str, speaker: str, language: str = "auto", seed: int = 0, utterance: int = 0,
+    def stream(self, text: str, speaker: str | None = None, language: str = "auto", seed: int = 0,
+               utterance: int = 0,
                instruct: str | None = None, settings: GenerationSettings = GenerationSettings(),
                chunk_chars: float | None = MAX_CHUNK_WEIGHT, frames_per_chunk: int = STREAM_FRAMES,
                on_chunk: Callable[[int, int], None] | None = None,
@@ -284,7 +300,8 @@ class Synthesizer:
         return AudioStream(self._speak(text, speaker, language, seed, utterance, instruct, settings, chunk_chars,
                                        frames_per_chunk, on_chunk, on_frame), self.sample_rate)
 
-    def synthesize(self, text: str, speaker: str, language: str = "auto", seed: int = 0, utterance: int = 0,
+    def synthesize(self, text: str, speaker: str | None = None, language: str = "auto", seed: int = 0,
+                   utterance: int = 0,
                    instruct: str | None = None, settings: GenerationSettings = GenerationSettings(),
                    chunk_chars: float | None = MAX_CHUNK_WEIGHT, on_chunk: Callable[[int, int], None] | None = None,
                    on_frame: Callable[[torch.Tensor, list[int]], None] | None = None) -> Synthesis:
@@ -303,7 +320,7 @@ class Synthesizer:
             pass
         return stream.result
 
-    def _speak(self, text: str, speaker: str, language: str, seed: int, utterance: int, instruct: str | None,
+    def _speak(self, text: str, speaker: str | None, language: str, seed: int, utterance: int, instruct: str | None,
                settings: GenerationSettings, chunk_chars: float | None, stream_frames: int | None,
                on_chunk: Callable[[int, int], None] | None,
                on_frame: Callable[[torch.Tensor, list[int]], None] | None) -> Generator[np.ndarray, None, Synthesis]:
@@ -311,7 +328,7 @@ class Synthesizer:
         the streaming decoder, or (None) each text chunk at once by qwen-tts's; then the Synthesis."""
         if not text.strip():
             raise ValueError("the text is empty: give something to say")
-        self.check_voice(speaker, language)
+        speaker = self.check_voice(speaker, language)
         pieces = chunk_text(text, chunk_chars) if chunk_chars else [" ".join(text.split())]
         sampling = self.sampling(settings)
         loop = self.frame_loop(sampling, seed, utterance)
@@ -379,7 +396,7 @@ class Synthesizer:
         """Teacher forcing: run the talker over `text` while it emits exactly these frame codes [frames, G]
         (c0 read instead of drawn, c1.. returned by the inner loop), and show `on_frame` each frame's
         predictor prefix [h_t, embedding of c0] with the frame's codes c1.. ."""
-        self.check_voice(speaker, language)
+        speaker = self.check_voice(speaker, language)
         loop = self.frame_loop(self.sampling(GenerationSettings()), 0, 0, ForcedLoop(self.code_predictor, codes,
                                                                                      on_frame))
         for _ in loop.run(self.prompt(" ".join(text.split()), speaker, language), len(codes), forced=codes):
@@ -387,14 +404,14 @@ class Synthesizer:
         if loop.frame != len(codes):
             raise RuntimeError(f"teacher forcing stopped after {loop.frame} of {len(codes)} frames")
 
-    def synthesize_stock(self, text: str, speaker: str, language: str = "auto", seed: int = 0,
-                         settings: GenerationSettings = GenerationSettings()) -> dict:
+    def synthesize_stock(self, text: str, speaker: str | None, language: str = "auto", seed: int = 0,
+                         settings: GenerationSettings = GenerationSettings(), instruct: str | None = None) -> dict:
         """Stock qwen-tts on the same text, untouched: its own HF loops for talker and code predictor,
         sampling with torch's generator (seeded with `seed`), then its decoder. Timed through forward
         hooks: the talker's calls minus their transformer are the code predictor (which qwen-tts runs
         inside the talker's forward), and what follows the last talker call is the decoder. Returns the
         timing fields of `Synthesis.record()`."""
-        self.check_voice(speaker, language)
+        speaker = self.check_voice(speaker, language)
         clock = {"calls": 0.0, "transformer": 0.0, "last": 0.0}
         opened: dict[str, float] = {}
 
@@ -416,9 +433,8 @@ class Synthesizer:
         torch.manual_seed(seed)
         started = time.perf_counter()
         try:
-            wavs, sample_rate = self.tts.generate_custom_voice(
-                text=" ".join(text.split()), speaker=speaker, language=language,
-                **self.sampling(settings).generate_kwargs(budget))
+            wavs, sample_rate = self._generate(" ".join(text.split()), speaker, language, instruct,
+                                               **self.sampling(settings).generate_kwargs(budget))
         finally:
             for handle in handles:
                 handle.remove()

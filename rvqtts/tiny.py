@@ -1,4 +1,5 @@
-"""A tiny random-weight Qwen3-TTS 12 Hz CustomVoice checkpoint, built offline with qwen-tts's own classes.
+"""A tiny random-weight Qwen3-TTS 12 Hz checkpoint (CustomVoice, Base or VoiceDesign), built offline with
+qwen-tts's own classes.
 
 Real weights cannot be downloaded everywhere (CI, air-gapped machines), yet every part of rvqtts must be
 exercised through the ordinary loading path. This module writes a checkpoint folder that
@@ -31,6 +32,11 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
 QWEN2_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                        r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 TEXT_VOCAB = 512
+# The released 12 Hz model kinds, as `make-tiny-model --kind` names them, and their config's tts_model_type.
+KINDS = {"custom-voice": "custom_voice", "base": "base", "voice-design": "voice_design"}
+# A speaker encoder small enough for tests: qwen-tts's ECAPA-TDNN needs equal middle channels divisible by
+# its Res2Net scale (8), and a last channel count equal to their sum; its embedding is the talker's width.
+TINY_SPEAKER_ENCODER = dict(enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16, enc_se_channels=16)
 HEAD_DIM = 16
 RELEASED = Path(__file__).parent / "released"  # the released models' configuration files, with provenance
 SHALLOW_LAYERS = 2
@@ -123,16 +129,22 @@ def _released_talker(dims: str, shallow: bool) -> tuple[dict, str]:
 
 
 def _build_main_model(out_dir: Path, tokenizer, talker: dict, model_size: str, seed: int,
-                      dtype: torch.dtype) -> None:
+                      dtype: torch.dtype, kind: str = "custom-voice", small_encoder: bool = True) -> None:
     models = qwen_tts().core.models
     token_id = tokenizer.convert_tokens_to_ids
     talker = dict(talker, text_vocab_size=TEXT_VOCAB)  # rvqtts's tiny text tokenizer
+    extra = {}
+    if kind != "custom-voice":  # Base and VoiceDesign have no built-in speakers
+        talker.update(spk_id={}, spk_is_dialect={})
+    if kind == "base":  # the speaker encoder whose x-vector stands where a speaker's embedding would
+        extra["speaker_encoder_config"] = dict(enc_dim=talker["hidden_size"],
+                                               **(TINY_SPEAKER_ENCODER if small_encoder else {}))
     config = models.Qwen3TTSConfig(
         talker_config=talker, tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size=model_size,
-        tts_model_type="custom_voice", im_start_token_id=token_id("<|im_start|>"),
+        tts_model_type=KINDS[kind], im_start_token_id=token_id("<|im_start|>"),
         im_end_token_id=token_id("<|im_end|>"), tts_pad_token_id=token_id("<|tts_pad|>"),
         tts_bos_token_id=token_id("<|tts_text_bos|>"), tts_eos_token_id=token_id("<|tts_text_eod|>"),
-        architectures=["Qwen3TTSForConditionalGeneration"],
+        architectures=["Qwen3TTSForConditionalGeneration"], **extra,
     )
     torch.manual_seed(seed)
     model = models.Qwen3TTSForConditionalGeneration(config).eval()
@@ -206,7 +218,8 @@ DIMS = ("tiny", "0.6b", "1.7b")
 
 def build_tiny_model(out_dir: str | os.PathLike, codebook: int = 2048, code_groups: int = 16, seed: int = 0,
                      talker_hidden: int = 64, predictor_hidden: int | None = None,
-                     predictor_layers: int = 2, dims: str = "tiny", shallow: bool = False) -> Path:
+                     predictor_layers: int = 2, dims: str = "tiny", shallow: bool = False,
+                     kind: str = "custom-voice") -> Path:
     """Write a random-weight checkpoint to `out_dir` (which must not exist or be empty) and return its path.
 
     `dims="tiny"`: shrunk dimensions; `codebook` is the residual codebook size (the predictor's
@@ -215,9 +228,18 @@ def build_tiny_model(out_dir: str | os.PathLike, codebook: int = 2048, code_grou
     of the code predictor. `dims="0.6b"` or `"1.7b"`: the released configuration of that model
     (rvqtts/released/), stored in bfloat16; with `shallow`, two layers in talker and code predictor and
     a small speech tokenizer (released widths and heads, cheap enough for tests).
+
+    `kind`: custom-voice (built-in speakers), base (voice cloning: a speaker encoder, no speakers) or
+    voice-design (described voices: no speakers; released at 1.7B only). Base and VoiceDesign at the
+    released dimensions are derived from the CustomVoice configs (kind, empty speaker table, an encoder
+    as wide as the talker), not copied from released files.
     """
     if dims not in DIMS:
         raise ValueError(f"--dims must be one of {', '.join(DIMS)}, got {dims!r}")
+    if kind not in KINDS:
+        raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "voice-design" and dims == "0.6b":
+        raise ValueError("VoiceDesign is released at 1.7B only: use --dims 1.7b or --dims tiny")
     if shallow and dims == "tiny":
         raise ValueError("--shallow keeps the released widths: use it with --dims 0.6b or --dims 1.7b")
     if dims != "tiny" and (codebook, code_groups) != (2048, 16):
@@ -242,7 +264,10 @@ def build_tiny_model(out_dir: str | os.PathLike, codebook: int = 2048, code_grou
         else:
             talker, model_size = _released_talker(dims, shallow)
             generation, dtype = released_file("generation_config.json"), torch.bfloat16
-        _build_main_model(staging, tokenizer, talker, model_size, seed, dtype)
+        if kind == "voice-design":
+            model_size = "1b7"  # its only released size (qwen-tts drops instructions for a 0.6B's)
+        _build_main_model(staging, tokenizer, talker, model_size, seed, dtype, kind,
+                          small_encoder=dims == "tiny" or shallow)
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if dims == "tiny" or shallow:
             speech = _tiny_speech_tokenizer_config(codebook, code_groups)

@@ -146,6 +146,7 @@ def test_voices_lists_speakers_and_languages(tiny_dir):
     result = runner.invoke(app, ["voices", "--model", str(tiny_dir)])
     assert result.exit_code == 0
     assert result.stdout.splitlines() == [
+        "kind: CustomVoice (built-in speakers (--speaker), a style instruction (--instruct) on the 1.7B)",
         "speakers: aiden, dylan, eric, ono_anna, ryan, serena, sohee, uncle_fu, vivian",
         "languages: auto, chinese, english, french, german, italian, japanese, korean, portuguese, russian, spanish"]
 
@@ -229,7 +230,7 @@ def test_input_that_needs_no_model_is_refused_before_the_model_loads(tmp_path, t
         (["Hi", *model, "-o", out, "--device", "mps"], [], "--device mps: MPS is not available here"),
         (["-", *model, "-o", out], b"caf\xe9\n", "standard input is not UTF-8 text (byte 3"),
         (["Hi", *model, "-o", out, "--chunk-chars", "5"], [], "--chunk-chars must be at least 20"),
-        (["Hi", "--model", base, "-o", out], [], "is a base model with the qwen3_tts_tokenizer_12hz; rvqtts synthesizes"),
+        (["Hi", "--model", base, "-o", out], [], "is a 12 Hz Base model; rvqtts synth runs 12 Hz CustomVoice and"),
     ]
     lines = tmp_path / "lines.txt"
     lines.write_text("One.\n")
@@ -241,8 +242,12 @@ def test_input_that_needs_no_model_is_refused_before_the_model_loads(tmp_path, t
         assert message in result.stderr, (arguments, result.stderr)
         assert result.stderr.count("\n") == 1 and result.stdout == ""
         assert (sorted(tmp_path.rglob("*")), digest(tmp_path)) == before, f"{arguments} wrote something"
+    listing = runner.invoke(app, ["voices", "--model", str(base)])  # it reads the config: any 12 Hz kind
+    assert listing.exit_code == 0 and listing.stdout.startswith("kind: Base (voice cloning")
+    other = base / "config.json"
+    other.write_text(json.dumps({**config, "tokenizer_type": "qwen3_tts_tokenizer_25hz"}))
     listing = runner.invoke(app, ["voices", "--model", str(base)])
-    assert listing.exit_code == 2 and "is a base model" in listing.stderr and listing.stdout == ""
+    assert listing.exit_code == 2 and "rvqtts runs the 12 Hz models" in listing.stderr and listing.stdout == ""
 
 
 def test_output_formats_follow_the_suffix(tmp_path, tiny_dir):

@@ -16,6 +16,9 @@ def make_tiny_model(
     directory: Path = typer.Argument(..., help="Folder to create; it must not exist or be empty."),
     dims: str = typer.Option("tiny", help="tiny (shrunk), or 0.6b / 1.7b: the released CustomVoice model's "
                                           "dimensions and layout (rvqtts/released/), stored in bfloat16."),
+    kind: str = typer.Option("custom-voice", help="custom-voice (built-in speakers), base (voice cloning: a "
+                                                  "speaker encoder, no speakers) or voice-design (described "
+                                                  "voices; 1.7B only)."),
     shallow: bool = typer.Option(False, "--shallow", help="With --dims: two talker and two code-predictor layers "
                                                           "and a small speech tokenizer, released widths and heads."),
     codebook: int = typer.Option(2048, help="--dims tiny: residual codebook size (the code predictor's "
@@ -24,7 +27,7 @@ def make_tiny_model(
     seed: int = typer.Option(0, help="Seed of the random weights; same arguments give byte-identical files."),
     force: bool = typer.Option(False, "--force", help="Replace the folder if it already exists."),
 ) -> None:
-    """Write a random-weight Qwen3-TTS 12 Hz CustomVoice checkpoint, offline, for tests, trials and benchmarks.
+    """Write a random-weight Qwen3-TTS 12 Hz checkpoint, offline, for tests, trials and benchmarks.
 
     It loads with qwen_tts.Qwen3TTSModel.from_pretrained(DIR) like a real checkpoint. Its weights are
     random: its audio is noise, its talker never ends its speech (use --max-frames), and its acceptance
@@ -38,7 +41,7 @@ def make_tiny_model(
         shutil.rmtree(directory)
     try:
         build_tiny_model(directory, codebook=codebook, code_groups=code_groups, seed=seed, dims=dims,
-                         shallow=shallow)
+                         shallow=shallow, kind=kind)
     except (ValueError, FileExistsError) as error:
         fail(str(error))
     say(f"wrote {directory}")
@@ -46,16 +49,18 @@ def make_tiny_model(
 
 @app.command()
 def voices(model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model.")) -> None:
-    """List the speakers and languages of a model (reads its config only)."""
-    from rvqtts.loading import ModelLoadError
-    from rvqtts.loading import voices as model_voices
+    """Say which kind of model it is and what it takes, and list its speakers and languages (reads its config
+    only)."""
+    from rvqtts.loading import KINDS, ModelLoadError, model_voices
 
     try:
-        speakers, languages = model_voices(model)
+        found = model_voices(model, synthesis=False)
     except ModelLoadError as error:
         fail(str(error))
-    typer.echo("speakers: " + ", ".join(speakers))
-    typer.echo("languages: " + ", ".join(languages))
+    name, takes = KINDS[found.kind]
+    typer.echo(f"kind: {name} ({takes})")
+    typer.echo("speakers: " + (", ".join(found.speakers) or "none"))
+    typer.echo("languages: " + ", ".join(found.languages))
 
 
 @app.command("export-coreml")

@@ -65,10 +65,13 @@ def synth(
                                            "AMX, AVX512-BF16; float16 on mps; else float32), float32, bfloat16 "
                                            "or float16."),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
-    speaker: str = typer.Option("vivian", help="Speaker (rvqtts voices lists them)."),
+    speaker: Optional[str] = typer.Option(None, help="Speaker of a CustomVoice model (rvqtts voices lists them); "
+                                                     "default vivian. VoiceDesign models have none."),
     language: str = typer.Option("auto", help="Language, or auto."),
     instruct: Optional[str] = typer.Option(None, help="Style instruction (ignored, with a warning, by models "
-                                                      "without instruction support such as the 0.6B)."),
+                                                      "without instruction support such as the 0.6B "
+                                                      "CustomVoice); on a VoiceDesign model, the voice "
+                                                      "described in words (required)."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature of both loops; default: the "
                                                            "model's generation_config.json (talker and code "
                                                            "predictor apart), else 0.9."),
@@ -122,7 +125,7 @@ def synth(
     """
     from rvqtts.audio import STDOUT_FORMATS, audio_format
     from rvqtts.batch import BatchFileError, Utterance, read_batch
-    from rvqtts.loading import ModelLoadError, check_voice, voices
+    from rvqtts.loading import ModelLoadError, check_voice, model_voices
     from rvqtts.offsets import OffsetsFileError
     from rvqtts.sampling import NonFiniteError
     from rvqtts.synthesis import GenerationSettings, prepare_inner_loop
@@ -187,14 +190,20 @@ def synth(
         say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
         return
     try:
-        known_speakers, known_languages = voices(model)
+        found = model_voices(model)
     except ModelLoadError as error:
         fail(str(error))
     for item in utterances:
+        where = f"{file}:{item.line}: " if file else ""
         try:
-            check_voice(known_speakers, known_languages, item.speaker or speaker, item.language or language)
+            check_voice(found.speakers, found.languages, item.speaker or speaker, item.language or language)
         except ValueError as error:
-            fail(f"{file}:{item.line}: {error}" if file else str(error))
+            fail(f"{where}{error}")
+        if found.kind == "voice_design" and not (item.instruct or instruct):
+            fail(f"{where}a VoiceDesign model speaks the voice its instruction describes: give --instruct "
+                 "\"...\"" + (" or an \"instruct\" field" if file else ""))
+    if speaker is None and found.speakers:
+        speaker = check_voice(found.speakers, found.languages, None, "auto")  # the default speaker, named
     run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings,
                chunk_chars=None if no_chunk else chunk_chars)
     if ray is None:  # the model is loaded here; on Ray each worker loads its own
