@@ -118,12 +118,14 @@ def render(synth, item: Utterance, *, speaker: str, language: str, instruct: str
     audio for it."""
     from rvqtts.audio import audio_bytes, audio_format
 
-    voice = dict(speaker=item.speaker or speaker, language=item.language or language)
+    language = item.language or language
+    voice = dict(speaker=synth.check_voice(item.speaker or speaker, language), language=language)
     described = item.instruct or instruct
     synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line, instruct=described,
                                  settings=settings, chunk_chars=chunk_chars, **voice)
+    spoken = {"instruct": described} if described and synth.supports_instruct else {}  # as the model heard it
     return Rendered(audio_bytes(synthesis.audio, synthesis.sample_rate, audio_format(item.name)),
-                    synthesis.codes, {**voice, **({"instruct": described} if described else {})}, synthesis.record())
+                    synthesis.codes, {**voice, **spoken}, synthesis.record())
 
 
 def describe(error: BaseException) -> str:

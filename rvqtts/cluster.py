@@ -72,6 +72,7 @@ class SynthesisWorker:
         import torch
 
         from rvqtts.devices import pick_device, pick_dtype
+        from rvqtts.loading import SYNTHESIZED
         from rvqtts.synthesis import Synthesizer, prepare_inner_loop
 
         spec = self.spec
@@ -79,7 +80,8 @@ class SynthesisWorker:
         device = pick_device("cuda" if spec.device == "auto" and spec.gpus > 0 else
                              "cpu" if spec.device == "auto" else spec.device)
         dtype, _ = pick_dtype(spec.dtype, device)
-        self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights)
+        self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights,
+                                      kinds=SYNTHESIZED)
         notice = prepare_inner_loop(self.synth, spec.spec, spec.tree, spec.offsets, spec.cuda_graphs)
         return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(), "device": device, "dtype": dtype,
                 "threads": torch.get_num_threads(), "rvqtts": version("rvqtts"), "torch": torch.__version__,

@@ -72,18 +72,22 @@ SYNTHESIZED = ("custom_voice", "voice_design")  # the kinds rvqtts synth runs so
 DEFAULT_SPEAKER = "vivian"  # a CustomVoice model's speaker when none is named
 
 
-def _check_kind(model: str | os.PathLike, model_type: str, tokenizer_type: str, synthesis: bool = True) -> None:
-    """ModelLoadError unless the checkpoint is a 12 Hz model (and, for `synthesis`, one synth runs)."""
+def _check_kind(model: str | os.PathLike, model_type: str, tokenizer_type: str,
+                kinds: tuple[str, ...] | None = ("custom_voice",)) -> None:
+    """ModelLoadError unless the checkpoint is a 12 Hz model of one of `kinds` (None: any kind)."""
     if tokenizer_type != "qwen3_tts_tokenizer_12hz" or model_type not in KINDS:
         raise ModelLoadError(f"{model} is a {model_type} model with the {tokenizer_type}; rvqtts runs the 12 Hz "
                              f"models (such as Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)")
-    if synthesis and model_type not in SYNTHESIZED:
-        raise ModelLoadError(f"{model} is a 12 Hz {KINDS[model_type][0]} model; rvqtts synth runs 12 Hz CustomVoice "
-                             f"and VoiceDesign models so far (such as Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)")
+    if kinds is not None and model_type not in kinds:
+        who = "rvqtts synth" if kinds == SYNTHESIZED else "this command"
+        names = " and ".join(KINDS[kind][0] for kind in kinds)
+        raise ModelLoadError(f"{model} is a 12 Hz {KINDS[model_type][0]} model; {who} runs 12 Hz {names} models so "
+                             f"far (such as Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)")
 
 
-def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
-    """A `qwen_tts.Qwen3TTSModel` loaded with qwen-tts's own from_pretrained."""
+def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
+             kinds: tuple[str, ...] = ("custom_voice",)):
+    """A `qwen_tts.Qwen3TTSModel` of one of `kinds`, loaded with qwen-tts's own from_pretrained."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     source = resolve_model(model)
@@ -91,7 +95,7 @@ def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float3
         tts = qwen_tts().Qwen3TTSModel.from_pretrained(source, device_map=device, dtype=DTYPES[dtype])
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"cannot load {model} as a Qwen3-TTS checkpoint: {error}") from error
-    _check_kind(model, tts.model.tts_model_type, tts.model.tokenizer_type)
+    _check_kind(model, tts.model.tts_model_type, tts.model.tokenizer_type, kinds)
     return tts
 
 
@@ -104,19 +108,20 @@ class ModelVoices:
     languages: list[str]
 
 
-def model_voices(model: str | os.PathLike, synthesis: bool = True) -> ModelVoices:
-    """A checkpoint's kind, speakers and languages, as qwen-tts lists them, read from its config alone (no
-    weights are loaded). ModelLoadError for a model rvqtts cannot synthesize with (any 12 Hz kind without
-    `synthesis`)."""
+def model_voices(model: str | os.PathLike, kinds: tuple[str, ...] | None = SYNTHESIZED) -> ModelVoices:
+    """A checkpoint's kind, speakers (only CustomVoice models have any) and languages, as qwen-tts lists
+    them, read from its config alone (no weights are loaded). ModelLoadError for a model not of `kinds`
+    (None: any 12 Hz kind)."""
     source = resolve_model(model)
     try:
         config = qwen_tts().core.models.Qwen3TTSConfig.from_pretrained(source)
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"cannot read {model}'s config as a Qwen3-TTS checkpoint's: {error}") from error
-    _check_kind(model, config.tts_model_type, config.tokenizer_type, synthesis)
+    _check_kind(model, config.tts_model_type, config.tokenizer_type, kinds)
     talker = config.talker_config
     languages = ["auto"] + [k for k in talker.codec_language_id if "dialect" not in k]
-    return ModelVoices(config.tts_model_type, sorted(k.lower() for k in talker.spk_id or {}),
+    speakers = talker.spk_id if config.tts_model_type == "custom_voice" else None
+    return ModelVoices(config.tts_model_type, sorted(k.lower() for k in speakers or {}),
                        sorted(k.lower() for k in languages))
 
 

@@ -188,7 +188,8 @@ class Synthesizer:
         self.fused: FusedDecoder | None = None  # set (rvqtts.coreml) to run the inner loop on a Core ML package
         self._parts: LoopParts | None = None
         self._talker: TalkerRunner | None = None
-        self.speakers = sorted(tts.get_supported_speakers() or [])
+        # Only CustomVoice models have built-in speakers (the others' voices are cloned or described).
+        self.speakers = sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else []
         self.languages = sorted(tts.get_supported_languages() or [])
         self.sample_rate = int(self.model.speech_tokenizer.model.get_output_sample_rate())
         # qwen-tts's generation default, in frames (N talker tokens make N - 1 frames).
@@ -196,10 +197,12 @@ class Synthesizer:
 
     @classmethod
     def load(cls, model: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
-             speculation: Speculation | None = None, weights: str = "native") -> "Synthesizer":
-        """Load a checkpoint (hub id or local folder) the ordinary qwen-tts way."""
+             speculation: Speculation | None = None, weights: str = "native",
+             kinds: tuple[str, ...] = ("custom_voice",)) -> "Synthesizer":
+        """Load a checkpoint (hub id or local folder) the ordinary qwen-tts way; `kinds`: the model kinds
+        the caller runs (rvqtts.loading.SYNTHESIZED for synthesis)."""
         check_weights(weights, torch.device(device))
-        return cls(load_tts(model, device, dtype), speculation, weights)
+        return cls(load_tts(model, device, dtype, kinds), speculation, weights)
 
     @property
     def hidden_size(self) -> int:
@@ -243,6 +246,9 @@ class Synthesizer:
     def _generate(self, text: str, speaker: str | None, language: str, instruct: str | None, **options):
         """qwen-tts's own generation call for this model's kind."""
         if self.kind == "voice_design":
+            if not (instruct or "").strip():
+                raise ValueError("a VoiceDesign model speaks the voice its instruction describes: give an "
+                                 "instruction (--instruct)")
             return self.tts.generate_voice_design(text=text, instruct=instruct or "", language=language, **options)
         return self.tts.generate_custom_voice(text=text, speaker=speaker, language=language,
                                               instruct=instruct if self.supports_instruct else None, **options)

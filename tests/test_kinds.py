@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rvqtts.compat import qwen_tts
+from rvqtts.synthesis import GenerationSettings
 from rvqtts.tiny import build_tiny_model
 
 from helpers import run_cli
@@ -87,3 +88,17 @@ def test_synth_speaks_a_voice_design_models_described_voice(kinds, tmp_path):
     assert made.exit_code == 0, made.output
     entries = [json.loads(line) for line in (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()]
     assert [(e["speaker"], e["instruct"]) for e in entries] == [(None, "A whisper."), (None, "A calm, low voice.")]
+
+
+def test_what_runs_custom_voice_only_refuses_other_kinds_before_loading(kinds, monkeypatch):
+    from rvqtts.loading import SYNTHESIZED
+    from rvqtts.synthesis import Synthesizer
+
+    designer = Synthesizer.load(kinds["voice-design"], kinds=SYNTHESIZED)
+    assert designer.speakers == [] and designer.supports_instruct
+    with pytest.raises(ValueError, match="give an instruction"):
+        designer.synthesize("Hi.", settings=GenerationSettings(max_frames=2))
+    monkeypatch.setattr(Synthesizer, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    refused = run_cli("bench", "predictor", "--model", kinds["voice-design"])
+    assert refused.exit_code == 2, refused.output
+    assert "is a 12 Hz VoiceDesign model; this command runs 12 Hz CustomVoice models so far" in refused.output

@@ -125,7 +125,7 @@ def synth(
     """
     from rvqtts.audio import STDOUT_FORMATS, audio_format
     from rvqtts.batch import BatchFileError, Utterance, read_batch
-    from rvqtts.loading import ModelLoadError, check_voice, model_voices
+    from rvqtts.loading import SYNTHESIZED, ModelLoadError, check_voice, model_voices
     from rvqtts.offsets import OffsetsFileError
     from rvqtts.sampling import NonFiniteError
     from rvqtts.synthesis import GenerationSettings, prepare_inner_loop
@@ -199,7 +199,7 @@ def synth(
             check_voice(found.speakers, found.languages, item.speaker or speaker, item.language or language)
         except ValueError as error:
             fail(f"{where}{error}")
-        if found.kind == "voice_design" and not (item.instruct or instruct):
+        if found.kind == "voice_design" and not (item.instruct or instruct or "").strip():
             fail(f"{where}a VoiceDesign model speaks the voice its instruction describes: give --instruct "
                  "\"...\"" + (" or an \"instruct\" field" if file else ""))
     if speaker is None and found.speakers:
@@ -207,7 +207,7 @@ def synth(
     run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings,
                chunk_chars=None if no_chunk else chunk_chars)
     if ray is None:  # the model is loaded here; on Ray each worker loads its own
-        synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
+        synthesizer = load_synthesizer(model, device, dtype, quiet, weights, kinds=SYNTHESIZED)
         device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
         try:
             notice = prepare_inner_loop(synthesizer, spec, tree, offsets, cuda_graphs, device_type)
