@@ -1,5 +1,6 @@
 """Batch input files: a `.txt` file (one utterance per non-empty line) or a `.jsonl` file (one JSON
-object per line with `text` and optional `speaker`, `language`, `instruct`, `out`).
+object per line with `text` and optional `speaker`, `language`, `instruct`, `out`, and a Base model's
+cloned voice: `ref_audio` with `ref_text` or `x_vector_only`, or `voice`, paths relative to the file).
 
 Each utterance gets a stable output name: its `out` field, or its line number (`0007.wav`), so a rerun
 writes the same files and can skip the ones already there. The whole file is checked before anything
@@ -15,10 +16,11 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from rvqtts.audio import AUDIO_FORMATS
+from rvqtts.cloning import VoiceError, VoiceSource
 from rvqtts.sampling import NonFiniteError
 from rvqtts.text import MAX_CHUNK_WEIGHT
 
-FIELDS = {"text", "speaker", "language", "instruct", "out"}
+FIELDS = {"text", "speaker", "language", "instruct", "out", "ref_audio", "ref_text", "x_vector_only", "voice"}
 
 
 class BatchFileError(ValueError):
@@ -33,6 +35,7 @@ class Utterance:
     speaker: str | None = None
     language: str | None = None
     instruct: str | None = None
+    clone: VoiceSource | None = None  # this line's cloned voice (Base models), else the batch's
 
 
 def _output_name(path: Path, line: int, out: object) -> str:
@@ -59,11 +62,27 @@ def _from_json(path: Path, line: int, raw: str) -> Utterance:
     text = record.get("text")
     if not isinstance(text, str) or not text.strip():
         raise BatchFileError(f"{path}:{line}: \"text\" must be a non-empty string")
-    for key in ("speaker", "language", "instruct"):
+    for key in ("speaker", "language", "instruct", "ref_audio", "ref_text", "voice"):
         if record.get(key) is not None and not isinstance(record[key], str):
             raise BatchFileError(f"{path}:{line}: \"{key}\" must be a string")
+    if not isinstance(record.get("x_vector_only", False), bool):
+        raise BatchFileError(f"{path}:{line}: \"x_vector_only\" must be true or false")
     return Utterance(line, text.strip(), _output_name(path, line, record.get("out")), record.get("speaker"),
-                     record.get("language"), record.get("instruct"))
+                     record.get("language"), record.get("instruct"), _voice_source(path, line, record))
+
+
+def _voice_source(path: Path, line: int, record: dict) -> VoiceSource | None:
+    """A line's cloned voice, its files relative to the batch file's folder; None if it names none."""
+    def located(key: str) -> Path | None:
+        return None if record.get(key) is None else (path.parent / record[key]).expanduser().resolve()
+
+    if not any(record.get(key) not in (None, False) for key in ("ref_audio", "ref_text", "x_vector_only", "voice")):
+        return None
+    try:
+        return VoiceSource(located("ref_audio"), record.get("ref_text"), record.get("x_vector_only", False),
+                           located("voice"))
+    except VoiceError as error:
+        raise BatchFileError(f"{path}:{line}: {error}") from error
 
 
 def read_batch(path: str | Path) -> list[Utterance]:
@@ -111,21 +130,30 @@ class Rendered:
     record: dict
 
 
-def render(synth, item: Utterance, *, speaker: str, language: str, instruct: str | None, seed: int, settings,
-           chunk_chars: float | None = MAX_CHUNK_WEIGHT) -> Rendered:
-    """Synthesize one utterance into the bytes of its output file. Every code's noise (c0's included) is
-    keyed by the utterance's line number, so any run, partial, resumed or on any worker, makes the same
-    audio for it."""
+def voice_for(synth, speaker: str | None, language: str, instruct: str | None, source: VoiceSource | None) -> dict:
+    """The voice keywords of `synth.synthesize` for one line (its fields, else the run's, given here):
+    the speaker resolved, the cloned voice encoded (once per source); ValueError saying what to give."""
+    clone = synth.voice_of(source) if source is not None else None
+    return dict(speaker=synth.check_voice(speaker, language, instruct, clone), language=language, instruct=instruct,
+                clone=clone)
+
+
+def render(synth, item: Utterance, *, speaker: str | None, language: str, instruct: str | None, seed: int,
+           settings, clone: VoiceSource | None = None, chunk_chars: float | None = MAX_CHUNK_WEIGHT) -> Rendered:
+    """Synthesize one utterance into the bytes of its output file (its voice: the line's, else the
+    batch's). Every code's noise (c0's included) is keyed by the utterance's line number, so any run,
+    partial, resumed or on any worker, makes the same audio for it."""
     from rvqtts.audio import audio_bytes, audio_format
 
-    language = item.language or language
-    voice = dict(speaker=synth.check_voice(item.speaker or speaker, language), language=language)
-    described = item.instruct or instruct
-    synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line, instruct=described,
-                                 settings=settings, chunk_chars=chunk_chars, **voice)
-    spoken = {"instruct": described} if described and synth.supports_instruct else {}  # as the model heard it
+    source = item.clone or clone
+    voice = voice_for(synth, item.speaker or speaker, item.language or language, item.instruct or instruct, source)
+    synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line, settings=settings,
+                                 chunk_chars=chunk_chars, **voice)
+    heard = {"speaker": voice["speaker"], "language": voice["language"]}
+    if voice["instruct"] and synth.supports_instruct:  # as the model heard it
+        heard["instruct"] = voice["instruct"]
     return Rendered(audio_bytes(synthesis.audio, synthesis.sample_rate, audio_format(item.name)),
-                    synthesis.codes, {**voice, **spoken}, synthesis.record())
+                    synthesis.codes, {**heard, **(source.record() if source else {})}, synthesis.record())
 
 
 def describe(error: BaseException) -> str:
@@ -201,8 +229,8 @@ def to_do(utterances: list[Utterance], out_dir: Path, force: bool = False) -> li
     return [item for item in utterances if force or not (out_dir / item.name).exists()]
 
 
-def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speaker: str, language: str,
-                     instruct: str | None, seed: int, settings, force: bool = False,
+def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speaker: str | None, language: str,
+                     instruct: str | None, seed: int, settings, clone: VoiceSource | None = None, force: bool = False,
                      codes_dir: Path | None = None, on_done=None,
                      chunk_chars: float | None = MAX_CHUNK_WEIGHT) -> list[BatchResult]:
     """Synthesize every utterance into `out_dir` here, skipping existing outputs unless `force`.
@@ -213,7 +241,7 @@ def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speak
     """
     manifest = Manifest(out_dir)
     pending = {item.line for item in to_do(utterances, out_dir, force)}
-    run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings,
+    run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings, clone=clone,
                chunk_chars=chunk_chars)
     results = []
     for item in utterances:

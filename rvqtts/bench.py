@@ -275,11 +275,14 @@ E2E_VARIANTS = ("stock", "plain", "speculative")
 TIMED_FIELDS = ("wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds")
 
 
-def bench_e2e(tts: object, lines: list[tuple[str, str, str]], speculation, seed: int = 0, settings=None,
-              progress: Callable[[int, int], None] | None = None, weight_format: str = "native") -> dict:
+def bench_e2e(tts: object, lines: list[tuple[str | None, str, str]], speculation, seed: int = 0, settings=None,
+              progress: Callable[[int, int], None] | None = None, weight_format: str = "native",
+              instruct: str | None = None, clone=None) -> dict:
     """Stock qwen-tts, rvqtts's plain loop and rvqtts's speculative loop on the same texts and seeds,
-    taking turns text by text (the order rotating), each text spoken as one piece. Frame counts differ
-    between variants (sampled codes decide where speech ends), so times are compared per frame."""
+    taking turns text by text (the order rotating), each text spoken as one piece (lines of (text,
+    speaker, language); `instruct` and a Base model's `clone`, an rvqtts.cloning.ClonedVoice, for all).
+    Frame counts differ between variants (sampled codes decide where speech ends), so times are compared
+    per frame."""
     from rvqtts.synthesis import GenerationSettings, Synthesizer
 
     settings = settings or GenerationSettings()
@@ -293,10 +296,11 @@ def bench_e2e(tts: object, lines: list[tuple[str, str, str]], speculation, seed:
         order = E2E_VARIANTS[number % 3:] + E2E_VARIANTS[:number % 3]
         for name in order:
             if name == "stock":
-                record = synthesizers["plain"].synthesize_stock(text, speaker, language, seed, settings)
+                record = synthesizers["plain"].synthesize_stock(text, speaker, language, seed, settings, instruct,
+                                                                clone)
             else:
                 record = synthesizers[name].synthesize(text, speaker, language, seed, settings=settings,
-                                                       chunk_chars=None).record()
+                                                       chunk_chars=None, instruct=instruct, clone=clone).record()
             runs[name].append({key: record[key] for key in ("frames", "audio_seconds", *TIMED_FIELDS, "rtf")}
                               | ({key: record[key] for key in ("codes_per_call", "predictor_calls", "talker_calls")}
                                  if name != "stock" else {}))

@@ -44,7 +44,9 @@ def require_ray():
 @dataclass(frozen=True)
 class WorkerSpec:
     """What each worker loads, as `rvqtts synth` would on its machine; `device="auto"` is cuda where the
-    worker was given GPUs, else cpu."""
+    worker was given GPUs, else cpu. `voices`: the batch's cloned voices (rvqtts.cloning.VoiceSource,
+    absolute paths that every node must have, as the model's), encoded while loading so that a voice the
+    model cannot use stops the batch with one line."""
 
     model: str
     device: str = "auto"
@@ -56,6 +58,7 @@ class WorkerSpec:
     cuda_graphs: bool = True
     cpus: float = 1.0
     gpus: float = 0.0
+    voices: tuple = ()
 
 
 class SynthesisWorker:
@@ -72,7 +75,6 @@ class SynthesisWorker:
         import torch
 
         from rvqtts.devices import pick_device, pick_dtype
-        from rvqtts.loading import SYNTHESIZED
         from rvqtts.synthesis import Synthesizer, prepare_inner_loop
 
         spec = self.spec
@@ -80,9 +82,10 @@ class SynthesisWorker:
         device = pick_device("cuda" if spec.device == "auto" and spec.gpus > 0 else
                              "cpu" if spec.device == "auto" else spec.device)
         dtype, _ = pick_dtype(spec.dtype, device)
-        self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights,
-                                      kinds=SYNTHESIZED)
+        self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights)
         notice = prepare_inner_loop(self.synth, spec.spec, spec.tree, spec.offsets, spec.cuda_graphs)
+        for source in spec.voices:
+            self.synth.voice_of(source)
         return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(), "device": device, "dtype": dtype,
                 "threads": torch.get_num_threads(), "rvqtts": version("rvqtts"), "torch": torch.__version__,
                 "notice": notice, "instruct": self.synth.supports_instruct}
@@ -126,13 +129,13 @@ class ClusterBatch:
     results: list[BatchResult]
     workers: list[WorkerRecord] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)  # what a local run would have said (tree, --instruct)
-    began: float = field(default_factory=time.perf_counter)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.began
     wall_seconds: float = 0.0
     startup_seconds: float = 0.0  # until the first worker had its model loaded
     retried_lines: int = 0
+    began: float = 0.0  # perf_counter when the workers were first asked for: set by the driver's loop
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.began
 
     def totals(self) -> dict:
         """Throughput over the whole batch: lines per second and audio seconds per wall second."""
@@ -269,12 +272,15 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
     try:
         for _ in range(count):
             start_worker()
-        while queue or any(line is not None for _, _, line, _ in calls.values()):
+        while True:
             while idle and queue:
                 actor, record = idle.pop()
                 item = queue.popleft()
                 calls[actor.render.remote(item, run)] = (actor, record, item, time.perf_counter())
-            serving = bool(idle) or any(line is not None for _, _, line, _ in calls.values())
+            rendering = any(line is not None for _, _, line, _ in calls.values())
+            if not (queue or rendering):
+                break
+            serving = bool(idle) or rendering
             ready, _ = ray.wait(list(calls), num_returns=1, timeout=None if serving else START_TIMEOUT)
             if not ready:
                 raise ClusterError(f"no worker loaded the model in {START_TIMEOUT:g} s: the cluster cannot "
@@ -285,7 +291,8 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
                 answer = ray.get(ready[0])
             except RayTaskError as error:  # the call itself raised
                 if item is None:
-                    raise ClusterError(f"a worker could not load the model: {describe(error.cause)}") from error
+                    raise ClusterError(f"a worker could not load the model (or a voice of the batch): "
+                                       f"{describe(error.cause)}") from error
                 finish(BatchResult(item, "failed", error=_first_line(error), worker=record))
                 idle.append((actor, record))
                 continue
@@ -314,6 +321,8 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
 
 def _loaded(record: WorkerRecord, answer: dict, ours: str, wants_instruct: bool, batch: ClusterBatch) -> None:
     """A worker's load answer: who it is, a version check, and its notices (each said once)."""
+    from rvqtts.synthesis import INSTRUCT_IGNORED
+
     batch.startup_seconds = batch.startup_seconds or batch.elapsed()
     for key in ("node", "pid", "device", "dtype", "threads"):
         setattr(record, key, answer[key])
@@ -322,7 +331,7 @@ def _loaded(record: WorkerRecord, answer: dict, ours: str, wants_instruct: bool,
                            f"{ours}: install the same version on every node (their files could differ)")
     notices = [answer["notice"]] if answer["notice"] else []
     if wants_instruct and not answer["instruct"]:
-        notices.append("warning: this model does not support --instruct (the 0.6B ignores instructions)")
+        notices.append(INSTRUCT_IGNORED)
     batch.notices.extend(n for n in notices if n not in batch.notices)
 
 

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from rvqtts.batch import voice_for
 from rvqtts.files import write_atomically
 
 FIELDS = ("h_t", "codes", "language")
@@ -105,9 +106,12 @@ def load_contexts(path: str | os.PathLike, split: str | None = None, hidden_size
     return Contexts(h_t.astype(np.float32), codes.astype(np.int64), language.astype(str), source)
 
 
-def record_contexts(synthesizer, utterances, speaker: str, language: str, seed: int, settings,
-                    on_utterance: Callable[[int, int], None] | None = None) -> Contexts:
-    """Synthesize `utterances` (rvqtts.batch items) with the plain inner loop and record every frame.
+def record_contexts(synthesizer, utterances, speaker: str | None, language: str, seed: int, settings,
+                    on_utterance: Callable[[int, int], None] | None = None, instruct: str | None = None,
+                    clone=None) -> Contexts:
+    """Synthesize `utterances` (rvqtts.batch items; their voice fields, else the voice given here: a
+    speaker, an instruction, a cloned voice's rvqtts.cloning.VoiceSource) with the plain inner loop and
+    record every frame.
 
     c0 is not handed to the inner loop, only its embedding; it is recovered as the embedding table's
     matching row (an exact lookup, so the nearest row is the row)."""
@@ -117,7 +121,9 @@ def record_contexts(synthesizer, utterances, speaker: str, language: str, seed: 
     languages: list[str] = []
 
     for number, item in enumerate(utterances):
-        spoken = item.language or language
+        voice = voice_for(synthesizer, item.speaker or speaker, item.language or language, item.instruct or instruct,
+                          item.clone or clone)
+        spoken = voice["language"]
 
         def on_frame(prefix: torch.Tensor, residual: list[int]) -> None:
             c0 = int(torch.cdist(prefix[1:2].to(table), table).argmin())
@@ -125,8 +131,8 @@ def record_contexts(synthesizer, utterances, speaker: str, language: str, seed: 
             codes.append([c0, *residual])
             languages.append(spoken)
 
-        synthesizer.synthesize(item.text, speaker=item.speaker or speaker, language=spoken, seed=seed,
-                               utterance=item.line, settings=settings, on_frame=on_frame)
+        synthesizer.synthesize(item.text, seed=seed, utterance=item.line, settings=settings, on_frame=on_frame,
+                               **voice)
         if on_utterance:
             on_utterance(number + 1, len(utterances))
     if not codes:
@@ -179,22 +185,25 @@ def read_audio_pairs(path: str | os.PathLike) -> list[AudioPair]:
     return pairs
 
 
-def force_contexts(synthesizer, pairs: list[AudioPair], speaker: str, language: str,
-                   on_pair: Callable[[int, int], None] | None = None) -> Contexts:
+def force_contexts(synthesizer, pairs: list[AudioPair], speaker: str | None, language: str,
+                   on_pair: Callable[[int, int], None] | None = None, instruct: str | None = None,
+                   clone=None) -> Contexts:
     """Teacher forcing: encode each recording with the model's own speech tokenizer and run the talker
-    over its transcript emitting exactly those codes; record every frame's h_t with the true codes."""
+    over its transcript (in the pair's voice, else the one given here) emitting exactly those codes;
+    record every frame's h_t with the true codes."""
     h_t: list[np.ndarray] = []
     codes: list[np.ndarray] = []
     languages: list[str] = []
     for number, pair in enumerate(pairs):
         frames = synthesizer.model.speech_tokenizer.encode(str(pair.audio)).audio_codes[0].cpu().numpy()
-        spoken = pair.language or language
+        voice = voice_for(synthesizer, pair.speaker or speaker, pair.language or language, instruct, clone)
+        spoken = voice["language"]
 
         def on_frame(prefix: torch.Tensor, residual: list[int]) -> None:
             h_t.append(prefix[0].float().cpu().numpy())
             languages.append(spoken)
 
-        synthesizer.force(pair.text, pair.speaker or speaker, spoken, frames, on_frame)
+        synthesizer.force(pair.text, codes=frames, on_frame=on_frame, **voice)
         codes.append(frames)
         if on_pair:
             on_pair(number + 1, len(pairs))

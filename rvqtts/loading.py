@@ -66,28 +66,21 @@ def resolve_model(model: str | os.PathLike) -> str:
 # The 12 Hz model kinds (config.tts_model_type), by their released names, and what each takes from a user.
 KINDS = {"custom_voice": ("CustomVoice", "built-in speakers (--speaker), a style instruction (--instruct) on the "
                                          "1.7B"),
-         "base": ("Base", "voice cloning from reference audio (not yet run by rvqtts synth)"),
+         "base": ("Base", "a voice cloned from reference audio (--ref-audio with --ref-text or --x-vector-only, "
+                          "or --voice)"),
          "voice_design": ("VoiceDesign", "a voice described in words (--instruct)")}
-SYNTHESIZED = ("custom_voice", "voice_design")  # the kinds rvqtts synth runs so far
 DEFAULT_SPEAKER = "vivian"  # a CustomVoice model's speaker when none is named
 
 
-def _check_kind(model: str | os.PathLike, model_type: str, tokenizer_type: str,
-                kinds: tuple[str, ...] | None = ("custom_voice",)) -> None:
-    """ModelLoadError unless the checkpoint is a 12 Hz model of one of `kinds` (None: any kind)."""
+def _check_kind(model: str | os.PathLike, model_type: str, tokenizer_type: str) -> None:
+    """ModelLoadError unless the checkpoint is a 12 Hz model of a known kind."""
     if tokenizer_type != "qwen3_tts_tokenizer_12hz" or model_type not in KINDS:
         raise ModelLoadError(f"{model} is a {model_type} model with the {tokenizer_type}; rvqtts runs the 12 Hz "
                              f"models (such as Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)")
-    if kinds is not None and model_type not in kinds:
-        who = "rvqtts synth" if kinds == SYNTHESIZED else "this command"
-        names = " and ".join(KINDS[kind][0] for kind in kinds)
-        raise ModelLoadError(f"{model} is a 12 Hz {KINDS[model_type][0]} model; {who} runs 12 Hz {names} models so "
-                             f"far (such as Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)")
 
 
-def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
-             kinds: tuple[str, ...] = ("custom_voice",)):
-    """A `qwen_tts.Qwen3TTSModel` of one of `kinds`, loaded with qwen-tts's own from_pretrained."""
+def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
+    """A 12 Hz `qwen_tts.Qwen3TTSModel` of any kind, loaded with qwen-tts's own from_pretrained."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     source = resolve_model(model)
@@ -95,7 +88,7 @@ def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float3
         tts = qwen_tts().Qwen3TTSModel.from_pretrained(source, device_map=device, dtype=DTYPES[dtype])
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"cannot load {model} as a Qwen3-TTS checkpoint: {error}") from error
-    _check_kind(model, tts.model.tts_model_type, tts.model.tokenizer_type, kinds)
+    _check_kind(model, tts.model.tts_model_type, tts.model.tokenizer_type)
     return tts
 
 
@@ -107,35 +100,45 @@ class ModelVoices:
     speakers: list[str]
     languages: list[str]
 
+    def check(self, speaker: str | None, language: str, instruct: str | None = None, cloned: bool = False) -> str | None:
+        """The speaker to use (None: the default speaker, where the model has speakers); ValueError, saying
+        what to give, when the voice asked for is not one this kind of model speaks: an unknown speaker or
+        language, a speaker on a model without speakers, a VoiceDesign model without an instruction, a Base
+        model without a cloned voice, or a cloned voice on another kind."""
+        if cloned and self.kind != "base":
+            raise ValueError(f"reference audio and voice files clone a voice on Base models; this is a "
+                             f"{KINDS[self.kind][0]} model (it takes {KINDS[self.kind][1]})")
+        if self.kind == "base" and not cloned:
+            raise ValueError("a Base model speaks a cloned voice: give a voice file (--voice FILE; rvqtts synth also "
+                             "takes --ref-audio FILE with --ref-text \"...\" or --x-vector-only)")
+        if self.kind == "voice_design" and not (instruct or "").strip():
+            raise ValueError("a VoiceDesign model speaks the voice its instruction describes: give an instruction "
+                             "(--instruct \"...\")")
+        if not self.speakers:
+            if speaker is not None:
+                raise ValueError(f"this {KINDS[self.kind][0]} model has no built-in speakers (got {speaker!r}): it "
+                                 f"takes {KINDS[self.kind][1]}")
+        elif speaker is None:
+            speaker = DEFAULT_SPEAKER if DEFAULT_SPEAKER in self.speakers else self.speakers[0]
+        elif speaker.lower() not in self.speakers:
+            raise ValueError(f"unknown speaker {speaker!r}; this model has: {', '.join(self.speakers)}")
+        if language.lower() not in self.languages:
+            raise ValueError(f"unknown language {language!r}; this model has: {', '.join(self.languages)}")
+        return speaker
 
-def model_voices(model: str | os.PathLike, kinds: tuple[str, ...] | None = SYNTHESIZED) -> ModelVoices:
+
+def model_voices(model: str | os.PathLike) -> ModelVoices:
     """A checkpoint's kind, speakers (only CustomVoice models have any) and languages, as qwen-tts lists
-    them, read from its config alone (no weights are loaded). ModelLoadError for a model not of `kinds`
-    (None: any 12 Hz kind)."""
+    them, read from its config alone (no weights are loaded). ModelLoadError for a model that is not a
+    12 Hz Qwen3-TTS checkpoint."""
     source = resolve_model(model)
     try:
         config = qwen_tts().core.models.Qwen3TTSConfig.from_pretrained(source)
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"cannot read {model}'s config as a Qwen3-TTS checkpoint's: {error}") from error
-    _check_kind(model, config.tts_model_type, config.tokenizer_type, kinds)
+    _check_kind(model, config.tts_model_type, config.tokenizer_type)
     talker = config.talker_config
     languages = ["auto"] + [k for k in talker.codec_language_id if "dialect" not in k]
     speakers = talker.spk_id if config.tts_model_type == "custom_voice" else None
     return ModelVoices(config.tts_model_type, sorted(k.lower() for k in speakers or {}),
                        sorted(k.lower() for k in languages))
-
-
-def check_voice(speakers: list[str], languages: list[str], speaker: str | None, language: str) -> str | None:
-    """The speaker to use (None: the default speaker, where the model has speakers); ValueError naming
-    the valid choices when the speaker or language is not among the model's."""
-    if not speakers:
-        if speaker is not None:
-            raise ValueError(f"this model has no built-in speakers (got {speaker!r}): a VoiceDesign model speaks "
-                             "the voice its instruction describes (--instruct)")
-    elif speaker is None:
-        speaker = DEFAULT_SPEAKER if DEFAULT_SPEAKER in speakers else speakers[0]
-    elif speaker.lower() not in speakers:
-        raise ValueError(f"unknown speaker {speaker!r}; this model has: {', '.join(speakers)}")
-    if language.lower() not in languages:
-        raise ValueError(f"unknown language {language!r}; this model has: {', '.join(languages)}")
-    return speaker

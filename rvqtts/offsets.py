@@ -63,10 +63,15 @@ def predictor_fingerprint(code_predictor: torch.nn.Module) -> str:
             "num_key_value_heads", "head_dim", "num_code_groups", "rope_theta", "rms_norm_eps")
     summary = {k: getattr(config, k, None) for k in keys}
     summary["input_width"] = code_predictor.get_input_embeddings()[0].weight.shape[1]
-    sample = code_predictor.lm_head[0].weight.detach().flatten()[:512].float().cpu().to(torch.bfloat16).float()
-    digest = hashlib.sha256(sample[sample.abs() > 1e-3].numpy().tobytes()).hexdigest()
-    summary["weights"] = digest
+    summary["weights"] = weight_digest(code_predictor.lm_head[0].weight)
     return hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def weight_digest(weight: torch.Tensor) -> str:
+    """A hash of a weight's first 512 values, rounded to bfloat16 and of magnitude above 1e-3: the same for
+    a bfloat16 checkpoint loaded in float32, bfloat16 or float16."""
+    sample = weight.detach().flatten()[:512].float().cpu().to(torch.bfloat16).float()
+    return hashlib.sha256(sample[sample.abs() > 1e-3].numpy().tobytes()).hexdigest()
 
 
 def save_offsets(offsets: Offsets, path: str | os.PathLike, **metadata: object) -> None:

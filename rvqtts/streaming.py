@@ -16,6 +16,8 @@ talker and the code predictor.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -36,6 +38,16 @@ class StreamingDecoder:
         self.state: dict[int, torch.Tensor] = {}
         self.cache = DynamicCache(config=self.decoder.config)
         self.frames = 0
+
+    def snapshot(self) -> tuple:
+        """Everything pushed so far, to `restore` later (in this decoder or another of the same model):
+        a cloned voice's reference is pushed once, not before every chunk."""
+        return dict(self.state), copy.deepcopy(self.cache), self.frames
+
+    def restore(self, saved: tuple) -> None:
+        """Continue from a `snapshot`, as if what it holds had just been pushed."""
+        state, cache, self.frames = saved
+        self.state, self.cache = dict(state), copy.deepcopy(cache)
 
     @torch.inference_mode()
     def push(self, codes: torch.Tensor | np.ndarray) -> np.ndarray:

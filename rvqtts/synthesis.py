@@ -13,18 +13,20 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Generator, Iterator
 
 import numpy as np
 import torch
 
 from rvqtts.audio import StreamJoiner
+from rvqtts.cloning import ClonedVoice, VoiceError, VoiceSource, encode_voice, encoder_fingerprint, load_voice
 from rvqtts.decode import DEFAULT_DEPTH, DecodeStats, Speculation
 from rvqtts.frame_loop import FrameLoop
 from rvqtts.fused import FusedDecoder
 from rvqtts.graphs import StaticCalls
 from rvqtts.inner_loop import ForcedLoop, InnerLoop, LoopParts
-from rvqtts.loading import check_voice, load_tts
+from rvqtts.loading import ModelVoices, load_tts
 from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
 from rvqtts.prompt import Prompt, capture_prompt
 from rvqtts.quantize import check_weights
@@ -35,6 +37,8 @@ from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_b
 from rvqtts.tree import best_budget, platform_key, resolve_tree
 
 STREAM_FRAMES = 4  # frames per streamed audio chunk: 320 ms, the Qwen3-TTS report's packet
+INSTRUCT_IGNORED = ("warning: this model does not support --instruct (the 0.6B CustomVoice and the Base models "
+                    "take none); ignoring it")
 
 
 QWEN_TTS_DEFAULTS = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
@@ -168,9 +172,9 @@ class AudioStream:
 
 
 class Synthesizer:
-    """A loaded Qwen3-TTS 12 Hz CustomVoice model and the loops rvqtts runs on its weights: the talker
-    (rvqtts.talker), the inner loop (rvqtts.inner_loop) and the frame loop joining them
-    (rvqtts.frame_loop); qwen-tts builds the prompts and decodes offline.
+    """A loaded Qwen3-TTS 12 Hz model (CustomVoice, Base or VoiceDesign) and the loops rvqtts runs on its
+    weights: the talker (rvqtts.talker), the inner loop (rvqtts.inner_loop) and the frame loop joining them
+    (rvqtts.frame_loop); qwen-tts builds the prompts (and encodes cloned voices) and decodes offline.
 
     `speculation=None` runs the plain inner loop (one predictor call per code). The runners are kept
     between utterances (a KV cache only grows; fused weights and captured graphs are reused).
@@ -191,18 +195,22 @@ class Synthesizer:
         # Only CustomVoice models have built-in speakers (the others' voices are cloned or described).
         self.speakers = sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else []
         self.languages = sorted(tts.get_supported_languages() or [])
+        self.voices = ModelVoices(self.kind, self.speakers, self.languages)
+        self._cloned: dict[VoiceSource, ClonedVoice] = {}  # each source encoded (or read) once
+        self._primed: dict[ClonedVoice, tuple] = {}  # the streaming decoder after each ICL voice's reference
+        # Base models: which speaker encoder made a cloned voice (its embedding means nothing to another).
+        self.encoder_fingerprint = encoder_fingerprint(self.model) if self.kind == "base" else None
         self.sample_rate = int(self.model.speech_tokenizer.model.get_output_sample_rate())
+        self.samples_per_frame = int(self.model.speech_tokenizer.get_decode_upsample_rate())
         # qwen-tts's generation default, in frames (N talker tokens make N - 1 frames).
         self.default_max_frames = int(tts.generate_defaults.get("max_new_tokens", 2048)) - 1
 
     @classmethod
     def load(cls, model: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
-             speculation: Speculation | None = None, weights: str = "native",
-             kinds: tuple[str, ...] = ("custom_voice",)) -> "Synthesizer":
-        """Load a checkpoint (hub id or local folder) the ordinary qwen-tts way; `kinds`: the model kinds
-        the caller runs (rvqtts.loading.SYNTHESIZED for synthesis)."""
+             speculation: Speculation | None = None, weights: str = "native") -> "Synthesizer":
+        """Load a checkpoint (hub id or local folder) the ordinary qwen-tts way."""
         check_weights(weights, torch.device(device))
-        return cls(load_tts(model, device, dtype, kinds), speculation, weights)
+        return cls(load_tts(model, device, dtype), speculation, weights)
 
     @property
     def hidden_size(self) -> int:
@@ -216,7 +224,7 @@ class Synthesizer:
     @property
     def supports_instruct(self) -> bool:
         """VoiceDesign speaks what its instruction describes; qwen-tts drops instructions for the 0.6B
-        CustomVoice model."""
+        CustomVoice model, and its voice-clone call takes none."""
         return self.kind == "voice_design" or (self.kind == "custom_voice"
                                                and self.model.tts_model_size not in "0b6")
 
@@ -232,24 +240,55 @@ class Synthesizer:
         """Both loops' sampling: the settings over the checkpoint's generation_config.json."""
         return settings.resolve(self.tts.generate_defaults)
 
-    def check_voice(self, speaker: str | None, language: str) -> str | None:
-        """The speaker to use (None: the default one, on a model with speakers); ValueError naming the
-        valid choices when the speaker or language is not the model's."""
-        return check_voice(self.speakers, self.languages, speaker, language)
+    def check_voice(self, speaker: str | None, language: str, instruct: str | None = None,
+                    clone: ClonedVoice | None = None) -> str | None:
+        """The speaker to use (None: the default one, on a model with speakers); ValueError saying what to
+        give when the voice is not one this model speaks (rvqtts.loading.ModelVoices.check), or the cloned
+        voice was encoded by another model's speaker encoder."""
+        speaker = self.voices.check(speaker, language, instruct, cloned=clone is not None)
+        if clone is not None and clone.encoder_fingerprint != self.encoder_fingerprint:
+            raise VoiceError(f"the voice {clone.source or ''} was encoded by another model's speaker encoder "
+                             f"(fingerprint {clone.encoder_fingerprint}; this model's is {self.encoder_fingerprint}):"
+                             " encode the reference again with this model")
+        return speaker
 
-    def prompt(self, text: str, speaker: str | None, language: str = "auto", instruct: str | None = None) -> Prompt:
-        """The talker's prompt for one piece of text, as qwen-tts's `generate_custom_voice` (or, on a
-        VoiceDesign model, `generate_voice_design`) builds it."""
-        return capture_prompt(self.talker, lambda: self._generate(text, speaker, language, instruct,
+    def clone_voice(self, ref_audio: str | os.PathLike, ref_text: str | None = None,
+                    x_vector_only: bool = False) -> ClonedVoice:
+        """A voice cloned from reference audio with qwen-tts's `create_voice_clone_prompt` (ICL mode with
+        its transcript, or from the audio alone); VoiceError for unusable audio or arguments, ValueError
+        on a model that is not a Base model."""
+        return self.voice_of(VoiceSource(Path(ref_audio), ref_text, x_vector_only))
+
+    def voice_of(self, source: VoiceSource) -> ClonedVoice:
+        """The cloned voice a source names, encoded from reference audio or read from a voice file, once
+        per source (a batch that repeats a voice encodes it once)."""
+        if source not in self._cloned:
+            if self.kind != "base":
+                self.voices.check(None, "auto", cloned=True)  # refuses: only Base models clone voices
+            if source.voice is not None:
+                self._cloned[source] = load_voice(source.voice, self.talker.config.hidden_size,
+                                                  self.encoder_fingerprint, self.talker.config.num_code_groups,
+                                                  self.code_predictor.config.vocab_size)
+            else:
+                self._cloned[source] = encode_voice(self.tts, source)
+        return self._cloned[source]
+
+    def prompt(self, text: str, speaker: str | None, language: str = "auto", instruct: str | None = None,
+               clone: ClonedVoice | None = None) -> Prompt:
+        """The talker's prompt for one piece of text, as qwen-tts's own call for the model's kind builds
+        it (`generate_custom_voice`, `generate_voice_design` or `generate_voice_clone`)."""
+        return capture_prompt(self.talker, lambda: self._generate(text, speaker, language, instruct, clone,
                                                                   max_new_tokens=2))
 
-    def _generate(self, text: str, speaker: str | None, language: str, instruct: str | None, **options):
-        """qwen-tts's own generation call for this model's kind."""
+    def _generate(self, text: str, speaker: str | None, language: str, instruct: str | None,
+                  clone: ClonedVoice | None, **options):
+        """qwen-tts's own generation call for this model's kind (the voice checked by the caller)."""
         if self.kind == "voice_design":
-            if not (instruct or "").strip():
-                raise ValueError("a VoiceDesign model speaks the voice its instruction describes: give an "
-                                 "instruction (--instruct)")
-            return self.tts.generate_voice_design(text=text, instruct=instruct or "", language=language, **options)
+            return self.tts.generate_voice_design(text=text, instruct=instruct, language=language, **options)
+        if self.kind == "base":
+            return self.tts.generate_voice_clone(text=text, language=language,
+                                                 voice_clone_prompt=[clone.prompt_item(self.talker.device)],
+                                                 **options)
         return self.tts.generate_custom_voice(text=text, speaker=speaker, language=language,
                                               instruct=instruct if self.supports_instruct else None, **options)
 
@@ -286,55 +325,64 @@ class Synthesizer:
         inner = inner or InnerLoop(self.code_predictor, self.speculation, seed, parts=self.inner_parts())
         return FrameLoop(runner, inner, rules, sampling.talker, sampling.predictor, seed, utterance)
 
-    def decode(self, codes: np.ndarray) -> np.ndarray:
-        """The waveform of frame codes [frames, G], by qwen-tts's speech decoder (all at once)."""
+    def decode(self, codes: np.ndarray, clone: ClonedVoice | None = None) -> np.ndarray:
+        """The waveform of frame codes [frames, G], by qwen-tts's speech decoder (all at once). A voice
+        cloned in ICL mode is decoded as the continuation of its reference, as qwen-tts does: the
+        reference codes go in front and exactly their samples are cut off (qwen-tts cuts a proportion,
+        which can land a sample off the frame boundary)."""
         device = self.talker.codec_head.weight.device
-        wavs, _ = self.model.speech_tokenizer.decode([{"audio_codes": torch.from_numpy(codes).to(device)}])
-        return wavs[0]
+        context = clone.codes.numpy() if clone is not None and clone.icl else codes[:0]
+        joined = torch.from_numpy(np.concatenate([context, codes])).to(device)
+        wavs, _ = self.model.speech_tokenizer.decode([{"audio_codes": joined}])
+        return wavs[0][len(context) * self.samples_per_frame:]
 
     def stream(self, text: str, speaker: str | None = None, language: str = "auto", seed: int = 0,
                utterance: int = 0,
                instruct: str | None = None, settings: GenerationSettings = GenerationSettings(),
                chunk_chars: float | None = MAX_CHUNK_WEIGHT, frames_per_chunk: int = STREAM_FRAMES,
                on_chunk: Callable[[int, int], None] | None = None,
-               on_frame: Callable[[torch.Tensor, list[int]], None] | None = None) -> AudioStream:
+               on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
+               clone: ClonedVoice | None = None) -> AudioStream:
         """Synthesize one utterance as a stream of audio chunks: every `frames_per_chunk` frames, their
         samples, decoded incrementally (rvqtts.streaming). Arguments as for `synthesize`, which makes the
         same codes and, up to float rounding, the same waveform."""
         if frames_per_chunk < 1:
             raise ValueError(f"frames per stream chunk must be at least 1, got {frames_per_chunk}")
-        return AudioStream(self._speak(text, speaker, language, seed, utterance, instruct, settings, chunk_chars,
-                                       frames_per_chunk, on_chunk, on_frame), self.sample_rate)
+        return AudioStream(self._speak(text, speaker, language, seed, utterance, instruct, clone, settings,
+                                       chunk_chars, frames_per_chunk, on_chunk, on_frame), self.sample_rate)
 
     def synthesize(self, text: str, speaker: str | None = None, language: str = "auto", seed: int = 0,
                    utterance: int = 0,
                    instruct: str | None = None, settings: GenerationSettings = GenerationSettings(),
                    chunk_chars: float | None = MAX_CHUNK_WEIGHT, on_chunk: Callable[[int, int], None] | None = None,
-                   on_frame: Callable[[torch.Tensor, list[int]], None] | None = None) -> Synthesis:
+                   on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
+                   clone: ClonedVoice | None = None) -> Synthesis:
         """Synthesize one utterance; long text is spoken in sentence chunks of at most `chunk_chars`
-        (None: the whole text in one pass, as qwen-tts does) joined by a crossfade.
+        (None: the whole text in one pass, as qwen-tts does) joined by a crossfade. The voice: a CustomVoice
+        model's `speaker` (and, on the 1.7B, a style `instruct`), a VoiceDesign model's `instruct`, or a
+        Base model's `clone` (`clone_voice`, `voice_of`).
 
         Every code is drawn with noise keyed by (seed, utterance, frame, position) (rvqtts.frame_loop),
         so every utterance of a batch is reproducible on its own. `on_chunk(done, total)` reports
         progress after each chunk; `on_frame(prefix, codes)` sees every frame the inner loop decodes
         ([h_t, embedding of c0] and c1..c_{G-1}).
         """
-        run = self._speak(text, speaker, language, seed, utterance, instruct, settings, chunk_chars, None, on_chunk,
-                          on_frame)
+        run = self._speak(text, speaker, language, seed, utterance, instruct, clone, settings, chunk_chars, None,
+                          on_chunk, on_frame)
         stream = AudioStream(run, self.sample_rate)
         for _ in stream:
             pass
         return stream.result
 
     def _speak(self, text: str, speaker: str | None, language: str, seed: int, utterance: int, instruct: str | None,
-               settings: GenerationSettings, chunk_chars: float | None, stream_frames: int | None,
+               clone: ClonedVoice | None, settings: GenerationSettings, chunk_chars: float | None, stream_frames: int | None,
                on_chunk: Callable[[int, int], None] | None,
                on_frame: Callable[[torch.Tensor, list[int]], None] | None) -> Generator[np.ndarray, None, Synthesis]:
         """The audio of one utterance, chunk of text after chunk: decoded every `stream_frames` frames by
         the streaming decoder, or (None) each text chunk at once by qwen-tts's; then the Synthesis."""
         if not text.strip():
             raise ValueError("the text is empty: give something to say")
-        speaker = self.check_voice(speaker, language)
+        speaker = self.check_voice(speaker, language, instruct, clone)
         pieces = chunk_text(text, chunk_chars) if chunk_chars else [" ".join(text.split())]
         sampling = self.sampling(settings)
         loop = self.frame_loop(sampling, seed, utterance)
@@ -349,7 +397,7 @@ class Synthesizer:
         def audio_of(codes: list[np.ndarray], first: bool) -> np.ndarray:
             """Decode `codes`, join them to what came before, and time both; the samples ready to play."""
             begun = time.perf_counter()
-            samples = decoder.push(np.stack(codes)) if decoder else self.decode(np.stack(codes))
+            samples = decoder.push(np.stack(codes)) if decoder else self.decode(np.stack(codes), clone)
             ready = joiner.add(samples, new_part=first)
             seconds["decoder"] += time.perf_counter() - begun
             if ready.size and seconds["first_audio"] is None:
@@ -365,9 +413,9 @@ class Synthesizer:
             frames: list[np.ndarray] = []
             pending = 0  # frames not decoded yet
             if decoder:
-                decoder.reset()
+                self._start_stream(decoder, clone)
             begun = time.perf_counter()
-            prompt = self.prompt(piece, speaker, language, instruct)
+            prompt = self.prompt(piece, speaker, language, instruct, clone)
             seconds["prompts"] += time.perf_counter() - begun
             seconds.setdefault("prompt", seconds["prompts"])  # the first chunk's, before any audio
             for codes in loop.run(prompt, budget):
@@ -397,27 +445,40 @@ class Synthesizer:
                          sampling=sampling.record(), warnings=warnings, stream_frames=stream_frames,
                          weights=self.weights)
 
-    def force(self, text: str, speaker: str, language: str, codes: np.ndarray,
-              on_frame: Callable[[torch.Tensor, list[int]], None]) -> None:
+    def _start_stream(self, decoder: StreamingDecoder, clone: ClonedVoice | None) -> None:
+        """Reset the streaming decoder for a text chunk; for a voice cloned in ICL mode, continue its
+        reference, as the offline decode does (the reference decoded once per voice, then restored)."""
+        decoder.reset()
+        if clone is not None and clone.icl:
+            if clone not in self._primed:
+                decoder.push(clone.codes)
+                self._primed[clone] = decoder.snapshot()
+            decoder.restore(self._primed[clone])
+
+    def force(self, text: str, speaker: str | None, language: str, codes: np.ndarray,
+              on_frame: Callable[[torch.Tensor, list[int]], None], instruct: str | None = None,
+              clone: ClonedVoice | None = None) -> None:
         """Teacher forcing: run the talker over `text` while it emits exactly these frame codes [frames, G]
         (c0 read instead of drawn, c1.. returned by the inner loop), and show `on_frame` each frame's
         predictor prefix [h_t, embedding of c0] with the frame's codes c1.. ."""
-        speaker = self.check_voice(speaker, language)
+        speaker = self.check_voice(speaker, language, instruct, clone)
         loop = self.frame_loop(self.sampling(GenerationSettings()), 0, 0, ForcedLoop(self.code_predictor, codes,
                                                                                      on_frame))
-        for _ in loop.run(self.prompt(" ".join(text.split()), speaker, language), len(codes), forced=codes):
+        prompt = self.prompt(" ".join(text.split()), speaker, language, instruct, clone)
+        for _ in loop.run(prompt, len(codes), forced=codes):
             pass
         if loop.frame != len(codes):
             raise RuntimeError(f"teacher forcing stopped after {loop.frame} of {len(codes)} frames")
 
     def synthesize_stock(self, text: str, speaker: str | None, language: str = "auto", seed: int = 0,
-                         settings: GenerationSettings = GenerationSettings(), instruct: str | None = None) -> dict:
+                         settings: GenerationSettings = GenerationSettings(), instruct: str | None = None,
+                         clone: ClonedVoice | None = None) -> dict:
         """Stock qwen-tts on the same text, untouched: its own HF loops for talker and code predictor,
         sampling with torch's generator (seeded with `seed`), then its decoder. Timed through forward
         hooks: the talker's calls minus their transformer are the code predictor (which qwen-tts runs
         inside the talker's forward), and what follows the last talker call is the decoder. Returns the
         timing fields of `Synthesis.record()`."""
-        speaker = self.check_voice(speaker, language)
+        speaker = self.check_voice(speaker, language, instruct, clone)
         clock = {"calls": 0.0, "transformer": 0.0, "last": 0.0}
         opened: dict[str, float] = {}
 
@@ -439,7 +500,7 @@ class Synthesizer:
         torch.manual_seed(seed)
         started = time.perf_counter()
         try:
-            wavs, sample_rate = self._generate(" ".join(text.split()), speaker, language, instruct,
+            wavs, sample_rate = self._generate(" ".join(text.split()), speaker, language, instruct, clone,
                                                **self.sampling(settings).generate_kwargs(budget))
         finally:
             for handle in handles:

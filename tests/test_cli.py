@@ -230,7 +230,7 @@ def test_input_that_needs_no_model_is_refused_before_the_model_loads(tmp_path, t
         (["Hi", *model, "-o", out, "--device", "mps"], [], "--device mps: MPS is not available here"),
         (["-", *model, "-o", out], b"caf\xe9\n", "standard input is not UTF-8 text (byte 3"),
         (["Hi", *model, "-o", out, "--chunk-chars", "5"], [], "--chunk-chars must be at least 20"),
-        (["Hi", "--model", base, "-o", out], [], "is a 12 Hz Base model; rvqtts synth runs 12 Hz CustomVoice and"),
+        (["Hi", "--model", base, "-o", out], [], "a Base model speaks a cloned voice: give a voice file"),
     ]
     lines = tmp_path / "lines.txt"
     lines.write_text("One.\n")
@@ -243,7 +243,7 @@ def test_input_that_needs_no_model_is_refused_before_the_model_loads(tmp_path, t
         assert result.stderr.count("\n") == 1 and result.stdout == ""
         assert (sorted(tmp_path.rglob("*")), digest(tmp_path)) == before, f"{arguments} wrote something"
     listing = runner.invoke(app, ["voices", "--model", str(base)])  # it reads the config: any 12 Hz kind
-    assert listing.exit_code == 0 and listing.stdout.startswith("kind: Base (voice cloning")
+    assert listing.exit_code == 0 and listing.stdout.startswith("kind: Base (a voice cloned from reference audio")
     other = base / "config.json"
     other.write_text(json.dumps({**config, "tokenizer_type": "qwen3_tts_tokenizer_25hz"}))
     listing = runner.invoke(app, ["voices", "--model", str(base)])

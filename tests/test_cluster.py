@@ -166,7 +166,7 @@ def test_a_model_that_overflows_or_does_not_load_stops_the_batch_with_one_line(c
     assert result.exit_code == 1, result.output
     assert result.output.strip().splitlines()[-1].startswith("rvqtts: error: the talker produced NaN or inf values "
                                                               "in float16")
-    with pytest.raises(ClusterError, match="a worker could not load the model: ModelLoadError: .*missing"):
+    with pytest.raises(ClusterError, match="a worker could not load the model .*: ModelLoadError: .*missing"):
         synthesize_batch_on_ray(read_batch(overflow), tmp_path / "out", WorkerSpec(str(tmp_path / "missing")), RUN,
                                 workers=1)
     assert not list((tmp_path / "out").glob("*"))  # nothing written
@@ -193,3 +193,36 @@ def test_ray_options_are_checked_before_anything_runs(tmp_path, tiny_dir, monkey
     assert result.output.strip() == ("rvqtts: error: --ray needs Ray, which is not installed: pip install "
                                      "'rvqtts[ray]' (in a checkout: pip install -e '.[ray]')")
     assert not out.exists()
+
+
+def test_a_ray_batch_speaks_cloned_voices_as_a_local_run_does(cluster, tmp_path):
+    import numpy as np
+    import soundfile
+
+    from rvqtts.cloning import ClonedVoice, save_voice
+    from rvqtts.tiny import build_tiny_model
+
+    base = build_tiny_model(tmp_path / "base", kind="base")
+    samples = np.random.default_rng(0).standard_normal(30000).astype(np.float32) * 0.1
+    soundfile.write(tmp_path / "ref.wav", samples, 24000)
+    lines = tmp_path / "lines.jsonl"
+    lines.write_text('{"text": "One."}\n{"text": "Two.", "ref_audio": "ref.wav", "x_vector_only": true}\n')
+    batch = ["synth", "-f", lines, "--model", base, "--max-frames", 6, "--ref-audio", tmp_path / "ref.wav",
+             "--ref-text", "Hello there."]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' thread count (float32 audio depends on it)
+    try:
+        here = run_cli(*batch, "--out-dir", tmp_path / "here")
+    finally:
+        torch.set_num_threads(threads)
+    there = run_cli(*batch, "--out-dir", tmp_path / "there", "--ray", "auto", "--workers", 1)
+    assert here.exit_code == 0 and there.exit_code == 0, (here.output, there.output)
+    for name in ("0001.wav", "0002.wav"):
+        assert (tmp_path / "here" / name).read_bytes() == (tmp_path / "there" / name).read_bytes(), name
+    assert manifest(tmp_path / "here") == manifest(tmp_path / "there")
+    save_voice(ClonedVoice(torch.zeros(64), None, None, "0" * 16, "elsewhere.wav"), tmp_path / "other.safetensors")
+    refused = run_cli("synth", "-f", lines, "--model", base, "--voice", tmp_path / "other.safetensors", "--out-dir",
+                      tmp_path / "refused", "--ray", "auto", "--workers", 1)
+    assert refused.exit_code == 2, refused.output
+    assert "a voice of the batch" in refused.output and "another model's speaker encoder" in refused.output
+    assert not (tmp_path / "refused").exists() or not list((tmp_path / "refused").iterdir())

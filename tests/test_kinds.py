@@ -46,16 +46,13 @@ def test_a_tiny_voice_design_model_speaks_a_described_voice_with_qwen_tts(kinds)
     assert rate == 24000 and wavs[0].size > 0
 
 
-def test_voices_names_the_kind_and_synth_refuses_a_base_model_for_now(kinds, tmp_path):
+def test_voices_names_the_kind_and_what_it_takes(kinds, tmp_path):
     listed = run_cli("voices", "--model", kinds["base"])
     assert listed.exit_code == 0 and listed.output.splitlines()[:2] == [
-        "kind: Base (voice cloning from reference audio (not yet run by rvqtts synth))", "speakers: none"]
+        "kind: Base (a voice cloned from reference audio (--ref-audio with --ref-text or --x-vector-only, or "
+        "--voice))", "speakers: none"]
     listed = run_cli("voices", "--model", kinds["voice-design"])
     assert listed.exit_code == 0 and listed.output.startswith("kind: VoiceDesign (a voice described in words")
-    refused = run_cli("synth", "Hi.", "--model", kinds["base"], "-o", tmp_path / "a.wav")
-    assert refused.exit_code == 2, refused.output
-    assert "is a 12 Hz Base model; rvqtts synth runs 12 Hz CustomVoice and VoiceDesign models" in refused.output
-    assert not (tmp_path / "a.wav").exists()
     made = run_cli("make-tiny-model", tmp_path / "vd", "--kind", "voice-design", "--dims", "0.6b")
     assert made.exit_code == 2 and "VoiceDesign is released at 1.7B only" in made.output
     made = run_cli("make-tiny-model", tmp_path / "x", "--kind", "clone")
@@ -75,8 +72,9 @@ def test_synth_speaks_a_voice_design_models_described_voice(kinds, tmp_path):
 
     assert np.array_equal(codes("calm", *calm), codes("calm-plain", *calm, "--no-spec"))  # same seed, same codes
     assert not np.array_equal(codes("calm", *calm), codes("bright", "--instruct", "A bright, quick voice."))
-    for extra, message in [([], "a VoiceDesign model speaks the voice its instruction describes: give --instruct"),
-                           ([*calm, "--speaker", "ryan"], "this model has no built-in speakers")]:
+    for extra, message in [([], "a VoiceDesign model speaks the voice its instruction describes: give an "
+                                "instruction (--instruct"),
+                           ([*calm, "--speaker", "ryan"], "this VoiceDesign model has no built-in speakers")]:
         refused = run_cli("synth", "Hi.", "-o", tmp_path / "refused.wav", *model, *extra)
         assert refused.exit_code == 2 and message in refused.output, refused.output
     assert not (tmp_path / "refused.wav").exists()
@@ -90,15 +88,17 @@ def test_synth_speaks_a_voice_design_models_described_voice(kinds, tmp_path):
     assert [(e["speaker"], e["instruct"]) for e in entries] == [(None, "A whisper."), (None, "A calm, low voice.")]
 
 
-def test_what_runs_custom_voice_only_refuses_other_kinds_before_loading(kinds, monkeypatch):
-    from rvqtts.loading import SYNTHESIZED
+def test_a_voice_design_model_needs_its_instruction_in_every_command(kinds, tmp_path):
     from rvqtts.synthesis import Synthesizer
 
-    designer = Synthesizer.load(kinds["voice-design"], kinds=SYNTHESIZED)
+    designer = Synthesizer.load(kinds["voice-design"])
     assert designer.speakers == [] and designer.supports_instruct
     with pytest.raises(ValueError, match="give an instruction"):
         designer.synthesize("Hi.", settings=GenerationSettings(max_frames=2))
-    monkeypatch.setattr(Synthesizer, "load", lambda *a, **k: pytest.fail("the model was loaded"))
-    refused = run_cli("bench", "predictor", "--model", kinds["voice-design"])
-    assert refused.exit_code == 2, refused.output
-    assert "is a 12 Hz VoiceDesign model; this command runs 12 Hz CustomVoice models so far" in refused.output
+    texts = tmp_path / "texts.txt"
+    texts.write_text("One two three.\n")
+    calibrate = ["calibrate", "--model", kinds["voice-design"], "--texts", texts, "--budgets", "4", "-q"]
+    refused = run_cli(*calibrate, "--out-dir", tmp_path / "refused")
+    assert refused.exit_code == 2 and "texts.txt:1: a VoiceDesign model speaks the voice" in refused.output
+    made = run_cli(*calibrate, "--out-dir", tmp_path / "trees", "--instruct", "A calm, low voice.")
+    assert made.exit_code == 0 and (tmp_path / "trees" / "reused-heads-n4.json").is_file(), made.output

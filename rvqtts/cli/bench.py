@@ -10,7 +10,8 @@ import typer
 from rvqtts.cli.common import (DEFAULT_MODEL, HELP_STYLE, app, check_coreml, ensure_writable, fail, list_of_ints,
                                load_synthesizer, progress_bar, publish, resolve_device, say, stderr_console,
                                WEIGHTS_HELP)
-from rvqtts.cli.frames import CONTEXTS_HELP, SPLIT_HELP, TEXTS_HELP, check_source, recorded_frames
+from rvqtts.cli.frames import (CONTEXTS_HELP, INSTRUCT_HELP, SPLIT_HELP, TEXTS_HELP, VOICE_HELP, check_source,
+                               recorded_frames)
 
 DEFAULT_BENCH_QUERIES = (1, 2, 4, 5, 8, 9, 16, 17, 24, 32, 33, 48, 64, 65)  # N + 1 for N = 4..64 included
 
@@ -122,13 +123,17 @@ def bench_speedup_command(
 @bench_app.command("e2e")
 def bench_e2e_command(
     texts: Path = typer.Option(..., help="Text file, one utterance per line (.jsonl lines may set speaker and "
-                                         "language)."),
+                                         "language; --instruct and --voice hold for every line)."),
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
     tree: str = typer.Option("auto", help="Tree of the speculative runs: auto (the best N for this device), N, "
                                           "or a tree file."),
     offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the model."),
-    speaker: str = typer.Option("vivian", help="Speaker of lines that name none."),
+    speaker: Optional[str] = typer.Option(None, help="Speaker of lines that name none (CustomVoice models; "
+                                                     "default vivian)."),
     language: str = typer.Option("auto", help="Language of lines that name none."),
+    instruct: Optional[str] = typer.Option(None, help="Instruction of every line (VoiceDesign models need one)."),
+    voice: Optional[Path] = typer.Option(None, help="Base models: the cloned voice of every line, a voice file "
+                                                    "(rvqtts synth --ref-audio ... --save-voice VOICE)."),
     seed: int = typer.Option(0, help="Seed of every run."),
     max_frames: Optional[int] = typer.Option(None, help="Most frames per utterance."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
@@ -141,6 +146,7 @@ def bench_e2e_command(
     wall, inner-loop, talker and decoder time per frame, RTF, and the ratios between them."""
     from rvqtts.batch import BatchFileError, read_batch
     from rvqtts.bench import bench_e2e
+    from rvqtts.cloning import VoiceSource
     from rvqtts.offsets import OffsetsFileError
     from rvqtts.report import e2e_table
     from rvqtts.synthesis import GenerationSettings, choose_speculation
@@ -153,8 +159,9 @@ def bench_e2e_command(
         fail(str(error))
     synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
     try:
+        clone = None if voice is None else synthesizer.voice_of(VoiceSource(voice=voice))
         for _, line_speaker, line_language in lines:
-            synthesizer.check_voice(line_speaker, line_language)
+            synthesizer.check_voice(line_speaker, line_language, instruct, clone)
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, allow_plain=True,
                                                  weights=weights)
         if speculation is None:  # the speculative column still needs a tree
@@ -167,7 +174,8 @@ def bench_e2e_command(
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"{len(lines)} texts x 3 variants", total=len(lines) * 3)
         result = bench_e2e(synthesizer.tts, lines, speculation, seed, settings,
-                           progress=lambda done, total: progress.update(task, completed=done), weight_format=weights)
+                           progress=lambda done, total: progress.update(task, completed=done), weight_format=weights,
+                           instruct=instruct, clone=clone)
     publish(result, json_out, e2e_table, quiet)
 
 
@@ -275,6 +283,8 @@ def bench_coreml_command(
     offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the model."),
     precision: str = typer.Option("w8a16", help="Precision of a package exported on first use: w8a16 or fp16."),
     compute_units: str = typer.Option("all", help="all, cpu_and_ne, cpu_and_gpu or cpu_only."),
+    instruct: Optional[str] = typer.Option(None, help=INSTRUCT_HELP),
+    voice: Optional[Path] = typer.Option(None, help=VOICE_HELP),
     seed: int = typer.Option(0, help="Seed of the noise."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress or table."),
@@ -313,7 +323,7 @@ def bench_coreml_command(
         fail(str(error))
     if notice:
         say(notice, quiet)
-    source = recorded_frames(synthesizer, texts, contexts, split, "vivian", "auto", seed, quiet)
+    source = recorded_frames(synthesizer, texts, contexts, split, None, "auto", seed, quiet, None, instruct, voice)
     prefixes = source.prefixes(synthesizer.talker.get_input_embeddings())[:frames]
     with progress_bar(quiet) as progress:
         progress.add_task(f"decoding {len(prefixes)} frames three ways", total=None)

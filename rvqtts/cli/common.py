@@ -102,18 +102,17 @@ def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], obje
         stderr_console().print(table(result))
 
 
-def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, weights: str = "native",
-                     kinds: tuple[str, ...] = ("custom_voice",)):
-    """The model on the chosen device and dtype (fails with one line on a bad model, device or dtype, or a
-    model of a kind not in `kinds`, checked before the weights load; says which dtype `auto` chose on a
-    CPU, and why)."""
+def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, weights: str = "native"):
+    """The model on the chosen device and dtype (fails with one line on a bad model, device or dtype, the
+    model checked from its config before the weights load; says which dtype `auto` chose on a CPU, and
+    why)."""
     from rvqtts.devices import pick_dtype
     from rvqtts.loading import ModelLoadError, model_voices
     from rvqtts.synthesis import Synthesizer
 
     check_dtype(dtype)
     try:
-        model_voices(model, kinds)
+        model_voices(model)
     except ModelLoadError as error:
         fail(str(error))
     chosen = resolve_device(device)
@@ -124,7 +123,7 @@ def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, w
     if reason:
         say(reason, quiet)
     try:
-        return Synthesizer.load(model, device=chosen, dtype=dtype, weights=weights, kinds=kinds)
+        return Synthesizer.load(model, device=chosen, dtype=dtype, weights=weights)
     except (ModelLoadError, ValueError) as error:
         fail(str(error))
 

@@ -8,7 +8,13 @@ from typing import Optional
 
 from rvqtts.cli.common import fail, progress_bar, say
 
-TEXTS_HELP = "Texts to synthesize and record (.txt, or .jsonl with text/speaker/language per line)."
+TEXTS_HELP = ("Texts to synthesize and record (.txt, or .jsonl with text and the voice fields of rvqtts synth -f: "
+              "speaker, language, instruct, ref_audio, ref_text, x_vector_only, voice).")
+SPEAKER_HELP = "With --texts or --audio: speaker of lines that name none (CustomVoice models; default vivian)."
+INSTRUCT_HELP = ("With --texts or --audio: instruction of lines that name none (VoiceDesign models need one; the "
+                 "1.7B CustomVoice takes a style).")
+VOICE_HELP = ("With --texts or --audio on a Base model: the cloned voice of lines that name none, a voice file "
+              "(rvqtts synth --ref-audio FILE --ref-text TEXT --save-voice VOICE).")
 CONTEXTS_HELP = "Recorded frames: a contexts .npz (h_t, codes, language), as rvqtts standin build writes."
 SPLIT_HELP = "The split of a contexts file that has splits (calibration or evaluation)."
 
@@ -20,11 +26,14 @@ def check_source(texts: Optional[Path], contexts: Optional[Path], audio: Optiona
              + (" or --audio FILE.jsonl (recordings and transcripts)" if audio_allowed else ""))
 
 
-def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path], split: str, speaker: str,
-                    language: str, seed: int, quiet: bool, audio: Optional[Path] = None):
+def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path], split: str,
+                    speaker: Optional[str], language: str, seed: int, quiet: bool, audio: Optional[Path] = None,
+                    instruct: Optional[str] = None, voice: Optional[Path] = None):
     """Frames from a contexts file, from recordings by teacher forcing, or recorded by synthesizing a text
-    file with the plain inner loop."""
-    from rvqtts.batch import BatchFileError, read_batch
+    file with the plain inner loop (in each line's voice, else the one given: `speaker`, `instruct`, or
+    a Base model's `voice` file)."""
+    from rvqtts.batch import BatchFileError, read_batch, voice_for
+    from rvqtts.cloning import VoiceSource
     from rvqtts.contexts import ContextsFileError, force_contexts, load_contexts, read_audio_pairs, record_contexts
     from rvqtts.synthesis import GenerationSettings
 
@@ -34,17 +43,19 @@ def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path]
             return load_contexts(contexts, split, synthesizer.talker.config.hidden_size, config.num_code_groups)
         except ContextsFileError as error:
             fail(str(error))
+    clone = None if voice is None else VoiceSource(voice=voice)
     if audio is not None:
         try:
             pairs = read_audio_pairs(audio)
             for pair in pairs:
-                synthesizer.check_voice(pair.speaker or speaker, pair.language or language)
+                voice_for(synthesizer, pair.speaker or speaker, pair.language or language, instruct, clone)
         except (ContextsFileError, ValueError) as error:
             fail(str(error))
         with progress_bar(quiet) as progress:
             task = progress.add_task(f"teacher forcing {audio.name}", total=len(pairs))
             frames = force_contexts(synthesizer, pairs, speaker, language,
-                                    on_pair=lambda done, total: progress.update(task, completed=done))
+                                    on_pair=lambda done, total: progress.update(task, completed=done),
+                                    instruct=instruct, clone=clone)
         say(f"recorded {len(frames)} frames from {len(pairs)} recordings", quiet)
         return frames
     try:
@@ -53,13 +64,15 @@ def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path]
         fail(str(error))
     for item in utterances:
         try:
-            synthesizer.check_voice(item.speaker or speaker, item.language or language)
+            voice_for(synthesizer, item.speaker or speaker, item.language or language, item.instruct or instruct,
+                      item.clone or clone)
         except ValueError as error:
             fail(f"{texts}:{item.line}: {error}")
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {texts.name}", total=len(utterances))
         frames = record_contexts(synthesizer, utterances, speaker, language, seed, GenerationSettings(),
-                                 on_utterance=lambda done, total: progress.update(task, completed=done))
+                                 on_utterance=lambda done, total: progress.update(task, completed=done),
+                                 instruct=instruct, clone=clone)
     say(f"recorded {len(frames)} frames from {len(utterances)} texts", quiet)
     return frames
 

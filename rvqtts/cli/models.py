@@ -54,7 +54,7 @@ def voices(model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder
     from rvqtts.loading import KINDS, ModelLoadError, model_voices
 
     try:
-        found = model_voices(model, kinds=None)
+        found = model_voices(model)
     except ModelLoadError as error:
         fail(str(error))
     name, takes = KINDS[found.kind]

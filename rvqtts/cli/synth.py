@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -45,7 +46,8 @@ def synth(
                                                               "PCM at 24 kHz)."),
     file: Optional[Path] = typer.Option(None, "-f", "--file",
                                         help="Batch: a .txt file (one utterance per line) or a .jsonl file "
-                                             "(text, speaker, language, instruct, out)."),
+                                             "(text, speaker, language, instruct, out; on Base models "
+                                             "ref_audio, ref_text, x_vector_only or voice)."),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Batch output folder (required with -f)."),
     force: bool = typer.Option(False, "--force", help="Batch: overwrite outputs that already exist."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Batch on a Ray cluster (pip install 'rvqtts[ray]'): "
@@ -59,14 +61,28 @@ def synth(
                                                                "default 1."),
     gpus_per_worker: Optional[float] = typer.Option(None, help="--ray: GPUs per worker (fractions share one); "
                                                                "default 0. With GPUs, --device auto is cuda."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of a Qwen3-TTS 12 Hz CustomVoice model."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of a Qwen3-TTS 12 Hz model: CustomVoice, "
+                                                  "Base (a cloned voice) or VoiceDesign (rvqtts voices says "
+                                                  "which)."),
     device: str = typer.Option("auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="auto (bfloat16 on cuda and on CPUs that multiply bfloat16 natively: "
                                            "AMX, AVX512-BF16; float16 on mps; else float32), float32, bfloat16 "
                                            "or float16."),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
     speaker: Optional[str] = typer.Option(None, help="Speaker of a CustomVoice model (rvqtts voices lists them); "
-                                                     "default vivian. VoiceDesign models have none."),
+                                                     "default vivian. Base and VoiceDesign models have none."),
+    ref_audio: Optional[Path] = typer.Option(None, help="Base models: reference audio of the voice to clone "
+                                                        "(.wav, .flac, .ogg; at least 1 s), with --ref-text or "
+                                                        "--x-vector-only."),
+    ref_text: Optional[str] = typer.Option(None, help="Base models: what the reference audio says, word for word "
+                                                      "(ICL cloning, qwen-tts's default)."),
+    x_vector_only: bool = typer.Option(False, "--x-vector-only", help="Base models: clone from the reference's "
+                                                                      "speaker embedding alone (no transcript; "
+                                                                      "its codes are not in the prompt)."),
+    voice: Optional[Path] = typer.Option(None, help="Base models: a voice file written by --save-voice (the "
+                                                    "reference encoded once)."),
+    save_voice: Optional[Path] = typer.Option(None, help="Write the voice cloned from --ref-audio to this file "
+                                                         "(.safetensors) for --voice; with no text, only that."),
     language: str = typer.Option("auto", help="Language, or auto."),
     instruct: Optional[str] = typer.Option(None, help="Style instruction (ignored, with a warning, by models "
                                                       "without instruction support such as the 0.6B "
@@ -124,11 +140,12 @@ def synth(
     faster than real time).
     """
     from rvqtts.audio import STDOUT_FORMATS, audio_format
-    from rvqtts.batch import BatchFileError, Utterance, read_batch
-    from rvqtts.loading import SYNTHESIZED, ModelLoadError, check_voice, model_voices
+    from rvqtts.batch import BatchFileError, Utterance, read_batch, to_do
+    from rvqtts.cloning import VoiceError, VoiceSource
+    from rvqtts.loading import ModelLoadError, model_voices
     from rvqtts.offsets import OffsetsFileError
     from rvqtts.sampling import NonFiniteError
-    from rvqtts.synthesis import GenerationSettings, prepare_inner_loop
+    from rvqtts.synthesis import INSTRUCT_IGNORED, GenerationSettings, prepare_inner_loop
     from rvqtts.tree import TreeFileError
 
     # Everything that can be checked without the model is checked first: bad input costs no model load.
@@ -147,6 +164,25 @@ def synth(
         fail(f"--chunk-chars must be at least 20, got {chunk_chars} (--no-chunk speaks the text in one pass)")
     if ray is None and (workers, cpus_per_worker, gpus_per_worker) != (None, None, None):
         fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
+    try:
+        ref_audio, voice = (None if path is None else path.expanduser().resolve()  # absolute, as batch lines'
+                            for path in (ref_audio, voice))                     # are: Ray workers start elsewhere
+        given = ref_audio or voice or ref_text is not None or x_vector_only
+        clone = VoiceSource(ref_audio, ref_text, x_vector_only, voice) if given else None
+    except VoiceError as error:
+        fail(str(error))
+    if save_voice is not None:
+        if clone is None or clone.voice is not None:
+            fail("--save-voice writes the voice cloned from --ref-audio FILE (with --ref-text or --x-vector-only)")
+        if ray is not None:
+            fail("--save-voice encodes the voice here: run it without --ray, then give the batch --voice FILE")
+        save_voice = save_voice.expanduser()
+        if save_voice.suffix != ".safetensors":
+            fail(f"{save_voice}: a voice file's name must end in .safetensors")
+        ensure_writable(save_voice)
+        if text is None and file is None and output is None:  # only the voice: nothing to say
+            _save_voice_only(clone, save_voice, model, device, dtype, quiet)
+            return
     if ray is not None:
         worker_spec = _ray_worker_spec(file, backend, model, device, dtype, weights, spec, tree, offsets,
                                        cuda_graphs, workers, cpus_per_worker, gpus_per_worker)
@@ -186,7 +222,7 @@ def synth(
                                       predictor_temperature, predictor_top_k, predictor_top_p)
     except ValueError as error:
         fail(str(error))
-    if file is not None and not force and all((out_dir / u.name).exists() for u in utterances):
+    if file is not None and not force and save_voice is None and all((out_dir / u.name).exists() for u in utterances):
         say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
         return
     try:
@@ -196,18 +232,20 @@ def synth(
     for item in utterances:
         where = f"{file}:{item.line}: " if file else ""
         try:
-            check_voice(found.speakers, found.languages, item.speaker or speaker, item.language or language)
+            found.check(item.speaker or speaker, item.language or language, item.instruct or instruct,
+                        cloned=(item.clone or clone) is not None)
         except ValueError as error:
-            fail(f"{where}{error}")
-        if found.kind == "voice_design" and not (item.instruct or instruct or "").strip():
-            fail(f"{where}a VoiceDesign model speaks the voice its instruction describes: give --instruct "
-                 "\"...\"" + (" or an \"instruct\" field" if file else ""))
-    if speaker is None and found.speakers:
-        speaker = check_voice(found.speakers, found.languages, None, "auto")  # the default speaker, named
-    run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings,
+            fail(f"{where}{error}" + (" (or the line's fields)" if file else ""))
+    # the cloned voices of the lines to make (a resumed batch does not encode the voices of lines it skips)
+    making = to_do(utterances, out_dir, force) if file is not None else utterances
+    voices = sorted(({item.clone for item in making} | {clone}) - {None}, key=str)
+    _check_voice_files(voices)
+    if ray is not None:
+        worker_spec = replace(worker_spec, voices=tuple(voices))
+    run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings, clone=clone,
                chunk_chars=None if no_chunk else chunk_chars)
     if ray is None:  # the model is loaded here; on Ray each worker loads its own
-        synthesizer = load_synthesizer(model, device, dtype, quiet, weights, kinds=SYNTHESIZED)
+        synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
         device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
         try:
             notice = prepare_inner_loop(synthesizer, spec, tree, offsets, cuda_graphs, device_type)
@@ -219,7 +257,8 @@ def synth(
             _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units,
                         quiet)
         if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
-            say("warning: this model does not support --instruct (the 0.6B ignores instructions); ignoring it")
+            say(INSTRUCT_IGNORED)
+        _encode_voices(synthesizer, voices, clone, save_voice, quiet)
     try:
         if ray is not None:
             from rvqtts.cli.batch import run_on_ray
@@ -241,6 +280,46 @@ def synth(
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         typer.echo("rvqtts: standard output was closed before the audio ended", err=True)
         raise typer.Exit(1)
+
+
+def _check_voice_files(sources: list) -> None:
+    """Fail with one line unless every reference audio file can clone a voice and every voice file is
+    one (which model encoded it is checked once the model is loaded)."""
+    from rvqtts.cloning import VoiceError, load_voice, read_reference
+
+    for source in sources:
+        try:
+            read_reference(source.ref_audio) if source.voice is None else load_voice(source.voice)
+        except VoiceError as error:
+            fail(str(error))
+
+
+def _encode_voices(synthesizer, sources: list, clone, save_voice: Optional[Path], quiet: bool) -> None:
+    """Encode (or read) every cloned voice of the run before any synthesis, so a voice this model cannot
+    use fails with one line; with `save_voice`, write the voice of `clone` there."""
+    from rvqtts.cloning import save_voice as write_voice
+
+    try:
+        for source in sources:
+            synthesizer.voice_of(source)
+    except ValueError as error:  # VoiceError, and a cloned voice on a model of another kind
+        fail(str(error))
+    if save_voice is not None:
+        write_voice(synthesizer.voice_of(clone), save_voice)
+        say(f"wrote the voice cloned from {clone.ref_audio} to {save_voice} (use it with --voice)", quiet)
+
+
+def _save_voice_only(clone, save_voice: Path, model: str, device: str, dtype: str, quiet: bool) -> None:
+    """`rvqtts synth --ref-audio F ... --save-voice V` with nothing to say: encode the voice and write it."""
+    from rvqtts.loading import ModelLoadError, model_voices
+
+    try:
+        model_voices(model).check(None, "auto", cloned=True)
+    except (ModelLoadError, ValueError) as error:
+        fail(str(error))
+    _check_voice_files([clone])
+    synthesizer = load_synthesizer(model, device, dtype, quiet)
+    _encode_voices(synthesizer, [clone], clone, save_voice, quiet)
 
 
 def _ray_worker_spec(file: Optional[Path], backend: str, model: str, device: str, dtype: str, weights: str,
@@ -312,7 +391,8 @@ def _synth_one(synthesizer, item, output, run: dict, stream_frames: Optional[int
 
     with progress_bar(quiet) as progress:
         task = progress.add_task("synthesizing", total=None)
-        run = dict(run, on_chunk=lambda done, total: progress.update(task, completed=done, total=total))
+        run = dict(run, on_chunk=lambda done, total: progress.update(task, completed=done, total=total),
+                   clone=synthesizer.voice_of(run["clone"]) if run["clone"] else None)
         if stream_frames:
             audio = synthesizer.stream(item.text, **run, frames_per_chunk=stream_frames)
             write_stream(output, audio, synthesizer.sample_rate, stdout_format)

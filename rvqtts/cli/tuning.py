@@ -9,8 +9,8 @@ import typer
 
 from rvqtts.cli.common import (DEFAULT_MODEL, app, ensure_writable, fail, list_of_ints, load_synthesizer, progress_bar,
                                publish, say)
-from rvqtts.cli.frames import (CONTEXTS_HELP, SPLIT_HELP, TEXTS_HELP, check_source, drafting_offsets,
-                               recorded_frames)
+from rvqtts.cli.frames import (CONTEXTS_HELP, INSTRUCT_HELP, SPEAKER_HELP, SPLIT_HELP, TEXTS_HELP, VOICE_HELP,
+                               check_source, drafting_offsets, recorded_frames)
 
 
 def check_new_file(path: Path, force: bool, suffix: str) -> None:
@@ -41,8 +41,10 @@ def train_offsets_command(
     max_steps: int = typer.Option(20000, help="Most training steps (training stops earlier when the held-out "
                                               "loss stops falling)."),
     held_out: float = typer.Option(0.1, help="Fraction of the frames held out for early stopping."),
-    speaker: str = typer.Option("vivian", help="With --texts or --audio: speaker of lines that name none."),
+    speaker: Optional[str] = typer.Option(None, help=SPEAKER_HELP),
     language: str = typer.Option("auto", help="With --texts or --audio: language of lines that name none."),
+    instruct: Optional[str] = typer.Option(None, help=INSTRUCT_HELP),
+    voice: Optional[Path] = typer.Option(None, help=VOICE_HELP),
     seed: int = typer.Option(0, help="Seed of synthesis, the split and the batches."),
     save_contexts: Optional[Path] = typer.Option(None, help="With --texts or --audio: also keep the recorded "
                                                             "frames (.npz) for rvqtts calibrate and accept."),
@@ -72,7 +74,8 @@ def train_offsets_command(
     except ValueError as error:
         fail(str(error))
     synthesizer = load_synthesizer(model, device, dtype, quiet)
-    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, audio)
+    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, audio, instruct,
+                             voice)
     if save_contexts is not None:
         write_contexts(frames, save_contexts)
     with progress_bar(quiet) as progress:
@@ -105,8 +108,10 @@ def calibrate(
                                                                "(N + 1 a multiple of 8 or 16 is often cheaper to run)."),
     name: Optional[str] = typer.Option(None, help="File name prefix; default: the offsets file's name, or "
                                                   "reused-heads."),
-    speaker: str = typer.Option("vivian", help="With --texts: speaker of lines that name none."),
+    speaker: Optional[str] = typer.Option(None, help=SPEAKER_HELP),
     language: str = typer.Option("auto", help="With --texts: language of lines that name none."),
+    instruct: Optional[str] = typer.Option(None, help=INSTRUCT_HELP),
+    voice: Optional[Path] = typer.Option(None, help=VOICE_HELP),
     seed: int = typer.Option(0, help="Seed of synthesis and of the codes sampled for the table."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
@@ -130,7 +135,8 @@ def calibrate(
     out_dir.mkdir(parents=True, exist_ok=True)
     synthesizer = load_synthesizer(model, device, dtype, quiet)
     drafting = drafting_offsets(synthesizer, offsets, 3)
-    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet)
+    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, None, instruct,
+                             voice)
     with progress_bar(quiet) as progress:
         progress.add_task(f"sampling {len(frames)} frames and ranking drafts", total=None)
         table, trees = calibrate_trees(synthesizer, frames, drafting, sizes, seed, model_name=model,
@@ -152,8 +158,10 @@ def accept(
     contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP),
     split: str = typer.Option("evaluation", help=SPLIT_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
-    speaker: str = typer.Option("vivian", help="With --texts: speaker of lines that name none."),
+    speaker: Optional[str] = typer.Option(None, help=SPEAKER_HELP),
     language: str = typer.Option("auto", help="With --texts: language of lines that name none."),
+    instruct: Optional[str] = typer.Option(None, help=INSTRUCT_HELP),
+    voice: Optional[Path] = typer.Option(None, help=VOICE_HELP),
     seed: int = typer.Option(0, help="Seed of synthesis and of the speculative decoding's draws."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
@@ -177,7 +185,8 @@ def accept(
         fail(str(error))
     if notice:
         say(notice, quiet)
-    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet)
+    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, None, instruct,
+                             voice)
     with progress_bar(quiet) as progress:
         progress.add_task(f"decoding {len(frames)} frames", total=None)
         result = codes_per_call(synthesizer.code_predictor, speculation,

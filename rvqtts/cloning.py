@@ -1,0 +1,193 @@
+"""Cloned voices for Base models: reference audio in, the voice the talker's prompt embeds out.
+
+qwen-tts owns the encoding (`create_voice_clone_prompt`: the speaker encoder's embedding of the reference
+and, in ICL mode, the speech tokenizer's codes of it, with its transcript); rvqtts reads the reference
+(soundfile, mixed to mono; qwen-tts resamples it to 24 kHz), refuses audio that cannot clone a voice
+(unreadable, silent, too short, NaN), and stores an encoded voice as a file so a voice is encoded once
+(`save_voice` / `load_voice`: safetensors with the embedding, the codes and string metadata).
+
+ICL mode ("in-context learning", qwen-tts's default) continues the reference: its transcript comes
+before the text and its codes before the generated ones, so the audio is decoded with the reference codes
+in front and exactly their samples are cut off. x-vector-only mode takes the embedding alone: no
+transcript needed, and no reference codes in the prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rvqtts.files import write_atomically
+from rvqtts.offsets import weight_digest
+
+VOICE_FORMAT = "rvqtts-voice"
+MIN_REFERENCE_SECONDS = 1.0  # below this the speaker encoder and the codec see too little to clone from
+SILENCE_PEAK = 1e-3  # a reference whose loudest sample is below this (-60 dBFS) holds no voice
+
+
+class VoiceError(ValueError):
+    """Reference audio or a voice file that cannot be used; the message names the file and the fault."""
+
+
+@dataclass(frozen=True)
+class VoiceSource:
+    """Where a cloned voice comes from: reference audio (with its transcript, or `x_vector_only`), or a
+    voice file written by `save_voice`. Hashable, so a run encodes each source once."""
+
+    ref_audio: Path | None = None
+    ref_text: str | None = None
+    x_vector_only: bool = False
+    voice: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.voice is not None:
+            if self.ref_audio is not None or self.ref_text is not None or self.x_vector_only:
+                raise VoiceError("give a voice file or reference audio (with its text), not both")
+        elif self.ref_audio is None:
+            if self.ref_text is not None or self.x_vector_only:
+                raise VoiceError("the reference text and x-vector-only mode go with reference audio: give it too "
+                                 "(--ref-audio FILE)")
+        elif self.x_vector_only and self.ref_text is not None:
+            raise VoiceError("x-vector-only mode clones from the audio alone: drop the reference text, or drop "
+                             "--x-vector-only to clone in ICL mode with it")
+        elif not self.x_vector_only and not (self.ref_text or "").strip():
+            raise VoiceError("cloning a voice in ICL mode needs the reference audio's transcript (--ref-text "
+                             "\"...\"), or --x-vector-only to clone from the audio alone")
+
+    def record(self) -> dict:
+        """What a manifest says about the voice."""
+        if self.voice is not None:
+            return {"voice": str(self.voice)}
+        return {"ref_audio": str(self.ref_audio), "ref_text": self.ref_text, "x_vector_only": self.x_vector_only}
+
+
+@dataclass(frozen=True, eq=False)
+class ClonedVoice:
+    """An encoded voice: the speaker embedding [hidden], the reference codes [frames, 16] and transcript
+    (ICL mode; None in x-vector-only mode), and which speaker encoder made it. Compared and hashed by
+    identity (its tensors have no truth value)."""
+
+    embedding: torch.Tensor
+    codes: torch.Tensor | None
+    ref_text: str | None
+    encoder_fingerprint: str
+    source: str = ""
+
+    @property
+    def icl(self) -> bool:
+        return self.codes is not None
+
+    def prompt_item(self, device: torch.device):
+        """The voice as qwen-tts's VoiceClonePromptItem, for `generate_voice_clone(voice_clone_prompt=[...])`."""
+        from rvqtts.compat import qwen_tts
+
+        return qwen_tts().VoiceClonePromptItem(
+            ref_code=None if self.codes is None else self.codes.to(device), ref_spk_embedding=self.embedding.to(device),
+            x_vector_only_mode=not self.icl, icl_mode=self.icl, ref_text=self.ref_text)
+
+
+def encoder_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash that tells speaker encoders apart (its config, the embedding width and a sample of its
+    last projection's weights, rounded to bfloat16 so the model's dtype does not change it): an embedding
+    means something only to the encoder's own model."""
+    config = model.config.speaker_encoder_config.to_dict()  # its numbers: the dtype's name is left out
+    summary = {"config": {k: v for k, v in sorted(config.items()) if isinstance(v, (int, float, list))},
+               "weights": weight_digest(model.speaker_encoder.fc.weight)}
+    return hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_reference(path: str | os.PathLike) -> tuple[np.ndarray, int]:
+    """Reference audio as float32 mono samples and their rate; VoiceError for a file that is missing,
+    unreadable, too short, silent or not finite."""
+    import soundfile
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise VoiceError(f"no reference audio file {path}")
+    try:
+        samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    except (RuntimeError, soundfile.LibsndfileError, OSError) as error:  # not audio, or a format it cannot read
+        raise VoiceError(f"cannot read reference audio {path}: {error} (give a .wav, .flac or .ogg file)") from error
+    samples = samples.mean(axis=1)
+    seconds = samples.size / rate
+    if seconds < MIN_REFERENCE_SECONDS:
+        raise VoiceError(f"reference audio {path} is {seconds:.2f} s long: give at least {MIN_REFERENCE_SECONDS:g} s "
+                         "of the voice speaking")
+    if not np.isfinite(samples).all():
+        raise VoiceError(f"reference audio {path} holds NaN or infinite samples")
+    if np.abs(samples).max() < SILENCE_PEAK:
+        raise VoiceError(f"reference audio {path} is silent (its loudest sample is below -60 dBFS): give a "
+                         "recording of the voice speaking")
+    return samples, int(rate)
+
+
+def encode_voice(tts: object, source: VoiceSource) -> ClonedVoice:
+    """Encode reference audio with qwen-tts's `create_voice_clone_prompt` on the Base model `tts`;
+    VoiceError for audio that cannot be read or encoded."""
+    samples, rate = read_reference(source.ref_audio)
+    try:
+        item, = tts.create_voice_clone_prompt(ref_audio=(samples, rate), ref_text=source.ref_text,
+                                              x_vector_only_mode=source.x_vector_only)
+    except (RuntimeError, ValueError) as error:  # out of memory on a long reference, a resampling fault
+        raise VoiceError(f"cannot clone a voice from {source.ref_audio}: {error}") from error
+    codes = None if item.ref_code is None else item.ref_code.detach().to(torch.long).cpu()
+    return ClonedVoice(item.ref_spk_embedding.detach().float().cpu(), codes, source.ref_text,
+                       encoder_fingerprint(tts.model), str(source.ref_audio))
+
+
+def save_voice(voice: ClonedVoice, path: str | os.PathLike) -> None:
+    """Write a voice file (atomically): tensors "embedding" [hidden] and, in ICL mode, "codes" [frames, 16];
+    metadata: the format tag, the mode, the transcript, the encoder's fingerprint and the reference's name."""
+    from safetensors.torch import save
+
+    tensors = {"embedding": voice.embedding.float().contiguous()}
+    if voice.codes is not None:
+        tensors["codes"] = voice.codes.to(torch.int64).contiguous()
+    meta = {"format": VOICE_FORMAT, "mode": "icl" if voice.icl else "x-vector-only", "ref_text": voice.ref_text or "",
+            "encoder_fingerprint": voice.encoder_fingerprint, "source": voice.source}
+    write_atomically(path, save(tensors, metadata=meta))
+
+
+def load_voice(path: str | os.PathLike, hidden_size: int | None = None, fingerprint: str | None = None,
+               code_groups: int | None = None, codebook: int | None = None) -> ClonedVoice:
+    """Read and check a voice file; VoiceError naming the file for every fault. With the model's talker
+    `hidden_size`, its `code_groups`, `codebook` size and its speaker encoder's `fingerprint`, a voice
+    another model encoded is refused."""
+    from safetensors import safe_open
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise VoiceError(f"no voice file {path} (write one with rvqtts synth --ref-audio ... --save-voice {path})")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    except Exception as error:  # safetensors raises several types for corrupt files
+        raise VoiceError(f"cannot read voice file {path}: {error}") from error
+    if meta.get("format") != VOICE_FORMAT:
+        raise VoiceError(f"{path} is not an rvqtts voice file (metadata format != {VOICE_FORMAT!r})")
+    embedding, codes, icl = tensors.get("embedding"), tensors.get("codes"), meta.get("mode") == "icl"
+    if embedding is None or embedding.dim() != 1 or icl != (codes is not None) or (icl and not meta.get("ref_text")):
+        raise VoiceError(f"voice file {path} is damaged: it needs an embedding [hidden] and, in ICL mode, codes "
+                         "and the reference text")
+    if codes is not None and (codes.dim() != 2 or codes.dtype != torch.int64 or codes.shape[0] < 1
+                              or (code_groups is not None and codes.shape[1] != code_groups)):
+        raise VoiceError(f"voice file {path} is damaged: its codes must be int64 [frames, {code_groups or 'groups'}], "
+                         f"got {codes.dtype} {list(codes.shape)}")
+    if codes is not None and (int(codes.min()) < 0 or (codebook is not None and int(codes.max()) >= codebook)):
+        raise VoiceError(f"voice file {path} is damaged: its codes must lie in 0..{(codebook or 0) - 1}, got "
+                         f"{int(codes.min())}..{int(codes.max())}")
+    if not torch.isfinite(embedding).all():
+        raise VoiceError(f"voice file {path} holds NaN or infinite values")
+    theirs = meta.get("encoder_fingerprint", "")
+    if (hidden_size is not None and embedding.shape[0] != hidden_size) or (fingerprint and theirs != fingerprint):
+        raise VoiceError(f"voice file {path} was encoded by another model's speaker encoder (fingerprint {theirs}, "
+                         f"embedding {embedding.shape[0]}; this model's: {fingerprint}, {hidden_size}): encode the "
+                         "reference again with this model (--ref-audio ... --save-voice)")
+    return ClonedVoice(embedding.float(), codes, meta.get("ref_text") or None, theirs, meta.get("source", ""))
