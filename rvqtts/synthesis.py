@@ -37,6 +37,7 @@ from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_b
 from rvqtts.tree import best_budget, platform_key, resolve_tree
 
 STREAM_FRAMES = 4  # frames per streamed audio chunk: 320 ms, the Qwen3-TTS report's packet
+PRIMED_VOICES = 32  # decoder states kept after ICL references (a few MB each at the released dimensions)
 INSTRUCT_IGNORED = ("warning: this model does not support --instruct (the 0.6B CustomVoice and the Base models "
                     "take none); ignoring it")
 
@@ -201,7 +202,6 @@ class Synthesizer:
         # Base models: which speaker encoder made a cloned voice (its embedding means nothing to another).
         self.encoder_fingerprint = encoder_fingerprint(self.model) if self.kind == "base" else None
         self.sample_rate = int(self.model.speech_tokenizer.model.get_output_sample_rate())
-        self.samples_per_frame = int(self.model.speech_tokenizer.get_decode_upsample_rate())
         # qwen-tts's generation default, in frames (N talker tokens make N - 1 frames).
         self.default_max_frames = int(tts.generate_defaults.get("max_new_tokens", 2048)) - 1
 
@@ -326,15 +326,19 @@ class Synthesizer:
         return FrameLoop(runner, inner, rules, sampling.talker, sampling.predictor, seed, utterance)
 
     def decode(self, codes: np.ndarray, clone: ClonedVoice | None = None) -> np.ndarray:
-        """The waveform of frame codes [frames, G], by qwen-tts's speech decoder (all at once). A voice
-        cloned in ICL mode is decoded as the continuation of its reference, as qwen-tts does: the
-        reference codes go in front and exactly their samples are cut off (qwen-tts cuts a proportion,
-        which can land a sample off the frame boundary)."""
+        """The waveform of frame codes [frames, G], all at once: by qwen-tts's speech decoder, or, for a
+        voice cloned in ICL mode, as the continuation of its reference. qwen-tts decodes the reference's
+        codes in front of every text chunk's and cuts a proportion of the samples (which can land a
+        sample off the frame boundary); rvqtts continues the streaming decoder from its state after the
+        reference, decoded once per voice: exactly the frames' samples, and qwen-tts's audio up to float
+        rounding, without decoding the reference again for every chunk."""
+        if clone is not None and clone.icl:
+            decoder = StreamingDecoder(self.model.speech_tokenizer)
+            self._start_stream(decoder, clone)
+            return decoder.push(codes)
         device = self.talker.codec_head.weight.device
-        context = clone.codes.numpy() if clone is not None and clone.icl else codes[:0]
-        joined = torch.from_numpy(np.concatenate([context, codes])).to(device)
-        wavs, _ = self.model.speech_tokenizer.decode([{"audio_codes": joined}])
-        return wavs[0][len(context) * self.samples_per_frame:]
+        wavs, _ = self.model.speech_tokenizer.decode([{"audio_codes": torch.from_numpy(codes).to(device)}])
+        return wavs[0]
 
     def stream(self, text: str, speaker: str | None = None, language: str = "auto", seed: int = 0,
                utterance: int = 0,
@@ -412,8 +416,10 @@ class Synthesizer:
             budget = self.frame_budget(piece, settings)
             frames: list[np.ndarray] = []
             pending = 0  # frames not decoded yet
+            begun = time.perf_counter()
             if decoder:
                 self._start_stream(decoder, clone)
+                seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
             begun = time.perf_counter()
             prompt = self.prompt(piece, speaker, language, instruct, clone)
             seconds["prompts"] += time.perf_counter() - begun
@@ -451,6 +457,8 @@ class Synthesizer:
         decoder.reset()
         if clone is not None and clone.icl:
             if clone not in self._primed:
+                if len(self._primed) >= PRIMED_VOICES:  # a batch of many voices: drop the oldest
+                    del self._primed[next(iter(self._primed))]
                 decoder.push(clone.codes)
                 self._primed[clone] = decoder.snapshot()
             decoder.restore(self._primed[clone])

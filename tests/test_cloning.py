@@ -48,12 +48,12 @@ def test_a_voice_cloned_in_icl_mode_is_spoken_exactly_as_its_references_continua
     frames = len(spoken.codes)
     assert spoken.audio.size == frames * 1920
     # qwen-tts's own post-processing of the same codes: decode reference ++ generated, cut a proportion
-    # (here one sample short of the frame boundary; rvqtts cuts exactly the reference's samples).
+    # (which may leave a sample of the reference; rvqtts gives exactly the generated frames' samples).
     joined = torch.cat([voice.codes, torch.from_numpy(spoken.codes)])
     upstream = synth.model.speech_tokenizer.decode([{"audio_codes": joined}])[0][0]
     cut = int(len(voice.codes) / len(joined) * upstream.shape[0])
     assert upstream[cut:].size in (frames * 1920, frames * 1920 + 1)
-    assert np.array_equal(upstream[-frames * 1920:], spoken.audio)
+    assert np.abs(upstream[-frames * 1920:] - spoken.audio).max() < 1e-4
     assert not np.allclose(synth.decode(spoken.codes), spoken.audio, atol=1e-4)  # the reference matters
     stream = synth.stream("Hi there.", seed=3, clone=voice, settings=SETTINGS, frames_per_chunk=3)
     chunks = list(stream)

@@ -95,6 +95,7 @@ def test_synth_stream_to_stdout_writes_a_wav_of_unknown_length(tmp_path, tiny_di
     assert data[36:40] == b"data" and struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF
     samples = np.frombuffer(data[44:], dtype="<i2")
     whole = run_cli("synth", text, *options, "-o", tmp_path / "whole.wav")
+    assert whole.exit_code == 0, whole.output
     reference, rate = soundfile.read(tmp_path / "whole.wav", dtype="int16")
     assert rate == 24000 and samples.shape == reference.shape == (9 * 1920,)
     assert np.abs(samples.astype(int) - reference).max() <= 1
