@@ -38,6 +38,12 @@ def narrow(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def base_dir(tmp_path_factory):
+    """A tiny Base checkpoint (voice cloning): a speaker encoder, no speakers."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "base", kind="base")
+
+
+@pytest.fixture(scope="session")
 def tiny(tiny_dir):
     return Synthesizer.load(tiny_dir)
 

@@ -13,7 +13,6 @@ import torch
 
 from rvqtts.cloning import ClonedVoice, VoiceError, VoiceSource, load_voice, save_voice
 from rvqtts.synthesis import GenerationSettings, Synthesizer, prepare_inner_loop
-from rvqtts.tiny import build_tiny_model
 
 from helpers import run_cli
 
@@ -22,9 +21,8 @@ REF_TEXT = "Hello there, this is my voice."
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cloning")
-    folder = build_tiny_model(root / "base", kind="base")
+def base(tmp_path_factory, base_dir):
+    root, folder = tmp_path_factory.mktemp("cloning"), base_dir
     rng = np.random.default_rng(0)
     # 1.5 s of noise at 48 kHz in stereo: qwen-tts resamples it to 24 kHz after rvqtts mixes it to mono
     soundfile.write(root / "ref.wav", (rng.standard_normal((72000, 2)) * 0.1).astype(np.float32), 48000)

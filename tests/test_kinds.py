@@ -18,9 +18,9 @@ from helpers import run_cli
 
 
 @pytest.fixture(scope="module")
-def kinds(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kinds")
-    return {kind: build_tiny_model(root / kind, kind=kind) for kind in ("base", "voice-design")}
+def kinds(tmp_path_factory, base_dir):
+    return {"base": base_dir, "voice-design": build_tiny_model(tmp_path_factory.mktemp("kinds") / "vd",
+                                                               kind="voice-design")}
 
 
 def load(folder):
