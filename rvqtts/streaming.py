@@ -41,8 +41,14 @@ class StreamingDecoder:
 
     def snapshot(self) -> tuple:
         """Everything pushed so far, to `restore` later (in this decoder or another of the same model):
-        a cloned voice's reference is pushed once, not before every chunk."""
-        return dict(self.state), copy.deepcopy(self.cache), self.frames
+        a cloned voice's reference is pushed once, not before every chunk. The carried inputs and the
+        attention cache are copied compactly: a view would keep the whole last push's activations."""
+        cache = copy.deepcopy(self.cache)
+        for layer in getattr(cache, "layers", []):
+            for name in ("keys", "values"):
+                if isinstance(getattr(layer, name, None), torch.Tensor):
+                    setattr(layer, name, getattr(layer, name).clone())
+        return {key: value.clone() for key, value in self.state.items()}, cache, self.frames
 
     def restore(self, saved: tuple) -> None:
         """Continue from a `snapshot`, as if what it holds had just been pushed."""

@@ -330,12 +330,15 @@ class Synthesizer:
         voice cloned in ICL mode, as the continuation of its reference. qwen-tts decodes the reference's
         codes in front of every text chunk's and cuts a proportion of the samples (which can land a
         sample off the frame boundary); rvqtts continues the streaming decoder from its state after the
-        reference, decoded once per voice: exactly the frames' samples, and qwen-tts's audio up to float
-        rounding, without decoding the reference again for every chunk."""
+        reference, decoded once per voice: exactly the frames' samples, without decoding the reference
+        again for every chunk, and qwen-tts's audio up to float rounding where reference and chunk are
+        at most 300 frames together (past that qwen-tts re-decodes windows with 25 frames of context, an
+        approximation of the one pass rvqtts computes)."""
         if clone is not None and clone.icl:
             decoder = StreamingDecoder(self.model.speech_tokenizer)
             self._start_stream(decoder, clone)
-            return decoder.push(codes)
+            # in pieces of at most 300 frames, as qwen-tts's decode goes: exact, and memory stays bounded
+            return np.concatenate([decoder.push(codes[start:start + 300]) for start in range(0, len(codes), 300)])
         device = self.talker.codec_head.weight.device
         wavs, _ = self.model.speech_tokenizer.decode([{"audio_codes": torch.from_numpy(codes).to(device)}])
         return wavs[0]

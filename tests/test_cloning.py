@@ -60,6 +60,9 @@ def test_a_voice_cloned_in_icl_mode_is_spoken_exactly_as_its_references_continua
     again = synth.stream("Hi there.", seed=3, clone=voice, settings=SETTINGS, frames_per_chunk=3)
     list(again)  # the decoder restored after the reference, not fed it again: the same samples
     assert voice in synth._primed and np.array_equal(again.result.audio, stream.result.audio)
+    state, cache, _ = synth._primed[voice]  # kept compactly: no view holding a whole push's activations
+    kept = [*state.values(), *(getattr(layer, name) for layer in cache.layers for name in ("keys", "values"))]
+    assert sum(t.untyped_storage().nbytes() for t in kept) <= 2 * sum(t.numel() * t.element_size() for t in kept)
     text, chunked = "One two three four. Five six seven eight.", dict(chunk_chars=20, settings=SETTINGS, clone=voice)
     whole = synth.synthesize(text, **chunked)
     streamed = synth.stream(text, frames_per_chunk=4, **chunked)
@@ -145,6 +148,10 @@ def test_bad_voice_input_fails_with_one_line_before_the_model_loads(base, tiny_d
     lines.write_text('{"text": "One.", "x_vector_only": true, "ref_audio": "ref.wav", "ref_text": "One."}\n')
     refused = run_cli("synth", "-f", lines, "--out-dir", tmp_path / "batch", "--model", folder)
     assert refused.exit_code == 2 and "lines.jsonl:1: x-vector-only mode clones" in refused.output
+    lines.write_text('{"text": "One."}\n{"text": "Two.", "ref_audio": "short.wav", "x_vector_only": true}\n')
+    refused = run_cli("synth", "-f", lines, "--out-dir", tmp_path / "batch", "--model", folder, "--voice",
+                      tmp_path / "v.safetensors")
+    assert refused.exit_code == 2 and "lines.jsonl:2: reference audio" in refused.output and "is 0.50 s" in refused.output
     assert not (tmp_path / "out.wav").exists() and not (tmp_path / "batch").exists()
     assert not (tmp_path / "w.safetensors").exists()
 

@@ -239,7 +239,7 @@ def synth(
     # the cloned voices of the lines to make (a resumed batch does not encode the voices of lines it skips)
     making = to_do(utterances, out_dir, force) if file is not None else utterances
     voices = sorted(({item.clone for item in making} | {clone}) - {None}, key=str)
-    _check_voice_files(voices)
+    _check_voice_files(voices, {item.clone: f"{file}:{item.line}: " for item in reversed(making) if item.clone})
     if ray is not None:
         worker_spec = replace(worker_spec, voices=tuple(voices))
     run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings, clone=clone,
@@ -282,16 +282,17 @@ def synth(
         raise typer.Exit(1)
 
 
-def _check_voice_files(sources: list) -> None:
-    """Fail with one line unless every reference audio file can clone a voice and every voice file is
-    one (which model encoded it is checked once the model is loaded)."""
+def _check_voice_files(sources: list, where: dict | None = None) -> None:
+    """Fail with one line (prefixed with `where[source]`, the batch line that first names it) unless every
+    reference audio file can clone a voice and every voice file is one (which model encoded it is checked
+    once the model is loaded)."""
     from rvqtts.cloning import VoiceError, load_voice, read_reference
 
     for source in sources:
         try:
             read_reference(source.ref_audio) if source.voice is None else load_voice(source.voice)
         except VoiceError as error:
-            fail(str(error))
+            fail((where or {}).get(source, "") + str(error))
 
 
 def _encode_voices(synthesizer, sources: list, clone, save_voice: Optional[Path], quiet: bool) -> None:
@@ -305,7 +306,10 @@ def _encode_voices(synthesizer, sources: list, clone, save_voice: Optional[Path]
     except ValueError as error:  # VoiceError, and a cloned voice on a model of another kind
         fail(str(error))
     if save_voice is not None:
-        write_voice(synthesizer.voice_of(clone), save_voice)
+        try:
+            write_voice(synthesizer.voice_of(clone), save_voice)
+        except OSError as error:  # the disk filled or the folder changed since it was checked
+            fail(f"cannot write {save_voice}: {error}")
         say(f"wrote the voice cloned from {clone.ref_audio} to {save_voice} (use it with --voice)", quiet)
 
 
