@@ -37,6 +37,12 @@ class Utterance:
     instruct: str | None = None
     clone: VoiceSource | None = None  # this line's cloned voice (Base models), else the batch's
 
+    def voice(self, speaker: str | None, language: str, instruct: str | None,
+              clone: VoiceSource | None) -> dict:
+        """This line's voice, the keywords of `voice_for`: its own fields, else the run's (given here)."""
+        return dict(speaker=self.speaker or speaker, language=self.language or language,
+                    instruct=self.instruct or instruct, source=self.clone or clone)
+
 
 def _output_name(path: Path, line: int, out: object) -> str:
     if out is None:
@@ -145,8 +151,8 @@ def render(synth, item: Utterance, *, speaker: str | None, language: str, instru
     partial, resumed or on any worker, makes the same audio for it."""
     from rvqtts.audio import audio_bytes, audio_format
 
-    source = item.clone or clone
-    voice = voice_for(synth, item.speaker or speaker, item.language or language, item.instruct or instruct, source)
+    line = item.voice(speaker, language, instruct, clone)
+    voice, source = voice_for(synth, **line), line["source"]
     synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line, settings=settings,
                                  chunk_chars=chunk_chars, **voice)
     heard = {"speaker": voice["speaker"], "language": voice["language"]}

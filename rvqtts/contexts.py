@@ -121,8 +121,7 @@ def record_contexts(synthesizer, utterances, speaker: str | None, language: str,
     languages: list[str] = []
 
     for number, item in enumerate(utterances):
-        voice = voice_for(synthesizer, item.speaker or speaker, item.language or language, item.instruct or instruct,
-                          item.clone or clone)
+        voice = voice_for(synthesizer, **item.voice(speaker, language, instruct, clone))
         spoken = voice["language"]
 
         def on_frame(prefix: torch.Tensor, residual: list[int]) -> None:

@@ -194,9 +194,9 @@ class Synthesizer:
         self._parts: LoopParts | None = None
         self._talker: TalkerRunner | None = None
         # Only CustomVoice models have built-in speakers (the others' voices are cloned or described).
-        self.speakers = sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else []
-        self.languages = sorted(tts.get_supported_languages() or [])
-        self.voices = ModelVoices(self.kind, self.speakers, self.languages)
+        self.voices = ModelVoices(self.kind,
+                                  sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else [],
+                                  sorted(tts.get_supported_languages() or []))
         self._cloned: dict[VoiceSource, ClonedVoice] = {}  # each source encoded (or read) once
         self._primed: dict[ClonedVoice, tuple] = {}  # the streaming decoder after each ICL voice's reference
         # Base models: which speaker encoder made a cloned voice (its embedding means nothing to another).
@@ -215,6 +215,14 @@ class Synthesizer:
     @property
     def hidden_size(self) -> int:
         return self.code_predictor.config.hidden_size
+
+    @property
+    def speakers(self) -> list[str]:
+        return self.voices.speakers
+
+    @property
+    def languages(self) -> list[str]:
+        return self.voices.languages
 
     @property
     def kind(self) -> str:
@@ -386,7 +394,7 @@ class Synthesizer:
                on_chunk: Callable[[int, int], None] | None,
                on_frame: Callable[[torch.Tensor, list[int]], None] | None) -> Generator[np.ndarray, None, Synthesis]:
         """The audio of one utterance, chunk of text after chunk: decoded every `stream_frames` frames by
-        the streaming decoder, or (None) each text chunk at once by qwen-tts's; then the Synthesis."""
+        the streaming decoder, or (None) each text chunk at once (`decode`); then the Synthesis."""
         if not text.strip():
             raise ValueError("the text is empty: give something to say")
         speaker = self.check_voice(speaker, language, instruct, clone)

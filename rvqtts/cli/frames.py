@@ -64,8 +64,7 @@ def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path]
         fail(str(error))
     for item in utterances:
         try:
-            voice_for(synthesizer, item.speaker or speaker, item.language or language, item.instruct or instruct,
-                      item.clone or clone)
+            voice_for(synthesizer, **item.voice(speaker, language, instruct, clone))
         except ValueError as error:
             fail(f"{texts}:{item.line}: {error}")
     with progress_bar(quiet) as progress:

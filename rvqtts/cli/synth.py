@@ -231,9 +231,9 @@ def synth(
         fail(str(error))
     for item in utterances:
         where = f"{file}:{item.line}: " if file else ""
+        line = item.voice(speaker, language, instruct, clone)
         try:
-            found.check(item.speaker or speaker, item.language or language, item.instruct or instruct,
-                        cloned=(item.clone or clone) is not None)
+            found.check(line["speaker"], line["language"], line["instruct"], cloned=line["source"] is not None)
         except ValueError as error:
             fail(f"{where}{error}" + (" (or the line's fields)" if file else ""))
     # the cloned voices of the lines to make (a resumed batch does not encode the voices of lines it skips)
