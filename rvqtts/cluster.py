@@ -75,13 +75,14 @@ class SynthesisWorker:
         import torch
 
         from rvqtts.devices import pick_device, pick_dtype
+        from rvqtts.loading import model_config
         from rvqtts.synthesis import Synthesizer, prepare_inner_loop
 
         spec = self.spec
         torch.set_num_threads(max(1, int(spec.cpus)))  # the CPUs Ray gave this worker, not the whole node's
         device = pick_device("cuda" if spec.device == "auto" and spec.gpus > 0 else
                              "cpu" if spec.device == "auto" else spec.device)
-        dtype, _ = pick_dtype(spec.dtype, device)
+        dtype, _ = pick_dtype(spec.dtype, device, model_config(spec.model).talker_config, spec.weights)
         self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights)
         notice = prepare_inner_loop(self.synth, spec.spec, spec.tree, spec.offsets, spec.cuda_graphs)
         for source in spec.voices:

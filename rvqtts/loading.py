@@ -131,14 +131,20 @@ def model_voices(model: str | os.PathLike) -> ModelVoices:
     """A checkpoint's kind, speakers (only CustomVoice models have any) and languages, as qwen-tts lists
     them, read from its config alone (no weights are loaded). ModelLoadError for a model that is not a
     12 Hz Qwen3-TTS checkpoint."""
+    config = model_config(model)
+    talker = config.talker_config
+    languages = ["auto"] + [k for k in talker.codec_language_id if "dialect" not in k]
+    speakers = talker.spk_id if config.tts_model_type == "custom_voice" else None
+    return ModelVoices(config.tts_model_type, sorted(k.lower() for k in speakers or {}),
+                       sorted(k.lower() for k in languages))
+
+
+def model_config(model: str | os.PathLike):
+    """A 12 Hz checkpoint's `Qwen3TTSConfig`, read alone (no weights load); ModelLoadError otherwise."""
     source = resolve_model(model)
     try:
         config = qwen_tts().core.models.Qwen3TTSConfig.from_pretrained(source)
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"cannot read {model}'s config as a Qwen3-TTS checkpoint's: {error}") from error
     _check_kind(model, config.tts_model_type, config.tokenizer_type)
-    talker = config.talker_config
-    languages = ["auto"] + [k for k in talker.codec_language_id if "dialect" not in k]
-    speakers = talker.spk_id if config.tts_model_type == "custom_voice" else None
-    return ModelVoices(config.tts_model_type, sorted(k.lower() for k in speakers or {}),
-                       sorted(k.lower() for k in languages))
+    return config

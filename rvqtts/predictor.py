@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from rvqtts.transformer import CachedDecoder, can_pack, module_map
+from rvqtts.kernels import module_map
+from rvqtts.transformer import CachedDecoder
 
 
 class PredictorRunner(CachedDecoder):
@@ -23,11 +24,9 @@ class PredictorRunner(CachedDecoder):
     def __init__(self, code_predictor: torch.nn.Module, max_len: int, weights: str = "native"):
         config = code_predictor.config
         weight = code_predictor.lm_head[0].weight
-        # Packed weights make a tree round of up to 32 slots cost about one step (rvqtts.transformer).
-        pack = can_pack(weight.device, weight.dtype)
         super().__init__(code_predictor.model.layers, code_predictor.model.norm, config, max_len,
-                         weight.device, weight.dtype, weights, pack)
-        self.heads = [module_map(head, weights, self.pack) for head in code_predictor.lm_head]
+                         weight.device, weight.dtype, weights)
+        self.heads = [module_map(head, weights) for head in code_predictor.lm_head]
         self.embeddings = code_predictor.model.codec_embedding
         self.project = code_predictor.small_to_mtp_projection
         self.code_groups = config.num_code_groups

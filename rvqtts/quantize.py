@@ -4,10 +4,11 @@ held as int8, activations in the model's dtype (the 1.7B predictor's small input
 On a CPU both loops are bound by reading their weights (rvqtts.floor), so halving the bytes is the lever
 that arithmetic cannot give. Each output channel (a row of the weight) gets its own scale, the largest
 magnitude in the row over 127, and its weights are rounded to the nearest step: symmetric, no zero point,
-as the paper's W8A16 deployment. The maps run through torch's int8 matrix kernel, which gives each row
-the same bits in a call of any number of rows (checked up to 65 rows at the released map shapes, bfloat16
-and float32; tests/test_quantize.py), so a tree round's
-rows equal plain steps within the quantized model and speculative and plain decoding emit the same codes.
+as the paper's W8A16 deployment. The maps run through torch's int8 matrix kernel (rvqtts.kernels, which
+checks on each machine that it gives each row the same bits in a call of any number of rows, padding
+calls where that makes it hold; tests/test_quantize.py checks it up to 65 rows at the released map
+shapes, bfloat16 and float32), so a tree round's rows equal plain steps within the quantized model and
+speculative and plain decoding emit the same codes.
 Quantization changes the model: its codes differ from the unquantized model's now and then
 (`rvqtts bench dtype --weights int8` measures how often).
 """
@@ -33,23 +34,3 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = weight.detach().float()
     scales = values.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
     return torch.round(values / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scales
-
-
-class Int8Map:
-    """A linear map with int8 weights and per-row scales in the activations' dtype, applied by torch's
-    int8 matrix kernel (`torch._weight_int8pack_mm`). `weight` stays the module's own (for code that
-    reads it); the calls read `qweight` and `scales`."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight, self.bias = weight, bias
-        self.qweight, scales = quantize_rows(weight)
-        self.scales = scales.to(weight.dtype)
-
-    def reads(self) -> list[torch.Tensor]:
-        """The tensors a call reads."""
-        return [self.qweight, self.scales] + ([] if self.bias is None else [self.bias])
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch._weight_int8pack_mm(rows, self.qweight, self.scales).view(*x.shape[:-1], self.qweight.shape[0])
-        return out if self.bias is None else out + self.bias

@@ -22,6 +22,8 @@ def total_record(records: list[dict]) -> dict:
     for key in ("spec", "tree_nodes", "weights", "seed"):
         values = {r[key] for r in records}
         total[key] = values.pop() if len(values) == 1 else None
+    engines = [r.get("engine") for r in records]
+    total["engine"] = engines[0] if engines and all(e == engines[0] for e in engines) else None
     total["warnings"] = sum(len(r["warnings"]) for r in records)
     return total
 
@@ -241,4 +243,24 @@ def coreml_table(result: dict) -> Table:
     for name, value in result.items():
         if name not in ("model", "candidate", "frames_source"):
             table.add_row(name, str(value))
+    return table
+
+
+def tune_table(result: dict) -> Table:
+    """`rvqtts tune`: each map shape's kernel, its rows' invariance and costs, against the fixed rule's."""
+    table = Table(title=f"kernels on {result['machine']}", title_justify="left", box=box.SIMPLE_HEAD)
+    for title in ("dtype", "loop", "map", "per frame", "kernel", "rows invariant", "1 row ms", "17 rows ms",
+                  "fixed rule", "its 1 row ms"):
+        left = title in ("dtype", "loop", "map", "kernel", "fixed rule")
+        table.add_column(title, justify="left" if left else "right", no_wrap=left)
+    for name, measured in result["dtypes"].items():
+        for row in measured["maps"]:
+            costs = row["ms"][row["kernel"]]
+            fixed = next((ms for name, ms in row["ms"].items() if name.split("/pad")[0] == row["fixed"]), {})
+            table.add_row(name, row["loop"], "x".join(map(str, row["shape"])), str(row["per_frame"]), row["kernel"],
+                          {True: "yes", False: "NO", None: "-"}[row["row_invariant"]], f"{costs['1']:.3f}",
+                          f"{costs['17']:.3f}", row["fixed"], f"{fixed['1']:.3f}" if fixed else "-")
+    costs = ", ".join(f"{measured['frame_map_ms']:.1f} ms in {name}" for name, measured in result["dtypes"].items())
+    picked = f"; --dtype auto picks {result['auto']}" if "auto" in result else ""
+    table.caption = f"one frame's linear maps: {costs}{picked}; kept in {result['cache']}"
     return table

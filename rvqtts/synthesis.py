@@ -26,6 +26,7 @@ from rvqtts.frame_loop import FrameLoop
 from rvqtts.fused import FusedDecoder
 from rvqtts.graphs import StaticCalls
 from rvqtts.inner_loop import ForcedLoop, InnerLoop, LoopParts
+from rvqtts.kernels import cpu_model, kernels_used
 from rvqtts.loading import ModelVoices, load_tts
 from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
 from rvqtts.prompt import Prompt, capture_prompt
@@ -136,6 +137,7 @@ class Synthesis:
     warnings: list[str] = field(default_factory=list)
     stream_frames: int | None = None
     weights: str = "native"
+    engine: dict = field(default_factory=dict)
 
     def record(self) -> dict:
         """The statistics users see (`--stats-json`, the table). rtf = compute seconds / audio seconds."""
@@ -154,7 +156,7 @@ class Synthesis:
             "first_audio_split": self.seconds["first_audio_split"], "stream_frames": self.stream_frames,
             "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
             "spec": self.spec, "tree_nodes": self.tree_nodes, "weights": self.weights, "seed": self.seed,
-            "sampling": self.sampling,
+            "sampling": self.sampling, "engine": self.engine,
             "warnings": list(self.warnings),
         }
 
@@ -309,6 +311,19 @@ class Synthesizer:
                                         weights=self.weights)
         return self._talker
 
+    def engine_record(self) -> dict:
+        """What ran (`--stats-json`'s "engine"): the device, dtype and weight format, torch and the CPU, and
+        the kernels of each loop's linear maps (rvqtts.kernels)."""
+        weight = self.talker.codec_head.weight
+        kernels = {}
+        if self._talker is not None:
+            kernels["talker"] = kernels_used(self._talker.layer_maps() + [self._talker.head])
+        if self._parts is not None and self._parts.runner is not None:
+            kernels["predictor"] = kernels_used(self._parts.runner.layer_maps() + self._parts.runner.heads)
+        return {"device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
+                "weights": self.weights, "torch": torch.__version__,
+                "cpu": cpu_model() if weight.device.type == "cpu" else None, "kernels": kernels}
+
     def _cuda_graphs_on(self) -> bool:
         return self.cuda_graphs and self.talker.codec_head.weight.device.type == "cuda"
 
@@ -460,7 +475,7 @@ class Synthesizer:
                          chunks=len(pieces), spec=self.speculation is not None,
                          tree_nodes=self.speculation.tree.nodes if self.speculation else 0, seed=seed,
                          sampling=sampling.record(), warnings=warnings, stream_frames=stream_frames,
-                         weights=self.weights)
+                         weights=self.weights, engine=self.engine_record())
 
     def _start_stream(self, decoder: StreamingDecoder, clone: ClonedVoice | None) -> None:
         """Reset the streaming decoder for a text chunk; for a voice cloned in ICL mode, continue its

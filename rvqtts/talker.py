@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from rvqtts.graphs import StaticCalls
-from rvqtts.transformer import CachedDecoder, module_map
+from rvqtts.kernels import module_map
+from rvqtts.transformer import CachedDecoder
 
 CAPACITY_STEP = 256  # the cache grows in these many slots; CUDA graphs attend over spans rounded to it
 

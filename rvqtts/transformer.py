@@ -9,12 +9,11 @@ float32 (the modules' own), RoPE tables computed by the model's rotary module an
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from rvqtts.quantize import Int8Map, check_weights
+from rvqtts.kernels import LinearMap, make_map, module_map
+from rvqtts.quantize import check_weights
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -22,82 +21,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-PACKED_ROWS = 32  # rows per call of a packed map: up to here each row gets torch.mv's bits (docs/engine.md)
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether maps on `device` in `dtype` may take oneDNN-packed weights: bfloat16 on CPUs with oneDNN's
-    bfloat16 kernels (float32's packed kernel gives rows other bits than a step's, so it is not used).
-    Each map's shape is then probed (`packed_rows_match_mv`)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-@functools.cache
-def packed_rows_match_mv(out_features: int, in_features: int) -> bool:
-    """Whether this machine's packed kernel gives every row of a call of 1 to PACKED_ROWS rows torch.mv's
-    bits for a bfloat16 map of this shape (kernels are chosen per CPU and shape): probed once per shape
-    on random weights, about 50 ms for a 1024 x 1024 map."""
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
-    rows = torch.randn(PACKED_ROWS, in_features, generator=generator).to(torch.bfloat16)
-    with torch.inference_mode():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        steps = torch.stack([torch.mv(weight, row) for row in rows])
-        return all(torch.equal(torch.ops.mkldnn._linear_pointwise(rows[:n], packed, None, "none", [], ""), steps[:n])
-                   for n in range(1, PACKED_ROWS + 1))
-
-
-class LinearMap:
-    """A linear map (weight [out, in], optional bias) as the hot loops apply it.
-
-    One row without bias goes through torch.mv on CPUs: one-row bfloat16 F.linear ran at about 60 % of
-    its speed (2-vCPU Xeon with AMX) and gives the same bits. With `pack`, the map also holds its weights
-    reordered once for oneDNN's bfloat16 kernel: a 16-row call then costs about what one row does, where
-    F.linear costs 1.5x (docs/benchmarks.md), and each row's result equals torch.mv's bit for bit for up
-    to PACKED_ROWS rows per call (`packed_rows_match_mv` checks the shape; a map whose shape fails is
-    not packed), so more rows go in chunks of that many: a tree round's rows are what plain steps compute.
-    Packing costs a second copy of the weights. Not while tracing (Core ML export), whose graphs keep
-    F.linear."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
-        self.weight, self.bias = weight, bias
-        self.packed = None
-        if pack and packed_rows_match_mv(*weight.shape):
-            with torch.no_grad():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-
-    def reads(self) -> list[torch.Tensor]:
-        """The tensors a call reads (a packed copy holds the weight's bytes in another order)."""
-        return [self.weight] + ([] if self.bias is None else [self.bias])
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or torch.jit.is_tracing():
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None and x.dim() == 1:
-            return torch.mv(self.weight, x)
-        if self.bias is None and x.dim() == 2 and x.shape[0] == 1:
-            return torch.mv(self.weight, x[0])[None]
-        if self.packed is not None and x.dim() == 2:
-            parts = [torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-                     for rows in x.split(PACKED_ROWS)]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-        return F.linear(x, self.weight, self.bias)
-
-
-Map = LinearMap | Int8Map
-
-
-def make_map(weight: torch.Tensor, bias: torch.Tensor | None, weights: str = "native", pack: bool = False) -> Map:
-    """The map of `weight` as `weights` asks: the dtype's own (packed where `pack`), or 8-bit."""
-    return Int8Map(weight, bias) if weights == "int8" else LinearMap(weight, bias, pack)
-
-
-def module_map(linear: torch.nn.Linear, weights: str = "native", pack: bool = False) -> Map:
-    return make_map(linear.weight, linear.bias, weights, pack)
-
-
-def _stacked(*maps: torch.nn.Linear, weights: str = "native", pack: bool = False) -> Map:
+def _stacked(*maps: torch.nn.Linear, weights: str = "native") -> LinearMap:
     """One linear map computing `maps` side by side. The maps' own parameters become views of the stacked
     tensors (same values), so the model's weights are held once, not twice."""
     stacked = []
@@ -112,17 +36,17 @@ def _stacked(*maps: torch.nn.Linear, weights: str = "native", pack: bool = False
             part.data = joined[start:start + part.shape[0]]
             start += part.shape[0]
         stacked.append(joined)
-    return make_map(stacked[0], stacked[1], weights, pack)
+    return make_map(stacked[0], stacked[1], weights)
 
 
 class CachedDecoder:
     """The layers of a loaded Qwen3 decoder with a preallocated KV cache of `max_len` slots."""
 
     def __init__(self, layers: torch.nn.ModuleList, norm: torch.nn.Module, config: object, max_len: int,
-                 device: torch.device, dtype: torch.dtype, weights: str = "native", pack: bool = False):
+                 device: torch.device, dtype: torch.dtype, weights: str = "native"):
         check_weights(weights, device)
         self.layers, self.norm = layers, norm
-        self.weights, self.pack = weights, pack and weights == "native"
+        self.weights = weights
         self.device, self.dtype = device, dtype
         self.hidden_size = config.hidden_size
         self.n_heads = config.num_attention_heads
@@ -130,17 +54,17 @@ class CachedDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One matrix product for q, k and v, and one for the MLP's gate and up maps: fewer, larger kernels
         # (on a 2-core CPU in bf16 this cut the linear maps' time by about a tenth; docs/benchmarks.md).
-        kind = dict(weights=weights, pack=self.pack)
-        self.qkv = [_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, **kind)
+        # Each map's kernel is the one measured fastest for its shape on this machine (rvqtts.kernels).
+        self.qkv = [_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, weights=weights)
                     for layer in layers]
-        self.gate_up = [_stacked(layer.mlp.gate_proj, layer.mlp.up_proj, **kind) for layer in layers]
-        self.out = [module_map(layer.self_attn.o_proj, **kind) for layer in layers]
-        self.down = [module_map(layer.mlp.down_proj, **kind) for layer in layers]
+        self.gate_up = [_stacked(layer.mlp.gate_proj, layer.mlp.up_proj, weights=weights) for layer in layers]
+        self.out = [module_map(layer.self_attn.o_proj, weights) for layer in layers]
+        self.down = [module_map(layer.mlp.down_proj, weights) for layer in layers]
         self.q_width = self.n_heads * self.head_dim
         self.kv_width = self.n_kv_heads * self.head_dim
         self.allocate(max_len)
 
-    def layer_maps(self) -> list[Map]:
+    def layer_maps(self) -> list[LinearMap]:
         """Every layer's linear maps (what each call applies)."""
         return [*self.qkv, *self.out, *self.gate_up, *self.down]
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Kernels and dtype by the fixed rules, not by a timing that could flip between processes (a Ray worker against its
+# driver): tests that exercise measured choices set RVQTTS_CHOICES=measured themselves.
+os.environ.setdefault("RVQTTS_CHOICES", "fixed")
 
 import pytest
 

@@ -37,6 +37,20 @@ def random_prefix(synth: Synthesizer, seed: int) -> torch.Tensor:
         return torch.cat([h_t, talker.get_input_embeddings()(c0)])
 
 
+def decode_frames(synth: Synthesizer, speculation, frames: int, calls=None) -> tuple[np.ndarray, object]:
+    """The inner loop's codes [frames, G-1] over random prefixes (seed 7) and its statistics; `calls`
+    replaces its static calls (e.g. emulated CUDA graphs)."""
+    from rvqtts.inner_loop import InnerLoop
+    from rvqtts.sampling import SamplingConfig
+
+    loop = InnerLoop(synth.code_predictor, speculation, seed=7)
+    if calls is not None:
+        loop.calls = calls
+    dtype = synth.code_predictor.lm_head[0].weight.dtype
+    codes = [loop.decode(random_prefix(synth, seed=f).to(dtype), SamplingConfig(), 0, f) for f in range(frames)]
+    return np.array(codes), loop.stats
+
+
 def stock_path_logits(code_predictor, prefix: torch.Tensor, codes: list[int]) -> torch.Tensor:
     """qwen-tts's forward over [h_t, c0, c_1..c_m] in one uncached call: logits of c_1..c_{m+1}."""
     embeddings = code_predictor.get_input_embeddings()
@@ -60,15 +74,15 @@ def random_contexts(synth, frames: int, seed: int = 0) -> Contexts:
 def linear_maps_are_row_invariant(code_predictor, rows: int = 34) -> bool:
     """Whether the runner's linear maps give one row the same bits alone as in a call of 2 to `rows` rows
     (a round's query, and each depth's rows through its LM head) on this machine (kernels are chosen by
-    shape, differently per CPU and dtype; packed maps take rows PACKED_ROWS at a time). Where they do, a
+    shape, differently per CPU and dtype: rvqtts.kernels). Where they do, a
     tree call's rows equal plain steps bit for bit; elsewhere they differ in the last bit."""
+    from rvqtts.kernels import Kernel, LinearMap
     from rvqtts.predictor import PredictorRunner
-    from rvqtts.transformer import LinearMap
 
     runner = PredictorRunner(code_predictor, 2)
     maps = [runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[0]]
     if isinstance(runner.project, torch.nn.Linear):
-        maps.append(LinearMap(runner.project.weight, runner.project.bias))  # the module's F.linear
+        maps.append(LinearMap(runner.project.weight, runner.project.bias, Kernel("linear")))  # the module's
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for linear in maps:

@@ -7,10 +7,10 @@ import torch
 from helpers import random_prefix, stock_path_logits
 
 from rvqtts.decode import RoundPlan
+from rvqtts.kernels import kernel_choice
 from rvqtts.predictor import PredictorRunner
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tiny import build_tiny_model
-from rvqtts.transformer import PACKED_ROWS, can_pack, packed_rows_match_mv
 from rvqtts.tree import Tree
 
 TOLERANCE = 1e-4
@@ -124,18 +124,23 @@ def test_half_precision_runs_close_to_float32(tiny_dir, dtype):
     assert (logits - expected).abs().max() < 0.1 * expected.abs().max()
 
 
-@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16),
-                    reason="oneDNN has no bfloat16 kernels on this CPU: nothing is packed")
-def test_packed_maps_give_every_row_the_bits_of_a_plain_step(released_06_dir):
-    """Where the runner packs its maps (bfloat16 on this CPU), a call of any number of rows, chunked past
-    PACKED_ROWS, gives each row what torch.mv gives it alone: tree rounds compute what plain steps do."""
-    runner = PredictorRunner(Synthesizer.load(released_06_dir, dtype="bfloat16").code_predictor, 2)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_measured_kernels_give_every_row_the_bits_it_gets_alone_at_the_released_shapes(released_06_dir, dtype,
+                                                                                     monkeypatch):
+    """Whatever kernel the measurement picks for a map (rvqtts.kernels), a call of any number of rows up to
+    a 64-node round's 65 gives each row what a call of that row alone gives it: tree rounds compute what
+    plain steps do. Where no kernel is invariant the choice says so, and the claim is not made."""
+    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
+    runner = PredictorRunner(Synthesizer.load(released_06_dir, dtype=dtype).code_predictor, 2)
     generator = torch.Generator().manual_seed(6)
     for linear in (runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[3]):
-        assert (linear.packed is not None) == packed_rows_match_mv(*linear.weight.shape)  # packed where it holds
-        if linear.packed is None:
+        choice = kernel_choice(tuple(linear.weight.shape), linear.weight.dtype)
+        assert choice.kernel == linear.kernel and choice.source in ("measured", "cache")
+        if not choice.row_invariant:
+            assert not choice.invariant
             continue
-        x = torch.randn(PACKED_ROWS + 8, linear.weight.shape[1], generator=generator).to(torch.bfloat16)
-        steps = torch.stack([torch.mv(linear.weight, row) for row in x])
-        for rows in (2, 16, PACKED_ROWS, PACKED_ROWS + 8):
-            assert torch.equal(linear(x[:rows]), steps[:rows]), f"{rows} rows"
+        x = torch.randn(65, linear.weight.shape[1], generator=generator).to(linear.weight.dtype)
+        with torch.inference_mode():
+            alone = torch.cat([linear(x[i:i + 1]) for i in range(65)])
+            for rows in (2, 3, 4, 7, 8, 16, 17, 32, 33, 64, 65):
+                assert torch.equal(linear(x[:rows]), alone[:rows]), f"{linear.kernel.name}, {rows} rows"

@@ -16,7 +16,8 @@ from rvqtts.decode import Speculation
 from rvqtts.inner_loop import InnerLoop, LoopParts
 from rvqtts.offsets import Offsets
 from rvqtts.predictor import PredictorRunner
-from rvqtts.quantize import Int8Map, check_weights, quantize_rows
+from rvqtts.kernels import Kernel, LinearMap
+from rvqtts.quantize import check_weights, quantize_rows
 from rvqtts.sampling import SamplingConfig
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tree import resolve_tree
@@ -38,7 +39,7 @@ def test_an_int8_map_applies_its_dequantized_weights_and_gives_rows_the_same_bit
     generator = torch.Generator().manual_seed(1)
     weight = (torch.randn(96, 64, generator=generator) * 0.05).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype)
-    linear = Int8Map(weight, bias)
+    linear = LinearMap(weight, bias, Kernel("int8"))
     x = torch.randn(20, 64, generator=generator).to(dtype)
     q, scales = quantize_rows(weight)
     expected = x.float() @ (q.float() * scales.to(dtype).float()[:, None]).T + bias.float()

@@ -9,13 +9,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import linear_maps_are_row_invariant, random_prefix
+from helpers import decode_frames, linear_maps_are_row_invariant
 
 from rvqtts.decode import Speculation
 from rvqtts.graphs import StaticCalls
 from rvqtts.offsets import Offsets
-from rvqtts.sampling import SamplingConfig
-from rvqtts.inner_loop import InnerLoop
 from rvqtts.synthesis import GenerationSettings, Synthesizer
 from rvqtts.tiny import released_file
 from rvqtts.tree import resolve_tree
@@ -49,15 +47,6 @@ def test_the_shallow_checkpoint_has_the_released_layout(dims, request):
     assert "eric" in synth.speakers and "sichuan_dialect" not in synth.languages  # dialects are speakers' own
     stored = json.loads((request.getfixturevalue(SIZES[dims] + "_dir") / "config.json").read_text())
     assert stored["talker_config"]["spk_is_dialect"]["dylan"] == "beijing_dialect"
-
-
-def decode_frames(synth, speculation, frames: int, calls: StaticCalls | None = None):
-    loop = InnerLoop(synth.code_predictor, speculation, seed=7)
-    if calls is not None:
-        loop.calls = calls
-    dtype = synth.code_predictor.lm_head[0].weight.dtype
-    codes = [loop.decode(random_prefix(synth, seed=f).to(dtype), SamplingConfig(), 0, f) for f in range(frames)]
-    return np.array(codes), loop.stats
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -106,22 +106,32 @@ def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, w
     """The model on the chosen device and dtype (fails with one line on a bad model, device or dtype, the
     model checked from its config before the weights load; says which dtype `auto` chose on a CPU, and
     why)."""
-    from rvqtts.devices import pick_dtype
-    from rvqtts.loading import ModelLoadError, model_voices
+    import torch
+
+    from rvqtts.devices import frame_maps, pick_dtype
+    from rvqtts.kernels import choose_kernels, measured_choices
+    from rvqtts.loading import ModelLoadError, model_config, model_voices
     from rvqtts.synthesis import Synthesizer
 
     check_dtype(dtype)
     try:
         model_voices(model)
+        talker_config = model_config(model).talker_config
     except ModelLoadError as error:
         fail(str(error))
     chosen = resolve_device(device)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    dtype, reason = pick_dtype(dtype, chosen)
+
+    def progress(line: str) -> None:
+        say(line, quiet)
+
+    dtype, reason = pick_dtype(dtype, chosen, talker_config, weights, progress)
     if reason:
         say(reason, quiet)
+    if chosen == "cpu" and measured_choices():  # measured now, not inside the first utterance's timings
+        choose_kernels([shape for _, shape, _ in frame_maps(talker_config)], getattr(torch, dtype), weights, progress)
     try:
         return Synthesizer.load(model, device=chosen, dtype=dtype, weights=weights)
     except (ModelLoadError, ValueError) as error:

@@ -1,4 +1,4 @@
-"""Offsets and trees for a model: `train-offsets`, `calibrate`, `accept`."""
+"""Measured choices, offsets and trees for a model: `tune`, `train-offsets`, `calibrate`, `accept`."""
 
 from __future__ import annotations
 
@@ -19,6 +19,64 @@ def check_new_file(path: Path, force: bool, suffix: str) -> None:
     if path.exists() and not force:
         fail(f"{path} already exists: --force replaces it")
     ensure_writable(path)
+
+
+@app.command()
+def tune(
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model (its config gives the "
+                                                  "shapes; no weights load)."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 and float32, and which `--dtype auto` picks), "
+                                           "float32 or bfloat16."),
+    weights: str = typer.Option("native", help="native, or int8 (8-bit weights, W8A16)."),
+    again: bool = typer.Option(False, "--again", help="Measure anew, replacing what the cache holds for this "
+                                                      "machine."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
+) -> None:
+    """Measure this CPU's kernel for every linear map shape of the model's frame (row invariance, then cost
+    at 1 and 17 rows; the fastest invariant one runs) and the dtype `--dtype auto` picks from them.
+
+    Measured once per machine (CPU model, torch, threads) and kept in the user's cache; every command
+    reads it from there, so this only shows it (or, with --again, measures anew).
+    """
+    import torch
+
+    from rvqtts.devices import frame_map_ms, frame_maps, pick_dtype
+    from rvqtts.kernels import choose_kernels, fixed_kernel, forget_choices, kernels_path, machine_key
+    from rvqtts.loading import ModelLoadError, model_config
+    from rvqtts.quantize import WEIGHTS
+    from rvqtts.report import tune_table
+
+    if dtype not in ("auto", "float32", "bfloat16"):
+        fail(f"unknown --dtype {dtype!r}: rvqtts tune measures CPU kernels in auto, float32 or bfloat16")
+    if weights not in WEIGHTS:
+        fail(f"unknown --weights {weights!r}: choose {' or '.join(WEIGHTS)}")
+    if json_out is not None:
+        ensure_writable(json_out)
+    try:
+        talker_config = model_config(model).talker_config
+    except ModelLoadError as error:
+        fail(str(error))
+    names = ["bfloat16", "float32"] if dtype == "auto" else [dtype]
+
+    def progress(line: str) -> None:
+        say(line, quiet)
+
+    result = {"model": model, "machine": machine_key(), "cache": str(kernels_path()), "weights": weights,
+              "dtypes": {}}
+    for name in names:
+        if again:
+            forget_choices(getattr(torch, name), weights)
+        maps = frame_maps(talker_config)
+        choices = choose_kernels([shape for _, shape, _ in maps], getattr(torch, name), weights, progress)
+        fixed = fixed_kernel(torch.device("cpu"), getattr(torch, name), weights)
+        rows = [{"loop": loop, "shape": list(shape), "per_frame": count, "fixed": fixed.name,
+                 **choices[shape].record()} for loop, shape, count in maps]
+        result["dtypes"][name] = {"frame_map_ms": round(frame_map_ms(talker_config, getattr(torch, name), weights),
+                                                        3), "maps": rows}
+    if dtype == "auto":
+        result["auto"], result["reason"] = pick_dtype("auto", "cpu", talker_config, weights)
+    publish(result, json_out, tune_table, quiet)
 
 
 @app.command("train-offsets")

@@ -1,0 +1,165 @@
+"""Kernels chosen by measurement (rvqtts.kernels) and the dtype picked from them (rvqtts.devices): what
+each kernel computes, the rule that picks one (only row-invariant kernels, the fastest), the cache that
+makes it a one-time cost, `rvqtts tune`, and what a run records."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import decode_frames, linear_maps_are_row_invariant
+from helpers import run_cli as run
+from helpers import run_cli_json as run_json
+
+import rvqtts.devices
+import rvqtts.kernels as kernels
+from rvqtts.decode import Speculation
+from rvqtts.kernels import Kernel, LinearMap
+from rvqtts.offsets import Offsets
+from rvqtts.synthesis import Synthesizer
+from rvqtts.tree import resolve_tree
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Measured choices, starting from nothing measured in this process."""
+    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
+    kernels._chosen.clear()
+    yield
+    kernels._chosen.clear()
+
+
+def test_kernel_names_read_back():
+    for kernel in (Kernel("linear"), Kernel("packed", 2), Kernel("packed", one_row_mv=True), Kernel("int8", 8)):
+        assert Kernel.parse(kernel.name) == kernel
+    assert Kernel("packed", 2, True).name == "mv+packed/pad2"
+
+
+@pytest.mark.parametrize("name", ["linear", "mv+linear", "packed", "mv+packed/pad2", "linear/pad4"])
+def test_every_kernel_computes_the_map_with_its_bias_over_any_number_of_rows(name):
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 40, generator=generator), torch.randn(48, generator=generator)
+    x = torch.randn(3, 35, 40, generator=generator)  # 35 rows a call: two chunks, the second of 3 rows
+    for b in (None, bias):
+        linear = LinearMap(weight, b, Kernel.parse(name))
+        expected = torch.nn.functional.linear(x, weight, b)
+        assert (linear(x) - expected).abs().max() < 1e-4
+        assert (linear(x[0, 0]) - expected[0, 0]).abs().max() < 1e-4  # one 1-D row
+
+
+def test_the_fastest_row_invariant_kernel_wins_and_a_faster_variant_one_is_passed_over(measured, monkeypatch):
+    costs = {"mv+linear": 3.0, "linear": 1.0, "mv+packed": 2.0, "packed": 1.5}
+    invariant = {"mv+linear": 1, "linear": None, "mv+packed": 1, "packed": 2}
+    monkeypatch.setattr(kernels, "invariant_pad", lambda weight, kernel: invariant[kernel.name])
+    monkeypatch.setattr(kernels, "time_kernels", lambda weight, found: {
+        k.name: {1: costs[k.name.split("/pad")[0]], 17: 0.0} for k in found})
+    monkeypatch.setattr(kernels, "packing_available", lambda dtype: True)
+    choice = kernels.measure_choice((8, 8), torch.float32, "native")
+    assert choice.kernel == Kernel("packed", pad=2) and choice.row_invariant is True
+    assert set(choice.invariant) == {"mv+linear", "mv+packed", "packed/pad2"}
+    # Where no kernel's rows are invariant, the fastest runs and the choice says so.
+    monkeypatch.setattr(kernels, "invariant_pad", lambda weight, kernel: None)
+    choice = kernels.measure_choice((8, 8), torch.float32, "native")
+    assert choice.kernel == Kernel("linear") and choice.row_invariant is False and not choice.invariant
+
+
+def test_choices_are_measured_once_then_read_from_the_users_cache(measured, monkeypatch, user_cache):
+    shapes = [(64, 32), (96, 32)]
+    first = kernels.choose_kernels(shapes, torch.float32)
+    assert all(c.source == "measured" and c.row_invariant is not None for c in first.values())
+    stored = json.loads((user_cache / "kernels.json").read_text())
+    assert set(stored["machines"][kernels.machine_key()]) == {"float32/native/64x32", "float32/native/96x32"}
+    kernels._chosen.clear()  # a new process: the file answers, nothing is timed
+
+    def no_measuring(*args):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(kernels, "measure_choice", no_measuring)
+    again = kernels.choose_kernels(shapes, torch.float32)
+    assert {s: c.kernel for s, c in again.items()} == {s: c.kernel for s, c in first.items()}
+    assert all(c.source == "cache" for c in again.values())
+    # forget_choices (tune --again) drops them, in the file too.
+    kernels.forget_choices(torch.float32, "native")
+    assert not json.loads((user_cache / "kernels.json").read_text())["machines"][kernels.machine_key()]
+    with pytest.raises(AssertionError, match="measured again"):
+        kernels.choose_kernels(shapes, torch.float32)
+
+
+def test_a_damaged_cache_is_measured_over(measured, user_cache):
+    user_cache.mkdir(parents=True)
+    (user_cache / "kernels.json").write_text("{not json")
+    choice = kernels.choose_kernels([(16, 16)], torch.float32)[(16, 16)]
+    assert choice.source == "measured"
+    assert json.loads((user_cache / "kernels.json").read_text())["format"] == "rvqtts-kernels"
+
+
+def test_fixed_choices_time_nothing(monkeypatch):
+    monkeypatch.setenv("RVQTTS_CHOICES", "fixed")
+    choice = kernels.kernel_choice((64, 64), torch.bfloat16)
+    assert choice.source == "fixed" and choice.kernel.one_row_mv and choice.row_invariant is None
+    assert kernels.kernel_choice((64, 64), torch.float32, "int8").kernel == Kernel("int8")
+
+
+@pytest.mark.parametrize("cheaper", ["bfloat16", "float32"])
+def test_dtype_auto_on_a_cpu_is_the_cheaper_measured_frame(measured, monkeypatch, cheaper, tiny_dir):
+    from rvqtts.loading import model_config
+
+    costs = {"bfloat16": 10.0, "float32": 20.0} if cheaper == "bfloat16" else {"bfloat16": 30.0, "float32": 20.0}
+    monkeypatch.setattr(rvqtts.devices, "frame_map_ms", lambda config, dtype, weights, progress: costs[
+        str(dtype).removeprefix("torch.")])
+    dtype, reason = rvqtts.devices.pick_dtype("auto", "cpu", model_config(tiny_dir).talker_config)
+    assert dtype == cheaper and f"{costs[cheaper]:.1f} ms in {cheaper}" in reason and "--dtype" in reason
+    assert rvqtts.devices.pick_dtype("float32", "cpu", None) == ("float32", None)
+
+
+def test_frame_maps_count_what_one_frame_applies(released_06_dir):
+    from rvqtts.loading import model_config
+
+    maps = rvqtts.devices.frame_maps(model_config(released_06_dir).talker_config)
+    assert ("talker", (4096, 1024), 2) in maps and ("talker", (3072, 1024), 1) in maps  # 2 layers; codec head
+    assert ("predictor", (1024, 3072), 2 * 15) in maps and ("predictor", (2048, 1024), 15) in maps
+
+
+def test_tune_shows_each_shapes_kernel_and_the_dtype_auto_picks(measured, tiny_dir, tmp_path):
+    result, report = run_json(tmp_path / "tune.json", "tune", "--model", tiny_dir)
+    assert set(report["dtypes"]) == {"bfloat16", "float32"} and report["auto"] in report["dtypes"]
+    for measured_dtype in report["dtypes"].values():
+        assert measured_dtype["frame_map_ms"] > 0
+        for row in measured_dtype["maps"]:
+            assert row["kernel"] in row["ms"] and row["loop"] in ("talker", "predictor")
+            assert row["row_invariant"] == (row["kernel"] in row["invariant"])
+    assert "--dtype auto picks" in result.output
+    bad = run("tune", "--model", tiny_dir, "--dtype", "float16")
+    assert bad.exit_code == 2 and "rvqtts tune measures CPU kernels" in bad.output
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_measured_kernels_keep_speculative_codes_equal_to_plain_codes(measured, released_06_dir, dtype):
+    """Whatever kernels the measurement picks (all row-invariant where any is: both dtypes on the CPUs
+    measured so far, float32 included), every frame of a tree run equals the plain run's."""
+    synth = Synthesizer.load(released_06_dir, dtype=dtype)
+    speculation = Speculation(resolve_tree("15"), Offsets(torch.randn(3, 1024, generator=torch.Generator()
+                                                                      .manual_seed(3)) * 0.5))
+    plain, _ = decode_frames(synth, None, 20)
+    spec, stats = decode_frames(synth, speculation, 20)
+    if linear_maps_are_row_invariant(synth.code_predictor):
+        assert np.array_equal(plain, spec)
+    else:
+        assert (plain != spec).any(axis=1).sum() <= 2
+    assert stats.accepted_per_depth[0] > 0
+
+
+def test_a_run_records_its_device_dtype_and_kernels(tiny_dir, tmp_path):
+    result = run("synth", "Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames", "3", "--dtype",
+                 "float32", "--stats-json", tmp_path / "s.json")
+    assert result.exit_code == 0, result.output
+    stats = json.loads((tmp_path / "s.json").read_text())
+    engine = stats["utterances"][0]["engine"]
+    assert engine["device"] == "cpu" and engine["dtype"] == "float32" and engine["weights"] == "native"
+    assert engine["torch"] == torch.__version__ and engine["cpu"]
+    layers = 2 * 4  # the tiny talker's and predictor's two layers, four maps each
+    assert sum(engine["kernels"]["talker"]["maps"].values()) == layers + 1  # and the codec head
+    assert sum(engine["kernels"]["predictor"]["maps"].values()) == layers + 15  # and the 15 LM heads
+    assert stats["total"]["engine"] == engine
