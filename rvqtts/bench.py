@@ -20,7 +20,7 @@ from rvqtts.floor import megabytes, module_weights, predictor_weights, read_pass
 from rvqtts.graphs import StaticCalls
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig
-from rvqtts.inner_loop import synchronize
+from rvqtts.devices import synchronize
 from rvqtts.tree import SHIPPED_TREES, Tree, frame_codes_per_call, grow_tree, load_acceptance
 
 PREDICTOR_DIMS = {"0.6b": 1024, "1.7b": 2048}  # talker width in front of the (same) 1024-wide predictor
@@ -271,29 +271,34 @@ def plot_speedup(projection: dict, acceptance_source: str, path) -> None:
     write_atomically(path, image.getvalue())
 
 
-E2E_VARIANTS = ("stock", "plain", "speculative")
+E2E_VARIANTS = ("stock", "plain", "auto", "speculative")
 TIMED_FIELDS = ("wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds")
 
 
 def bench_e2e(tts: object, lines: list[tuple[str | None, str, str]], speculation, seed: int = 0, settings=None,
               progress: Callable[[int, int], None] | None = None, weight_format: str = "native",
-              instruct: str | None = None, clone=None) -> dict:
-    """Stock qwen-tts, rvqtts's plain loop and rvqtts's speculative loop on the same texts and seeds,
-    taking turns text by text (the order rotating), each text spoken as one piece (lines of (text,
-    speaker, language); `instruct` and a Base model's `clone`, an rvqtts.cloning.ClonedVoice, for all).
-    Frame counts differ between variants (sampled codes decide where speech ends), so times are compared
-    per frame."""
+              instruct: str | None = None, clone=None, default=None) -> dict:
+    """Stock qwen-tts, rvqtts's plain loop, rvqtts's default (`default`: what `--tree auto` runs, decided
+    online, rvqtts.online) and rvqtts's speculative loop with the fixed tree of `speculation` on the same
+    texts and seeds, taking turns text by text (the order rotating), each text spoken as one piece (lines
+    of (text, speaker, language); `instruct` and a Base model's `clone`, an rvqtts.cloning.ClonedVoice, for
+    all). Frame counts differ between variants (sampled codes decide where speech ends), so times are
+    compared per frame."""
+    from rvqtts.online import OnlineSpeculation
     from rvqtts.synthesis import GenerationSettings, Synthesizer
 
     settings = settings or GenerationSettings()
-    synthesizers = {"plain": Synthesizer(tts, None, weight_format),
+    synthesizers = {"plain": Synthesizer(tts, None, weight_format), "auto": Synthesizer(tts, default, weight_format),
                     "speculative": Synthesizer(tts, speculation, weight_format)}
+    if isinstance(default, OnlineSpeculation):  # its one-time cost measurement is not part of any line
+        default.start(synthesizers["auto"].inner_parts().runner, synthesizers["auto"].sampling(settings).predictor)
     runs: dict[str, list[dict]] = {name: [] for name in E2E_VARIANTS}
     talker, runner = synthesizers["plain"].talker_runner(), synthesizers["speculative"].inner_parts().runner
     floors = _e2e_floor_passes(talker, runner, speculation, tts.model.talker)
     floor_times: dict[str, list[float]] = {name: [] for name in floors}
     for number, (text, speaker, language) in enumerate(lines):
-        order = E2E_VARIANTS[number % 3:] + E2E_VARIANTS[:number % 3]
+        turn = number % len(E2E_VARIANTS)
+        order = E2E_VARIANTS[turn:] + E2E_VARIANTS[:turn]
         for name in order:
             if name == "stock":
                 record = synthesizers["plain"].synthesize_stock(text, speaker, language, seed, settings, instruct,
@@ -305,15 +310,18 @@ def bench_e2e(tts: object, lines: list[tuple[str | None, str, str]], speculation
                               | ({key: record[key] for key in ("codes_per_call", "predictor_calls", "talker_calls")}
                                  if name != "stock" else {}))
             if progress:
-                progress(number * 3 + order.index(name) + 1, len(lines) * 3)
+                progress(number * len(order) + order.index(name) + 1, len(lines) * len(order))
         for name, values in interleaved_ms(floors, talker.device, warmup=1, repeats=3).items():
             floor_times[name].extend(values)
     floor_ms = {name: round(statistics.median(values), 3) for name, values in floor_times.items()}
     totals = {name: _totals(records) | _floor_per_frame(name, records, floor_ms, runner.code_groups - 1)
               for name, records in runs.items()}
+    online = synthesizers["auto"].speculation
     return {"runs": runs, "totals": totals, "ratios": _e2e_ratios(totals), "seed": seed,
             "tree_nodes": speculation.tree.nodes, "texts": len(lines), "floor_ms": floor_ms,
-            "weight_format": weight_format}
+            "weight_format": weight_format,
+            "auto": online.record() if isinstance(online, OnlineSpeculation) else {
+                "N": online.tree.nodes if online else 0}}
 
 
 def _e2e_floor_passes(talker: object, runner: PredictorRunner, speculation,
@@ -335,9 +343,10 @@ def _e2e_floor_passes(talker: object, runner: PredictorRunner, speculation,
 
 def _floor_per_frame(variant: str, records: list[dict], floor_ms: dict[str, float], plain_calls: int) -> dict:
     """The floor of a variant's talker and inner loop per frame: the read passes of the calls it made (stock:
-    one talker step and `plain_calls` predictor calls per frame; speculative: a prefill, then rounds)."""
+    one talker step and `plain_calls` predictor calls per frame; speculative: a prefill, then rounds of its
+    fixed tree; auto, whose tree size changes, has none)."""
     frames = sum(r["frames"] for r in records)
-    if not frames:
+    if not frames or variant == "auto":
         return {"talker_floor_ms_per_frame": None, "predictor_floor_ms_per_frame": None}
     talker_calls = sum(r.get("talker_calls", r["frames"]) for r in records)
     calls = sum(r.get("predictor_calls", 0) for r in records) or frames * plain_calls
@@ -367,7 +376,8 @@ def _e2e_ratios(totals: dict) -> dict:
         return round(a / b, 3) if a and b else None
 
     return {f"{slow}/{fast} {part}": faster(slow, fast, part)
-            for slow, fast in (("stock", "speculative"), ("stock", "plain"), ("plain", "speculative"))
+            for slow, fast in (("stock", "auto"), ("plain", "auto"), ("speculative", "auto"), ("stock", "plain"),
+                               ("plain", "speculative"))
             for part in ("wall", "predictor", "talker")}
 
 

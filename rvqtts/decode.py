@@ -166,10 +166,14 @@ def decode_frame_plain(runner: PredictorRunner, prefix: torch.Tensor, noise: tor
     return frame
 
 
+OBSERVED_RANKS = 8  # every round drafts at least this many ranks per depth: what online acceptance counts
+
+
 def draft(runner: PredictorRunner, hidden: torch.Tensor, offsets: torch.Tensor, index: int,
           ranks: list[int]) -> torch.Tensor:
-    """Ranked drafts [depth, max rank] for c_{index+1..}: top ranks of LMH_{index+j}(h_index + b_j)."""
-    width = max(ranks)
+    """Ranked drafts [depth, width] for c_{index+1..}: top ranks of LMH_{index+j}(h_index + b_j), as many
+    as the tree uses and at least OBSERVED_RANKS (the ranks of committed codes measure acceptance)."""
+    width = min(max(*ranks, OBSERVED_RANKS), runner.vocab_size)
     rows = []
     for j in range(1, len(ranks) + 1):
         scores = runner.logits(hidden + offsets[j - 1], index + j)
@@ -183,40 +187,44 @@ def scored_slices(plan: RoundPlan, index: int, last: int) -> list[tuple[int, sli
 
 
 def tree_call(runner: PredictorRunner, plan: RoundPlan, hidden: torch.Tensor, offsets: torch.Tensor,
-              root: torch.Tensor, index: int, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              root: torch.Tensor, index: int,
+              length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One speculative call's model work: draft the tree's nodes from `hidden` (h_index), run the root
     (c_index) and the nodes in one forward pass under the tree mask over `length` committed slots, and
-    score the next code at every slot. Returns node codes [q] (root first), hidden states [q, H] and the
-    logits of the scored slots, depth by depth."""
+    score the next code at every slot. Returns node codes [q] (root first), hidden states [q, H], the
+    logits of the scored slots, depth by depth, and the ranked drafts [depth, width]."""
     ranked = draft(runner, hidden, offsets, index, plan.draft_ranks)
     node_codes = torch.cat([root, ranked[plan.slot_depth[1:] - 1, plan.node_rank]])
     embeds = runner.embed_codes(node_codes, index, plan.depth_slices)
     out = runner.forward(embeds, index + 1 + plan.slot_depth, length, groups=plan.attention_groups(length))
     last = runner.code_groups - 1
     logits = torch.cat([runner.logits(out[s], index + d + 1) for d, s in scored_slices(plan, index, last)])
-    return node_codes, out, logits
+    return node_codes, out, logits, ranked
 
 
 def round_call(runner: PredictorRunner, plan: RoundPlan, offsets: torch.Tensor, index: int,
                sampling: SamplingConfig, hidden: torch.Tensor, root: torch.Tensor,
-               noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               noise: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """One verify round rooted at c_index over index + 1 committed slots: node codes [q], hidden states
-    [q, H], at every scored slot the target's draw of the next code, with that code's noise row, and
-    whether the logits were finite."""
+    [q, H], at every scored slot the target's draw of the next code, with that code's noise row, whether
+    the logits were finite, and the ranked drafts [depth, width]."""
     last = runner.code_groups - 1
-    node_codes, out, logits = tree_call(runner, plan, hidden, offsets, root, index, index + 1)
+    node_codes, out, logits, ranked = tree_call(runner, plan, hidden, offsets, root, index, index + 1)
     rows = torch.cat([noise[index + d].expand(s.stop - s.start, -1) for d, s in scored_slices(plan, index, last)])
-    return node_codes, out, *draw_checked(logits, rows, sampling)
+    return node_codes, out, *draw_checked(logits, rows, sampling), ranked
 
 
 @torch.inference_mode()
 def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, noise: torch.Tensor,
                              sampling: SamplingConfig, speculation: Speculation, offsets: torch.Tensor,
-                             stats: DecodeStats, calls: StaticCalls = EAGER) -> list[int]:
+                             stats: DecodeStats, calls: StaticCalls = EAGER,
+                             drafted: list[tuple[int, list[list[int]]]] | None = None) -> list[int]:
     """c1..c_{G-1} by tree rounds. `offsets` is the speculation's [K, hidden] on the runner's device/dtype.
+    `drafted`, where given, receives each round's root index and ranked drafts (what acceptance is
+    measured from online, rvqtts.online).
 
     A round rooted at c_index always starts after index + 1 committed KV slots ([h_t, c0, c1..c_{index-1}]),
-    so its shapes depend on index alone and `calls` may replay it from a graph keyed by index."""
+    so its shapes depend on the tree and index alone and `calls` may replay it from a graph keyed by them."""
     last = runner.code_groups - 1
     hidden, root, finite = calls(("prefill", sampling), partial(prefill_call, runner, sampling), prefix, noise)
     codes: list[int] = []
@@ -228,12 +236,14 @@ def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, nois
                 raise NonFiniteError("code predictor", runner.dtype)
             break
         plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
-        node_codes, out, draws, round_finite = calls(("round", index, sampling),
-                                                     partial(round_call, runner, plan, offsets, index, sampling),
-                                                     hidden, root, noise)
+        node_codes, out, draws, round_finite, ranked = calls(
+            ("round", index, sampling, plan.tree.paths), partial(round_call, runner, plan, offsets, index, sampling),
+            hidden, root, noise)
         made += 1
         finite = finite & round_finite  # the prefill's flag too, read back with the first round's codes
         host_codes, host_draws = node_codes.tolist(), draws.tolist()
+        if drafted is not None:
+            drafted.append((index, ranked.tolist()))
         if not bool(finite):
             raise NonFiniteError("code predictor", runner.dtype)
         slot_index = [index + d for d, s in enumerate(plan.depth_slices) for _ in range(s.start, s.stop)]

@@ -25,6 +25,14 @@ class DeviceError(ValueError):
     """A device that cannot be used here; the message says what to do."""
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that host clocks measure it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def pick_device(device: str = "auto") -> str:
     """`auto`: cuda, then mps, then cpu. A named device must be present (DeviceError otherwise)."""
     if device not in ("auto", "cpu", "mps") and not device.startswith("cuda"):

@@ -20,7 +20,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from rvqtts.inner_loop import InnerLoop, synchronize
+from rvqtts.devices import synchronize
+from rvqtts.inner_loop import InnerLoop
 from rvqtts.prompt import Prompt
 from rvqtts.sampling import C0Rules, NonFiniteError, SamplingConfig, draw_checked, gumbel_noise
 from rvqtts.talker import TalkerRunner

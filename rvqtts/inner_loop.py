@@ -7,23 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import time
+
 import numpy as np
 import torch
 
 from rvqtts.decode import (DEFAULT_DEPTH, EAGER, DecodeStats, Speculation, decode_frame_plain,
                            decode_frame_speculative)
+from rvqtts.devices import synchronize
 from rvqtts.fused import FusedDecoder
 from rvqtts.graphs import StaticCalls
+from rvqtts.online import OnlineSpeculation
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig, gumbel_noise
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that host clocks measure it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 @dataclass(frozen=True)
@@ -33,7 +29,7 @@ class LoopParts:
     package's calls and no runner. Reusable from one utterance to the next, since every frame writes the
     KV slots it reads, as long as the speculation stays the same."""
 
-    speculation: Speculation | None
+    speculation: Speculation | OnlineSpeculation | None
     cuda_graphs: bool
     runner: PredictorRunner | None
     offsets: torch.Tensor | None
@@ -42,9 +38,10 @@ class LoopParts:
     weights: str = "native"
 
     @classmethod
-    def build(cls, code_predictor: torch.nn.Module, speculation: Speculation | None,
+    def build(cls, code_predictor: torch.nn.Module, speculation: Speculation | OnlineSpeculation | None,
               cuda_graphs: bool, weights: str = "native") -> "LoopParts":
-        extra = speculation.tree.nodes + 1 if speculation else 0
+        extra = (speculation.max_nodes if isinstance(speculation, OnlineSpeculation)
+                 else speculation.tree.nodes if speculation else -1) + 1
         runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra, weights)
         offsets = speculation.offsets.vectors.to(runner.device, runner.dtype) if speculation else None
         return cls(speculation, cuda_graphs, runner, offsets, StaticCalls.for_device(runner.device, cuda_graphs),
@@ -60,7 +57,7 @@ class LoopParts:
 class InnerLoop:
     """Produces c1..c_{G-1} for each frame the frame loop asks for, and counts what it did."""
 
-    def __init__(self, code_predictor: torch.nn.Module, speculation: Speculation | None, seed: int,
+    def __init__(self, code_predictor: torch.nn.Module, speculation: Speculation | OnlineSpeculation | None, seed: int,
                  on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
                  cuda_graphs: bool = True, parts: LoopParts | None = None):
         self.speculation = speculation
@@ -86,6 +83,8 @@ class InnerLoop:
                                  f"for {sampling}: export a package for these settings")
             decode = self.fused.decode if self.speculation else self.fused.decode_plain
             codes = decode(prefix, noise, self.stats)
+        elif isinstance(self.speculation, OnlineSpeculation):
+            codes = self.decode_online(prefix, noise, sampling)
         elif self.speculation is None:
             codes = decode_frame_plain(self.runner, prefix, noise, sampling, self.stats, self.calls)
         else:
@@ -93,6 +92,23 @@ class InnerLoop:
                                              self.stats, self.calls)
         if self.on_frame:
             self.on_frame(prefix, codes)
+        return codes
+
+
+    def decode_online(self, prefix: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig) -> list[int]:
+        """A frame with the tree size the online choice (rvqtts.online) makes now; it learns from the frame."""
+        online = self.speculation
+        online.start(self.runner, sampling)
+        speculation, probe = online.frame_speculation()
+        drafted: list = []
+        started = time.perf_counter()
+        if speculation is None:
+            codes = decode_frame_plain(self.runner, prefix, noise, sampling, self.stats, self.calls)
+        else:
+            codes = decode_frame_speculative(self.runner, prefix, noise, sampling, speculation, self.offsets,
+                                             self.stats, self.calls, drafted)
+        synchronize(self.device)
+        online.observe(codes, drafted, probe, (time.perf_counter() - started) * 1e3)
         return codes
 
 

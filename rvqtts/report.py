@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich import box
+from rich.console import Group
 from rich.table import Table
 
 SUMMED = ("frames", "audio_seconds", "chunks", "talker_calls", "predictor_calls", "predictor_codes",
@@ -51,8 +52,17 @@ def stats_table(rows: list[tuple[str, dict]]) -> Table:
         table.add_row(*row)
     spec = {r.get("spec") for _, r in rows}
     nodes = {r.get("tree_nodes") for _, r in rows}
-    table.caption = ("speculative, tree N = " + "/".join(str(n) for n in sorted(nodes)) if spec == {True}
-                     else "plain inner loop (--no-spec)" if spec == {False} else "mixed")
+    chosen: dict[str, int] = {}
+    for _, record in rows:
+        for n, frames in ((record.get("online") or {}).get("frames_by_N") or {}).items():
+            chosen[n] = chosen.get(n, 0) + frames
+    if chosen:
+        caption = "tree size chosen online, frames by N: " + ", ".join(
+            f"N = {n}: {frames}" for n, frames in sorted(chosen.items(), key=lambda item: int(item[0])))
+    else:
+        caption = ("speculative, tree N = " + "/".join(str(n) for n in sorted(nodes)) if spec == {True}
+                   else "plain inner loop (--no-spec)" if spec == {False} else "mixed")
+    table.caption = caption
     table.caption += "; calls = predictor calls; RTF = compute seconds / audio seconds"
     return table
 
@@ -179,17 +189,25 @@ def speedup_table(projection: dict) -> Table:
 
 def e2e_table(result: dict) -> Table:
     """`rvqtts bench e2e`: per-frame times of stock qwen-tts, the plain loop and the speculative loop."""
-    table = Table(title=f"end to end, {result['texts']} texts, seed {result['seed']}, tree N = {result['tree_nodes']}",
+    table = Table(title=f"end to end, {result['texts']} texts, seed {result['seed']}, speculative: tree N = "
+                        f"{result['tree_nodes']}, auto: {_online_summary(result['auto'])}",
                   title_justify="left", box=box.SIMPLE_HEAD)
     for title in ("variant", "frames", "wall ms/frame", "talker", "floor", "inner loop", "floor", "decoder", "RTF"):
         table.add_column(title, justify="left" if title == "variant" else "right")
     for name, total in result["totals"].items():
-        table.add_row(name, str(total["frames"]), *(f"{total[key] or 0:.1f}" for key in (
+        table.add_row(name, str(total["frames"]), *("-" if total[key] is None else f"{total[key]:.1f}" for key in (
             "wall_ms_per_frame", "talker_ms_per_frame", "talker_floor_ms_per_frame", "predictor_ms_per_frame",
             "predictor_floor_ms_per_frame", "decoder_ms_per_frame")), f"{total['rtf'] or 0:.3f}")
     table.caption = ("; ".join(f"{name}: {ratio}x" for name, ratio in result["ratios"].items())
                      + "; floor: read passes over the weights of the calls made, timed in the same run")
     return table
+
+
+def _online_summary(auto: dict) -> str:
+    """What `--tree auto` ran: frames per tree size where it chose online, else its one tree size."""
+    if "frames_by_N" not in auto:
+        return f"N = {auto['N']}"
+    return "frames by N " + ", ".join(f"{n}: {frames}" for n, frames in auto["frames_by_N"].items())
 
 
 def dtype_table(result: dict) -> Table:
@@ -263,4 +281,20 @@ def tune_table(result: dict) -> Table:
     costs = ", ".join(f"{measured['frame_map_ms']:.1f} ms in {name}" for name, measured in result["dtypes"].items())
     picked = f"; --dtype auto picks {result['auto']}" if "auto" in result else ""
     table.caption = f"one frame's linear maps: {costs}{picked}; kept in {result['cache']}"
+    return table if "trees" not in result else Group(table, trees_table(result["trees"]))
+
+
+def trees_table(online: dict) -> Table:
+    """What `--tree auto` chose from (rvqtts.online): per tree size, the projection and what ran."""
+    table = Table(title=f"tree size chosen online: N = {online['N']}", title_justify="left", box=box.SIMPLE_HEAD)
+    for title in ("N", "codes/call", "call ms", "projected ms/frame", "frames run", "ms/frame run"):
+        table.add_column(title, justify="right")
+    for n, row in online["projected"].items():
+        table.add_row(n, f"{row['codes_per_call']:.3f}", f"{row['call_ms']:.2f}", f"{row['inner_loop_ms_per_frame']:.1f}",
+                      str(online["frames_by_N"].get(n, 0)),
+                      f"{online['inner_loop_ms_per_frame_by_N'][n]:.1f}" if n in online["frames_by_N"] else "-")
+    acceptance = "; ".join(f"depth {d}: " + " ".join(f"{a:.3f}" for a in row[:4])
+                           for d, row in enumerate(online["acceptance"], 1))
+    table.caption = (f"acceptance counted over {online['roots_counted']} roots (ranks 0-3), {acceptance}; "
+                     f"{online['probe_frames']} probe frames; call costs: {online['call_costs']}")
     return table

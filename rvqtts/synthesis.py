@@ -26,9 +26,10 @@ from rvqtts.frame_loop import FrameLoop
 from rvqtts.fused import FusedDecoder
 from rvqtts.graphs import StaticCalls
 from rvqtts.inner_loop import ForcedLoop, InnerLoop, LoopParts
-from rvqtts.kernels import cpu_model, kernels_used
+from rvqtts.kernels import cpu_model, kernels_used, measured_choices
 from rvqtts.loading import ModelVoices, load_tts
 from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
+from rvqtts.online import OnlineSpeculation
 from rvqtts.prompt import Prompt, capture_prompt
 from rvqtts.quantize import check_weights
 from rvqtts.sampling import C0Rules, SamplingConfig
@@ -138,6 +139,7 @@ class Synthesis:
     stream_frames: int | None = None
     weights: str = "native"
     engine: dict = field(default_factory=dict)
+    online: dict | None = None  # --tree auto's online choice (rvqtts.online): what ran and why
 
     def record(self) -> dict:
         """The statistics users see (`--stats-json`, the table). rtf = compute seconds / audio seconds."""
@@ -156,7 +158,7 @@ class Synthesis:
             "first_audio_split": self.seconds["first_audio_split"], "stream_frames": self.stream_frames,
             "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
             "spec": self.spec, "tree_nodes": self.tree_nodes, "weights": self.weights, "seed": self.seed,
-            "sampling": self.sampling, "engine": self.engine,
+            "sampling": self.sampling, "engine": self.engine, "online": self.online,
             "warnings": list(self.warnings),
         }
 
@@ -310,6 +312,12 @@ class Synthesizer:
             self._talker = TalkerRunner(self.talker, calls=StaticCalls.for_device(device, self.cuda_graphs),
                                         weights=self.weights)
         return self._talker
+
+    def tree_nodes(self) -> int:
+        """The tree size running now: the fixed tree's, the online choice's (0: the plain loop), or 0."""
+        if isinstance(self.speculation, OnlineSpeculation):
+            return max(self.speculation.budget, 0)
+        return self.speculation.tree.nodes if self.speculation else 0
 
     def engine_record(self) -> dict:
         """What ran (`--stats-json`'s "engine"): the device, dtype and weight format, torch and the CPU, and
@@ -472,10 +480,10 @@ class Synthesizer:
                        prefill=seconds["prompt"] + loop.first_prefill)
         return Synthesis(audio=joiner.audio(), sample_rate=self.sample_rate, codes=np.stack(spoken),
                          stats=loop.inner.stats, seconds=seconds, talker_calls=loop.talker_calls,
-                         chunks=len(pieces), spec=self.speculation is not None,
-                         tree_nodes=self.speculation.tree.nodes if self.speculation else 0, seed=seed,
+                         chunks=len(pieces), spec=self.speculation is not None, tree_nodes=self.tree_nodes(), seed=seed,
                          sampling=sampling.record(), warnings=warnings, stream_frames=stream_frames,
-                         weights=self.weights, engine=self.engine_record())
+                         weights=self.weights, engine=self.engine_record(),
+                         online=self.speculation.record() if isinstance(self.speculation, OnlineSpeculation) else None)
 
     def _start_stream(self, decoder: StreamingDecoder, clone: ClonedVoice | None) -> None:
         """Reset the streaming decoder for a text chunk; for a voice cloned in ICL mode, continue its
@@ -565,16 +573,17 @@ def prepare_inner_loop(synth: Synthesizer, spec: bool = True, tree: str | os.Pat
 def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike = "auto",
                        offsets: str | os.PathLike | None = None, allow_plain: bool = False,
                        device_type: str | None = None,
-                       weights: str = "native") -> tuple[Speculation | None, str | None]:
+                       weights: str = "native") -> tuple[Speculation | OnlineSpeculation | None, str | None]:
     """The tree and offsets to draft with, and a notice for the user (or None).
 
-    `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` (the best
-    N measured for this model on this platform: the kind of device, by default the model's (cpu, cuda,
-    mps) or `device_type` (coreml), the dtype and the `weights` format) or a file. With `allow_plain`,
-    `auto` returns no speculation (None) where speculation was measured not to pay (best N = 0), or was
-    not measured on a CPU; a given offsets file is still checked then, so a bad one fails as it would
-    elsewhere. Without an offsets file, shipped offsets whose fingerprint matches the model are used, else
-    zero offsets (reused heads). Raises TreeFileError / OffsetsFileError / ValueError with their messages.
+    `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` or a file.
+    `auto` with `allow_plain` on the torch backend is decided online (rvqtts.online: an OnlineSpeculation,
+    starting from the best N recorded for this platform); otherwise it is that best N (the platform: the
+    kind of device, by default the model's (cpu, cuda, mps) or `device_type` (coreml), the dtype and the
+    `weights` format), and with `allow_plain` no speculation (None) where N = 0; with RVQTTS_CHOICES=fixed
+    that rule holds everywhere. A given offsets file is checked whatever runs. Without an offsets file,
+    shipped offsets whose fingerprint matches the model are used, else zero offsets (reused heads).
+    Raises TreeFileError / OffsetsFileError / ValueError with their messages.
     """
     fingerprint = predictor_fingerprint(code_predictor)
     hidden = code_predictor.config.hidden_size
@@ -582,6 +591,13 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
     platform = platform_key(device_type, "float16") if device_type == "coreml" else platform_key(
         weight.device.type, weight.dtype, weights)
     plain = None
+    if allow_plain and str(tree) == "auto" and device_type != "coreml" and measured_choices():
+        budget, source = best_budget(platform, fingerprint)
+        drafts, notice = _drafting_offsets(offsets, hidden, fingerprint, DEFAULT_DEPTH)
+        online = OnlineSpeculation(drafts, fingerprint, start_budget=budget)
+        starting = "the plain loop" if budget == 0 else f"N = {budget}"
+        message = f"--tree auto: the tree size is chosen online, starting from {starting} ({source})"
+        return online, message + (f"; {notice}" if notice else "")
     if allow_plain and str(tree) == "auto":
         budget, source = best_budget(platform, fingerprint)
         if budget == 0:
@@ -590,14 +606,7 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
             if offsets is None:
                 return None, plain
     chosen = resolve_tree(tree, fingerprint, platform)
-    notice = None
-    if offsets is not None:
-        drafts = load_offsets(offsets, hidden_size=hidden, fingerprint=fingerprint)
-    else:
-        drafts = shipped_offsets_for(fingerprint, hidden)
-        if drafts is None:
-            drafts = Offsets.zeros(max(DEFAULT_DEPTH, chosen.depth), hidden)
-            notice = "no shipped offsets match this model: drafting with zero offsets (reused heads)"
+    drafts, notice = _drafting_offsets(offsets, hidden, fingerprint, chosen.depth)
     try:
         speculation = Speculation(chosen, drafts)
     except ValueError as error:
@@ -605,3 +614,16 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
     if plain:  # a given offsets file is checked, against the tree it would draft, even where it goes unused
         return None, f"{plain}; the offsets file is not used"
     return speculation, notice
+
+
+def _drafting_offsets(offsets: str | os.PathLike | None, hidden: int, fingerprint: str,
+                      depth: int) -> tuple[Offsets, str | None]:
+    """The offsets file given, else shipped offsets matching the model, else zero offsets of at least
+    `depth` (reused heads, said in the notice)."""
+    if offsets is not None:
+        return load_offsets(offsets, hidden_size=hidden, fingerprint=fingerprint), None
+    drafts = shipped_offsets_for(fingerprint, hidden)
+    if drafts is not None:
+        return drafts, None
+    return (Offsets.zeros(max(DEFAULT_DEPTH, depth), hidden),
+            "no shipped offsets match this model: drafting with zero offsets (reused heads)")

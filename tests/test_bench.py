@@ -131,19 +131,23 @@ def test_bench_speedup_refuses_a_bad_acceptance_table(predictor_json, tmp_path):
     assert result.exit_code == 2 and "sums to 1.8000" in result.output
 
 
-def test_bench_e2e_runs_all_three_variants(tiny_dir, tmp_path):
+def test_bench_e2e_runs_all_four_variants(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("RVQTTS_CHOICES", "measured")  # auto: the tree size chosen online, as synth does
     texts = tmp_path / "texts.txt"
     texts.write_text("Hello there.\nA second line.\n")
     _, report = run_json(tmp_path / "e2e.json", "bench", "e2e", "--model", tiny_dir, "--texts", texts,
-                         "--max-frames", "6", "--tree", "8")
-    assert set(report["runs"]) == {"stock", "plain", "speculative"} and report["tree_nodes"] == 8
+                         "--max-frames", "6", "--tree", "8", "--dtype", "float32")
+    assert set(report["runs"]) == {"stock", "plain", "auto", "speculative"} and report["tree_nodes"] == 8
+    assert sum(report["auto"]["frames_by_N"].values()) == report["totals"]["auto"]["frames"]
+    assert report["ratios"]["plain/auto wall"] > 0 and report["totals"]["auto"]["predictor_floor_ms_per_frame"] is None
     for name, runs in report["runs"].items():
         assert len(runs) == 2 and all(0 < r["frames"] <= 6 and r["wall_seconds"] > 0 for r in runs)
         total = report["totals"][name]
         assert total["frames"] == sum(r["frames"] for r in runs)
         assert total["wall_ms_per_frame"] == pytest.approx(1e3 * total["wall_seconds"] / total["frames"], rel=0.01)
     # rvqtts's two loops make the same codes, so they stop at the same frame.
-    assert [r["frames"] for r in report["runs"]["plain"]] == [r["frames"] for r in report["runs"]["speculative"]]
+    assert ([r["frames"] for r in report["runs"]["plain"]] == [r["frames"] for r in report["runs"]["speculative"]]
+            == [r["frames"] for r in report["runs"]["auto"]])
     assert report["ratios"]["stock/plain wall"] > 0
     # Floors: the plain loop's inner loop reads a step's weights 15 times a frame, stock's the same.
     floor = report["floor_ms"]

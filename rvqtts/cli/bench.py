@@ -125,8 +125,8 @@ def bench_e2e_command(
     texts: Path = typer.Option(..., help="Text file, one utterance per line (.jsonl lines may set speaker and "
                                          "language; --instruct and --voice hold for every line)."),
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
-    tree: str = typer.Option("auto", help="Tree of the speculative runs: auto (the best N for this device), N, "
-                                          "or a tree file."),
+    tree: str = typer.Option("16", help="Tree of the fixed-size speculative runs: N, or a tree file (the auto "
+                                        "runs choose theirs online, as `rvqtts synth` does)."),
     offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the model."),
     speaker: Optional[str] = typer.Option(None, help="Speaker of lines that name none (CustomVoice models; "
                                                      "default vivian)."),
@@ -142,15 +142,16 @@ def bench_e2e_command(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write every run and the totals as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
 ) -> None:
-    """Stock qwen-tts, `rvqtts synth --no-spec` and `rvqtts synth` on the same texts and seed, interleaved:
-    wall, inner-loop, talker and decoder time per frame, RTF, and the ratios between them."""
+    """Stock qwen-tts, `rvqtts synth --no-spec`, `rvqtts synth` (auto: the tree size chosen online) and
+    `rvqtts synth --tree N` on the same texts and seed, interleaved: wall, inner-loop, talker and decoder
+    time per frame, RTF, and the ratios between them."""
     from rvqtts.batch import BatchFileError, read_batch
     from rvqtts.bench import bench_e2e
     from rvqtts.cloning import VoiceSource
     from rvqtts.offsets import OffsetsFileError
     from rvqtts.report import e2e_table
     from rvqtts.synthesis import GenerationSettings, choose_speculation
-    from rvqtts.tree import FALLBACK_BUDGET, TreeFileError
+    from rvqtts.tree import TreeFileError
 
     try:
         lines = [(u.text, u.speaker or speaker, u.language or language) for u in read_batch(texts)]
@@ -162,20 +163,18 @@ def bench_e2e_command(
         clone = None if voice is None else synthesizer.voice_of(VoiceSource(voice=voice))
         for _, line_speaker, line_language in lines:
             synthesizer.check_voice(line_speaker, line_language, instruct, clone)
-        speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, allow_plain=True,
-                                                 weights=weights)
-        if speculation is None:  # the speculative column still needs a tree
-            say(f"{notice}; the speculative runs use N = {FALLBACK_BUDGET}", quiet)
-            speculation, notice = choose_speculation(synthesizer.code_predictor, FALLBACK_BUDGET, offsets)
+        default, notice = choose_speculation(synthesizer.code_predictor, "auto", offsets, allow_plain=True,
+                                             weights=weights)
+        speculation, _ = choose_speculation(synthesizer.code_predictor, tree, offsets, weights=weights)
     except (TreeFileError, OffsetsFileError, ValueError) as error:
         fail(str(error))
     if notice:
         say(notice, quiet)
     with progress_bar(quiet) as progress:
-        task = progress.add_task(f"{len(lines)} texts x 3 variants", total=len(lines) * 3)
+        task = progress.add_task(f"{len(lines)} texts x 4 variants", total=len(lines) * 4)
         result = bench_e2e(synthesizer.tts, lines, speculation, seed, settings,
                            progress=lambda done, total: progress.update(task, completed=done), weight_format=weights,
-                           instruct=instruct, clone=clone)
+                           instruct=instruct, clone=clone, default=default)
     publish(result, json_out, e2e_table, quiet)
 
 

@@ -30,11 +30,20 @@ def tune(
     weights: str = typer.Option("native", help="native, or int8 (8-bit weights, W8A16)."),
     again: bool = typer.Option(False, "--again", help="Measure anew, replacing what the cache holds for this "
                                                       "machine."),
+    texts: Optional[Path] = typer.Option(None, help="Also speak these lines (.txt, or .jsonl as synth -f takes) "
+                                                    "with --tree auto: the run measures this model's acceptance "
+                                                    "(kept for later runs) and shows the tree sizes it chose from."),
+    offsets: Optional[Path] = typer.Option(None, help="With --texts: the offsets to draft with (default: shipped "
+                                                      "offsets matching the model, else zero offsets)."),
+    speaker: Optional[str] = typer.Option(None, help="With --texts: " + SPEAKER_HELP),
+    max_frames: Optional[int] = typer.Option(None, help="With --texts: most frames per line."),
+    seed: int = typer.Option(0, help="With --texts: seed of synthesis."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """Measure this CPU's kernel for every linear map shape of the model's frame (row invariance, then cost
-    at 1 and 17 rows; the fastest invariant one runs) and the dtype `--dtype auto` picks from them.
+    at 1 and 17 rows; the fastest invariant one runs) and the dtype `--dtype auto` picks from them; with
+    --texts, also the tree size `--tree auto` chooses on them.
 
     Measured once per machine (CPU model, torch, threads) and kept in the user's cache; every command
     reads it from there, so this only shows it (or, with --again, measures anew).
@@ -76,7 +85,45 @@ def tune(
                                                         3), "maps": rows}
     if dtype == "auto":
         result["auto"], result["reason"] = pick_dtype("auto", "cpu", talker_config, weights)
+    if texts is not None:
+        result["trees"] = _tune_trees(model, result.get("auto", dtype), weights, texts, offsets, speaker, max_frames,
+                                      seed, quiet)
     publish(result, json_out, tune_table, quiet)
+
+
+def _tune_trees(model: str, dtype: str, weights: str, texts: Path, offsets: Optional[Path], speaker: Optional[str],
+                max_frames: Optional[int], seed: int, quiet: bool) -> dict:
+    """`tune --texts`: the lines spoken with --tree auto on the CPU; what the online choice measured and chose."""
+    from rvqtts.batch import BatchFileError, read_batch
+    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.online import OnlineSpeculation
+    from rvqtts.synthesis import GenerationSettings, prepare_inner_loop
+    from rvqtts.tree import TreeFileError
+
+    try:
+        lines = read_batch(texts)
+        settings = GenerationSettings(max_frames=max_frames)
+    except (BatchFileError, ValueError) as error:
+        fail(str(error))
+    synthesizer = load_synthesizer(model, "cpu", dtype, quiet, weights)
+    try:
+        notice = prepare_inner_loop(synthesizer, True, "auto", offsets)
+    except (TreeFileError, OffsetsFileError, ValueError) as error:
+        fail(str(error))
+    if not isinstance(synthesizer.speculation, OnlineSpeculation):
+        fail("rvqtts tune --texts decides the tree size online, which RVQTTS_CHOICES=fixed turns off")
+    say(notice, quiet)
+    with progress_bar(quiet) as progress:
+        task = progress.add_task(f"speaking {len(lines)} lines with --tree auto", total=len(lines))
+        for line in lines:
+            try:
+                synthesizer.synthesize(line.text, line.speaker or speaker, line.language or "auto", seed,
+                                       settings=settings, instruct=line.instruct)
+            except ValueError as error:
+                fail(f"{texts}: {error}")
+            progress.advance(task)
+    synthesizer.speculation.save()
+    return synthesizer.speculation.record()
 
 
 @app.command("train-offsets")

@@ -1,0 +1,155 @@
+"""`--tree auto` decided online (rvqtts.online): acceptance counted from the rounds that run, the choice
+made from it and the measured call costs, the same codes whatever the tree size does mid-run, and what
+a run learns kept for the next."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import random_prefix
+from helpers import run_cli as run
+
+import rvqtts.online as online_module
+from rvqtts.calibration import acceptance_table
+from rvqtts.decode import OBSERVED_RANKS
+from rvqtts.inner_loop import InnerLoop, LoopParts
+from rvqtts.offsets import Offsets, predictor_fingerprint
+from rvqtts.online import AcceptanceCounts, OnlineSpeculation, committed_ranks
+from rvqtts.sampling import SamplingConfig
+
+FRAMES = 48
+
+
+@pytest.fixture(autouse=True)
+def measured(monkeypatch):
+    """Kernels measured (and so known row-invariant): the online choice runs only where they are."""
+    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
+
+
+def test_counts_give_the_calibration_table_of_the_same_ranks():
+    """The online counts and rvqtts.calibration's offline table agree on the same ranks (-1: past the
+    frame's end there, None here)."""
+    generator = np.random.default_rng(0)
+    ranks = generator.choice([0, 0, 0, 1, 2, 5, OBSERVED_RANKS, -1], size=(40, 14, 3))
+    counts = AcceptanceCounts.empty(3)
+    for row in ranks.reshape(-1, 3):
+        counts.observe([None if r < 0 else int(r) for r in row])
+    expected = acceptance_table(ranks, OBSERVED_RANKS)
+    assert np.allclose(counts.table(), expected, atol=1e-6)
+
+
+def test_committed_ranks_read_each_depths_draft_list():
+    codes = [5, 6, 7, 8, 9]  # c1..c5
+    drafted = [[6, 1, 2], [3, 7, 4], [0, 1, 2]]  # drafts for c2, c3, c4 from the root c1
+    assert committed_ranks(drafted, codes, 1) == [0, 1, OBSERVED_RANKS]
+    assert committed_ranks(drafted, codes, 4) == [OBSERVED_RANKS, None, None]  # c6, c7 are past the end
+
+
+def online_loop(synth, costs: dict[int, float], seed: int = 11) -> tuple[InnerLoop, OnlineSpeculation]:
+    offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.5)
+    online = OnlineSpeculation(offsets, predictor_fingerprint(synth.code_predictor))
+    online.costs, online.costs_source = dict(costs), "given"
+    parts = LoopParts.build(synth.code_predictor, online, False)
+    return InnerLoop(synth.code_predictor, online, seed, parts=parts), online
+
+
+def plain_codes(synth, frames: int) -> list[list[int]]:
+    loop = InnerLoop(synth.code_predictor, None, seed=11)
+    return [loop.decode(random_prefix(synth, seed=f), SamplingConfig(), 0, f) for f in range(frames)]
+
+
+@pytest.mark.parametrize("which", ["tiny", "narrow"])
+def test_codes_equal_the_plain_loops_while_the_tree_size_changes_mid_run(which, request, monkeypatch):
+    synth = request.getfixturevalue(which)
+    sizes = iter([4, 0, 16, 32, 8, 0, 32, 4])
+    monkeypatch.setattr(online_module, "DECIDE_EVERY", 6)
+    monkeypatch.setattr(OnlineSpeculation, "decide", lambda self: setattr(self, "budget", next(sizes)))
+    loop, online = online_loop(synth, {q: 1.0 for q in (1, 4, 5, 9, 17, 33)})
+    codes = [loop.decode(random_prefix(synth, seed=f), SamplingConfig(), 0, f) for f in range(FRAMES)]
+    assert codes == plain_codes(synth, FRAMES)
+    assert set(online.frames_by_budget) == {0, 4, 8, 16, 32} and online.probes >= 1
+    assert loop.stats.frames == FRAMES and loop.stats.codes == 15 * FRAMES
+    if which == "narrow":
+        assert loop.stats.calls < 15 * FRAMES  # drafts were accepted on the way
+
+
+def test_the_choice_follows_what_rounds_cost(narrow):
+    """On a model whose drafts are often right (codebook 16), rounds that cost what a step costs pay at
+    once; rounds that cost their rows do not, and the plain loop stays."""
+    cheap, online = online_loop(narrow, {q: 1.0 for q in (1, 4, 5, 9, 17, 33)})
+    for f in range(24):
+        cheap.decode(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
+    assert online.budget > 0 and online.decisions and online.frames_by_budget[online.budget] > 0
+    projected = online.projection()
+    assert projected[online.budget]["codes_per_ms"] == max(row["codes_per_ms"] for row in projected.values())
+    assert projected[32]["codes_per_call"] > 1.5  # measured on the model, not the prior
+    dear, online = online_loop(narrow, {q: float(q) for q in (1, 4, 5, 9, 17, 33)})
+    for f in range(24):
+        dear.decode(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
+    assert online.budget == 0 and set(online.frames_by_budget) == {0} and online.probes == 3
+
+
+def test_what_a_run_learns_is_where_the_next_one_starts(narrow, user_cache):
+    first, online = online_loop(narrow, {q: float(q) for q in (1, 4, 5, 9, 17, 33)})
+    for f in range(16):
+        first.decode(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
+    learned = online.observed()
+    stored = json.loads((user_cache / "acceptance-online.json").read_text())
+    assert len(stored) == 1 and next(iter(stored.values()))["reached"][0] == pytest.approx(learned, abs=1)
+    second, again = online_loop(narrow, {q: float(q) for q in (1, 4, 5, 9, 17, 33)})
+    second.decode(random_prefix(narrow, seed=0), SamplingConfig(), 0, 0)
+    assert again.observed() >= learned
+
+
+def test_call_costs_are_measured_once_and_kept(tiny, user_cache):
+    offsets = Offsets.zeros(3, tiny.hidden_size)
+    online = OnlineSpeculation(offsets, predictor_fingerprint(tiny.code_predictor))
+    parts = LoopParts.build(tiny.code_predictor, online, False)
+    costs, source = online_module.call_costs(parts.runner, [1, 5, 17])
+    assert set(costs) == {1, 5, 17} and all(ms > 0 for ms in costs.values()) and source.startswith("measured now")
+    again, source = online_module.call_costs(parts.runner, [1, 17])
+    assert again == {1: costs[1], 17: costs[17]} and "measured before" in source
+    assert (user_cache / "call-costs.json").exists()
+
+
+def test_a_default_run_chooses_online_and_says_what_it_did(tiny_dir, tmp_path):
+    stats = tmp_path / "s.json"
+    result = run("synth", "Hello there, online.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames",
+                 "12", "--dtype", "float32", "--stats-json", stats)
+    assert result.exit_code == 0, result.output
+    assert "--tree auto: the tree size is chosen online, starting from the plain loop" in result.output
+    record = json.loads(stats.read_text())["utterances"][0]
+    online = record["online"]
+    assert sum(online["frames_by_N"].values()) == record["frames"] and online["probe_frames"] >= 1
+    assert set(online["projected"]) == {"0", "4", "8", "16", "32"} and online["call_ms"]["1"] > 0
+    assert record["spec"] is True and record["predictor_codes"] == 15 * record["frames"]
+    plain = run("synth", "Hello there, online.", "--model", tiny_dir, "-o", tmp_path / "b.wav", "--max-frames",
+                "12", "--dtype", "float32", "--no-spec")
+    assert plain.exit_code == 0 and (tmp_path / "a.wav").read_bytes() == (tmp_path / "b.wav").read_bytes()
+
+
+
+def test_tune_with_texts_shows_what_the_online_choice_chose_from(tiny_dir, tmp_path, user_cache):
+    texts = tmp_path / "lines.txt"
+    texts.write_text("One line to speak.\nAnd a second one.\n")
+    result = run("tune", "--model", tiny_dir, "--dtype", "float32", "--texts", texts, "--max-frames", "9",
+                 "--json", tmp_path / "tune.json")
+    assert result.exit_code == 0, result.output
+    trees = json.loads((tmp_path / "tune.json").read_text())["trees"]
+    assert sum(trees["frames_by_N"].values()) == 18 and trees["roots_counted"] > 32  # the prior counts 32
+    assert "tree size chosen online" in result.output
+    assert (user_cache / "acceptance-online.json").exists()
+
+
+def test_where_kernels_are_not_known_row_invariant_the_tree_size_stays(tiny, monkeypatch):
+    """Unprobed kernels (RVQTTS_CHOICES=fixed, or a GPU's) might give a round's rows other bits than a
+    step's: a timing-driven choice could then change a run's codes from run to run, so none is made."""
+    monkeypatch.setenv("RVQTTS_CHOICES", "fixed")
+    loop, online = online_loop(tiny, {q: 1.0 for q in (1, 4, 5, 9, 17, 33)})
+    for f in range(17):
+        loop.decode(random_prefix(tiny, seed=f), SamplingConfig(), 0, f)
+    assert online.fixed and online.budget == 0 and online.frames_by_budget == {0: 17} and online.probes == 0
+    assert loop.stats.calls == 15 * 17
