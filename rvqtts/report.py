@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from rich import box
 from rich.console import Group
 from rich.table import Table
@@ -62,9 +64,21 @@ def stats_table(rows: list[tuple[str, dict]]) -> Table:
     else:
         caption = ("speculative, tree N = " + "/".join(str(n) for n in sorted(nodes)) if spec == {True}
                    else "plain inner loop (--no-spec)" if spec == {False} else "mixed")
-    table.caption = caption
-    table.caption += "; calls = predictor calls; RTF = compute seconds / audio seconds"
+    engines = {json.dumps(r.get("engine"), sort_keys=True) for _, r in rows if r.get("engine")}
+    if len(engines) == 1:
+        caption += f"; {_engine_summary(json.loads(engines.pop()))}"
+    table.caption = caption + "; calls = predictor calls; RTF = compute seconds / audio seconds"
     return table
+
+
+def _engine_summary(engine: dict) -> str:
+    """One clause for the stats table: dtype, device, weights, and the kernels each loop ran."""
+    loops = []
+    for loop, used in engine.get("kernels", {}).items():
+        invariant = {True: "rows invariant", False: "rows NOT invariant", None: "not probed"}[used["row_invariant"]]
+        loops.append(f"{loop} " + "/".join(used["maps"]) + f" ({invariant})")
+    weights = "" if engine.get("weights", "native") == "native" else f" {engine['weights']} weights"
+    return f"{engine['dtype']}{weights} on {engine['device']}" + (": " + ", ".join(loops) if loops else "")
 
 
 def workers_table(workers: list[dict], totals: dict) -> Table:
