@@ -24,6 +24,9 @@ def make_tiny_model(
     codebook: int = typer.Option(2048, help="--dims tiny: residual codebook size (the code predictor's "
                                             "vocabulary)."),
     code_groups: int = typer.Option(16, help="--dims tiny: codes per frame, c0 plus code_groups - 1 residual codes."),
+    acceptance: str = typer.Option("none", help="none (random weights), or paper (--dims 0.6b): a code predictor "
+                                                "whose own weights draft about as well as the paper reports "
+                                                "(docs/acceptance.md)."),
     seed: int = typer.Option(0, help="Seed of the random weights; same arguments give byte-identical files."),
     force: bool = typer.Option(False, "--force", help="Replace the folder if it already exists."),
 ) -> None:
@@ -31,7 +34,8 @@ def make_tiny_model(
 
     It loads with qwen_tts.Qwen3TTSModel.from_pretrained(DIR) like a real checkpoint. Its weights are
     random: its audio is noise, its talker never ends its speech (use --max-frames), and its acceptance
-    figures mean nothing about real models. --dims 0.6b / 1.7b cost what the real models cost to run.
+    figures mean nothing about real models, unless --acceptance paper shapes its code predictor's.
+    --dims 0.6b / 1.7b cost what the real models cost to run.
     """
     import shutil
 
@@ -41,7 +45,7 @@ def make_tiny_model(
         shutil.rmtree(directory)
     try:
         build_tiny_model(directory, codebook=codebook, code_groups=code_groups, seed=seed, dims=dims,
-                         shallow=shallow, kind=kind)
+                         shallow=shallow, kind=kind, acceptance=acceptance)
     except (ValueError, FileExistsError) as error:
         fail(str(error))
     say(f"wrote {directory}")
