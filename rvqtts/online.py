@@ -207,6 +207,10 @@ class OnlineSpeculation:
     _probe: Speculation | None = field(default=None, repr=False)
     _learned_key: str = ""
 
+    def __post_init__(self) -> None:
+        if self.start_budget > 0:  # a recorded best size is a candidate too
+            self.budgets = tuple(sorted({*self.budgets, self.start_budget}))
+
     @property
     def depth(self) -> int:
         return self.offsets.depth
@@ -230,14 +234,14 @@ class OnlineSpeculation:
         key = drafter_key(self.fingerprint, self.offsets, sampling)
         if self.counts is None or key != self._learned_key:
             self._learned_key = key
-            stored = _read(cache_dir() / LEARNED_FILE).get(key)
+            stored = None if self.fixed else _read(cache_dir() / LEARNED_FILE).get(key)
             if isinstance(stored, dict) and "reached" in stored:
                 self.counts = AcceptanceCounts(stored["reached"], stored["hits"])
             else:
                 prior = load_acceptance(SHIPPED_TREES / "prior-acceptance.json")["acceptance"]
                 self.counts = AcceptanceCounts.from_table(prior, self.depth, PRIOR_ROUNDS)
         if self.budget < 0:
-            self.budget = self.start_budget if self.start_budget in (0, *self.budgets) else 0
+            self.budget = self.start_budget
 
     def speculation(self, budget: int) -> Speculation:
         """The tree of `budget` nodes grown from the current counts (kept until the next choice)."""
@@ -264,7 +268,7 @@ class OnlineSpeculation:
                 milliseconds: float) -> None:
         """A finished frame: its codes, each round's root index and drafts, and the frame's inner-loop
         time; choose again when due."""
-        for index, rows in drafted:
+        for index, rows in drafted if not self.fixed else ():  # fixed: the prior's tree, run after run
             self.counts.observe(committed_ranks(rows, codes, index))
         self.frames_seen += 1
         self.probes += probe

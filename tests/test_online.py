@@ -19,6 +19,7 @@ from rvqtts.inner_loop import InnerLoop, LoopParts
 from rvqtts.offsets import Offsets, predictor_fingerprint
 from rvqtts.online import AcceptanceCounts, OnlineSpeculation, committed_ranks
 from rvqtts.sampling import SamplingConfig
+from rvqtts.tree import resolve_tree
 
 FRAMES = 48
 
@@ -153,3 +154,8 @@ def test_where_kernels_are_not_known_row_invariant_the_tree_size_stays(tiny, mon
         loop.decode(random_prefix(tiny, seed=f), SamplingConfig(), 0, f)
     assert online.fixed and online.budget == 0 and online.frames_by_budget == {0: 17} and online.probes == 0
     assert loop.stats.calls == 15 * 17
+    # A recorded start size runs the shipped tree of that size, whatever earlier runs learned.
+    loop, online = online_loop(tiny, {q: 1.0 for q in (1, 4, 5, 9, 16, 17, 33)})
+    online.start_budget, online.budgets = 15, (4, 8, 15, 16, 32)
+    loop.decode(random_prefix(tiny, seed=0), SamplingConfig(), 0, 0)
+    assert online.budget == 15 and online.speculation(15).tree.paths == resolve_tree("15").paths
