@@ -271,34 +271,43 @@ def plot_speedup(projection: dict, acceptance_source: str, path) -> None:
     write_atomically(path, image.getvalue())
 
 
-E2E_VARIANTS = ("stock", "plain", "auto", "speculative")
 TIMED_FIELDS = ("wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds")
 
 
-def bench_e2e(tts: object, lines: list[tuple[str | None, str, str]], speculation, seed: int = 0, settings=None,
+def fixed_variants(fixed: list) -> list[str]:
+    """The names of `bench e2e`'s fixed-tree variants, `N=n` (their node counts), which must differ."""
+    names = [f"N={speculation.tree.nodes}" for speculation in fixed]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"the fixed trees must differ in size, got {', '.join(names) or 'none'}")
+    return names
+
+
+def bench_e2e(tts: object, lines: list[tuple[str | None, str, str]], fixed: list, seed: int = 0, settings=None,
               progress: Callable[[int, int], None] | None = None, weight_format: str = "native",
               instruct: str | None = None, clone=None, default=None) -> dict:
     """Stock qwen-tts, rvqtts's plain loop, rvqtts's default (`default`: what `--tree auto` runs, decided
-    online, rvqtts.online) and rvqtts's speculative loop with the fixed tree of `speculation` on the same
-    texts and seeds, taking turns text by text (the order rotating), each text spoken as one piece (lines
-    of (text, speaker, language); `instruct` and a Base model's `clone`, an rvqtts.cloning.ClonedVoice, for
-    all). Frame counts differ between variants (sampled codes decide where speech ends), so times are
-    compared per frame."""
+    online, rvqtts.online) and rvqtts's speculative loop with each fixed tree of `fixed` (a variant `N=n`
+    each) on the same texts and seeds, taking turns text by text (the order rotating), each text spoken as
+    one piece (lines of (text, speaker, language); `instruct` and a Base model's `clone`, an
+    rvqtts.cloning.ClonedVoice, for all). Frame counts differ between variants (sampled codes decide where
+    speech ends), so times are compared per frame."""
     from rvqtts.online import OnlineSpeculation
     from rvqtts.synthesis import GenerationSettings, Synthesizer
 
     settings = settings or GenerationSettings()
-    synthesizers = {"plain": Synthesizer(tts, None, weight_format), "auto": Synthesizer(tts, default, weight_format),
-                    "speculative": Synthesizer(tts, speculation, weight_format)}
+    names = fixed_variants(fixed)
+    synthesizers = {"plain": Synthesizer(tts, None, weight_format), "auto": Synthesizer(tts, default, weight_format)}
+    synthesizers |= {name: Synthesizer(tts, speculation, weight_format) for name, speculation in zip(names, fixed)}
     if isinstance(default, OnlineSpeculation):  # its one-time cost measurement is not part of any line
         default.start(synthesizers["auto"].inner_parts().runner, synthesizers["auto"].sampling(settings).predictor)
-    runs: dict[str, list[dict]] = {name: [] for name in E2E_VARIANTS}
-    talker, runner = synthesizers["plain"].talker_runner(), synthesizers["speculative"].inner_parts().runner
-    floors = _e2e_floor_passes(talker, runner, speculation, tts.model.talker)
+    variants = ("stock", "plain", "auto", *names)
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    talker, runner = synthesizers["plain"].talker_runner(), synthesizers["plain"].inner_parts().runner
+    floors = _e2e_floor_passes(talker, runner, dict(zip(names, fixed)), tts.model.talker)
     floor_times: dict[str, list[float]] = {name: [] for name in floors}
     for number, (text, speaker, language) in enumerate(lines):
-        turn = number % len(E2E_VARIANTS)
-        order = E2E_VARIANTS[turn:] + E2E_VARIANTS[:turn]
+        turn = number % len(variants)
+        order = variants[turn:] + variants[:turn]
         for name in order:
             if name == "stock":
                 record = synthesizers["plain"].synthesize_stock(text, speaker, language, seed, settings, instruct,
@@ -317,42 +326,48 @@ def bench_e2e(tts: object, lines: list[tuple[str | None, str, str]], speculation
     totals = {name: _totals(records) | _floor_per_frame(name, records, floor_ms, runner.code_groups - 1)
               for name, records in runs.items()}
     online = synthesizers["auto"].speculation
-    return {"runs": runs, "totals": totals, "ratios": _e2e_ratios(totals), "seed": seed,
-            "tree_nodes": speculation.tree.nodes, "texts": len(lines), "floor_ms": floor_ms,
-            "weight_format": weight_format,
+    best = min(names, key=lambda name: totals[name]["predictor_ms_per_frame"] or float("inf"))
+    return {"runs": runs, "totals": totals, "ratios": _e2e_ratios(totals, names, best), "seed": seed,
+            "tree_nodes": [speculation.tree.nodes for speculation in fixed], "best_fixed": best,
+            "texts": len(lines), "floor_ms": floor_ms, "weight_format": weight_format,
             "auto": online.record() if isinstance(online, OnlineSpeculation) else {
                 "N": online.tree.nodes if online else 0}}
 
 
-def _e2e_floor_passes(talker: object, runner: PredictorRunner, speculation,
+def _e2e_floor_passes(talker: object, runner: PredictorRunner, fixed: dict,
                       module: torch.nn.Module) -> dict[str, Callable[[], None]]:
     """Passes over what each kind of call reads: rvqtts's talker step, plain predictor step and verify round
-    of `speculation`'s tree mid-frame (KV_LENGTH committed slots), as the runners hold their weights (8-bit
-    ones too), and stock's talker and predictor steps over the modules' own weights."""
+    of each fixed tree mid-frame (KV_LENGTH committed slots; `fixed`: variant name -> speculation), as the
+    runners hold their weights (8-bit ones too), and stock's talker and predictor steps over the modules'
+    own weights."""
     index, last = KV_LENGTH - 1, runner.code_groups - 1
-    plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
     predictor = module.code_predictor
     stock_predictor = [predictor.model.layers, predictor.model.norm, predictor.small_to_mtp_projection,
                        predictor.lm_head[index]]
+    rounds = {}
+    for name, speculation in fixed.items():
+        plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
+        rounds[f"predictor_round {name}"] = read_pass(predictor_weights(runner, round_heads(plan, index, last)))
     return {"talker_step": read_pass(talker_weights(talker)),
-            "predictor_step": read_pass(predictor_weights(runner, [index + 1])),
-            "predictor_round": read_pass(predictor_weights(runner, round_heads(plan, index, last))),
+            "predictor_step": read_pass(predictor_weights(runner, [index + 1])), **rounds,
             "stock_talker_step": read_pass(module_weights(module.model.layers, module.model.norm, module.codec_head)),
             "stock_predictor_step": read_pass(module_weights(*stock_predictor))}
 
 
 def _floor_per_frame(variant: str, records: list[dict], floor_ms: dict[str, float], plain_calls: int) -> dict:
     """The floor of a variant's talker and inner loop per frame: the read passes of the calls it made (stock:
-    one talker step and `plain_calls` predictor calls per frame; speculative: a prefill, then rounds of its
-    fixed tree; auto, whose tree size changes, has none)."""
+    one talker step and `plain_calls` predictor calls per frame; a fixed tree: a prefill, then rounds of its
+    tree; auto, whose tree size changes, has none)."""
     frames = sum(r["frames"] for r in records)
     if not frames or variant == "auto":
         return {"talker_floor_ms_per_frame": None, "predictor_floor_ms_per_frame": None}
     talker_calls = sum(r.get("talker_calls", r["frames"]) for r in records)
     calls = sum(r.get("predictor_calls", 0) for r in records) or frames * plain_calls
-    rounds = calls - frames if variant == "speculative" else 0
+    rounds = calls - frames if variant not in ("stock", "plain") else 0
     kind = "stock_" if variant == "stock" else ""  # stock reads the modules' own weights
-    predictor = (calls - rounds) * floor_ms[f"{kind}predictor_step"] + rounds * floor_ms["predictor_round"]
+    predictor = (calls - rounds) * floor_ms[f"{kind}predictor_step"]
+    if rounds:
+        predictor += rounds * floor_ms[f"predictor_round {variant}"]
     return {"talker_floor_ms_per_frame": round(talker_calls * floor_ms[f"{kind}talker_step"] / frames, 2),
             "predictor_floor_ms_per_frame": round(predictor / frames, 2)}
 
@@ -369,15 +384,16 @@ def _totals(records: list[dict]) -> dict:
     return totals
 
 
-def _e2e_ratios(totals: dict) -> dict:
-    """How many times faster the second variant is than the first, per frame."""
+def _e2e_ratios(totals: dict, fixed: list[str], best: str) -> dict:
+    """How many times faster the second variant is than the first, per frame (`best`: the fixed tree whose
+    inner loop was fastest)."""
     def faster(slow: str, fast: str, part: str) -> float | None:
         a, b = totals[slow][f"{part}_ms_per_frame"], totals[fast][f"{part}_ms_per_frame"]
         return round(a / b, 3) if a and b else None
 
-    return {f"{slow}/{fast} {part}": faster(slow, fast, part)
-            for slow, fast in (("stock", "auto"), ("plain", "auto"), ("speculative", "auto"), ("stock", "plain"),
-                               ("plain", "speculative"))
+    pairs = [("stock", "auto"), ("plain", "auto"), (best, "auto"), ("stock", "plain")]
+    pairs += [("plain", name) for name in fixed]
+    return {f"{slow}/{fast} {part}": faster(slow, fast, part) for slow, fast in pairs
             for part in ("wall", "predictor", "talker")}
 
 

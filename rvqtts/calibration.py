@@ -17,9 +17,10 @@ import torch
 from rvqtts.contexts import Contexts
 from rvqtts.decode import Speculation
 from rvqtts.drafters import OffsetDrafter
-from rvqtts.drafts import DraftData, draft_ranks, frozen_draft_data, head_weights, top1_by_depth
+from rvqtts.drafts import (DraftData, draft_logits, draft_ranks, frozen_draft_data, head_weights,
+                           top1_by_depth)
 from rvqtts.offsets import Offsets, predictor_fingerprint
-from rvqtts.sampling import SamplingConfig
+from rvqtts.sampling import SamplingConfig, entropy_bits, target_probs
 from rvqtts.tree import Tree, grow_tree
 
 MAX_RANK = 16  # ranks per depth an acceptance table records; greedy trees rarely reach past rank 10
@@ -43,13 +44,25 @@ def free_running_data(code_predictor, prefixes: torch.Tensor, seed: int,
 def measure_acceptance(code_predictor, prefixes: torch.Tensor, offsets: torch.Tensor, seed: int,
                        sampling: SamplingConfig = SamplingConfig(), max_rank: int = MAX_RANK) -> dict:
     """The acceptance table of drafts with these offsets [K, H] on free-running codes from `prefixes`,
-    with the drafts' top-1 accuracy per depth."""
+    with the drafts' top-1 accuracy per depth and the entropy of each position's sampling distribution."""
     max_rank = min(max_rank, code_predictor.config.vocab_size)
     data = free_running_data(code_predictor, prefixes, seed, sampling)
+    weights = head_weights(code_predictor)
     drafter = OffsetDrafter(offsets.shape[0], offsets.shape[1], offsets).to(data.hidden.device)
-    ranks = draft_ranks(drafter, head_weights(code_predictor), data, max_rank)
+    ranks = draft_ranks(drafter, weights, data, max_rank)
     return {"acceptance": acceptance_table(ranks, max_rank), "top1_by_depth": top1_by_depth(ranks),
-            "frames": len(prefixes), "max_rank": max_rank}
+            "entropy_bits": sampling_entropy(weights, data, sampling), "frames": len(prefixes),
+            "max_rank": max_rank}
+
+
+def sampling_entropy(weights: torch.Tensor, data: DraftData, sampling: SamplingConfig) -> list[float]:
+    """Bits of entropy of the distribution each code c1..c_L is drawn from (after temperature and top-k),
+    averaged over the frames: how predictable each position is, which bounds what any draft can accept."""
+    totals = torch.zeros(weights.shape[0])
+    for start in range(0, len(data), 256):  # [256, L, V] logits at a time
+        logits = draft_logits(weights, data.hidden[start:start + 256], 0.0, 0)
+        totals += entropy_bits(target_probs(logits, sampling)).sum(0).cpu()
+    return [round(float(bits), 3) for bits in totals / max(len(data), 1)]
 
 
 def acceptance_table(ranks: np.ndarray, max_rank: int) -> list[list[float]]:

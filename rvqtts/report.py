@@ -202,9 +202,9 @@ def speedup_table(projection: dict) -> Table:
 
 
 def e2e_table(result: dict) -> Table:
-    """`rvqtts bench e2e`: per-frame times of stock qwen-tts, the plain loop and the speculative loop."""
-    table = Table(title=f"end to end, {result['texts']} texts, seed {result['seed']}, speculative: tree N = "
-                        f"{result['tree_nodes']}, auto: {_online_summary(result['auto'])}",
+    """`rvqtts bench e2e`: per-frame times of stock qwen-tts, the plain loop, the default and fixed trees."""
+    table = Table(title=f"end to end, {result['texts']} texts, seed {result['seed']}, fastest fixed tree: "
+                        f"{result['best_fixed']}, auto: {_online_summary(result['auto'])}",
                   title_justify="left", box=box.SIMPLE_HEAD)
     for title in ("variant", "frames", "wall ms/frame", "talker", "floor", "inner loop", "floor", "decoder", "RTF"):
         table.add_column(title, justify="left" if title == "variant" else "right")

@@ -87,6 +87,11 @@ def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     return scores.softmax(dim=-1)
 
 
+def entropy_bits(probs: torch.Tensor) -> torch.Tensor:
+    """The entropy in bits of each distribution over the last dimension."""
+    return -(probs * torch.log2(probs.clamp(min=1e-30))).sum(-1)
+
+
 def _noisy_scores(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     scores = warp_logits(logits, config)
     return scores + noise if config.do_sample else scores

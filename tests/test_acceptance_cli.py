@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
+import torch
 from helpers import random_contexts
 from helpers import run_cli as run
 
 from rvqtts.batch import Utterance
+from rvqtts.calibration import sampling_entropy
 from rvqtts.contexts import ContextsFileError, load_contexts, record_contexts, save_contexts
+from rvqtts.drafts import DraftData
 from rvqtts.offsets import load_offsets, predictor_fingerprint
+from rvqtts.sampling import SamplingConfig
 from rvqtts.synthesis import GenerationSettings
 from rvqtts.tree import grow_tree, load_acceptance, load_tree
 
@@ -66,6 +71,19 @@ def test_recorded_frames_are_the_synthesized_frames(tiny):
     assert frames.h_t.shape == (len(frames), tiny.talker.config.hidden_size)
 
 
+def test_sampling_entropy_is_that_of_the_warped_distribution():
+    """Position 1 keeps top-k 50 of 100 equally likely codes after temperature: log2(50) bits; position 2 has
+    one code a thousand logits ahead: 0 bits; a third frame with the roles swapped averages them."""
+    vocabulary, width = 100, 2
+    weights = torch.zeros(2, vocabulary, width)
+    weights[:, :50, 0] = 1.0  # 50 codes share the top score when h[0] = 1
+    weights[:, 7, 1] = 1000.0  # code 7 dominates when h[1] = 1
+    spread, peaked = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    hidden = torch.stack([torch.stack([spread, peaked]), torch.stack([spread, peaked]), torch.stack([peaked, spread])])
+    bits = sampling_entropy(weights, DraftData(hidden, torch.zeros(3, 2, dtype=torch.long)), SamplingConfig())
+    assert bits == pytest.approx([2 / 3 * math.log2(50), 1 / 3 * math.log2(50)], abs=1e-3)
+
+
 def test_train_calibrate_accept_from_a_contexts_file(tmp_path, small, small_dir, small_frames):
     offsets = tmp_path / "small.safetensors"
     trained = run("train-offsets", "--model", small_dir, "--contexts", small_frames, "--out", offsets,
@@ -87,6 +105,9 @@ def test_train_calibrate_accept_from_a_contexts_file(tmp_path, small, small_dir,
     table = load_acceptance(trees / "small-acceptance.json")
     assert table["offsets"] == "small.safetensors" and len(table["acceptance"]) == 3
     assert table["model_fingerprint"] == loaded.model_fingerprint
+    positions = len(small.code_predictor.lm_head)
+    assert len(table["entropy_bits"]) == positions and all(0 < b <= math.log2(50) for b in table["entropy_bits"])
+    assert f"sampling entropy of c1..c{positions} in bits" in calibrated.output
     for n in (4, 8):
         tree = load_tree(trees / f"small-n{n}.json")
         assert tree.nodes == n and tree.depth <= 3 and tree.expected_codes_per_call > 1

@@ -131,13 +131,18 @@ def test_bench_speedup_refuses_a_bad_acceptance_table(predictor_json, tmp_path):
     assert result.exit_code == 2 and "sums to 1.8000" in result.output
 
 
-def test_bench_e2e_runs_all_four_variants(tiny_dir, tmp_path, monkeypatch):
+def test_bench_e2e_runs_every_variant(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("RVQTTS_CHOICES", "measured")  # auto: the tree size chosen online, as synth does
     texts = tmp_path / "texts.txt"
     texts.write_text("Hello there.\nA second line.\n")
     _, report = run_json(tmp_path / "e2e.json", "bench", "e2e", "--model", tiny_dir, "--texts", texts,
-                         "--max-frames", "6", "--tree", "8", "--dtype", "float32")
-    assert set(report["runs"]) == {"stock", "plain", "auto", "speculative"} and report["tree_nodes"] == 8
+                         "--max-frames", "6", "--tree", "4,8", "--dtype", "float32")
+    assert set(report["runs"]) == {"stock", "plain", "auto", "N=4", "N=8"} and report["tree_nodes"] == [4, 8]
+    best = report["best_fixed"]
+    assert best == min(("N=4", "N=8"), key=lambda name: report["totals"][name]["predictor_ms_per_frame"])
+    assert report["ratios"][f"{best}/auto predictor"] == pytest.approx(
+        report["totals"][best]["predictor_ms_per_frame"] / report["totals"]["auto"]["predictor_ms_per_frame"],
+        rel=0.01)
     assert sum(report["auto"]["frames_by_N"].values()) == report["totals"]["auto"]["frames"]
     assert report["ratios"]["plain/auto wall"] > 0 and report["totals"]["auto"]["predictor_floor_ms_per_frame"] is None
     for name, runs in report["runs"].items():
@@ -145,21 +150,30 @@ def test_bench_e2e_runs_all_four_variants(tiny_dir, tmp_path, monkeypatch):
         total = report["totals"][name]
         assert total["frames"] == sum(r["frames"] for r in runs)
         assert total["wall_ms_per_frame"] == pytest.approx(1e3 * total["wall_seconds"] / total["frames"], rel=0.01)
-    # rvqtts's two loops make the same codes, so they stop at the same frame.
-    assert ([r["frames"] for r in report["runs"]["plain"]] == [r["frames"] for r in report["runs"]["speculative"]]
-            == [r["frames"] for r in report["runs"]["auto"]])
+    # rvqtts's loops make the same codes, so they stop at the same frame.
+    frames = {name: [r["frames"] for r in report["runs"][name]] for name in ("plain", "auto", "N=4", "N=8")}
+    assert len({tuple(counts) for counts in frames.values()}) == 1
     assert report["ratios"]["stock/plain wall"] > 0
     # Floors: the plain loop's inner loop reads a step's weights 15 times a frame, stock's the same.
     floor = report["floor_ms"]
-    assert floor["predictor_round"] > 0 and floor["talker_step"] > 0
+    assert floor["talker_step"] > 0 and floor["predictor_round N=8"] > 0 and floor["predictor_round N=4"] > 0
     for name, kind in (("stock", "stock_"), ("plain", "")):
         total = report["totals"][name]
         assert total["predictor_floor_ms_per_frame"] == pytest.approx(15 * floor[f"{kind}predictor_step"], abs=0.01)
-    spec = report["totals"]["speculative"]
-    calls = sum(r["predictor_calls"] for r in report["runs"]["speculative"])
-    rounds = calls - spec["frames"]
-    assert spec["predictor_floor_ms_per_frame"] == pytest.approx(
-        (spec["frames"] * floor["predictor_step"] + rounds * floor["predictor_round"]) / spec["frames"], abs=0.01)
+    for name in ("N=4", "N=8"):
+        spec = report["totals"][name]
+        rounds = sum(r["predictor_calls"] for r in report["runs"][name]) - spec["frames"]
+        assert spec["predictor_floor_ms_per_frame"] == pytest.approx(
+            (spec["frames"] * floor["predictor_step"] + rounds * floor[f"predictor_round {name}"]) / spec["frames"],
+            abs=0.01)
+
+
+def test_bench_e2e_refuses_repeated_tree_sizes(tiny_dir, tmp_path):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("Hello there.\n")
+    result = run("bench", "e2e", "--model", tiny_dir, "--texts", texts, "--tree", "4,4", "--dtype", "float32",
+                 "--max-frames", "2")
+    assert result.exit_code == 2 and "must differ in size" in result.output
 
 
 def test_bench_decoder_times_each_length(tiny_dir, tmp_path):

@@ -125,8 +125,9 @@ def bench_e2e_command(
     texts: Path = typer.Option(..., help="Text file, one utterance per line (.jsonl lines may set speaker and "
                                          "language; --instruct and --voice hold for every line)."),
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
-    tree: str = typer.Option("16", help="Tree of the fixed-size speculative runs: N, or a tree file (the auto "
-                                        "runs choose theirs online, as `rvqtts synth` does)."),
+    tree: str = typer.Option("16", help="Trees of the fixed-size speculative runs, comma-separated: N or a tree "
+                                        "file each, e.g. 4,8,16,32 (the auto runs choose theirs online, as "
+                                        "`rvqtts synth` does)."),
     offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the model."),
     speaker: Optional[str] = typer.Option(None, help="Speaker of lines that name none (CustomVoice models; "
                                                      "default vivian)."),
@@ -143,10 +144,11 @@ def bench_e2e_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
 ) -> None:
     """Stock qwen-tts, `rvqtts synth --no-spec`, `rvqtts synth` (auto: the tree size chosen online) and
-    `rvqtts synth --tree N` on the same texts and seed, interleaved: wall, inner-loop, talker and decoder
-    time per frame, RTF, and the ratios between them."""
+    `rvqtts synth --tree N` for each N on the same texts and seed, interleaved: wall, inner-loop, talker and
+    decoder time per frame, RTF, and the ratios between them (the auto runs against the fixed tree whose
+    inner loop was fastest)."""
     from rvqtts.batch import BatchFileError, read_batch
-    from rvqtts.bench import bench_e2e
+    from rvqtts.bench import bench_e2e, fixed_variants
     from rvqtts.cloning import VoiceSource
     from rvqtts.offsets import OffsetsFileError
     from rvqtts.report import e2e_table
@@ -165,14 +167,17 @@ def bench_e2e_command(
             synthesizer.check_voice(line_speaker, line_language, instruct, clone)
         default, notice = choose_speculation(synthesizer.code_predictor, "auto", offsets, allow_plain=True,
                                              weights=weights)
-        speculation, _ = choose_speculation(synthesizer.code_predictor, tree, offsets, weights=weights)
+        trees = [item.strip() for item in tree.split(",") if item.strip()]
+        fixed = [choose_speculation(synthesizer.code_predictor, item, offsets, weights=weights)[0] for item in trees]
+        fixed_variants(fixed)
     except (TreeFileError, OffsetsFileError, ValueError) as error:
         fail(str(error))
     if notice:
         say(notice, quiet)
     with progress_bar(quiet) as progress:
-        task = progress.add_task(f"{len(lines)} texts x 4 variants", total=len(lines) * 4)
-        result = bench_e2e(synthesizer.tts, lines, speculation, seed, settings,
+        variants = 3 + len(fixed)
+        task = progress.add_task(f"{len(lines)} texts x {variants} variants", total=len(lines) * variants)
+        result = bench_e2e(synthesizer.tts, lines, fixed, seed, settings,
                            progress=lambda done, total: progress.update(task, completed=done), weight_format=weights,
                            instruct=instruct, clone=clone, default=default)
     publish(result, json_out, e2e_table, quiet)

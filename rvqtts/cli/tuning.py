@@ -250,7 +250,9 @@ def calibrate(
     for size, tree in trees.items():
         save_tree(tree, tree_paths[size])
     summary = ", ".join(f"N={n}: {t.expected_codes_per_call}" for n, t in trees.items())
-    say(f"expected codes per call {summary}; wrote {table_path} and {len(trees)} trees in {out_dir}", quiet)
+    entropy = " ".join(f"{bits:.2f}" for bits in table["entropy_bits"])
+    say(f"expected codes per call {summary}; sampling entropy of c1..c{len(table['entropy_bits'])} in bits: "
+        f"{entropy}; wrote {table_path} and {len(trees)} trees in {out_dir}", quiet)
 
 
 @app.command()

@@ -13,22 +13,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rvqtts.sampling import SamplingConfig, target_probs
+from rvqtts.sampling import SamplingConfig, entropy_bits, target_probs
 from rvqtts.standin.model import teacher_forced_logits
 
 LN2 = float(np.log(2))
-
-
-def _entropy_bits(probs: torch.Tensor) -> torch.Tensor:
-    return -(probs * torch.log(probs.clamp(min=1e-30))).sum(-1) / LN2
 
 
 @torch.no_grad()
 def entropy_by_position(code_predictor, talker_embedding, h_t: torch.Tensor, codes: torch.Tensor,
                         sampling: SamplingConfig = SamplingConfig()) -> dict:
     logits = teacher_forced_logits(code_predictor, talker_embedding, h_t, codes).float()
-    sampled = _entropy_bits(target_probs(logits, sampling)).mean(0)
-    raw = _entropy_bits(logits.softmax(-1)).mean(0)
+    sampled = entropy_bits(target_probs(logits, sampling)).mean(0)
+    raw = entropy_bits(logits.softmax(-1)).mean(0)
     truth_ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), codes[:, 1:].flatten(), reduction="none")
     return {"entropy_bits": [round(float(x), 3) for x in sampled],
             "raw_entropy_bits": [round(float(x), 3) for x in raw],
