@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from rvqtts.attention import MAX_TREE_NODES
 from rvqtts.graphs import StaticCalls
 from rvqtts.offsets import Offsets
 from rvqtts.predictor import PredictorRunner
@@ -63,7 +64,7 @@ class RoundPlan:
     slot_depth: torch.Tensor      # [1 + N] depth of each query slot (its position after the root's), on device
     node_rank: torch.Tensor       # [N] rank of each node, on device
     ancestor_mask: torch.Tensor   # [q, q] on device
-    _groups: dict = field(default_factory=dict, repr=False, compare=False)
+    _attention: dict = field(default_factory=dict, repr=False, compare=False)
 
     def attention_groups(self, length: int) -> list[tuple[slice, torch.Tensor]]:
         """Per depth, its query slots and the cache slots each of them attends to, in position order:
@@ -71,15 +72,29 @@ class RoundPlan:
         A plain step at the same position attends to exactly these keys, in this order, so attention
         run row by row over them gives what the step would, bit for bit (one masked call over every
         slot does not: its kernel blocks and sums differently, which reduced precision makes visible)."""
-        if length not in self._groups:
+        if length not in self._attention:
             device = self.ancestor_mask.device
             committed = torch.arange(length, device=device)
             groups = []
             for s in self.depth_slices:
                 ancestors = [length + torch.nonzero(row).flatten() for row in self.ancestor_mask[s]]
                 groups.append((s, torch.stack([torch.cat([committed, a]) for a in ancestors])))
-            self._groups[length] = groups
-        return self._groups[length]
+            self._attention[length] = groups
+        return self._attention[length]
+
+    def row_slots(self, length: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots of `attention_groups` for row attention (rvqtts.attention): [q, width] cache slots per
+        query in position order, then slot 0 as masked padding, and [q, width] which of them it sees."""
+        key = ("rows", length, width)
+        if key not in self._attention:
+            queries, device = self.ancestor_mask.shape[0], self.ancestor_mask.device
+            index = torch.zeros(queries, width, dtype=torch.long, device=device)
+            visible = torch.zeros(queries, width, dtype=torch.bool, device=device)
+            for rows, slots in self.attention_groups(length):
+                index[rows, :slots.shape[1]] = slots
+                visible[rows, :slots.shape[1]] = True
+            self._attention[key] = (index, visible)
+        return self._attention[key]
 
     @classmethod
     def build(cls, tree: Tree, device: torch.device) -> "RoundPlan":
@@ -100,6 +115,9 @@ class Speculation:
     _plans: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        if self.tree.nodes > MAX_TREE_NODES:
+            raise ValueError(f"the tree has {self.tree.nodes} nodes; rounds carry at most {MAX_TREE_NODES} "
+                             f"(larger trees cost more than they accept): use a tree of <= {MAX_TREE_NODES} nodes")
         if self.tree.depth > self.offsets.depth:
             raise ValueError(f"the tree is {self.tree.depth} deep but the offsets draft only "
                              f"K = {self.offsets.depth} codes ahead: use a tree of depth <= {self.offsets.depth}")
@@ -196,7 +214,7 @@ def tree_call(runner: PredictorRunner, plan: RoundPlan, hidden: torch.Tensor, of
     ranked = draft(runner, hidden, offsets, index, plan.draft_ranks)
     node_codes = torch.cat([root, ranked[plan.slot_depth[1:] - 1, plan.node_rank]])
     embeds = runner.embed_codes(node_codes, index, plan.depth_slices)
-    out = runner.forward(embeds, index + 1 + plan.slot_depth, length, groups=plan.attention_groups(length))
+    out = runner.forward(embeds, index + 1 + plan.slot_depth, length, **runner.round_attention(plan, length))
     last = runner.code_groups - 1
     logits = torch.cat([runner.logits(out[s], index + d + 1) for d, s in scored_slices(plan, index, last)])
     return node_codes, out, logits, ranked

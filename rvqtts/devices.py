@@ -89,6 +89,8 @@ def frame_maps(talker_config: object) -> list[tuple[str, tuple[int, int], int]]:
     maps.append(("talker", (talker_config.vocab_size, talker_config.hidden_size), 1))
     maps += [("predictor", shape, predictor.num_hidden_layers * calls) for shape in layers(predictor)]
     maps.append(("predictor", (predictor.vocab_size, predictor.hidden_size), calls))
+    if predictor.hidden_size != talker_config.hidden_size:  # the input projection (1.7B), once a call
+        maps.append(("predictor", (predictor.hidden_size, talker_config.hidden_size), calls))
     return maps
 
 

@@ -56,7 +56,8 @@ def decoder_weights(runner: object) -> list[torch.Tensor]:
 def predictor_weights(runner: object, heads: Iterable[int]) -> list[torch.Tensor]:
     """A code-predictor call's weights: the layers, the input projection, and the LM heads of `heads`
     (code indices; a plain step scores one code, a tree round drafts and scores several)."""
-    project = list(runner.project.parameters())
+    project = runner.project.reads() if hasattr(runner.project, "reads") else []  # else the identity
+    project += [] if runner.project_bias is None else [runner.project_bias]
     return distinct(decoder_weights(runner) + project + [t for index in heads for t in runner.heads[index - 1].reads()])
 
 

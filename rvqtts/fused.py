@@ -58,7 +58,7 @@ class FusedCall(torch.nn.Module):
         [L, kv_heads, q, head_dim]."""
         runner = self.runner
         positions = (index + 1 + self.slot_depth).clamp(0, self.last_position)
-        x = runner.project(embeds.to(runner.dtype))
+        x = runner.project_input(embeds)
         cos, sin = runner.cos[positions][None], runner.sin[positions][None]
         attn_mask = mask.to(runner.dtype)[None, None]
         new_k, new_v = [], []

@@ -226,7 +226,7 @@ class OnlineSpeculation:
         may differ from plain steps in the last bit, so a choice that changes with timings could change a
         run's codes from one run to the next: there the start budget stays, and nothing is decided."""
         self.codes_per_frame = runner.code_groups - 1
-        if self.budget < 0 and kernels_used(runner.layer_maps() + runner.heads)["row_invariant"] is not True:
+        if self.budget < 0 and kernels_used(runner.linear_maps())["row_invariant"] is not True:
             self.fixed = ("this device's kernels are not all measured row-invariant: the tree size stays "
                           "where it started, so that runs repeat")
         if not self.costs:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from rvqtts.kernels import module_map
+from rvqtts.attention import attention_width, row_attention_exact
+from rvqtts.kernels import LinearMap, make_map, module_map
 from rvqtts.transformer import CachedDecoder
 
 
@@ -24,11 +25,22 @@ class PredictorRunner(CachedDecoder):
     def __init__(self, code_predictor: torch.nn.Module, max_len: int, weights: str = "native"):
         config = code_predictor.config
         weight = code_predictor.lm_head[0].weight
+        # Where this machine keeps a query's bits whatever else is in the call (rvqtts.attention), every
+        # query attends over `width` slots through small batched products; elsewhere rounds gather per depth.
+        self.row_attention = row_attention_exact(config, weight.device, weight.dtype)
+        self.width = attention_width(config.num_code_groups)
+        if self.row_attention:
+            max_len = max(max_len, self.width)
         super().__init__(code_predictor.model.layers, code_predictor.model.norm, config, max_len,
                          weight.device, weight.dtype, weights)
         self.heads = [module_map(head, weights) for head in code_predictor.lm_head]
         self.embeddings = code_predictor.model.codec_embedding
-        self.project = code_predictor.small_to_mtp_projection
+        # The talker's states to the predictor's width where the talker is wider (1.7B), its bias added
+        # apart from the kernel, so that a one-row call rounds as a many-row one does.
+        projection = code_predictor.small_to_mtp_projection
+        linear = isinstance(projection, torch.nn.Linear)
+        self.project = make_map(projection.weight, None, weights) if linear else projection
+        self.project_bias = projection.bias if linear else None
         self.code_groups = config.num_code_groups
         self.vocab_size = config.vocab_size
         # Positions never exceed the frame length plus the deepest draft: a small table serves them all.
@@ -40,24 +52,34 @@ class PredictorRunner(CachedDecoder):
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, start: int,
-                mask: torch.Tensor | None = None,
-                groups: list[tuple[slice, torch.Tensor]] | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, groups: list[tuple[slice, torch.Tensor]] | None = None,
+                rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Run `embeds` [q, E] at `positions` [q], writing their KV to slots start..start+q-1.
 
         `mask` [q, max_len] says which cache slots each query attends to (after this call's writes);
         `groups` instead gives, for slices of the queries, the slots [n, L] each query attends to in
-        order (a tree round: rvqtts.decode.RoundPlan.attention_groups); with neither, every query sees
-        every slot up to its own writes (a single query, as in plain steps).
+        order (a tree round: rvqtts.decode.RoundPlan.attention_groups); `rows`, for row attention, each
+        query's `width` slots (None: the first `width`) and which it sees (RoundPlan.row_slots); with none,
+        every query sees every slot up to its own writes (a single query, as in plain steps).
         Returns the final-normed hidden states [q, hidden], the input of the LM heads.
         """
         end = start + embeds.shape[0]  # attention reads only the slots written so far
-        x = self.project(embeds.to(self.dtype))
+        x = self.project_input(embeds)
         cos, sin = self.cos[positions][None], self.sin[positions][None]
+        if rows is not None:
+            return self.run_layers(x, cos, sin, slice(start, end), self.width, rows=rows)
         return self.run_layers(x, cos, sin, slice(start, end), end, None if mask is None else mask[:, :end], groups)
+
+    def project_input(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Embeddings [q, E] to the layers' width (the module's projection, bias added after the map)."""
+        x = self.project(embeds.to(self.dtype))
+        return x if self.project_bias is None else x + self.project_bias
 
     def prefill(self, prefix: torch.Tensor) -> torch.Tensor:
         """The frame's first call: [h_t, embedding of c0] at positions 0 and 1. Returns h_1."""
         positions = torch.arange(2, device=self.device)
+        if self.row_attention:
+            return self.forward(prefix, positions, 0, rows=(None, self.causal[:2, :self.width]))[-1]
         return self.forward(prefix, positions, 0, self.causal[:2])[-1]
 
     def step(self, code: torch.Tensor, index: int) -> torch.Tensor:
@@ -65,7 +87,20 @@ class PredictorRunner(CachedDecoder):
         slot = index + 1
         embed = self.embeddings[index - 1](code.view(1))
         positions = torch.full((1,), slot, device=self.device, dtype=torch.long)
+        if self.row_attention:
+            return self.forward(embed, positions, slot, rows=(None, self.causal[slot:slot + 1, :self.width]))[0]
         return self.forward(embed, positions, slot, None)[0]
+
+    def round_attention(self, plan: object, length: int) -> dict:
+        """How a tree round of `plan` (rvqtts.decode.RoundPlan) over `length` committed slots attends:
+        with row attention, each query's slots over the width, else per depth its gathered slots."""
+        if self.row_attention:
+            return {"rows": plan.row_slots(length, self.width)}
+        return {"groups": plan.attention_groups(length)}
+
+    def linear_maps(self) -> list[LinearMap]:
+        """Every linear map a call may apply: the layers', the LM heads and the input projection's."""
+        return self.layer_maps() + self.heads + ([self.project] if isinstance(self.project, LinearMap) else [])
 
     def embed_codes(self, codes: torch.Tensor, first_index: int, depth_slices: list[slice]) -> torch.Tensor:
         """Embed a round's query: the codes in `depth_slices[d]` are c_{first_index + d}."""

@@ -327,7 +327,7 @@ class Synthesizer:
         if self._talker is not None:
             kernels["talker"] = kernels_used(self._talker.layer_maps() + [self._talker.head])
         if self._parts is not None and self._parts.runner is not None:
-            kernels["predictor"] = kernels_used(self._parts.runner.layer_maps() + self._parts.runner.heads)
+            kernels["predictor"] = kernels_used(self._parts.runner.linear_maps())
         return {"device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
                 "weights": self.weights, "torch": torch.__version__,
                 "cpu": cpu_model() if weight.device.type == "cpu" else None, "kernels": kernels}

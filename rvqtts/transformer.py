@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rvqtts.attention import attend_rows
 from rvqtts.kernels import LinearMap, make_map, module_map
 from rvqtts.quantize import check_weights
 
@@ -77,12 +78,15 @@ class CachedDecoder:
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: slice | torch.Tensor,
                    span: int, mask: torch.Tensor | None = None,
-                   groups: list[tuple[slice, torch.Tensor]] | None = None) -> torch.Tensor:
+                   groups: list[tuple[slice, torch.Tensor]] | None = None,
+                   rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The layers over states x [q, hidden] with RoPE tables `cos`, `sin` [1, q, d]; their keys and values
         go to the cache slots `write` (a slice, or a tensor of slot indices, which keeps shapes static), and
         attention reads slots 0..span-1. `mask` [q, span] says which slots each query attends to; `groups`
-        instead gives, for slices of the queries, the slots [n, L] each one attends to in order; with
-        neither, every query sees every slot read. Returns the final-normed hidden states [q, hidden]."""
+        instead gives, for slices of the queries, the slots [n, L] each one attends to in order; `rows`
+        instead gives them for row attention (rvqtts.attention): each query's `span` slots in position
+        order [q, span] (None: the first `span`) and which of them it sees [q, span]; with none, every
+        query sees every slot read. Returns the final-normed hidden states [q, hidden]."""
         attn_mask = None if mask is None else mask[None, None]
         for i in range(len(self.layers)):
             q, k, v = self.attention_inputs(i, x, cos, sin)
@@ -92,12 +96,19 @@ class CachedDecoder:
             else:
                 self.k_cache[i].index_copy_(1, write, k)
                 self.v_cache[i].index_copy_(1, write, v)
-            if groups is None:
+            if rows is not None:
+                slots, visible = rows
+                keys, values = (  # each query's keys in position order: the first `span` slots, or gathered
+                    cache[None, i, :, :span].expand(len(visible), -1, -1, -1) if slots is None else
+                    cache[i].index_select(1, slots.flatten()).view(cache.shape[1], *slots.shape, -1).transpose(0, 1)
+                    for cache in (self.k_cache, self.v_cache))
+                out = attend_rows(q, keys, values, visible)
+            elif groups is not None:
+                out = torch.cat([self.attend_gathered(i, q[:, rows], slots) for rows, slots in groups], dim=1)
+            else:
                 # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the unfused math).
                 out = self.attend(q[None], self.k_cache[None, i, :, :span], self.v_cache[None, i, :, :span],
                                   attn_mask)[0]
-            else:
-                out = torch.cat([self.attend_gathered(i, q[:, rows], slots) for rows, slots in groups], dim=1)
             x = self.layer_rest(i, x, out)
         return self.norm(x)
 

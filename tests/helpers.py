@@ -76,13 +76,13 @@ def linear_maps_are_row_invariant(code_predictor, rows: int = 34) -> bool:
     (a round's query, and each depth's rows through its LM head) on this machine (kernels are chosen by
     shape, differently per CPU and dtype: rvqtts.kernels). Where they do, a
     tree call's rows equal plain steps bit for bit; elsewhere they differ in the last bit."""
-    from rvqtts.kernels import Kernel, LinearMap
+    from rvqtts.kernels import LinearMap
     from rvqtts.predictor import PredictorRunner
 
     runner = PredictorRunner(code_predictor, 2)
     maps = [runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[0]]
-    if isinstance(runner.project, torch.nn.Linear):
-        maps.append(LinearMap(runner.project.weight, runner.project.bias, Kernel("linear")))  # the module's
+    if isinstance(runner.project, LinearMap):
+        maps.append(runner.project)
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for linear in maps:
