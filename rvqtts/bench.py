@@ -16,7 +16,8 @@ import torch
 
 from rvqtts.decode import RoundPlan, round_call, step_call
 from rvqtts.files import write_atomically
-from rvqtts.floor import megabytes, module_weights, predictor_weights, read_pass, round_heads, talker_weights
+from rvqtts.floor import (megabytes, module_weights, multiply_adds, peak_multiply_adds_per_ms, predictor_weights,
+                          read_pass, round_heads, talker_weights)
 from rvqtts.graphs import StaticCalls
 from rvqtts.predictor import PredictorRunner
 from rvqtts.sampling import SamplingConfig
@@ -166,11 +167,16 @@ def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup:
                                 max(3, repeats // 4))
     medians = {name: statistics.median(values) for name, values in times.items()}
     base = medians["q1"] if "q1" in medians else None
+    peak = peak_multiply_adds_per_ms(dtype, device)
+    compute = {q: q * multiply_adds(weights_read[q]) / peak for q in queries}  # every row through every weight
     return {
         "q": list(queries),
         "median_ms": [round(medians[f"q{q}"], 3) for q in queries],
         "floor_ms": [round(medians[f"floor{q}"], 4) for q in queries],
         "ratio_to_floor": [round(medians[f"q{q}"] / medians[f"floor{q}"], 4) for q in queries],
+        "compute_floor_ms": [round(compute[q], 6) for q in queries],
+        "ratio_to_larger_floor": [round(medians[f"q{q}"] / max(medians[f"floor{q}"], compute[q]), 4) for q in queries],
+        "peak_gmac_per_s": round(peak / 1e6, 1),
         "weights_mb": [round(megabytes(weights_read[q]), 3) for q in queries],
         "p10_ms": [round(_quantile(times[f"q{q}"], 0.1), 3) for q in queries],
         "p90_ms": [round(_quantile(times[f"q{q}"], 0.9), 3) for q in queries],
@@ -454,9 +460,12 @@ def bench_talker(talker: torch.nn.Module, contexts: list[int], repeats: int = 20
         rows.append({"context": length, "stock_ms": round(stock_ms, 2), "rvqtts_ms": round(ours_ms, 2),
                      "ratio": round(ours_ms / stock_ms, 3), "floor_ms": round(floor_ms, 4),
                      "ratio_to_floor": round(ours_ms / floor_ms, 3)})
+    peak = peak_multiply_adds_per_ms(dtype, device)
     return {"rows": rows, "repeats": repeats, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
             "layers": talker.config.num_hidden_layers, "hidden_size": talker.config.hidden_size,
-            "weights_mb": round(megabytes(weights), 3), "weight_format": weight_format}
+            "weights_mb": round(megabytes(weights), 3), "weight_format": weight_format,
+            "compute_floor_ms": round(multiply_adds(weights) / peak, 6),  # one row through every weight
+            "peak_gmac_per_s": round(peak / 1e6, 1)}
 
 
 def random_prefixes(talker: torch.nn.Module, frames: int, seed: int = 0) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The memory-bandwidth floor of a model call: how long reading the weights it touches takes, measured.
+"""The floors of a model call: how long reading the weights it touches takes, and how long its rows'
+multiply-adds take at this device's peak, both measured.
 
 On a CPU every call of the talker and the code predictor reads each weight it uses once and does a
 few multiply-adds per weight read, so its cost is bounded below by the time the weights take to come
@@ -39,6 +40,33 @@ def read_pass(tensors: list[torch.Tensor]) -> Callable[[], None]:
             values.amax()
 
     return read
+
+
+def multiply_adds(tensors: list[torch.Tensor]) -> int:
+    """Multiply-adds one row costs through these weights: the elements of their matrices."""
+    return sum(t.numel() for t in tensors if t.dim() == 2)
+
+
+def peak_multiply_adds_per_ms(dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
+    """The compute side of the floor: multiply-adds per millisecond a dense square matrix product of
+    `size` reaches in `dtype` on this device (the best of `repeats`, after one warm-up). With the read
+    pass it bounds a call from below twice: q rows through W weights cost at least q * W / this."""
+    import time
+
+    from rvqtts.devices import synchronize
+
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
+    best = float("inf")
+    with torch.inference_mode():
+        for attempt in range(repeats + 1):
+            synchronize(device)
+            started = time.perf_counter()
+            torch.mm(a, b)
+            synchronize(device)
+            if attempt:
+                best = min(best, (time.perf_counter() - started) * 1e3)
+    return size ** 3 / best
 
 
 def module_weights(*modules: torch.nn.Module) -> list[torch.Tensor]:

@@ -54,9 +54,18 @@ def test_bench_predictor_sets_each_call_beside_a_pass_over_its_weights(predictor
     assert all(f > 0 for f in result["floor_ms"])
     assert result["ratio_to_floor"] == [pytest.approx(m / f, rel=0.01) for m, f in zip(result["median_ms"],
                                                                                        result["floor_ms"])]
-    console = Console(width=200, record=True)
+    # The compute floor: every row through every weight matrix read, at the peak timed in the run.
+    matrices = sum(p.numel() for module in (predictor.model.layers, predictor.small_to_mtp_projection)
+                   for p in module.parameters() if p.dim() == 2)
+    peak = result["peak_gmac_per_s"] * 1e6  # multiply-adds per ms
+    assert result["compute_floor_ms"][0] == pytest.approx((matrices + head) / peak, rel=0.01)
+    assert result["compute_floor_ms"][-1] == pytest.approx(17 * (matrices + 4 * head) / peak, rel=0.01)
+    assert result["ratio_to_larger_floor"] == [
+        pytest.approx(m / max(f, c), rel=0.01)
+        for m, f, c in zip(result["median_ms"], result["floor_ms"], result["compute_floor_ms"])]
+    console = Console(width=220, record=True)
     console.print(predictor_table(result))
-    assert "x floor" in console.export_text()
+    assert "x larger floor" in console.export_text()
 
 
 def test_projection_arithmetic():
@@ -198,6 +207,10 @@ def test_bench_talker_times_both_steps_at_each_context(tiny_dir, tmp_path):
     assert report["weights_mb"] == pytest.approx(4 * weights / 1e6, abs=1e-3)
     assert all(row["ratio_to_floor"] == pytest.approx(row["rvqtts_ms"] / row["floor_ms"], rel=0.05)
                for row in report["rows"])
+    matrices = sum(p.numel() for module in (talker.model.layers, talker.codec_head) for p in module.parameters()
+                   if p.dim() == 2)
+    assert report["compute_floor_ms"] == pytest.approx(matrices / (report["peak_gmac_per_s"] * 1e6), rel=0.01)
+    assert "multiply-adds at this device's peak" in result.output
 
 
 def test_bench_dtype_compares_codes_with_float32(tiny_dir, tmp_path):
