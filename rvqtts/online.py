@@ -115,9 +115,11 @@ def probe_tree(depth: int) -> Tree:
 
 
 def predictor_key(runner: PredictorRunner) -> str:
-    """What a call's cost depends on besides the machine: dtype, weight format and the predictor's shape."""
+    """What a call's cost depends on besides the machine: dtype, weight format, the predictor's shape and
+    how its rounds attend (rvqtts.attention)."""
+    attention = "rows" if runner.row_attention else "gathered"
     return (f"{str(runner.dtype).removeprefix('torch.')}/{runner.weights}/{runner.hidden_size}x"
-            f"{len(runner.layers)}x{runner.vocab_size}")
+            f"{len(runner.layers)}x{runner.vocab_size}/{attention}")
 
 
 def measure_call_costs(runner: PredictorRunner, queries: list[int], repeats: int = 9) -> dict[int, float]:

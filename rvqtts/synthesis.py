@@ -320,14 +320,16 @@ class Synthesizer:
         return self.speculation.tree.nodes if self.speculation else 0
 
     def engine_record(self) -> dict:
-        """What ran (`--stats-json`'s "engine"): the device, dtype and weight format, torch and the CPU, and
-        the kernels of each loop's linear maps (rvqtts.kernels)."""
+        """What ran (`--stats-json`'s "engine"): the device, dtype and weight format, torch and the CPU, the
+        kernels of each loop's linear maps (rvqtts.kernels) and how the predictor attends (rvqtts.attention)."""
         weight = self.talker.codec_head.weight
         kernels = {}
         if self._talker is not None:
             kernels["talker"] = kernels_used(self._talker.layer_maps() + [self._talker.head])
         if self._parts is not None and self._parts.runner is not None:
-            kernels["predictor"] = kernels_used(self._parts.runner.linear_maps())
+            runner = self._parts.runner
+            kernels["predictor"] = kernels_used(runner.linear_maps()) | {
+                "attention": "rows" if runner.row_attention else "gathered"}
         return {"device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
                 "weights": self.weights, "torch": torch.__version__,
                 "cpu": cpu_model() if weight.device.type == "cpu" else None, "kernels": kernels}

@@ -15,6 +15,7 @@ from helpers import run_cli_json as run_json
 
 import rvqtts.devices
 import rvqtts.kernels as kernels
+from rvqtts.attention import row_attention_exact
 from rvqtts.decode import Speculation
 from rvqtts.kernels import Kernel, LinearMap
 from rvqtts.offsets import Offsets
@@ -162,4 +163,7 @@ def test_a_run_records_its_device_dtype_and_kernels(tiny_dir, tmp_path):
     layers = 2 * 4  # the tiny talker's and predictor's two layers, four maps each
     assert sum(engine["kernels"]["talker"]["maps"].values()) == layers + 1  # and the codec head
     assert sum(engine["kernels"]["predictor"]["maps"].values()) == layers + 15  # and the 15 LM heads
+    config = Synthesizer.load(tiny_dir).code_predictor.config  # what this machine's start-up check finds:
+    exact = row_attention_exact(config, torch.device("cpu"), torch.float32)
+    assert engine["kernels"]["predictor"]["attention"] == ("rows" if exact else "gathered")
     assert stats["total"]["engine"] == engine
