@@ -76,7 +76,7 @@ def _engine_summary(engine: dict) -> str:
     loops = []
     for loop, used in engine.get("kernels", {}).items():
         invariant = {True: "rows invariant", False: "rows NOT invariant", None: "not probed"}[used["row_invariant"]]
-        attention = f", {used['attention']} attention" if "attention" in used else ""
+        attention = {"rows": ", row attention", "gathered": ", gathered attention"}.get(used.get("attention"), "")
         loops.append(f"{loop} " + "/".join(used["maps"]) + f" ({invariant}{attention})")
     weights = "" if engine.get("weights", "native") == "native" else f" {engine['weights']} weights"
     return f"{engine['dtype']}{weights} on {engine['device']}" + (": " + ", ".join(loops) if loops else "")

@@ -19,6 +19,7 @@ from rvqtts.attention import row_attention_exact
 from rvqtts.decode import Speculation
 from rvqtts.kernels import Kernel, LinearMap
 from rvqtts.offsets import Offsets
+from rvqtts.report import _engine_summary
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tree import resolve_tree
 
@@ -166,4 +167,6 @@ def test_a_run_records_its_device_dtype_and_kernels(tiny_dir, tmp_path):
     config = Synthesizer.load(tiny_dir).code_predictor.config  # what this machine's start-up check finds:
     exact = row_attention_exact(config, torch.device("cpu"), torch.float32)
     assert engine["kernels"]["predictor"]["attention"] == ("rows" if exact else "gathered")
+    summary = _engine_summary(engine)
+    assert ("row attention" if exact else "gathered attention") in summary and summary.startswith("float32 on cpu")
     assert stats["total"]["engine"] == engine
