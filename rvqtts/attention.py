@@ -68,8 +68,8 @@ def rows_exact(heads: int, kv_heads: int, head_dim: int, width: int, max_rows: i
 
 def row_attention_exact(config: object, device: torch.device, dtype: torch.dtype) -> bool:
     """`rows_exact` at a code predictor's shapes, for every round it can run (up to MAX_TREE_NODES nodes),
-    once per process. It depends on the
-    model and machine alone, so every runner of a model (plain or speculative) attends the same way.
+    once per process. It depends on the model and machine alone, so every runner of a model (plain or
+    speculative) attends the same way.
     A CPU's choice only: elsewhere the gathered attention stays (the check has not been run on GPUs)."""
     if device.type != "cpu":
         return False

@@ -72,15 +72,16 @@ class RoundPlan:
         A plain step at the same position attends to exactly these keys, in this order, so attention
         run row by row over them gives what the step would, bit for bit (one masked call over every
         slot does not: its kernel blocks and sums differently, which reduced precision makes visible)."""
-        if length not in self._attention:
+        key = ("groups", length)
+        if key not in self._attention:
             device = self.ancestor_mask.device
             committed = torch.arange(length, device=device)
             groups = []
             for s in self.depth_slices:
                 ancestors = [length + torch.nonzero(row).flatten() for row in self.ancestor_mask[s]]
                 groups.append((s, torch.stack([torch.cat([committed, a]) for a in ancestors])))
-            self._attention[length] = groups
-        return self._attention[length]
+            self._attention[key] = groups
+        return self._attention[key]
 
     def row_slots(self, length: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots of `attention_groups` for row attention (rvqtts.attention): [q, width] cache slots per

@@ -11,9 +11,13 @@ a call) are left out; packed copies of weights hold the same bytes in another or
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable
 
 import torch
+
+from rvqtts.devices import synchronize
+from rvqtts.kernels import LinearMap
 
 
 def distinct(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -51,10 +55,6 @@ def peak_multiply_adds_per_ms(dtype: torch.dtype, device: torch.device, size: in
     """The compute side of the floor: multiply-adds per millisecond a dense square matrix product of
     `size` reaches in `dtype` on this device (the best of `repeats`, after one warm-up). With the read
     pass it bounds a call from below twice: q rows through W weights cost at least q * W / this."""
-    import time
-
-    from rvqtts.devices import synchronize
-
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
     best = float("inf")
@@ -84,7 +84,7 @@ def decoder_weights(runner: object) -> list[torch.Tensor]:
 def predictor_weights(runner: object, heads: Iterable[int]) -> list[torch.Tensor]:
     """A code-predictor call's weights: the layers, the input projection, and the LM heads of `heads`
     (code indices; a plain step scores one code, a tree round drafts and scores several)."""
-    project = runner.project.reads() if hasattr(runner.project, "reads") else []  # else the identity
+    project = runner.project.reads() if isinstance(runner.project, LinearMap) else []  # else the identity
     project += [] if runner.project_bias is None else [runner.project_bias]
     return distinct(decoder_weights(runner) + project + [t for index in heads for t in runner.heads[index - 1].reads()])
 

@@ -104,7 +104,7 @@ class CachedDecoder:
                     for cache in (self.k_cache, self.v_cache))
                 out = attend_rows(q, keys, values, visible)
             elif groups is not None:
-                out = torch.cat([self.attend_gathered(i, q[:, rows], slots) for rows, slots in groups], dim=1)
+                out = torch.cat([self.attend_gathered(i, q[:, queries], slots) for queries, slots in groups], dim=1)
             else:
                 # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the unfused math).
                 out = self.attend(q[None], self.k_cache[None, i, :, :span], self.v_cache[None, i, :, :span],
