@@ -37,6 +37,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from rvqtts import dot_kernel
 from rvqtts.files import cache_dir, write_json
 from rvqtts.quantize import quantize_rows
 
@@ -47,13 +48,15 @@ COLD_BYTES = 96 << 20  # weight copies cycled through when timing: more than the
 TIMED_PASSES = 7
 KERNELS_FILE = "kernels.json"
 KERNELS_FORMAT = "rvqtts-kernels"
+KERNELS_VERSION = 2  # 2: rvqtts's own kernel among the candidates (choices kept by version 1 are measured anew)
 CHOICES_VARIABLE = "RVQTTS_CHOICES"  # "measured" (the default) or "fixed": the rules used before measurement
 
 
 @dataclass(frozen=True)
 class Kernel:
     """How a map applies rows: `multi` ("linear" for F.linear, "packed" for oneDNN's kernel over weights
-    reordered once, "int8" for torch's int8 kernel over 8-bit weights) in calls of at most CHUNK rows,
+    reordered once, "int8" for torch's int8 kernel over 8-bit weights, "bf16dot" and "int8dot" for
+    rvqtts's own kernel over bfloat16 or 8-bit weights, rvqtts.dot_kernel) in calls of at most CHUNK rows,
     each padded with zero rows to at least `pad`; a call of one row through torch.mv where `one_row_mv`."""
 
     multi: str
@@ -79,17 +82,22 @@ def packing_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def candidates(device: torch.device, dtype: torch.dtype, weights: str) -> list[Kernel]:
-    """The kernels that can apply a map here, the rule used before measurement first (`fixed_kernel`)."""
+def candidates(device: torch.device, dtype: torch.dtype, weights: str,
+               shape: tuple[int, int] | None = None) -> list[Kernel]:
+    """The kernels that can apply a map (of `shape`, where given) here, the rule used before measurement
+    first (`fixed_kernel`)."""
     if device.type != "cpu":
         return [Kernel("linear")]
+    own = shape is not None and dot_kernel.supports(shape, dtype)
     if weights == "int8":
-        return [Kernel("int8")]
+        return [Kernel("int8")] + ([Kernel("int8dot")] if own else [])
     packed = packing_available(dtype)
     found = [Kernel("linear", one_row_mv=True), Kernel("linear")]
     if packed:
         found[1:1] = [Kernel("packed", one_row_mv=True)]
         found.append(Kernel("packed"))
+    if own:
+        found.append(Kernel("bf16dot"))
     fixed = fixed_kernel(device, dtype, weights)
     return [fixed] + [k for k in found if k != fixed]
 
@@ -128,6 +136,15 @@ class LinearMap:
                 scales = scales.to(weight.dtype)
                 self.operands = [qweight, scales]
                 self.apply = lambda rows: self._biased(torch._weight_int8pack_mm(rows, qweight, scales))
+            elif kernel.multi == "int8dot":
+                qweight, scales = quantize_rows(weight)
+                packed, scales = dot_kernel.pack(qweight), scales.to(weight.dtype).float()  # the same scales
+                self.operands = [packed, scales]
+                self.apply = lambda rows: self._biased(dot_kernel.dot_int8(rows, packed, scales))
+            elif kernel.multi == "bf16dot":
+                packed = dot_kernel.pack(weight)
+                self.operands = [packed]
+                self.apply = lambda rows: self._biased(dot_kernel.dot_bf16(rows, packed))
             else:
                 self.operands = [weight]
                 self.apply = lambda rows: F.linear(rows, weight, bias)
@@ -137,7 +154,7 @@ class LinearMap:
 
     def reads(self) -> list[torch.Tensor]:
         """The tensors a call reads (a packed copy holds the weight's bytes in another order)."""
-        if self.kernel.multi == "packed":
+        if self.kernel.multi in ("packed", "bf16dot"):
             return [self.weight] + ([] if self.bias is None else [self.bias])
         return self.operands + ([] if self.bias is None else [self.bias])
 
@@ -225,7 +242,7 @@ def measure_choice(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> 
     gives it), then cost; the fastest invariant one wins (sum of its TIMED_ROWS costs)."""
     weight = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
     kernels, invariant = [], []
-    for kernel in candidates(torch.device("cpu"), dtype, weights):
+    for kernel in candidates(torch.device("cpu"), dtype, weights, shape):
         pad = invariant_pad(weight, kernel)
         kernels.append(replace(kernel, pad=pad or 1))
         if pad is not None:
@@ -315,7 +332,7 @@ def forget_choices(dtype: torch.dtype | None = None, weights: str | None = None)
         kept = {k: v for k, v in machines.get(machine, {}).items() if not k.startswith(prefix)}
         if machine in machines and kept != machines[machine]:
             machines[machine] = kept
-            write_json(kernels_path(), {"format": KERNELS_FORMAT, "version": 1, "machines": machines})
+            write_json(kernels_path(), {"format": KERNELS_FORMAT, "version": KERNELS_VERSION, "machines": machines})
 
 
 def kernels_path() -> Path:
@@ -328,7 +345,8 @@ def _read_cache() -> dict:
         data = json.loads(kernels_path().read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(data, dict) or data.get("format") != KERNELS_FORMAT or not isinstance(data.get("machines"), dict):
+    if (not isinstance(data, dict) or data.get("format") != KERNELS_FORMAT
+            or data.get("version") != KERNELS_VERSION or not isinstance(data.get("machines"), dict)):
         return {}
     return {machine: records for machine, records in data["machines"].items() if isinstance(records, dict)}
 
@@ -336,7 +354,7 @@ def _read_cache() -> dict:
 def _save_cache(machine: str, records: dict) -> None:
     machines = _read_cache()
     machines[machine] = {**machines.get(machine, {}), **records}
-    write_json(kernels_path(), {"format": KERNELS_FORMAT, "version": 1, "machines": machines})
+    write_json(kernels_path(), {"format": KERNELS_FORMAT, "version": KERNELS_VERSION, "machines": machines})
 
 
 @contextlib.contextmanager

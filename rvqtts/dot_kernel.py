@@ -1,0 +1,123 @@
+"""rvqtts's own CPU kernel for a few rows through a linear map, on CPUs with AVX512-BF16 (no AMX needed).
+
+Without AMX, oneDNN's kernels ran a 17-row bfloat16 call at about half of this CPU's measured peak and
+one row below what a pass over the weights reads (docs/benchmarks.md); `dot_kernel.cpp` streams each
+weight once per pass over at most six rows with VDPBF16PS, for bfloat16 weights and for int8 weights
+widened to bfloat16 in registers (W8A16). Each output is one fixed sequence of operations whatever the
+call's row count or thread count, so rows are invariant by construction (and still probed, like every
+candidate, by rvqtts.kernels, which picks it only where it measures fastest).
+
+The source is compiled once per machine with the system's C++ compiler (`$CXX`, else g++, c++ or
+clang++) into the user's cache and loaded with ctypes; its OpenMP threads are torch's own (the library
+links the libgomp torch has loaded). Where the CPU lacks the instructions or no compiler works, the
+kernel is simply not a candidate: `unavailable()` says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rvqtts.files import cache_dir
+
+SOURCE = Path(__file__).with_name("dot_kernel.cpp")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+         "-mavx512bf16", "-mfma")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+BLOCK = 16  # output channels per vector: a map's output count must be a multiple
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+
+
+def supports(shape: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether a map of this [out, in] shape and activation dtype can run here."""
+    out_features, in_features = shape
+    return (dtype == torch.bfloat16 and out_features % BLOCK == 0 and in_features % 2 == 0
+            and unavailable() is None)
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run on this machine, or None where it can."""
+    return _load()[1]
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """Weights [out, in] (bfloat16 or int8) in the kernel's order [out/16, in/2, 16, 2]."""
+    out_features, in_features = weight.shape
+    return weight.detach().reshape(out_features // BLOCK, BLOCK, in_features // 2, 2).transpose(1, 2).contiguous()
+
+
+def dot_bf16(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] bfloat16 (contiguous) through packed bfloat16 weights: [M, out] bfloat16."""
+    out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK)
+    _load()[0].rvqtts_dot_bf16(rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), out.shape[1],
+                               out.data_ptr())
+    return out
+
+
+def dot_int8(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] bfloat16 (contiguous) through packed int8 weights with float32 scales [out]."""
+    out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK)
+    _load()[0].rvqtts_dot_int8(rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(),
+                               scales.data_ptr(), out.shape[1], out.data_ptr())
+    return out
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """The built library, or None and why not (once per process)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the CPU is {platform.machine()}, not x86-64"
+    missing = [flag for flag in CPU_FLAGS if flag not in _cpu_flags()]
+    if missing:
+        return None, f"the CPU lacks {', '.join(missing)}"
+    try:
+        library = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as error:
+        return None, str(error)
+    library.rvqtts_dot_bf16.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _POINTER]
+    library.rvqtts_dot_int8.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER]
+    library.rvqtts_dot_bf16.restype = library.rvqtts_dot_int8.restype = None
+    return library, None
+
+
+def _cpu_flags() -> set[str]:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    return set()
+
+
+def _build() -> Path:
+    """The compiled library in the cache, built now if this source and compiler have not been built."""
+    compiler = os.environ.get("CXX") or next(filter(None, map(shutil.which, ("g++", "c++", "clang++"))), None)
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / "build" / f"dot_kernel-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        try:
+            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True,
+                                    text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {error}") from error
+        if result.returncode:
+            last = (result.stderr.strip().splitlines() or ["no message"])[-1]
+            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {last}")
+        os.replace(built, target)  # atomic: processes building together each leave a whole library
+    return target

@@ -1,0 +1,100 @@
+"""rvqtts's own CPU kernel (rvqtts.dot_kernel): what it computes for bfloat16 and 8-bit weights, that
+every row gets the same bits whatever the call's rows and threads, that the kernel choice offers it,
+and that a machine where it cannot be built says why and runs without it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rvqtts import dot_kernel
+from rvqtts.kernels import Kernel, LinearMap, candidates, rows_are_invariant
+from rvqtts.quantize import quantize_rows
+
+needs_kernel = pytest.mark.skipif(dot_kernel.unavailable() is not None,
+                                  reason=f"rvqtts's kernel does not run here: {dot_kernel.unavailable()}")
+# 80 outputs: one group of four 16-channel blocks and one single block; 96 inputs: 48 pairs (torch's own
+# int8 kernel, compared below, fails on some odd widths).
+SHAPE = (80, 96)
+
+
+def _sample(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+
+def _within_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                     ) -> bool:
+    """Whether `out` is x W^T (+ bias) up to its roundings to bfloat16 and the float32 sums of its terms
+    (a wrong layout or scale is off by the size of the terms)."""
+    exact = x.double() @ weight.double().T
+    size = x.double().abs() @ weight.double().abs().T
+    if bias is not None:
+        exact, size = exact + bias.double(), size + bias.double().abs()
+    return bool(((out.double() - exact).abs() <= exact.abs() * 2 ** -7 + size * 2 ** -12).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 17, 33])
+def test_bf16_weights_give_the_product_up_to_rounding(rows):
+    generator = torch.Generator().manual_seed(rows)
+    weight, x = _sample(generator, *SHAPE), _sample(generator, rows, SHAPE[1])
+    out = LinearMap(weight, None, Kernel("bf16dot"))(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, SHAPE[0])
+    assert _within_rounding(out, x, weight)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6, 17])
+def test_int8_weights_give_the_product_with_the_dequantized_weights_and_the_bias(rows):
+    generator = torch.Generator().manual_seed(rows)
+    weight, x, bias = _sample(generator, *SHAPE), _sample(generator, rows, SHAPE[1]), _sample(generator, SHAPE[0])
+    quantized, scales = quantize_rows(weight)
+    dequantized = quantized.double() * scales.to(torch.bfloat16).double()[:, None]  # the bf16 scales torch's uses
+    out = LinearMap(weight, bias, Kernel("int8dot"))(x)
+    assert _within_rounding(out, x, dequantized, bias)
+    assert not _within_rounding(out, x, weight.double() * 1.02, bias)  # the check tells a 2 % scale error
+    torch_int8 = LinearMap(weight, bias, Kernel("int8"))(x)  # the same quantized model through torch's kernel
+    assert _within_rounding(torch_int8, x, dequantized, bias)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["bf16dot", "int8dot"])
+def test_every_row_gets_its_own_bits_whatever_the_rows_and_threads_of_the_call(name):
+    generator = torch.Generator().manual_seed(3)
+    linear = LinearMap(_sample(generator, *SHAPE), None, Kernel(name))
+    assert rows_are_invariant(linear, generator)
+    x = _sample(generator, 13, SHAPE[1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = linear(x)
+        torch.set_num_threads(2)
+        assert torch.equal(linear(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_the_kernel_is_a_candidate_for_the_shapes_and_dtype_it_runs():
+    cpu = torch.device("cpu")
+    assert Kernel("bf16dot") in candidates(cpu, torch.bfloat16, "native", (1024, 3072))
+    assert Kernel("int8dot") in candidates(cpu, torch.bfloat16, "int8", (1024, 3072))
+    assert Kernel("bf16dot") not in candidates(cpu, torch.float32, "native", (1024, 3072))
+    assert Kernel("bf16dot") not in candidates(cpu, torch.bfloat16, "native", (1000, 3072))  # not 16 a block
+    linear = LinearMap(torch.zeros(32, 64, dtype=torch.bfloat16), None, Kernel("int8dot"))
+    assert sum(t.numel() * t.element_size() for t in linear.reads()) == 32 * 64 + 32 * 4  # int8 and scales
+
+
+def test_a_machine_that_cannot_build_it_says_why_and_offers_the_other_kernels(tmp_path):
+    script = ("import torch; from rvqtts import dot_kernel, kernels; print(dot_kernel.unavailable()); "
+              "print([k.name for k in kernels.candidates(torch.device('cpu'), torch.bfloat16, 'native', (64, 64))])")
+    env = {**os.environ, "CXX": "/bin/false", "RVQTTS_CACHE": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    reason, names = result.stdout.strip().splitlines()
+    assert reason.startswith("the CPU") or "could not build dot_kernel.cpp" in reason
+    assert "bf16dot" not in names and "packed" in names or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not list(tmp_path.glob("build/*.so"))  # nothing half-built is left to load
