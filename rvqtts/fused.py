@@ -71,7 +71,7 @@ class FusedCall(torch.nn.Module):
             values = torch.cat([v_cache[i], v], dim=1).repeat_interleave(repeat, dim=0)
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=attn_mask)
             x = runner.layer_rest(i, x, out[0])
-        hidden = runner.norm(x)
+        hidden = runner.rms(runner.norm, x)
         q_len = self.slots
         draws = torch.zeros(q_len, dtype=torch.long, device=hidden.device)
         ranks = torch.zeros(q_len, self.depth, self.draft_width, dtype=torch.long, device=hidden.device)

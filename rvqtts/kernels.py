@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from rvqtts import dot_kernel
+from rvqtts import native
 from rvqtts.files import cache_dir, write_json
 from rvqtts.quantize import quantize_rows
 
@@ -56,7 +56,7 @@ CHOICES_VARIABLE = "RVQTTS_CHOICES"  # "measured" (the default) or "fixed": the 
 class Kernel:
     """How a map applies rows: `multi` ("linear" for F.linear, "packed" for oneDNN's kernel over weights
     reordered once, "int8" for torch's int8 kernel over 8-bit weights, "bf16dot" and "int8dot" for
-    rvqtts's own kernel over bfloat16 or 8-bit weights, rvqtts.dot_kernel) in calls of at most CHUNK rows,
+    rvqtts's own kernel over bfloat16 or 8-bit weights, rvqtts.native) in calls of at most CHUNK rows,
     each padded with zero rows to at least `pad`; a call of one row through torch.mv where `one_row_mv`."""
 
     multi: str
@@ -88,7 +88,7 @@ def candidates(device: torch.device, dtype: torch.dtype, weights: str,
     first (`fixed_kernel`)."""
     if device.type != "cpu":
         return [Kernel("linear")]
-    own = shape is not None and dot_kernel.supports(shape, dtype)
+    own = shape is not None and native.supports(shape, dtype)
     if weights == "int8":
         return [Kernel("int8")] + ([Kernel("int8dot")] if own else [])
     packed = packing_available(dtype)
@@ -138,13 +138,13 @@ class LinearMap:
                 self.apply = lambda rows: self._biased(torch._weight_int8pack_mm(rows, qweight, scales))
             elif kernel.multi == "int8dot":
                 qweight, scales = quantize_rows(weight)
-                packed, scales = dot_kernel.pack(qweight), scales.to(weight.dtype).float()  # the same scales
+                packed, scales = native.pack(qweight), scales.to(weight.dtype).float()  # the same scales
                 self.operands = [packed, scales]
-                self.apply = lambda rows: self._biased(dot_kernel.dot_int8(rows, packed, scales))
+                self.apply = lambda rows: self._biased(native.dot_int8(rows, packed, scales))
             elif kernel.multi == "bf16dot":
-                packed = dot_kernel.pack(weight)
+                packed = native.pack(weight)
                 self.operands = [packed]
-                self.apply = lambda rows: self._biased(dot_kernel.dot_bf16(rows, packed))
+                self.apply = lambda rows: self._biased(native.dot_bf16(rows, packed))
             else:
                 self.operands = [weight]
                 self.apply = lambda rows: F.linear(rows, weight, bias)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rvqtts import native
 from rvqtts.attention import attend_rows
 from rvqtts.kernels import LinearMap, make_map, module_map
 from rvqtts.quantize import check_weights
@@ -63,6 +64,9 @@ class CachedDecoder:
         self.down = [module_map(layer.mlp.down_proj, weights) for layer in layers]
         self.q_width = self.n_heads * self.head_dim
         self.kv_width = self.n_kv_heads * self.head_dim
+        # Norms and RoPE in one native call each where they run (rvqtts.native): bfloat16 on a CPU with it.
+        self.native_rows = (device.type == "cpu" and dtype == torch.bfloat16 and self.head_dim <= native.MAX_HEAD_DIM
+                            and native.unavailable() is None)
         self.allocate(max_len)
 
     def layer_maps(self) -> list[LinearMap]:
@@ -110,7 +114,13 @@ class CachedDecoder:
                 out = self.attend(q[None], self.k_cache[None, i, :, :span], self.v_cache[None, i, :, :span],
                                   attn_mask)[0]
             x = self.layer_rest(i, x, out)
-        return self.norm(x)
+        return self.rms(self.norm, x)
+
+    def rms(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One of the model's RMSNorms over x, natively where this decoder runs its rows so."""
+        if self.native_rows and not torch.jit.is_tracing():
+            return native.rms_norm(x, norm.weight, norm.variance_epsilon)
+        return norm(x)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,8 +139,13 @@ class CachedDecoder:
         one fused map, the q/k norms, then RoPE with the slots' `cos`, `sin` [1, q, d]. Nothing reads
         x's shape, so traced graphs hold no size lookups (Core ML's converter mishandles them)."""
         layer = self.layers[i]
-        q, k, v = self.qkv[i](layer.input_layernorm(x)).split(
-            [self.q_width, self.kv_width, self.kv_width], dim=-1)
+        qkv = self.qkv[i](self.rms(layer.input_layernorm, x))
+        if self.native_rows and not torch.jit.is_tracing():
+            attention = layer.self_attn
+            return native.attention_inputs(qkv, self.n_heads, self.n_kv_heads, attention.q_norm.weight,
+                                           attention.k_norm.weight, cos[0].contiguous(), sin[0].contiguous(),
+                                           attention.q_norm.variance_epsilon)
+        q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
         q = layer.self_attn.q_norm(q.view(-1, self.n_heads, self.head_dim)).transpose(0, 1)
         k = layer.self_attn.k_norm(k.view(-1, self.n_kv_heads, self.head_dim)).transpose(0, 1)
         v = v.view(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)
@@ -141,5 +156,5 @@ class CachedDecoder:
         `attended` is the attention output [heads, q, d]."""
         layer = self.layers[i]
         x = x + self.out[i](attended.transpose(0, 1).flatten(1))
-        gate, up = self.gate_up[i](layer.post_attention_layernorm(x)).chunk(2, dim=-1)
+        gate, up = self.gate_up[i](self.rms(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
         return x + self.down[i](layer.mlp.act_fn(gate) * up)

@@ -1,6 +1,6 @@
 // rvqtts's own CPU kernel for the hot loops' linear maps: y = x W^T for a few bfloat16 rows x [M, K] and
 // weights W [N, K] held as bfloat16 or as int8 with a float scale per output channel (W8A16), on CPUs
-// with AVX512-BF16. Built and loaded by rvqtts/dot_kernel.py; chosen per map shape by measurement
+// with AVX512-BF16. Built and loaded by rvqtts/native.py; chosen per map shape by measurement
 // (rvqtts/kernels.py).
 //
 // Weights are packed once as [N/16][K/2][16][2]: one 64-byte vector (32 bytes for int8) per block of 16
@@ -100,9 +100,75 @@ void matmul(const uint16_t* x, int64_t M, int64_t K, const void* packed, const f
     }
 }
 
+inline float to_float(uint16_t bits) {
+    uint32_t wide = static_cast<uint32_t>(bits) << 16;
+    float value;
+    __builtin_memcpy(&value, &wide, 4);
+    return value;
+}
+
+// Round to nearest even, as torch rounds a float to bfloat16 (NaN kept quiet).
+inline uint16_t to_bf16(float value) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &value, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+    return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// The reciprocal root of a row's mean square (float32, sums in 16 fixed lanes, then lane by lane).
+inline float inverse_rms(const uint16_t* x, int64_t n, float eps) {
+    float lanes[kBlock] = {0};
+    int64_t i = 0;
+    for (; i + kBlock <= n; i += kBlock)
+        for (int l = 0; l < kBlock; ++l) lanes[l] += to_float(x[i + l]) * to_float(x[i + l]);
+    float sum = 0;
+    for (int l = 0; l < kBlock; ++l) sum += lanes[l];
+    for (; i < n; ++i) sum += to_float(x[i]) * to_float(x[i]);
+    return 1.0f / __builtin_sqrtf(sum / static_cast<float>(n) + eps);
+}
+
+// qwen-tts's RMSNorm of one row, rounded where its bfloat16 operations round: weight * bf16(x * r).
+inline void norm_row(const uint16_t* x, int64_t n, const uint16_t* weight, float eps, uint16_t* out) {
+    const float r = inverse_rms(x, n, eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(to_float(weight[i]) * to_float(to_bf16(to_float(x[i]) * r)));
+}
+
 }  // namespace
 
 extern "C" {
+
+// RMSNorm of `rows` rows of n bfloat16 values (qwen-tts's, with float32 statistics).
+void rvqtts_rms_norm(const uint16_t* x, int64_t rows, int64_t n, const uint16_t* weight, float eps, uint16_t* out) {
+    for (int64_t r = 0; r < rows; ++r) norm_row(x + r * n, n, weight, eps, out + r * n);
+}
+
+// A layer's attention inputs from its fused q|k|v map output [rows, (heads + 2 kv_heads) d]: each query
+// and key head RMS-normed (q_weight, k_weight) and rotated (RoPE with the rows' cos, sin [rows, d], in
+// bfloat16 steps as qwen-tts's: x cos + rotate_half(x) sin), values copied; written head-major:
+// q [heads, rows, d], k and v [kv_heads, rows, d].
+void rvqtts_attention_inputs(const uint16_t* qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
+                             const uint16_t* q_weight, const uint16_t* k_weight, const uint16_t* cos,
+                             const uint16_t* sin, float eps, uint16_t* q, uint16_t* k, uint16_t* v) {
+    const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;
+    uint16_t normed[1024];
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* row = qkv + r * width;
+        const uint16_t* c = cos + r * d;
+        const uint16_t* s = sin + r * d;
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+            const bool query = h < heads;
+            norm_row(row + h * d, d, query ? q_weight : k_weight, eps, normed);
+            uint16_t* out = query ? q + (h * rows + r) * d : k + ((h - heads) * rows + r) * d;
+            for (int64_t e = 0; e < d; ++e) {
+                const float rotated = e < half ? -to_float(normed[e + half]) : to_float(normed[e - half]);
+                out[e] = to_bf16(to_float(to_bf16(to_float(normed[e]) * to_float(c[e])))
+                                 + to_float(to_bf16(rotated * to_float(s[e]))));
+            }
+        }
+        for (int64_t h = 0; h < kv_heads; ++h)
+            __builtin_memcpy(v + (h * rows + r) * d, row + (heads + kv_heads + h) * d, d * sizeof(uint16_t));
+    }
+}
 
 // y [M, N] bfloat16 = x [M, K] bfloat16 times packed bfloat16 weights, transposed. K even, N % 16 == 0.
 void rvqtts_dot_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, uint16_t* y) {

@@ -1,16 +1,22 @@
-"""rvqtts's own CPU kernel for a few rows through a linear map, on CPUs with AVX512-BF16 (no AMX needed).
+"""rvqtts's native CPU kernels, for CPUs with AVX512-BF16 (no AMX needed): a few rows through a linear
+map, and the row-wise steps of a layer that torch runs as dozens of small operations.
 
 Without AMX, oneDNN's kernels ran a 17-row bfloat16 call at about half of this CPU's measured peak and
-one row below what a pass over the weights reads (docs/benchmarks.md); `dot_kernel.cpp` streams each
+one row below what a pass over the weights reads (docs/benchmarks.md); `native.cpp` streams each
 weight once per pass over at most six rows with VDPBF16PS, for bfloat16 weights and for int8 weights
 widened to bfloat16 in registers (W8A16). Each output is one fixed sequence of operations whatever the
 call's row count or thread count, so rows are invariant by construction (and still probed, like every
 candidate, by rvqtts.kernels, which picks it only where it measures fastest).
 
+A predictor step spent about a third of its time in torch's per-operation overhead around the maps
+(RMSNorm is eight operations, a layer's q/k norms and RoPE about thirty): `rms_norm` and
+`attention_inputs` do those in one call each, rounding where qwen-tts's bfloat16 operations round (only
+the norm's float32 sum runs in another order), row by row, so they keep rows invariant too.
+
 The source is compiled once per machine with the system's C++ compiler (`$CXX`, else g++, c++ or
 clang++) into the user's cache and loaded with ctypes; its OpenMP threads are torch's own (the library
-links the libgomp torch has loaded). Where the CPU lacks the instructions or no compiler works, the
-kernel is simply not a candidate: `unavailable()` says why.
+links the libgomp torch has loaded). Where the CPU lacks the instructions or no compiler works, nothing
+here runs: `unavailable()` says why.
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ import torch
 
 from rvqtts.files import cache_dir
 
-SOURCE = Path(__file__).with_name("dot_kernel.cpp")
+SOURCE = Path(__file__).with_name("native.cpp")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
          "-mavx512bf16", "-mfma")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 BLOCK = 16  # output channels per vector: a map's output count must be a multiple
+MAX_HEAD_DIM = 1024  # attention_inputs' scratch row
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -72,6 +79,29 @@ def dot_int8(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> 
     return out
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """qwen-tts's RMSNorm over the last dimension of bfloat16 x (any leading shape)."""
+    rows = x.contiguous()
+    out = torch.empty_like(rows)
+    _load()[0].rvqtts_rms_norm(rows.data_ptr(), rows.numel() // rows.shape[-1], rows.shape[-1],
+                               weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def attention_inputs(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries [heads, q, d] and keys, values [kv_heads, q, d] from a fused q|k|v map's output [q, width]:
+    the q/k RMSNorms, then RoPE with cos, sin [q, d] (bfloat16, contiguous)."""
+    rows, head_dim = qkv.shape[0], cos.shape[-1]
+    q = qkv.new_empty(heads, rows, head_dim)
+    k, v = qkv.new_empty(kv_heads, rows, head_dim), qkv.new_empty(kv_heads, rows, head_dim)
+    _load()[0].rvqtts_attention_inputs(qkv.data_ptr(), rows, heads, kv_heads, head_dim, q_weight.data_ptr(),
+                                       k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), eps, q.data_ptr(),
+                                       k.data_ptr(), v.data_ptr())
+    return q, k, v
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     """The built library, or None and why not (once per process)."""
@@ -86,7 +116,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, str(error)
     library.rvqtts_dot_bf16.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _POINTER]
     library.rvqtts_dot_int8.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER]
-    library.rvqtts_dot_bf16.restype = library.rvqtts_dot_int8.restype = None
+    library.rvqtts_rms_norm.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, ctypes.c_float, _POINTER]
+    library.rvqtts_attention_inputs.argtypes = [_POINTER, *[_SIZE] * 4, *[_POINTER] * 4, ctypes.c_float,
+                                                *[_POINTER] * 3]
+    for function in (library.rvqtts_dot_bf16, library.rvqtts_dot_int8, library.rvqtts_rms_norm,
+                     library.rvqtts_attention_inputs):
+        function.restype = None
     return library, None
 
 
@@ -105,7 +140,7 @@ def _build() -> Path:
         raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / "build" / f"dot_kernel-{digest}.so"
+    target = cache_dir() / "build" / f"native-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

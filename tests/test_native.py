@@ -1,6 +1,7 @@
-"""rvqtts's own CPU kernel (rvqtts.dot_kernel): what it computes for bfloat16 and 8-bit weights, that
-every row gets the same bits whatever the call's rows and threads, that the kernel choice offers it,
-and that a machine where it cannot be built says why and runs without it."""
+"""rvqtts's native CPU kernels (rvqtts.native): what the map kernel computes for bfloat16 and 8-bit
+weights, that every row gets the same bits whatever the call's rows and threads, that the kernel choice
+offers it, that a layer's norms and RoPE come out as qwen-tts's operations give them, and that a
+machine where the library cannot be built says why and runs without it."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import sys
 import pytest
 import torch
 
-from rvqtts import dot_kernel
+from rvqtts import native
 from rvqtts.kernels import Kernel, LinearMap, candidates, rows_are_invariant
+from rvqtts.predictor import PredictorRunner
 from rvqtts.quantize import quantize_rows
+from rvqtts.synthesis import Synthesizer
 
-needs_kernel = pytest.mark.skipif(dot_kernel.unavailable() is not None,
-                                  reason=f"rvqtts's kernel does not run here: {dot_kernel.unavailable()}")
+needs_kernel = pytest.mark.skipif(native.unavailable() is not None,
+                                  reason=f"rvqtts's kernel does not run here: {native.unavailable()}")
 # 80 outputs: one group of four 16-channel blocks and one single block; 96 inputs: 48 pairs (torch's own
 # int8 kernel, compared below, fails on some odd widths).
 SHAPE = (80, 96)
@@ -90,11 +93,42 @@ def test_the_kernel_is_a_candidate_for_the_shapes_and_dtype_it_runs():
 
 
 def test_a_machine_that_cannot_build_it_says_why_and_offers_the_other_kernels(tmp_path):
-    script = ("import torch; from rvqtts import dot_kernel, kernels; print(dot_kernel.unavailable()); "
+    script = ("import torch; from rvqtts import native, kernels; print(native.unavailable()); "
               "print([k.name for k in kernels.candidates(torch.device('cpu'), torch.bfloat16, 'native', (64, 64))])")
     env = {**os.environ, "CXX": "/bin/false", "RVQTTS_CACHE": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     reason, names = result.stdout.strip().splitlines()
-    assert reason.startswith("the CPU") or "could not build dot_kernel.cpp" in reason
+    assert reason.startswith("the CPU") or "could not build native.cpp" in reason
     assert "bf16dot" not in names and "packed" in names or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert not list(tmp_path.glob("build/*.so"))  # nothing half-built is left to load
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 17])
+def test_a_layers_norms_and_rope_run_natively_as_qwen_tts_rounds_them(rows, released_06_dir):
+    """The native q/k norms and RoPE against the module's own operations on the released predictor's
+    first layer: the same bits, bar the norm's float32 sum in another order (a bfloat16 step at most)."""
+    runner = PredictorRunner(Synthesizer.load(released_06_dir, dtype="bfloat16").code_predictor, 40)
+    assert runner.native_rows
+    generator = torch.Generator().manual_seed(rows)
+    x = _sample(generator, rows, runner.hidden_size) * 4
+    positions = torch.arange(rows) + 3
+    cos, sin = runner.cos[positions][None], runner.sin[positions][None]
+    with torch.inference_mode():
+        ours = runner.attention_inputs(0, x, cos, sin)
+        runner.native_rows = False
+        theirs = runner.attention_inputs(0, x, cos, sin)
+        norm = runner.layers[0].input_layernorm
+        assert torch.equal(native.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+    for a, b in zip(ours, theirs):
+        assert a.shape == b.shape and a.is_contiguous()
+        assert (a.float() - b.float()).abs().max() <= b.float().abs().max() * 2 ** -7
+        assert (a == b).float().mean() > 0.99
+    alone = [native.attention_inputs(runner.qkv[0](x[r:r + 1]), runner.n_heads, runner.n_kv_heads,
+                                     runner.layers[0].self_attn.q_norm.weight, runner.layers[0].self_attn.k_norm.weight,
+                                     cos[0, r:r + 1], sin[0, r:r + 1], 1e-6) for r in range(rows)]
+    together = native.attention_inputs(runner.qkv[0](x), runner.n_heads, runner.n_kv_heads,
+                                       runner.layers[0].self_attn.q_norm.weight,
+                                       runner.layers[0].self_attn.k_norm.weight, cos[0], sin[0], 1e-6)
+    for part, parts in zip(together, zip(*alone)):
+        assert torch.equal(part, torch.cat(parts, dim=1))
