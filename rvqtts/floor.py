@@ -47,8 +47,9 @@ def read_pass(tensors: list[torch.Tensor]) -> Callable[[], None]:
 
 
 def multiply_adds(tensors: list[torch.Tensor]) -> int:
-    """Multiply-adds one row costs through these weights: the elements of their matrices."""
-    return sum(t.numel() for t in tensors if t.dim() == 2)
+    """Multiply-adds one row costs through these weights: the elements of their matrices (packed ones
+    included; vectors such as biases and scales cost none)."""
+    return sum(t.numel() for t in tensors if t.dim() >= 2)
 
 
 def peak_multiply_adds_per_ms(dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5) -> float:

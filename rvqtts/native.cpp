@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include <vector>
+
 namespace {
 
 constexpr int kBlock = 16;   // output channels per vector
@@ -115,16 +117,21 @@ inline uint16_t to_bf16(float value) {
     return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// The reciprocal root of a row's mean square (float32, sums in 16 fixed lanes, then lane by lane).
-inline float inverse_rms(const uint16_t* x, int64_t n, float eps) {
+// A dot product of bfloat16 vectors in float32: 16 fixed lanes, then lane by lane.
+inline float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
     float lanes[kBlock] = {0};
     int64_t i = 0;
     for (; i + kBlock <= n; i += kBlock)
-        for (int l = 0; l < kBlock; ++l) lanes[l] += to_float(x[i + l]) * to_float(x[i + l]);
+        for (int l = 0; l < kBlock; ++l) lanes[l] += to_float(a[i + l]) * to_float(b[i + l]);
     float sum = 0;
     for (int l = 0; l < kBlock; ++l) sum += lanes[l];
-    for (; i < n; ++i) sum += to_float(x[i]) * to_float(x[i]);
-    return 1.0f / __builtin_sqrtf(sum / static_cast<float>(n) + eps);
+    for (; i < n; ++i) sum += to_float(a[i]) * to_float(b[i]);
+    return sum;
+}
+
+// The reciprocal root of a row's mean square (float32).
+inline float inverse_rms(const uint16_t* x, int64_t n, float eps) {
+    return 1.0f / __builtin_sqrtf(dot(x, x, n) / static_cast<float>(n) + eps);
 }
 
 // qwen-tts's RMSNorm of one row, rounded where its bfloat16 operations round: weight * bf16(x * r).
@@ -133,9 +140,63 @@ inline void norm_row(const uint16_t* x, int64_t n, const uint16_t* weight, float
     for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(to_float(weight[i]) * to_float(to_bf16(to_float(x[i]) * r)));
 }
 
+// One query head's attention over its KV head's slots: scores and softmax in float32, the values'
+// weighted sum in float32, rounded to bfloat16 once. Slots not visible are skipped (a masked slot's
+// exact zero weight); `slot(j)` gives the cache slot of the j-th of `width` candidates.
+template <typename Slot>
+void attend_one(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t d, int64_t width,
+                const uint8_t* visible, Slot slot, float scale, float* scores, float* sum, uint16_t* out) {
+    float top = -__builtin_inff();
+    for (int64_t j = 0; j < width; ++j) {
+        if (visible && !visible[j]) continue;
+        scores[j] = dot(q, keys + slot(j) * d, d) * scale;
+        top = scores[j] > top ? scores[j] : top;
+    }
+    float total = 0;
+    for (int64_t e = 0; e < d; ++e) sum[e] = 0;
+    for (int64_t j = 0; j < width; ++j) {
+        if (visible && !visible[j]) continue;
+        const float weight = __builtin_expf(scores[j] - top);
+        total += weight;
+        const uint16_t* value = values + slot(j) * d;
+        for (int64_t e = 0; e < d; ++e) sum[e] += weight * to_float(value[e]);
+    }
+    for (int64_t e = 0; e < d; ++e) out[e] = to_bf16(sum[e] / total);
+}
+
 }  // namespace
 
 extern "C" {
+
+// Attention of queries q [heads, n, d] over a layer's cache k, v [kv_heads, length, d] (bfloat16): query
+// r sees `width` candidate slots, slots[r, j] where given (else slot j), those where visible[r, j] is set
+// (all where null). Query heads share KV heads in groups (GQA). out [heads, n, d]. Each query's result is
+// computed alone, so it does not depend on the others in the call.
+void rvqtts_attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t heads,
+                   int64_t kv_heads, int64_t d, int64_t length, const int64_t* slots, int64_t width,
+                   const uint8_t* visible, float scale, uint16_t* out) {
+    const int64_t group = heads / kv_heads;
+    #pragma omp parallel for schedule(static) if (n * heads * width * d >= (1 << 18))
+    for (int64_t task = 0; task < heads * n; ++task) {
+        const int64_t h = task / n, r = task % n;
+        thread_local std::vector<float> scores, sum;
+        scores.resize(width);
+        sum.resize(d);
+        const uint16_t* keys = k + (h / group) * length * d;
+        const uint16_t* values = v + (h / group) * length * d;
+        const uint8_t* seen = visible ? visible + r * width : nullptr;
+        const uint16_t* query = q + (h * n + r) * d;
+        uint16_t* result = out + (h * n + r) * d;
+        if (slots) {
+            const int64_t* own = slots + r * width;
+            attend_one(query, keys, values, d, width, seen, [own](int64_t j) { return own[j]; }, scale, scores.data(),
+                       sum.data(), result);
+        } else {
+            attend_one(query, keys, values, d, width, seen, [](int64_t j) { return j; }, scale, scores.data(), sum.data(),
+                       result);
+        }
+    }
+}
 
 // RMSNorm of `rows` rows of n bfloat16 values (qwen-tts's, with float32 statistics).
 void rvqtts_rms_norm(const uint16_t* x, int64_t rows, int64_t n, const uint16_t* weight, float eps, uint16_t* out) {

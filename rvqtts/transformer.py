@@ -64,7 +64,8 @@ class CachedDecoder:
         self.down = [module_map(layer.mlp.down_proj, weights) for layer in layers]
         self.q_width = self.n_heads * self.head_dim
         self.kv_width = self.n_kv_heads * self.head_dim
-        # Norms and RoPE in one native call each where they run (rvqtts.native): bfloat16 on a CPU with it.
+        # Norms, RoPE and attention in one native call each where they run (rvqtts.native): bfloat16 on a
+        # CPU with it. torch's fused attention ran a bfloat16 query over 1,024 slots 6x slower than float32.
         self.native_rows = (device.type == "cpu" and dtype == torch.bfloat16 and self.head_dim <= native.MAX_HEAD_DIM
                             and native.unavailable() is None)
         self.allocate(max_len)
@@ -100,7 +101,15 @@ class CachedDecoder:
             else:
                 self.k_cache[i].index_copy_(1, write, k)
                 self.v_cache[i].index_copy_(1, write, v)
-            if rows is not None:
+            native_rows = self.native_rows and not torch.jit.is_tracing()  # traced graphs stay torch's
+            if native_rows and rows is not None:
+                out = native.attend(q, self.k_cache[i], self.v_cache[i], span, *rows)
+            elif native_rows and groups is not None:
+                out = torch.cat([native.attend(q[:, queries], self.k_cache[i], self.v_cache[i], slots.shape[1], slots)
+                                 for queries, slots in groups], dim=1)
+            elif native_rows and (mask is None or mask.dtype == torch.bool):
+                out = native.attend(q, self.k_cache[i], self.v_cache[i], span, None, mask)
+            elif rows is not None:
                 slots, visible = rows
                 keys, values = (  # each query's keys in position order: the first `span` slots, or gathered
                     cache[None, i, :, :span].expand(len(visible), -1, -1, -1) if slots is None else

@@ -132,3 +132,30 @@ def test_a_layers_norms_and_rope_run_natively_as_qwen_tts_rounds_them(rows, rele
                                        runner.layers[0].self_attn.k_norm.weight, cos[0], sin[0], 1e-6)
     for part, parts in zip(together, zip(*alone)):
         assert torch.equal(part, torch.cat(parts, dim=1))
+
+
+@needs_kernel
+def test_attention_over_the_cache_is_float32_attention_of_the_visible_slots_query_by_query():
+    generator = torch.Generator().manual_seed(4)
+    heads, kv_heads, length, head_dim, rows, width = 4, 2, 40, 32, 7, 12
+    k_cache, v_cache = _sample(generator, kv_heads, length, head_dim), _sample(generator, kv_heads, length, head_dim)
+    q = _sample(generator, heads, rows, head_dim)
+    slots = torch.randint(0, length, (rows, width), generator=generator)
+    visible = torch.rand(rows, width, generator=generator) < 0.5
+    visible[:, 0] = True
+    out = native.attend(q, k_cache, v_cache, width, slots, visible)
+    for r in range(rows):  # float64 attention of query r over its own visible slots
+        seen = slots[r][visible[r]]
+        keys = k_cache[:, seen].double().repeat_interleave(heads // kv_heads, 0)
+        values = v_cache[:, seen].double().repeat_interleave(heads // kv_heads, 0)
+        weights = (q[:, r:r + 1].double() @ keys.transpose(1, 2) * head_dim ** -0.5).softmax(-1)
+        expected = (weights @ values)[:, 0]
+        assert ((out[:, r].double() - expected).abs() <= expected.abs() * 2 ** -8 + 2 ** -12).all()
+    alone = torch.cat([native.attend(q[:, r:r + 1], k_cache, v_cache, width, slots[r:r + 1], visible[r:r + 1])
+                       for r in range(rows)], dim=1)
+    assert torch.equal(out, alone)
+    # Without slots, query r sees the first `width` slots (where visible: a causal prefill's mask).
+    causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+    first = native.attend(q, k_cache, v_cache, rows, None, causal)
+    assert torch.equal(first, native.attend(q, k_cache, v_cache, rows, torch.arange(rows).expand(rows, -1), causal))
+    assert torch.equal(first[:, :1], native.attend(q[:, :1], k_cache, v_cache, 1))
