@@ -19,7 +19,7 @@
 namespace {
 
 constexpr int kBlock = 16;   // output channels per vector
-constexpr int kAhead = 16;   // input pairs prefetched ahead of the loads
+constexpr int kAheadBytes = 1024;  // how far ahead of the loads each block's weights are prefetched
 constexpr int kGroup = 4;    // blocks per tile where they divide the channels (else single blocks)
 constexpr int kRows = 6;     // rows per tile at most: kGroup x kRows accumulators fit the 32 registers
 
@@ -37,7 +37,7 @@ inline __m512bh load_pair(const void* packed, int64_t index) {
 
 template <bool Int8>
 inline void prefetch(const void* packed, int64_t index) {
-    _mm_prefetch(reinterpret_cast<const char*>(packed) + index * (Int8 ? 32 : 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(packed) + index * (Int8 ? 32 : 64) + kAheadBytes, _MM_HINT_T0);
 }
 
 template <int CB, int RB, bool Int8>
@@ -52,7 +52,7 @@ inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_t K, co
         for (int c = 0; c < CB; ++c) {
             const int64_t index = (block + c) * pairs + p;
             w[c] = load_pair<Int8>(packed, index);
-            prefetch<Int8>(packed, index + kAhead);
+            prefetch<Int8>(packed, index);
         }
         for (int r = 0; r < RB; ++r) {
             const __m512bh xr = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 2 * p));
