@@ -170,8 +170,8 @@ extern "C" {
 
 // Attention of queries q [heads, n, d] over a layer's cache k, v [kv_heads, length, d] (bfloat16): query
 // r sees `width` candidate slots, slots[r, j] where given (else slot j), those where visible[r, j] is set
-// (all where null). Query heads share KV heads in groups (GQA). out [heads, n, d]. Each query's result is
-// computed alone, so it does not depend on the others in the call.
+// (all where null). Query heads share KV heads in groups (GQA). out [n, heads, d], the layout the output
+// map reads. Each query's result is computed alone, so it does not depend on the others in the call.
 void rvqtts_attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t heads,
                    int64_t kv_heads, int64_t d, int64_t length, const int64_t* slots, int64_t width,
                    const uint8_t* visible, float scale, uint16_t* out) {
@@ -186,7 +186,7 @@ void rvqtts_attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, int6
         const uint16_t* values = v + (h / group) * length * d;
         const uint8_t* seen = visible ? visible + r * width : nullptr;
         const uint16_t* query = q + (h * n + r) * d;
-        uint16_t* result = out + (h * n + r) * d;
+        uint16_t* result = out + (r * heads + h) * d;
         if (slots) {
             const int64_t* own = slots + r * width;
             attend_one(query, keys, values, d, width, seen, [own](int64_t j) { return own[j]; }, scale, scores.data(),

@@ -110,17 +110,18 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, width:
            slots: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
     """Queries q [heads, n, d] over a layer's cache [kv_heads, length, d] (bfloat16, contiguous): query r
     over `width` slots, `slots[r]` [n, width] where given (else the first `width`), those where
-    `visible[r]` [n, width] is true (all where None), scores and softmax in float32. Returns [heads, n, d]."""
+    `visible[r]` [n, width] is true (all where None), scores and softmax in float32. Returns [heads, n, d],
+    a view of [n, heads, d] memory (what the output map reads, with no copy)."""
     heads, n, head_dim = q.shape
     q = q.contiguous()
-    out = torch.empty_like(q)
+    out = q.new_empty(n, heads, head_dim)
     # Contiguous copies held in names until the call returns.
     slots = None if slots is None else slots.to(torch.int64).contiguous()
     visible = None if visible is None else visible.to(torch.uint8).contiguous()
     _load()[0].rvqtts_attend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n, heads, k_cache.shape[0],
                              head_dim, k_cache.shape[1], None if slots is None else slots.data_ptr(), width,
                              None if visible is None else visible.data_ptr(), head_dim ** -0.5, out.data_ptr())
-    return out
+    return out.transpose(0, 1)
 
 
 @functools.cache
