@@ -164,8 +164,10 @@ class LinearMap:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] == 1 and self.kernel.one_row_mv and self.bias is None:
             return torch.mv(self.weight, rows[0]).view(*x.shape[:-1], self.out_features)
-        parts = [self._chunk(chunk) for chunk in rows.split(CHUNK)]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if rows.shape[0] <= CHUNK:  # one call (a step or a round): no split
+            out = self._chunk(rows)
+        else:
+            out = torch.cat([self._chunk(chunk) for chunk in rows.split(CHUNK)])
         return out.view(*x.shape[:-1], self.out_features)
 
     def _chunk(self, rows: torch.Tensor) -> torch.Tensor:

@@ -205,21 +205,24 @@ void rvqtts_rms_norm(const uint16_t* x, int64_t rows, int64_t n, const uint16_t*
 
 // A layer's attention inputs from its fused q|k|v map output [rows, (heads + 2 kv_heads) d]: each query
 // and key head RMS-normed (q_weight, k_weight) and rotated (RoPE with the rows' cos, sin [rows, d], in
-// bfloat16 steps as qwen-tts's: x cos + rotate_half(x) sin), values copied; written head-major:
-// q [heads, rows, d], k and v [kv_heads, rows, d].
+// bfloat16 steps as qwen-tts's: x cos + rotate_half(x) sin). Queries go to q [heads, rows, d]; keys and
+// values straight into the layer's caches [kv_heads, length, d], row r at slot slots[r] (start + r
+// where slots is null).
 void rvqtts_attention_inputs(const uint16_t* qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
                              const uint16_t* q_weight, const uint16_t* k_weight, const uint16_t* cos,
-                             const uint16_t* sin, float eps, uint16_t* q, uint16_t* k, uint16_t* v) {
+                             const uint16_t* sin, float eps, uint16_t* q, uint16_t* k_cache, uint16_t* v_cache,
+                             int64_t length, const int64_t* slots, int64_t start) {
     const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;
     uint16_t normed[1024];
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t* row = qkv + r * width;
         const uint16_t* c = cos + r * d;
         const uint16_t* s = sin + r * d;
+        const int64_t slot = slots ? slots[r] : start + r;
         for (int64_t h = 0; h < heads + kv_heads; ++h) {
             const bool query = h < heads;
             norm_row(row + h * d, d, query ? q_weight : k_weight, eps, normed);
-            uint16_t* out = query ? q + (h * rows + r) * d : k + ((h - heads) * rows + r) * d;
+            uint16_t* out = query ? q + (h * rows + r) * d : k_cache + ((h - heads) * length + slot) * d;
             for (int64_t e = 0; e < d; ++e) {
                 const float rotated = e < half ? -to_float(normed[e + half]) : to_float(normed[e - half]);
                 out[e] = to_bf16(to_float(to_bf16(to_float(normed[e]) * to_float(c[e])))
@@ -227,7 +230,7 @@ void rvqtts_attention_inputs(const uint16_t* qkv, int64_t rows, int64_t heads, i
             }
         }
         for (int64_t h = 0; h < kv_heads; ++h)
-            __builtin_memcpy(v + (h * rows + r) * d, row + (heads + kv_heads + h) * d, d * sizeof(uint16_t));
+            __builtin_memcpy(v_cache + (h * length + slot) * d, row + (heads + kv_heads + h) * d, d * sizeof(uint16_t));
     }
 }
 

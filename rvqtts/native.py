@@ -93,17 +93,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def attention_inputs(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries [heads, q, d] and keys, values [kv_heads, q, d] from a fused q|k|v map's output [q, width]:
-    the q/k RMSNorms, then RoPE with cos, sin [q, d] (bfloat16, contiguous)."""
+                     cos: torch.Tensor, sin: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     write: slice | torch.Tensor) -> torch.Tensor:
+    """A fused q|k|v map's output [q, width] to queries [heads, q, d], and its keys and values into a
+    layer's caches [kv_heads, length, d] (contiguous) at the slots `write` (a slice, or a tensor of slot
+    indices): the q/k RMSNorms, then RoPE with cos, sin [q, d] (bfloat16, contiguous)."""
     rows, head_dim = qkv.shape[0], cos.shape[-1]
     q = qkv.new_empty(heads, rows, head_dim)
-    k, v = qkv.new_empty(kv_heads, rows, head_dim), qkv.new_empty(kv_heads, rows, head_dim)
+    slots = None if isinstance(write, slice) else write.to(torch.int64).contiguous()  # held through the call
     _load()[0].rvqtts_attention_inputs(qkv.data_ptr(), rows, heads, kv_heads, head_dim, q_weight.data_ptr(),
                                        k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), eps, q.data_ptr(),
-                                       k.data_ptr(), v.data_ptr())
-    return q, k, v
+                                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+                                       None if slots is None else slots.data_ptr(),
+                                       write.start if slots is None else 0)
+    return q
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, width: int,
@@ -140,7 +143,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     library.rvqtts_dot_int8.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER]
     library.rvqtts_rms_norm.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, ctypes.c_float, _POINTER]
     library.rvqtts_attention_inputs.argtypes = [_POINTER, *[_SIZE] * 4, *[_POINTER] * 4, ctypes.c_float,
-                                                *[_POINTER] * 3]
+                                                *[_POINTER] * 3, _SIZE, _POINTER, _SIZE]
     library.rvqtts_attend.argtypes = [*[_POINTER] * 3, *[_SIZE] * 5, _POINTER, _SIZE, _POINTER, ctypes.c_float,
                                       _POINTER]
     for function in (library.rvqtts_dot_bf16, library.rvqtts_dot_int8, library.rvqtts_rms_norm,

@@ -93,15 +93,18 @@ class CachedDecoder:
         order [q, span] (None: the first `span`) and which of them it sees [q, span]; with none, every
         query sees every slot read. Returns the final-normed hidden states [q, hidden]."""
         attn_mask = None if mask is None else mask[None, None]
+        native_rows = self.native_rows and not torch.jit.is_tracing()  # traced graphs stay torch's
         for i in range(len(self.layers)):
-            q, k, v = self.attention_inputs(i, x, cos, sin)
-            if isinstance(write, slice):
-                self.k_cache[i, :, write] = k
-                self.v_cache[i, :, write] = v
+            if native_rows:  # the keys and values go straight to the cache
+                q = self.native_attention_inputs(i, x, cos, sin, write)
             else:
-                self.k_cache[i].index_copy_(1, write, k)
-                self.v_cache[i].index_copy_(1, write, v)
-            native_rows = self.native_rows and not torch.jit.is_tracing()  # traced graphs stay torch's
+                q, k, v = self.attention_inputs(i, x, cos, sin)
+                if isinstance(write, slice):
+                    self.k_cache[i, :, write] = k
+                    self.v_cache[i, :, write] = v
+                else:
+                    self.k_cache[i].index_copy_(1, write, k)
+                    self.v_cache[i].index_copy_(1, write, v)
             if native_rows and rows is not None:
                 out = native.attend(q, self.k_cache[i], self.v_cache[i], span, *rows)
             elif native_rows and groups is not None:
@@ -148,17 +151,22 @@ class CachedDecoder:
         one fused map, the q/k norms, then RoPE with the slots' `cos`, `sin` [1, q, d]. Nothing reads
         x's shape, so traced graphs hold no size lookups (Core ML's converter mishandles them)."""
         layer = self.layers[i]
-        qkv = self.qkv[i](self.rms(layer.input_layernorm, x))
-        if self.native_rows and not torch.jit.is_tracing():
-            attention = layer.self_attn
-            return native.attention_inputs(qkv, self.n_heads, self.n_kv_heads, attention.q_norm.weight,
-                                           attention.k_norm.weight, cos[0].contiguous(), sin[0].contiguous(),
-                                           attention.q_norm.variance_epsilon)
-        q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
+        q, k, v = self.qkv[i](layer.input_layernorm(x)).split([self.q_width, self.kv_width, self.kv_width], dim=-1)
         q = layer.self_attn.q_norm(q.view(-1, self.n_heads, self.head_dim)).transpose(0, 1)
         k = layer.self_attn.k_norm(k.view(-1, self.n_kv_heads, self.head_dim)).transpose(0, 1)
         v = v.view(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def native_attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                write: slice | torch.Tensor) -> torch.Tensor:
+        """`attention_inputs` natively (rvqtts.native): the queries [heads, q, d], with the keys and values
+        written to the cache slots `write`."""
+        layer = self.layers[i]
+        attention = layer.self_attn
+        return native.attention_inputs(self.qkv[i](self.rms(layer.input_layernorm, x)), self.n_heads, self.n_kv_heads,
+                                       attention.q_norm.weight, attention.k_norm.weight, cos[0].contiguous(),
+                                       sin[0].contiguous(), attention.q_norm.variance_epsilon, self.k_cache[i],
+                                       self.v_cache[i], write)
 
     def layer_rest(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Layer i after attention: output map and residual, then the MLP (gate and up fused) and residual.

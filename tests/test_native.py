@@ -107,31 +107,31 @@ def test_a_machine_that_cannot_build_it_says_why_and_offers_the_other_kernels(tm
 @pytest.mark.parametrize("rows", [1, 17])
 def test_a_layers_norms_and_rope_run_natively_as_qwen_tts_rounds_them(rows, released_06_dir):
     """The native q/k norms and RoPE against the module's own operations on the released predictor's
-    first layer: the same bits, bar the norm's float32 sum in another order (a bfloat16 step at most)."""
+    first layer: the same bits, bar the norm's float32 sum in another order (a bfloat16 step at most);
+    keys and values land in the cache slots asked for, each row as it lands alone."""
     runner = PredictorRunner(Synthesizer.load(released_06_dir, dtype="bfloat16").code_predictor, 40)
     assert runner.native_rows
     generator = torch.Generator().manual_seed(rows)
     x = _sample(generator, rows, runner.hidden_size) * 4
     positions = torch.arange(rows) + 3
     cos, sin = runner.cos[positions][None], runner.sin[positions][None]
+    slots = torch.randperm(40, generator=generator)[:rows]
     with torch.inference_mode():
-        ours = runner.attention_inputs(0, x, cos, sin)
-        runner.native_rows = False
+        q = runner.native_attention_inputs(0, x, cos, sin, slots)
+        ours = q, runner.k_cache[0][:, slots], runner.v_cache[0][:, slots]
         theirs = runner.attention_inputs(0, x, cos, sin)
         norm = runner.layers[0].input_layernorm
         assert torch.equal(native.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
-    for a, b in zip(ours, theirs):
-        assert a.shape == b.shape and a.is_contiguous()
-        assert (a.float() - b.float()).abs().max() <= b.float().abs().max() * 2 ** -7
-        assert (a == b).float().mean() > 0.99
-    alone = [native.attention_inputs(runner.qkv[0](x[r:r + 1]), runner.n_heads, runner.n_kv_heads,
-                                     runner.layers[0].self_attn.q_norm.weight, runner.layers[0].self_attn.k_norm.weight,
-                                     cos[0, r:r + 1], sin[0, r:r + 1], 1e-6) for r in range(rows)]
-    together = native.attention_inputs(runner.qkv[0](x), runner.n_heads, runner.n_kv_heads,
-                                       runner.layers[0].self_attn.q_norm.weight,
-                                       runner.layers[0].self_attn.k_norm.weight, cos[0], sin[0], 1e-6)
-    for part, parts in zip(together, zip(*alone)):
-        assert torch.equal(part, torch.cat(parts, dim=1))
+        for a, b in zip(ours, theirs):
+            assert a.shape == b.shape
+            assert (a.float() - b.float()).abs().max() <= b.float().abs().max() * 2 ** -7
+            assert (a == b).float().mean() > 0.99
+        runner.allocate(40)
+        for r in range(rows):  # one row a call, at slots given as a slice
+            alone = runner.native_attention_inputs(0, x[r:r + 1], cos[:, r:r + 1], sin[:, r:r + 1],
+                                                   slice(int(slots[r]), int(slots[r]) + 1))
+            assert torch.equal(alone[:, 0], q[:, r])
+        assert torch.equal(runner.k_cache[0][:, slots], ours[1]) and torch.equal(runner.v_cache[0][:, slots], ours[2])
 
 
 @needs_kernel
