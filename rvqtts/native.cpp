@@ -164,6 +164,43 @@ void attend_one(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
     for (int64_t e = 0; e < d; ++e) out[e] = to_bf16(sum[e] / total);
 }
 
+// e^x for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative
+// error about 2e-7), scaled by 2^n.
+inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, n);
+}
+
+// bf16(bf16(silu(gate)) * up) over a row's gate and up halves [2 n] into out [n], as torch's bfloat16
+// SiLU then product round.
+inline void silu_times_up(const uint16_t* gate_up, int64_t n, uint16_t* out) {
+    int64_t i = 0;
+    for (; i + kBlock <= n; i += kBlock) {
+        const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate_up + i))), 16));
+        const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate_up + n + i))), 16));
+        alignas(64) float silu[kBlock], up[kBlock];
+        _mm512_store_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        _mm512_store_ps(up, u);
+        for (int l = 0; l < kBlock; ++l) out[i + l] = to_bf16(to_float(to_bf16(silu[l])) * up[l]);
+    }
+    for (; i < n; ++i) {
+        const float g = to_float(gate_up[i]);
+        out[i] = to_bf16(to_float(to_bf16(g / (1.0f + __builtin_expf(-g)))) * to_float(gate_up[n + i]));
+    }
+}
+
+// x += delta, rounded to bfloat16 (a residual).
+inline void add_into(uint16_t* x, const uint16_t* delta, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = to_bf16(to_float(x[i]) + to_float(delta[i]));
+}
+
 }  // namespace
 
 extern "C" {
@@ -234,6 +271,11 @@ void rvqtts_attention_inputs(const uint16_t* qkv, int64_t rows, int64_t heads, i
     }
 }
 
+// The MLP's activation: rows of [gate | up] (2 n each) to bf16(bf16(silu(gate)) * up) [rows, n].
+void rvqtts_silu_times_up(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out) {
+    for (int64_t r = 0; r < rows; ++r) silu_times_up(gate_up + r * 2 * n, n, out + r * n);
+}
+
 // y [M, N] bfloat16 = x [M, K] bfloat16 times packed bfloat16 weights, transposed. K even, N % 16 == 0.
 void rvqtts_dot_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, uint16_t* y) {
     matmul<false>(x, M, K, packed, nullptr, N, y);
@@ -243,6 +285,49 @@ void rvqtts_dot_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* pa
 void rvqtts_dot_int8(const uint16_t* x, int64_t M, int64_t K, const int8_t* packed, const float* scales,
                      int64_t N, uint16_t* y) {
     matmul<true>(x, M, K, packed, scales, N, y);
+}
+
+
+// One decoder layer of `rows` states x [rows, hidden] (updated in place), every step of
+// CachedDecoder.run_layers's in one call: RMSNorm, the fused q|k|v map, q/k norms and RoPE with keys and
+// values into the caches, attention (as rvqtts_attend), the output map and residual, RMSNorm, the fused
+// gate|up map, SiLU times up, the down map and residual. maps[4] are the packed q|k|v, output, gate|up
+// and down weights (int8 with scales[4] where int8 is set); widths[4] their output counts.
+void rvqtts_layer(uint16_t* x, int64_t rows, int64_t hidden, const uint16_t* input_norm,
+                  const uint16_t* post_norm, float eps, const void* const* maps, const float* const* scales,
+                  const int64_t* widths, int int8, int64_t heads, int64_t kv_heads, int64_t d,
+                  const uint16_t* q_norm, const uint16_t* k_norm, const uint16_t* cos, const uint16_t* sin,
+                  uint16_t* k_cache, uint16_t* v_cache, int64_t length, const int64_t* write_slots,
+                  int64_t write_start, int64_t width, const int64_t* attend_slots, const uint8_t* visible,
+                  float scale) {
+    thread_local std::vector<uint16_t> normed, qkv, q, attended, mapped, gate_up, act;
+    normed.resize(rows * hidden);
+    qkv.resize(rows * widths[0]);
+    q.resize(rows * heads * d);
+    attended.resize(rows * heads * d);
+    mapped.resize(rows * hidden);
+    gate_up.resize(rows * widths[2]);
+    act.resize(rows * widths[2] / 2);
+    auto map = [&](int which, const uint16_t* in, int64_t in_features, uint16_t* out) {
+        if (int8)
+            matmul<true>(in, rows, in_features, maps[which], scales[which], widths[which], out);
+        else
+            matmul<false>(in, rows, in_features, maps[which], nullptr, widths[which], out);
+    };
+    rvqtts_rms_norm(x, rows, hidden, input_norm, eps, normed.data());
+    map(0, normed.data(), hidden, qkv.data());
+    rvqtts_attention_inputs(qkv.data(), rows, heads, kv_heads, d, q_norm, k_norm, cos, sin, eps, q.data(), k_cache,
+                            v_cache, length, write_slots, write_start);
+    rvqtts_attend(q.data(), k_cache, v_cache, rows, heads, kv_heads, d, length, attend_slots, width, visible, scale,
+                  attended.data());
+    map(1, attended.data(), heads * d, mapped.data());
+    add_into(x, mapped.data(), rows * hidden);
+    rvqtts_rms_norm(x, rows, hidden, post_norm, eps, normed.data());
+    map(2, normed.data(), hidden, gate_up.data());
+    const int64_t inner = widths[2] / 2;
+    rvqtts_silu_times_up(gate_up.data(), rows, inner, act.data());
+    map(3, act.data(), inner, mapped.data());
+    add_into(x, mapped.data(), rows * hidden);
 }
 
 }

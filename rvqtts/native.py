@@ -127,6 +127,52 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, width:
     return out.transpose(0, 1)
 
 
+def silu_times_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation of the fused gate|up map's output [q, 2 n]: silu(gate) * up [q, n], rounded
+    as torch's bfloat16 operations round (the exponential is this library's own)."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = gate_up.new_empty(rows, width // 2)
+    _load()[0].rvqtts_silu_times_up(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    return out
+
+
+def layer_maps(maps: list) -> tuple | None:
+    """A layer's q|k|v, output, gate|up and down maps (rvqtts.kernels.LinearMap) as `layer` takes them, or
+    None where they do not all run this library's kernel in one weight format, without biases."""
+    kinds = {linear.kernel.multi for linear in maps}
+    if kinds not in ({"bf16dot"}, {"int8dot"}) or any(linear.bias is not None for linear in maps):
+        return None
+    int8 = kinds == {"int8dot"}
+    return ((ctypes.c_void_p * 4)(*[linear.operands[0].data_ptr() for linear in maps]),
+            (ctypes.c_void_p * 4)(*[linear.operands[1].data_ptr() if int8 else None for linear in maps]),
+            (ctypes.c_int64 * 4)(*[linear.out_features for linear in maps]), int8)
+
+
+def layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float, maps: tuple,
+          shape: tuple[int, int, int], qk_norms: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
+          sin: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], write: slice | torch.Tensor, width: int,
+          slots: torch.Tensor | None, visible: torch.Tensor | None) -> None:
+    """One decoder layer over bfloat16 states x [q, hidden] (contiguous; updated in place) in one call,
+    computing what the calls above compute step by step, bit for bit: `maps` from `layer_maps`, `shape`
+    (heads, kv_heads, head_dim), keys and values written to the caches at `write`, attention as
+    `attend`, the MLP through `silu_times_up`."""
+    rows, hidden = x.shape
+    heads, kv_heads, head_dim = shape
+    packed, scales, widths, int8 = maps
+    write_slots = None if isinstance(write, slice) else write.to(torch.int64).contiguous()
+    slots = None if slots is None else slots.to(torch.int64).contiguous()
+    visible = None if visible is None else visible.to(torch.uint8).contiguous()
+    k_cache, v_cache = caches
+    _load()[0].rvqtts_layer(
+        x.data_ptr(), rows, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps, packed, scales, widths, int(int8),
+        heads, kv_heads, head_dim, qk_norms[0].data_ptr(), qk_norms[1].data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+        None if write_slots is None else write_slots.data_ptr(), write.start if write_slots is None else 0, width,
+        None if slots is None else slots.data_ptr(), None if visible is None else visible.data_ptr(),
+        head_dim ** -0.5)
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     """The built library, or None and why not (once per process)."""
@@ -146,8 +192,13 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
                                                 *[_POINTER] * 3, _SIZE, _POINTER, _SIZE]
     library.rvqtts_attend.argtypes = [*[_POINTER] * 3, *[_SIZE] * 5, _POINTER, _SIZE, _POINTER, ctypes.c_float,
                                       _POINTER]
+    library.rvqtts_silu_times_up.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER]
+    library.rvqtts_layer.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _POINTER, ctypes.c_float, _POINTER, _POINTER,
+                                     _POINTER, ctypes.c_int, *[_SIZE] * 3, *[_POINTER] * 6, _SIZE, _POINTER, _SIZE,
+                                     _SIZE, _POINTER, _POINTER, ctypes.c_float]
     for function in (library.rvqtts_dot_bf16, library.rvqtts_dot_int8, library.rvqtts_rms_norm,
-                     library.rvqtts_attention_inputs, library.rvqtts_attend):
+                     library.rvqtts_attention_inputs, library.rvqtts_attend, library.rvqtts_silu_times_up,
+                     library.rvqtts_layer):
         function.restype = None
     return library, None
 

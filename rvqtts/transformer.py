@@ -68,6 +68,10 @@ class CachedDecoder:
         # CPU with it. torch's fused attention ran a bfloat16 query over 1,024 slots 6x slower than float32.
         self.native_rows = (device.type == "cpu" and dtype == torch.bfloat16 and self.head_dim <= native.MAX_HEAD_DIM
                             and native.unavailable() is None)
+        # And where every map runs the library's own kernel, a whole layer in one call (no torch dispatch).
+        maps = [native.layer_maps([self.qkv[i], self.out[i], self.gate_up[i], self.down[i]]) if self.native_rows
+                else None for i in range(len(layers))]
+        self.native_layers = maps if all(maps) else None
         self.allocate(max_len)
 
     def layer_maps(self) -> list[LinearMap]:
@@ -94,6 +98,8 @@ class CachedDecoder:
         query sees every slot read. Returns the final-normed hidden states [q, hidden]."""
         attn_mask = None if mask is None else mask[None, None]
         native_rows = self.native_rows and not torch.jit.is_tracing()  # traced graphs stay torch's
+        if native_rows and self.native_layers and groups is None and (mask is None or mask.dtype == torch.bool):
+            return self.run_native_layers(x, cos, sin, write, span, *(rows or (None, mask)))
         for i in range(len(self.layers)):
             if native_rows:  # the keys and values go straight to the cache
                 q = self.native_attention_inputs(i, x, cos, sin, write)
@@ -126,6 +132,20 @@ class CachedDecoder:
                 out = self.attend(q[None], self.k_cache[None, i, :, :span], self.v_cache[None, i, :, :span],
                                   attn_mask)[0]
             x = self.layer_rest(i, x, out)
+        return self.rms(self.norm, x)
+
+    def run_native_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: slice | torch.Tensor,
+                          span: int, slots: torch.Tensor | None, visible: torch.Tensor | None) -> torch.Tensor:
+        """`run_layers` with one native call per layer (rvqtts.native.layer): the same bits."""
+        x = x.contiguous().clone()  # updated in place
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        shape = (self.n_heads, self.n_kv_heads, self.head_dim)
+        for i, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            native.layer(x, (layer.input_layernorm.weight, layer.post_attention_layernorm.weight),
+                         layer.input_layernorm.variance_epsilon, self.native_layers[i], shape,
+                         (attention.q_norm.weight, attention.k_norm.weight), cos, sin,
+                         (self.k_cache[i], self.v_cache[i]), write, span, slots, visible)
         return self.rms(self.norm, x)
 
     def rms(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -173,5 +193,8 @@ class CachedDecoder:
         `attended` is the attention output [heads, q, d]."""
         layer = self.layers[i]
         x = x + self.out[i](attended.transpose(0, 1).flatten(1))
-        gate, up = self.gate_up[i](self.rms(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
+        gate_up = self.gate_up[i](self.rms(layer.post_attention_layernorm, x))
+        if self.native_rows and not torch.jit.is_tracing():
+            return x + self.down[i](native.silu_times_up(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return x + self.down[i](layer.mlp.act_fn(gate) * up)

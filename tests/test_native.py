@@ -9,14 +9,20 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
+from helpers import decode_frames
 
+import rvqtts.kernels as kernels
 from rvqtts import native
-from rvqtts.kernels import Kernel, LinearMap, candidates, rows_are_invariant
+from rvqtts.decode import Speculation
+from rvqtts.kernels import Kernel, KernelChoice, LinearMap, candidates, rows_are_invariant
+from rvqtts.offsets import Offsets
 from rvqtts.predictor import PredictorRunner
 from rvqtts.quantize import quantize_rows
 from rvqtts.synthesis import Synthesizer
+from rvqtts.tree import resolve_tree
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None,
                                   reason=f"rvqtts's kernel does not run here: {native.unavailable()}")
@@ -159,3 +165,45 @@ def test_attention_over_the_cache_is_float32_attention_of_the_visible_slots_quer
     first = native.attend(q, k_cache, v_cache, rows, None, causal)
     assert torch.equal(first, native.attend(q, k_cache, v_cache, rows, torch.arange(rows).expand(rows, -1), causal))
     assert torch.equal(first[:, :1], native.attend(q[:, :1], k_cache, v_cache, 1))
+
+
+@pytest.fixture
+def own_kernel(monkeypatch):
+    """Every CPU map runs the library's kernel (bfloat16 or 8-bit), whatever this machine would measure."""
+    def choice(shape, dtype, weights="native", device=torch.device("cpu")):
+        return KernelChoice(Kernel("int8dot" if weights == "int8" else "bf16dot"), True, {}, (), "measured")
+
+    monkeypatch.setattr(kernels, "kernel_choice", choice)
+
+
+@needs_kernel
+@pytest.mark.parametrize("weights", ["native", "int8"])
+def test_a_whole_layer_in_one_call_gives_the_step_by_step_bits_and_the_plain_codes(released_06_dir, own_kernel,
+                                                                                  weights):
+    """With every map on the library's kernel a layer runs in one native call: its states and cache
+    equal the step-by-step calls' bit for bit (a round's rows and a causal prefill), and a tree's codes
+    are the plain loop's at the released 0.6B layout."""
+    synth = Synthesizer.load(released_06_dir, dtype="bfloat16", weights=weights)
+    runner = PredictorRunner(synth.code_predictor, 40, weights)
+    assert runner.native_layers is not None
+    generator = torch.Generator().manual_seed(5)
+    x = _sample(generator, 17, runner.hidden_size)
+    cos, sin = runner.cos[torch.arange(17) + 3][None], runner.sin[torch.arange(17) + 3][None]
+    slots = torch.randint(0, 20, (17, 32), generator=generator)
+    visible = torch.rand(17, 32, generator=generator) < 0.5
+    visible[:, 0] = True
+    causal = torch.ones(17, 17, dtype=torch.bool).tril()
+    calls = [dict(write=slice(3, 20), span=32, rows=(slots, visible)), dict(write=slice(0, 17), span=17, mask=causal)]
+    with torch.inference_mode():
+        for call in calls:
+            results = []
+            for layers in (runner.native_layers, None):
+                runner.native_layers, saved = layers, runner.native_layers
+                runner.allocate(40)
+                results.append((runner.run_layers(x, cos, sin, **call), runner.k_cache.clone(), runner.v_cache.clone()))
+                runner.native_layers = saved if layers is None else layers
+            assert all(torch.equal(a, b) for a, b in zip(*results))
+    offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5)
+    plain, _ = decode_frames(synth, None, 8)
+    spec, stats = decode_frames(synth, Speculation(resolve_tree("15"), offsets), 8)
+    assert np.array_equal(plain, spec) and stats.accepted_per_depth[0] > 0
