@@ -95,7 +95,11 @@ class CachedDecoder:
         instead gives, for slices of the queries, the slots [n, L] each one attends to in order; `rows`
         instead gives them for row attention (rvqtts.attention): each query's `span` slots in position
         order [q, span] (None: the first `span`) and which of them it sees [q, span]; with none, every
-        query sees every slot read. Returns the final-normed hidden states [q, hidden]."""
+        query sees every slot read. Returns the final-normed hidden states [q, hidden].
+
+        Where this decoder runs its rows natively (`native_rows`, rvqtts.native), norms, RoPE, attention
+        and the MLP's activation are native calls, and where every map runs the library's kernel the
+        whole layer is one call (`native_layers`): the same bits either way."""
         attn_mask = None if mask is None else mask[None, None]
         native_rows = self.native_rows and not torch.jit.is_tracing()  # traced graphs stay torch's
         if native_rows and self.native_layers and groups is None and (mask is None or mask.dtype == torch.bool):
