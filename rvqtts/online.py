@@ -115,11 +115,12 @@ def probe_tree(depth: int) -> Tree:
 
 
 def predictor_key(runner: PredictorRunner) -> str:
-    """What a call's cost depends on besides the machine: dtype, weight format, the predictor's shape and
-    how its rounds attend (rvqtts.attention)."""
+    """What a call's cost depends on besides the machine: dtype, weight format, the predictor's shape, how
+    its rounds attend (rvqtts.attention) and how much runs natively (rvqtts.native)."""
     attention = "rows" if runner.row_attention else "gathered"
+    native = f"/native-{runner.native_mode}" if runner.native_mode else ""
     return (f"{str(runner.dtype).removeprefix('torch.')}/{runner.weights}/{runner.hidden_size}x"
-            f"{len(runner.layers)}x{runner.vocab_size}/{attention}")
+            f"{len(runner.layers)}x{runner.vocab_size}/{attention}{native}")
 
 
 def measure_call_costs(runner: PredictorRunner, queries: list[int], repeats: int = 9) -> dict[int, float]:

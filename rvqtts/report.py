@@ -77,7 +77,8 @@ def _engine_summary(engine: dict) -> str:
     for loop, used in engine.get("kernels", {}).items():
         invariant = {True: "rows invariant", False: "rows NOT invariant", None: "not probed"}[used["row_invariant"]]
         attention = {"rows": ", row attention", "gathered": ", gathered attention"}.get(used.get("attention"), "")
-        loops.append(f"{loop} " + "/".join(used["maps"]) + f" ({invariant}{attention})")
+        native = {"layers": ", native layers", "rows": ", native rows"}.get(used.get("native"), "")
+        loops.append(f"{loop} " + "/".join(used["maps"]) + f" ({invariant}{attention}{native})")
     weights = "" if engine.get("weights", "native") == "native" else f" {engine['weights']} weights"
     return f"{engine['dtype']}{weights} on {engine['device']}" + (": " + ", ".join(loops) if loops else "")
 

@@ -321,15 +321,17 @@ class Synthesizer:
 
     def engine_record(self) -> dict:
         """What ran (`--stats-json`'s "engine"): the device, dtype and weight format, torch and the CPU, the
-        kernels of each loop's linear maps (rvqtts.kernels) and how the predictor attends (rvqtts.attention)."""
+        kernels of each loop's linear maps (rvqtts.kernels), how much of each runs natively (rvqtts.native)
+        and how the predictor attends (rvqtts.attention)."""
         weight = self.talker.codec_head.weight
         kernels = {}
         if self._talker is not None:
-            kernels["talker"] = kernels_used(self._talker.layer_maps() + [self._talker.head])
+            kernels["talker"] = kernels_used(self._talker.layer_maps() + [self._talker.head]) | {
+                "native": self._talker.native_mode}
         if self._parts is not None and self._parts.runner is not None:
             runner = self._parts.runner
             kernels["predictor"] = kernels_used(runner.linear_maps()) | {
-                "attention": "rows" if runner.row_attention else "gathered"}
+                "attention": "rows" if runner.row_attention else "gathered", "native": runner.native_mode}
         return {"device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
                 "weights": self.weights, "torch": torch.__version__,
                 "cpu": cpu_model() if weight.device.type == "cpu" else None, "kernels": kernels}

@@ -74,6 +74,11 @@ class CachedDecoder:
         self.native_layers = maps if all(maps) else None
         self.allocate(max_len)
 
+    @property
+    def native_mode(self) -> str | None:
+        """How much of a call runs natively (rvqtts.native): "layers", "rows", or None (torch throughout)."""
+        return "layers" if self.native_layers else "rows" if self.native_rows else None
+
     def layer_maps(self) -> list[LinearMap]:
         """Every layer's linear maps (what each call applies)."""
         return [*self.qkv, *self.out, *self.gate_up, *self.down]

@@ -170,3 +170,6 @@ def test_a_run_records_its_device_dtype_and_kernels(tiny_dir, tmp_path):
     summary = _engine_summary(engine)
     assert ("row attention" if exact else "gathered attention") in summary and summary.startswith("float32 on cpu")
     assert stats["total"]["engine"] == engine
+    assert engine["kernels"]["talker"]["native"] is None and "native" not in summary  # float32 runs torch's
+    engine["kernels"]["predictor"]["native"] = "layers"
+    assert "native layers" in _engine_summary(engine)
