@@ -300,7 +300,9 @@ def tune_table(result: dict) -> Table:
                           f"{costs['17']:.3f}", row["fixed"], f"{fixed['1']:.3f}" if fixed else "-")
     costs = ", ".join(f"{measured['frame_map_ms']:.1f} ms in {name}" for name, measured in result["dtypes"].items())
     picked = f"; --dtype auto picks {result['auto']}" if "auto" in result else ""
-    table.caption = f"one frame's linear maps: {costs}{picked}; kept in {result['cache']}"
+    native = ("rvqtts's native kernels run here" if result.get("native") is None
+              else f"rvqtts's native kernels do not run here ({result['native']})")
+    table.caption = f"one frame's linear maps: {costs}{picked}; kept in {result['cache']}; {native}"
     return table if "trees" not in result else Group(table, trees_table(result["trees"]))
 
 

@@ -54,6 +54,7 @@ def tune(
     from rvqtts.kernels import choose_kernels, fixed_kernel, forget_choices, kernels_path, machine_key
     from rvqtts.loading import ModelLoadError, model_config
     from rvqtts.quantize import WEIGHTS
+    from rvqtts import native
     from rvqtts.report import tune_table
 
     if dtype not in ("auto", "float32", "bfloat16"):
@@ -72,7 +73,7 @@ def tune(
         say(line, quiet)
 
     result = {"model": model, "machine": machine_key(), "cache": str(kernels_path()), "weights": weights,
-              "dtypes": {}}
+              "native": native.unavailable(), "dtypes": {}}
     for name in names:
         if again:
             forget_choices(getattr(torch, name), weights)
