@@ -1,16 +1,18 @@
-// rvqtts's own CPU kernel for the hot loops' linear maps: y = x W^T for a few bfloat16 rows x [M, K] and
-// weights W [N, K] held as bfloat16 or as int8 with a float scale per output channel (W8A16), on CPUs
-// with AVX512-BF16. Built and loaded by rvqtts/native.py; chosen per map shape by measurement
-// (rvqtts/kernels.py).
+// rvqtts's native CPU kernels, for CPUs with AVX512-BF16; built and loaded by rvqtts/native.py. A few
+// bfloat16 rows x [M, K] through a linear map W [N, K] held as bfloat16 or as int8 with a float scale per
+// output channel (W8A16), chosen per map shape by measurement (rvqtts/kernels.py); and a decoder layer's
+// row-wise steps (RMSNorm, q/k norms with RoPE, attention over the cache, SiLU times up), alone or with
+// the maps as one whole layer.
 //
-// Weights are packed once as [N/16][K/2][16][2]: one 64-byte vector (32 bytes for int8) per block of 16
-// output channels and pair of inputs, the operand layout of VDPBF16PS. A tile keeps CB blocks x RB rows
-// of float accumulators in registers and streams its blocks' weights once per pass over its rows.
+// Map weights are packed once as [N/16][K/2][16][2]: one 64-byte vector (32 bytes for int8) per block of
+// 16 output channels and pair of inputs, the operand layout of VDPBF16PS. A tile keeps CB blocks x RB
+// rows of float accumulators in registers and streams its blocks' weights once per pass over its rows.
 //
 // Every output is one fixed sequence: acc = 0; for each input pair, acc = dpbf16(acc, x pair, w pair);
 // then (int8) acc * scale; then rounding to bfloat16. Threads split the output channels, never the
 // inputs, so a row's bits do not depend on how many rows share the call, which tile it fell in, or
-// the thread count: a tree round's rows equal plain steps bit for bit.
+// the thread count: a tree round's rows equal plain steps bit for bit. The row-wise steps compute each
+// row (and each query) alone, so they keep that.
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -183,12 +185,9 @@ inline void silu_times_up(const uint16_t* gate_up, int64_t n, uint16_t* out) {
     for (; i + kBlock <= n; i += kBlock) {
         const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate_up + i))), 16));
-        const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate_up + n + i))), 16));
-        alignas(64) float silu[kBlock], up[kBlock];
+        alignas(64) float silu[kBlock];
         _mm512_store_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-        _mm512_store_ps(up, u);
-        for (int l = 0; l < kBlock; ++l) out[i + l] = to_bf16(to_float(to_bf16(silu[l])) * up[l]);
+        for (int l = 0; l < kBlock; ++l) out[i + l] = to_bf16(to_float(to_bf16(silu[l])) * to_float(gate_up[n + i + l]));
     }
     for (; i < n; ++i) {
         const float g = to_float(gate_up[i]);

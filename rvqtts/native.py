@@ -100,12 +100,11 @@ def attention_inputs(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: tor
     indices): the q/k RMSNorms, then RoPE with cos, sin [q, d] (bfloat16, contiguous)."""
     rows, head_dim = qkv.shape[0], cos.shape[-1]
     q = qkv.new_empty(heads, rows, head_dim)
-    slots = None if isinstance(write, slice) else write.to(torch.int64).contiguous()  # held through the call
+    slots, start = _write_slots(write)  # held through the call
     _load()[0].rvqtts_attention_inputs(qkv.data_ptr(), rows, heads, kv_heads, head_dim, q_weight.data_ptr(),
                                        k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), eps, q.data_ptr(),
-                                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
-                                       None if slots is None else slots.data_ptr(),
-                                       write.start if slots is None else 0)
+                                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], _address(slots),
+                                       start)
     return q
 
 
@@ -118,12 +117,10 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, width:
     heads, n, head_dim = q.shape
     q = q.contiguous()
     out = q.new_empty(n, heads, head_dim)
-    # Contiguous copies held in names until the call returns.
-    slots = None if slots is None else slots.to(torch.int64).contiguous()
-    visible = None if visible is None else visible.to(torch.uint8).contiguous()
+    slots, visible = _slot_list(slots), _bytes(visible)  # held in names until the call returns
     _load()[0].rvqtts_attend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n, heads, k_cache.shape[0],
-                             head_dim, k_cache.shape[1], None if slots is None else slots.data_ptr(), width,
-                             None if visible is None else visible.data_ptr(), head_dim ** -0.5, out.data_ptr())
+                             head_dim, k_cache.shape[1], _address(slots), width, _address(visible),
+                             head_dim ** -0.5, out.data_ptr())
     return out.transpose(0, 1)
 
 
@@ -160,17 +157,31 @@ def layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
     rows, hidden = x.shape
     heads, kv_heads, head_dim = shape
     packed, scales, widths, int8 = maps
-    write_slots = None if isinstance(write, slice) else write.to(torch.int64).contiguous()
-    slots = None if slots is None else slots.to(torch.int64).contiguous()
-    visible = None if visible is None else visible.to(torch.uint8).contiguous()
+    (write_slots, start), slots, visible = _write_slots(write), _slot_list(slots), _bytes(visible)
     k_cache, v_cache = caches
     _load()[0].rvqtts_layer(
         x.data_ptr(), rows, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps, packed, scales, widths, int(int8),
         heads, kv_heads, head_dim, qk_norms[0].data_ptr(), qk_norms[1].data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
-        None if write_slots is None else write_slots.data_ptr(), write.start if write_slots is None else 0, width,
-        None if slots is None else slots.data_ptr(), None if visible is None else visible.data_ptr(),
-        head_dim ** -0.5)
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], _address(write_slots), start, width,
+        _address(slots), _address(visible), head_dim ** -0.5)
+
+
+def _write_slots(write: slice | torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """Cache slots to write as the library takes them: slot indices (int64), or none and the first slot."""
+    return (None, write.start) if isinstance(write, slice) else (_slot_list(write), 0)
+
+
+def _slot_list(slots: torch.Tensor | None) -> torch.Tensor | None:
+    return None if slots is None else slots.to(torch.int64).contiguous()
+
+
+def _bytes(visible: torch.Tensor | None) -> torch.Tensor | None:
+    """A boolean mask as the library's bytes (a bool tensor's own bytes: no copy)."""
+    return None if visible is None else visible.to(torch.bool).contiguous().view(torch.uint8)
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 @functools.cache

@@ -106,7 +106,7 @@ class CachedDecoder:
         and the MLP's activation are native calls, and where every map runs the library's kernel the
         whole layer is one call (`native_layers`): the same bits either way."""
         attn_mask = None if mask is None else mask[None, None]
-        native_rows = self.native_rows and not torch.jit.is_tracing()  # traced graphs stay torch's
+        native_rows = self.runs_natively()
         if native_rows and self.native_layers and groups is None and (mask is None or mask.dtype == torch.bool):
             return self.run_native_layers(x, cos, sin, write, span, *(rows or (None, mask)))
         for i in range(len(self.layers)):
@@ -146,7 +146,7 @@ class CachedDecoder:
     def run_native_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: slice | torch.Tensor,
                           span: int, slots: torch.Tensor | None, visible: torch.Tensor | None) -> torch.Tensor:
         """`run_layers` with one native call per layer (rvqtts.native.layer): the same bits."""
-        x = x.contiguous().clone()  # updated in place
+        x = x.clone(memory_format=torch.contiguous_format)  # updated in place
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         shape = (self.n_heads, self.n_kv_heads, self.head_dim)
         for i, layer in enumerate(self.layers):
@@ -157,9 +157,13 @@ class CachedDecoder:
                          (self.k_cache[i], self.v_cache[i]), write, span, slots, visible)
         return self.rms(self.norm, x)
 
+    def runs_natively(self) -> bool:
+        """Whether this call runs its rows natively: where `native_rows`, unless traced (graphs stay torch's)."""
+        return self.native_rows and not torch.jit.is_tracing()
+
     def rms(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """One of the model's RMSNorms over x, natively where this decoder runs its rows so."""
-        if self.native_rows and not torch.jit.is_tracing():
+        if self.runs_natively():
             return native.rms_norm(x, norm.weight, norm.variance_epsilon)
         return norm(x)
 
@@ -203,7 +207,7 @@ class CachedDecoder:
         layer = self.layers[i]
         x = x + self.out[i](attended.transpose(0, 1).flatten(1))
         gate_up = self.gate_up[i](self.rms(layer.post_attention_layernorm, x))
-        if self.native_rows and not torch.jit.is_tracing():
+        if self.runs_natively():
             return x + self.down[i](native.silu_times_up(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return x + self.down[i](layer.mlp.act_fn(gate) * up)

@@ -50,11 +50,11 @@ def tune(
     """
     import torch
 
+    from rvqtts import native
     from rvqtts.devices import frame_map_ms, frame_maps, pick_dtype
     from rvqtts.kernels import choose_kernels, fixed_kernel, forget_choices, kernels_path, machine_key
     from rvqtts.loading import ModelLoadError, model_config
     from rvqtts.quantize import WEIGHTS
-    from rvqtts import native
     from rvqtts.report import tune_table
 
     if dtype not in ("auto", "float32", "bfloat16"):
