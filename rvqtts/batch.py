@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Iterator
 
 import numpy as np
 
@@ -149,14 +150,25 @@ def render(synth, item: Utterance, *, speaker: str | None, language: str, instru
     """Synthesize one utterance into the bytes of its output file (its voice: the line's, else the
     batch's). Every code's noise (c0's included) is keyed by the utterance's line number, so any run,
     partial, resumed or on any worker, makes the same audio for it."""
-    from rvqtts.audio import audio_bytes, audio_format
-
-    line = item.voice(speaker, language, instruct, clone)
-    voice, source = voice_for(synth, **line), line["source"]
+    voice, source = line_voice(synth, item, speaker, language, instruct, clone)
     synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line, settings=settings,
                                  chunk_chars=chunk_chars, **voice)
+    return rendered(synth, item, synthesis, voice, source)
+
+
+def line_voice(synth, item: Utterance, speaker: str | None, language: str, instruct: str | None,
+               clone: VoiceSource | None) -> tuple[dict, VoiceSource | None]:
+    """The voice keywords of one line (`voice_for`) and its cloned voice's source, if any."""
+    line = item.voice(speaker, language, instruct, clone)
+    return voice_for(synth, **line), line["source"]
+
+
+def rendered(synth, item: Utterance, synthesis, voice: dict, source: VoiceSource | None) -> Rendered:
+    """A made utterance as its output file's bytes, with its voice as the model heard it."""
+    from rvqtts.audio import audio_bytes, audio_format
+
     heard = {"speaker": voice["speaker"], "language": voice["language"]}
-    if voice["instruct"] and synth.supports_instruct:  # as the model heard it
+    if voice["instruct"] and synth.supports_instruct:
         heard["instruct"] = voice["instruct"]
     return Rendered(audio_bytes(synthesis.audio, synthesis.sample_rate, audio_format(item.name)),
                     synthesis.codes, {**heard, **(source.record() if source else {})}, synthesis.record())
@@ -238,24 +250,60 @@ def to_do(utterances: list[Utterance], out_dir: Path, force: bool = False) -> li
 def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speaker: str | None, language: str,
                      instruct: str | None, seed: int, settings, clone: VoiceSource | None = None, force: bool = False,
                      codes_dir: Path | None = None, on_done=None,
-                     chunk_chars: float | None = MAX_CHUNK_WEIGHT) -> list[BatchResult]:
-    """Synthesize every utterance into `out_dir` here, skipping existing outputs unless `force`.
+                     chunk_chars: float | None = MAX_CHUNK_WEIGHT, batch_size: int = 1) -> list[BatchResult]:
+    """Synthesize every utterance into `out_dir` here, skipping existing outputs unless `force`; with
+    `batch_size` > 1, that many lines at once (Synthesizer.synthesize_many: the same files).
 
     A failing utterance is reported in its result and the rest go on, except a model that produced NaN or
     inf (NonFiniteError), which every utterance would meet: that stops the batch. `on_done(result)` is
-    called after each one. rvqtts.cluster runs the same on Ray workers.
+    called after each one, as it ends. Results come in line order. rvqtts.cluster runs the same on Ray
+    workers.
     """
     manifest = Manifest(out_dir)
     pending = {item.line for item in to_do(utterances, out_dir, force)}
     run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings, clone=clone,
                chunk_chars=chunk_chars)
-    results = []
-    for item in utterances:
-        if item.line in pending:
-            result = conclude(out_dir, item, *attempt(synth, item, run), manifest, codes_dir)
-        else:
-            result = BatchResult(item, "skipped")
-        results.append(result)
+    results: dict[int, BatchResult] = {}
+
+    def finish(item: Utterance, result: BatchResult) -> None:
+        results[item.line] = result
         if on_done:
             on_done(result)
-    return results
+
+    making = []
+    for item in utterances:
+        if item.line not in pending:
+            finish(item, BatchResult(item, "skipped"))
+        elif batch_size == 1:
+            finish(item, conclude(out_dir, item, *attempt(synth, item, run), manifest, codes_dir))
+        else:
+            making.append(item)
+    if making:
+        for item, (status, value) in attempt_many(synth, making, run, batch_size):
+            finish(item, conclude(out_dir, item, status, value, manifest, codes_dir))
+    return [results[item.line] for item in utterances]
+
+
+def attempt_many(synth, items: list[Utterance], run: dict, batch_size: int) -> Iterator[tuple[Utterance, tuple]]:
+    """`attempt` for several lines spoken together: each line and its answer, as it ends."""
+    from rvqtts.synthesis import Line
+
+    voices, lines, failed = [], [], []
+    for item in items:
+        try:
+            voice, source = line_voice(synth, item, run["speaker"], run["language"], run["instruct"], run["clone"])
+        except Exception as error:  # this line's voice: it fails alone
+            failed.append((item, ("failed", describe(error))))
+            continue
+        voices.append((item, voice, source))
+        lines.append(Line(item.text, voice["speaker"], voice["language"], voice["instruct"], voice["clone"], item.line))
+    yield from failed
+    for index, outcome in synth.synthesize_many(lines, run["seed"], run["settings"], run["chunk_chars"], batch_size):
+        item, voice, source = voices[index]
+        if isinstance(outcome, Exception):
+            yield item, ("failed", describe(outcome))
+            continue
+        try:
+            yield item, ("done", rendered(synth, item, outcome, voice, source))
+        except Exception as error:
+            yield item, ("failed", describe(error))

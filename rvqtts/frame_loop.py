@@ -79,11 +79,16 @@ class FrameLoop:
         self.seconds["talker"] += time.perf_counter() - started
 
     def draw_c0(self, logits: torch.Tensor, seen: torch.Tensor, draws: int) -> int:
-        """c0 of the current frame: qwen-tts's processors and warpers over the talker's logits, then the
-        Gumbel-max draw with the noise of position 0."""
-        noise = gumbel_noise(self.seed, self.utterance, self.frame, [0], self.talker.vocab_size)[0]
-        code, finite = draw_checked(self.rules.scores(logits, seen, draws),
-                                    torch.from_numpy(noise).to(logits.device), self.talker_sampling)
-        if not bool(finite):
-            raise NonFiniteError("talker", logits.dtype)
-        return int(code)
+        """c0 of the current frame (`draw_c0`)."""
+        return draw_c0(self.rules, self.talker_sampling, logits, seen, draws, self.seed, self.utterance, self.frame)
+
+
+def draw_c0(rules: C0Rules, sampling: SamplingConfig, logits: torch.Tensor, seen: torch.Tensor, draws: int, seed: int,
+            utterance: int, frame: int) -> int:
+    """c0 of an utterance's frame: qwen-tts's processors and warpers over the talker's logits [vocab], then
+    the Gumbel-max draw with the noise of (seed, utterance, frame, position 0)."""
+    noise = gumbel_noise(seed, utterance, frame, [0], logits.shape[-1])[0]
+    code, finite = draw_checked(rules.scores(logits, seen, draws), torch.from_numpy(noise).to(logits.device), sampling)
+    if not bool(finite):
+        raise NonFiniteError("talker", logits.dtype)
+    return int(code)

@@ -91,6 +91,52 @@ class PredictorRunner(CachedDecoder):
             return self.forward(embed, positions, slot, rows=(None, self.causal[slot:slot + 1, :self.width]))[0]
         return self.forward(embed, positions, slot, None)[0]
 
+    def prefill_rows(self, prefixes: torch.Tensor) -> torch.Tensor:
+        """The first call of n frames at once, frame r in batch row r: prefixes [n, 2, E] ([h_t, embedding
+        of c0] each). Each row's queries attend to their own slots only, as `prefill` does for one frame
+        (the same bits: rows are invariant). Returns each frame's h_1 [n, hidden]."""
+        n = prefixes.shape[0]
+        base = self.row_bases(n)
+        positions = torch.arange(2, device=self.device)
+        if not self.row_attention:  # row by row, each call shaped as a one-frame prefill's
+            x = self.project_input(prefixes)
+            cos, sin = self.cos[positions][None], self.sin[positions][None]
+            regions = [slice(b, b + 2) for b in base.tolist()]
+            return torch.stack([self.run_layers(x[r], cos, sin, region, region, self.causal[:2, :2])[-1]
+                                for r, region in enumerate(regions)])
+        write = (base[:, None] + positions).flatten()
+        slots = (base[:, None] + torch.arange(self.width, device=self.device)).repeat_interleave(2, 0)
+        attention = {"rows": (slots, self.causal[:2, :self.width].repeat(n, 1))}
+        out = self.forward_rows(prefixes.flatten(0, 1), positions.repeat(n), write, attention)
+        return out.view(n, 2, -1)[:, -1]
+
+    def step_rows(self, codes: torch.Tensor, index: int) -> torch.Tensor:
+        """One plain step of n frames at once: code c_index of frame r ([n]) in batch row r. Returns each
+        frame's h_{index+1} [n, hidden], the bits `step` gives each alone."""
+        n, slot = codes.shape[0], index + 1
+        base = self.row_bases(n)
+        positions = torch.full((n,), slot, device=self.device, dtype=torch.long)
+        if self.row_attention:
+            slots = base[:, None] + torch.arange(self.width, device=self.device)
+            attention = {"rows": (slots, self.causal[slot:slot + 1, :self.width].expand(n, -1))}
+        else:
+            attention = {"groups": [(slice(r, r + 1), (base[r] + torch.arange(slot + 1, device=self.device))[None])
+                                    for r in range(n)]}
+        return self.forward_rows(self.embeddings[index - 1](codes), positions, base + slot, attention)
+
+    def row_bases(self, rows: int) -> torch.Tensor:
+        """The first cache slot of each of `rows` batch rows, the cache grown to hold them."""
+        if rows > self.rows:
+            self.allocate(self.max_len, rows)
+        return torch.arange(rows, device=self.device) * self.max_len
+
+    def forward_rows(self, embeds: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
+                     attention: dict) -> torch.Tensor:
+        """`forward` for queries of several batch rows: KV written to the slots `write` [q], attention by
+        `rows` (each query's slots over the width) or `groups` (`run_layers`)."""
+        x = self.project_input(embeds)
+        return self.run_layers(x, self.cos[positions][None], self.sin[positions][None], write, self.width, **attention)
+
     def round_attention(self, plan: object, length: int) -> dict:
         """How a tree round of `plan` (rvqtts.decode.RoundPlan) over `length` committed slots attends:
         with row attention, each query's slots over the width, else per depth its gathered slots."""

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from rvqtts.audio import StreamJoiner
+from rvqtts.batch_frames import BatchFrameLoop, ChunkDone, Work, WorkFailed
 from rvqtts.cloning import ClonedVoice, VoiceError, VoiceSource, encode_voice, encoder_fingerprint, load_voice
 from rvqtts.decode import DEFAULT_DEPTH, DecodeStats, Speculation
 from rvqtts.frame_loop import FrameLoop
@@ -30,9 +31,10 @@ from rvqtts.kernels import cpu_model, kernels_used, measured_choices
 from rvqtts.loading import ModelVoices, load_tts
 from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
 from rvqtts.online import OnlineSpeculation
+from rvqtts.predictor import PredictorRunner
 from rvqtts.prompt import Prompt, capture_prompt
 from rvqtts.quantize import check_weights
-from rvqtts.sampling import C0Rules, SamplingConfig
+from rvqtts.sampling import C0Rules, NonFiniteError, SamplingConfig
 from rvqtts.streaming import StreamingDecoder
 from rvqtts.talker import TalkerRunner
 from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_budget
@@ -140,6 +142,7 @@ class Synthesis:
     weights: str = "native"
     engine: dict = field(default_factory=dict)
     online: dict | None = None  # --tree auto's online choice (rvqtts.online): what ran and why
+    batch_rows: int = 1  # utterances spoken together in each call (synthesize_many)
 
     def record(self) -> dict:
         """The statistics users see (`--stats-json`, the table). rtf = compute seconds / audio seconds."""
@@ -158,9 +161,22 @@ class Synthesis:
             "first_audio_split": self.seconds["first_audio_split"], "stream_frames": self.stream_frames,
             "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
             "spec": self.spec, "tree_nodes": self.tree_nodes, "weights": self.weights, "seed": self.seed,
-            "sampling": self.sampling, "engine": self.engine, "online": self.online,
+            "sampling": self.sampling, "engine": self.engine, "online": self.online, "batch_rows": self.batch_rows,
             "warnings": list(self.warnings),
         }
+
+
+@dataclass(frozen=True)
+class Line:
+    """One utterance of `Synthesizer.synthesize_many`: what `synthesize` takes for it. `utterance` keys its
+    noise (a batch file's line number), so it is spoken the same wherever it runs."""
+
+    text: str
+    speaker: str | None = None
+    language: str = "auto"
+    instruct: str | None = None
+    clone: ClonedVoice | None = None
+    utterance: int = 0
 
 
 class AudioStream:
@@ -416,6 +432,96 @@ class Synthesizer:
             pass
         return stream.result
 
+    def synthesize_many(self, lines: list[Line], seed: int = 0, settings: GenerationSettings = GenerationSettings(),
+                        chunk_chars: float | None = MAX_CHUNK_WEIGHT,
+                        batch_size: int = 4) -> Iterator[tuple[int, Synthesis | Exception]]:
+        """Synthesize several utterances, up to `batch_size` of them in every call of both loops
+        (rvqtts.batch_frames), each starting as soon as a row is free. Yields (index in `lines`, its
+        Synthesis) as each one ends, or (index, the exception) for one that failed (a voice the model
+        does not speak, an empty text); a model that produced NaN or inf (NonFiniteError) stops it all.
+
+        Each utterance's codes, and so its audio, are those `synthesize` gives it with the same seed and
+        settings wherever the kernels keep rows invariant (`rvqtts tune` shows them): its rows get their
+        own arithmetic whatever else shares the call. A batch's inner loop runs plain (its rows are spent
+        on utterances, not tree nodes); with `batch_size` 1, one line, or a Core ML package, the
+        utterances run one after another as `synthesize` runs them."""
+        if batch_size < 1:
+            raise ValueError(f"the batch size must be at least 1, got {batch_size}")
+        parts = self.inner_parts()
+        if batch_size == 1 or len(lines) == 1 or parts.runner is None:
+            for index, line in enumerate(lines):
+                try:
+                    yield index, self.synthesize(line.text, line.speaker, line.language, seed, line.utterance,
+                                                 line.instruct, settings, chunk_chars, clone=line.clone)
+                except NonFiniteError:
+                    raise
+                except Exception as error:  # this utterance's: the rest go on
+                    yield index, error
+            return
+        sampling = self.sampling(settings)
+        config = self.talker.config
+        talker = self.talker_runner()
+        rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, talker.device)
+        # CUDA graphs read the one-line runner's cache tensors; a batch's caches grow by rows: it has its own.
+        runner = (parts.runner if parts.calls.mode == "eager" else
+                  PredictorRunner(self.code_predictor, self.code_predictor.config.num_code_groups, self.weights))
+        rows = min(batch_size, len(lines))
+        loop = BatchFrameLoop(talker, runner, rules, sampling.talker, sampling.predictor, seed, rows)
+        spoken: dict[int, _Spoken] = {}
+
+        def chunks(index: int) -> Iterator[tuple[Prompt, int]]:
+            """The line's prompts, one per text chunk, with their frame budgets (checked when it starts)."""
+            line = lines[index]
+            state = spoken[index] = _Spoken(time.perf_counter(), StreamJoiner(self.sample_rate))
+            if not line.text.strip():
+                raise ValueError("the text is empty: give something to say")
+            speaker = self.check_voice(line.speaker, line.language, line.instruct, line.clone)
+            state.pieces = chunk_text(line.text, chunk_chars) if chunk_chars else [" ".join(line.text.split())]
+            for piece in state.pieces:
+                begun = time.perf_counter()
+                prompt = self.prompt(piece, speaker, line.language, line.instruct, line.clone)
+                state.prompts += time.perf_counter() - begun
+                yield prompt, self.frame_budget(piece, settings)
+
+        works = (Work(line.utterance, chunks(index), tag=index) for index, line in enumerate(lines))
+        for event in loop.run(works):
+            index = event.work.tag
+            state = spoken[index]
+            if isinstance(event, WorkFailed):
+                yield index, event.error
+            elif isinstance(event, ChunkDone):
+                begun = time.perf_counter()
+                state.joiner.add(self.decode(np.stack(event.frames), lines[index].clone), new_part=True)
+                state.decoder += time.perf_counter() - begun
+                state.frames.extend(event.frames)
+                state.chunks_done += 1
+                if state.first_audio is None:
+                    state.first_audio = time.perf_counter() - state.started
+                if event.cut:
+                    piece = state.pieces[state.chunks_done - 1]
+                    state.warnings.append(f"chunk {state.chunks_done} of {len(state.pieces)} was cut at {event.budget}"
+                                          f" frames ({event.budget / FRAMES_PER_SECOND:.1f} s) for {len(piece)} "
+                                          f"characters: the model did not end its speech (text: {piece[:40]!r})")
+            else:
+                yield index, self._batched_synthesis(event.work, state, sampling, seed, rows)
+
+    def _batched_synthesis(self, work: Work, state: "_Spoken", sampling: ResolvedSampling, seed: int,
+                           rows: int) -> Synthesis:
+        """The Synthesis of an utterance `synthesize_many` finished. Its loops' seconds are its shares of the
+        calls it was in; its prompts count as talker work and its first prompt in the prefill, as in
+        `synthesize`."""
+        state.joiner.finish()
+        first_prompt = state.prompts / max(state.chunks_done, 1)
+        prefill = work.seconds["prefill"] + first_prompt
+        seconds = {"wall": time.perf_counter() - state.started, "talker": work.seconds["talker"] + state.prompts,
+                   "predictor": work.seconds["predictor"], "decoder": state.decoder, "prefill": prefill,
+                   "first_audio": state.first_audio, "prompts": state.prompts,
+                   "first_audio_split": {"prefill": round(prefill, 3)}}
+        return Synthesis(audio=state.joiner.audio(), sample_rate=self.sample_rate, codes=np.stack(state.frames),
+                         stats=work.stats, seconds=seconds, talker_calls=work.talker_calls, chunks=len(state.pieces),
+                         spec=False, tree_nodes=0, seed=seed, sampling=sampling.record(), warnings=state.warnings,
+                         weights=self.weights, engine=self.engine_record(), batch_rows=rows)
+
     def _speak(self, text: str, speaker: str | None, language: str, seed: int, utterance: int, instruct: str | None,
                clone: ClonedVoice | None, settings: GenerationSettings, chunk_chars: float | None, stream_frames: int | None,
                on_chunk: Callable[[int, int], None] | None,
@@ -558,6 +664,21 @@ class Synthesizer:
                 "wall_seconds": round(wall, 3), "talker_seconds": round(wall - predictor - decoder, 3),
                 "predictor_seconds": round(predictor, 3), "decoder_seconds": round(decoder, 3),
                 "first_audio_seconds": round(wall, 3), "rtf": round(wall / audio_seconds, 4) if audio_seconds else None}
+
+
+@dataclass
+class _Spoken:
+    """What `synthesize_many` gathers for one utterance while its chunks are spoken."""
+
+    started: float
+    joiner: StreamJoiner
+    pieces: list[str] = field(default_factory=list)
+    frames: list[np.ndarray] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    chunks_done: int = 0
+    prompts: float = 0.0
+    decoder: float = 0.0
+    first_audio: float | None = None
 
 
 def prepare_inner_loop(synth: Synthesizer, spec: bool = True, tree: str | os.PathLike = "auto",

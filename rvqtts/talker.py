@@ -43,35 +43,38 @@ class TalkerRunner(CachedDecoder):
                          weights)
         self.vocab_size = talker.config.vocab_size
 
-    def allocate(self, max_len: int) -> None:
-        """Caches and RoPE tables for `max_len` positions, keeping what the old caches hold (captured graphs
-        read the old tensors: they start over)."""
-        old = (self.k_cache, self.v_cache) if hasattr(self, "k_cache") else None
-        super().allocate(max_len)
+    def allocate(self, max_len: int, rows: int | None = None) -> None:
+        """Caches and RoPE tables for `max_len` positions per batch row, keeping what the old caches hold
+        row by row (captured graphs read the old tensors: they start over)."""
+        old = (self.k_cache, self.v_cache, self.max_len, self.rows) if hasattr(self, "k_cache") else None
+        super().allocate(max_len, rows)
         if old is not None:
-            kept = min(old[0].shape[2], max_len)
-            self.k_cache[:, :, :kept] = old[0][:, :, :kept]
-            self.v_cache[:, :, :kept] = old[1][:, :, :kept]
+            old_k, old_v, old_len, old_rows = old
+            kept = min(old_len, max_len)
+            for row in range(min(old_rows, self.rows)):
+                for cache, before in ((self.k_cache, old_k), (self.v_cache, old_v)):
+                    cache[:, :, row * max_len:row * max_len + kept] = before[:, :, row * old_len:row * old_len + kept]
         positions = torch.arange(max_len, device=self.device).view(1, 1, -1).expand(3, 1, -1)
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         cos, sin = self.rotary(probe, positions)  # [3, 1, max_len, head_dim]: three equal axes
         self.cos, self.sin = cos[0, 0], sin[0, 0]
         self.calls = StaticCalls(self.calls.mode)
 
-    def reserve(self, slots: int) -> None:
-        """Make room for `slots` positions (a prompt and the frames it may take)."""
-        if slots > self.max_len:
-            self.allocate(-(-slots // CAPACITY_STEP) * CAPACITY_STEP)
+    def reserve(self, slots: int, rows: int = 1) -> None:
+        """Make room for `slots` positions (a prompt and the frames it may take) in each of `rows` rows."""
+        if slots > self.max_len or rows > self.rows:
+            self.allocate(max(self.max_len, -(-slots // CAPACITY_STEP) * CAPACITY_STEP), max(rows, self.rows))
 
     @torch.inference_mode()
-    def prefill(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt [L, hidden] at positions 0..L-1. Returns the last position's hidden state h [hidden]
-        and its logits [vocab] (the scores of the first frame's c0)."""
+    def prefill(self, embeds: torch.Tensor, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt [L, hidden] at positions 0..L-1 of batch row `row`. Returns the last position's
+        hidden state h [hidden] and its logits [vocab] (the scores of the first frame's c0)."""
         length = embeds.shape[0]
-        self.reserve(length)
+        self.reserve(length, row + 1)
         causal = torch.ones(length, length, device=self.device, dtype=torch.bool).tril()
+        region = slice(row * self.max_len, row * self.max_len + length)
         hidden = self.run_layers(embeds.to(self.dtype), self.cos[None, :length], self.sin[None, :length],
-                                 slice(0, length), length, causal)[-1]
+                                 region, region, causal)[-1]
         return hidden, self.head(hidden)
 
     @torch.inference_mode()
@@ -91,6 +94,24 @@ class TalkerRunner(CachedDecoder):
         mask = None if self.calls.mode == "eager" else (torch.arange(span, device=self.device) <= index)[None]
         hidden = self.run_layers(embed.to(self.dtype), self.cos[index][None], self.sin[index][None], index, span,
                                  mask)[0]
+        return hidden, self.head(hidden)
+
+    @torch.inference_mode()
+    def step_rows(self, embeds: torch.Tensor, positions: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame's step for several utterances in one call: input [n, hidden] at `positions` of batch
+        rows `rows`. Each row attends to its own slots only, as `step` does for one utterance (the same
+        bits: rvqtts's kernels keep rows invariant), eagerly. Returns (h [n, hidden], logits [n, vocab])."""
+        self.reserve(max(positions) + 1, max(rows) + 1)
+        position = torch.tensor(positions, device=self.device)
+        base = torch.tensor(rows, device=self.device) * self.max_len
+        width = max(positions) + 1
+        slots = base[:, None] + torch.arange(width, device=self.device)
+        if self.runs_natively():  # each query over its row's slots up to its own position
+            attention = {"rows": (slots, torch.arange(width, device=self.device)[None] <= position[:, None])}
+        else:  # each query alone, as a step's attention: its row's slots 0..position
+            attention = {"groups": [(slice(r, r + 1), slots[r:r + 1, :p + 1]) for r, p in enumerate(positions)]}
+        hidden = self.run_layers(embeds.to(self.dtype), self.cos[position][None], self.sin[position][None],
+                                 base + position, width, **attention)
         return hidden, self.head(hidden)
 
     @torch.inference_mode()

@@ -83,20 +83,22 @@ class CachedDecoder:
         """Every layer's linear maps (what each call applies)."""
         return [*self.qkv, *self.out, *self.gate_up, *self.down]
 
-    def allocate(self, max_len: int) -> None:
-        """Fresh, zeroed K and V caches of `max_len` slots per layer."""
-        self.max_len = max_len
-        shape = (len(self.layers), self.n_kv_heads, max_len, self.head_dim)
+    def allocate(self, max_len: int, rows: int | None = None) -> None:
+        """Fresh, zeroed K and V caches of `max_len` slots per layer for each of `rows` batch rows (as many
+        as now where None, else one): row r's region is slots r * max_len onward."""
+        self.max_len, self.rows = max_len, rows or getattr(self, "rows", 1)
+        shape = (len(self.layers), self.n_kv_heads, self.rows * max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: slice | torch.Tensor,
-                   span: int, mask: torch.Tensor | None = None,
+                   span: int | slice, mask: torch.Tensor | None = None,
                    groups: list[tuple[slice, torch.Tensor]] | None = None,
                    rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The layers over states x [q, hidden] with RoPE tables `cos`, `sin` [1, q, d]; their keys and values
         go to the cache slots `write` (a slice, or a tensor of slot indices, which keeps shapes static), and
-        attention reads slots 0..span-1. `mask` [q, span] says which slots each query attends to; `groups`
+        attention reads slots 0..span-1 (or the slots of `span`, a slice: one batch row's region of the
+        cache, rvqtts.talker). `mask` [q, span] says which slots each query attends to; `groups`
         instead gives, for slices of the queries, the slots [n, L] each one attends to in order; `rows`
         instead gives them for row attention (rvqtts.attention): each query's `span` slots in position
         order [q, span] (None: the first `span`) and which of them it sees [q, span]; with none, every
@@ -105,8 +107,12 @@ class CachedDecoder:
         Where this decoder runs its rows natively (`native_rows`, rvqtts.native), norms, RoPE, attention
         and the MLP's activation are native calls, and where every map runs the library's kernel the
         whole layer is one call (`native_layers`): the same bits either way."""
-        attn_mask = None if mask is None else mask[None, None]
         native_rows = self.runs_natively()
+        read = span if isinstance(span, slice) else slice(0, span)
+        if native_rows and read.start and rows is None and groups is None:  # a region: its slots, in order
+            rows, mask = (torch.arange(read.start, read.stop, device=x.device).expand(x.shape[0], -1), mask), None
+        span = read.stop - read.start
+        attn_mask = None if mask is None else mask[None, None]
         if native_rows and self.native_layers and groups is None and (mask is None or mask.dtype == torch.bool):
             return self.run_native_layers(x, cos, sin, write, span, *(rows or (None, mask)))
         for i in range(len(self.layers)):
@@ -138,8 +144,7 @@ class CachedDecoder:
                 out = torch.cat([self.attend_gathered(i, q[:, queries], slots) for queries, slots in groups], dim=1)
             else:
                 # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the unfused math).
-                out = self.attend(q[None], self.k_cache[None, i, :, :span], self.v_cache[None, i, :, :span],
-                                  attn_mask)[0]
+                out = self.attend(q[None], self.k_cache[None, i, :, read], self.v_cache[None, i, :, read], attn_mask)[0]
             x = self.layer_rest(i, x, out)
         return self.rms(self.norm, x)
 

@@ -42,13 +42,13 @@ def _report(results, out_dir: Path, stats_json: Optional[Path], quiet: bool, clu
 
 
 def run_here(synthesizer, utterances, out_dir: Path, file: Path, run: dict, force: bool,
-             codes_out: Optional[Path], stats_json: Optional[Path], quiet: bool) -> None:
+             codes_out: Optional[Path], stats_json: Optional[Path], quiet: bool, batch_size: int = 1) -> None:
     from rvqtts.batch import synthesize_batch
 
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {file.name}", total=len(utterances))
         results = synthesize_batch(synthesizer, utterances, out_dir, **run, force=force, codes_dir=codes_out,
-                                   on_done=_on_done(progress, task, file, quiet))
+                                   on_done=_on_done(progress, task, file, quiet), batch_size=batch_size)
     _report(results, out_dir, stats_json, quiet)
 
 

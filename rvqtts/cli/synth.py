@@ -50,6 +50,11 @@ def synth(
                                              "ref_audio, ref_text, x_vector_only or voice)."),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Batch output folder (required with -f)."),
     force: bool = typer.Option(False, "--force", help="Batch: overwrite outputs that already exist."),
+    batch_size: int = typer.Option(1, "--batch-size", help="Batch: lines spoken together, a row each in every call "
+                                                           "of both loops (a free row takes the next line). Each "
+                                                           "line's file is the one a one-line run writes where the "
+                                                           "kernels keep rows invariant; its inner loop runs plain "
+                                                           "(docs/benchmarks.md: batches)."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Batch on a Ray cluster (pip install 'rvqtts[ray]'): "
                                                           "auto ($RAY_ADDRESS, or the cluster `ray start` made "
                                                           "here, else a new one on this machine) or the "
@@ -193,6 +198,11 @@ def synth(
             fail("-f needs --out-dir DIR for its audio files")
         if stream:
             fail("--stream is for one text; a batch writes each line's file whole")
+        if batch_size < 1:
+            fail(f"--batch-size must be at least 1, got {batch_size}")
+        if batch_size > 1 and ray is not None:
+            fail("--batch-size batches the lines run here; with --ray each worker speaks its lines one at a time "
+                 "(for now): give one or the other")
         try:
             utterances = read_batch(file)
         except BatchFileError as error:
@@ -201,6 +211,8 @@ def synth(
         if codes_out is not None:
             ensure_writable(codes_out, folder=True)
     else:
+        if batch_size != 1:
+            fail("--batch-size is for batch files: give -f FILE --out-dir DIR")
         if output is None:
             fail("give -o FILE.wav (.flac, .ogg; or -o - for a WAV on standard output)")
         try:
@@ -271,7 +283,7 @@ def synth(
         else:
             from rvqtts.cli.batch import run_here
 
-            run_here(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
+            run_here(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet, batch_size)
     except NonFiniteError as error:
         typer.echo(f"rvqtts: error: {error}", err=True)
         raise typer.Exit(1)

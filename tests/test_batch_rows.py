@@ -1,0 +1,125 @@
+"""Batches that fill the rows (rvqtts.batch_frames): several utterances in every call of both loops, each
+utterance's codes and audio the ones it gets alone, rows refilled as utterances end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rvqtts.decode import Speculation
+from rvqtts.offsets import Offsets
+from rvqtts.synthesis import GenerationSettings, Line, Synthesizer
+from rvqtts.talker import TalkerRunner
+from rvqtts.tree import resolve_tree
+from tests.helpers import run_cli
+
+TEXTS = ["Hello there.", "A longer sentence, which makes more frames than the first one does. And a second one.",
+         "Short.", "The fourth line is here. It has two sentences.", "Five."]
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Kernels chosen by measurement, as users run: each map's kernel is probed for row invariance (the fixed
+    rules put one row through torch.mv and more through another kernel)."""
+    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
+
+
+def _count_rows(monkeypatch) -> list[int]:
+    """The row counts of every batched talker step from now on."""
+    counts: list[int] = []
+    step_rows = TalkerRunner.step_rows
+
+    def counted(self, embeds, positions, rows):
+        counts.append(len(rows))
+        return step_rows(self, embeds, positions, rows)
+
+    monkeypatch.setattr(TalkerRunner, "step_rows", counted)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir, measured, monkeypatch, dtype):
+    """Lines of different lengths and chunk counts, two or three at a time: rows end and are refilled mid-batch,
+    every line's codes and samples equal its one-line run's (speculative there, plain here), and a line the
+    model cannot speak fails alone."""
+    synth = Synthesizer.load(tiny_dir if dtype == "float32" else released_06_dir, dtype=dtype)
+    synth.speculation = Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size))
+    settings = GenerationSettings(max_frames=None if dtype == "float32" else 9)
+    lines = [Line(text, utterance=index + 3) for index, text in enumerate(TEXTS)]
+    alone = [synth.synthesize(line.text, seed=5, utterance=line.utterance, settings=settings, chunk_chars=40)
+             for line in lines]
+    rows = _count_rows(monkeypatch)
+    batch_size = 2 if dtype == "float32" else 3
+    bad = [Line("Nobody speaks this.", speaker="nobody"), Line("  ")]
+    outcomes = dict(synth.synthesize_many(bad[:1] + lines + bad[1:], seed=5, settings=settings, chunk_chars=40,
+                                          batch_size=batch_size))
+    assert sorted(outcomes) == list(range(len(lines) + 2))
+    assert "nobody" in str(outcomes[0]) and "empty" in str(outcomes[len(lines) + 1])
+    together = [outcomes[index + 1] for index in range(len(lines))]
+    assert max(rows) == batch_size and len(rows) < sum(len(a.codes) for a in alone) - len(lines)
+    if dtype == "float32":
+        assert sorted({a.chunks for a in alone}) == [1, 2, 3] and len({len(a.codes) for a in alone}) > 2
+    for index, one in enumerate(alone):
+        made = together[index]
+        assert np.array_equal(made.codes, one.codes), index
+        assert np.array_equal(made.audio, one.audio), index
+        record = made.record()
+        assert record["batch_rows"] == batch_size and record["frames"] == len(one.codes)
+        assert record["predictor_calls"] == len(one.codes) * (synth.code_predictor.config.num_code_groups - 1)
+
+
+def test_a_batched_talker_step_gives_each_row_the_bits_of_its_own_step(tiny, measured):
+    """Rows of different prompt lengths, stepped together, equal their one-row steps (torch's attention over
+    gathered slots, float32)."""
+    talker = tiny.model.talker
+    generator = torch.Generator().manual_seed(0)
+    lengths = [5, 9, 3]
+    prompts = [torch.randn(n, talker.config.hidden_size, generator=generator) for n in lengths]
+    inputs = torch.randn(3, 3, talker.config.hidden_size, generator=generator)
+    batched = TalkerRunner(talker)
+    firsts = [batched.prefill(prompt, row=row) for row, prompt in enumerate(prompts)]
+    for row, prompt in enumerate(prompts):
+        alone = TalkerRunner(talker)
+        assert torch.equal(alone.prefill(prompt)[1], firsts[row][1])
+    steps = [batched.step_rows(inputs[t], [n + t for n in lengths], [0, 1, 2]) for t in range(3)]
+    for row, prompt in enumerate(prompts):
+        alone = TalkerRunner(talker)
+        alone.prefill(prompt)
+        for t in range(3):
+            hidden, logits = alone.step(inputs[t, row:row + 1], lengths[row] + t)
+            assert torch.equal(steps[t][0][row], hidden) and torch.equal(steps[t][1][row], logits)
+
+
+def test_a_batch_file_writes_the_files_of_a_one_line_run_and_resumes(tiny_dir, tmp_path, measured):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(text + "\n" for text in TEXTS))
+    common = ["synth", "-f", lines, "--model", tiny_dir, "--max-frames", 12, "-q"]
+    one = run_cli(*common, "--out-dir", tmp_path / "one")
+    many = run_cli(*common, "--out-dir", tmp_path / "many", "--batch-size", 3)
+    assert one.exit_code == many.exit_code == 0, many.output
+    written = sorted(p.name for p in (tmp_path / "one").glob("*.wav"))
+    assert len(written) == 5 and written == sorted(p.name for p in (tmp_path / "many").glob("*.wav"))
+    for name in written:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "many" / name).read_bytes(), name
+    entries = [json.loads(raw) for raw in (tmp_path / "many" / "manifest.jsonl").read_text().splitlines()]
+    assert [e["line"] for e in entries] == [1, 2, 3, 4, 5] and {e["batch_rows"] for e in entries} == {3}
+    (tmp_path / "many" / written[1]).unlink()  # resumed: only the missing file is made, the same bytes
+    again = run_cli(*common, "--out-dir", tmp_path / "many", "--batch-size", 3)
+    assert again.exit_code == 0 and len(list((tmp_path / "many").glob("*.wav"))) == 5
+    assert (tmp_path / "one" / written[1]).read_bytes() == (tmp_path / "many" / written[1]).read_bytes()
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--batch-size", 0], "--batch-size must be at least 1"),
+    (["--batch-size", 2, "--ray", "auto"], "with --ray each worker"),
+])
+def test_batch_sizes_that_cannot_run_are_refused_with_what_to_do(tiny_dir, tmp_path, arguments, message):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("Hello.\n")
+    result = run_cli("synth", "-f", lines, "--out-dir", tmp_path / "out", "--model", tiny_dir, *arguments)
+    assert result.exit_code == 2 and message in result.output
+    alone = run_cli("synth", "Hello.", "-o", tmp_path / "a.wav", "--model", tiny_dir, "--batch-size", 2)
+    assert alone.exit_code == 2 and "--batch-size is for batch files" in alone.output
