@@ -250,13 +250,15 @@ def to_do(utterances: list[Utterance], out_dir: Path, force: bool = False) -> li
 def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speaker: str | None, language: str,
                      instruct: str | None, seed: int, settings, clone: VoiceSource | None = None, force: bool = False,
                      codes_dir: Path | None = None, on_done=None,
-                     chunk_chars: float | None = MAX_CHUNK_WEIGHT, batch_size: int = 1) -> list[BatchResult]:
+                     chunk_chars: float | None = MAX_CHUNK_WEIGHT, batch_size: int = 1,
+                     on_notice=None) -> list[BatchResult]:
     """Synthesize every utterance into `out_dir` here, skipping existing outputs unless `force`; with
     `batch_size` > 1, that many lines at once (Synthesizer.synthesize_many: the same files).
 
     A failing utterance is reported in its result and the rest go on, except a model that produced NaN or
     inf (NonFiniteError), which every utterance would meet: that stops the batch. `on_done(result)` is
-    called after each one, as it ends. Results come in line order. rvqtts.cluster runs the same on Ray
+    called after each one, as it ends, and `on_notice(text)` with a batch cut to fit in memory. Results
+    come in line order. rvqtts.cluster runs the same on Ray
     workers.
     """
     manifest = Manifest(out_dir)
@@ -279,12 +281,13 @@ def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speak
         else:
             making.append(item)
     if making:
-        for item, (status, value) in attempt_many(synth, making, run, batch_size):
+        for item, (status, value) in attempt_many(synth, making, run, batch_size, on_notice):
             finish(item, conclude(out_dir, item, status, value, manifest, codes_dir))
     return [results[item.line] for item in utterances]
 
 
-def attempt_many(synth, items: list[Utterance], run: dict, batch_size: int) -> Iterator[tuple[Utterance, tuple]]:
+def attempt_many(synth, items: list[Utterance], run: dict, batch_size: int,
+                 on_notice=None) -> Iterator[tuple[Utterance, tuple]]:
     """`attempt` for several lines spoken together: each line and its answer, as it ends."""
     from rvqtts.synthesis import Line
 
@@ -298,7 +301,8 @@ def attempt_many(synth, items: list[Utterance], run: dict, batch_size: int) -> I
         voices.append((item, voice, source))
         lines.append(Line(item.text, voice["speaker"], voice["language"], voice["instruct"], voice["clone"], item.line))
     yield from failed
-    for index, outcome in synth.synthesize_many(lines, run["seed"], run["settings"], run["chunk_chars"], batch_size):
+    for index, outcome in synth.synthesize_many(lines, run["seed"], run["settings"], run["chunk_chars"], batch_size,
+                                                on_notice):
         item, voice, source = voices[index]
         if isinstance(outcome, Exception):
             yield item, ("failed", describe(outcome))

@@ -44,6 +44,15 @@ def write_json(path: str | os.PathLike, document: object) -> None:
     write_atomically(path, (json.dumps(document, indent=1, ensure_ascii=False) + "\n").encode())
 
 
+def read_records(path: Path) -> dict:
+    """A cache file's JSON object, or an empty one where the file is missing or damaged (measured anew)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def read_json(path: Path, what: str, error: type[Exception]) -> object:
     """Parse a JSON file; a missing, unreadable or malformed file raises `error` naming `what` and the path."""
     try:

@@ -24,7 +24,6 @@ from the shipped prior table weighted as PRIOR_ROUNDS rounds; what a run learns 
 from __future__ import annotations
 
 import hashlib
-import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ import torch
 
 from rvqtts.devices import synchronize
 from rvqtts.decode import OBSERVED_RANKS, RoundPlan, Speculation, round_call, step_call
-from rvqtts.files import cache_dir, write_json
+from rvqtts.files import cache_dir, read_records, write_json
 from rvqtts.graphs import StaticCalls
 from rvqtts.kernels import kernels_used, machine_key
 from rvqtts.offsets import Offsets
@@ -160,24 +159,16 @@ def call_costs(runner: PredictorRunner, queries: list[int]) -> tuple[dict[int, f
     user's cache, call-costs.json), and where they came from."""
     path = cache_dir() / COSTS_FILE
     machine, key = machine_key() if runner.device.type == "cpu" else str(runner.device), predictor_key(runner)
-    stored = _read(path).get(machine, {}).get(key, {})
+    stored = read_records(path).get(machine, {}).get(key, {})
     known = {int(q): float(ms) for q, ms in stored.items()}
     missing = [q for q in queries if q not in known]
     if not missing:
         return {q: known[q] for q in queries}, f"{path} (measured before)"
     known.update(measure_call_costs(runner, sorted(set(missing) | {1})))
-    records = _read(path)
+    records = read_records(path)
     records.setdefault(machine, {})[key] = {str(q): ms for q, ms in sorted(known.items())}
     write_json(path, records)
     return {q: known[q] for q in queries}, f"measured now (kept in {path})"
-
-
-def _read(path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def drafter_key(fingerprint: str, offsets: Offsets, sampling: SamplingConfig) -> str:
@@ -237,7 +228,7 @@ class OnlineSpeculation:
         key = drafter_key(self.fingerprint, self.offsets, sampling)
         if self.counts is None or key != self._learned_key:
             self._learned_key = key
-            stored = None if self.fixed else _read(cache_dir() / LEARNED_FILE).get(key)
+            stored = None if self.fixed else read_records(cache_dir() / LEARNED_FILE).get(key)
             if isinstance(stored, dict) and "reached" in stored:
                 self.counts = AcceptanceCounts(stored["reached"], stored["hits"])
             else:
@@ -314,7 +305,7 @@ class OnlineSpeculation:
         if self.counts is None or not self._learned_key:
             return
         path = cache_dir() / LEARNED_FILE
-        records = _read(path)
+        records = read_records(path)
         records[self._learned_key] = self.counts.record()
         write_json(path, records)
 

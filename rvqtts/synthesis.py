@@ -21,6 +21,7 @@ import torch
 
 from rvqtts.audio import StreamJoiner
 from rvqtts.batch_frames import BatchFrameLoop, ChunkDone, Work, WorkFailed
+from rvqtts.batch_size import fitting_rows, row_bytes
 from rvqtts.cloning import ClonedVoice, VoiceError, VoiceSource, encode_voice, encoder_fingerprint, load_voice
 from rvqtts.decode import DEFAULT_DEPTH, DecodeStats, Speculation
 from rvqtts.frame_loop import FrameLoop
@@ -41,6 +42,7 @@ from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_b
 from rvqtts.tree import best_budget, platform_key, resolve_tree
 
 STREAM_FRAMES = 4  # frames per streamed audio chunk: 320 ms, the Qwen3-TTS report's packet
+PROMPT_TOKENS = 64  # a prompt's tokens besides its text's (roles, codec tags, speaker), generously
 PRIMED_VOICES = 32  # decoder states kept after ICL references (a few MB each at the released dimensions)
 INSTRUCT_IGNORED = ("warning: this model does not support --instruct (the 0.6B CustomVoice and the Base models "
                     "take none); ignoring it")
@@ -213,6 +215,7 @@ class Synthesizer:
         self.fused: FusedDecoder | None = None  # set (rvqtts.coreml) to run the inner loop on a Core ML package
         self._parts: LoopParts | None = None
         self._talker: TalkerRunner | None = None
+        self._batch_runner: PredictorRunner | None = None
         # Only CustomVoice models have built-in speakers (the others' voices are cloned or described).
         self.voices = ModelVoices(self.kind,
                                   sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else [],
@@ -433,8 +436,8 @@ class Synthesizer:
         return stream.result
 
     def synthesize_many(self, lines: list[Line], seed: int = 0, settings: GenerationSettings = GenerationSettings(),
-                        chunk_chars: float | None = MAX_CHUNK_WEIGHT,
-                        batch_size: int = 4) -> Iterator[tuple[int, Synthesis | Exception]]:
+                        chunk_chars: float | None = MAX_CHUNK_WEIGHT, batch_size: int = 4,
+                        on_notice: Callable[[str], None] | None = None) -> Iterator[tuple[int, Synthesis | Exception]]:
         """Synthesize several utterances, up to `batch_size` of them in every call of both loops
         (rvqtts.batch_frames), each starting as soon as a row is free. Yields (index in `lines`, its
         Synthesis) as each one ends, or (index, the exception) for one that failed (a voice the model
@@ -444,7 +447,8 @@ class Synthesizer:
         settings wherever the kernels keep rows invariant (`rvqtts tune` shows them): its rows get their
         own arithmetic whatever else shares the call. A batch's inner loop runs plain (its rows are spent
         on utterances, not tree nodes); with `batch_size` 1, one line, or a Core ML package, the
-        utterances run one after another as `synthesize` runs them."""
+        utterances run one after another as `synthesize` runs them. A batch whose caches would not fit in
+        memory is cut to one that does (rvqtts.batch_size.fitting_rows), said through `on_notice`."""
         if batch_size < 1:
             raise ValueError(f"the batch size must be at least 1, got {batch_size}")
         parts = self.inner_parts()
@@ -462,10 +466,14 @@ class Synthesizer:
         config = self.talker.config
         talker = self.talker_runner()
         rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, talker.device)
-        # CUDA graphs read the one-line runner's cache tensors; a batch's caches grow by rows: it has its own.
-        runner = (parts.runner if parts.calls.mode == "eager" else
-                  PredictorRunner(self.code_predictor, self.code_predictor.config.num_code_groups, self.weights))
         rows = min(batch_size, len(lines))
+        slots = max(self._row_slots(line, settings, chunk_chars) for line in lines)
+        fitting = fitting_rows(self, rows, slots)
+        if fitting < rows and on_notice:
+            on_notice(f"a batch of {rows} rows would hold {rows * row_bytes(self, slots) / 2**30:.1f} GiB of caches, "
+                      f"more than half the memory free: speaking {fitting} lines at a time")
+        rows = fitting
+        runner = self.batch_runner()
         loop = BatchFrameLoop(talker, runner, rules, sampling.talker, sampling.predictor, seed, rows)
         spoken: dict[int, _Spoken] = {}
 
@@ -504,6 +512,24 @@ class Synthesizer:
                                           f"characters: the model did not end its speech (text: {piece[:40]!r})")
             else:
                 yield index, self._batched_synthesis(event.work, state, sampling, seed, rows)
+
+    def batch_runner(self) -> PredictorRunner:
+        """The code predictor runner of batches (its cache grows by rows): the inner loop's where it runs
+        eagerly; beside it where CUDA graphs read that one's cache tensors."""
+        parts = self.inner_parts()
+        if parts.calls.mode == "eager":
+            return parts.runner
+        if self._batch_runner is None or self._batch_runner.weights != self.weights:
+            self._batch_runner = PredictorRunner(self.code_predictor, self.code_predictor.config.num_code_groups,
+                                                 self.weights)
+        return self._batch_runner
+
+    def _row_slots(self, line: Line, settings: GenerationSettings, chunk_chars: float | None) -> int:
+        """A generous count of the talker positions a line's longest chunk takes: its frame budget, two
+        prompt tokens per character and the prompt's own, and an ICL voice's reference codes."""
+        pieces = chunk_text(line.text, chunk_chars) if chunk_chars and line.text.strip() else [line.text]
+        reference = len(line.clone.codes) if line.clone is not None and line.clone.icl else 0
+        return max(self.frame_budget(piece, settings) + 2 * len(piece) for piece in pieces) + PROMPT_TOKENS + reference
 
     def _batched_synthesis(self, work: Work, state: "_Spoken", sampling: ResolvedSampling, seed: int,
                            rows: int) -> Synthesis:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from rvqtts import batch_size
 from rvqtts.decode import Speculation
 from rvqtts.offsets import Offsets
 from rvqtts.synthesis import GenerationSettings, Line, Synthesizer
@@ -97,7 +98,7 @@ def test_a_batch_file_writes_the_files_of_a_one_line_run_and_resumes(tiny_dir, t
     lines = tmp_path / "lines.txt"
     lines.write_text("".join(text + "\n" for text in TEXTS))
     common = ["synth", "-f", lines, "--model", tiny_dir, "--max-frames", 12, "-q"]
-    one = run_cli(*common, "--out-dir", tmp_path / "one")
+    one = run_cli(*common, "--out-dir", tmp_path / "one", "--batch-size", 1)
     many = run_cli(*common, "--out-dir", tmp_path / "many", "--batch-size", 3)
     assert one.exit_code == many.exit_code == 0, many.output
     written = sorted(p.name for p in (tmp_path / "one").glob("*.wav"))
@@ -112,8 +113,34 @@ def test_a_batch_file_writes_the_files_of_a_one_line_run_and_resumes(tiny_dir, t
     assert (tmp_path / "one" / written[1]).read_bytes() == (tmp_path / "many" / written[1]).read_bytes()
 
 
+def test_auto_takes_the_smallest_size_within_a_tenth_of_the_cheapest_measured_once(tiny, measured, monkeypatch,
+                                                                                    user_cache):
+    assert batch_size.choose_batch_size(tiny, 1)[0] == 1
+    measured_costs = batch_size.frame_costs(tiny, (1, 2))
+    assert set(measured_costs) == {1, 2} and all(ms > 0 for ms in measured_costs.values())
+    assert tiny.talker_runner().rows == 1 and tiny.batch_runner().rows == 1  # the measured rows' caches are let go
+    monkeypatch.setattr(batch_size, "frame_costs", lambda synth: {1: 100.0, 2: 60.0, 4: 51.0, 8: 47.0})
+    assert batch_size.choose_batch_size(tiny, 16)[0] == 4  # 51 <= 1.1 x 47; 60 is not
+    monkeypatch.setattr(batch_size, "frame_costs", lambda synth: pytest.fail("measured again"))
+    chosen, source = batch_size.choose_batch_size(tiny, 3)
+    assert chosen == 3 and "measured before" in source and (user_cache / batch_size.BATCH_FILE).is_file()
+    monkeypatch.setenv("RVQTTS_CHOICES", "fixed")
+    assert batch_size.choose_batch_size(tiny, 16) == (1, "RVQTTS_CHOICES=fixed (no measurement)")
+
+
+def test_a_batch_that_would_not_fit_in_memory_is_cut_to_one_that_does(tiny, monkeypatch):
+    per_row = batch_size.row_bytes(tiny, 1000)
+    assert per_row > batch_size.row_bytes(tiny, 500) > 0
+    monkeypatch.setattr(batch_size, "available_bytes", lambda device: 6 * per_row)
+    assert batch_size.fitting_rows(tiny, 8, 1000) in (3, 4)  # half of 6 rows' memory, and the one-line cache
+    assert batch_size.fitting_rows(tiny, 2, 1000) == 2
+    monkeypatch.setattr(batch_size, "available_bytes", lambda device: 0)
+    assert batch_size.fitting_rows(tiny, 8, 1000) == 1
+
+
 @pytest.mark.parametrize("arguments, message", [
-    (["--batch-size", 0], "--batch-size must be at least 1"),
+    (["--batch-size", 0], "--batch-size must be auto or a whole number of at least 1"),
+    (["--batch-size", "many"], "--batch-size must be auto or a whole number of at least 1"),
     (["--batch-size", 2, "--ray", "auto"], "with --ray each worker"),
 ])
 def test_batch_sizes_that_cannot_run_are_refused_with_what_to_do(tiny_dir, tmp_path, arguments, message):

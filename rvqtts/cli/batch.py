@@ -48,7 +48,8 @@ def run_here(synthesizer, utterances, out_dir: Path, file: Path, run: dict, forc
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {file.name}", total=len(utterances))
         results = synthesize_batch(synthesizer, utterances, out_dir, **run, force=force, codes_dir=codes_out,
-                                   on_done=_on_done(progress, task, file, quiet), batch_size=batch_size)
+                                   on_done=_on_done(progress, task, file, quiet), batch_size=batch_size,
+                                   on_notice=lambda notice: say(notice, quiet))
     _report(results, out_dir, stats_json, quiet)
 
 

@@ -50,11 +50,14 @@ def synth(
                                              "ref_audio, ref_text, x_vector_only or voice)."),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Batch output folder (required with -f)."),
     force: bool = typer.Option(False, "--force", help="Batch: overwrite outputs that already exist."),
-    batch_size: int = typer.Option(1, "--batch-size", help="Batch: lines spoken together, a row each in every call "
-                                                           "of both loops (a free row takes the next line). Each "
-                                                           "line's file is the one a one-line run writes where the "
-                                                           "kernels keep rows invariant; its inner loop runs plain "
-                                                           "(docs/benchmarks.md: batches)."),
+    batch_size: str = typer.Option("auto", "--batch-size", help="Batch: lines spoken together, a row each in every "
+                                                                "call of both loops (a free row takes the next "
+                                                                "line); auto: the size measured best on this "
+                                                                "machine and model (once; 1 with "
+                                                                "RVQTTS_CHOICES=fixed). Each line's file is the "
+                                                                "one a one-line run writes where the kernels keep "
+                                                                "rows invariant (rvqtts tune); a batch's inner "
+                                                                "loop runs plain."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Batch on a Ray cluster (pip install 'rvqtts[ray]'): "
                                                           "auto ($RAY_ADDRESS, or the cluster `ray start` made "
                                                           "here, else a new one on this machine) or the "
@@ -198,9 +201,8 @@ def synth(
             fail("-f needs --out-dir DIR for its audio files")
         if stream:
             fail("--stream is for one text; a batch writes each line's file whole")
-        if batch_size < 1:
-            fail(f"--batch-size must be at least 1, got {batch_size}")
-        if batch_size > 1 and ray is not None:
+        rows = _batch_rows(batch_size)
+        if rows not in (None, 1) and ray is not None:
             fail("--batch-size batches the lines run here; with --ray each worker speaks its lines one at a time "
                  "(for now): give one or the other")
         try:
@@ -211,7 +213,7 @@ def synth(
         if codes_out is not None:
             ensure_writable(codes_out, folder=True)
     else:
-        if batch_size != 1:
+        if batch_size not in ("auto", "1"):
             fail("--batch-size is for batch files: give -f FILE --out-dir DIR")
         if output is None:
             fail("give -o FILE.wav (.flac, .ogg; or -o - for a WAV on standard output)")
@@ -281,9 +283,13 @@ def synth(
             _synth_one(synthesizer, utterances[0], output, run, stream_frames if stream else None, stdout_format,
                        codes_out, stats_json, quiet)
         else:
+            from rvqtts.batch_size import choose_batch_size
             from rvqtts.cli.batch import run_here
 
-            run_here(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet, batch_size)
+            if rows is None:
+                rows, source = choose_batch_size(synthesizer, len(making), progress=lambda m: say(m, quiet))
+                say(f"--batch-size auto: {rows} ({source})", quiet)
+            run_here(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet, rows)
     except NonFiniteError as error:
         typer.echo(f"rvqtts: error: {error}", err=True)
         raise typer.Exit(1)
@@ -292,6 +298,19 @@ def synth(
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         typer.echo("rvqtts: standard output was closed before the audio ended", err=True)
         raise typer.Exit(1)
+
+
+def _batch_rows(value: str) -> int | None:
+    """--batch-size's rows (None: auto), or a failure saying what to give."""
+    if value == "auto":
+        return None
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        fail(f"--batch-size must be auto or a whole number of at least 1, got {value!r}")
+    return rows
 
 
 def _check_voice_files(sources: list, where: dict | None = None) -> None:

@@ -1,0 +1,140 @@
+"""`--batch-size auto`: how many utterances a batch speaks together, chosen by measurement on this machine
+and model, and bounded by memory.
+
+A batch frame is one talker step and G - 1 predictor calls for all its rows (rvqtts.batch_frames), and the
+speech decoder's work for each line apart. Per candidate B this times those calls with B rows and the
+decoder over a few frames, and takes the cost of one frame of one line: (talker step + inner loop) / B +
+the decoder's per frame. Rows are nearly free while the calls read their weights (a CPU's bandwidth, a
+GPU's launches) and cost their multiply-adds once compute binds; the decoder does not shrink. The chosen B
+is the smallest within WITHIN of the cheapest (each added row makes every line of the batch wait longer
+for its first audio). Measured once per machine, model shape, dtype and weight format, and kept in the
+user's cache (batch-sizes.json); with RVQTTS_CHOICES=fixed, 1.
+
+Memory: each row holds a talker cache region for its prompt and frames (`row_bytes`); a batch whose rows
+would take more than half the memory available is cut to one that fits (`fitting_rows`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from rvqtts.decode import decode_frames_plain
+from rvqtts.devices import synchronize
+from rvqtts.files import cache_dir, read_records, write_json
+from rvqtts.kernels import machine_key, measured_choices
+from rvqtts.online import predictor_key
+from rvqtts.sampling import SamplingConfig
+
+CANDIDATES = (1, 2, 4, 8)  # more rows: every line waits longer for its first file (docs/benchmarks.md)
+WITHIN = 1.10  # the smallest B whose frame costs at most this much more than the cheapest
+BATCH_FILE = "batch-sizes.json"
+CONTEXT = 128  # the talker position timed: a prompt and a few seconds of speech
+DECODED_FRAMES = 16
+MEMORY_SHARE = 0.5  # of the memory available, what a batch's caches may take
+
+
+def frame_costs(synth, candidates: tuple[int, ...] = CANDIDATES, repeats: int = 3) -> dict[int, float]:
+    """Milliseconds per frame of one line at each batch size: a talker step and a frame's inner loop over B
+    rows, divided by B, plus the speech decoder's time per frame; medians of `repeats` after a warm-up."""
+    talker, runner = synth.talker_runner(), synth.batch_runner()
+    device, generator = talker.device, torch.Generator().manual_seed(0)
+    rows = max(candidates)
+    talker.reserve(CONTEXT + 1, rows)
+    groups, vocab = runner.code_groups, runner.vocab_size
+    inputs = torch.randn(rows, talker.hidden_size, generator=generator).to(device, talker.dtype)
+    prefixes = torch.randn(rows, 2, synth.talker.config.hidden_size, generator=generator).to(device, runner.dtype)
+    noise = torch.zeros(rows, groups - 1, vocab, device=device)
+    codes = np.random.default_rng(0).integers(0, vocab, (DECODED_FRAMES, groups))
+    times: dict[int, list[float]] = {b: [] for b in candidates}
+    decoder: list[float] = []
+    with torch.inference_mode():
+        for turn in range(repeats + 1):  # the first turn warms up
+            for b in candidates:
+                synchronize(device)
+                started = time.perf_counter()
+                talker.step_rows(inputs[:b], [CONTEXT] * b, list(range(b)))
+                decode_frames_plain(runner, prefixes[:b], noise[:b], SamplingConfig())
+                synchronize(device)
+                if turn:
+                    times[b].append((time.perf_counter() - started) * 1e3 / b)
+            started = time.perf_counter()
+            synth.decode(codes)
+            if turn:
+                decoder.append((time.perf_counter() - started) * 1e3 / DECODED_FRAMES)
+    talker.allocate(talker.max_len, 1)  # the measured rows' caches are not kept
+    runner.allocate(runner.max_len, 1)
+    per_frame = statistics.median(decoder)
+    return {b: round(statistics.median(values) + per_frame, 3) for b, values in times.items()}
+
+
+def batch_key(synth) -> tuple[str, str]:
+    """What a batch size holds for: the machine (CPU model, torch, threads; or the device), and the model's
+    loops as their costs depend on them (talker width and depth, the predictor's key)."""
+    talker, runner = synth.talker_runner(), synth.batch_runner()
+    machine = machine_key() if talker.device.type == "cpu" else str(talker.device)
+    native = f"/native-{talker.native_mode}" if talker.native_mode else ""
+    return machine, f"talker {talker.hidden_size}x{len(talker.layers)}{native} | predictor {predictor_key(runner)}"
+
+
+def choose_batch_size(synth, lines: int, progress: Callable[[str], None] | None = None) -> tuple[int, str]:
+    """The batch size for `lines` lines on this machine and model, and where it came from."""
+    if lines <= 1:
+        return 1, "one line to make"
+    if synth.inner_parts().runner is None:
+        return 1, "the inner loop runs on a Core ML package (one line at a time)"
+    if not measured_choices():
+        return 1, "RVQTTS_CHOICES=fixed (no measurement)"
+    path = cache_dir() / BATCH_FILE
+    machine, key = batch_key(synth)
+    stored = read_records(path).get(machine, {}).get(key)
+    if stored:
+        costs, source = {int(b): float(ms) for b, ms in stored.items()}, f"measured before, {path}"
+    else:
+        if progress:
+            progress("measuring batch sizes on this machine (once)")
+        costs, source = frame_costs(synth), f"measured now, kept in {path}"
+        records = read_records(path)
+        records.setdefault(machine, {})[key] = {str(b): ms for b, ms in sorted(costs.items())}
+        write_json(path, records)
+    best = min(costs.values())
+    chosen = min(b for b, ms in costs.items() if ms <= WITHIN * best)
+    shown = ", ".join(f"{b}: {ms:.1f}" for b, ms in sorted(costs.items()))
+    return min(chosen, lines), f"ms per frame of a line at each batch size {shown} ({source})"
+
+
+def row_bytes(synth, slots: int) -> int:
+    """Memory one batch row takes: its talker cache region of `slots` positions, and its code predictor
+    cache region."""
+    talker, runner = synth.talker_runner(), synth.batch_runner()
+    per_slot = 2 * len(talker.layers) * talker.n_kv_heads * talker.head_dim * talker.k_cache.element_size()
+    predictor = 2 * runner.k_cache[:, :, :runner.max_len].numel() * runner.k_cache.element_size()
+    return per_slot * slots + predictor
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on the device (a CPU's MemAvailable), or None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def fitting_rows(synth, rows: int, slots: int) -> int:
+    """At most `rows` rows whose caches (of `slots` talker positions each) fit in MEMORY_SHARE of the memory
+    available now (as many as asked where that is unknown; at least one)."""
+    talker = synth.talker_runner()
+    available = available_bytes(talker.device)
+    if available is None:
+        return rows
+    held = talker.k_cache.numel() * 2 * talker.k_cache.element_size()  # the one-line cache, given back to a batch
+    return max(1, min(rows, int((MEMORY_SHARE * available + held) // row_bytes(synth, slots))))
