@@ -273,6 +273,30 @@ def talker_table(result: dict) -> Table:
     return table
 
 
+def batch_table(result: dict) -> Table:
+    """`rvqtts bench batch`: throughput and first files by batch size, rvqtts against stock qwen-tts."""
+    engine = result["engine"]
+    table = Table(title=f"batches of {result['lines']} lines, {engine['device']} {engine['dtype']} {engine['weights']}"
+                        f", at most {result['max_frames']} frames each, median of {result['repeats']}",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    stock = "stock" in result["rows"][0]
+    for title in ("B", "rvqtts s", "audio s / s", "vs B = 1", "first file s", "vs B = 1",
+                  *(("stock s", "audio s / s", "rvqtts / stock", "first file s") if stock else ())):
+        table.add_column(title, justify="right")
+    for row in result["rows"]:
+        ours = row["rvqtts"]
+        cells = [str(row["batch_size"]), f"{ours['wall_seconds']:.2f}", f"{ours['throughput']:.3f}",
+                 f"{ours.get('throughput_vs_b1', float('nan')):.2f}", f"{ours['first_file_seconds']:.2f}",
+                 f"{ours.get('first_file_vs_b1', float('nan')):.2f}"]
+        if stock:
+            theirs = row["stock"]
+            cells += [f"{theirs['wall_seconds']:.2f}", f"{theirs['throughput']:.3f}",
+                      f"{ours['throughput_vs_stock']:.2f}", f"{theirs['first_file_seconds']:.2f}"]
+        table.add_row(*cells)
+    table.caption = "B = 1: each line alone (rvqtts synth's one-line path); stock: qwen-tts's list-of-texts call"
+    return table
+
+
 def coreml_table(result: dict) -> Table:
     """`rvqtts bench coreml`: a fused decoder against the float32 engine, measure by measure."""
     table = Table(title=f"{result['candidate']} vs PyTorch float32, N = {result['tree_nodes']}", min_width=64)

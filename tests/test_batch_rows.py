@@ -150,3 +150,21 @@ def test_batch_sizes_that_cannot_run_are_refused_with_what_to_do(tiny_dir, tmp_p
     assert result.exit_code == 2 and message in result.output
     alone = run_cli("synth", "Hello.", "-o", tmp_path / "a.wav", "--model", tiny_dir, "--batch-size", 2)
     assert alone.exit_code == 2 and "--batch-size is for batch files" in alone.output
+
+
+def test_bench_batch_times_each_size_beside_stock_qwen_tts(tiny_dir, tmp_path):
+    texts = tmp_path / "lines.txt"
+    texts.write_text("Hello there.\nA second line.\nThe third.\n")
+    out = tmp_path / "batch.json"
+    result = run_cli("bench", "batch", "--texts", texts, "--model", tiny_dir, "--sizes", "1,2", "--max-frames", 4,
+                     "--json", out)
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    assert [row["batch_size"] for row in figures["rows"]] == [1, 2] and figures["lines"] == 3
+    for row in figures["rows"]:
+        assert row["rvqtts"]["audio_seconds"] == figures["rows"][0]["rvqtts"]["audio_seconds"] > 0  # the same audio
+        assert row["rvqtts"]["throughput"] > 0 and row["stock"]["throughput"] > 0
+        assert row["rvqtts"]["first_file_seconds"] <= row["rvqtts"]["wall_seconds"]
+    assert figures["rows"][0]["rvqtts"]["throughput_vs_b1"] == 1.0
+    refused = run_cli("bench", "batch", "--texts", texts, "--model", tiny_dir, "--sizes", "0")
+    assert refused.exit_code == 2 and "at least 1" in refused.output

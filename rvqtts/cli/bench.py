@@ -183,6 +183,57 @@ def bench_e2e_command(
     publish(result, json_out, e2e_table, quiet)
 
 
+@bench_app.command("batch")
+def bench_batch_command(
+    texts: Path = typer.Option(..., help="Text file, one utterance per line (.txt or .jsonl; each spoken whole)."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    sizes: str = typer.Option("1,2,4,8", help="Batch sizes, comma-separated (1: each line alone)."),
+    speaker: Optional[str] = typer.Option(None, help="Speaker of every line (CustomVoice models)."),
+    language: str = typer.Option("auto", help="Language of every line."),
+    max_frames: Optional[int] = typer.Option(None, help="Most frames per line."),
+    stock: bool = typer.Option(True, "--stock/--no-stock", help="Time stock qwen-tts's batched call too."),
+    repeats: int = typer.Option(1, help="Turns of every size and side."),
+    seed: int = typer.Option(0, help="Seed of every run."),
+    spec: bool = typer.Option(True, "--spec/--no-spec", help="B = 1 runs speculative (--tree auto) or plain."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    weights: str = typer.Option("native", help=WEIGHTS_HELP),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
+) -> None:
+    """Batch throughput (audio seconds per wall second) and first files by batch size, `rvqtts synth -f
+    --batch-size B` against stock qwen-tts's list-of-texts call at the same B, on the same lines, taking
+    turns."""
+    from rvqtts.batch import BatchFileError, read_batch
+    from rvqtts.bench_batch import bench_batch
+    from rvqtts.report import batch_table
+    from rvqtts.synthesis import GenerationSettings, prepare_inner_loop
+
+    batch_sizes = list_of_ints(sizes, "--sizes")
+    if min(batch_sizes) < 1 or repeats < 1:
+        fail("--sizes and --repeats must be at least 1")
+    if json_out is not None:
+        ensure_writable(json_out)
+    try:
+        lines = [u.text for u in read_batch(texts)]
+        settings = GenerationSettings(max_frames=max_frames)
+    except (BatchFileError, ValueError) as error:
+        fail(str(error))
+    synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
+    notice = prepare_inner_loop(synthesizer, spec)
+    if notice:
+        say(notice, quiet)
+    with progress_bar(quiet) as progress:
+        task = progress.add_task(f"{len(lines)} lines x {len(batch_sizes)} sizes", total=None)
+        try:
+            result = bench_batch(synthesizer, lines, batch_sizes, settings, speaker, language, seed, stock, repeats,
+                                 progress=lambda done, total: progress.update(task, completed=done, total=total))
+        except ValueError as error:
+            fail(str(error))
+    result["model"] = model
+    publish(result, json_out, batch_table, quiet)
+
+
 @bench_app.command("dtype")
 def bench_dtype_command(
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
