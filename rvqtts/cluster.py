@@ -25,6 +25,7 @@ from rvqtts.sampling import NonFiniteError
 INSTALL_HINT = "pip install 'rvqtts[ray]' (in a checkout: pip install -e '.[ray]')"
 DEATHS_PER_LINE = 3  # a line whose workers died this often is reported failed rather than tried again
 START_TIMEOUT = 600.0  # seconds to wait for a first worker the cluster cannot place before giving up
+HEALTH_SECONDS = 5.0  # while waiting for the workers, how often the driver checks that its own Ray node lives
 
 
 class ClusterError(RuntimeError):
@@ -268,7 +269,7 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
         if queue:
             start_worker()
 
-    batch.began = time.perf_counter()  # the batch's wall time starts with its workers, after connecting
+    batch.began = waiting = time.perf_counter()  # the batch's wall time starts with its workers, after connecting
     wants_instruct = bool(run.get("instruct")) or any(item.instruct for item in pending)
     try:
         for _ in range(count):
@@ -282,11 +283,15 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
             if not (queue or rendering):
                 break
             serving = bool(idle) or rendering
-            ready, _ = ray.wait(list(calls), num_returns=1, timeout=None if serving else START_TIMEOUT)
-            if not ready:
-                raise ClusterError(f"no worker loaded the model in {START_TIMEOUT:g} s: the cluster cannot "
-                                   f"place a worker of {spec.cpus:g} CPUs and {spec.gpus:g} GPUs, or the load "
-                                   "is stuck (see `ray status`)")
+            ready, _ = ray.wait(list(calls), num_returns=1, timeout=HEALTH_SECONDS)
+            if not ready:  # a node that died takes its calls' answers with it: none would ever come
+                _check_this_node(ray)
+                if not serving and time.perf_counter() - waiting >= START_TIMEOUT:
+                    raise ClusterError(f"no worker loaded the model in {START_TIMEOUT:g} s: the cluster cannot "
+                                       f"place a worker of {spec.cpus:g} CPUs and {spec.gpus:g} GPUs, or the "
+                                       "load is stuck (see `ray status`)")
+                continue
+            waiting = time.perf_counter()
             actor, record, item, sent = calls.pop(ready[0])
             try:
                 answer = ray.get(ready[0])
@@ -318,6 +323,20 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
     finally:
         for actor in actors:
             ray.kill(actor)
+
+
+def _check_this_node(ray) -> None:
+    """ClusterError where the Ray node this driver runs on has died (its raylet killed or crashed): the
+    driver's calls go through it, so their answers would never come."""
+    node = ray.get_runtime_context().get_node_id()
+    try:
+        alive = any(entry["NodeID"] == node and entry["Alive"] for entry in ray.nodes())
+    except Exception as error:  # the cluster's control store is gone too
+        raise ClusterError(f"lost the Ray cluster ({_first_line(error)})") from error
+    if not alive:
+        raise ClusterError("the Ray node on this machine died (its raylet stopped), and with it every call of "
+                           "the batch: start Ray again (or use --ray auto) and rerun the command to make the "
+                           "rest")
 
 
 def _loaded(record: WorkerRecord, answer: dict, ours: str, wants_instruct: bool, batch: ClusterBatch) -> None:

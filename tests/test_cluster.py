@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,31 @@ def test_a_ray_batch_speaks_cloned_voices_as_a_local_run_does(cluster, base_dir,
             worker.load()
     finally:
         torch.set_num_threads(threads)  # load() gives this process the worker's thread count
+
+
+def test_a_driver_whose_ray_node_dies_stops_with_one_line_and_keeps_its_files(tiny_dir, tmp_path):
+    """The raylet of the cluster `--ray auto` started is killed mid-batch: the driver stops within seconds
+    (it had waited forever), exit 1, saying what happened; the files written stay whole."""
+    import psutil
+
+    out = tmp_path / "out"
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"Line {n} of the batch.\n" for n in range(1, 9)))
+    env = {**os.environ, "RAY_ADDRESS": "local"}  # a cluster of its own, not this module's
+    driver = subprocess.Popen([shutil.which("rvqtts"), "synth", "-f", str(lines), "--out-dir", str(out),
+                               "--model", str(tiny_dir), "--max-frames", "60", "--ray", "auto", "--workers", "2", "-q"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(out.glob("*.wav")) and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.2)
+        raylets = [p for p in psutil.Process(driver.pid).children(recursive=True) if "raylet" in " ".join(p.cmdline())]
+        assert len(raylets) == 1 and driver.poll() is None
+        raylets[0].kill()
+        _, stderr = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 1 and "the Ray node on this machine died" in stderr, stderr[-2000:]
+    written = [p for p in out.iterdir() if p.suffix == ".wav"]
+    assert written and len(manifest(out)) == len(written)  # whole files, each with its entry
