@@ -57,10 +57,17 @@ def run_on_ray(spec, address: str, workers: Optional[int], utterances, out_dir: 
                force: bool, codes_out: Optional[Path], stats_json: Optional[Path], quiet: bool) -> None:
     """The batch on a Ray cluster; the driver (this process) writes every file. A cluster that fails
     before any file is written is exit 2 with one line, after some were written exit 1 (they stay)."""
+    import torch
+
     from rvqtts.cluster import ClusterError, synthesize_batch_on_ray
 
     say(f"starting Ray workers for {file.name} ({'a cluster here or $RAY_ADDRESS' if address == 'auto' else address})",
         quiet)
+    threads = torch.get_num_threads()  # a local run's here
+    if spec.gpus == 0 and max(1, int(spec.cpus)) != threads:
+        say(f"each worker runs {max(1, int(spec.cpus))} torch thread(s), a local run here {threads}: the speech "
+            f"decoder's last bits depend on it, so files can differ from a local run's (the codes do not); "
+            f"--cpus-per-worker {threads} gives a local run's bytes (docs/cluster.md)", quiet)
     written = []
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {file.name} on Ray", total=None)
