@@ -145,6 +145,7 @@ class Synthesis:
     engine: dict = field(default_factory=dict)
     online: dict | None = None  # --tree auto's online choice (rvqtts.online): what ran and why
     batch_rows: int = 1  # utterances spoken together in each call (synthesize_many)
+    batch_row_bytes: int | None = None  # the caches each batch row holds: its talker and code predictor regions
 
     def record(self) -> dict:
         """The statistics users see (`--stats-json`, the table). rtf = compute seconds / audio seconds."""
@@ -164,6 +165,7 @@ class Synthesis:
             "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
             "spec": self.spec, "tree_nodes": self.tree_nodes, "weights": self.weights, "seed": self.seed,
             "sampling": self.sampling, "engine": self.engine, "online": self.online, "batch_rows": self.batch_rows,
+            "batch_row_mib": None if self.batch_row_bytes is None else round(self.batch_row_bytes / 2**20, 2),
             "warnings": list(self.warnings),
         }
 
@@ -546,7 +548,8 @@ class Synthesizer:
         return Synthesis(audio=state.joiner.audio(), sample_rate=self.sample_rate, codes=np.stack(state.frames),
                          stats=work.stats, seconds=seconds, talker_calls=work.talker_calls, chunks=len(state.pieces),
                          spec=False, tree_nodes=0, seed=seed, sampling=sampling.record(), warnings=state.warnings,
-                         weights=self.weights, engine=self.engine_record(), batch_rows=rows)
+                         weights=self.weights, engine=self.engine_record(), batch_rows=rows,
+                         batch_row_bytes=row_bytes(self, self.talker_runner().max_len))
 
     def _speak(self, text: str, speaker: str | None, language: str, seed: int, utterance: int, instruct: str | None,
                clone: ClonedVoice | None, settings: GenerationSettings, chunk_chars: float | None, stream_frames: int | None,

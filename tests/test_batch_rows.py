@@ -69,6 +69,7 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir,
         assert np.array_equal(made.audio, one.audio), index
         record = made.record()
         assert record["batch_rows"] == batch_size and record["frames"] == len(one.codes)
+        assert record["batch_row_mib"] > 0 and one.record()["batch_row_mib"] is None
         assert record["predictor_calls"] == len(one.codes) * (synth.code_predictor.config.num_code_groups - 1)
 
 
