@@ -295,6 +295,8 @@ def attempt_many(synth, items: list[Utterance], run: dict, batch_size: int,
     for item in items:
         try:
             voice, source = line_voice(synth, item, run["speaker"], run["language"], run["instruct"], run["clone"])
+        except NonFiniteError:
+            raise
         except Exception as error:  # this line's voice: it fails alone
             failed.append((item, ("failed", describe(error))))
             continue

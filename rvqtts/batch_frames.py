@@ -28,7 +28,7 @@ from rvqtts.devices import synchronize
 from rvqtts.frame_loop import draw_c0
 from rvqtts.predictor import PredictorRunner
 from rvqtts.prompt import Prompt
-from rvqtts.sampling import C0Rules, NonFiniteError, SamplingConfig, gumbel_noise
+from rvqtts.sampling import C0Rules, SamplingConfig, gumbel_noise
 from rvqtts.talker import TalkerRunner
 
 
@@ -88,7 +88,6 @@ class BatchFrameLoop:
         self.talker, self.predictor, self.rules = talker, predictor, rules
         self.talker_sampling, self.predictor_sampling = talker_sampling, predictor_sampling
         self.seed, self.rows = seed, rows
-        self.calls = {"talker": 0, "predictor": 0}  # calls made for all rows together
 
     def run(self, works: Iterable[Work]) -> Iterator[ChunkDone | WorkDone | WorkFailed]:
         """Speak every utterance; report each chunk and each utterance as it ends (NonFiniteError, which
@@ -133,7 +132,6 @@ class BatchFrameLoop:
         rests = decode_frames_plain(self.predictor, prefixes, noise.to(self.predictor.device), self.predictor_sampling)
         synchronize(device)
         after = time.perf_counter()
-        self.calls["predictor"] += self.predictor.code_groups - 1
         stepping, inputs = [], []
         for (slot, c0), rest in zip(ready, rests):
             row = rows[slot]
@@ -156,7 +154,6 @@ class BatchFrameLoop:
             hidden, logits = self.talker.step_rows(torch.cat(inputs), [rows[s].prompt.length + len(rows[s].frames) - 1
                                                                        for s in stepping], stepping)
             synchronize(device)
-            self.calls["talker"] += 1
             spent = (time.perf_counter() - begun) / len(stepping)
             for i, slot in enumerate(stepping):
                 rows[slot].hidden, rows[slot].logits = hidden[i], logits[i]
@@ -173,20 +170,17 @@ class BatchFrameLoop:
         """Start the utterance's next chunk in row `slot` (its prefill), or report the utterance ended."""
         try:
             chunk = next(work.chunks, None)
-            if chunk is None:
-                yield WorkDone(work)
-                return
-            prompt, budget = chunk
-            begun = time.perf_counter()
-            self.talker.reserve(prompt.length + budget, self.rows)  # room for every step at once
-            hidden, logits = self.talker.prefill(prompt.embeds, row=slot)
-            synchronize(self.talker.device)
-        except NonFiniteError:
-            raise
-        except Exception as error:  # this utterance's prompt or voice: it fails alone
+        except Exception as error:  # this utterance's text or voice: it fails alone
             yield WorkFailed(work, error)
             return
-        self.calls["talker"] += 1
+        if chunk is None:
+            yield WorkDone(work)
+            return
+        prompt, budget = chunk
+        begun = time.perf_counter()
+        self.talker.reserve(prompt.length + budget, self.rows)  # room for every step at once
+        hidden, logits = self.talker.prefill(prompt.embeds, row=slot)
+        synchronize(self.talker.device)
         work.talker_calls += 1
         work.seconds["talker"] += time.perf_counter() - begun
         if work.frame == 0:

@@ -28,7 +28,7 @@ import torch
 from rvqtts.decode import decode_frames_plain
 from rvqtts.devices import synchronize
 from rvqtts.files import cache_dir, read_records, write_json
-from rvqtts.kernels import machine_key, measured_choices
+from rvqtts.kernels import kernels_used, machine_key, measured_choices
 from rvqtts.online import predictor_key
 from rvqtts.sampling import SamplingConfig
 
@@ -91,6 +91,9 @@ def choose_batch_size(synth, lines: int, progress: Callable[[str], None] | None 
         return 1, "the inner loop runs on a Core ML package (one line at a time)"
     if not measured_choices():
         return 1, "RVQTTS_CHOICES=fixed (no measurement)"
+    if not rows_invariant(synth):
+        return 1, ("the kernels here are not known to keep rows invariant (off the CPU they are not checked): one "
+                   "line at a time keeps each line's one-line bits")
     path = cache_dir() / BATCH_FILE
     machine, key = batch_key(synth)
     stored = read_records(path).get(machine, {}).get(key)
@@ -107,6 +110,14 @@ def choose_batch_size(synth, lines: int, progress: Callable[[str], None] | None 
     chosen = min(b for b, ms in costs.items() if ms <= WITHIN * best)
     shown = ", ".join(f"{b}: {ms:.1f}" for b, ms in sorted(costs.items()))
     return min(chosen, lines), f"ms per frame of a line at each batch size {shown} ({source})"
+
+
+def rows_invariant(synth) -> bool:
+    """Whether every linear map of both loops was measured to give each row the bits it gets alone (so a
+    batched line's codes are its one-line run's)."""
+    talker, runner = synth.talker_runner(), synth.batch_runner()
+    return all(kernels_used(maps)["row_invariant"] for maps in (talker.layer_maps() + [talker.head],
+                                                               runner.linear_maps()))
 
 
 def row_bytes(synth, slots: int) -> int:

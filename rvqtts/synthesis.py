@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Generator, Iterator
 
@@ -21,7 +21,7 @@ import torch
 
 from rvqtts.audio import StreamJoiner
 from rvqtts.batch_frames import BatchFrameLoop, ChunkDone, Work, WorkFailed
-from rvqtts.batch_size import fitting_rows, row_bytes
+from rvqtts.batch_size import fitting_rows, row_bytes, rows_invariant
 from rvqtts.cloning import ClonedVoice, VoiceError, VoiceSource, encode_voice, encoder_fingerprint, load_voice
 from rvqtts.decode import DEFAULT_DEPTH, DecodeStats, Speculation
 from rvqtts.frame_loop import FrameLoop
@@ -180,7 +180,7 @@ class Line:
     language: str = "auto"
     instruct: str | None = None
     clone: ClonedVoice | None = None
-    utterance: int = 0
+    utterance: int | None = None  # None: its index in the batch
 
 
 class AudioStream:
@@ -444,6 +444,7 @@ class Synthesizer:
         (rvqtts.batch_frames), each starting as soon as a row is free. Yields (index in `lines`, its
         Synthesis) as each one ends, or (index, the exception) for one that failed (a voice the model
         does not speak, an empty text); a model that produced NaN or inf (NonFiniteError) stops it all.
+        A line's noise is keyed by its `utterance`, else by its index.
 
         Each utterance's codes, and so its audio, are those `synthesize` gives it with the same seed and
         settings wherever the kernels keep rows invariant (`rvqtts tune` shows them): its rows get their
@@ -453,31 +454,52 @@ class Synthesizer:
         memory is cut to one that does (rvqtts.batch_size.fitting_rows), said through `on_notice`."""
         if batch_size < 1:
             raise ValueError(f"the batch size must be at least 1, got {batch_size}")
-        parts = self.inner_parts()
-        if batch_size == 1 or len(lines) == 1 or parts.runner is None:
-            for index, line in enumerate(lines):
-                try:
-                    yield index, self.synthesize(line.text, line.speaker, line.language, seed, line.utterance,
-                                                 line.instruct, settings, chunk_chars, clone=line.clone)
-                except NonFiniteError:
-                    raise
-                except Exception as error:  # this utterance's: the rest go on
-                    yield index, error
+        lines = [line if line.utterance is not None else replace(line, utterance=index)
+                 for index, line in enumerate(lines)]
+        rows = min(batch_size, len(lines))
+        if rows > 1 and self.inner_parts().runner is not None:
+            slots = max(self._row_slots(line, settings, chunk_chars) for line in lines)
+            fitting = fitting_rows(self, rows, slots)
+            if fitting < rows and on_notice:
+                on_notice(f"a batch of {rows} rows would hold {rows * row_bytes(self, slots) / 2**30:.1f} GiB of "
+                          f"caches, more than half the memory free: speaking {fitting} at a time")
+            rows = fitting
+            if rows > 1 and on_notice and not rows_invariant(self):
+                on_notice("the kernels here are not known to keep rows invariant: a batched line's audio can "
+                          "differ from its one-line run's in the last bits (--batch-size 1 keeps them)")
+        if rows <= 1 or self.inner_parts().runner is None:
+            yield from self._one_by_one(lines, seed, settings, chunk_chars)
             return
+        talker, runner = self.talker_runner(), self.batch_runner()
+        try:
+            yield from self._batched(lines, seed, settings, chunk_chars, rows, talker, runner)
+        finally:  # a batch's rows are let go: a later one-line run grows from one row
+            talker.allocate(talker.max_len, 1)
+            runner.allocate(runner.max_len, 1)
+
+    def _one_by_one(self, lines: list[Line], seed: int, settings: GenerationSettings,
+                    chunk_chars: float | None) -> Iterator[tuple[int, Synthesis | Exception]]:
+        """`synthesize_many` one line after another (`synthesize`)."""
+        for index, line in enumerate(lines):
+            try:
+                yield index, self.synthesize(line.text, line.speaker, line.language, seed, line.utterance,
+                                             line.instruct, settings, chunk_chars, clone=line.clone)
+            except NonFiniteError:
+                raise
+            except Exception as error:  # this utterance's: the rest go on
+                yield index, error
+
+    def _batched(self, lines: list[Line], seed: int, settings: GenerationSettings, chunk_chars: float | None,
+                 rows: int, talker: TalkerRunner,
+                 runner: PredictorRunner) -> Iterator[tuple[int, Synthesis | Exception]]:
+        """`synthesize_many` `rows` lines at a time (rvqtts.batch_frames), each line's chunks decoded as they
+        end; a line whose voice, text or decoding fails, fails alone."""
         sampling = self.sampling(settings)
         config = self.talker.config
-        talker = self.talker_runner()
         rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, talker.device)
-        rows = min(batch_size, len(lines))
-        slots = max(self._row_slots(line, settings, chunk_chars) for line in lines)
-        fitting = fitting_rows(self, rows, slots)
-        if fitting < rows and on_notice:
-            on_notice(f"a batch of {rows} rows would hold {rows * row_bytes(self, slots) / 2**30:.1f} GiB of caches, "
-                      f"more than half the memory free: speaking {fitting} lines at a time")
-        rows = fitting
-        runner = self.batch_runner()
         loop = BatchFrameLoop(talker, runner, rules, sampling.talker, sampling.predictor, seed, rows)
         spoken: dict[int, _Spoken] = {}
+        failed: set[int] = set()
 
         def chunks(index: int) -> Iterator[tuple[Prompt, int]]:
             """The line's prompts, one per text chunk, with their frame budgets (checked when it starts)."""
@@ -486,7 +508,7 @@ class Synthesizer:
             if not line.text.strip():
                 raise ValueError("the text is empty: give something to say")
             speaker = self.check_voice(line.speaker, line.language, line.instruct, line.clone)
-            state.pieces = chunk_text(line.text, chunk_chars) if chunk_chars else [" ".join(line.text.split())]
+            state.pieces = text_pieces(line.text, chunk_chars)
             for piece in state.pieces:
                 begun = time.perf_counter()
                 prompt = self.prompt(piece, speaker, line.language, line.instruct, line.clone)
@@ -496,24 +518,31 @@ class Synthesizer:
         works = (Work(line.utterance, chunks(index), tag=index) for index, line in enumerate(lines))
         for event in loop.run(works):
             index = event.work.tag
-            state = spoken[index]
+            if index in failed:  # its decoding failed: the rest of its chunks are not heard
+                continue
             if isinstance(event, WorkFailed):
+                del spoken[index]
                 yield index, event.error
             elif isinstance(event, ChunkDone):
-                begun = time.perf_counter()
-                state.joiner.add(self.decode(np.stack(event.frames), lines[index].clone), new_part=True)
-                state.decoder += time.perf_counter() - begun
+                state = spoken[index]
+                try:
+                    begun = time.perf_counter()
+                    state.joiner.add(self.decode(np.stack(event.frames), lines[index].clone), new_part=True)
+                    state.decoder += time.perf_counter() - begun
+                except Exception as error:  # this line's audio: it fails alone
+                    failed.add(index)
+                    del spoken[index]
+                    yield index, error
+                    continue
                 state.frames.extend(event.frames)
                 state.chunks_done += 1
                 if state.first_audio is None:
                     state.first_audio = time.perf_counter() - state.started
                 if event.cut:
-                    piece = state.pieces[state.chunks_done - 1]
-                    state.warnings.append(f"chunk {state.chunks_done} of {len(state.pieces)} was cut at {event.budget}"
-                                          f" frames ({event.budget / FRAMES_PER_SECOND:.1f} s) for {len(piece)} "
-                                          f"characters: the model did not end its speech (text: {piece[:40]!r})")
+                    state.warnings.append(cut_warning(state.chunks_done, len(state.pieces), event.budget,
+                                                      state.pieces[state.chunks_done - 1]))
             else:
-                yield index, self._batched_synthesis(event.work, state, sampling, seed, rows)
+                yield index, self._batched_synthesis(event.work, spoken.pop(index), sampling, seed, rows)
 
     def batch_runner(self) -> PredictorRunner:
         """The code predictor runner of batches (its cache grows by rows): the inner loop's where it runs
@@ -529,7 +558,7 @@ class Synthesizer:
     def _row_slots(self, line: Line, settings: GenerationSettings, chunk_chars: float | None) -> int:
         """A generous count of the talker positions a line's longest chunk takes: its frame budget, two
         prompt tokens per character and the prompt's own, and an ICL voice's reference codes."""
-        pieces = chunk_text(line.text, chunk_chars) if chunk_chars and line.text.strip() else [line.text]
+        pieces = text_pieces(line.text, chunk_chars) or [line.text]
         reference = len(line.clone.codes) if line.clone is not None and line.clone.icl else 0
         return max(self.frame_budget(piece, settings) + 2 * len(piece) for piece in pieces) + PROMPT_TOKENS + reference
 
@@ -560,7 +589,7 @@ class Synthesizer:
         if not text.strip():
             raise ValueError("the text is empty: give something to say")
         speaker = self.check_voice(speaker, language, instruct, clone)
-        pieces = chunk_text(text, chunk_chars) if chunk_chars else [" ".join(text.split())]
+        pieces = text_pieces(text, chunk_chars)
         sampling = self.sampling(settings)
         loop = self.frame_loop(sampling, seed, utterance)
         loop.inner.on_frame = on_frame
@@ -607,9 +636,7 @@ class Synthesizer:
                 yield audio_of(frames[-pending:], first=len(frames) == pending)
             spoken.extend(frames)
             if len(frames) >= budget:
-                warnings.append(f"chunk {index + 1} of {len(pieces)} was cut at {budget} frames "
-                                f"({budget / FRAMES_PER_SECOND:.1f} s) for {len(piece)} characters: the model did not "
-                                f"end its speech (text: {piece[:40]!r})")
+                warnings.append(cut_warning(index + 1, len(pieces), budget, piece))
             if on_chunk:
                 on_chunk(index + 1, len(pieces))
         yield joiner.finish()
@@ -693,6 +720,17 @@ class Synthesizer:
                 "wall_seconds": round(wall, 3), "talker_seconds": round(wall - predictor - decoder, 3),
                 "predictor_seconds": round(predictor, 3), "decoder_seconds": round(decoder, 3),
                 "first_audio_seconds": round(wall, 3), "rtf": round(wall / audio_seconds, 4) if audio_seconds else None}
+
+
+def text_pieces(text: str, chunk_chars: float | None) -> list[str]:
+    """The pieces a text is spoken in: sentence chunks of at most `chunk_chars`, or (None) the whole text."""
+    return chunk_text(text, chunk_chars) if chunk_chars else [" ".join(text.split())]
+
+
+def cut_warning(chunk: int, chunks: int, budget: int, piece: str) -> str:
+    """The warning of a chunk cut at its frame budget."""
+    return (f"chunk {chunk} of {chunks} was cut at {budget} frames ({budget / FRAMES_PER_SECOND:.1f} s) for "
+            f"{len(piece)} characters: the model did not end its speech (text: {piece[:40]!r})")
 
 
 @dataclass

@@ -86,10 +86,12 @@ class CachedDecoder:
     def allocate(self, max_len: int, rows: int | None = None) -> None:
         """Fresh, zeroed K and V caches of `max_len` slots per layer for each of `rows` batch rows (as many
         as now where None, else one): row r's region is slots r * max_len onward."""
-        self.max_len, self.rows = max_len, rows or getattr(self, "rows", 1)
-        shape = (len(self.layers), self.n_kv_heads, self.rows * max_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        rows = rows or getattr(self, "rows", 1)
+        shape = (len(self.layers), self.n_kv_heads, rows * max_len, self.head_dim)
+        # both made before anything changes: a failed allocation leaves the old caches and layout whole
+        k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.k_cache, self.v_cache, self.max_len, self.rows = k_cache, v_cache, max_len, rows
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: slice | torch.Tensor,
                    span: int | slice, mask: torch.Tensor | None = None,

@@ -60,6 +60,7 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir,
     assert sorted(outcomes) == list(range(len(lines) + 2))
     assert "nobody" in str(outcomes[0]) and "empty" in str(outcomes[len(lines) + 1])
     together = [outcomes[index + 1] for index in range(len(lines))]
+    assert synth.talker_runner().rows == 1 and synth.batch_runner().rows == 1  # the batch's rows let go
     assert max(rows) == batch_size and len(rows) < sum(len(a.codes) for a in alone) - len(lines)
     if dtype == "float32":
         assert sorted({a.chunks for a in alone}) == [1, 2, 3] and len({len(a.codes) for a in alone}) > 2
@@ -114,8 +115,40 @@ def test_a_batch_file_writes_the_files_of_a_one_line_run_and_resumes(tiny_dir, t
     assert (tmp_path / "one" / written[1]).read_bytes() == (tmp_path / "many" / written[1]).read_bytes()
 
 
-def test_auto_takes_the_smallest_size_within_a_tenth_of_the_cheapest_measured_once(tiny, measured, monkeypatch,
+def test_a_line_whose_audio_fails_fails_alone_and_a_batch_that_cannot_fit_runs_line_by_line(tiny_dir, measured,
+                                                                                               monkeypatch):
+    synth = Synthesizer.load(tiny_dir)
+    settings = GenerationSettings(max_frames=6)
+    lines = [Line(text) for text in TEXTS[:3]]
+    alone = [synth.synthesize(text, utterance=index, settings=settings) for index, text in enumerate(TEXTS[:3])]
+    assert list(synth.synthesize_many([], settings=settings)) == []
+    decode = synth.decode
+    calls = []
+
+    def failing(codes, clone=None):
+        calls.append(len(codes))
+        if len(calls) == 2:
+            raise RuntimeError("the decoder broke")
+        return decode(codes, clone)
+
+    monkeypatch.setattr(synth, "decode", failing)
+    outcomes = list(synth.synthesize_many(lines, settings=settings, batch_size=3))
+    broken = [index for index, outcome in outcomes if isinstance(outcome, Exception)]
+    assert len(broken) == 1 and "the decoder broke" in str(dict(outcomes)[broken[0]])
+    assert sorted(index for index, _ in outcomes) == [0, 1, 2]
+    for index, outcome in outcomes:
+        if index not in broken:
+            assert np.array_equal(outcome.audio, alone[index].audio)  # utterance: the line's index
+    monkeypatch.setattr(synth, "decode", decode)
+    monkeypatch.setattr(batch_size, "available_bytes", lambda device: 0)
+    notices = []
+    one_by_one = dict(synth.synthesize_many(lines, settings=settings, batch_size=3, on_notice=notices.append))
+    assert "speaking 1 at a time" in notices[0] and {s.record()["batch_rows"] for s in one_by_one.values()} == {1}
+
+
+def test_auto_takes_the_smallest_size_within_a_tenth_of_the_cheapest_measured_once(tiny_dir, measured, monkeypatch,
                                                                                     user_cache):
+    tiny = Synthesizer.load(tiny_dir)  # its runners' kernels measured (and probed for invariance)
     assert batch_size.choose_batch_size(tiny, 1)[0] == 1
     measured_costs = batch_size.frame_costs(tiny, (1, 2))
     assert set(measured_costs) == {1, 2} and all(ms > 0 for ms in measured_costs.values())
