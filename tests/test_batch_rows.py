@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rvqtts import batch_size
+from rvqtts import talker as talker_module
 from rvqtts.decode import Speculation
 from rvqtts.offsets import Offsets
 from rvqtts.synthesis import GenerationSettings, Line, Synthesizer
@@ -53,6 +54,17 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir,
     alone = [synth.synthesize(line.text, seed=5, utterance=line.utterance, settings=settings, chunk_chars=40)
              for line in lines]
     rows = _count_rows(monkeypatch)
+    grown = []
+    allocate = TalkerRunner.allocate
+
+    def counted_allocate(self, max_len, rows=None):
+        if hasattr(self, "k_cache") and self.rows > 1 and max_len > self.max_len:
+            grown.append(max_len)
+        return allocate(self, max_len, rows)
+
+    monkeypatch.setattr(TalkerRunner, "allocate", counted_allocate)
+    monkeypatch.setattr(talker_module, "CAPACITY_STEP", 16)  # the cache grows while other rows are mid-line
+    synth.talker_runner().allocate(16, 1)
     batch_size = 2 if dtype == "float32" else 3
     bad = [Line("Nobody speaks this.", speaker="nobody"), Line("  ")]
     outcomes = dict(synth.synthesize_many(bad[:1] + lines + bad[1:], seed=5, settings=settings, chunk_chars=40,
@@ -60,6 +72,7 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir,
     assert sorted(outcomes) == list(range(len(lines) + 2))
     assert "nobody" in str(outcomes[0]) and "empty" in str(outcomes[len(lines) + 1])
     together = [outcomes[index + 1] for index in range(len(lines))]
+    assert grown  # the cache grew while several rows were in use
     assert synth.talker_runner().rows == 1 and synth.batch_runner().rows == 1  # the batch's rows let go
     assert max(rows) == batch_size and len(rows) < sum(len(a.codes) for a in alone) - len(lines)
     if dtype == "float32":
