@@ -294,7 +294,7 @@ def attempt_many(synth, items: list[Utterance], run: dict, batch_size: int,
     voices, lines, failed = [], [], []
     for item in items:
         try:
-            voice, source = line_voice(synth, item, run["speaker"], run["language"], run["instruct"], run["clone"])
+            voice, source = line_voice(synth, item, run["speaker"], run["language"], run["instruct"], run.get("clone"))
         except NonFiniteError:
             raise
         except Exception as error:  # this line's voice: it fails alone
@@ -303,8 +303,8 @@ def attempt_many(synth, items: list[Utterance], run: dict, batch_size: int,
         voices.append((item, voice, source))
         lines.append(Line(item.text, voice["speaker"], voice["language"], voice["instruct"], voice["clone"], item.line))
     yield from failed
-    for index, outcome in synth.synthesize_many(lines, run["seed"], run["settings"], run["chunk_chars"], batch_size,
-                                                on_notice):
+    for index, outcome in synth.synthesize_many(lines, run["seed"], run["settings"],
+                                                run.get("chunk_chars", MAX_CHUNK_WEIGHT), batch_size, on_notice):
         item, voice, source = voices[index]
         if isinstance(outcome, Exception):
             yield item, ("failed", describe(outcome))

@@ -19,12 +19,14 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
-from rvqtts.batch import BatchResult, Manifest, Utterance, attempt, conclude, describe, to_do
+from rvqtts.batch import BatchResult, Manifest, Utterance, attempt_many, conclude, describe, to_do
+from rvqtts.batch_size import choose_batch_size
 from rvqtts.sampling import NonFiniteError
 
 INSTALL_HINT = "pip install 'rvqtts[ray]' (in a checkout: pip install -e '.[ray]')"
 DEATHS_PER_LINE = 3  # a line whose workers died this often is reported failed rather than tried again
 START_TIMEOUT = 600.0  # seconds to wait for a first worker the cluster cannot place before giving up
+MEASURED_LINES = 64  # what a worker's `--batch-size auto` is chosen for (it speaks many lines)
 HEALTH_SECONDS = 5.0  # while waiting for the workers, how often the driver checks that its own Ray node lives
 
 
@@ -60,6 +62,7 @@ class WorkerSpec:
     cpus: float = 1.0
     gpus: float = 0.0
     voices: tuple = ()
+    batch_size: int | None = 1  # lines a worker speaks together (None: measured on its machine, `--batch-size auto`)
 
 
 class SynthesisWorker:
@@ -88,15 +91,18 @@ class SynthesisWorker:
         notice = prepare_inner_loop(self.synth, spec.spec, spec.tree, spec.offsets, spec.cuda_graphs)
         for source in spec.voices:
             self.synth.voice_of(source)
+        self.rows = spec.batch_size or choose_batch_size(self.synth, MEASURED_LINES)[0]
         return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(), "device": device, "dtype": dtype,
                 "threads": torch.get_num_threads(), "rvqtts": version("rvqtts"), "torch": torch.__version__,
-                "notice": notice, "instruct": self.synth.supports_instruct}
+                "notice": notice, "instruct": self.synth.supports_instruct, "rows": self.rows}
 
-    def render(self, item: Utterance, run: dict) -> tuple[str, object]:
-        """rvqtts.batch.attempt's answer, or ("nonfinite", (model, dtype)): a line's failure is an answer,
-        so only a worker in trouble raises."""
+    def render(self, items: list[Utterance], run: dict) -> tuple[str, object]:
+        """("lines", [(line number, status, value)]): rvqtts.batch.attempt's answer for each line, the lines
+        spoken `rows` at a time; or ("nonfinite", (model, dtype)). A line's failure is an answer, so only a
+        worker in trouble raises."""
         try:
-            return attempt(self.synth, item, run)
+            return "lines", [(item.line, status, value)
+                             for item, (status, value) in attempt_many(self.synth, items, run, self.rows)]
         except NonFiniteError as error:
             return "nonfinite", (error.model, error.dtype)
 
@@ -111,6 +117,7 @@ class WorkerRecord:
     device: str = ""
     dtype: str = ""
     threads: int = 0
+    rows: int = 1  # lines it speaks together
     lines: int = 0
     failed: int = 0
     audio_seconds: float = 0.0
@@ -119,7 +126,8 @@ class WorkerRecord:
 
     def summary(self) -> dict:
         return {"worker": self.name, "node": self.node, "pid": self.pid, "device": self.device,
-                "dtype": self.dtype, "threads": self.threads, "lines": self.lines, "failed": self.failed,
+                "dtype": self.dtype, "threads": self.threads, "rows": self.rows, "lines": self.lines,
+                "failed": self.failed,
                 "audio_seconds": round(self.audio_seconds, 3), "busy_seconds": round(self.busy_seconds, 3),
                 "died": not self.alive}
 
@@ -218,7 +226,8 @@ def synthesize_batch_on_ray(utterances: list[Utterance], out_dir: Path, spec: Wo
 
 def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: dict, workers: int | None,
          codes_dir: Path | None, on_done, results: dict[int, BatchResult], batch: ClusterBatch) -> None:
-    """The driver's loop: keep every worker busy with one line, write what comes back, replace the dead."""
+    """The driver's loop: keep every worker busy with its share of lines (up to its batch size), write what
+    comes back, replace the dead."""
     from ray.exceptions import ActorDiedError, RayError, RayTaskError
 
     actor_class = ray.remote(SynthesisWorker)
@@ -226,7 +235,7 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
     queue = deque(pending)
     deaths: dict[int, int] = {}  # line -> how often its worker was lost on it
     load_deaths = 0
-    calls: dict = {}  # ObjectRef -> (actor, its record, the line or None for its load, when it was sent)
+    calls: dict = {}  # ObjectRef -> (actor, its record, its lines or None for its load, when it was sent)
     idle: list = []
     actors: list = []  # every actor started, killed when the batch ends however it ends
     manifest = Manifest(out_dir)
@@ -246,12 +255,12 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
         if on_done:
             on_done(result)
 
-    def lose(actor, record: WorkerRecord, item: Utterance | None, error: RayError) -> None:
-        """A worker lost (its process or node died, or Ray gave up on it): its line goes to another."""
+    def lose(actor, record: WorkerRecord, items: list[Utterance] | None, error: RayError) -> None:
+        """A worker lost (its process or node died, or Ray gave up on it): its lines go to another."""
         nonlocal load_deaths
         record.alive = False
         ray.kill(actor)  # one that is only unreachable must not keep its CPUs and GPUs
-        if item is None:
+        if items is None:
             if isinstance(error, ActorDiedError) and error.actor_init_failed:
                 raise ClusterError(f"a worker could not start on {record.node or 'its node'} (is rvqtts "
                                    f"installed there?): {_first_line(error)}")
@@ -259,13 +268,14 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
             if load_deaths >= DEATHS_PER_LINE:
                 raise ClusterError(f"{load_deaths} workers died while loading the model (out of memory? see "
                                    f"`ray status` and the Ray logs): {_first_line(error)}")
-        elif deaths.setdefault(item.line, 0) >= DEATHS_PER_LINE - 1:
-            finish(BatchResult(item, "failed", error=f"its worker was lost {DEATHS_PER_LINE} times "
-                                                      f"({_first_line(error)})", worker=record))
-        else:
-            deaths[item.line] += 1
-            batch.retried_lines += 1
-            queue.appendleft(item)
+        for item in reversed(items or []):
+            if deaths.setdefault(item.line, 0) >= DEATHS_PER_LINE - 1:
+                finish(BatchResult(item, "failed", error=f"its worker was lost {DEATHS_PER_LINE} times "
+                                                          f"({_first_line(error)})", worker=record))
+            else:
+                deaths[item.line] += 1
+                batch.retried_lines += 1
+                queue.appendleft(item)
         if queue:
             start_worker()
 
@@ -277,9 +287,11 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
         while True:
             while idle and queue:
                 actor, record = idle.pop()
-                item = queue.popleft()
-                calls[actor.render.remote(item, run)] = (actor, record, item, time.perf_counter())
-            rendering = any(line is not None for _, _, line, _ in calls.values())
+                alive = sum(worker.alive for worker in batch.workers)
+                share = min(record.rows, -(-len(queue) // max(alive, 1)))  # the last lines spread over the workers
+                items = [queue.popleft() for _ in range(share)]
+                calls[actor.render.remote(items, run)] = (actor, record, items, time.perf_counter())
+            rendering = any(lines is not None for _, _, lines, _ in calls.values())
             if not (queue or rendering):
                 break
             serving = bool(idle) or rendering
@@ -292,20 +304,21 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
                                        "load is stuck (see `ray status`)")
                 continue
             waiting = time.perf_counter()
-            actor, record, item, sent = calls.pop(ready[0])
+            actor, record, items, sent = calls.pop(ready[0])
             try:
                 answer = ray.get(ready[0])
             except RayTaskError as error:  # the call itself raised
-                if item is None:
+                if items is None:
                     raise ClusterError(f"a worker could not load the model (or a voice of the batch): "
                                        f"{describe(error.cause)}") from error
-                finish(BatchResult(item, "failed", error=_first_line(error), worker=record))
+                for item in items:
+                    finish(BatchResult(item, "failed", error=_first_line(error), worker=record))
                 idle.append((actor, record))
                 continue
             except RayError as error:  # the worker died, its node was lost, or Ray could not run it
-                lose(actor, record, item, error)
+                lose(actor, record, items, error)
                 continue
-            if item is None:
+            if items is None:
                 _loaded(record, answer, ours, wants_instruct, batch)
                 idle.append((actor, record))
                 continue
@@ -313,11 +326,13 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
             record.busy_seconds += time.perf_counter() - sent
             if status == "nonfinite":
                 raise NonFiniteError(*value)
-            result = conclude(out_dir, item, status, value, manifest, codes_dir, record)
-            if result.status == "done":
-                record.lines += 1
-                record.audio_seconds += result.record["audio_seconds"]
-            finish(result)
+            by_line = {item.line: item for item in items}
+            for line, status, made in value:
+                result = conclude(out_dir, by_line[line], status, made, manifest, codes_dir, record)
+                if result.status == "done":
+                    record.lines += 1
+                    record.audio_seconds += result.record["audio_seconds"]
+                finish(result)
             idle.append((actor, record))
         batch.wall_seconds = batch.elapsed()
     finally:
@@ -344,7 +359,7 @@ def _loaded(record: WorkerRecord, answer: dict, ours: str, wants_instruct: bool,
     from rvqtts.synthesis import INSTRUCT_IGNORED
 
     batch.startup_seconds = batch.startup_seconds or batch.elapsed()
-    for key in ("node", "pid", "device", "dtype", "threads"):
+    for key in ("node", "pid", "device", "dtype", "threads", "rows"):
         setattr(record, key, answer[key])
     if answer["rvqtts"] != ours:
         raise ClusterError(f"worker {record.name} on {record.node} runs rvqtts {answer['rvqtts']}, this driver "

@@ -482,8 +482,9 @@ class Synthesizer:
         """`synthesize_many` one line after another (`synthesize`)."""
         for index, line in enumerate(lines):
             try:
-                yield index, self.synthesize(line.text, line.speaker, line.language, seed, line.utterance,
-                                             line.instruct, settings, chunk_chars, clone=line.clone)
+                yield index, self.synthesize(line.text, speaker=line.speaker, language=line.language, seed=seed,
+                                             utterance=line.utterance, instruct=line.instruct, settings=settings,
+                                             chunk_chars=chunk_chars, clone=line.clone)
             except NonFiniteError:
                 raise
             except Exception as error:  # this utterance's: the rest go on

@@ -188,7 +188,6 @@ def test_a_batch_that_would_not_fit_in_memory_is_cut_to_one_that_does(tiny, monk
 @pytest.mark.parametrize("arguments, message", [
     (["--batch-size", 0], "--batch-size must be auto or a whole number of at least 1"),
     (["--batch-size", "many"], "--batch-size must be auto or a whole number of at least 1"),
-    (["--batch-size", 2, "--ray", "auto"], "with --ray each worker"),
 ])
 def test_batch_sizes_that_cannot_run_are_refused_with_what_to_do(tiny_dir, tmp_path, arguments, message):
     lines = tmp_path / "lines.txt"

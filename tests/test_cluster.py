@@ -259,3 +259,33 @@ def test_a_driver_whose_ray_node_dies_stops_with_one_line_and_keeps_its_files(ti
     assert driver.returncode == 1 and "the Ray node on this machine died" in stderr, stderr[-2000:]
     written = [p for p in out.iterdir() if p.suffix == ".wav"]
     assert written and len(manifest(out)) == len(written)  # whole files, each with its entry
+
+
+def test_a_worker_speaks_its_lines_together_as_each_alone(cluster, tiny_dir, monkeypatch):
+    """A worker given several lines speaks them `rows` at a time (measured kernels, row-invariant): each
+    line's file is the one it makes alone."""
+    from rvqtts.batch import Utterance, attempt
+    from rvqtts.cluster import SynthesisWorker
+
+    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
+    worker = SynthesisWorker(WorkerSpec(str(tiny_dir), batch_size=3))
+    assert worker.load()["rows"] == 3
+    items = [Utterance(n, text, f"{n:04d}.wav") for n, text in enumerate(["One.", "A second line, longer.", "3."], 1)]
+    status, answers = worker.render(items, RUN)
+    assert status == "lines" and [line for line, _, _ in answers] and {s for _, s, _ in answers} == {"done"}
+    made = {line: value for line, _, value in answers}
+    for item in items:
+        _, alone = attempt(worker.synth, item, RUN)
+        assert made[item.line].audio == alone.audio and made[item.line].record["batch_rows"] == 3
+
+
+def test_workers_take_shares_of_lines_up_to_their_batch_size(cluster, tiny_dir, tmp_path):
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"Line {n}.\n" for n in range(1, 8)))
+    out = tmp_path / "out"
+    batch = synthesize_batch_on_ray(read_batch(lines), out, WorkerSpec(str(tiny_dir), batch_size=3), RUN, workers=2)
+    assert [r.status for r in batch.results] == ["done"] * 7
+    assert sorted(p.name for p in out.glob("*.wav")) == [f"{n:04d}.wav" for n in range(1, 8)]
+    loaded = [w for w in batch.workers if w.pid]
+    assert loaded and {w.rows for w in loaded} == {3} and sum(w.lines for w in batch.workers) == 7
+    assert [e["line"] for e in manifest(out)] == list(range(1, 8))

@@ -53,8 +53,8 @@ def synth(
     batch_size: str = typer.Option("auto", "--batch-size", help="Batch: lines spoken together, a row each in every "
                                                                 "call of both loops (a free row takes the next "
                                                                 "line); auto: the size measured best on this "
-                                                                "machine and model (once; 1 with "
-                                                                "RVQTTS_CHOICES=fixed). Each line's file is the "
+                                                                "machine and model (once; on Ray, on each "
+                                                                "worker's; 1 with RVQTTS_CHOICES=fixed). Each line's file is the "
                                                                 "one a one-line run writes where the kernels keep "
                                                                 "rows invariant (rvqtts tune); a batch's inner "
                                                                 "loop runs plain."),
@@ -202,9 +202,6 @@ def synth(
         if stream:
             fail("--stream is for one text; a batch writes each line's file whole")
         rows = _batch_rows(batch_size)
-        if rows not in (None, 1) and ray is not None:
-            fail("--batch-size batches the lines run here; with --ray each worker speaks its lines one at a time "
-                 "(for now): give one or the other")
         try:
             utterances = read_batch(file)
         except BatchFileError as error:
@@ -255,7 +252,7 @@ def synth(
     voices = sorted(({item.clone for item in making} | {clone}) - {None}, key=str)
     _check_voice_files(voices, {item.clone: f"{file}:{item.line}: " for item in reversed(making) if item.clone})
     if ray is not None:
-        worker_spec = replace(worker_spec, voices=tuple(voices))
+        worker_spec = replace(worker_spec, voices=tuple(voices), batch_size=rows)  # auto: each worker measures
     run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings, clone=clone,
                chunk_chars=None if no_chunk else chunk_chars)
     if ray is None:  # the model is loaded here; on Ray each worker loads its own
