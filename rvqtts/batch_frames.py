@@ -132,12 +132,12 @@ class BatchFrameLoop:
         rests = decode_frames_plain(self.predictor, prefixes, noise.to(self.predictor.device), self.predictor_sampling)
         synchronize(device)
         after = time.perf_counter()
+        talker_share, predictor_share = (between - started) / len(ready), (after - between) / len(ready)
         stepping, inputs = [], []
         for (slot, c0), rest in zip(ready, rests):
             row = rows[slot]
-            share = (between - started, after - between)
-            row.work.seconds["talker"] += share[0] / len(ready)
-            row.work.seconds["predictor"] += share[1] / len(ready)
+            row.work.seconds["talker"] += talker_share
+            row.work.seconds["predictor"] += predictor_share
             codes = np.array([c0, *rest], dtype=np.int64)
             row.frames.append(codes)
             row.seen[c0] = True

@@ -88,7 +88,8 @@ def bench_batch(synth: Synthesizer, texts: list[str], sizes: list[int], settings
     for row in rows:
         if base:
             row["rvqtts"]["throughput_vs_b1"] = round(row["rvqtts"]["throughput"] / base["throughput"], 3)
-            row["rvqtts"]["first_file_vs_b1"] = round(row["rvqtts"]["first_file_seconds"] / base["first_file_seconds"], 3)
+            row["rvqtts"]["first_file_vs_b1"] = round(row["rvqtts"]["first_file_seconds"]
+                                                      / base["first_file_seconds"], 3)
         if stock:
             row["rvqtts"]["throughput_vs_stock"] = round(row["rvqtts"]["throughput"] / row["stock"]["throughput"], 3)
     return {"lines": len(texts), "max_frames": settings.max_frames, "seed": seed, "repeats": repeats,

@@ -97,7 +97,8 @@ class TalkerRunner(CachedDecoder):
         return hidden, self.head(hidden)
 
     @torch.inference_mode()
-    def step_rows(self, embeds: torch.Tensor, positions: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_rows(self, embeds: torch.Tensor, positions: list[int],
+                  rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame's step for several utterances in one call: input [n, hidden] at `positions` of batch
         rows `rows`. Each row attends to its own slots only, as `step` does for one utterance (the same
         bits: rvqtts's kernels keep rows invariant), eagerly. Returns (h [n, hidden], logits [n, vocab])."""

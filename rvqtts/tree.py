@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rvqtts.files import cache_dir, read_json, write_atomically, write_json
+from rvqtts.files import cache_dir, read_json, read_records, write_atomically, write_json
 
 TREE_FORMAT = "rvqtts-tree"
 Path_ = tuple[int, ...]
@@ -277,15 +277,6 @@ def platform_key(device_type: str, dtype: str, weights: str = "native") -> str:
     return key if weights == "native" else f"{key}+{weights}"
 
 
-def _budget_records(path: Path) -> dict:
-    """The records of a best-N file; a missing or malformed one counts as empty (nothing measured)."""
-    try:
-        records = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return records if isinstance(records, dict) else {}
-
-
 def best_budget(platform: str, fingerprint: str | None = None) -> tuple[int, str]:
     """The tree size `--tree auto` means on this platform (`platform_key`: cpu/float32, cuda/bfloat16, ...),
     and the record it came from.
@@ -294,7 +285,7 @@ def best_budget(platform: str, fingerprint: str | None = None) -> tuple[int, str
     own measurements (`rvqtts bench speedup --save`) win over the ones shipped in trees/. Unmeasured:
     no speculation on CPUs, 16 elsewhere. N = 0 means the plain loop (speculation does not pay)."""
     keys = ([f"{platform}/{fingerprint}"] if fingerprint else []) + [platform]
-    records = [(path, _budget_records(path)) for path in (cache_dir() / BEST_BUDGETS, SHIPPED_TREES / BEST_BUDGETS)]
+    records = [(path, read_records(path)) for path in (cache_dir() / BEST_BUDGETS, SHIPPED_TREES / BEST_BUDGETS)]
     for key in keys:
         for path, data in records:
             entry = data.get(key)
@@ -307,7 +298,7 @@ def save_best_budget(platform: str, budget: int, source: str, fingerprint: str |
     """Record the measured best tree size (0: no speculation) for this platform, and for one model when
     the acceptance came from it, in the user's cache; returns the file."""
     path = cache_dir() / BEST_BUDGETS
-    records = _budget_records(path)
+    records = read_records(path)
     key = platform + (f"/{fingerprint}" if fingerprint else "")
     records[key] = {"N": budget, "source": source}
     write_json(path, records)

@@ -54,8 +54,9 @@ def synth(
                                                                 "call of both loops (a free row takes the next "
                                                                 "line); auto: the size measured best on this "
                                                                 "machine and model (once; on Ray, on each "
-                                                                "worker's; 1 with RVQTTS_CHOICES=fixed). Each line's file is the "
-                                                                "one a one-line run writes where the kernels keep "
+                                                                "worker's; 1 with RVQTTS_CHOICES=fixed). Each "
+                                                                "line's file is the one a one-line run writes "
+                                                                "where the kernels keep "
                                                                 "rows invariant (rvqtts tune); a batch's inner "
                                                                 "loop runs plain."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Batch on a Ray cluster (pip install 'rvqtts[ray]'): "
