@@ -23,9 +23,11 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from rvqtts.decode import DecodeStats, decode_frames_plain
+from rvqtts.decode import DecodeStats, Speculation
+from rvqtts.decode_rows import decode_frames_plain, decode_frames_speculative
 from rvqtts.devices import synchronize
 from rvqtts.frame_loop import draw_c0
+from rvqtts.online import OnlineSpeculation
 from rvqtts.predictor import PredictorRunner
 from rvqtts.prompt import Prompt
 from rvqtts.sampling import C0Rules, SamplingConfig, gumbel_noise
@@ -82,12 +84,16 @@ class BatchFrameLoop:
     """Speaks utterances `rows` at a time over one talker runner and one code predictor runner."""
 
     def __init__(self, talker: TalkerRunner, predictor: PredictorRunner, rules: C0Rules,
-                 talker_sampling: SamplingConfig, predictor_sampling: SamplingConfig, seed: int, rows: int):
+                 talker_sampling: SamplingConfig, predictor_sampling: SamplingConfig, seed: int, rows: int,
+                 speculation: Speculation | OnlineSpeculation | None = None):
         if rows < 1:
             raise ValueError(f"a batch needs at least one row, got {rows}")
         self.talker, self.predictor, self.rules = talker, predictor, rules
         self.talker_sampling, self.predictor_sampling = talker_sampling, predictor_sampling
         self.seed, self.rows = seed, rows
+        self.speculation = speculation
+        self.offsets = (speculation.offsets.vectors.to(predictor.device, predictor.dtype)
+                        if speculation is not None else None)
 
     def run(self, works: Iterable[Work]) -> Iterator[ChunkDone | WorkDone | WorkFailed]:
         """Speak every utterance; report each chunk and each utterance as it ends (NonFiniteError, which
@@ -129,7 +135,7 @@ class BatchFrameLoop:
         noise = torch.from_numpy(np.stack([gumbel_noise(self.seed, rows[slot].work.utterance, rows[slot].work.frame,
                                                         positions, self.predictor.vocab_size) for slot, _ in ready]))
         between = time.perf_counter()
-        rests = decode_frames_plain(self.predictor, prefixes, noise.to(self.predictor.device), self.predictor_sampling)
+        rests = self._inner_loop(prefixes, noise.to(self.predictor.device), [rows[slot].work for slot, _ in ready])
         synchronize(device)
         after = time.perf_counter()
         talker_share, predictor_share = (between - started) / len(ready), (after - between) / len(ready)
@@ -142,7 +148,6 @@ class BatchFrameLoop:
             row.frames.append(codes)
             row.seen[c0] = True
             row.work.frame += 1
-            row.work.stats.count_frame(len(rest), len(rest))
             if len(row.frames) >= row.budget:
                 yield from self._end_chunk(rows, slot, cut=True)
             else:
@@ -159,6 +164,36 @@ class BatchFrameLoop:
                 rows[slot].hidden, rows[slot].logits = hidden[i], logits[i]
                 rows[slot].work.seconds["talker"] += spent
                 rows[slot].work.talker_calls += 1
+
+    def _inner_loop(self, prefixes: torch.Tensor, noise: torch.Tensor, works: list[Work]) -> list[list[int]]:
+        """c1.. of every ready row's frame in shared calls: plain, or by tree rounds where the speculation
+        runs a tree now (chosen online for this batch's rows, rvqtts.online: its probe, a draft chain that
+        keeps acceptance counted, runs on one row's frame while the others step plain); counted per
+        utterance."""
+        online = self.speculation if isinstance(self.speculation, OnlineSpeculation) else None
+        if online is not None:
+            online.start(self.predictor, self.predictor_sampling)
+            speculation, probe = online.frame_speculation()
+        else:
+            speculation, probe = self.speculation, False
+        started = time.perf_counter()
+        if speculation is None:
+            rests = decode_frames_plain(self.predictor, prefixes, noise, self.predictor_sampling)
+            rounds = [None] * len(rests)
+        else:
+            speculations = [speculation] + [None if probe else speculation] * (len(works) - 1)
+            rounds = decode_frames_speculative(self.predictor, prefixes, noise, self.predictor_sampling, speculations,
+                                               self.offsets)
+            rests = [frame.codes for frame in rounds]
+        synchronize(self.predictor.device)
+        share = (time.perf_counter() - started) * 1e3 / len(works)
+        for work, rest, frame in zip(works, rests, rounds):
+            for accepted in frame.accepted if frame else ():
+                work.stats.count_accepted(accepted)
+            work.stats.count_frame(frame.calls if frame else len(rest), len(rest))
+            if online is not None:
+                online.observe(rest, frame.drafted if frame else [], bool(frame and frame.drafted) and probe, share)
+        return rests
 
     def _end_chunk(self, rows: list[_Row | None], slot: int, cut: bool) -> Iterator[ChunkDone | WorkDone | WorkFailed]:
         row = rows[slot]

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rvqtts.decode import decode_frames_plain
+from rvqtts.decode_rows import decode_frames_plain
 from rvqtts.devices import synchronize
 from rvqtts.files import cache_dir, read_records, write_json
 from rvqtts.kernels import kernels_used, machine_key, measured_choices

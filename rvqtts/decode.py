@@ -185,24 +185,6 @@ def decode_frame_plain(runner: PredictorRunner, prefix: torch.Tensor, noise: tor
     return frame
 
 
-@torch.inference_mode()
-def decode_frames_plain(runner: PredictorRunner, prefixes: torch.Tensor, noise: torch.Tensor,
-                        sampling: SamplingConfig) -> list[list[int]]:
-    """c1..c_{G-1} of n frames at once (frame r in the runner's batch row r), one call per code for all of
-    them: `prefixes` [n, 2, E], `noise` [n, G-1, V]. Each frame gets the codes `decode_frame_plain` gives
-    it alone (its rows through the same kernels, its attention over its own slots)."""
-    last = runner.code_groups - 1
-    code, finite = draw_checked(runner.logits(runner.prefill_rows(prefixes), 1), noise[:, 0], sampling)
-    codes, flags = [code], [finite]
-    for index in range(1, last):
-        code, finite = draw_checked(runner.logits(runner.step_rows(code, index), index + 1), noise[:, index], sampling)
-        codes.append(code)
-        flags.append(finite)
-    if not bool(torch.stack(flags).all()):
-        raise NonFiniteError("code predictor", runner.dtype)
-    return torch.stack(codes, dim=1).tolist()
-
-
 OBSERVED_RANKS = 8  # every round drafts at least this many ranks per depth: what online acceptance counts
 
 

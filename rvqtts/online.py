@@ -33,12 +33,13 @@ import torch
 
 from rvqtts.devices import synchronize
 from rvqtts.decode import OBSERVED_RANKS, RoundPlan, Speculation, round_call, step_call
+from rvqtts.decode_rows import FrameRounds, round_rows
 from rvqtts.files import cache_dir, read_records, write_json
 from rvqtts.graphs import StaticCalls
 from rvqtts.kernels import kernels_used, machine_key
 from rvqtts.offsets import Offsets
 from rvqtts.predictor import PredictorRunner
-from rvqtts.sampling import SamplingConfig
+from rvqtts.sampling import SamplingConfig, draw_checked
 from rvqtts.tree import SHIPPED_TREES, Tree, frame_codes_per_call, grow_tree, load_acceptance
 
 BUDGETS = (4, 8, 16, 32)  # tree sizes the online choice weighs against the plain loop
@@ -122,9 +123,10 @@ def predictor_key(runner: PredictorRunner) -> str:
             f"{len(runner.layers)}x{runner.vocab_size}/{attention}{native}")
 
 
-def measure_call_costs(runner: PredictorRunner, queries: list[int], repeats: int = 9) -> dict[int, float]:
+def measure_call_costs(runner: PredictorRunner, queries: list[int], repeats: int = 9, rows: int = 1) -> dict[int, float]:
     """Milliseconds of one predictor call per query length q (1: a plain step; q > 1: a round of a q - 1
-    node tree), mid-frame, the lengths taking turns; median of `repeats` after a warm-up."""
+    node tree) for each of `rows` frames (a batch's: rvqtts.decode_rows), mid-frame, the lengths taking
+    turns; median of `repeats` after a warm-up."""
     device, depth = runner.device, 3
     offsets = torch.zeros(depth, runner.hidden_size, device=device, dtype=runner.dtype)
     hidden = torch.randn(runner.hidden_size, device=device, dtype=runner.dtype)
@@ -134,6 +136,9 @@ def measure_call_costs(runner: PredictorRunner, queries: list[int], repeats: int
     prior = load_acceptance(SHIPPED_TREES / "prior-acceptance.json")["acceptance"]
 
     def call(q: int):
+        if rows > 1:
+            speculation = Speculation(grow_tree(prior, q - 1), Offsets(offsets.float().cpu())) if q > 1 else None
+            return partial(rows_call, runner, rows, index, speculation, offsets, hidden, noise, sampling)
         if q == 1:
             return partial(static, ("cost", 1), partial(step_call, runner, index, sampling), code, noise)
         plan = RoundPlan.build(grow_tree(prior, q - 1), device)
@@ -154,17 +159,31 @@ def measure_call_costs(runner: PredictorRunner, queries: list[int], repeats: int
     return {q: round(statistics.median(values), 4) for q, values in times.items()}
 
 
-def call_costs(runner: PredictorRunner, queries: list[int]) -> tuple[dict[int, float], str]:
-    """Call costs per query length for this runner, measured once per machine and predictor key (the
-    user's cache, call-costs.json), and where they came from."""
+def rows_call(runner: PredictorRunner, rows: int, index: int, speculation: Speculation | None, offsets: torch.Tensor,
+              hidden: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig) -> None:
+    """One call of `rows` frames at code `index`: a plain step of each (no speculation), or each one's
+    round of the speculation's tree (rvqtts.decode_rows.round_rows)."""
+    codes = torch.full((rows,), 5, device=runner.device)
+    if speculation is None:
+        draw_checked(runner.logits(runner.step_rows(codes, index), index + 1), noise[None, index].expand(rows, -1),
+                     sampling)
+        return
+    frames = [FrameRounds(r, index, 5, hidden, speculation) for r in range(rows)]
+    round_rows(runner, frames, runner.row_bases(rows).tolist(), offsets, noise[None].expand(rows, -1, -1), sampling)
+
+
+def call_costs(runner: PredictorRunner, queries: list[int], rows: int = 1) -> tuple[dict[int, float], str]:
+    """Call costs per query length for this runner and `rows` frames a call, measured once per machine,
+    predictor key and rows (the user's cache, call-costs.json), and where they came from."""
     path = cache_dir() / COSTS_FILE
-    machine, key = machine_key() if runner.device.type == "cpu" else str(runner.device), predictor_key(runner)
+    machine = machine_key() if runner.device.type == "cpu" else str(runner.device)
+    key = predictor_key(runner) + (f"/rows-{rows}" if rows > 1 else "")
     stored = read_records(path).get(machine, {}).get(key, {})
     known = {int(q): float(ms) for q, ms in stored.items()}
     missing = [q for q in queries if q not in known]
     if not missing:
         return {q: known[q] for q in queries}, f"{path} (measured before)"
-    known.update(measure_call_costs(runner, sorted(set(missing) | {1})))
+    known.update(measure_call_costs(runner, sorted(set(missing) | {1}), rows=rows))
     records = read_records(path)
     records.setdefault(machine, {})[key] = {str(q): ms for q, ms in sorted(known.items())}
     write_json(path, records)
@@ -186,12 +205,14 @@ class OnlineSpeculation:
     fingerprint: str
     start_budget: int = 0
     budgets: tuple[int, ...] = BUDGETS
+    rows: int = 1  # frames in every call (a batch's lines): call costs are measured at rows x (N + 1)
     counts: AcceptanceCounts | None = None
     costs: dict[int, float] = field(default_factory=dict)
     costs_source: str = ""
     budget: int = -1  # the budget running now; -1 until the first frame
     codes_per_frame: int = 15
     frames_seen: int = 0
+    steps: int = 0  # calls of frame_speculation: frames, or a batch's frame steps of `rows` frames each
     frames_by_budget: dict[int, int] = field(default_factory=dict)
     ms_by_budget: dict[int, float] = field(default_factory=dict)
     probes: int = 0
@@ -224,7 +245,8 @@ class OnlineSpeculation:
             self.fixed = ("this device's kernels are not all measured row-invariant: the tree size stays "
                           "where it started, so that runs repeat")
         if not self.costs:
-            self.costs, self.costs_source = call_costs(runner, [1, self.depth + 1] + [n + 1 for n in self.budgets])
+            self.costs, self.costs_source = call_costs(runner, [1, self.depth + 1] + [n + 1 for n in self.budgets],
+                                                       self.rows)
         key = drafter_key(self.fingerprint, self.offsets, sampling)
         if self.counts is None or key != self._learned_key:
             self._learned_key = key
@@ -245,14 +267,15 @@ class OnlineSpeculation:
         return self._trees[budget]
 
     def frame_speculation(self) -> tuple[Speculation | None, bool]:
-        """What the next frame runs, and whether it is a probe (a draft chain run in place of the plain
-        loop, to keep measuring acceptance)."""
+        """What the next frame (or a batch's next frame step) runs, and whether it is a probe (a draft chain
+        run in place of the plain loop, to keep measuring acceptance)."""
+        step, self.steps = self.steps, self.steps + 1
         if self.budget > 0:
             return self.speculation(self.budget), False
         if self.fixed:
             return None, False
         every = PROBE_EVERY if self.observed() < SETTLED_ROOTS else SETTLED_PROBE_EVERY
-        if self.frames_seen % every == 0:
+        if step % every == 0:
             if self._probe is None:
                 self._probe = Speculation(probe_tree(self.depth), self.offsets)
             return self._probe, True
@@ -313,7 +336,7 @@ class OnlineSpeculation:
         """What `--stats-json` shows under "online"."""
         rows = self.projection() if self.counts and self.costs else {}
         realized = {str(n): round(self.ms_by_budget[n] / frames, 3) for n, frames in sorted(self.frames_by_budget.items())}
-        return {"N": self.budget, "fixed": self.fixed,
+        return {"N": self.budget, "fixed": self.fixed, "rows": self.rows,
                 "frames_by_N": {str(n): f for n, f in sorted(self.frames_by_budget.items())},
                 "inner_loop_ms_per_frame_by_N": realized,
                 "probe_frames": self.probes, "roots_counted": self.observed(),

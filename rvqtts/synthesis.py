@@ -218,6 +218,7 @@ class Synthesizer:
         self._parts: LoopParts | None = None
         self._talker: TalkerRunner | None = None
         self._batch_runner: PredictorRunner | None = None
+        self._batch_online: dict[tuple[int, int], OnlineSpeculation] = {}  # by (id of the online choice, rows)
         # Only CustomVoice models have built-in speakers (the others' voices are cloned or described).
         self.voices = ModelVoices(self.kind,
                                   sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else [],
@@ -334,12 +335,6 @@ class Synthesizer:
                                         weights=self.weights)
         return self._talker
 
-    def tree_nodes(self) -> int:
-        """The tree size running now: the fixed tree's, the online choice's (0: the plain loop), or 0."""
-        if isinstance(self.speculation, OnlineSpeculation):
-            return max(self.speculation.budget, 0)
-        return self.speculation.tree.nodes if self.speculation else 0
-
     def engine_record(self) -> dict:
         """What ran (`--stats-json`'s "engine"): the device, dtype and weight format, torch and the CPU, the
         kernels of each loop's linear maps (rvqtts.kernels), how much of each runs natively (rvqtts.native)
@@ -448,9 +443,10 @@ class Synthesizer:
 
         Each utterance's codes, and so its audio, are those `synthesize` gives it with the same seed and
         settings wherever the kernels keep rows invariant (`rvqtts tune` shows them): its rows get their
-        own arithmetic whatever else shares the call. A batch's inner loop runs plain (its rows are spent
-        on utterances, not tree nodes); with `batch_size` 1, one line, or a Core ML package, the
-        utterances run one after another as `synthesize` runs them. A batch whose caches would not fit in
+        own arithmetic whatever else shares the call. A batch's inner loop runs every row's frame in
+        shared calls: plain, a given tree's rounds (B x (N + 1) rows a call), or, where the tree size is
+        chosen online, the size measured to pay at these rows (`batch_speculation`); with `batch_size` 1,
+        one line, or a Core ML package, the utterances run one after another as `synthesize` runs them. A batch whose caches would not fit in
         memory is cut to one that does (rvqtts.batch_size.fitting_rows), said through `on_notice`."""
         if batch_size < 1:
             raise ValueError(f"the batch size must be at least 1, got {batch_size}")
@@ -498,7 +494,8 @@ class Synthesizer:
         sampling = self.sampling(settings)
         config = self.talker.config
         rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, talker.device)
-        loop = BatchFrameLoop(talker, runner, rules, sampling.talker, sampling.predictor, seed, rows)
+        speculation = self.batch_speculation(rows)
+        loop = BatchFrameLoop(talker, runner, rules, sampling.talker, sampling.predictor, seed, rows, speculation)
         spoken: dict[int, _Spoken] = {}
         failed: set[int] = set()
 
@@ -543,18 +540,33 @@ class Synthesizer:
                     state.warnings.append(cut_warning(state.chunks_done, len(state.pieces), event.budget,
                                                       state.pieces[state.chunks_done - 1]))
             else:
-                yield index, self._batched_synthesis(event.work, spoken.pop(index), sampling, seed, rows)
+                yield index, self._batched_synthesis(event.work, spoken.pop(index), sampling, seed, rows, speculation)
 
     def batch_runner(self) -> PredictorRunner:
-        """The code predictor runner of batches (its cache grows by rows): the inner loop's where it runs
-        eagerly; beside it where CUDA graphs read that one's cache tensors."""
+        """The code predictor runner of batches (its cache grows by rows, each row with room for a tree
+        round): the inner loop's where it runs eagerly; beside it where CUDA graphs read that one's cache
+        tensors."""
         parts = self.inner_parts()
         if parts.calls.mode == "eager":
             return parts.runner
-        if self._batch_runner is None or self._batch_runner.weights != self.weights:
-            self._batch_runner = PredictorRunner(self.code_predictor, self.code_predictor.config.num_code_groups,
-                                                 self.weights)
+        if (self._batch_runner is None or self._batch_runner.weights != self.weights
+                or self._batch_runner.max_len != parts.runner.max_len):
+            self._batch_runner = PredictorRunner(self.code_predictor, parts.runner.max_len, self.weights)
         return self._batch_runner
+
+    def batch_speculation(self, rows: int) -> Speculation | OnlineSpeculation | None:
+        """What a batch of `rows` lines speculates with: the plain loop or a given tree as for one line; where
+        the tree size is chosen online, a choice of its own for these rows (its call costs measured at
+        rows x (N + 1), rvqtts.online), starting from the plain loop: a batch's rows go to lines unless
+        trees are measured to pay on top of them. Kept from one batch to the next."""
+        online = self.speculation
+        if not isinstance(online, OnlineSpeculation):
+            return online
+        key = (id(online), rows)
+        if key not in self._batch_online:
+            self._batch_online[key] = OnlineSpeculation(online.offsets, online.fingerprint, budgets=online.budgets,
+                                                        rows=rows)
+        return self._batch_online[key]
 
     def _row_slots(self, line: Line, settings: GenerationSettings, chunk_chars: float | None) -> int:
         """A generous count of the talker positions a line's longest chunk takes: its frame budget, two
@@ -563,8 +575,8 @@ class Synthesizer:
         reference = len(line.clone.codes) if line.clone is not None and line.clone.icl else 0
         return max(self.frame_budget(piece, settings) + 2 * len(piece) for piece in pieces) + PROMPT_TOKENS + reference
 
-    def _batched_synthesis(self, work: Work, state: "_Spoken", sampling: ResolvedSampling, seed: int,
-                           rows: int) -> Synthesis:
+    def _batched_synthesis(self, work: Work, state: "_Spoken", sampling: ResolvedSampling, seed: int, rows: int,
+                           speculation: Speculation | OnlineSpeculation | None) -> Synthesis:
         """The Synthesis of an utterance `synthesize_many` finished. Its loops' seconds are its shares of the
         calls it was in; its prompts count as talker work and its first prompt in the prefill, as in
         `synthesize`."""
@@ -577,9 +589,11 @@ class Synthesizer:
                    "first_audio_split": {"prefill": round(prefill, 3)}}
         return Synthesis(audio=state.joiner.audio(), sample_rate=self.sample_rate, codes=np.stack(state.frames),
                          stats=work.stats, seconds=seconds, talker_calls=work.talker_calls, chunks=len(state.pieces),
-                         spec=False, tree_nodes=0, seed=seed, sampling=sampling.record(), warnings=state.warnings,
-                         weights=self.weights, engine=self.engine_record(), batch_rows=rows,
-                         batch_row_bytes=row_bytes(self, self.talker_runner().max_len))
+                         spec=speculation is not None, tree_nodes=tree_nodes(speculation), seed=seed,
+                         sampling=sampling.record(), warnings=state.warnings, weights=self.weights,
+                         engine=self.engine_record(), batch_rows=rows,
+                         batch_row_bytes=row_bytes(self, self.talker_runner().max_len),
+                         online=speculation.record() if isinstance(speculation, OnlineSpeculation) else None)
 
     def _speak(self, text: str, speaker: str | None, language: str, seed: int, utterance: int, instruct: str | None,
                clone: ClonedVoice | None, settings: GenerationSettings, chunk_chars: float | None, stream_frames: int | None,
@@ -647,7 +661,7 @@ class Synthesizer:
                        prefill=seconds["prompt"] + loop.first_prefill)
         return Synthesis(audio=joiner.audio(), sample_rate=self.sample_rate, codes=np.stack(spoken),
                          stats=loop.inner.stats, seconds=seconds, talker_calls=loop.talker_calls,
-                         chunks=len(pieces), spec=self.speculation is not None, tree_nodes=self.tree_nodes(), seed=seed,
+                         chunks=len(pieces), spec=self.speculation is not None, tree_nodes=tree_nodes(self.speculation), seed=seed,
                          sampling=sampling.record(), warnings=warnings, stream_frames=stream_frames,
                          weights=self.weights, engine=self.engine_record(),
                          online=self.speculation.record() if isinstance(self.speculation, OnlineSpeculation) else None)
@@ -721,6 +735,13 @@ class Synthesizer:
                 "wall_seconds": round(wall, 3), "talker_seconds": round(wall - predictor - decoder, 3),
                 "predictor_seconds": round(predictor, 3), "decoder_seconds": round(decoder, 3),
                 "first_audio_seconds": round(wall, 3), "rtf": round(wall / audio_seconds, 4) if audio_seconds else None}
+
+
+def tree_nodes(speculation: Speculation | OnlineSpeculation | None) -> int:
+    """The tree size a speculation runs now: the fixed tree's, the online choice's (0: the plain loop), or 0."""
+    if isinstance(speculation, OnlineSpeculation):
+        return max(speculation.budget, 0)
+    return speculation.tree.nodes if speculation else 0
 
 
 def text_pieces(text: str, chunk_chars: float | None) -> list[str]:

@@ -9,14 +9,19 @@ import numpy as np
 import pytest
 import torch
 
+import rvqtts.online as online_module
 from rvqtts import batch_size
 from rvqtts import talker as talker_module
-from rvqtts.decode import Speculation
-from rvqtts.offsets import Offsets
+from rvqtts.decode import DecodeStats, Speculation, decode_frame_plain, decode_frame_speculative
+from rvqtts.decode_rows import decode_frames_speculative
+from rvqtts.inner_loop import LoopParts
+from rvqtts.offsets import Offsets, predictor_fingerprint
+from rvqtts.online import OnlineSpeculation
+from rvqtts.sampling import SamplingConfig, gumbel_noise
 from rvqtts.synthesis import GenerationSettings, Line, Synthesizer
 from rvqtts.talker import TalkerRunner
 from rvqtts.tree import resolve_tree
-from tests.helpers import run_cli
+from tests.helpers import random_prefix, run_cli
 
 TEXTS = ["Hello there.", "A longer sentence, which makes more frames than the first one does. And a second one.",
          "Short.", "The fourth line is here. It has two sentences.", "Five."]
@@ -45,8 +50,9 @@ def _count_rows(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir, measured, monkeypatch, dtype):
     """Lines of different lengths and chunk counts, two or three at a time: rows end and are refilled mid-batch,
-    every line's codes and samples equal its one-line run's (speculative there, plain here), and a line the
-    model cannot speak fails alone."""
+    every line's codes and samples equal its one-line run's, the batch's tree rounds (every row's frame in
+    one call, out of step as acceptance differs) making the calls and accepting what the line's own rounds
+    do, and a line the model cannot speak fails alone."""
     synth = Synthesizer.load(tiny_dir if dtype == "float32" else released_06_dir, dtype=dtype)
     synth.speculation = Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size))
     settings = GenerationSettings(max_frames=None if dtype == "float32" else 9)
@@ -84,7 +90,10 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir,
         record = made.record()
         assert record["batch_rows"] == batch_size and record["frames"] == len(one.codes)
         assert record["batch_row_mib"] > 0 and one.record()["batch_row_mib"] is None
-        assert record["predictor_calls"] == len(one.codes) * (synth.code_predictor.config.num_code_groups - 1)
+        assert record["predictor_calls"] == one.record()["predictor_calls"]
+        assert made.stats.accepted_per_depth == one.stats.accepted_per_depth and record["tree_nodes"] == 8
+    plain_calls = sum(len(one.codes) for one in alone) * (synth.code_predictor.config.num_code_groups - 1)
+    assert sum(made.record()["predictor_calls"] for made in together) < plain_calls  # trees were accepted
 
 
 def test_a_batched_talker_step_gives_each_row_the_bits_of_its_own_step(tiny, measured):
@@ -214,3 +223,58 @@ def test_bench_batch_times_each_size_beside_stock_qwen_tts(tiny_dir, tmp_path):
     assert figures["rows"][0]["rvqtts"]["throughput_vs_b1"] == 1.0
     refused = run_cli("bench", "batch", "--texts", texts, "--model", tiny_dir, "--sizes", "0")
     assert refused.exit_code == 2 and "at least 1" in refused.output
+
+
+@pytest.mark.parametrize("which, attention", [("narrow", "rows"), ("narrow", "gathered"), ("released_06", "rows")])
+def test_a_batched_round_gives_every_frame_the_codes_and_rounds_it_gets_alone(which, attention, request, measured):
+    """Frames decoded together by tree rounds (every frame's round in one call, each at its own root index)
+    equal their one-frame speculative runs: codes, calls and accepted depths; and the plain loop's codes.
+    A model whose drafts are often right (codebook 16) puts the frames out of step; a frame without a tree
+    takes plain steps in the same calls."""
+    synth = (request.getfixturevalue("narrow") if which == "narrow"
+             else Synthesizer.load(request.getfixturevalue("released_06_dir"), dtype="bfloat16"))
+    speculation = Speculation(resolve_tree("16"), Offsets.zeros(3, synth.hidden_size))
+    parts = LoopParts.build(synth.code_predictor, speculation, False)
+    runner = parts.runner
+    runner.row_attention = attention == "rows"  # gathered: per depth, as off the CPU
+    groups, vocab = synth.code_predictor.config.num_code_groups, synth.code_predictor.config.vocab_size
+    sampling = SamplingConfig(do_sample=which != "narrow")
+    prefixes = torch.stack([random_prefix(synth, seed=f) for f in range(5)]).to(runner.dtype)
+    noise = torch.stack([torch.from_numpy(gumbel_noise(3, f, 0, np.arange(1, groups), vocab)) for f in range(5)])
+    speculations = [speculation, speculation, None, speculation, speculation]
+    frames = decode_frames_speculative(runner, prefixes, noise, sampling, speculations, parts.offsets)
+    for f, frame in enumerate(frames):
+        stats, plain = DecodeStats(), DecodeStats()
+        assert frame.codes == decode_frame_plain(runner, prefixes[f], noise[f], sampling, plain)
+        if speculations[f] is None:
+            assert frame.calls == plain.calls == groups - 1 and not frame.accepted and not frame.drafted
+            continue
+        assert frame.codes == decode_frame_speculative(runner, prefixes[f], noise[f], sampling, speculation,
+                                                       parts.offsets, stats)
+        assert frame.calls == stats.calls and sum(frame.accepted) == sum(stats.accepted_per_depth)
+    assert len({frame.calls for frame in frames}) > 2 and min(frame.calls for frame in frames) < groups - 1
+
+
+def test_a_batch_chooses_its_tree_size_online_at_its_rows_and_keeps_every_lines_codes(narrow, measured, user_cache,
+                                                                                    monkeypatch):
+    """Where the tree size is chosen online, a batch has a choice of its own whose call costs are measured at
+    its rows; the size changing mid-batch (forced here) changes no line's codes."""
+    offsets = Offsets(torch.randn(3, narrow.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.5)
+    narrow.speculation = OnlineSpeculation(offsets, predictor_fingerprint(narrow.code_predictor))
+    sizes = iter([4, 0, 16, 32, 8] * 20)
+    monkeypatch.setattr(online_module, "DECIDE_EVERY", 6)
+    monkeypatch.setattr(OnlineSpeculation, "decide", lambda self: setattr(self, "budget", next(sizes)))
+    settings = GenerationSettings(max_frames=12)
+    lines = [Line(text, utterance=index) for index, text in enumerate(TEXTS[:4])]
+    try:
+        together = dict(narrow.synthesize_many(lines, seed=4, settings=settings, batch_size=3))
+        batch_online = narrow.batch_speculation(3)
+        alone = [narrow.synthesize(line.text, seed=4, utterance=line.utterance, settings=settings) for line in lines]
+    finally:
+        narrow.speculation = None
+    for index, one in enumerate(alone):
+        assert np.array_equal(together[index].codes, one.codes), index
+    assert batch_online.rows == 3 and batch_online is not narrow.speculation
+    assert len(batch_online.frames_by_budget) >= 3 and together[0].record()["online"]["rows"] == 3
+    costs = json.loads((user_cache / "call-costs.json").read_text())
+    assert any(key.endswith("/rows-3") for machine in costs.values() for key in machine)

@@ -194,7 +194,8 @@ def bench_batch_command(
     stock: bool = typer.Option(True, "--stock/--no-stock", help="Time stock qwen-tts's batched call too."),
     repeats: int = typer.Option(1, help="Turns of every size and side."),
     seed: int = typer.Option(0, help="Seed of every run."),
-    spec: bool = typer.Option(True, "--spec/--no-spec", help="B = 1 runs speculative (--tree auto) or plain."),
+    spec: bool = typer.Option(True, "--spec/--no-spec", help="The inner loop speculative (--tree auto: the tree size "
+                              "chosen online, for each batch size at its rows) or plain."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
