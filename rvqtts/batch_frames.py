@@ -3,8 +3,8 @@ row per utterance, and a row whose utterance ends takes the next one (continuous
 
 On a CPU a call of either loop costs about what reading its weights costs, whatever its few rows, so
 B utterances in one call cost little more than one (docs/benchmarks.md). Each utterance keeps its own
-talker cache region (rvqtts.talker), positions, text stream, c0 history and end; its frames' inner loop
-runs plain, all rows' frames in one call per code (rvqtts.decode.decode_frames_plain). Every code is drawn
+talker cache region (rvqtts.talker), positions, text stream, c0 history and end; all rows' frames share
+the inner loop's calls, plain or by tree rounds (rvqtts.decode_rows). Every code is drawn
 with the noise of its own (seed, utterance, frame, position), and every row's arithmetic is the one it
 gets alone (row-invariant kernels, attention over its own slots), so an utterance's codes are the ones
 a one-utterance run gives it (rvqtts.frame_loop), wherever its rows are then.

@@ -172,22 +172,31 @@ def rows_call(runner: PredictorRunner, rows: int, index: int, speculation: Specu
     round_rows(runner, frames, runner.row_bases(rows).tolist(), offsets, noise[None].expand(rows, -1, -1), sampling)
 
 
-def call_costs(runner: PredictorRunner, queries: list[int], rows: int = 1) -> tuple[dict[int, float], str]:
+def call_costs(runner: PredictorRunner, queries: list[int], rows: int = 1,
+               bound: float | None = None) -> tuple[dict[int, float], str]:
     """Call costs per query length for this runner and `rows` frames a call, measured once per machine,
-    predictor key and rows (the user's cache, call-costs.json), and where they came from."""
+    predictor key and rows (the user's cache, call-costs.json), and where they came from. Lengths are
+    measured shortest first, each beside a plain step; with `bound`, once one costs `bound` steps or more
+    the longer ones are left out (they cost more still: no tree that can accept at most `bound` codes a
+    call can pay there), so the result may hold fewer lengths than asked for."""
     path = cache_dir() / COSTS_FILE
     machine = machine_key() if runner.device.type == "cpu" else str(runner.device)
     key = predictor_key(runner) + (f"/rows-{rows}" if rows > 1 else "")
     stored = read_records(path).get(machine, {}).get(key, {})
     known = {int(q): float(ms) for q, ms in stored.items()}
-    missing = [q for q in queries if q not in known]
-    if not missing:
-        return {q: known[q] for q in queries}, f"{path} (measured before)"
-    known.update(measure_call_costs(runner, sorted(set(missing) | {1}), rows=rows))
-    records = read_records(path)
-    records.setdefault(machine, {})[key] = {str(q): ms for q, ms in sorted(known.items())}
-    write_json(path, records)
-    return {q: known[q] for q in queries}, f"measured now (kept in {path})"
+    measured = False
+    for q in sorted(set(queries) | {1}):
+        if bound is not None and 1 in known and any(known[p] >= bound * known[1] for p in known if 1 < p < q):
+            break
+        if q not in known:
+            known.update(measure_call_costs(runner, [1, q], rows=rows))
+            measured = True
+    if measured:
+        records = read_records(path)
+        records.setdefault(machine, {})[key] = {str(q): ms for q, ms in sorted(known.items())}
+        write_json(path, records)
+    source = f"measured now (kept in {path})" if measured else f"{path} (measured before)"
+    return {q: known[q] for q in queries if q in known}, source
 
 
 def drafter_key(fingerprint: str, offsets: Offsets, sampling: SamplingConfig) -> str:
@@ -244,9 +253,10 @@ class OnlineSpeculation:
         if self.budget < 0 and kernels_used(runner.linear_maps())["row_invariant"] is not True:
             self.fixed = ("this device's kernels are not all measured row-invariant: the tree size stays "
                           "where it started, so that runs repeat")
-        if not self.costs:
+        if not self.costs:  # trees dearer than depth + 1 steps are not weighed: none can pay
             self.costs, self.costs_source = call_costs(runner, [1, self.depth + 1] + [n + 1 for n in self.budgets],
-                                                       self.rows)
+                                                       self.rows, bound=self.depth + 1)
+            self.budgets = tuple(n for n in self.budgets if n + 1 in self.costs)
         key = drafter_key(self.fingerprint, self.offsets, sampling)
         if self.counts is None or key != self._learned_key:
             self._learned_key = key

@@ -116,6 +116,25 @@ def test_call_costs_are_measured_once_and_kept(tiny, user_cache):
     assert (user_cache / "call-costs.json").exists()
 
 
+def test_trees_that_cost_more_steps_than_they_can_accept_codes_are_not_measured(tiny, user_cache, monkeypatch):
+    """With a bound of depth + 1 codes a call, lengths are timed shortest first and the first one that costs
+    that many steps ends the measuring: longer calls cost more still, and no tree among them can pay."""
+    timed = []
+
+    def fake(runner, queries, repeats=9, rows=1):
+        timed.append(max(queries))
+        return {q: float(q) if q < 9 else 4.5 * q for q in queries}  # a 9-row call costs 40 steps
+
+    monkeypatch.setattr(online_module, "measure_call_costs", fake)
+    runner = LoopParts.build(tiny.code_predictor, None, False).runner
+    costs, _ = online_module.call_costs(runner, [1, 4, 5, 9, 17, 33], rows=3, bound=4)
+    assert costs == {1: 1.0, 4: 4.0} and timed == [1, 4]
+    costs, source = online_module.call_costs(runner, [1, 4, 5, 9, 17, 33], rows=3, bound=6)
+    assert costs == {1: 1.0, 4: 4.0, 5: 5.0, 9: 40.5} and timed == [1, 4, 5, 9] and "measured now" in source
+    again, source = online_module.call_costs(runner, [1, 4, 5, 9, 17, 33], rows=3, bound=6)
+    assert again == costs and timed == [1, 4, 5, 9] and "measured before" in source
+
+
 def test_a_default_run_chooses_online_and_says_what_it_did(tiny_dir, tmp_path):
     stats = tmp_path / "s.json"
     result = run("synth", "Hello there, online.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames",
