@@ -108,7 +108,7 @@ class RowsRound:
     codes [sum q] (each frame's root first), hidden states [sum q, H], the target's draws at the scored
     slots (frame by frame, slot order) and whether their logits were finite."""
 
-    plans: list
+    plans: list[RoundPlan]
     ranked: list[torch.Tensor]
     node_codes: torch.Tensor
     out: torch.Tensor

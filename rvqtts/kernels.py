@@ -12,7 +12,10 @@ kernel is fixed here: for every map shape the loops run, each candidate (`candid
 2. timed at one row (a plain step) and at 17 (a 16-node tree round) over copies of the weights larger
    than the CPU's caches, as the loops read them.
 
-The fastest invariant candidate wins (the fastest of all, flagged, where none is invariant). The choice is
+The invariant candidate fastest at one row wins, since every frame's talker step and plain inner loop
+are one-row calls; among those within STEP_TIE of it, the cheapest at 17 rows (the fastest of all,
+flagged, where none is invariant). A prompt's prefill, whose bits no other call has to match, runs its
+many rows through F.linear where that measured faster at PROMPT_ROWS (`LinearMap.many`). The choice is
 kept per machine (CPU model, torch version, threads), dtype, weight format and shape in the user's cache
 (`kernels.json`), so the probe runs once: about a second per shape at the released dimensions.
 `rvqtts tune` shows the table. RVQTTS_CHOICES=fixed restores the rules used before measurement (here: one
@@ -44,11 +47,13 @@ from rvqtts.quantize import quantize_rows
 CHUNK = 32  # rows per kernel call: a longer call goes in chunks, so invariance up to CHUNK + 1 rows covers all
 PADS = (1, 2, 4, 8)  # zero-row paddings tried, smallest first, until a kernel's rows are invariant
 TIMED_ROWS = (1, 17)  # a plain step, and a 16-node tree round
+STEP_TIE = 1.05  # one-row costs this close count as a tie, broken by the 17-row cost
+PROMPT_ROWS = 64  # rows of a prompt's prefill, where the kernel of many rows is timed (`KernelChoice.bulk`)
 COLD_BYTES = 96 << 20  # weight copies cycled through when timing: more than the last-level cache holds
 TIMED_PASSES = 7
 KERNELS_FILE = "kernels.json"
 KERNELS_FORMAT = "rvqtts-kernels"
-KERNELS_VERSION = 2  # 2: rvqtts's own kernel among the candidates (choices kept by version 1 are measured anew)
+KERNELS_VERSION = 3  # 2: rvqtts's own kernel among the candidates; 3: the prompt kernel (older choices measured anew)
 CHOICES_VARIABLE = "RVQTTS_CHOICES"  # "measured" (the default) or "fixed": the rules used before measurement
 
 
@@ -122,9 +127,12 @@ class LinearMap:
     rvqtts.quantize). Off the CPU, and while tracing, every call is F.linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernel,
-                 row_invariant: bool | None = None):
+                 row_invariant: bool | None = None, bulk: Kernel | None = None):
         self.weight, self.bias, self.kernel = weight, bias, kernel
         self.row_invariant = row_invariant  # as measured for the kernel at this shape (None: not probed)
+        # A prompt's rows at once (`many`): F.linear over the module's weight where that was measured faster
+        # at PROMPT_ROWS, else the kernel's own calls. No other call's bits need to match a prefill's.
+        self.bulk = bulk if bulk == Kernel("linear") and kernel != bulk else kernel
         self.out_features = weight.shape[0]
         with torch.no_grad():
             if kernel.multi == "packed":
@@ -169,6 +177,12 @@ class LinearMap:
         else:
             out = torch.cat([self._chunk(chunk) for chunk in rows.split(CHUNK)])
         return out.view(*x.shape[:-1], self.out_features)
+
+    def many(self, x: torch.Tensor) -> torch.Tensor:
+        """The map over a prompt's rows (a prefill) by the kernel measured for many rows (`bulk`)."""
+        if self.bulk == self.kernel or x.device.type != "cpu":
+            return self(x)
+        return F.linear(x, self.weight, self.bias)
 
     def _chunk(self, rows: torch.Tensor) -> torch.Tensor:
         count = rows.shape[0]
@@ -227,21 +241,23 @@ class KernelChoice:
     timings: dict[str, dict[int, float]]
     invariant: tuple[str, ...]
     source: str  # "measured" now, "cache" (kernels.json), "fixed" (RVQTTS_CHOICES=fixed), or "device"
+    bulk: Kernel | None = None  # a prompt's prefill: the kernel, or F.linear where faster at PROMPT_ROWS
 
     def record(self) -> dict:
         return {"kernel": self.kernel.name, "row_invariant": self.row_invariant, "invariant": list(self.invariant),
+                "bulk": (self.bulk or self.kernel).name,
                 "ms": {name: {str(k): v for k, v in t.items()} for name, t in self.timings.items()}}
 
     @classmethod
     def from_record(cls, record: dict) -> "KernelChoice":
         timings = {name: {int(k): float(v) for k, v in t.items()} for name, t in record["ms"].items()}
         return cls(Kernel.parse(record["kernel"]), record["row_invariant"], timings,
-                   tuple(record["invariant"]), "cache")
+                   tuple(record["invariant"]), "cache", Kernel.parse(record["bulk"]))
 
 
 def measure_choice(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> KernelChoice:
     """Probe every candidate kernel for a CPU map of this shape: row invariance (with the padding that
-    gives it), then cost; the fastest invariant one wins (sum of its TIMED_ROWS costs)."""
+    gives it), then cost: of the invariant ones, the fastest at one row (within STEP_TIE), then at 17."""
     weight = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
     kernels, invariant = [], []
     for kernel in candidates(torch.device("cpu"), dtype, weights, shape):
@@ -250,8 +266,14 @@ def measure_choice(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> 
         if pad is not None:
             invariant.append(kernels[-1].name)
     timings = time_kernels(weight, kernels)
-    fastest = min(invariant or timings, key=lambda name: sum(timings[name].values()))
-    return KernelChoice(Kernel.parse(fastest), bool(invariant), timings, tuple(invariant), "measured")
+    pool = invariant or list(timings)
+    step = min(timings[name][1] for name in pool)
+    fastest = min((name for name in pool if timings[name][1] <= STEP_TIE * step), key=lambda name: timings[name][17])
+    kernel, bulk = Kernel.parse(fastest), Kernel.parse(fastest)
+    if weights == "native" and kernel != Kernel("linear"):  # a prompt's rows: the kernel or F.linear, timed
+        prompt = time_kernels(weight, [kernel, Kernel("linear")], rows=(PROMPT_ROWS,))
+        bulk = min((kernel, Kernel("linear")), key=lambda k: prompt[k.name][PROMPT_ROWS])
+    return KernelChoice(kernel, bool(invariant), timings, tuple(invariant), "measured", bulk)
 
 
 def machine_key() -> str:
@@ -390,7 +412,7 @@ def _now() -> str:
 def make_map(weight: torch.Tensor, bias: torch.Tensor | None, weights: str = "native") -> LinearMap:
     """The map of `weight` with the kernel chosen for its shape, dtype and `weights` format here."""
     choice = kernel_choice(tuple(weight.shape), weight.dtype, weights, weight.device)
-    return LinearMap(weight, bias, choice.kernel, choice.row_invariant)
+    return LinearMap(weight, bias, choice.kernel, choice.row_invariant, choice.bulk)
 
 
 def module_map(linear: torch.nn.Linear, weights: str = "native") -> LinearMap:

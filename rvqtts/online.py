@@ -10,7 +10,8 @@ frame to the next. What it rests on:
   root is counted per depth (`AcceptanceCounts`: the per-depth, per-rank table `rvqtts calibrate`
   measures offline). While the plain loop runs, one frame in PROBE_EVERY (SETTLED_PROBE_EVERY once
   SETTLED_ROOTS roots are counted) is run as a chain of K drafts (a call of K + 1 rows, which on a CPU
-  costs little more than a step) so that the counts keep coming.
+  costs little more than a step) so that the counts keep coming. A batch (rows > 1) probes one row's frame
+  in SETTLED_PROBE_EVERY steps from the start.
 - Costs: one call of q = N + 1 rows for each candidate budget, timed once per machine, dtype, weights and
   predictor shape (`call_costs`, kept in the user's cache).
 - The choice: for every budget a greedy tree grown from the counts (rvqtts.tree.grow_tree) and its
@@ -284,7 +285,8 @@ class OnlineSpeculation:
             return self.speculation(self.budget), False
         if self.fixed:
             return None, False
-        every = PROBE_EVERY if self.observed() < SETTLED_ROOTS else SETTLED_PROBE_EVERY
+        # A batch's probe puts K + 1 rows beside its B plain ones: it probes at the settled pace from the start.
+        every = PROBE_EVERY if self.observed() < SETTLED_ROOTS and self.rows == 1 else SETTLED_PROBE_EVERY
         if step % every == 0:
             if self._probe is None:
                 self._probe = Speculation(probe_tree(self.depth), self.offsets)

@@ -74,7 +74,7 @@ class TalkerRunner(CachedDecoder):
         causal = torch.ones(length, length, device=self.device, dtype=torch.bool).tril()
         region = slice(row * self.max_len, row * self.max_len + length)
         hidden = self.run_layers(embeds.to(self.dtype), self.cos[None, :length], self.sin[None, :length],
-                                 region, region, causal)[-1]
+                                 region, region, causal, prompt=True)[-1]
         return hidden, self.head(hidden)
 
     @torch.inference_mode()

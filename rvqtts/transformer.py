@@ -75,6 +75,11 @@ class CachedDecoder:
         self.allocate(max_len)
 
     @property
+    def prompt_maps_differ(self) -> bool:
+        """Whether some map runs a prompt's rows by another kernel than a step's (`LinearMap.many`)."""
+        return any(m.bulk != m.kernel for m in self.layer_maps())
+
+    @property
     def native_mode(self) -> str | None:
         """How much of a call runs natively (rvqtts.native): "layers", "rows", or None (torch throughout)."""
         return "layers" if self.native_layers else "rows" if self.native_rows else None
@@ -96,7 +101,7 @@ class CachedDecoder:
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: slice | torch.Tensor,
                    span: int | slice, mask: torch.Tensor | None = None,
                    groups: list[tuple[slice, torch.Tensor]] | None = None,
-                   rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   rows: tuple[torch.Tensor, torch.Tensor] | None = None, prompt: bool = False) -> torch.Tensor:
         """The layers over states x [q, hidden] with RoPE tables `cos`, `sin` [1, q, d]; their keys and values
         go to the cache slots `write` (a slice, or a tensor of slot indices, which keeps shapes static), and
         attention reads slots 0..span-1 (or the slots of `span`, a slice: one batch row's region of the
@@ -108,20 +113,22 @@ class CachedDecoder:
 
         Where this decoder runs its rows natively (`native_rows`, rvqtts.native), norms, RoPE, attention
         and the MLP's activation are native calls, and where every map runs the library's kernel the
-        whole layer is one call (`native_layers`): the same bits either way."""
+        whole layer is one call (`native_layers`): the same bits either way. A `prompt` (a prefill's many
+        rows) runs its maps by the kernel measured for many rows (`LinearMap.many`)."""
         native_rows = self.runs_natively()
         read = span if isinstance(span, slice) else slice(0, span)
         if native_rows and read.start and rows is None and groups is None:  # a region: its slots, in order
             rows, mask = (torch.arange(read.start, read.stop, device=x.device).expand(x.shape[0], -1), mask), None
         span = read.stop - read.start
         attn_mask = None if mask is None else mask[None, None]
-        if native_rows and self.native_layers and groups is None and (mask is None or mask.dtype == torch.bool):
+        if (native_rows and self.native_layers and groups is None and (mask is None or mask.dtype == torch.bool)
+                and not (prompt and self.prompt_maps_differ)):
             return self.run_native_layers(x, cos, sin, write, span, *(rows or (None, mask)))
         for i in range(len(self.layers)):
             if native_rows:  # the keys and values go straight to the cache
-                q = self.native_attention_inputs(i, x, cos, sin, write)
+                q = self.native_attention_inputs(i, x, cos, sin, write, prompt)
             else:
-                q, k, v = self.attention_inputs(i, x, cos, sin)
+                q, k, v = self.attention_inputs(i, x, cos, sin, prompt)
                 if isinstance(write, slice):
                     self.k_cache[i, :, write] = k
                     self.v_cache[i, :, write] = v
@@ -147,7 +154,7 @@ class CachedDecoder:
             else:
                 # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the unfused math).
                 out = self.attend(q[None], self.k_cache[None, i, :, read], self.v_cache[None, i, :, read], attn_mask)[0]
-            x = self.layer_rest(i, x, out)
+            x = self.layer_rest(i, x, out, prompt)
         return self.rms(self.norm, x)
 
     def run_native_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: slice | torch.Tensor,
@@ -185,36 +192,39 @@ class CachedDecoder:
         values = self.v_cache[i][:, slots].transpose(0, 1)
         return self.attend(q.transpose(0, 1)[:, :, None], keys, values)[:, :, 0].transpose(0, 1)
 
-    def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i's queries [heads, q, d] and keys, values [kv_heads, q, d] for states x [q, hidden]:
         one fused map, the q/k norms, then RoPE with the slots' `cos`, `sin` [1, q, d]. Nothing reads
         x's shape, so traced graphs hold no size lookups (Core ML's converter mishandles them)."""
         layer = self.layers[i]
-        q, k, v = self.qkv[i](layer.input_layernorm(x)).split([self.q_width, self.kv_width, self.kv_width], dim=-1)
+        qkv = self.qkv[i].many if prompt else self.qkv[i]
+        q, k, v = qkv(layer.input_layernorm(x)).split([self.q_width, self.kv_width, self.kv_width], dim=-1)
         q = layer.self_attn.q_norm(q.view(-1, self.n_heads, self.head_dim)).transpose(0, 1)
         k = layer.self_attn.k_norm(k.view(-1, self.n_kv_heads, self.head_dim)).transpose(0, 1)
         v = v.view(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def native_attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                write: slice | torch.Tensor) -> torch.Tensor:
+                                write: slice | torch.Tensor, prompt: bool = False) -> torch.Tensor:
         """`attention_inputs` natively (rvqtts.native): the queries [heads, q, d], with the keys and values
         written to the cache slots `write`."""
         layer = self.layers[i]
         attention = layer.self_attn
-        return native.attention_inputs(self.qkv[i](self.rms(layer.input_layernorm, x)), self.n_heads, self.n_kv_heads,
+        qkv = self.qkv[i].many if prompt else self.qkv[i]
+        return native.attention_inputs(qkv(self.rms(layer.input_layernorm, x)), self.n_heads, self.n_kv_heads,
                                        attention.q_norm.weight, attention.k_norm.weight, cos[0].contiguous(),
                                        sin[0].contiguous(), attention.q_norm.variance_epsilon, self.k_cache[i],
                                        self.v_cache[i], write)
 
-    def layer_rest(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def layer_rest(self, i: int, x: torch.Tensor, attended: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         """Layer i after attention: output map and residual, then the MLP (gate and up fused) and residual.
-        `attended` is the attention output [heads, q, d]."""
+        `attended` is the attention output [heads, q, d]; a `prompt`'s maps run by `LinearMap.many`."""
         layer = self.layers[i]
-        x = x + self.out[i](attended.transpose(0, 1).flatten(1))
-        gate_up = self.gate_up[i](self.rms(layer.post_attention_layernorm, x))
+        out, gate_up, down = ((m.many if prompt else m) for m in (self.out[i], self.gate_up[i], self.down[i]))
+        x = x + out(attended.transpose(0, 1).flatten(1))
+        gate_up = gate_up(self.rms(layer.post_attention_layernorm, x))
         if self.runs_natively():
-            return x + self.down[i](native.silu_times_up(gate_up))
+            return x + down(native.silu_times_up(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + self.down[i](layer.mlp.act_fn(gate) * up)
+        return x + down(layer.mlp.act_fn(gate) * up)

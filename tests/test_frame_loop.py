@@ -14,8 +14,9 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from rvqtts.graphs import StaticCalls
+from rvqtts.kernels import Kernel, LinearMap
 from rvqtts.sampling import C0Rules
-from rvqtts.synthesis import GenerationSettings, ResolvedSampling
+from rvqtts.synthesis import GenerationSettings, ResolvedSampling, Synthesizer
 from rvqtts.talker import TalkerRunner
 
 TEXT = "Hello there, how are you?"
@@ -178,3 +179,29 @@ def test_cut_utterances_skip_the_unused_last_step(tiny):
     result = tiny.synthesize(TEXT, "vivian", "english", settings=GenerationSettings(max_frames=7))
     assert result.codes.shape[0] == 7 and result.talker_calls == 7  # prefill and 6 steps; no 8th c0 is needed
     assert result.warnings and "cut at 7 frames" in result.warnings[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompt_run_through_f_linear_prefills_what_the_step_kernels_do(released_06_dir, dtype, monkeypatch):
+    """Where F.linear measured faster for a prompt's many rows (`LinearMap.many`), the prefill runs every map
+    through it (in bfloat16 outside the one-call native layers) and its state is the model's within
+    rounding; the steps after it keep their kernels."""
+    synth = Synthesizer.load(released_06_dir, dtype=dtype)
+    prompt = synth.prompt(TEXT, "vivian", "english")
+    step_kernels, prompt_kernels = TalkerRunner(synth.talker), TalkerRunner(synth.talker)
+    for linear in prompt_kernels.layer_maps():
+        linear.bulk = Kernel("linear") if linear.kernel != Kernel("linear") else Kernel("packed")
+    assert prompt_kernels.prompt_maps_differ and not step_kernels.prompt_maps_differ
+    h_step, l_step = step_kernels.prefill(prompt.embeds)
+    calls = []
+    many, call = LinearMap.many, LinearMap.__call__
+    monkeypatch.setattr(LinearMap, "many", lambda self, x: calls.append(("many", x.shape[0])) or many(self, x))
+    monkeypatch.setattr(LinearMap, "__call__", lambda self, x: calls.append(("call", x.shape[0])) or call(self, x))
+    h_prompt, l_prompt = prompt_kernels.prefill(prompt.embeds)
+    maps = len(prompt_kernels.layer_maps())
+    assert calls[:maps] == [("many", prompt.length)] * maps and [kind for kind, _ in calls[maps:]] == ["call"]
+    tolerance = 1e-4 if dtype == "float32" else 0.1
+    assert float((l_step - l_prompt).abs().max()) <= tolerance * max(1.0, float(l_step.abs().max()))
+    calls.clear()
+    prompt_kernels.step(torch.randn(1, synth.talker.config.hidden_size), prompt.length)
+    assert calls and {kind for kind, _ in calls} == {"call"}  # steps keep their kernels

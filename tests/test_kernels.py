@@ -56,8 +56,8 @@ def test_the_fastest_row_invariant_kernel_wins_and_a_faster_variant_one_is_passe
     costs = {"mv+linear": 3.0, "linear": 1.0, "mv+packed": 2.0, "packed": 1.5}
     invariant = {"mv+linear": 1, "linear": None, "mv+packed": 1, "packed": 2}
     monkeypatch.setattr(kernels, "invariant_pad", lambda weight, kernel: invariant[kernel.name])
-    monkeypatch.setattr(kernels, "time_kernels", lambda weight, found: {
-        k.name: {1: costs[k.name.split("/pad")[0]], 17: 0.0} for k in found})
+    monkeypatch.setattr(kernels, "time_kernels", lambda weight, found, rows=(1, 17): {
+        k.name: {count: costs[k.name.split("/pad")[0]] for count in rows} for k in found})
     monkeypatch.setattr(kernels, "packing_available", lambda dtype: True)
     choice = kernels.measure_choice((8, 8), torch.float32, "native")
     assert choice.kernel == Kernel("packed", pad=2) and choice.row_invariant is True
@@ -66,6 +66,25 @@ def test_the_fastest_row_invariant_kernel_wins_and_a_faster_variant_one_is_passe
     monkeypatch.setattr(kernels, "invariant_pad", lambda weight, kernel: None)
     choice = kernels.measure_choice((8, 8), torch.float32, "native")
     assert choice.kernel == Kernel("linear") and choice.row_invariant is False and not choice.invariant
+
+
+def test_one_row_cost_decides_then_17_rows_and_a_prompt_runs_f_linear_where_that_is_faster(measured, monkeypatch):
+    """Steps are one-row calls: the fastest kernel there wins unless another is within STEP_TIE of it and
+    cheaper at 17 rows; a prompt's rows go through F.linear where it measured faster at PROMPT_ROWS."""
+    costs = {"mv+linear": {1: 1.0, 17: 9.0}, "linear": {1: 2.0, 17: 2.0, 64: 4.0},
+             "mv+packed": {1: 1.04, 17: 3.0, 64: 10.0}, "packed": {1: 1.5, 17: 1.0}}
+    monkeypatch.setattr(kernels, "invariant_pad", lambda weight, kernel: 1)
+    monkeypatch.setattr(kernels, "time_kernels", lambda weight, found, rows=(1, 17): {
+        k.name: {count: costs[k.name][count] for count in rows} for k in found})
+    monkeypatch.setattr(kernels, "packing_available", lambda dtype: True)
+    choice = kernels.measure_choice((8, 8), torch.float32, "native")
+    assert choice.kernel == Kernel("packed", one_row_mv=True) and choice.bulk == Kernel("linear")
+    assert kernels.KernelChoice.from_record(choice.record()).bulk == Kernel("linear")
+    weight, x = torch.randn(8, 8), torch.randn(70, 8)
+    linear = kernels.LinearMap(weight, None, choice.kernel, True, choice.bulk)
+    assert torch.equal(linear.many(x), torch.nn.functional.linear(x, weight))
+    costs["linear"][64] = 20.0  # slower for a prompt: the prompt keeps the kernel
+    assert kernels.measure_choice((8, 8), torch.float32, "native").bulk == choice.kernel
 
 
 def test_choices_are_measured_once_then_read_from_the_users_cache(measured, monkeypatch, user_cache):
