@@ -45,6 +45,7 @@ class Work:
     frame: int = 0  # frames spoken so far, across chunks
     talker_calls: int = 0
     stats: DecodeStats = field(default_factory=DecodeStats)
+    frames_by_budget: dict[int, int] = field(default_factory=dict)  # its frames by the online tree size
     seconds: dict = field(default_factory=lambda: {"talker": 0.0, "predictor": 0.0, "prefill": 0.0})
 
 
@@ -174,6 +175,8 @@ class BatchFrameLoop:
         if online is not None:
             online.start(self.predictor, self.predictor_sampling)
             speculation, probe = online.frame_speculation()
+            for work in works:
+                work.frames_by_budget[online.budget] = work.frames_by_budget.get(online.budget, 0) + 1
         else:
             speculation, probe = self.speculation, False
         started = time.perf_counter()

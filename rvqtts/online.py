@@ -344,12 +344,18 @@ class OnlineSpeculation:
         records[self._learned_key] = self.counts.record()
         write_json(path, records)
 
-    def record(self) -> dict:
-        """What `--stats-json` shows under "online"."""
+    def frames_since(self, before: dict[int, int]) -> dict[int, int]:
+        """Frames run at each tree size since `before` (an earlier copy of frames_by_budget)."""
+        return {n: frames - before.get(n, 0) for n, frames in self.frames_by_budget.items()}
+
+    def record(self, frames_by_budget: dict[int, int] | None = None) -> dict:
+        """What `--stats-json` shows under "online"; `frames_by_budget`: one utterance's own frames by N
+        (the choice is shared by the utterances of a run: its other figures are the run's so far)."""
         rows = self.projection() if self.counts and self.costs else {}
         realized = {str(n): round(self.ms_by_budget[n] / frames, 3) for n, frames in sorted(self.frames_by_budget.items())}
+        own = self.frames_by_budget if frames_by_budget is None else frames_by_budget
         return {"N": self.budget, "fixed": self.fixed, "rows": self.rows,
-                "frames_by_N": {str(n): f for n, f in sorted(self.frames_by_budget.items())},
+                "frames_by_N": {str(n): f for n, f in sorted(own.items()) if f},
                 "inner_loop_ms_per_frame_by_N": realized,
                 "probe_frames": self.probes, "roots_counted": self.observed(),
                 "acceptance": [[round(a, 4) for a in row] for row in self.counts.table()] if self.counts else None,

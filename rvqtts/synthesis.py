@@ -593,7 +593,8 @@ class Synthesizer:
                          sampling=sampling.record(), warnings=state.warnings, weights=self.weights,
                          engine=self.engine_record(), batch_rows=rows,
                          batch_row_bytes=row_bytes(self, self.talker_runner().max_len),
-                         online=speculation.record() if isinstance(speculation, OnlineSpeculation) else None)
+                         online=speculation.record(work.frames_by_budget)
+                         if isinstance(speculation, OnlineSpeculation) else None)
 
     def _speak(self, text: str, speaker: str | None, language: str, seed: int, utterance: int, instruct: str | None,
                clone: ClonedVoice | None, settings: GenerationSettings, chunk_chars: float | None, stream_frames: int | None,
@@ -608,6 +609,8 @@ class Synthesizer:
         sampling = self.sampling(settings)
         loop = self.frame_loop(sampling, seed, utterance)
         loop.inner.on_frame = on_frame
+        online = self.speculation if isinstance(self.speculation, OnlineSpeculation) else None
+        frames_before = dict(online.frames_by_budget) if online else {}
         joiner = StreamJoiner(self.sample_rate)
         decoder = StreamingDecoder(self.model.speech_tokenizer) if stream_frames else None
         seconds = {"decoder": 0.0, "first_audio": None, "prompts": 0.0}
@@ -664,7 +667,7 @@ class Synthesizer:
                          chunks=len(pieces), spec=self.speculation is not None, tree_nodes=tree_nodes(self.speculation), seed=seed,
                          sampling=sampling.record(), warnings=warnings, stream_frames=stream_frames,
                          weights=self.weights, engine=self.engine_record(),
-                         online=self.speculation.record() if isinstance(self.speculation, OnlineSpeculation) else None)
+                         online=online.record(online.frames_since(frames_before)) if online else None)
 
     def _start_stream(self, decoder: StreamingDecoder, clone: ClonedVoice | None) -> None:
         """Reset the streaming decoder for a text chunk; for a voice cloned in ICL mode, continue its

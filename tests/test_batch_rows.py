@@ -274,6 +274,8 @@ def test_a_batch_chooses_its_tree_size_online_at_its_rows_and_keeps_every_lines_
         narrow.speculation = None
     for index, one in enumerate(alone):
         assert np.array_equal(together[index].codes, one.codes), index
+        for made in (one, together[index]):  # each line's own frames by tree size, not the run's so far
+            assert sum(made.record()["online"]["frames_by_N"].values()) == len(made.codes), index
     assert batch_online.rows == 3 and batch_online is not narrow.speculation
     assert len(batch_online.frames_by_budget) >= 3 and together[0].record()["online"]["rows"] == 3
     costs = json.loads((user_cache / "call-costs.json").read_text())
