@@ -22,6 +22,13 @@ from rvqtts.sampling import NonFiniteError, SamplingConfig, draw_checked
 from rvqtts.tree import Tree
 
 
+def steps_call(runner: PredictorRunner, codes: torch.Tensor, index: int, noise: torch.Tensor,
+               sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """One plain step of n frames: feed c_index of frame r (`codes` [n]) in batch row r and draw each one's
+    c_{index+1} with its noise row (`noise` [n, V]); with the finite flag."""
+    return draw_checked(runner.logits(runner.step_rows(codes, index), index + 1), noise, sampling)
+
+
 @torch.inference_mode()
 def decode_frames_plain(runner: PredictorRunner, prefixes: torch.Tensor, noise: torch.Tensor,
                         sampling: SamplingConfig) -> list[list[int]]:
@@ -32,7 +39,7 @@ def decode_frames_plain(runner: PredictorRunner, prefixes: torch.Tensor, noise: 
     code, finite = draw_checked(runner.logits(runner.prefill_rows(prefixes), 1), noise[:, 0], sampling)
     codes, flags = [code], [finite]
     for index in range(1, last):
-        code, finite = draw_checked(runner.logits(runner.step_rows(code, index), index + 1), noise[:, index], sampling)
+        code, finite = steps_call(runner, code, index, noise[:, index], sampling)
         codes.append(code)
         flags.append(finite)
     if not bool(torch.stack(flags).all()):

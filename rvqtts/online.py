@@ -34,13 +34,13 @@ import torch
 
 from rvqtts.devices import synchronize
 from rvqtts.decode import OBSERVED_RANKS, RoundPlan, Speculation, round_call, step_call
-from rvqtts.decode_rows import FrameRounds, round_rows
+from rvqtts.decode_rows import FrameRounds, round_rows, steps_call
 from rvqtts.files import cache_dir, read_records, write_json
 from rvqtts.graphs import StaticCalls
 from rvqtts.kernels import kernels_used, machine_key
 from rvqtts.offsets import Offsets
 from rvqtts.predictor import PredictorRunner
-from rvqtts.sampling import SamplingConfig, draw_checked
+from rvqtts.sampling import SamplingConfig
 from rvqtts.tree import SHIPPED_TREES, Tree, frame_codes_per_call, grow_tree, load_acceptance
 
 BUDGETS = (4, 8, 16, 32)  # tree sizes the online choice weighs against the plain loop
@@ -166,8 +166,7 @@ def rows_call(runner: PredictorRunner, rows: int, index: int, speculation: Specu
     round of the speculation's tree (rvqtts.decode_rows.round_rows)."""
     codes = torch.full((rows,), 5, device=runner.device)
     if speculation is None:
-        draw_checked(runner.logits(runner.step_rows(codes, index), index + 1), noise[None, index].expand(rows, -1),
-                     sampling)
+        steps_call(runner, codes, index, noise[None, index].expand(rows, -1), sampling)
         return
     frames = [FrameRounds(r, index, 5, hidden, speculation) for r in range(rows)]
     round_rows(runner, frames, runner.row_bases(rows).tolist(), offsets, noise[None].expand(rows, -1, -1), sampling)
@@ -230,6 +229,7 @@ class OnlineSpeculation:
     fixed: str | None = None  # why the tree size is not chosen online here (None: it is)
     _trees: dict[int, Speculation] = field(default_factory=dict, repr=False)
     _probe: Speculation | None = field(default=None, repr=False)
+    _batches: dict[int, "OnlineSpeculation"] = field(default_factory=dict, repr=False)
     _learned_key: str = ""
 
     def __post_init__(self) -> None:
@@ -257,7 +257,6 @@ class OnlineSpeculation:
         if not self.costs:  # trees dearer than depth + 1 steps are not weighed: none can pay
             self.costs, self.costs_source = call_costs(runner, [1, self.depth + 1] + [n + 1 for n in self.budgets],
                                                        self.rows, bound=self.depth + 1)
-            self.budgets = tuple(n for n in self.budgets if n + 1 in self.costs)
         key = drafter_key(self.fingerprint, self.offsets, sampling)
         if self.counts is None or key != self._learned_key:
             self._learned_key = key
@@ -269,6 +268,14 @@ class OnlineSpeculation:
                 self.counts = AcceptanceCounts.from_table(prior, self.depth, PRIOR_ROUNDS)
         if self.budget < 0:
             self.budget = self.start_budget
+
+    def for_rows(self, rows: int) -> "OnlineSpeculation":
+        """The choice for batches of `rows` lines: the same model, drafter and candidate sizes, its call costs
+        measured at rows x (N + 1), starting from the plain loop (a batch's rows go to lines unless trees
+        are measured to pay on top of them); kept from one batch to the next."""
+        if rows not in self._batches:
+            self._batches[rows] = OnlineSpeculation(self.offsets, self.fingerprint, budgets=self.budgets, rows=rows)
+        return self._batches[rows]
 
     def speculation(self, budget: int) -> Speculation:
         """The tree of `budget` nodes grown from the current counts (kept until the next choice)."""
@@ -312,7 +319,7 @@ class OnlineSpeculation:
         cost, codes per millisecond and the inner loop's projected time per frame."""
         table = self.counts.table()
         rows = {0: {"codes_per_call": 1.0, "call_ms": self.costs[1], "codes_per_ms": 1.0 / self.costs[1]}}
-        for n in self.budgets:
+        for n in (n for n in self.budgets if n + 1 in self.costs):  # the timed ones (call_costs' bound)
             codes = frame_codes_per_call(table, grow_tree(table, n), self.codes_per_frame)
             rows[n] = {"codes_per_call": round(codes, 4), "call_ms": self.costs[n + 1],
                        "codes_per_ms": codes / self.costs[n + 1]}

@@ -218,7 +218,6 @@ class Synthesizer:
         self._parts: LoopParts | None = None
         self._talker: TalkerRunner | None = None
         self._batch_runner: PredictorRunner | None = None
-        self._batch_online: dict[tuple[int, int], OnlineSpeculation] = {}  # by (id of the online choice, rows)
         # Only CustomVoice models have built-in speakers (the others' voices are cloned or described).
         self.voices = ModelVoices(self.kind,
                                   sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else [],
@@ -556,17 +555,9 @@ class Synthesizer:
 
     def batch_speculation(self, rows: int) -> Speculation | OnlineSpeculation | None:
         """What a batch of `rows` lines speculates with: the plain loop or a given tree as for one line; where
-        the tree size is chosen online, a choice of its own for these rows (its call costs measured at
-        rows x (N + 1), rvqtts.online), starting from the plain loop: a batch's rows go to lines unless
-        trees are measured to pay on top of them. Kept from one batch to the next."""
+        the tree size is chosen online, that choice's own for these rows (`OnlineSpeculation.for_rows`)."""
         online = self.speculation
-        if not isinstance(online, OnlineSpeculation):
-            return online
-        key = (id(online), rows)
-        if key not in self._batch_online:
-            self._batch_online[key] = OnlineSpeculation(online.offsets, online.fingerprint, budgets=online.budgets,
-                                                        rows=rows)
-        return self._batch_online[key]
+        return online.for_rows(rows) if isinstance(online, OnlineSpeculation) else online
 
     def _row_slots(self, line: Line, settings: GenerationSettings, chunk_chars: float | None) -> int:
         """A generous count of the talker positions a line's longest chunk takes: its frame budget, two
