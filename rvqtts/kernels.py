@@ -12,9 +12,13 @@ kernel is fixed here: for every map shape the loops run, each candidate (`candid
 2. timed at one row (a plain step) and at 17 (a 16-node tree round) over copies of the weights larger
    than the CPU's caches, as the loops read them.
 
-The invariant candidate fastest at one row wins, since every frame's talker step and plain inner loop
-are one-row calls; among those within STEP_TIE of it, the cheapest at 17 rows (the fastest of all,
-flagged, where none is invariant). A prompt's prefill, whose bits no other call has to match, runs its
+Every frame's talker step and plain inner loop are one-row calls, but tree rounds and batches run
+many rows, and a kernel that costs about the same for 1 and 16 rows (rvqtts.native's AMX tiles, where
+the CPU has them) makes those nearly free. So of the invariant candidates, those within STEP_TIE of the
+fastest at one row are in the running, and the cheapest at 17 rows of them wins (the fastest of all,
+flagged, where none is invariant): the AMX kernel, 8-15 % slower than bf16dot at one row on an AMX Xeon,
+wins there for 17 rows at less than half the cost; oneDNN's packed kernel, twice as slow at one row,
+never does. A prompt's prefill, whose bits no other call has to match, runs its
 many rows through F.linear where that measured faster at PROMPT_ROWS (`LinearMap.many`). The choice is
 kept per machine (CPU model, torch version, threads), dtype, weight format and shape in the user's cache
 (`kernels.json`), so the probe runs once: about a second per shape at the released dimensions.
@@ -47,13 +51,13 @@ from rvqtts.quantize import quantize_rows
 CHUNK = 32  # rows per kernel call: a longer call goes in chunks, so invariance up to CHUNK + 1 rows covers all
 PADS = (1, 2, 4, 8)  # zero-row paddings tried, smallest first, until a kernel's rows are invariant
 TIMED_ROWS = (1, 17)  # a plain step, and a 16-node tree round
-STEP_TIE = 1.05  # one-row costs this close count as a tie, broken by the 17-row cost
+STEP_TIE = 1.20  # one-row costs within this factor of the fastest are in the running; 17 rows decide
 PROMPT_ROWS = 64  # rows of a prompt's prefill, where the kernel of many rows is timed (`KernelChoice.bulk`)
 COLD_BYTES = 96 << 20  # weight copies cycled through when timing: more than the last-level cache holds
 TIMED_PASSES = 7
 KERNELS_FILE = "kernels.json"
 KERNELS_FORMAT = "rvqtts-kernels"
-KERNELS_VERSION = 3  # 2: rvqtts's own kernel among the candidates; 3: the prompt kernel (older choices measured anew)
+KERNELS_VERSION = 4  # 2: rvqtts's own kernel among the candidates; 3: the prompt kernel; 4: its AMX kernels (older choices measured anew)
 CHOICES_VARIABLE = "RVQTTS_CHOICES"  # "measured" (the default) or "fixed": the rules used before measurement
 
 
@@ -61,7 +65,8 @@ CHOICES_VARIABLE = "RVQTTS_CHOICES"  # "measured" (the default) or "fixed": the 
 class Kernel:
     """How a map applies rows: `multi` ("linear" for F.linear, "packed" for oneDNN's kernel over weights
     reordered once, "int8" for torch's int8 kernel over 8-bit weights, "bf16dot" and "int8dot" for
-    rvqtts's own kernel over bfloat16 or 8-bit weights, rvqtts.native) in calls of at most CHUNK rows,
+    rvqtts's own AVX512-BF16 kernel over bfloat16 or 8-bit weights and "bf16amx" and "int8amx" for its
+    AMX one, rvqtts.native) in calls of at most CHUNK rows,
     each padded with zero rows to at least `pad`; a call of one row through torch.mv where `one_row_mv`."""
 
     multi: str
@@ -93,16 +98,16 @@ def candidates(device: torch.device, dtype: torch.dtype, weights: str,
     first (`fixed_kernel`)."""
     if device.type != "cpu":
         return [Kernel("linear")]
-    own = shape is not None and native.supports(shape, dtype)
+    own = [name for name in (("int8dot", "int8amx") if weights == "int8" else ("bf16dot", "bf16amx"))
+           if shape is not None and native.supports(shape, dtype, name)]
     if weights == "int8":
-        return [Kernel("int8")] + ([Kernel("int8dot")] if own else [])
+        return [Kernel("int8")] + [Kernel(name) for name in own]
     packed = packing_available(dtype)
     found = [Kernel("linear", one_row_mv=True), Kernel("linear")]
     if packed:
         found[1:1] = [Kernel("packed", one_row_mv=True)]
         found.append(Kernel("packed"))
-    if own:
-        found.append(Kernel("bf16dot"))
+    found += [Kernel(name) for name in own]
     fixed = fixed_kernel(device, dtype, weights)
     return [fixed] + [k for k in found if k != fixed]
 
@@ -144,15 +149,15 @@ class LinearMap:
                 scales = scales.to(weight.dtype)
                 self.operands = [qweight, scales]
                 self.apply = lambda rows: self._biased(torch._weight_int8pack_mm(rows, qweight, scales))
-            elif kernel.multi == "int8dot":
+            elif kernel.multi in ("int8dot", "int8amx"):
                 qweight, scales = quantize_rows(weight)
                 packed, scales = native.pack(qweight), scales.to(weight.dtype).float()  # the same scales
                 self.operands = [packed, scales]
-                self.apply = lambda rows: self._biased(native.dot_int8(rows, packed, scales))
-            elif kernel.multi == "bf16dot":
+                self.apply = lambda rows: self._biased(native.apply(kernel.multi, rows, packed, scales))
+            elif kernel.multi in ("bf16dot", "bf16amx"):
                 packed = native.pack(weight)
                 self.operands = [packed]
-                self.apply = lambda rows: self._biased(native.dot_bf16(rows, packed))
+                self.apply = lambda rows: self._biased(native.apply(kernel.multi, rows, packed))
             else:
                 self.operands = [weight]
                 self.apply = lambda rows: F.linear(rows, weight, bias)
@@ -162,7 +167,7 @@ class LinearMap:
 
     def reads(self) -> list[torch.Tensor]:
         """The tensors a call reads (a packed copy holds the weight's bytes in another order)."""
-        if self.kernel.multi in ("packed", "bf16dot"):
+        if self.kernel.multi in ("packed", "bf16dot", "bf16amx"):
             return [self.weight] + ([] if self.bias is None else [self.bias])
         return self.operands + ([] if self.bias is None else [self.bias])
 

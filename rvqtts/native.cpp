@@ -15,6 +15,8 @@
 // row (and each query) alone, so they keep that.
 #include <immintrin.h>
 #include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <vector>
 
@@ -200,6 +202,141 @@ inline void add_into(uint16_t* x, const uint16_t* delta, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] = to_bf16(to_float(x[i]) + to_float(delta[i]));
 }
 
+
+// The same maps on AMX tiles (Intel Xeons from Sapphire Rapids on), for calls of many rows: a tile
+// multiply takes 16 rows at the cost of one, so a call of 16 rows reads its weights once and costs
+// about what one row does (AVX512-BF16 spends a VDPBF16PS per row and block). Each output is again one
+// fixed sequence, the K inputs in chunks of 32 (TDPBF16PS over a row of A and the block's 16 pairs of
+// B), then (int8) times the scale and rounding to bfloat16; a row's bits do not depend on the other
+// rows in its tile, so these kernels keep rows invariant too (in their own order, not bf16dot's).
+// Tiles: 0-3 accumulators (rows x 16 floats), 4 the rows' inputs (rows x 32), 5 and 6 weights (the
+// packed layout's 16 pairs x 16 channels, 64 bytes apart; int8 weights widened into a scratch first).
+constexpr int kTileRows = 16;
+
+// GCC's tile intrinsics are asm statements that do not tell the compiler which memory they read or
+// write: this orders the widened weights' stores before a tile load, and a tile store before its reads.
+inline void memory_barrier() { __asm__ __volatile__("" ::: "memory"); }
+
+struct TileConfig {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile"))) inline void configure_tiles(int rows) {
+    TileConfig config;
+    for (int t = 0; t < 5; ++t) config.rows[t] = rows, config.colsb[t] = 64;
+    for (int t = 5; t < 7; ++t) config.rows[t] = kTileRows, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+// The address of block `block`'s 16 pairs from pair `pair` on, as bfloat16 (int8 widened into `scratch`).
+template <bool Int8>
+inline const void* weight_tile(const void* packed, int64_t pairs, int64_t block, int64_t pair, uint16_t* scratch) {
+    const int64_t index = block * pairs + pair;
+    if constexpr (!Int8) {
+        return reinterpret_cast<const uint16_t*>(packed) + index * 2 * kBlock;
+    } else {
+        for (int p = 0; p < kTileRows; ++p)
+            _mm512_storeu_si512(scratch + p * 2 * kBlock, (__m512i)load_pair<true>(packed, index + p));
+        memory_barrier();
+        return scratch;
+    }
+}
+
+// The cache lines of block `block`'s weights kTileAhead bytes past pair `pair`'s, asked for ahead of the
+// tile loads (which the hardware prefetcher alone left waiting on memory).
+constexpr int kTileAhead = 4096;
+template <bool Int8>
+inline void prefetch_tile(const void* packed, int64_t pairs, int64_t block, int64_t pair) {
+    const char* ahead = reinterpret_cast<const char*>(packed) + (block * pairs + pair) * (Int8 ? 32 : 64) + kTileAhead;
+    for (int line = 0; line < (Int8 ? 8 : 16); ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+}
+
+template <int CB, bool Int8>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const uint16_t* x, int rows, int64_t K,
+                                                            const void* packed, const float* scales, int64_t block,
+                                                            int64_t N, uint16_t* y) {
+    const int64_t pairs = K / 2;
+    alignas(64) uint16_t scratch[2][kTileRows * 2 * kBlock];
+    _tile_zero(0);
+    if constexpr (CB == 4) {
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t k = 0; k < K; k += 2 * kTileRows) {
+        const int64_t pair = k / 2;
+        for (int c = 0; c < CB; ++c) prefetch_tile<Int8>(packed, pairs, block + c, pair);
+        _tile_loadd(4, x + k, K * sizeof(uint16_t));
+        _tile_loadd(5, weight_tile<Int8>(packed, pairs, block, pair, scratch[0]), 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if constexpr (CB == 4) {
+            _tile_loadd(6, weight_tile<Int8>(packed, pairs, block + 1, pair, scratch[1]), 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, weight_tile<Int8>(packed, pairs, block + 2, pair, scratch[0]), 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(6, weight_tile<Int8>(packed, pairs, block + 3, pair, scratch[1]), 64);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+    }
+    alignas(64) float sums[CB][kTileRows * kBlock];
+    _tile_stored(0, sums[0], 64);
+    if constexpr (CB == 4) {
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+    }
+    memory_barrier();
+    for (int c = 0; c < CB; ++c) {
+        const __m512 scale = Int8 ? _mm512_loadu_ps(scales + (block + c) * kBlock) : _mm512_set1_ps(1.0f);
+        for (int r = 0; r < rows; ++r) {
+            const __m512 sum = _mm512_load_ps(sums[c] + r * kBlock);
+            const __m512 out = Int8 ? _mm512_mul_ps(sum, scale) : sum;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + (block + c) * kBlock),
+                                (__m256i)_mm512_cvtneps_pbh(out));
+        }
+    }
+}
+
+// y [M, N] = x [M, K] through packed weights on AMX tiles, in passes of at most 16 rows of equal size;
+// threads split the output channels as `matmul` does. K % 32 == 0.
+template <bool Int8>
+__attribute__((target("amx-tile"))) void amx_matmul(const uint16_t* x, int64_t M, int64_t K, const void* packed,
+                                                    const float* scales, int64_t N, uint16_t* y) {
+    const int64_t total = N / kBlock, groups = total / kGroup, units = groups + total % kGroup;
+    const int64_t passes = (M + kTileRows - 1) / kTileRows, per_pass = (M + passes - 1) / passes;
+    #pragma omp parallel
+    {
+        int configured = 0;
+        #pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; ++u) {
+            for (int64_t r = 0; r < M; r += per_pass) {
+                const int rows = static_cast<int>(M - r < per_pass ? M - r : per_pass);
+                if (rows != configured) configure_tiles(configured = rows);
+                if (u < groups)
+                    amx_tile<kGroup, Int8>(x + r * K, rows, K, packed, scales, u * kGroup, N, y + r * N);
+                else
+                    amx_tile<1, Int8>(x + r * K, rows, K, packed, scales, groups * kGroup + (u - groups), N, y + r * N);
+            }
+        }
+        if (configured) _tile_release();
+    }
+}
+
+// A map by kernel: 0 bf16dot, 1 int8dot, 2 AMX over bfloat16 weights, 3 AMX over int8 weights.
+inline void apply_map(int kind, const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales,
+                      int64_t N, uint16_t* y) {
+    switch (kind) {
+        case 0: matmul<false>(x, M, K, packed, nullptr, N, y); break;
+        case 1: matmul<true>(x, M, K, packed, scales, N, y); break;
+        case 2: amx_matmul<false>(x, M, K, packed, nullptr, N, y); break;
+        default: amx_matmul<true>(x, M, K, packed, scales, N, y); break;
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -275,26 +412,28 @@ void rvqtts_silu_times_up(const uint16_t* gate_up, int64_t rows, int64_t n, uint
     for (int64_t r = 0; r < rows; ++r) silu_times_up(gate_up + r * 2 * n, n, out + r * n);
 }
 
-// y [M, N] bfloat16 = x [M, K] bfloat16 times packed bfloat16 weights, transposed. K even, N % 16 == 0.
-void rvqtts_dot_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N, uint16_t* y) {
-    matmul<false>(x, M, K, packed, nullptr, N, y);
+// y [M, N] bfloat16 = x [M, K] bfloat16 through packed weights (transposed) by kernel `kind` (apply_map's
+// numbers; scales for int8 weights). K even (a multiple of 32 on AMX), N % 16 == 0.
+void rvqtts_map(int kind, const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales,
+                int64_t N, uint16_t* y) {
+    apply_map(kind, x, M, K, packed, scales, N, y);
 }
 
-// The same with packed int8 weights and a float scale per output channel.
-void rvqtts_dot_int8(const uint16_t* x, int64_t M, int64_t K, const int8_t* packed, const float* scales,
-                     int64_t N, uint16_t* y) {
-    matmul<true>(x, M, K, packed, scales, N, y);
+// Asks Linux for this process's use of AMX tile data (once, before any tile instruction): 0 where granted.
+int rvqtts_amx_permit() {
+    constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return static_cast<int>(syscall(SYS_arch_prctl, kRequestPermission, kTileData));
 }
-
 
 // One decoder layer of `rows` states x [rows, hidden] (updated in place), every step of
 // CachedDecoder.run_layers's in one call: RMSNorm, the fused q|k|v map, q/k norms and RoPE with keys and
 // values into the caches, attention (as rvqtts_attend), the output map and residual, RMSNorm, the fused
 // gate|up map, SiLU times up, the down map and residual. maps[4] are the packed q|k|v, output, gate|up
-// and down weights (int8 with scales[4] where int8 is set); widths[4] their output counts.
+// and down weights (with scales[4] for int8 weights); widths[4] their output counts; kind the kernel
+// (apply_map's numbers).
 void rvqtts_layer(uint16_t* x, int64_t rows, int64_t hidden, const uint16_t* input_norm,
                   const uint16_t* post_norm, float eps, const void* const* maps, const float* const* scales,
-                  const int64_t* widths, int int8, int64_t heads, int64_t kv_heads, int64_t d,
+                  const int64_t* widths, int kind, int64_t heads, int64_t kv_heads, int64_t d,
                   const uint16_t* q_norm, const uint16_t* k_norm, const uint16_t* cos, const uint16_t* sin,
                   uint16_t* k_cache, uint16_t* v_cache, int64_t length, const int64_t* write_slots,
                   int64_t write_start, int64_t width, const int64_t* attend_slots, const uint8_t* visible,
@@ -308,10 +447,7 @@ void rvqtts_layer(uint16_t* x, int64_t rows, int64_t hidden, const uint16_t* inp
     gate_up.resize(rows * widths[2]);
     act.resize(rows * widths[2] / 2);
     auto map = [&](int which, const uint16_t* in, int64_t in_features, uint16_t* out) {
-        if (int8)
-            matmul<true>(in, rows, in_features, maps[which], scales[which], widths[which], out);
-        else
-            matmul<false>(in, rows, in_features, maps[which], nullptr, widths[which], out);
+        apply_map(kind, in, rows, in_features, maps[which], scales[which], widths[which], out);
     };
     rvqtts_rms_norm(x, rows, hidden, input_norm, eps, normed.data());
     map(0, normed.data(), hidden, qkv.data());

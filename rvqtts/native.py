@@ -8,6 +8,12 @@ widened to bfloat16 in registers (W8A16). Each output is one fixed sequence of o
 call's row count or thread count, so rows are invariant by construction (and still probed, like every
 candidate, by rvqtts.kernels, which picks it only where it measures fastest).
 
+That kernel spends a VDPBF16PS per row and weight vector, so past a few rows it is bound by compute:
+17 rows cost 3x one on an AMX Xeon. Where the CPU has AMX, the same packed weights also run on its
+tiles (`bf16amx`, `int8amx`): one tile multiply takes up to 16 rows, so 16 rows cost about what one
+does, which is what tree rounds and batches need (docs/benchmarks.md). Its sums run in another order
+than the dot kernel's (chunks of 32 inputs), again the same for every row count.
+
 A predictor step spent about a third of its time in torch's per-operation overhead around the maps
 (RMSNorm is eight operations, a layer's q/k norms and RoPE about thirty): `rms_norm` and
 `attention_inputs` do those in one call each, rounding where qwen-tts's bfloat16 operations round (only
@@ -49,11 +55,17 @@ MAX_HEAD_DIM = 1024  # attention_inputs' scratch row
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
-def supports(shape: tuple[int, int], dtype: torch.dtype) -> bool:
-    """Whether a map of this [out, in] shape and activation dtype can run here."""
+KINDS = {"bf16dot": 0, "int8dot": 1, "bf16amx": 2, "int8amx": 3}  # the library's kernel numbers
+AMX_FLAGS = ("amx_tile", "amx_bf16")
+AMX_CHUNK = 32  # inputs per tile multiply: an AMX map's input count must be a multiple
+
+
+def supports(shape: tuple[int, int], dtype: torch.dtype, kind: str = "bf16dot") -> bool:
+    """Whether a map of this [out, in] shape and activation dtype can run here by kernel `kind`."""
     out_features, in_features = shape
-    return (dtype == torch.bfloat16 and out_features % BLOCK == 0 and in_features % 2 == 0
-            and unavailable() is None)
+    amx = kind.endswith("amx")
+    return (dtype == torch.bfloat16 and out_features % BLOCK == 0 and in_features % (AMX_CHUNK if amx else 2) == 0
+            and (amx_unavailable() if amx else unavailable()) is None)
 
 
 def unavailable() -> str | None:
@@ -61,25 +73,23 @@ def unavailable() -> str | None:
     return _load()[1]
 
 
+def amx_unavailable() -> str | None:
+    """Why the AMX kernels cannot run here (no AMX, or Linux did not grant its tile data), or None."""
+    return unavailable() or _load()[2]
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """Weights [out, in] (bfloat16 or int8) in the kernel's order [out/16, in/2, 16, 2]."""
+    """Weights [out, in] (bfloat16 or int8) in the kernels' order [out/16, in/2, 16, 2]."""
     out_features, in_features = weight.shape
     return weight.detach().reshape(out_features // BLOCK, BLOCK, in_features // 2, 2).transpose(1, 2).contiguous()
 
 
-def dot_bf16(rows: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """rows [M, in] bfloat16 (contiguous) through packed bfloat16 weights: [M, out] bfloat16."""
+def apply(kind: str, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, in] bfloat16 (contiguous) through packed weights by kernel `kind` (`KINDS`; the int8 ones
+    with float32 scales [out]): [M, out] bfloat16."""
     out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK)
-    _load()[0].rvqtts_dot_bf16(rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), out.shape[1],
-                               out.data_ptr())
-    return out
-
-
-def dot_int8(rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """rows [M, in] bfloat16 (contiguous) through packed int8 weights with float32 scales [out]."""
-    out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK)
-    _load()[0].rvqtts_dot_int8(rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(),
-                               scales.data_ptr(), out.shape[1], out.data_ptr())
+    _load()[0].rvqtts_map(KINDS[kind], rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(),
+                          _address(scales), out.shape[1], out.data_ptr())
     return out
 
 
@@ -138,12 +148,13 @@ def layer_maps(maps: list) -> tuple | None:
     """A layer's q|k|v, output, gate|up and down maps (rvqtts.kernels.LinearMap) as `layer` takes them, or
     None where they do not all run this library's kernel in one weight format, without biases."""
     kinds = {linear.kernel.multi for linear in maps}
-    if kinds not in ({"bf16dot"}, {"int8dot"}) or any(linear.bias is not None for linear in maps):
+    if len(kinds) != 1 or not kinds <= KINDS.keys() or any(linear.bias is not None for linear in maps):
         return None
-    int8 = kinds == {"int8dot"}
+    kind = kinds.pop()
+    int8 = kind.startswith("int8")
     return ((ctypes.c_void_p * 4)(*[linear.operands[0].data_ptr() for linear in maps]),
             (ctypes.c_void_p * 4)(*[linear.operands[1].data_ptr() if int8 else None for linear in maps]),
-            (ctypes.c_int64 * 4)(*[linear.out_features for linear in maps]), int8)
+            (ctypes.c_int64 * 4)(*[linear.out_features for linear in maps]), KINDS[kind])
 
 
 def layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float, maps: tuple,
@@ -156,11 +167,11 @@ def layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
     `attend`, the MLP through `silu_times_up`."""
     rows, hidden = x.shape
     heads, kv_heads, head_dim = shape
-    packed, scales, widths, int8 = maps
+    packed, scales, widths, kind = maps
     (write_slots, start), slots, visible = _write_slots(write), _slot_list(slots), _bytes(visible)
     k_cache, v_cache = caches
     _load()[0].rvqtts_layer(
-        x.data_ptr(), rows, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps, packed, scales, widths, int(int8),
+        x.data_ptr(), rows, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps, packed, scales, widths, kind,
         heads, kv_heads, head_dim, qk_norms[0].data_ptr(), qk_norms[1].data_ptr(), cos.data_ptr(), sin.data_ptr(),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], _address(write_slots), start, width,
         _address(slots), _address(visible), head_dim ** -0.5)
@@ -185,19 +196,20 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    """The built library, or None and why not (once per process)."""
+def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
+    """The built library, or None and why not, and why its AMX kernels cannot run or None (once per
+    process: a process must ask Linux for AMX's tile data before its first tile instruction)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"the CPU is {platform.machine()}, not x86-64"
+        return None, f"the CPU is {platform.machine()}, not x86-64", None
     missing = [flag for flag in CPU_FLAGS if flag not in _cpu_flags()]
     if missing:
-        return None, f"the CPU lacks {', '.join(missing)}"
+        return None, f"the CPU lacks {', '.join(missing)}", None
     try:
         library = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError) as error:
-        return None, str(error)
-    library.rvqtts_dot_bf16.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _POINTER]
-    library.rvqtts_dot_int8.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER]
+        return None, str(error), None
+    library.rvqtts_map.argtypes = [ctypes.c_int, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER]
+    library.rvqtts_amx_permit.restype = ctypes.c_int
     library.rvqtts_rms_norm.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, ctypes.c_float, _POINTER]
     library.rvqtts_attention_inputs.argtypes = [_POINTER, *[_SIZE] * 4, *[_POINTER] * 4, ctypes.c_float,
                                                 *[_POINTER] * 3, _SIZE, _POINTER, _SIZE]
@@ -207,11 +219,16 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     library.rvqtts_layer.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _POINTER, ctypes.c_float, _POINTER, _POINTER,
                                      _POINTER, ctypes.c_int, *[_SIZE] * 3, *[_POINTER] * 6, _SIZE, _POINTER, _SIZE,
                                      _SIZE, _POINTER, _POINTER, ctypes.c_float]
-    for function in (library.rvqtts_dot_bf16, library.rvqtts_dot_int8, library.rvqtts_rms_norm,
+    for function in (library.rvqtts_map, library.rvqtts_rms_norm,
                      library.rvqtts_attention_inputs, library.rvqtts_attend, library.rvqtts_silu_times_up,
                      library.rvqtts_layer):
         function.restype = None
-    return library, None
+    amx_missing = [flag for flag in AMX_FLAGS if flag not in _cpu_flags()]
+    if amx_missing:
+        return library, None, f"the CPU lacks {', '.join(amx_missing)}"
+    if library.rvqtts_amx_permit() != 0:
+        return library, None, "Linux did not grant AMX tile data to this process (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return library, None, None
 
 
 def _cpu_flags() -> set[str]:

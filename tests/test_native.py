@@ -26,6 +26,11 @@ from rvqtts.tree import resolve_tree
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None,
                                   reason=f"rvqtts's kernel does not run here: {native.unavailable()}")
+needs_amx = pytest.mark.skipif(native.amx_unavailable() is not None,
+                               reason=f"rvqtts's AMX kernels do not run here: {native.amx_unavailable()}")
+# Each of the library's kernels, those on AMX tiles skipped on CPUs without them.
+BF16_KERNELS = ["bf16dot", pytest.param("bf16amx", marks=needs_amx)]
+INT8_KERNELS = ["int8dot", pytest.param("int8amx", marks=needs_amx)]
 # 80 outputs: one group of four 16-channel blocks and one single block; 96 inputs: 48 pairs (torch's own
 # int8 kernel, compared below, fails on some odd widths).
 SHAPE = (80, 96)
@@ -47,23 +52,25 @@ def _within_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 17, 33])
-def test_bf16_weights_give_the_product_up_to_rounding(rows):
+@pytest.mark.parametrize("name", BF16_KERNELS)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 33])
+def test_bf16_weights_give_the_product_up_to_rounding(rows, name):
     generator = torch.Generator().manual_seed(rows)
     weight, x = _sample(generator, *SHAPE), _sample(generator, rows, SHAPE[1])
-    out = LinearMap(weight, None, Kernel("bf16dot"))(x)
+    out = LinearMap(weight, None, Kernel(name))(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, SHAPE[0])
     assert _within_rounding(out, x, weight)
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", INT8_KERNELS)
 @pytest.mark.parametrize("rows", [1, 6, 17])
-def test_int8_weights_give_the_product_with_the_dequantized_weights_and_the_bias(rows):
+def test_int8_weights_give_the_product_with_the_dequantized_weights_and_the_bias(rows, name):
     generator = torch.Generator().manual_seed(rows)
     weight, x, bias = _sample(generator, *SHAPE), _sample(generator, rows, SHAPE[1]), _sample(generator, SHAPE[0])
     quantized, scales = quantize_rows(weight)
     dequantized = quantized.double() * scales.to(torch.bfloat16).double()[:, None]  # the bf16 scales torch's uses
-    out = LinearMap(weight, bias, Kernel("int8dot"))(x)
+    out = LinearMap(weight, bias, Kernel(name))(x)
     assert _within_rounding(out, x, dequantized, bias)
     assert not _within_rounding(out, x, weight.double() * 1.02, bias)  # the check tells a 2 % scale error
     torch_int8 = LinearMap(weight, bias, Kernel("int8"))(x)  # the same quantized model through torch's kernel
@@ -71,7 +78,7 @@ def test_int8_weights_give_the_product_with_the_dequantized_weights_and_the_bias
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", ["bf16dot", "int8dot"])
+@pytest.mark.parametrize("name", BF16_KERNELS + INT8_KERNELS)
 def test_every_row_gets_its_own_bits_whatever_the_rows_and_threads_of_the_call(name):
     generator = torch.Generator().manual_seed(3)
     linear = LinearMap(_sample(generator, *SHAPE), None, Kernel(name))
@@ -96,6 +103,15 @@ def test_the_kernel_is_a_candidate_for_the_shapes_and_dtype_it_runs():
     assert Kernel("bf16dot") not in candidates(cpu, torch.bfloat16, "native", (1000, 3072))  # not 16 a block
     linear = LinearMap(torch.zeros(32, 64, dtype=torch.bfloat16), None, Kernel("int8dot"))
     assert sum(t.numel() * t.element_size() for t in linear.reads()) == 32 * 64 + 32 * 4  # int8 and scales
+
+
+@needs_amx
+def test_the_amx_kernels_are_candidates_where_the_inputs_fill_their_tiles():
+    cpu = torch.device("cpu")
+    assert Kernel("bf16amx") in candidates(cpu, torch.bfloat16, "native", (1024, 3072))
+    assert Kernel("int8amx") in candidates(cpu, torch.bfloat16, "int8", (1024, 3072))
+    assert Kernel("bf16amx") not in candidates(cpu, torch.bfloat16, "native", (1024, 3056))  # not 32 an input tile
+    assert Kernel("bf16dot") in candidates(cpu, torch.bfloat16, "native", (1024, 3056))
 
 
 def test_a_machine_that_cannot_build_it_says_why_and_offers_the_other_kernels(tmp_path):
@@ -167,11 +183,13 @@ def test_attention_over_the_cache_is_float32_attention_of_the_visible_slots_quer
     assert torch.equal(first[:, :1], native.attend(q[:, :1], k_cache, v_cache, 1))
 
 
-@pytest.fixture
-def own_kernel(monkeypatch):
-    """Every CPU map runs the library's kernel (bfloat16 or 8-bit), whatever this machine would measure."""
+@pytest.fixture(params=["dot", pytest.param("amx", marks=needs_amx)])
+def own_kernel(monkeypatch, request):
+    """Every CPU map runs one of the library's kernels (bfloat16 or 8-bit; AVX512 dot products or AMX
+    tiles), whatever this machine would measure."""
     def choice(shape, dtype, weights="native", device=torch.device("cpu")):
-        return KernelChoice(Kernel("int8dot" if weights == "int8" else "bf16dot"), True, {}, (), "measured")
+        name = ("int8" if weights == "int8" else "bf16") + request.param
+        return KernelChoice(Kernel(name), True, {}, (), "measured")
 
     monkeypatch.setattr(kernels, "kernel_choice", choice)
 
