@@ -1,0 +1,25 @@
+"""rvqtts: fast, exact Qwen3-TTS 12 Hz synthesis (docs/architecture.md shows the layers).
+
+The public API, importable from here: `Synthesizer` (load a checkpoint, synthesize, stream, batches),
+`GenerationSettings`, `Line` and `Synthesis`. They load on first use, so that importing rvqtts (and
+the command line's quick answers) does not pay for torch and qwen-tts.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rvqtts.settings import GenerationSettings, Line, Synthesis
+    from rvqtts.synthesis import AudioStream, Synthesizer
+
+__all__ = ["AudioStream", "GenerationSettings", "Line", "Synthesis", "Synthesizer"]
+_HOMES = {"AudioStream": "rvqtts.synthesis", "Synthesizer": "rvqtts.synthesis", "GenerationSettings": "rvqtts.settings",
+          "Line": "rvqtts.settings", "Synthesis": "rvqtts.settings"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _HOMES:
+        return getattr(import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'rvqtts' has no attribute {name!r}")

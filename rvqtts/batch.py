@@ -18,7 +18,7 @@ import numpy as np
 
 from rvqtts.audio import AUDIO_FORMATS
 from rvqtts.cloning import VoiceError, VoiceSource
-from rvqtts.sampling import NonFiniteError
+from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.text import MAX_CHUNK_WEIGHT
 
 FIELDS = {"text", "speaker", "language", "instruct", "out", "ref_audio", "ref_text", "x_vector_only", "voice"}
@@ -289,7 +289,7 @@ def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speak
 def attempt_many(synth, items: list[Utterance], run: dict, batch_size: int,
                  on_notice=None) -> Iterator[tuple[Utterance, tuple]]:
     """`attempt` for several lines spoken together: each line and its answer, as it ends."""
-    from rvqtts.synthesis import Line
+    from rvqtts.settings import Line
 
     voices, lines, failed = [], [], []
     for item in items:

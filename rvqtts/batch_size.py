@@ -1,7 +1,7 @@
 """`--batch-size auto`: how many utterances a batch speaks together, chosen by measurement on this machine
 and model, and bounded by memory.
 
-A batch frame is one talker step and G - 1 predictor calls for all its rows (rvqtts.batch_frames), and the
+A batch frame is one talker step and G - 1 predictor calls for all its rows (rvqtts.engine.batch_frames), and the
 speech decoder's work for each line apart. Per candidate B this times those calls with B rows and the
 decoder over a few frames, and takes the cost of one frame of one line: (talker step + inner loop) / B +
 the decoder's per frame. Rows are nearly free while the calls read their weights (a CPU's bandwidth, a
@@ -25,12 +25,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rvqtts.decode_rows import decode_frames_plain
-from rvqtts.devices import synchronize
+from rvqtts.engine.decode_rows import decode_frames_plain
+from rvqtts.engine.devices import synchronize
+from rvqtts.engine.kernels import kernels_used, machine_key, measured_choices
+from rvqtts.engine.online import predictor_key
+from rvqtts.engine.sampling import SamplingConfig
 from rvqtts.files import cache_dir, read_records, write_json
-from rvqtts.kernels import kernels_used, machine_key, measured_choices
-from rvqtts.online import predictor_key
-from rvqtts.sampling import SamplingConfig
 
 CANDIDATES = (1, 2, 4, 8)  # more rows: every line waits longer for its first file (docs/benchmarks.md)
 WITHIN = 1.10  # the smallest B whose frame costs at most this much more than the cheapest

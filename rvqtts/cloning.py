@@ -23,11 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rvqtts.engine.offsets import weight_digest
 from rvqtts.files import write_atomically
-from rvqtts.offsets import weight_digest
 
 VOICE_FORMAT = "rvqtts-voice"
 MIN_REFERENCE_SECONDS = 1.0  # below this the speaker encoder and the codec see too little to clone from
+PRIMED_VOICES = 32  # decoder states kept after ICL references (a few MB each at the released dimensions)
 SILENCE_PEAK = 1e-3  # a reference whose loudest sample is below this (-60 dBFS) holds no voice
 
 
@@ -191,3 +192,22 @@ def load_voice(path: str | os.PathLike, hidden_size: int | None = None, fingerpr
                          f"embedding {embedding.shape[0]}; this model's: {fingerprint}, {hidden_size}): encode the "
                          "reference again with this model (--ref-audio ... --save-voice)")
     return ClonedVoice(embedding.float(), codes, meta.get("ref_text") or None, theirs, meta.get("source", ""))
+
+
+class PrimedVoices(dict):
+    """The streaming decoder's state after each ICL voice's reference codes (voice -> state), so that every
+    text chunk in that voice continues its reference (as qwen-tts's offline decode does) without decoding
+    the reference again; the PRIMED_VOICES most recent voices are kept."""
+
+    def start(self, decoder: object, clone: ClonedVoice | None) -> None:
+        """Reset the streaming decoder (rvqtts.engine.streaming) for a text chunk; for a voice cloned in ICL
+        mode, restore it to just after the voice's reference (decoded here the first time)."""
+        decoder.reset()
+        if clone is None or not clone.icl:
+            return
+        if clone not in self:
+            if len(self) >= PRIMED_VOICES:  # a batch of many voices: drop the oldest
+                del self[next(iter(self))]
+            decoder.push(clone.codes)
+            self[clone] = decoder.snapshot()
+        decoder.restore(self[clone])

@@ -21,7 +21,7 @@ from typing import Callable
 
 from rvqtts.batch import BatchResult, Manifest, Utterance, attempt_many, conclude, describe, to_do
 from rvqtts.batch_size import choose_batch_size
-from rvqtts.sampling import NonFiniteError
+from rvqtts.engine.sampling import NonFiniteError
 
 INSTALL_HINT = "pip install 'rvqtts[ray]' (in a checkout: pip install -e '.[ray]')"
 DEATHS_PER_LINE = 3  # a line whose workers died this often is reported failed rather than tried again
@@ -78,7 +78,7 @@ class SynthesisWorker:
         import ray
         import torch
 
-        from rvqtts.devices import pick_device, pick_dtype
+        from rvqtts.engine.devices import pick_device, pick_dtype
         from rvqtts.loading import model_config
         from rvqtts.synthesis import Synthesizer, prepare_inner_loop
 

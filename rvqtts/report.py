@@ -331,7 +331,7 @@ def tune_table(result: dict) -> Table:
 
 
 def trees_table(online: dict) -> Table:
-    """What `--tree auto` chose from (rvqtts.online): per tree size, the projection and what ran."""
+    """What `--tree auto` chose from (rvqtts.engine.online): per tree size, the projection and what ran."""
     table = Table(title=f"tree size chosen online: N = {online['N']}", title_justify="left", box=box.SIMPLE_HEAD)
     for title in ("N", "codes/call", "call ms", "projected ms/frame", "frames run", "ms/frame run"):
         table.add_column(title, justify="right")

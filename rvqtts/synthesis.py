@@ -1,9 +1,9 @@
 """Text to waveform: qwen-tts's model, prompts and decoder, with both loops run by rvqtts.
 
 qwen-tts owns loading, prompts, speakers and the speech decoder's weights. rvqtts runs the talker
-(rvqtts.talker), the inner loop (rvqtts.inner_loop) and the frame loop joining them (rvqtts.frame_loop),
-with every code drawn from keyed noise: the same seed gives the same codes, with or without speculation.
-Audio comes offline (qwen-tts's decoder over each text chunk) or streamed (rvqtts.streaming, a few
+(rvqtts.engine.talker), the inner loop (rvqtts.engine.inner_loop) and the frame loop joining them
+(rvqtts.engine.frame_loop), with every code drawn from keyed noise: the same seed gives the same codes, with or without speculation.
+Audio comes offline (qwen-tts's decoder over each text chunk) or streamed (rvqtts.engine.streaming, a few
 frames at a time). Long text is spoken chunk by chunk (rvqtts.text) and joined with a short crossfade
 (rvqtts.audio).
 """
@@ -20,167 +20,40 @@ import numpy as np
 import torch
 
 from rvqtts.audio import StreamJoiner
-from rvqtts.batch_frames import BatchFrameLoop, ChunkDone, Work, WorkFailed
 from rvqtts.batch_size import fitting_rows, row_bytes, rows_invariant
-from rvqtts.cloning import ClonedVoice, VoiceError, VoiceSource, encode_voice, encoder_fingerprint, load_voice
-from rvqtts.decode import DEFAULT_DEPTH, DecodeStats, Speculation
-from rvqtts.frame_loop import FrameLoop
-from rvqtts.fused import FusedDecoder
-from rvqtts.graphs import StaticCalls
-from rvqtts.inner_loop import ForcedLoop, InnerLoop, LoopParts
-from rvqtts.kernels import cpu_model, kernels_used, measured_choices
+from rvqtts.cloning import (
+    ClonedVoice,
+    PrimedVoices,
+    VoiceError,
+    VoiceSource,
+    encode_voice,
+    encoder_fingerprint,
+    load_voice,
+)
+from rvqtts.engine.batch_frames import BatchFrameLoop, ChunkDone, Work, WorkFailed
+from rvqtts.engine.decode import DEFAULT_DEPTH, Speculation
+from rvqtts.engine.frame_loop import FrameLoop
+from rvqtts.engine.fused import FusedDecoder
+from rvqtts.engine.graphs import StaticCalls
+from rvqtts.engine.inner_loop import ForcedLoop, InnerLoop, LoopParts
+from rvqtts.engine.kernels import cpu_model, kernels_used, measured_choices
+from rvqtts.engine.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
+from rvqtts.engine.online import OnlineSpeculation
+from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.quantize import check_weights
+from rvqtts.engine.sampling import C0Rules, NonFiniteError
+from rvqtts.engine.streaming import StreamingDecoder
+from rvqtts.engine.talker import TalkerRunner
+from rvqtts.engine.tree import best_budget, platform_key, resolve_tree
 from rvqtts.loading import ModelVoices, load_tts
-from rvqtts.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
-from rvqtts.online import OnlineSpeculation
-from rvqtts.predictor import PredictorRunner
 from rvqtts.prompt import Prompt, capture_prompt
-from rvqtts.quantize import check_weights
-from rvqtts.sampling import C0Rules, NonFiniteError, SamplingConfig
-from rvqtts.streaming import StreamingDecoder
-from rvqtts.talker import TalkerRunner
+from rvqtts.settings import GenerationSettings, Line, ResolvedSampling, Synthesis
 from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_budget
-from rvqtts.tree import best_budget, platform_key, resolve_tree
 
 STREAM_FRAMES = 4  # frames per streamed audio chunk: 320 ms, the Qwen3-TTS report's packet
 PROMPT_TOKENS = 64  # a prompt's tokens besides its text's (roles, codec tags, speaker), generously
-PRIMED_VOICES = 32  # decoder states kept after ICL references (a few MB each at the released dimensions)
 INSTRUCT_IGNORED = ("warning: this model does not support --instruct (the 0.6B CustomVoice and the Base models "
                     "take none); ignoring it")
-
-
-QWEN_TTS_DEFAULTS = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
-                         subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0,
-                         subtalker_temperature=0.9)  # qwen-tts's own, for keys a checkpoint does not set
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """What the user asked for; None means the checkpoint's generation_config.json, as qwen-tts reads it
-    (talker and code predictor separately), else qwen-tts's defaults. `temperature`, `top_k` and `top_p`
-    set both loops; the `predictor_*` fields set the code predictor's apart. `max_frames` caps every chunk
-    (None: as long as its text warrants, within the model's limit)."""
-
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    max_frames: int | None = None
-    predictor_temperature: float | None = None
-    predictor_top_k: int | None = None
-    predictor_top_p: float | None = None
-
-    def __post_init__(self) -> None:
-        # The same checks as the sampler's, with their messages, on whatever was given.
-        for temperature, top_k, top_p in ((self.temperature, self.top_k, self.top_p),
-                                          (self.predictor_temperature, self.predictor_top_k, self.predictor_top_p)):
-            SamplingConfig(0.9 if temperature is None else temperature, 50 if top_k is None else top_k,
-                           1.0 if top_p is None else top_p)
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise ValueError(f"repetition penalty must be positive, got {self.repetition_penalty}")
-        if self.max_frames is not None and self.max_frames < 1:
-            raise ValueError(f"max frames must be at least 1, got {self.max_frames}")
-
-    def resolve(self, defaults: dict) -> "ResolvedSampling":
-        """The sampling both loops run with: given values first, then `defaults` (the checkpoint's
-        generation config), then qwen-tts's own defaults."""
-
-        def pick(key: str, *given):
-            """The first value given, else the checkpoint's, else qwen-tts's."""
-            stored = defaults.get(key)
-            return next((v for v in given if v is not None), QWEN_TTS_DEFAULTS[key] if stored is None else stored)
-
-        talker = SamplingConfig(pick("temperature", self.temperature), pick("top_k", self.top_k) or 0,
-                                pick("top_p", self.top_p), bool(pick("do_sample")))
-        predictor = SamplingConfig(pick("subtalker_temperature", self.predictor_temperature, self.temperature),
-                                   pick("subtalker_top_k", self.predictor_top_k, self.top_k) or 0,
-                                   pick("subtalker_top_p", self.predictor_top_p, self.top_p),
-                                   bool(pick("subtalker_dosample")))
-        return ResolvedSampling(talker, predictor, float(pick("repetition_penalty", self.repetition_penalty)))
-
-
-@dataclass(frozen=True)
-class ResolvedSampling:
-    """The sampling of one run: the talker's (c0, with its repetition penalty) and the code predictor's."""
-
-    talker: SamplingConfig
-    predictor: SamplingConfig
-    repetition_penalty: float
-
-    def generate_kwargs(self, max_frames: int) -> dict:
-        """qwen-tts keywords, for its stock loops. N generated talker tokens make N - 1 frames, hence the + 1."""
-        return dict(do_sample=self.talker.do_sample, temperature=self.talker.temperature,
-                    top_k=self.talker.top_k, top_p=self.talker.top_p, repetition_penalty=self.repetition_penalty,
-                    subtalker_dosample=self.predictor.do_sample, subtalker_temperature=self.predictor.temperature,
-                    subtalker_top_k=self.predictor.top_k, subtalker_top_p=self.predictor.top_p,
-                    max_new_tokens=max_frames + 1)
-
-    def record(self) -> dict:
-        """What `--stats-json` shows under "sampling"."""
-        def loop(config: SamplingConfig) -> dict:
-            return dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                        do_sample=config.do_sample)
-
-        return {"talker": {**loop(self.talker), "repetition_penalty": self.repetition_penalty},
-                "predictor": loop(self.predictor)}
-
-
-@dataclass
-class Synthesis:
-    """One utterance: audio, its frame codes [frames, G], and what the run did and cost."""
-
-    audio: np.ndarray
-    sample_rate: int
-    codes: np.ndarray
-    stats: DecodeStats
-    seconds: dict[str, float]
-    talker_calls: int
-    chunks: int
-    spec: bool
-    tree_nodes: int
-    seed: int
-    sampling: dict = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-    stream_frames: int | None = None
-    weights: str = "native"
-    engine: dict = field(default_factory=dict)
-    online: dict | None = None  # --tree auto's online choice (rvqtts.online): what ran and why
-    batch_rows: int = 1  # utterances spoken together in each call (synthesize_many)
-    batch_row_bytes: int | None = None  # the caches each batch row holds: its talker and code predictor regions
-
-    def record(self) -> dict:
-        """The statistics users see (`--stats-json`, the table). rtf = compute seconds / audio seconds."""
-        audio_seconds = self.audio.size / self.sample_rate
-        wall = self.seconds["wall"]
-        return {
-            "frames": int(self.codes.shape[0]), "audio_seconds": round(audio_seconds, 3), "chunks": self.chunks,
-            "talker_calls": self.talker_calls, "predictor_calls": self.stats.calls,
-            "predictor_codes": self.stats.codes, "codes_per_call": round(self.stats.codes_per_call, 4),
-            "accepted_per_depth": list(self.stats.accepted_per_depth), "wall_seconds": round(wall, 3),
-            "talker_seconds": round(self.seconds["talker"], 3),
-            "predictor_seconds": round(self.seconds["predictor"], 3),
-            "decoder_seconds": round(self.seconds["decoder"], 3),
-            "prefill_seconds": round(self.seconds["prefill"], 3),
-            "first_audio_seconds": round(self.seconds["first_audio"], 3),
-            "first_audio_split": self.seconds["first_audio_split"], "stream_frames": self.stream_frames,
-            "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
-            "spec": self.spec, "tree_nodes": self.tree_nodes, "weights": self.weights, "seed": self.seed,
-            "sampling": self.sampling, "engine": self.engine, "online": self.online, "batch_rows": self.batch_rows,
-            "batch_row_mib": None if self.batch_row_bytes is None else round(self.batch_row_bytes / 2**20, 2),
-            "warnings": list(self.warnings),
-        }
-
-
-@dataclass(frozen=True)
-class Line:
-    """One utterance of `Synthesizer.synthesize_many`: what `synthesize` takes for it. `utterance` keys its
-    noise (a batch file's line number), so it is spoken the same wherever it runs."""
-
-    text: str
-    speaker: str | None = None
-    language: str = "auto"
-    instruct: str | None = None
-    clone: ClonedVoice | None = None
-    utterance: int | None = None  # None: its index in the batch
 
 
 class AudioStream:
@@ -198,8 +71,8 @@ class AudioStream:
 
 class Synthesizer:
     """A loaded Qwen3-TTS 12 Hz model (CustomVoice, Base or VoiceDesign) and the loops rvqtts runs on its
-    weights: the talker (rvqtts.talker), the inner loop (rvqtts.inner_loop) and the frame loop joining them
-    (rvqtts.frame_loop); qwen-tts builds the prompts (and encodes cloned voices) and decodes offline.
+    weights: the talker (rvqtts.engine.talker), the inner loop (rvqtts.engine.inner_loop) and the frame loop
+    joining them (rvqtts.engine.frame_loop); qwen-tts builds the prompts (and encodes cloned voices) and decodes offline.
 
     `speculation=None` runs the plain inner loop (one predictor call per code). The runners are kept
     between utterances (a KV cache only grows; fused weights and captured graphs are reused).
@@ -212,9 +85,9 @@ class Synthesizer:
         self.code_predictor = self.talker.code_predictor
         self.speculation = speculation
         check_weights(weights, self.talker.codec_head.weight.device)
-        self.weights = weights  # "int8": both loops run 8-bit weights (rvqtts.quantize)
+        self.weights = weights  # "int8": both loops run 8-bit weights (rvqtts.engine.quantize)
         self.cuda_graphs = True  # replay the talker's and the inner loop's calls from CUDA graphs on CUDA devices
-        self.fused: FusedDecoder | None = None  # set (rvqtts.coreml) to run the inner loop on a Core ML package
+        self.fused: FusedDecoder | None = None  # set (rvqtts.engine.coreml) to run the inner loop on a Core ML package
         self._parts: LoopParts | None = None
         self._talker: TalkerRunner | None = None
         self._batch_runner: PredictorRunner | None = None
@@ -223,7 +96,7 @@ class Synthesizer:
                                   sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else [],
                                   sorted(tts.get_supported_languages() or []))
         self._cloned: dict[VoiceSource, ClonedVoice] = {}  # each source encoded (or read) once
-        self._primed: dict[ClonedVoice, tuple] = {}  # the streaming decoder after each ICL voice's reference
+        self._primed = PrimedVoices()  # the streaming decoder after each ICL voice's reference
         # Base models: which speaker encoder made a cloned voice (its embedding means nothing to another).
         self.encoder_fingerprint = encoder_fingerprint(self.model) if self.kind == "base" else None
         self.sample_rate = int(self.model.speech_tokenizer.model.get_output_sample_rate())
@@ -336,8 +209,8 @@ class Synthesizer:
 
     def engine_record(self) -> dict:
         """What ran (`--stats-json`'s "engine"): the device, dtype and weight format, torch and the CPU, the
-        kernels of each loop's linear maps (rvqtts.kernels), how much of each runs natively (rvqtts.native)
-        and how the predictor attends (rvqtts.attention)."""
+        kernels of each loop's linear maps (rvqtts.engine.kernels), how much of each runs natively
+        (rvqtts.engine.native) and how the predictor attends (rvqtts.engine.attention)."""
         weight = self.talker.codec_head.weight
         kernels = {}
         if self._talker is not None:
@@ -386,7 +259,7 @@ class Synthesizer:
         approximation of the one pass rvqtts computes)."""
         if clone is not None and clone.icl:
             decoder = StreamingDecoder(self.model.speech_tokenizer)
-            self._start_stream(decoder, clone)
+            self._primed.start(decoder, clone)
             # in pieces of at most 300 frames, as qwen-tts's decode goes: exact, and memory stays bounded
             return np.concatenate([decoder.push(codes[start:start + 300]) for start in range(0, len(codes), 300)])
         device = self.talker.codec_head.weight.device
@@ -401,7 +274,7 @@ class Synthesizer:
                on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
                clone: ClonedVoice | None = None) -> AudioStream:
         """Synthesize one utterance as a stream of audio chunks: every `frames_per_chunk` frames, their
-        samples, decoded incrementally (rvqtts.streaming). Arguments as for `synthesize`, which makes the
+        samples, decoded incrementally (rvqtts.engine.streaming). Arguments as for `synthesize`, which makes the
         same codes and, up to float rounding, the same waveform."""
         if frames_per_chunk < 1:
             raise ValueError(f"frames per stream chunk must be at least 1, got {frames_per_chunk}")
@@ -419,7 +292,7 @@ class Synthesizer:
         model's `speaker` (and, on the 1.7B, a style `instruct`), a VoiceDesign model's `instruct`, or a
         Base model's `clone` (`clone_voice`, `voice_of`).
 
-        Every code is drawn with noise keyed by (seed, utterance, frame, position) (rvqtts.frame_loop),
+        Every code is drawn with noise keyed by (seed, utterance, frame, position) (rvqtts.engine.frame_loop),
         so every utterance of a batch is reproducible on its own. `on_chunk(done, total)` reports
         progress after each chunk; `on_frame(prefix, codes)` sees every frame the inner loop decodes
         ([h_t, embedding of c0] and c1..c_{G-1}).
@@ -435,7 +308,7 @@ class Synthesizer:
                         chunk_chars: float | None = MAX_CHUNK_WEIGHT, batch_size: int = 4,
                         on_notice: Callable[[str], None] | None = None) -> Iterator[tuple[int, Synthesis | Exception]]:
         """Synthesize several utterances, up to `batch_size` of them in every call of both loops
-        (rvqtts.batch_frames), each starting as soon as a row is free. Yields (index in `lines`, its
+        (rvqtts.engine.batch_frames), each starting as soon as a row is free. Yields (index in `lines`, its
         Synthesis) as each one ends, or (index, the exception) for one that failed (a voice the model
         does not speak, an empty text); a model that produced NaN or inf (NonFiniteError) stops it all.
         A line's noise is keyed by its `utterance`, else by its index.
@@ -445,8 +318,8 @@ class Synthesizer:
         own arithmetic whatever else shares the call. A batch's inner loop runs every row's frame in
         shared calls: plain, a given tree's rounds (B x (N + 1) rows a call), or, where the tree size is
         chosen online, the size measured to pay at these rows (`batch_speculation`); with `batch_size` 1,
-        one line, or a Core ML package, the utterances run one after another as `synthesize` runs them. A batch whose caches would not fit in
-        memory is cut to one that does (rvqtts.batch_size.fitting_rows), said through `on_notice`."""
+        one line, or a Core ML package, the utterances run one after another as `synthesize` runs them. A
+        batch whose caches would not fit in memory is cut to one that does (rvqtts.batch_size.fitting_rows), said through `on_notice`."""
         if batch_size < 1:
             raise ValueError(f"the batch size must be at least 1, got {batch_size}")
         lines = [line if line.utterance is not None else replace(line, utterance=index)
@@ -488,7 +361,7 @@ class Synthesizer:
     def _batched(self, lines: list[Line], seed: int, settings: GenerationSettings, chunk_chars: float | None,
                  rows: int, talker: TalkerRunner,
                  runner: PredictorRunner) -> Iterator[tuple[int, Synthesis | Exception]]:
-        """`synthesize_many` `rows` lines at a time (rvqtts.batch_frames), each line's chunks decoded as they
+        """`synthesize_many` `rows` lines at a time (rvqtts.engine.batch_frames), each line's chunks decoded as they
         end; a line whose voice, text or decoding fails, fails alone."""
         sampling = self.sampling(settings)
         config = self.talker.config
@@ -629,7 +502,7 @@ class Synthesizer:
             pending = 0  # frames not decoded yet
             begun = time.perf_counter()
             if decoder:
-                self._start_stream(decoder, clone)
+                self._primed.start(decoder, clone)
                 seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
             begun = time.perf_counter()
             prompt = self.prompt(piece, speaker, language, instruct, clone)
@@ -659,18 +532,6 @@ class Synthesizer:
                          sampling=sampling.record(), warnings=warnings, stream_frames=stream_frames,
                          weights=self.weights, engine=self.engine_record(),
                          online=online.record(online.frames_since(frames_before)) if online else None)
-
-    def _start_stream(self, decoder: StreamingDecoder, clone: ClonedVoice | None) -> None:
-        """Reset the streaming decoder for a text chunk; for a voice cloned in ICL mode, continue its
-        reference, as the offline decode does (the reference decoded once per voice, then restored)."""
-        decoder.reset()
-        if clone is not None and clone.icl:
-            if clone not in self._primed:
-                if len(self._primed) >= PRIMED_VOICES:  # a batch of many voices: drop the oldest
-                    del self._primed[next(iter(self._primed))]
-                decoder.push(clone.codes)
-                self._primed[clone] = decoder.snapshot()
-            decoder.restore(self._primed[clone])
 
     def force(self, text: str, speaker: str | None, language: str, codes: np.ndarray,
               on_frame: Callable[[torch.Tensor, list[int]], None], instruct: str | None = None,
@@ -785,7 +646,7 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
     """The tree and offsets to draft with, and a notice for the user (or None).
 
     `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` or a file.
-    `auto` with `allow_plain` on the torch backend is decided online (rvqtts.online: an OnlineSpeculation,
+    `auto` with `allow_plain` on the torch backend is decided online (rvqtts.engine.online: an OnlineSpeculation,
     starting from the best N recorded for this platform); otherwise it is that best N (the platform: the
     kind of device, by default the model's (cpu, cuda, mps) or `device_type` (coreml), the dtype and the
     `weights` format), and with `allow_plain` no speculation (None) where N = 0; with RVQTTS_CHOICES=fixed

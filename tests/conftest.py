@@ -12,7 +12,7 @@ os.environ.setdefault("RVQTTS_CHOICES", "fixed")
 import pytest
 
 from rvqtts.synthesis import Synthesizer
-from rvqtts.tiny import build_tiny_model
+from rvqtts.tuning.tiny import build_tiny_model
 
 
 @pytest.fixture(autouse=True)

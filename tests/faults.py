@@ -12,7 +12,7 @@ def failing_synthesize(original):
     def synthesize(self, text, **kwargs):
         import torch
 
-        from rvqtts.sampling import NonFiniteError
+        from rvqtts.engine.sampling import NonFiniteError
 
         if text == BREAK:
             raise RuntimeError("simulated failure")

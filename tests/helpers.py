@@ -9,10 +9,10 @@ import numpy as np
 import torch
 from typer.testing import CliRunner
 
-from rvqtts.calibration import sample_codes
 from rvqtts.cli import app
-from rvqtts.contexts import Contexts
 from rvqtts.synthesis import Synthesizer
+from rvqtts.tuning.calibration import sample_codes
+from rvqtts.tuning.contexts import Contexts
 
 
 def run_cli(*arguments: object):
@@ -40,8 +40,8 @@ def random_prefix(synth: Synthesizer, seed: int) -> torch.Tensor:
 def decode_frames(synth: Synthesizer, speculation, frames: int, calls=None) -> tuple[np.ndarray, object]:
     """The inner loop's codes [frames, G-1] over random prefixes (seed 7) and its statistics; `calls`
     replaces its static calls (e.g. emulated CUDA graphs)."""
-    from rvqtts.inner_loop import InnerLoop
-    from rvqtts.sampling import SamplingConfig
+    from rvqtts.engine.inner_loop import InnerLoop
+    from rvqtts.engine.sampling import SamplingConfig
 
     loop = InnerLoop(synth.code_predictor, speculation, seed=7)
     if calls is not None:
@@ -74,10 +74,10 @@ def random_contexts(synth, frames: int, seed: int = 0) -> Contexts:
 def linear_maps_are_row_invariant(code_predictor, rows: int = 34) -> bool:
     """Whether the runner's linear maps give one row the same bits alone as in a call of 2 to `rows` rows
     (a round's query, and each depth's rows through its LM head) on this machine (kernels are chosen by
-    shape, differently per CPU and dtype: rvqtts.kernels). Where they do, a
+    shape, differently per CPU and dtype: rvqtts.engine.kernels). Where they do, a
     tree call's rows equal plain steps bit for bit; elsewhere they differ in the last bit."""
-    from rvqtts.kernels import LinearMap
-    from rvqtts.predictor import PredictorRunner
+    from rvqtts.engine.kernels import LinearMap
+    from rvqtts.engine.predictor import PredictorRunner
 
     runner = PredictorRunner(code_predictor, 2)
     maps = [runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[0]]

@@ -12,13 +12,14 @@ from helpers import random_contexts
 from helpers import run_cli as run
 
 from rvqtts.batch import Utterance
-from rvqtts.calibration import sampling_entropy
-from rvqtts.contexts import ContextsFileError, load_contexts, record_contexts, save_contexts
-from rvqtts.drafts import DraftData
-from rvqtts.offsets import load_offsets, predictor_fingerprint
-from rvqtts.sampling import SamplingConfig
-from rvqtts.synthesis import GenerationSettings
-from rvqtts.tree import grow_tree, load_acceptance, load_tree
+from rvqtts.engine.offsets import load_offsets, predictor_fingerprint
+from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.tree import grow_tree, load_acceptance, load_tree
+from rvqtts.settings import GenerationSettings
+from rvqtts.tuning.calibration import sampling_entropy
+from rvqtts.tuning.contexts import ContextsFileError, load_contexts, record_contexts, save_contexts
+from rvqtts.tuning.drafts import DraftData
+
 
 @pytest.fixture(scope="module")
 def small_frames(small, tmp_path_factory):
@@ -205,8 +206,8 @@ def test_train_offsets_from_recordings(tmp_path, tiny, tiny_dir):
 
 def test_synthesis_picks_up_files_made_for_the_loaded_model(tmp_path, monkeypatch, small, small_dir, small_frames,
                                                              tiny):
-    import rvqtts.offsets
-    import rvqtts.tree
+    import rvqtts.engine.offsets
+    import rvqtts.engine.tree
     from rvqtts.synthesis import choose_speculation
 
     shipped_offsets, shipped_trees = tmp_path / "offsets", tmp_path / "trees"
@@ -219,8 +220,8 @@ def test_synthesis_picks_up_files_made_for_the_loaded_model(tmp_path, monkeypatc
     calibrated = run("calibrate", "--model", small_dir, "--contexts", small_frames, "--offsets",
                      shipped_offsets / "small.safetensors", "--budgets", "5", "--out-dir", shipped_trees)
     assert calibrated.exit_code == 0, calibrated.output
-    monkeypatch.setattr(rvqtts.offsets, "SHIPPED_OFFSETS", shipped_offsets)
-    monkeypatch.setattr(rvqtts.tree, "SHIPPED_TREES", shipped_trees)
+    monkeypatch.setattr(rvqtts.engine.offsets, "SHIPPED_OFFSETS", shipped_offsets)
+    monkeypatch.setattr(rvqtts.engine.tree, "SHIPPED_TREES", shipped_trees)
     speculation, notice = choose_speculation(small.code_predictor, tree="5")
     assert notice is None and speculation.tree.nodes == 5
     assert np.array_equal(speculation.offsets.vectors.numpy(),

@@ -1,4 +1,4 @@
-"""Row attention (rvqtts.attention): what it computes, that masked slots never matter, that the check can
+"""Row attention (rvqtts.engine.attention): what it computes, that masked slots never matter, that the check can
 fail, and that a runner decodes the same codes with it as with the gathered attention's rule of exactness
 (speculative equal to plain, code for code)."""
 
@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from helpers import decode_frames
 
-import rvqtts.attention as attention
-import rvqtts.predictor as predictor_module
-from rvqtts.attention import MAX_TREE_NODES, attend_rows, attention_width, rows_exact
-from rvqtts.decode import Speculation
-from rvqtts.offsets import Offsets
-from rvqtts.tree import Tree, resolve_tree
+import rvqtts.engine.attention as attention
+import rvqtts.engine.predictor as predictor_module
+from rvqtts.engine.attention import MAX_TREE_NODES, attend_rows, attention_width, rows_exact
+from rvqtts.engine.decode import Speculation
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.tree import Tree, resolve_tree
 
 HEADS, KV_HEADS, HEAD_DIM, WIDTH = 4, 2, 16, 12
 

@@ -1,4 +1,4 @@
-"""Batches that fill the rows (rvqtts.batch_frames): several utterances in every call of both loops, each
+"""Batches that fill the rows (rvqtts.engine.batch_frames): several utterances in every call of both loops, each
 utterance's codes and audio the ones it gets alone, rows refilled as utterances end."""
 
 from __future__ import annotations
@@ -9,18 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-import rvqtts.online as online_module
+import rvqtts.engine.online as online_module
 from rvqtts import batch_size
-from rvqtts import talker as talker_module
-from rvqtts.decode import DecodeStats, Speculation, decode_frame_plain, decode_frame_speculative
-from rvqtts.decode_rows import decode_frames_speculative
-from rvqtts.inner_loop import LoopParts
-from rvqtts.offsets import Offsets, predictor_fingerprint
-from rvqtts.online import OnlineSpeculation
-from rvqtts.sampling import SamplingConfig, gumbel_noise
-from rvqtts.synthesis import GenerationSettings, Line, Synthesizer
-from rvqtts.talker import TalkerRunner
-from rvqtts.tree import resolve_tree
+from rvqtts.engine import talker as talker_module
+from rvqtts.engine.decode import DecodeStats, Speculation, decode_frame_plain, decode_frame_speculative
+from rvqtts.engine.decode_rows import decode_frames_speculative
+from rvqtts.engine.inner_loop import LoopParts
+from rvqtts.engine.offsets import Offsets, predictor_fingerprint
+from rvqtts.engine.online import OnlineSpeculation
+from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
+from rvqtts.engine.talker import TalkerRunner
+from rvqtts.engine.tree import resolve_tree
+from rvqtts.settings import GenerationSettings, Line
+from rvqtts.synthesis import Synthesizer
 from tests.helpers import random_prefix, run_cli
 
 TEXTS = ["Hello there.", "A longer sentence, which makes more frames than the first one does. And a second one.",

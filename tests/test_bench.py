@@ -11,12 +11,20 @@ from helpers import run_cli as run
 from helpers import run_cli_json as run_json
 from rich.console import Console
 
-from rvqtts.bench import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
-from rvqtts.offsets import predictor_fingerprint
+from rvqtts.bench.speedup import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
+from rvqtts.engine.offsets import predictor_fingerprint
+from rvqtts.engine.tree import (
+    FALLBACK_BUDGET,
+    SHIPPED_TREES,
+    best_budget,
+    frame_codes_per_call,
+    grow_tree,
+    save_acceptance,
+    save_best_budget,
+)
 from rvqtts.report import predictor_table
 from rvqtts.synthesis import Synthesizer, choose_speculation
-from rvqtts.tree import (FALLBACK_BUDGET, SHIPPED_TREES, best_budget, frame_codes_per_call, grow_tree, save_acceptance,
-                         save_best_budget)
+
 
 @pytest.fixture(scope="module")
 def predictor_json(tiny_dir, tmp_path_factory):

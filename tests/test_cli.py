@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from faults import failing_synthesize
 from typer.testing import CliRunner
 
 from rvqtts.cli import app
+from rvqtts.engine.offsets import Offsets, save_offsets
 from rvqtts.files import current_umask
-from rvqtts.offsets import Offsets, save_offsets
 from rvqtts.synthesis import Synthesizer
-
-from faults import failing_synthesize
 
 runner = CliRunner()
 
@@ -101,7 +100,8 @@ def test_long_text_is_chunked_and_joined(tmp_path, tiny_dir):
     assert result.exit_code == 0, result.output
     record = json.loads(stats.read_text())["utterances"][0]
     assert record["chunks"] == 3  # 8 x 76 characters in chunks of at most 240
-    assert record["talker_calls"] == record["frames"]  # every chunk is cut: a prefill, then a step per frame but the last
+    # every chunk is cut: a prefill, then a step per frame but the last
+    assert record["talker_calls"] == record["frames"]
     audio, _ = soundfile.read(tmp_path / "long.wav")
     assert audio.shape[0] == record["frames"] * 1920 - 2 * 1200  # two 50 ms crossfades
     assert "was cut at" in result.output and len(record["warnings"]) == 3  # the tiny model never ends speech
@@ -304,8 +304,8 @@ def test_sampling_defaults_come_from_the_checkpoint_and_flags_override(tmp_path,
 
 
 def test_non_finite_logits_stop_with_the_dtype_and_a_suggestion(tmp_path, tiny_dir):
-    from rvqtts.sampling import NonFiniteError
-    from rvqtts.synthesis import GenerationSettings
+    from rvqtts.engine.sampling import NonFiniteError
+    from rvqtts.settings import GenerationSettings
 
     for part in ("talker", "predictor"):
         synthesizer = Synthesizer.load(tiny_dir)
@@ -347,9 +347,9 @@ def test_the_statistics_table_never_cuts_a_figure():
 def test_the_default_run_picks_its_dtype_and_tree_by_what_was_measured(tmp_path, tiny_dir, monkeypatch, flag):
     """On a CPU that multiplies bfloat16 natively: bfloat16; elsewhere float32. Both run the plain loop
     (`cpu/bfloat16` and `cpu/float32` in trees/best-n.json: no tree was measured to pay on a CPU), and say so."""
-    import rvqtts.devices
+    import rvqtts.engine.devices
 
-    monkeypatch.setattr(rvqtts.devices, "native_bf16_flag", lambda: flag)
+    monkeypatch.setattr(rvqtts.engine.devices, "native_bf16_flag", lambda: flag)
     stats = tmp_path / "s.json"
     result = synth("Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames", "3", "--stats-json", stats)
     assert result.exit_code == 0, result.output
@@ -364,7 +364,7 @@ def test_the_default_run_picks_its_dtype_and_tree_by_what_was_measured(tmp_path,
 
 
 def test_native_bf16_is_read_from_the_cpu_flags():
-    from rvqtts.devices import native_bf16_flag, pick_dtype
+    from rvqtts.engine.devices import native_bf16_flag, pick_dtype
 
     assert native_bf16_flag("processor\t: 0\nflags\t\t: fpu sse avx512f amx_tile amx_bf16\n") == "amx_bf16"
     assert native_bf16_flag("flags\t\t: fpu avx2 avx512_bf16\n") == "avx512_bf16"

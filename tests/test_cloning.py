@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from helpers import run_cli
 
 from rvqtts.cloning import ClonedVoice, VoiceError, VoiceSource, load_voice, save_voice
-from rvqtts.synthesis import GenerationSettings, Synthesizer, prepare_inner_loop
-
-from helpers import run_cli
+from rvqtts.settings import GenerationSettings
+from rvqtts.synthesis import Synthesizer, prepare_inner_loop
 
 SETTINGS = GenerationSettings(max_frames=10)
 REF_TEXT = "Hello there, this is my voice."

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from faults import failing_synthesize
+from helpers import run_cli
 
 from rvqtts.batch import MANIFEST, read_batch
 from rvqtts.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
-from rvqtts.synthesis import GenerationSettings, Synthesizer
-
-from faults import failing_synthesize
-from helpers import run_cli
+from rvqtts.settings import GenerationSettings
+from rvqtts.synthesis import Synthesizer
 
 LINES = [{"text": "One."}, {"text": "Break."}, {"text": "Three.", "speaker": "ryan"},
          {"text": "Four.", "out": "four.flac"}, {"text": "Five.", "language": "german"}]
@@ -126,7 +126,7 @@ from pathlib import Path
 import ray
 from rvqtts.batch import read_batch
 from rvqtts.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
-from rvqtts.synthesis import GenerationSettings
+from rvqtts.settings import GenerationSettings
 
 address, runtime_env, corpus, out, model, frames = sys.argv[1:]
 ray.init(address=address, runtime_env=json.loads(runtime_env), log_to_driver=False)

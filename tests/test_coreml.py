@@ -15,17 +15,30 @@ import soundfile
 import torch
 from helpers import random_contexts, random_prefix, run_cli
 
-from rvqtts.bench import random_code_predictor
-from rvqtts.coreml import (FIRST_INPUT, FUNCTIONS, INPUTS, OUTPUTS, CoreMLError, PackageKey, check_package,
-                           export_package, load_decoder, package_calls, read_package, trace_calls)
-from rvqtts.contexts import save_contexts
-from rvqtts.decode import DecodeStats, Speculation
-from rvqtts.fused import FusedCalls, FusedDecoder
-from rvqtts.offsets import Offsets
-from rvqtts.sampling import SamplingConfig, gumbel_noise
-from rvqtts.inner_loop import InnerLoop
-from rvqtts.synthesis import GenerationSettings, Synthesizer
-from rvqtts.tree import resolve_tree
+from rvqtts.bench.harness import random_code_predictor
+from rvqtts.engine.coreml import (
+    FIRST_INPUT,
+    FUNCTIONS,
+    INPUTS,
+    OUTPUTS,
+    CoreMLError,
+    PackageKey,
+    check_package,
+    export_package,
+    load_decoder,
+    package_calls,
+    read_package,
+    trace_calls,
+)
+from rvqtts.engine.decode import DecodeStats, Speculation
+from rvqtts.engine.fused import FusedCalls, FusedDecoder
+from rvqtts.engine.inner_loop import InnerLoop
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
+from rvqtts.engine.tree import resolve_tree
+from rvqtts.settings import GenerationSettings
+from rvqtts.synthesis import Synthesizer
+from rvqtts.tuning.contexts import save_contexts
 
 macos = pytest.mark.skipif(sys.platform != "darwin", reason="Core ML prediction needs macOS")
 

@@ -10,13 +10,13 @@ import torch
 from helpers import random_prefix, stock_path_logits
 from scipy.stats import chisquare
 
-import rvqtts.decode
-from rvqtts.decode import Speculation
-from rvqtts.graphs import StaticCalls
-from rvqtts.offsets import Offsets
-from rvqtts.sampling import SamplingConfig, target_probs
-from rvqtts.inner_loop import InnerLoop
-from rvqtts.tree import grow_tree
+import rvqtts.engine.decode
+from rvqtts.engine.decode import Speculation
+from rvqtts.engine.graphs import StaticCalls
+from rvqtts.engine.inner_loop import InnerLoop
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.sampling import SamplingConfig, target_probs
+from rvqtts.engine.tree import grow_tree
 
 # A plausible acceptance table (falling with depth and rank) to shape trees of any budget.
 TABLE = [[0.5, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.01] * 2,
@@ -63,8 +63,8 @@ def test_speculative_codes_equal_plain_codes(which, budget, request):
 
 def test_codes_per_call_is_counted_from_real_calls(narrow, monkeypatch):
     calls = []
-    original = rvqtts.predictor.PredictorRunner.forward
-    monkeypatch.setattr(rvqtts.predictor.PredictorRunner, "forward",
+    original = rvqtts.engine.predictor.PredictorRunner.forward
+    monkeypatch.setattr(rvqtts.engine.predictor.PredictorRunner, "forward",
                         lambda self, *args, **kwargs: calls.append(1) or original(self, *args, **kwargs))
     speculation = Speculation(grow_tree(TABLE, 16), random_offsets(narrow.hidden_size, 0))
     frames = 50
@@ -139,7 +139,7 @@ def test_speculative_frames_follow_the_exact_joint_distribution(small):
 
 
 def test_the_distribution_test_catches_a_broken_verifier(small, monkeypatch):
-    monkeypatch.setattr(rvqtts.decode, "walk_tree", broken_walk)
+    monkeypatch.setattr(rvqtts.engine.decode, "walk_tree", broken_walk)
     counts, probs = speculative_histogram(small, FRAMES, SAMPLING)
     assert chi_square_pvalue(counts, probs) < 1e-6
     # The statistic itself has the power, not only the support check: frames inside the support alone fail too.

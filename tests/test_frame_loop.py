@@ -9,15 +9,22 @@ import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
-from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
-                                                    RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from rvqtts.graphs import StaticCalls
-from rvqtts.kernels import Kernel, LinearMap
-from rvqtts.sampling import C0Rules
-from rvqtts.synthesis import GenerationSettings, ResolvedSampling, Synthesizer
-from rvqtts.talker import TalkerRunner
+from rvqtts.engine.graphs import StaticCalls
+from rvqtts.engine.kernels import Kernel, LinearMap
+from rvqtts.engine.sampling import C0Rules
+from rvqtts.engine.talker import TalkerRunner
+from rvqtts.settings import GenerationSettings, ResolvedSampling
+from rvqtts.synthesis import Synthesizer
 
 TEXT = "Hello there, how are you?"
 

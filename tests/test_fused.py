@@ -8,14 +8,14 @@ import pytest
 import torch
 from helpers import random_prefix
 
-from rvqtts.decode import DecodeStats, Speculation
-from rvqtts.fused import FusedDecoder
-from rvqtts.offsets import Offsets
-from rvqtts.predictor import PredictorRunner
-from rvqtts.sampling import SamplingConfig, gumbel_noise
-from rvqtts.inner_loop import InnerLoop
+from rvqtts.engine.decode import DecodeStats, Speculation
+from rvqtts.engine.fused import FusedDecoder
+from rvqtts.engine.inner_loop import InnerLoop
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
+from rvqtts.engine.tree import grow_tree
 from rvqtts.synthesis import Synthesizer
-from rvqtts.tree import grow_tree
 
 TABLE = [[0.5, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.01] * 2,
          [0.4, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01] * 2,

@@ -1,4 +1,4 @@
-"""Kernels chosen by measurement (rvqtts.kernels) and the dtype picked from them (rvqtts.devices): what
+"""Kernels chosen by measurement (rvqtts.engine.kernels) and the dtype picked from them (rvqtts.engine.devices): what
 each kernel computes, the rule that picks one (only row-invariant kernels, the fastest), the cache that
 makes it a one-time cost, `rvqtts tune`, and what a run records."""
 
@@ -13,16 +13,16 @@ from helpers import decode_frames, linear_maps_are_row_invariant
 from helpers import run_cli as run
 from helpers import run_cli_json as run_json
 
-import rvqtts.devices
-import rvqtts.kernels as kernels
-import rvqtts.native
-from rvqtts.attention import row_attention_exact
-from rvqtts.decode import Speculation
-from rvqtts.kernels import Kernel, LinearMap
-from rvqtts.offsets import Offsets
+import rvqtts.engine.devices
+import rvqtts.engine.kernels as kernels
+import rvqtts.engine.native
+from rvqtts.engine.attention import row_attention_exact
+from rvqtts.engine.decode import Speculation
+from rvqtts.engine.kernels import Kernel, LinearMap
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.tree import resolve_tree
 from rvqtts.report import _engine_summary
 from rvqtts.synthesis import Synthesizer
-from rvqtts.tree import resolve_tree
 
 
 @pytest.fixture
@@ -129,17 +129,17 @@ def test_dtype_auto_on_a_cpu_is_the_cheaper_measured_frame(measured, monkeypatch
     from rvqtts.loading import model_config
 
     costs = {"bfloat16": 10.0, "float32": 20.0} if cheaper == "bfloat16" else {"bfloat16": 30.0, "float32": 20.0}
-    monkeypatch.setattr(rvqtts.devices, "frame_map_ms", lambda config, dtype, weights, progress: costs[
+    monkeypatch.setattr(rvqtts.engine.devices, "frame_map_ms", lambda config, dtype, weights, progress: costs[
         str(dtype).removeprefix("torch.")])
-    dtype, reason = rvqtts.devices.pick_dtype("auto", "cpu", model_config(tiny_dir).talker_config)
+    dtype, reason = rvqtts.engine.devices.pick_dtype("auto", "cpu", model_config(tiny_dir).talker_config)
     assert dtype == cheaper and f"{costs[cheaper]:.1f} ms in {cheaper}" in reason and "--dtype" in reason
-    assert rvqtts.devices.pick_dtype("float32", "cpu", None) == ("float32", None)
+    assert rvqtts.engine.devices.pick_dtype("float32", "cpu", None) == ("float32", None)
 
 
 def test_frame_maps_count_what_one_frame_applies(released_06_dir):
     from rvqtts.loading import model_config
 
-    maps = rvqtts.devices.frame_maps(model_config(released_06_dir).talker_config)
+    maps = rvqtts.engine.devices.frame_maps(model_config(released_06_dir).talker_config)
     assert ("talker", (4096, 1024), 2) in maps and ("talker", (3072, 1024), 1) in maps  # 2 layers; codec head
     assert ("predictor", (1024, 3072), 2 * 15) in maps and ("predictor", (2048, 1024), 15) in maps
 
@@ -154,7 +154,7 @@ def test_tune_shows_each_shapes_kernel_and_the_dtype_auto_picks(measured, tiny_d
             assert row["row_invariant"] == (row["kernel"] in row["invariant"])
     words = " ".join(result.output.split())  # the caption folds where the terminal is narrow
     assert "--dtype auto picks" in words and "rvqtts's native kernels" in words
-    assert report["native"] == rvqtts.native.unavailable()  # None where they run, else why not
+    assert report["native"] == rvqtts.engine.native.unavailable()  # None where they run, else why not
     bad = run("tune", "--model", tiny_dir, "--dtype", "float16")
     assert bad.exit_code == 2 and "rvqtts tune measures CPU kernels" in bad.output
 

@@ -9,12 +9,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import run_cli
 
 from rvqtts.compat import qwen_tts
-from rvqtts.synthesis import GenerationSettings
-from rvqtts.tiny import build_tiny_model
-
-from helpers import run_cli
+from rvqtts.settings import GenerationSettings
+from rvqtts.tuning.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""rvqtts's native CPU kernels (rvqtts.native): what the map kernel computes for bfloat16 and 8-bit
+"""rvqtts's native CPU kernels (rvqtts.engine.native): what the map kernel computes for bfloat16 and 8-bit
 weights, that every row gets the same bits whatever the call's rows and threads, that the kernel choice
 offers it, that a layer's norms and RoPE come out as qwen-tts's operations give them, and that a
 machine where the library cannot be built says why and runs without it."""
@@ -14,15 +14,15 @@ import pytest
 import torch
 from helpers import decode_frames
 
-import rvqtts.kernels as kernels
-from rvqtts import native
-from rvqtts.decode import Speculation
-from rvqtts.kernels import Kernel, KernelChoice, LinearMap, candidates, rows_are_invariant
-from rvqtts.offsets import Offsets
-from rvqtts.predictor import PredictorRunner
-from rvqtts.quantize import quantize_rows
+import rvqtts.engine.kernels as kernels
+from rvqtts.engine import native
+from rvqtts.engine.decode import Speculation
+from rvqtts.engine.kernels import Kernel, KernelChoice, LinearMap, candidates, rows_are_invariant
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.quantize import quantize_rows
+from rvqtts.engine.tree import resolve_tree
 from rvqtts.synthesis import Synthesizer
-from rvqtts.tree import resolve_tree
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None,
                                   reason=f"rvqtts's kernel does not run here: {native.unavailable()}")

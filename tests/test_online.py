@@ -1,4 +1,4 @@
-"""`--tree auto` decided online (rvqtts.online): acceptance counted from the rounds that run, the choice
+"""`--tree auto` decided online (rvqtts.engine.online): acceptance counted from the rounds that run, the choice
 made from it and the measured call costs, the same codes whatever the tree size does mid-run, and what
 a run learns kept for the next."""
 
@@ -12,14 +12,14 @@ import torch
 from helpers import random_prefix
 from helpers import run_cli as run
 
-import rvqtts.online as online_module
-from rvqtts.calibration import acceptance_table
-from rvqtts.decode import OBSERVED_RANKS
-from rvqtts.inner_loop import InnerLoop, LoopParts
-from rvqtts.offsets import Offsets, predictor_fingerprint
-from rvqtts.online import AcceptanceCounts, OnlineSpeculation, committed_ranks
-from rvqtts.sampling import SamplingConfig
-from rvqtts.tree import resolve_tree
+import rvqtts.engine.online as online_module
+from rvqtts.engine.decode import OBSERVED_RANKS
+from rvqtts.engine.inner_loop import InnerLoop, LoopParts
+from rvqtts.engine.offsets import Offsets, predictor_fingerprint
+from rvqtts.engine.online import AcceptanceCounts, OnlineSpeculation, committed_ranks
+from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.tree import resolve_tree
+from rvqtts.tuning.calibration import acceptance_table
 
 FRAMES = 48
 
@@ -31,7 +31,7 @@ def measured(monkeypatch):
 
 
 def test_counts_give_the_calibration_table_of_the_same_ranks():
-    """The online counts and rvqtts.calibration's offline table agree on the same ranks (-1: past the
+    """The online counts and rvqtts.tuning.calibration's offline table agree on the same ranks (-1: past the
     frame's end there, None here)."""
     generator = np.random.default_rng(0)
     ranks = generator.choice([0, 0, 0, 1, 2, 5, OBSERVED_RANKS, -1], size=(40, 14, 3))

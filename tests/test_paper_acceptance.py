@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers import run_cli
 
-from rvqtts.calibration import measure_acceptance
+from rvqtts.engine.tree import frame_codes_per_call, grow_tree
 from rvqtts.synthesis import Synthesizer
-from rvqtts.tiny import build_tiny_model
-from rvqtts.tree import frame_codes_per_call, grow_tree
+from rvqtts.tuning.calibration import measure_acceptance
+from rvqtts.tuning.tiny import build_tiny_model
 
 FRAMES = 64
 

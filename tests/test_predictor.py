@@ -6,12 +6,12 @@ import pytest
 import torch
 from helpers import random_prefix, stock_path_logits
 
-from rvqtts.decode import RoundPlan
-from rvqtts.kernels import kernel_choice
-from rvqtts.predictor import PredictorRunner
+from rvqtts.engine.decode import RoundPlan
+from rvqtts.engine.kernels import kernel_choice
+from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.tree import Tree
 from rvqtts.synthesis import Synthesizer
-from rvqtts.tiny import build_tiny_model
-from rvqtts.tree import Tree
+from rvqtts.tuning.tiny import build_tiny_model
 
 TOLERANCE = 1e-4
 
@@ -127,7 +127,7 @@ def test_half_precision_runs_close_to_float32(tiny_dir, dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_measured_kernels_give_every_row_the_bits_it_gets_alone_at_the_released_shapes(released_06_dir, dtype,
                                                                                      monkeypatch):
-    """Whatever kernel the measurement picks for a map (rvqtts.kernels), a call of any number of rows up to
+    """Whatever kernel the measurement picks for a map (rvqtts.engine.kernels), a call of any number of rows up to
     a 64-node round's 65 gives each row what a call of that row alone gives it: tree rounds compute what
     plain steps do. Where no kernel is invariant the choice says so, and the claim is not made."""
     monkeypatch.setenv("RVQTTS_CHOICES", "measured")

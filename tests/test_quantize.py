@@ -12,15 +12,15 @@ from helpers import random_prefix
 from helpers import run_cli as run
 from helpers import run_cli_json as run_json
 
-from rvqtts.decode import Speculation
-from rvqtts.inner_loop import InnerLoop, LoopParts
-from rvqtts.offsets import Offsets
-from rvqtts.predictor import PredictorRunner
-from rvqtts.kernels import Kernel, LinearMap
-from rvqtts.quantize import check_weights, quantize_rows
-from rvqtts.sampling import SamplingConfig
+from rvqtts.engine.decode import Speculation
+from rvqtts.engine.inner_loop import InnerLoop, LoopParts
+from rvqtts.engine.kernels import Kernel, LinearMap
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.quantize import check_weights, quantize_rows
+from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.tree import resolve_tree
 from rvqtts.synthesis import Synthesizer
-from rvqtts.tree import resolve_tree
 
 
 def test_rows_round_to_the_nearest_step_of_their_own_scale():

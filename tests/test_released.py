@@ -11,12 +11,13 @@ import pytest
 import torch
 from helpers import decode_frames, linear_maps_are_row_invariant
 
-from rvqtts.decode import Speculation
-from rvqtts.graphs import StaticCalls
-from rvqtts.offsets import Offsets
-from rvqtts.synthesis import GenerationSettings, Synthesizer
-from rvqtts.tiny import released_file
-from rvqtts.tree import resolve_tree
+from rvqtts.engine.decode import Speculation
+from rvqtts.engine.graphs import StaticCalls
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.tree import resolve_tree
+from rvqtts.settings import GenerationSettings
+from rvqtts.synthesis import Synthesizer
+from rvqtts.tuning.tiny import released_file
 
 SIZES = {"0.6b": "released_06", "1.7b": "released_17"}
 
@@ -52,13 +53,13 @@ def test_the_shallow_checkpoint_has_the_released_layout(dims, request):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("dims", SIZES)
 def test_speculative_codes_equal_plain_codes_in_every_dtype(dims, dtype, request):
-    """Each query of a tree call attends over its own slots as a plain step at its position does (per
-    depth over gathered slots, or by row attention where this machine keeps a query's bits alone and in a
-    call: rvqtts.attention), so a tree call's row is computed as a plain step computes it wherever the machine's linear kernels are row-invariant (bfloat16 on an AMX
-    Xeon): there every frame must agree. Elsewhere (float32 and float16 there) rows differ in the last
-    bit and a near-tie can flip a draw; nearly all frames must still agree (before the row-by-row
-    attention, bfloat16 on this layout differed on about one frame in eight; a broken verifier differs
-    on nearly every frame)."""
+    """Each query of a tree call attends over its own slots as a plain step at its position does (per depth over
+    gathered slots, or by row attention where this machine keeps a query's bits alone and in a call:
+    rvqtts.engine.attention), so a tree call's row is computed as a plain step computes it wherever the machine's
+    linear kernels are row-invariant (bfloat16 on an AMX Xeon): there every frame must agree. Elsewhere (float32 and
+    float16 there) rows differ in the last bit and a near-tie can flip a draw; nearly all frames must still agree
+    (before the row-by-row attention, bfloat16 on this layout differed on about one frame in eight; a broken
+    verifier differs on nearly every frame)."""
     folder = request.getfixturevalue(SIZES[dims] + "_dir")
     synth = request.getfixturevalue(SIZES[dims]) if dtype == "float32" else Synthesizer.load(folder, dtype=dtype)
     hidden = synth.hidden_size

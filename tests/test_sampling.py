@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rvqtts.sampling import SamplingConfig, draw, gumbel_noise, target_probs, warp_logits
+from rvqtts.engine.sampling import SamplingConfig, draw, gumbel_noise, target_probs, warp_logits
 
 CONFIGS = [SamplingConfig(0.9, 50, 1.0), SamplingConfig(0.7, 3, 1.0), SamplingConfig(1.3, 0, 0.8),
            SamplingConfig(0.9, 5, 0.6), SamplingConfig(1.0, 1, 1.0)]

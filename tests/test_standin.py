@@ -12,15 +12,15 @@ import pytest
 from typer.testing import CliRunner
 
 from rvqtts.cli import app
-from rvqtts.contexts import load_contexts
-from rvqtts.decode import Speculation
-from rvqtts.offsets import Offsets
-from rvqtts.sampling import SamplingConfig
-from rvqtts.standin.codec import ResidualCodec, frame_features
-from rvqtts.standin.corpus import LANGUAGES, split_of, speak
-from rvqtts.inner_loop import InnerLoop
+from rvqtts.engine.decode import Speculation
+from rvqtts.engine.inner_loop import InnerLoop
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.tree import load_acceptance, load_tree, resolve_tree
 from rvqtts.synthesis import Synthesizer
-from rvqtts.tree import load_acceptance, load_tree, resolve_tree
+from rvqtts.tuning.contexts import load_contexts
+from rvqtts.tuning.standin.codec import ResidualCodec, frame_features
+from rvqtts.tuning.standin.corpus import LANGUAGES, speak, split_of
 
 if shutil.which("espeak-ng") is None:
     if os.environ.get("CI"):

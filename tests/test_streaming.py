@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-
 from helpers import run_cli
+
 from rvqtts.audio import StreamJoiner, join_chunks
-from rvqtts.streaming import StreamingDecoder
-from rvqtts.synthesis import GenerationSettings
+from rvqtts.engine.streaming import StreamingDecoder
+from rvqtts.settings import GenerationSettings
 
 BOUND = 1e-5  # float rounding between one pass and many; the waveform's peak is about 0.25
 LONG = "The first sentence is here. A second one follows it. And a third ends the text."

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rvqtts.decode import Speculation
-from rvqtts.offsets import Offsets
-from rvqtts.tree import resolve_tree
+from rvqtts.engine.decode import Speculation
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.tree import resolve_tree
 
 TEXT = "Hello world. This is a test."
 

@@ -12,15 +12,15 @@ import pytest
 import torch
 from helpers import random_contexts
 
-from rvqtts.calibration import replay_calls
-from rvqtts.decode import Speculation
-from rvqtts.drafters import OffsetDrafter
-from rvqtts.offsets import Offsets
-from rvqtts.drafts import DraftData, draft_ranks, frozen_draft_data, head_weights
-from rvqtts.sampling import SamplingConfig
-from rvqtts.inner_loop import InnerLoop
-from rvqtts.training import TrainingConfig, evaluate, fit_offsets, train_offsets
-from rvqtts.tree import grow_tree
+from rvqtts.engine.decode import Speculation
+from rvqtts.engine.inner_loop import InnerLoop
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.tree import grow_tree
+from rvqtts.tuning.calibration import replay_calls
+from rvqtts.tuning.drafters import OffsetDrafter
+from rvqtts.tuning.drafts import DraftData, draft_ranks, frozen_draft_data, head_weights
+from rvqtts.tuning.training import TrainingConfig, evaluate, fit_offsets, train_offsets
 
 RAW = SamplingConfig(temperature=1.0, top_k=0)  # the planted codes are drawn from the raw softmax
 

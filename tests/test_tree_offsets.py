@@ -8,9 +8,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rvqtts.offsets import Offsets, OffsetsFileError, load_offsets, save_offsets
-from rvqtts.tree import (ACCEPTANCE_SUFFIX, SHIPPED_TREES, AcceptanceFileError, Tree, TreeFileError,
-                         frame_codes_per_call, grow_tree, load_acceptance, load_tree, save_acceptance, save_tree)
+from rvqtts.engine.offsets import Offsets, OffsetsFileError, load_offsets, save_offsets
+from rvqtts.engine.tree import (
+    ACCEPTANCE_SUFFIX,
+    SHIPPED_TREES,
+    AcceptanceFileError,
+    Tree,
+    TreeFileError,
+    frame_codes_per_call,
+    grow_tree,
+    load_acceptance,
+    load_tree,
+    save_acceptance,
+    save_tree,
+)
 
 
 def test_buffers_of_a_branching_tree():
@@ -187,7 +198,7 @@ def test_unreadable_offsets(tmp_path):
 
 
 def test_fingerprints_tell_models_apart_but_not_dtypes(tiny_dir, tiny, narrow):
-    from rvqtts.offsets import predictor_fingerprint
+    from rvqtts.engine.offsets import predictor_fingerprint
     from rvqtts.synthesis import Synthesizer
 
     again = Synthesizer.load(tiny_dir, dtype="bfloat16")

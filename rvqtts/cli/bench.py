@@ -7,11 +7,31 @@ from typing import Optional
 
 import typer
 
-from rvqtts.cli.common import (DEFAULT_MODEL, HELP_STYLE, app, check_coreml, ensure_writable, fail, list_of_ints,
-                               load_synthesizer, progress_bar, publish, resolve_device, say, stderr_console,
-                               WEIGHTS_HELP)
-from rvqtts.cli.frames import (CONTEXTS_HELP, INSTRUCT_HELP, SPLIT_HELP, TEXTS_HELP, VOICE_HELP, check_source,
-                               recorded_frames)
+from rvqtts.cli.common import (
+    DEFAULT_MODEL,
+    HELP_STYLE,
+    WEIGHTS_HELP,
+    app,
+    check_coreml,
+    ensure_writable,
+    fail,
+    list_of_ints,
+    load_synthesizer,
+    progress_bar,
+    publish,
+    resolve_device,
+    say,
+    stderr_console,
+)
+from rvqtts.cli.frames import (
+    CONTEXTS_HELP,
+    INSTRUCT_HELP,
+    SPLIT_HELP,
+    TEXTS_HELP,
+    VOICE_HELP,
+    check_source,
+    recorded_frames,
+)
 
 DEFAULT_BENCH_QUERIES = (1, 2, 4, 5, 8, 9, 16, 17, 24, 32, 33, 48, 64, 65)  # N + 1 for N = 4..64 included
 
@@ -36,7 +56,8 @@ def bench_predictor_command(
 ) -> None:
     """Median and spread of one predictor call per query length (a verify round for q > 1, KV length 8, after warm-up),
     with qwen-tts's own q = 1 forward timed in the same run, interleaved."""
-    from rvqtts.bench import PREDICTOR_DIMS, bench_predictor, random_code_predictor
+    from rvqtts.bench.harness import PREDICTOR_DIMS, random_code_predictor
+    from rvqtts.bench.predictor import bench_predictor
     from rvqtts.loading import DTYPES
     from rvqtts.report import predictor_table
 
@@ -52,7 +73,7 @@ def bench_predictor_command(
             fail(f"unknown --dims {dims!r}: choose {', '.join(PREDICTOR_DIMS)}")
         import torch
 
-        from rvqtts.quantize import check_weights
+        from rvqtts.engine.quantize import check_weights
 
         chosen = resolve_device(device)
         try:
@@ -85,10 +106,10 @@ def bench_speedup_command(
 ) -> None:
     """Projected inner-loop speedup per N = codes per call at N / (cost of a q = N + 1 call / cost of a
     q = 1 call), and the best N."""
-    from rvqtts.bench import codes_per_call_by_budget, project_speedup, plot_speedup
+    from rvqtts.bench.speedup import codes_per_call_by_budget, plot_speedup, project_speedup
+    from rvqtts.engine.tree import AcceptanceFileError, load_acceptance, platform_key, save_best_budget
     from rvqtts.files import read_json, write_json
     from rvqtts.report import speedup_table
-    from rvqtts.tree import AcceptanceFileError, load_acceptance, platform_key, save_best_budget
 
     try:
         measured = read_json(predictor, "predictor bench", ValueError)
@@ -148,12 +169,13 @@ def bench_e2e_command(
     decoder time per frame, RTF, and the ratios between them (the auto runs against the fixed tree whose
     inner loop was fastest)."""
     from rvqtts.batch import BatchFileError, read_batch
-    from rvqtts.bench import bench_e2e, fixed_variants
+    from rvqtts.bench.e2e import bench_e2e, fixed_variants
     from rvqtts.cloning import VoiceSource
-    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.tree import TreeFileError
     from rvqtts.report import e2e_table
-    from rvqtts.synthesis import GenerationSettings, choose_speculation
-    from rvqtts.tree import TreeFileError
+    from rvqtts.settings import GenerationSettings
+    from rvqtts.synthesis import choose_speculation
 
     try:
         lines = [(u.text, u.speaker or speaker, u.language or language) for u in read_batch(texts)]
@@ -206,9 +228,10 @@ def bench_batch_command(
     --batch-size B` against stock qwen-tts's list-of-texts call at the same B, on the same lines, taking
     turns."""
     from rvqtts.batch import BatchFileError, read_batch
-    from rvqtts.bench_batch import bench_batch
+    from rvqtts.bench.batch import bench_batch
     from rvqtts.report import batch_table
-    from rvqtts.synthesis import GenerationSettings, prepare_inner_loop
+    from rvqtts.settings import GenerationSettings
+    from rvqtts.synthesis import prepare_inner_loop
 
     batch_sizes = list_of_ints(sizes, "--sizes")
     if min(batch_sizes) < 1 or repeats < 1:
@@ -250,7 +273,7 @@ def bench_dtype_command(
     """The code predictor in a reduced dtype against float32, or with 8-bit weights against its own, on the
     same frames and noise: how often the change alters a code (teacher forcing), frames that stay identical,
     and both plain loops' ms per frame."""
-    from rvqtts.bench import bench_dtype, random_prefixes
+    from rvqtts.bench.dtype import bench_dtype, random_prefixes
     from rvqtts.report import dtype_table
 
     if weights == "native" and dtype not in ("bfloat16", "float16"):
@@ -285,7 +308,7 @@ def bench_decoder_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """The speech decoder's cost per frame over utterances of growing length (random codes)."""
-    from rvqtts.bench import bench_decoder
+    from rvqtts.bench.decoder import bench_decoder
     from rvqtts.report import decoder_table
 
     lengths = list_of_ints(frames, "--frames")
@@ -305,7 +328,7 @@ def bench_talker_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """One talker step, rvqtts's static-cache runner against qwen-tts's talker forward, by context length."""
-    from rvqtts.bench import bench_talker
+    from rvqtts.bench.talker import bench_talker
     from rvqtts.report import talker_table
 
     lengths = list_of_ints(contexts, "--contexts")
@@ -350,13 +373,13 @@ def bench_coreml_command(
     package (a proxy for float16 rounding, not a Core ML measurement)."""
     import sys
 
-    from rvqtts.bench import bench_fused
-    from rvqtts.coreml import CoreMLError, coreml_decoder, float16_stand_in
-    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.bench.dtype import bench_fused
+    from rvqtts.engine.coreml import CoreMLError, coreml_decoder, float16_stand_in
+    from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.sampling import SamplingConfig
+    from rvqtts.engine.tree import TreeFileError
     from rvqtts.report import coreml_table
-    from rvqtts.sampling import SamplingConfig
     from rvqtts.synthesis import choose_speculation
-    from rvqtts.tree import TreeFileError
 
     check_source(texts, contexts)
     if frames < 1:

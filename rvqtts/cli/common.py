@@ -43,7 +43,7 @@ def ensure_writable(path: Path, folder: bool = False) -> None:
 
 def check_coreml(compute_units: str, precision: str) -> None:
     """Fail with one line unless Core ML can run here with these settings."""
-    from rvqtts.coreml import COMPUTE_UNITS, PRECISIONS, CoreMLError, coremltools, require_macos
+    from rvqtts.engine.coreml import COMPUTE_UNITS, PRECISIONS, CoreMLError, coremltools, require_macos
 
     try:
         require_macos()
@@ -108,8 +108,8 @@ def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, w
     why)."""
     import torch
 
-    from rvqtts.devices import frame_maps, pick_dtype
-    from rvqtts.kernels import choose_kernels, measured_choices
+    from rvqtts.engine.devices import frame_maps, pick_dtype
+    from rvqtts.engine.kernels import choose_kernels, measured_choices
     from rvqtts.loading import ModelLoadError, model_config, model_voices
     from rvqtts.synthesis import Synthesizer
 
@@ -146,7 +146,7 @@ def check_dtype(dtype: str) -> None:
 
 
 def resolve_device(device: str) -> str:
-    from rvqtts.devices import DeviceError, pick_device
+    from rvqtts.engine.devices import DeviceError, pick_device
 
     try:
         return pick_device(device)

@@ -34,8 +34,14 @@ def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path]
     a Base model's `voice` file)."""
     from rvqtts.batch import BatchFileError, read_batch, voice_for
     from rvqtts.cloning import VoiceSource
-    from rvqtts.contexts import ContextsFileError, force_contexts, load_contexts, read_audio_pairs, record_contexts
-    from rvqtts.synthesis import GenerationSettings
+    from rvqtts.settings import GenerationSettings
+    from rvqtts.tuning.contexts import (
+        ContextsFileError,
+        force_contexts,
+        load_contexts,
+        read_audio_pairs,
+        record_contexts,
+    )
 
     config = synthesizer.code_predictor.config
     if contexts is not None:
@@ -78,7 +84,7 @@ def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path]
 
 def drafting_offsets(synthesizer, offsets: Optional[Path], depth: int):
     """Offsets [K, H] from a file, or zeros (reused heads)."""
-    from rvqtts.offsets import Offsets, OffsetsFileError, load_offsets, predictor_fingerprint
+    from rvqtts.engine.offsets import Offsets, OffsetsFileError, load_offsets, predictor_fingerprint
 
     if offsets is None:
         return Offsets.zeros(depth, synthesizer.hidden_size)

@@ -7,15 +7,23 @@ from typing import Optional
 
 import typer
 
-from rvqtts.cli.common import (DEFAULT_MODEL, HELP_STYLE, app, ensure_writable, fail, load_synthesizer, say,
-                               stderr_console)
+from rvqtts.cli.common import (
+    DEFAULT_MODEL,
+    HELP_STYLE,
+    app,
+    ensure_writable,
+    fail,
+    load_synthesizer,
+    say,
+    stderr_console,
+)
 
 
 @app.command("make-tiny-model")
 def make_tiny_model(
     directory: Path = typer.Argument(..., help="Folder to create; it must not exist or be empty."),
     dims: str = typer.Option("tiny", help="tiny (shrunk), or 0.6b / 1.7b: the released CustomVoice model's "
-                                          "dimensions and layout (rvqtts/released/), stored in bfloat16."),
+                                          "dimensions and layout (rvqtts/tuning/released/), stored in bfloat16."),
     kind: str = typer.Option("custom-voice", help="custom-voice (built-in speakers), base (voice cloning: a "
                                                   "speaker encoder, no speakers) or voice-design (described "
                                                   "voices; 1.7B only)."),
@@ -39,7 +47,7 @@ def make_tiny_model(
     """
     import shutil
 
-    from rvqtts.tiny import build_tiny_model
+    from rvqtts.tuning.tiny import build_tiny_model
 
     if force and directory.is_dir():
         shutil.rmtree(directory)
@@ -84,11 +92,11 @@ def export_coreml(
 ) -> None:
     """Export the fused inner loop (prefill, tree round, plain step) for one tree as a Core ML package,
     for `rvqtts synth --backend coreml --coreml-package`. Runs on any OS; the package runs on macOS."""
-    from rvqtts.coreml import CoreMLError, check_export_settings, export_package
-    from rvqtts.offsets import OffsetsFileError
-    from rvqtts.sampling import SamplingConfig
+    from rvqtts.engine.coreml import CoreMLError, check_export_settings, export_package
+    from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.sampling import SamplingConfig
+    from rvqtts.engine.tree import TreeFileError
     from rvqtts.synthesis import choose_speculation
-    from rvqtts.tree import TreeFileError
 
     try:
         sampling = SamplingConfig(temperature, top_k)
@@ -132,8 +140,8 @@ def standin_build(
     Prints the tables and writes OUT/report.json. Needs espeak-ng (Debian: apt-get install espeak-ng).
     """
     from rvqtts.report import standin_tables
-    from rvqtts.standin.build import build_standin
-    from rvqtts.standin.corpus import CorpusError
+    from rvqtts.tuning.standin.build import build_standin
+    from rvqtts.tuning.standin.corpus import CorpusError
 
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         fail(f"unknown --device {device!r}: choose cpu or cuda")

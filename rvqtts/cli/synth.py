@@ -11,8 +11,20 @@ from typing import Optional
 
 import typer
 
-from rvqtts.cli.common import (DEFAULT_MODEL, WEIGHTS_HELP, app, check_coreml, check_dtype, ensure_writable, fail,
-                               load_synthesizer, progress_bar, say, show_stats, write_stats)
+from rvqtts.cli.common import (
+    DEFAULT_MODEL,
+    WEIGHTS_HELP,
+    app,
+    check_coreml,
+    check_dtype,
+    ensure_writable,
+    fail,
+    load_synthesizer,
+    progress_bar,
+    say,
+    show_stats,
+    write_stats,
+)
 
 
 def _read_text(text: Optional[str]) -> str:
@@ -151,11 +163,12 @@ def synth(
     from rvqtts.audio import STDOUT_FORMATS, audio_format
     from rvqtts.batch import BatchFileError, Utterance, read_batch, to_do
     from rvqtts.cloning import VoiceError, VoiceSource
+    from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.sampling import NonFiniteError
+    from rvqtts.engine.tree import TreeFileError
     from rvqtts.loading import ModelLoadError, model_voices
-    from rvqtts.offsets import OffsetsFileError
-    from rvqtts.sampling import NonFiniteError
-    from rvqtts.synthesis import INSTRUCT_IGNORED, GenerationSettings, prepare_inner_loop
-    from rvqtts.tree import TreeFileError
+    from rvqtts.settings import GenerationSettings
+    from rvqtts.synthesis import INSTRUCT_IGNORED, prepare_inner_loop
 
     # Everything that can be checked without the model is checked first: bad input costs no model load.
     if backend not in ("torch", "coreml"):
@@ -362,7 +375,7 @@ def _ray_worker_spec(file: Optional[Path], backend: str, model: str, device: str
     device and read the model, tree and offsets (local paths go to them absolute: a worker starts in a
     folder of its own)."""
     from rvqtts.cluster import ClusterError, WorkerSpec, require_ray
-    from rvqtts.quantize import WEIGHTS
+    from rvqtts.engine.quantize import WEIGHTS
 
     if file is None:
         fail("--ray is for batch files: give -f FILE --out-dir DIR")
@@ -401,10 +414,10 @@ def _ray_worker_spec(file: Optional[Path], backend: str, model: str, device: str
 def _use_coreml(synthesizer, tree: str, offsets: Optional[Path], settings, package: Optional[Path],
                 precision: str, compute_units: str, quiet: bool) -> None:
     """Run the synthesizer's inner loop on a Core ML package (the plain step when it has no speculation)."""
-    from rvqtts.coreml import CoreMLError, coreml_decoder
-    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.engine.coreml import CoreMLError, coreml_decoder
+    from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.tree import TreeFileError
     from rvqtts.synthesis import choose_speculation
-    from rvqtts.tree import TreeFileError
 
     try:
         speculation = synthesizer.speculation  # None: --no-spec, whose package still holds a tree

@@ -7,10 +7,28 @@ from typing import Optional
 
 import typer
 
-from rvqtts.cli.common import (DEFAULT_MODEL, app, ensure_writable, fail, list_of_ints, load_synthesizer, progress_bar,
-                               publish, say)
-from rvqtts.cli.frames import (CONTEXTS_HELP, INSTRUCT_HELP, SPEAKER_HELP, SPLIT_HELP, TEXTS_HELP, VOICE_HELP,
-                               check_source, drafting_offsets, recorded_frames)
+from rvqtts.cli.common import (
+    DEFAULT_MODEL,
+    app,
+    ensure_writable,
+    fail,
+    list_of_ints,
+    load_synthesizer,
+    progress_bar,
+    publish,
+    say,
+)
+from rvqtts.cli.frames import (
+    CONTEXTS_HELP,
+    INSTRUCT_HELP,
+    SPEAKER_HELP,
+    SPLIT_HELP,
+    TEXTS_HELP,
+    VOICE_HELP,
+    check_source,
+    drafting_offsets,
+    recorded_frames,
+)
 
 
 def check_new_file(path: Path, force: bool, suffix: str) -> None:
@@ -50,11 +68,11 @@ def tune(
     """
     import torch
 
-    from rvqtts import native
-    from rvqtts.devices import frame_map_ms, frame_maps, pick_dtype
-    from rvqtts.kernels import choose_kernels, fixed_kernel, forget_choices, kernels_path, machine_key
+    from rvqtts.engine import native
+    from rvqtts.engine.devices import frame_map_ms, frame_maps, pick_dtype
+    from rvqtts.engine.kernels import choose_kernels, fixed_kernel, forget_choices, kernels_path, machine_key
+    from rvqtts.engine.quantize import WEIGHTS
     from rvqtts.loading import ModelLoadError, model_config
-    from rvqtts.quantize import WEIGHTS
     from rvqtts.report import tune_table
 
     if dtype not in ("auto", "float32", "bfloat16"):
@@ -96,10 +114,11 @@ def _tune_trees(model: str, dtype: str, weights: str, texts: Path, offsets: Opti
                 max_frames: Optional[int], seed: int, quiet: bool) -> dict:
     """`tune --texts`: the lines spoken with --tree auto on the CPU; what the online choice measured and chose."""
     from rvqtts.batch import BatchFileError, read_batch
-    from rvqtts.offsets import OffsetsFileError
-    from rvqtts.online import OnlineSpeculation
-    from rvqtts.synthesis import GenerationSettings, prepare_inner_loop
-    from rvqtts.tree import TreeFileError
+    from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.online import OnlineSpeculation
+    from rvqtts.engine.tree import TreeFileError
+    from rvqtts.settings import GenerationSettings
+    from rvqtts.synthesis import prepare_inner_loop
 
     try:
         lines = read_batch(texts)
@@ -164,9 +183,9 @@ def train_offsets_command(
     Codes do not change: the verifier never reads an offset state. The file records the model, K, the
     data and the losses; rvqtts synth uses it when given with --offsets.
     """
-    from rvqtts.contexts import save_contexts as write_contexts
-    from rvqtts.offsets import save_offsets
-    from rvqtts.training import TrainingConfig, fit_offsets
+    from rvqtts.engine.offsets import save_offsets
+    from rvqtts.tuning.contexts import save_contexts as write_contexts
+    from rvqtts.tuning.training import TrainingConfig, fit_offsets
 
     check_source(texts, contexts, audio, audio_allowed=True)
     check_new_file(out, force, ".safetensors")
@@ -226,8 +245,8 @@ def calibrate(
 ) -> None:
     """Measure the per-depth, per-rank acceptance table on free-running codes and grow one sparse tree
     per node budget (depth capped at K), each with its expected codes per call."""
-    from rvqtts.calibration import calibrate_trees
-    from rvqtts.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
+    from rvqtts.engine.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
+    from rvqtts.tuning.calibration import calibrate_trees
 
     check_source(texts, contexts)
     sizes = list_of_ints(budgets, "--budgets")
@@ -277,11 +296,11 @@ def accept(
 ) -> None:
     """Measure codes per predictor call of the speculative inner loop on these frames: overall and per
     language, with a 95 % confidence interval."""
-    from rvqtts.calibration import codes_per_call
-    from rvqtts.offsets import OffsetsFileError
+    from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.tree import TreeFileError
     from rvqtts.report import codes_per_call_table
     from rvqtts.synthesis import choose_speculation
-    from rvqtts.tree import TreeFileError
+    from rvqtts.tuning.calibration import codes_per_call
 
     check_source(texts, contexts)
     if json_out is not None:

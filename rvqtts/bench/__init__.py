@@ -1,0 +1,1 @@
+"""Benchmarks: one module per `rvqtts bench` command, over one harness (rvqtts.bench.harness)."""

@@ -1,0 +1,139 @@
+"""`rvqtts bench e2e`: whole synthesis, stock qwen-tts against rvqtts's plain loop, its default and fixed
+trees, text by text in turn, per frame and against the floors of the calls each made."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+from rvqtts.bench.floor import module_weights, predictor_weights, read_pass, round_heads, talker_weights
+from rvqtts.bench.harness import KV_LENGTH, interleaved_ms
+from rvqtts.engine.predictor import PredictorRunner
+
+TIMED_FIELDS = ("wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds")
+
+
+def fixed_variants(fixed: list) -> list[str]:
+    """The names of `bench e2e`'s fixed-tree variants, `N=n` (their node counts), which must differ."""
+    names = [f"N={speculation.tree.nodes}" for speculation in fixed]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"the fixed trees must differ in size, got {', '.join(names) or 'none'}")
+    return names
+
+
+def bench_e2e(tts: object, lines: list[tuple[str | None, str, str]], fixed: list, seed: int = 0, settings=None,
+              progress: Callable[[int, int], None] | None = None, weight_format: str = "native",
+              instruct: str | None = None, clone=None, default=None) -> dict:
+    """Stock qwen-tts, rvqtts's plain loop, rvqtts's default (`default`: what `--tree auto` runs, decided
+    online, rvqtts.engine.online) and rvqtts's speculative loop with each fixed tree of `fixed` (a variant `N=n`
+    each) on the same texts and seeds, taking turns text by text (the order rotating), each text spoken as
+    one piece (lines of (text, speaker, language); `instruct` and a Base model's `clone`, an
+    rvqtts.cloning.ClonedVoice, for all). Frame counts differ between variants (sampled codes decide where
+    speech ends), so times are compared per frame."""
+    from rvqtts.engine.online import OnlineSpeculation
+    from rvqtts.settings import GenerationSettings
+    from rvqtts.synthesis import Synthesizer
+
+    settings = settings or GenerationSettings()
+    names = fixed_variants(fixed)
+    synthesizers = {"plain": Synthesizer(tts, None, weight_format), "auto": Synthesizer(tts, default, weight_format)}
+    synthesizers |= {name: Synthesizer(tts, speculation, weight_format) for name, speculation in zip(names, fixed)}
+    if isinstance(default, OnlineSpeculation):  # its one-time cost measurement is not part of any line
+        default.start(synthesizers["auto"].inner_parts().runner, synthesizers["auto"].sampling(settings).predictor)
+    variants = ("stock", "plain", "auto", *names)
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    talker, runner = synthesizers["plain"].talker_runner(), synthesizers["plain"].inner_parts().runner
+    floors = _e2e_floor_passes(talker, runner, dict(zip(names, fixed)), tts.model.talker)
+    floor_times: dict[str, list[float]] = {name: [] for name in floors}
+    for number, (text, speaker, language) in enumerate(lines):
+        turn = number % len(variants)
+        order = variants[turn:] + variants[:turn]
+        for name in order:
+            if name == "stock":
+                record = synthesizers["plain"].synthesize_stock(text, speaker, language, seed, settings, instruct,
+                                                                clone)
+            else:
+                record = synthesizers[name].synthesize(text, speaker, language, seed, settings=settings,
+                                                       chunk_chars=None, instruct=instruct, clone=clone).record()
+            runs[name].append({key: record[key] for key in ("frames", "audio_seconds", *TIMED_FIELDS, "rtf")}
+                              | ({key: record[key] for key in ("codes_per_call", "predictor_calls", "talker_calls")}
+                                 if name != "stock" else {}))
+            if progress:
+                progress(number * len(order) + order.index(name) + 1, len(lines) * len(order))
+        for name, values in interleaved_ms(floors, talker.device, warmup=1, repeats=3).items():
+            floor_times[name].extend(values)
+    floor_ms = {name: round(statistics.median(values), 3) for name, values in floor_times.items()}
+    totals = {name: _totals(records) | _floor_per_frame(name, records, floor_ms, runner.code_groups - 1)
+              for name, records in runs.items()}
+    online = synthesizers["auto"].speculation
+    best = min(names, key=lambda name: totals[name]["predictor_ms_per_frame"] or float("inf"))
+    return {"runs": runs, "totals": totals, "ratios": _e2e_ratios(totals, names, best), "seed": seed,
+            "tree_nodes": [speculation.tree.nodes for speculation in fixed], "best_fixed": best,
+            "texts": len(lines), "floor_ms": floor_ms, "weight_format": weight_format,
+            "auto": online.record() if isinstance(online, OnlineSpeculation) else {
+                "N": online.tree.nodes if online else 0}}
+
+
+def _e2e_floor_passes(talker: object, runner: PredictorRunner, fixed: dict,
+                      module: torch.nn.Module) -> dict[str, Callable[[], None]]:
+    """Passes over what each kind of call reads: rvqtts's talker step, plain predictor step and verify round
+    of each fixed tree mid-frame (KV_LENGTH committed slots; `fixed`: variant name -> speculation), as the
+    runners hold their weights (8-bit ones too), and stock's talker and predictor steps over the modules'
+    own weights."""
+    index, last = KV_LENGTH - 1, runner.code_groups - 1
+    predictor = module.code_predictor
+    stock_predictor = [predictor.model.layers, predictor.model.norm, predictor.small_to_mtp_projection,
+                       predictor.lm_head[index]]
+    rounds = {}
+    for name, speculation in fixed.items():
+        plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
+        rounds[f"predictor_round {name}"] = read_pass(predictor_weights(runner, round_heads(plan, index, last)))
+    return {"talker_step": read_pass(talker_weights(talker)),
+            "predictor_step": read_pass(predictor_weights(runner, [index + 1])), **rounds,
+            "stock_talker_step": read_pass(module_weights(module.model.layers, module.model.norm, module.codec_head)),
+            "stock_predictor_step": read_pass(module_weights(*stock_predictor))}
+
+
+def _floor_per_frame(variant: str, records: list[dict], floor_ms: dict[str, float], plain_calls: int) -> dict:
+    """The floor of a variant's talker and inner loop per frame: the read passes of the calls it made (stock:
+    one talker step and `plain_calls` predictor calls per frame; a fixed tree: a prefill, then rounds of its
+    tree; auto, whose tree size changes, has none)."""
+    frames = sum(r["frames"] for r in records)
+    if not frames or variant == "auto":
+        return {"talker_floor_ms_per_frame": None, "predictor_floor_ms_per_frame": None}
+    talker_calls = sum(r.get("talker_calls", r["frames"]) for r in records)
+    calls = sum(r.get("predictor_calls", 0) for r in records) or frames * plain_calls
+    rounds = calls - frames if variant not in ("stock", "plain") else 0
+    kind = "stock_" if variant == "stock" else ""  # stock reads the modules' own weights
+    predictor = (calls - rounds) * floor_ms[f"{kind}predictor_step"]
+    if rounds:
+        predictor += rounds * floor_ms[f"predictor_round {variant}"]
+    return {"talker_floor_ms_per_frame": round(talker_calls * floor_ms[f"{kind}talker_step"] / frames, 2),
+            "predictor_floor_ms_per_frame": round(predictor / frames, 2)}
+
+
+def _totals(records: list[dict]) -> dict:
+    frames = sum(r["frames"] for r in records)
+    audio = sum(r["audio_seconds"] for r in records)
+    totals = {"frames": frames, "audio_seconds": round(audio, 3)}
+    for key in TIMED_FIELDS:
+        seconds = sum(r[key] for r in records)
+        totals[key] = round(seconds, 3)
+        totals[key.replace("_seconds", "_ms_per_frame")] = round(1e3 * seconds / frames, 2) if frames else None
+    totals["rtf"] = round(totals["wall_seconds"] / audio, 4) if audio else None
+    return totals
+
+
+def _e2e_ratios(totals: dict, fixed: list[str], best: str) -> dict:
+    """How many times faster the second variant is than the first, per frame (`best`: the fixed tree whose
+    inner loop was fastest)."""
+    def faster(slow: str, fast: str, part: str) -> float | None:
+        a, b = totals[slow][f"{part}_ms_per_frame"], totals[fast][f"{part}_ms_per_frame"]
+        return round(a / b, 3) if a and b else None
+
+    pairs = [("stock", "auto"), ("plain", "auto"), (best, "auto"), ("stock", "plain")]
+    pairs += [("plain", name) for name in fixed]
+    return {f"{slow}/{fast} {part}": faster(slow, fast, part) for slow, fast in pairs
+            for part in ("wall", "predictor", "talker")}

@@ -1,0 +1,103 @@
+"""The floors of a model call: how long reading the weights it touches takes, and how long its rows'
+multiply-adds take at this device's peak, both measured.
+
+On a CPU every call of the talker and the code predictor reads each weight it uses once and does a
+few multiply-adds per weight read, so its cost is bounded below by the time the weights take to come
+from memory. That time is measured, not assumed: a pass over the same tensors that reads every byte
+and does almost no arithmetic (the maximum of the bytes), timed in the same run as the calls it is set
+beside (machines differ, and so does their load from one minute to the next). Embedding rows (a few KB
+a call) are left out; packed copies of weights hold the same bytes in another order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from rvqtts.engine.devices import synchronize
+from rvqtts.engine.kernels import LinearMap
+
+
+def distinct(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors once each (a weight reached twice, or tied, is read once)."""
+    seen, kept = set(), []
+    for tensor in tensors:
+        key = (tensor.data_ptr(), tensor.numel(), tensor.dtype)
+        if key not in seen:
+            seen.add(key)
+            kept.append(tensor.detach())
+    return kept
+
+
+def megabytes(tensors: list[torch.Tensor]) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / 1e6
+
+
+def read_pass(tensors: list[torch.Tensor]) -> Callable[[], None]:
+    """A call that reads every byte of `tensors` once: the floor of a call that reads them."""
+    flat = [t.reshape(-1).view(torch.uint8) for t in tensors]  # the weights are contiguous: views, no copies
+
+    def read() -> None:
+        for values in flat:
+            values.amax()
+
+    return read
+
+
+def multiply_adds(tensors: list[torch.Tensor]) -> int:
+    """Multiply-adds one row costs through these weights: the elements of their matrices (packed ones
+    included; vectors such as biases and scales cost none)."""
+    return sum(t.numel() for t in tensors if t.dim() >= 2)
+
+
+def peak_multiply_adds_per_ms(dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
+    """The compute side of the floor: multiply-adds per millisecond a dense square matrix product of
+    `size` reaches in `dtype` on this device (the best of `repeats`, after one warm-up). With the read
+    pass it bounds a call from below twice: q rows through W weights cost at least q * W / this."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
+    best = float("inf")
+    with torch.inference_mode():
+        for attempt in range(repeats + 1):
+            synchronize(device)
+            started = time.perf_counter()
+            torch.mm(a, b)
+            synchronize(device)
+            if attempt:
+                best = min(best, (time.perf_counter() - started) * 1e3)
+    return size ** 3 / best
+
+
+def module_weights(*modules: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters of `modules`, once each: what qwen-tts's own forward reads of them."""
+    return distinct(p for module in modules for p in module.parameters())
+
+
+def decoder_weights(runner: object) -> list[torch.Tensor]:
+    """What every call of a rvqtts.engine.transformer.CachedDecoder reads: its layers' maps (as they are held:
+    the dtype's own weights, or 8-bit ones and their scales) and norms, and the final norm."""
+    norms = [p for layer in runner.layers for name, p in layer.named_parameters() if "norm" in name]
+    return [t for linear in runner.layer_maps() for t in linear.reads()] + norms + list(runner.norm.parameters())
+
+
+def predictor_weights(runner: object, heads: Iterable[int]) -> list[torch.Tensor]:
+    """A code-predictor call's weights: the layers, the input projection, and the LM heads of `heads`
+    (code indices; a plain step scores one code, a tree round drafts and scores several)."""
+    project = runner.project.reads() if isinstance(runner.project, LinearMap) else []  # else the identity
+    project += [] if runner.project_bias is None else [runner.project_bias]
+    return distinct(decoder_weights(runner) + project + [t for index in heads for t in runner.heads[index - 1].reads()])
+
+
+def talker_weights(runner: object) -> list[torch.Tensor]:
+    """A talker step's weights: the layers and the codec head."""
+    return distinct(decoder_weights(runner) + runner.head.reads())
+
+
+def round_heads(plan: object, index: int, last: int) -> list[int]:
+    """The LM heads a verify round rooted at c_index reads: one per drafted depth, one per scored depth."""
+    from rvqtts.engine.decode import scored_slices
+
+    drafted = range(index + 1, index + len(plan.draft_ranks) + 1)
+    return [*drafted, *(index + d + 1 for d, _ in scored_slices(plan, index, last))]

@@ -1,0 +1,435 @@
+"""Which of torch's kernels applies each linear map of the hot loops on this machine, chosen by measurement.
+
+Both loops are bound by reading their weights, and CPUs differ in which kernel reads them fastest for a
+row or a few: `torch.mv` ran one bfloat16 row 1.2x faster than `F.linear` on an Intel Xeon with AMX and at
+about a third of oneDNN's packed kernel's rate on an AMD EPYC without AMX (docs/benchmarks.md). So no
+kernel is fixed here: for every map shape the loops run, each candidate (`candidates`) is
+
+1. checked for row invariance: every row of a call of 2 to CHUNK + 1 rows must get the bits it gets in a
+   call of its own, with the call padded with zero rows to the kernel's `pad` where that makes it hold
+   (some kernels take another path for a single row). A tree round's rows then equal plain steps bit for
+   bit, which is what makes speculative and plain decoding give the same codes;
+2. timed at one row (a plain step) and at 17 (a 16-node tree round) over copies of the weights larger
+   than the CPU's caches, as the loops read them.
+
+Every frame's talker step and plain inner loop are one-row calls, but tree rounds and batches run
+many rows, and a kernel that costs about the same for 1 and 16 rows (rvqtts.engine.native's AMX tiles, where
+the CPU has them) makes those nearly free. So of the invariant candidates, those within STEP_TIE of the
+fastest at one row are in the running, and the cheapest at 17 rows of them wins (the fastest of all,
+flagged, where none is invariant): the AMX kernel, 8-15 % slower than bf16dot at one row on an AMX Xeon,
+wins there for 17 rows at less than half the cost; oneDNN's packed kernel, twice as slow at one row,
+never does. A prompt's prefill, whose bits no other call has to match, runs its
+many rows through F.linear where that measured faster at PROMPT_ROWS (`LinearMap.many`). The choice is
+kept per machine (CPU model, torch version, threads), dtype, weight format and shape in the user's cache
+(`kernels.json`), so the probe runs once: about a second per shape at the released dimensions.
+`rvqtts tune` shows the table. RVQTTS_CHOICES=fixed restores the rules used before measurement (here: one
+row through torch.mv, more through oneDNN's packed bfloat16 kernel or F.linear; rvqtts.engine.devices: the dtype
+from a CPU flag), for A/B runs and for tests whose bits must not depend on a timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from rvqtts.engine import native
+from rvqtts.engine.quantize import quantize_rows
+from rvqtts.files import cache_dir, write_json
+
+CHUNK = 32  # rows per kernel call: a longer call goes in chunks, so invariance up to CHUNK + 1 rows covers all
+PADS = (1, 2, 4, 8)  # zero-row paddings tried, smallest first, until a kernel's rows are invariant
+TIMED_ROWS = (1, 17)  # a plain step, and a 16-node tree round
+STEP_TIE = 1.20  # one-row costs within this factor of the fastest are in the running; 17 rows decide
+PROMPT_ROWS = 64  # rows of a prompt's prefill, where the kernel of many rows is timed (`KernelChoice.bulk`)
+COLD_BYTES = 96 << 20  # weight copies cycled through when timing: more than the last-level cache holds
+TIMED_PASSES = 7
+KERNELS_FILE = "kernels.json"
+KERNELS_FORMAT = "rvqtts-kernels"
+# 2: rvqtts's own kernel among the candidates; 3: the prompt kernel; 4: its AMX kernels (older choices measured anew)
+KERNELS_VERSION = 4
+CHOICES_VARIABLE = "RVQTTS_CHOICES"  # "measured" (the default) or "fixed": the rules used before measurement
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """How a map applies rows: `multi` ("linear" for F.linear, "packed" for oneDNN's kernel over weights
+    reordered once, "int8" for torch's int8 kernel over 8-bit weights, "bf16dot" and "int8dot" for
+    rvqtts's own AVX512-BF16 kernel over bfloat16 or 8-bit weights and "bf16amx" and "int8amx" for its
+    AMX one, rvqtts.engine.native) in calls of at most CHUNK rows,
+    each padded with zero rows to at least `pad`; a call of one row through torch.mv where `one_row_mv`."""
+
+    multi: str
+    pad: int = 1
+    one_row_mv: bool = False
+
+    @property
+    def name(self) -> str:
+        return ("mv+" if self.one_row_mv else "") + self.multi + (f"/pad{self.pad}" if self.pad > 1 else "")
+
+    @classmethod
+    def parse(cls, name: str) -> "Kernel":
+        one_row_mv = name.startswith("mv+")
+        multi, _, pad = name.removeprefix("mv+").partition("/pad")
+        return cls(multi, int(pad or 1), one_row_mv)
+
+
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack weights of this dtype on this CPU: float32, or bfloat16 where oneDNN has its
+    bfloat16 kernels."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def candidates(device: torch.device, dtype: torch.dtype, weights: str,
+               shape: tuple[int, int] | None = None) -> list[Kernel]:
+    """The kernels that can apply a map (of `shape`, where given) here, the rule used before measurement
+    first (`fixed_kernel`)."""
+    if device.type != "cpu":
+        return [Kernel("linear")]
+    own = [name for name in (("int8dot", "int8amx") if weights == "int8" else ("bf16dot", "bf16amx"))
+           if shape is not None and native.supports(shape, dtype, name)]
+    if weights == "int8":
+        return [Kernel("int8")] + [Kernel(name) for name in own]
+    packed = packing_available(dtype)
+    found = [Kernel("linear", one_row_mv=True), Kernel("linear")]
+    if packed:
+        found[1:1] = [Kernel("packed", one_row_mv=True)]
+        found.append(Kernel("packed"))
+    found += [Kernel(name) for name in own]
+    fixed = fixed_kernel(device, dtype, weights)
+    return [fixed] + [k for k in found if k != fixed]
+
+
+def fixed_kernel(device: torch.device, dtype: torch.dtype, weights: str) -> Kernel:
+    """The rule before measurement: one row through torch.mv, more through oneDNN's packed kernel in
+    bfloat16 (where oneDNN has it) and F.linear otherwise; 8-bit weights through torch's int8 kernel."""
+    if device.type != "cpu":
+        return Kernel("linear")
+    if weights == "int8":
+        return Kernel("int8")
+    packed = dtype == torch.bfloat16 and packing_available(dtype)
+    return Kernel("packed" if packed else "linear", one_row_mv=True)
+
+
+class LinearMap:
+    """A linear map (weight [out, in], optional bias) applied by a chosen kernel (`Kernel`).
+
+    `weight` stays the module's own tensor, for code that reads it (Core ML export, the fused modules);
+    the calls read what the kernel needs: the weight, its oneDNN-packed copy (a second copy of its bytes),
+    or 8-bit weights with a scale per output channel in the activations' dtype (W8A16,
+    rvqtts.engine.quantize). Off the CPU, and while tracing, every call is F.linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernel,
+                 row_invariant: bool | None = None, bulk: Kernel | None = None):
+        self.weight, self.bias, self.kernel = weight, bias, kernel
+        self.row_invariant = row_invariant  # as measured for the kernel at this shape (None: not probed)
+        # A prompt's rows at once (`many`): F.linear over the module's weight where that was measured faster
+        # at PROMPT_ROWS, else the kernel's own calls. No other call's bits need to match a prefill's.
+        self.bulk = bulk if bulk == Kernel("linear") and kernel != bulk else kernel
+        self.out_features = weight.shape[0]
+        with torch.no_grad():
+            if kernel.multi == "packed":
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+                self.operands = [packed]
+                self.apply = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+            elif kernel.multi == "int8":
+                qweight, scales = quantize_rows(weight)
+                scales = scales.to(weight.dtype)
+                self.operands = [qweight, scales]
+                self.apply = lambda rows: self._biased(torch._weight_int8pack_mm(rows, qweight, scales))
+            elif kernel.multi in ("int8dot", "int8amx"):
+                qweight, scales = quantize_rows(weight)
+                packed, scales = native.pack(qweight), scales.to(weight.dtype).float()  # the same scales
+                self.operands = [packed, scales]
+                self.apply = lambda rows: self._biased(native.apply(kernel.multi, rows, packed, scales))
+            elif kernel.multi in ("bf16dot", "bf16amx"):
+                packed = native.pack(weight)
+                self.operands = [packed]
+                self.apply = lambda rows: self._biased(native.apply(kernel.multi, rows, packed))
+            else:
+                self.operands = [weight]
+                self.apply = lambda rows: F.linear(rows, weight, bias)
+
+    def _biased(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.bias is None else out + self.bias
+
+    def reads(self) -> list[torch.Tensor]:
+        """The tensors a call reads (a packed copy holds the weight's bytes in another order)."""
+        if self.kernel.multi in ("packed", "bf16dot", "bf16amx"):
+            return [self.weight] + ([] if self.bias is None else [self.bias])
+        return self.operands + ([] if self.bias is None else [self.bias])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or torch.jit.is_tracing():
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 1 and self.kernel.one_row_mv and self.bias is None:
+            return torch.mv(self.weight, rows[0]).view(*x.shape[:-1], self.out_features)
+        if rows.shape[0] <= CHUNK:  # one call (a step or a round): no split
+            out = self._chunk(rows)
+        else:
+            out = torch.cat([self._chunk(chunk) for chunk in rows.split(CHUNK)])
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def many(self, x: torch.Tensor) -> torch.Tensor:
+        """The map over a prompt's rows (a prefill) by the kernel measured for many rows (`bulk`)."""
+        if self.bulk == self.kernel or x.device.type != "cpu":
+            return self(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def _chunk(self, rows: torch.Tensor) -> torch.Tensor:
+        count = rows.shape[0]
+        if count >= self.kernel.pad:
+            return self.apply(rows.contiguous())
+        padding = rows.new_zeros(self.kernel.pad - count, rows.shape[1])
+        return self.apply(torch.cat([rows, padding]))[:count]
+
+
+def rows_are_invariant(linear: LinearMap, generator: torch.Generator) -> bool:
+    """Whether every row of a call of 2 to CHUNK + 1 rows gets the bits it gets in a call of its own."""
+    x = torch.randn(CHUNK + 1, linear.weight.shape[1], generator=generator).to(linear.weight.dtype)
+    with torch.inference_mode():
+        alone = torch.cat([linear(x[i:i + 1]) for i in range(len(x))])
+        return all(torch.equal(linear(x[:q]), alone[:q]) for q in range(2, len(x) + 1))
+
+
+def invariant_pad(weight: torch.Tensor, kernel: Kernel) -> int | None:
+    """The smallest padding in PADS that makes `kernel`'s rows invariant for this weight, or None."""
+    for pad in PADS:
+        if rows_are_invariant(LinearMap(weight, None, replace(kernel, pad=pad)), torch.Generator().manual_seed(1)):
+            return pad
+    return None
+
+
+def time_kernels(weight: torch.Tensor, kernels: list[Kernel], rows: tuple[int, ...] = TIMED_ROWS
+                 ) -> dict[str, dict[int, float]]:
+    """Milliseconds per call of each kernel at each row count: the median of passes over copies of `weight`
+    that together exceed the caches (a loop's maps are read from memory, not from cache), the kernels'
+    passes interleaved so that a busy spell on a shared machine falls on all of them alike."""
+    copies = max(2, min(64, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
+    maps = {kernel.name: [LinearMap(weight.clone(), None, kernel) for _ in range(copies)] for kernel in kernels}
+    generator = torch.Generator().manual_seed(2)
+    passes: dict[str, dict[int, list[float]]] = {name: {count: [] for count in rows} for name in maps}
+    with torch.inference_mode():
+        inputs = {count: torch.randn(count, weight.shape[1], generator=generator).to(weight.dtype) for count in rows}
+        for turn in range(TIMED_PASSES + 1):  # the first turn warms up
+            for name, linears in maps.items():
+                for count, x in inputs.items():
+                    start = time.perf_counter()
+                    for linear in linears:
+                        linear(x)
+                    if turn:
+                        passes[name][count].append((time.perf_counter() - start) / copies)
+    return {name: {count: round(statistics.median(times) * 1e3, 4) for count, times in by_rows.items()}
+            for name, by_rows in passes.items()}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel a map shape runs with here, whether its rows are invariant, and what was measured:
+    milliseconds per call by candidate and row count, and the candidates whose rows are invariant."""
+
+    kernel: Kernel
+    row_invariant: bool | None  # None: not probed (RVQTTS_CHOICES=fixed, or off the CPU)
+    timings: dict[str, dict[int, float]]
+    invariant: tuple[str, ...]
+    source: str  # "measured" now, "cache" (kernels.json), "fixed" (RVQTTS_CHOICES=fixed), or "device"
+    bulk: Kernel | None = None  # a prompt's prefill: the kernel, or F.linear where faster at PROMPT_ROWS
+
+    def record(self) -> dict:
+        return {"kernel": self.kernel.name, "row_invariant": self.row_invariant, "invariant": list(self.invariant),
+                "bulk": (self.bulk or self.kernel).name,
+                "ms": {name: {str(k): v for k, v in t.items()} for name, t in self.timings.items()}}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "KernelChoice":
+        timings = {name: {int(k): float(v) for k, v in t.items()} for name, t in record["ms"].items()}
+        return cls(Kernel.parse(record["kernel"]), record["row_invariant"], timings,
+                   tuple(record["invariant"]), "cache", Kernel.parse(record["bulk"]))
+
+
+def measure_choice(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> KernelChoice:
+    """Probe every candidate kernel for a CPU map of this shape: row invariance (with the padding that
+    gives it), then cost: of the invariant ones, the fastest at one row (within STEP_TIE), then at 17."""
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    kernels, invariant = [], []
+    for kernel in candidates(torch.device("cpu"), dtype, weights, shape):
+        pad = invariant_pad(weight, kernel)
+        kernels.append(replace(kernel, pad=pad or 1))
+        if pad is not None:
+            invariant.append(kernels[-1].name)
+    timings = time_kernels(weight, kernels)
+    pool = invariant or list(timings)
+    step = min(timings[name][1] for name in pool)
+    fastest = min((name for name in pool if timings[name][1] <= STEP_TIE * step), key=lambda name: timings[name][17])
+    kernel, bulk = Kernel.parse(fastest), Kernel.parse(fastest)
+    if weights == "native" and kernel != Kernel("linear"):  # a prompt's rows: the kernel or F.linear, timed
+        prompt = time_kernels(weight, [kernel, Kernel("linear")], rows=(PROMPT_ROWS,))
+        bulk = min((kernel, Kernel("linear")), key=lambda k: prompt[k.name][PROMPT_ROWS])
+    return KernelChoice(kernel, bool(invariant), timings, tuple(invariant), "measured", bulk)
+
+
+def machine_key() -> str:
+    """What a kernel choice holds for: the CPU model, torch's version and its thread count."""
+    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name with its family and model numbers (/proc/cpuinfo on Linux), else platform's."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if not line.strip():
+                break
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    numbers = "/".join(fields[k] for k in ("cpu family", "model") if k in fields)
+    return f"{name} ({numbers})" if numbers else name
+
+
+def shape_key(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> str:
+    return f"{str(dtype).removeprefix('torch.')}/{weights}/{shape[0]}x{shape[1]}"
+
+
+_chosen: dict[tuple[str, str], KernelChoice] = {}  # this process's choices, by machine and shape key
+
+
+def kernel_choice(shape: tuple[int, int], dtype: torch.dtype, weights: str = "native",
+                  device: torch.device = torch.device("cpu")) -> KernelChoice:
+    """The kernel for a map of this shape: measured once per machine and kept in the user's cache."""
+    if device.type != "cpu":
+        return KernelChoice(Kernel("linear"), None, {}, (), "device")
+    if not measured_choices():
+        return KernelChoice(fixed_kernel(device, dtype, weights), None, {}, (), "fixed")
+    return choose_kernels([shape], dtype, weights)[shape]
+
+
+def measured_choices() -> bool:
+    """Whether machine-dependent choices (kernels, dtype) are measured, or fixed (RVQTTS_CHOICES=fixed)."""
+    return os.environ.get(CHOICES_VARIABLE, "measured") != "fixed"
+
+
+def choose_kernels(shapes: list[tuple[int, int]], dtype: torch.dtype, weights: str = "native",
+                   progress: Callable[[str], None] | None = None) -> dict[tuple[int, int], KernelChoice]:
+    """Choices for these CPU map shapes: this process's, else the cache's, else measured now (under a lock,
+    so processes starting together measure once) and saved."""
+    machine = machine_key()
+    keys = {shape: shape_key(shape, dtype, weights) for shape in dict.fromkeys(shapes)}
+    missing = [shape for shape, key in keys.items() if (machine, key) not in _chosen]
+    if missing:
+        with _cache_lock():
+            stored = _read_cache().get(machine, {})
+            measured = {}
+            for shape in missing:
+                if keys[shape] in stored:
+                    _chosen[machine, keys[shape]] = KernelChoice.from_record(stored[keys[shape]])
+                    continue
+                if progress:
+                    progress(f"measuring this CPU's kernels for {shape[0]} x {shape[1]} {keys[shape].split('/')[0]} "
+                             f"maps (once)")
+                choice = measure_choice(shape, dtype, weights)
+                _chosen[machine, keys[shape]] = choice
+                measured[keys[shape]] = {**choice.record(), "measured": _now()}
+            if measured:
+                _save_cache(machine, measured)
+    return {shape: _chosen[machine, key] for shape, key in keys.items()}
+
+
+def forget_choices(dtype: torch.dtype | None = None, weights: str | None = None) -> None:
+    """Drop this machine's choices, for one dtype and weight format or all, here and in the cache file,
+    so that the next call measures them anew."""
+    prefix = "" if dtype is None else f"{str(dtype).removeprefix('torch.')}/{weights or ''}"
+    machine = machine_key()
+    for key in [k for k in _chosen if k[0] == machine and k[1].startswith(prefix)]:
+        del _chosen[key]
+    with _cache_lock():
+        machines = _read_cache()
+        kept = {k: v for k, v in machines.get(machine, {}).items() if not k.startswith(prefix)}
+        if machine in machines and kept != machines[machine]:
+            machines[machine] = kept
+            write_json(kernels_path(), {"format": KERNELS_FORMAT, "version": KERNELS_VERSION, "machines": machines})
+
+
+def kernels_path() -> Path:
+    return cache_dir() / KERNELS_FILE
+
+
+def _read_cache() -> dict:
+    """The cache's records by machine; a missing or malformed file counts as empty (measured again)."""
+    try:
+        data = json.loads(kernels_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    if (not isinstance(data, dict) or data.get("format") != KERNELS_FORMAT
+            or data.get("version") != KERNELS_VERSION or not isinstance(data.get("machines"), dict)):
+        return {}
+    return {machine: records for machine, records in data["machines"].items() if isinstance(records, dict)}
+
+
+def _save_cache(machine: str, records: dict) -> None:
+    machines = _read_cache()
+    machines[machine] = {**machines.get(machine, {}), **records}
+    write_json(kernels_path(), {"format": KERNELS_FORMAT, "version": KERNELS_VERSION, "machines": machines})
+
+
+@contextlib.contextmanager
+def _cache_lock() -> Iterator[None]:
+    """An exclusive lock beside the cache file (where the platform has fcntl), so that processes starting
+    together (Ray workers, a batch of commands) measure once and read the same choices."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path = kernels_path().with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError:  # an unwritable cache: measure without a lock (and the save will fail loudly)
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def make_map(weight: torch.Tensor, bias: torch.Tensor | None, weights: str = "native") -> LinearMap:
+    """The map of `weight` with the kernel chosen for its shape, dtype and `weights` format here."""
+    choice = kernel_choice(tuple(weight.shape), weight.dtype, weights, weight.device)
+    return LinearMap(weight, bias, choice.kernel, choice.row_invariant, choice.bulk)
+
+
+def module_map(linear: torch.nn.Linear, weights: str = "native") -> LinearMap:
+    return make_map(linear.weight, linear.bias, weights)
+
+
+def kernels_used(maps: list[LinearMap]) -> dict:
+    """What a loop's maps run with (for the stats): maps per kernel, and whether every map's rows were
+    measured invariant (None where some were not probed)."""
+    counts: dict[str, int] = {}
+    for linear in maps:
+        counts[linear.kernel.name] = counts.get(linear.kernel.name, 0) + 1
+    probed = [linear.row_invariant for linear in maps]
+    return {"maps": dict(sorted(counts.items())), "row_invariant": None if None in probed else all(probed)}

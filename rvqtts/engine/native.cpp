@@ -1,0 +1,468 @@
+// rvqtts's native CPU kernels, for CPUs with AVX512-BF16; built and loaded by rvqtts/engine/native.py. A few
+// bfloat16 rows x [M, K] through a linear map W [N, K] held as bfloat16 or as int8 with a float scale per
+// output channel (W8A16), chosen per map shape by measurement (rvqtts/engine/kernels.py); and a decoder layer's
+// row-wise steps (RMSNorm, q/k norms with RoPE, attention over the cache, SiLU times up), alone or with
+// the maps as one whole layer.
+//
+// Map weights are packed once as [N/16][K/2][16][2]: one 64-byte vector (32 bytes for int8) per block of
+// 16 output channels and pair of inputs, the operand layout of VDPBF16PS. A tile keeps CB blocks x RB
+// rows of float accumulators in registers and streams its blocks' weights once per pass over its rows.
+//
+// Every output is one fixed sequence: acc = 0; for each input pair, acc = dpbf16(acc, x pair, w pair);
+// then (int8) acc * scale; then rounding to bfloat16. Threads split the output channels, never the
+// inputs, so a row's bits do not depend on how many rows share the call, which tile it fell in, or
+// the thread count: a tree round's rows equal plain steps bit for bit. The row-wise steps compute each
+// row (and each query) alone, so they keep that.
+#include <immintrin.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int kBlock = 16;   // output channels per vector
+constexpr int kAheadBytes = 1024;  // how far ahead of the loads each block's weights are prefetched
+constexpr int kGroup = 4;    // blocks per tile where they divide the channels (else single blocks)
+constexpr int kRows = 6;     // rows per tile at most: kGroup x kRows accumulators fit the 32 registers
+
+template <bool Int8>
+inline __m512bh load_pair(const void* packed, int64_t index) {
+    if constexpr (Int8) {
+        __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed) + index);
+        __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+        __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+        return _mm512_cvtne2ps_pbh(high, low);  // int8 values are exact in bfloat16
+    } else {
+        return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const __m512i*>(packed) + index);
+    }
+}
+
+template <bool Int8>
+inline void prefetch(const void* packed, int64_t index) {
+    _mm_prefetch(reinterpret_cast<const char*>(packed) + index * (Int8 ? 32 : 64) + kAheadBytes, _MM_HINT_T0);
+}
+
+template <int CB, int RB, bool Int8>
+inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_t K, const void* packed,
+                                                const float* scales, int64_t block, int64_t N, uint16_t* y) {
+    const int64_t pairs = K / 2;
+    __m512 acc[RB][CB];
+    for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        __m512bh w[CB];
+        for (int c = 0; c < CB; ++c) {
+            const int64_t index = (block + c) * pairs + p;
+            w[c] = load_pair<Int8>(packed, index);
+            prefetch<Int8>(packed, index);
+        }
+        for (int r = 0; r < RB; ++r) {
+            const __m512bh xr = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 2 * p));
+            for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xr, w[c]);
+        }
+    }
+    for (int c = 0; c < CB; ++c) {
+        const __m512 scale = Int8 ? _mm512_loadu_ps(scales + (block + c) * kBlock) : _mm512_set1_ps(1.0f);
+        for (int r = 0; r < RB; ++r) {
+            const __m512 out = Int8 ? _mm512_mul_ps(acc[r][c], scale) : acc[r][c];
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + (block + c) * kBlock),
+                                (__m256i)_mm512_cvtneps_pbh(out));
+        }
+    }
+}
+
+// All M rows through CB blocks from `block` on, in passes of at most kRows rows of equal size.
+template <int CB, bool Int8>
+void blocks(const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales, int64_t block,
+            int64_t N, uint16_t* y) {
+    const int64_t passes = (M + kRows - 1) / kRows, per_pass = (M + passes - 1) / passes;
+    for (int64_t r = 0; r < M; r += per_pass) {
+        const int64_t rows = M - r < per_pass ? M - r : per_pass;
+        const uint16_t* xr = x + r * K;
+        uint16_t* yr = y + r * N;
+        switch (rows) {
+            case 1: tile<CB, 1, Int8>(xr, K, packed, scales, block, N, yr); break;
+            case 2: tile<CB, 2, Int8>(xr, K, packed, scales, block, N, yr); break;
+            case 3: tile<CB, 3, Int8>(xr, K, packed, scales, block, N, yr); break;
+            case 4: tile<CB, 4, Int8>(xr, K, packed, scales, block, N, yr); break;
+            case 5: tile<CB, 5, Int8>(xr, K, packed, scales, block, N, yr); break;
+            default: tile<CB, kRows, Int8>(xr, K, packed, scales, block, N, yr); break;
+        }
+    }
+}
+
+template <bool Int8>
+void matmul(const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales, int64_t N,
+            uint16_t* y) {
+    const int64_t total = N / kBlock, groups = total / kGroup, units = groups + total % kGroup;
+    #pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+        if (u < groups)
+            blocks<kGroup, Int8>(x, M, K, packed, scales, u * kGroup, N, y);
+        else
+            blocks<1, Int8>(x, M, K, packed, scales, groups * kGroup + (u - groups), N, y);
+    }
+}
+
+inline float to_float(uint16_t bits) {
+    uint32_t wide = static_cast<uint32_t>(bits) << 16;
+    float value;
+    __builtin_memcpy(&value, &wide, 4);
+    return value;
+}
+
+// Round to nearest even, as torch rounds a float to bfloat16 (NaN kept quiet).
+inline uint16_t to_bf16(float value) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &value, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+    return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// A dot product of bfloat16 vectors in float32: 16 fixed lanes, then lane by lane.
+inline float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
+    float lanes[kBlock] = {0};
+    int64_t i = 0;
+    for (; i + kBlock <= n; i += kBlock)
+        for (int l = 0; l < kBlock; ++l) lanes[l] += to_float(a[i + l]) * to_float(b[i + l]);
+    float sum = 0;
+    for (int l = 0; l < kBlock; ++l) sum += lanes[l];
+    for (; i < n; ++i) sum += to_float(a[i]) * to_float(b[i]);
+    return sum;
+}
+
+// The reciprocal root of a row's mean square (float32).
+inline float inverse_rms(const uint16_t* x, int64_t n, float eps) {
+    return 1.0f / __builtin_sqrtf(dot(x, x, n) / static_cast<float>(n) + eps);
+}
+
+// qwen-tts's RMSNorm of one row, rounded where its bfloat16 operations round: weight * bf16(x * r).
+inline void norm_row(const uint16_t* x, int64_t n, const uint16_t* weight, float eps, uint16_t* out) {
+    const float r = inverse_rms(x, n, eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(to_float(weight[i]) * to_float(to_bf16(to_float(x[i]) * r)));
+}
+
+// One query head's attention over its KV head's slots: scores and softmax in float32, the values'
+// weighted sum in float32, rounded to bfloat16 once. Slots not visible are skipped (a masked slot's
+// exact zero weight); `slot(j)` gives the cache slot of the j-th of `width` candidates.
+template <typename Slot>
+void attend_one(const uint16_t* q, const uint16_t* keys, const uint16_t* values, int64_t d, int64_t width,
+                const uint8_t* visible, Slot slot, float scale, float* scores, float* sum, uint16_t* out) {
+    float top = -__builtin_inff();
+    for (int64_t j = 0; j < width; ++j) {
+        if (visible && !visible[j]) continue;
+        scores[j] = dot(q, keys + slot(j) * d, d) * scale;
+        top = scores[j] > top ? scores[j] : top;
+    }
+    float total = 0;
+    for (int64_t e = 0; e < d; ++e) sum[e] = 0;
+    for (int64_t j = 0; j < width; ++j) {
+        if (visible && !visible[j]) continue;
+        const float weight = __builtin_expf(scores[j] - top);
+        total += weight;
+        const uint16_t* value = values + slot(j) * d;
+        for (int64_t e = 0; e < d; ++e) sum[e] += weight * to_float(value[e]);
+    }
+    for (int64_t e = 0; e < d; ++e) out[e] = to_bf16(sum[e] / total);
+}
+
+// e^x for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative
+// error about 2e-7), scaled by 2^n.
+inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, n);
+}
+
+// bf16(bf16(silu(gate)) * up) over a row's gate and up halves [2 n] into out [n], as torch's bfloat16
+// SiLU then product round.
+inline void silu_times_up(const uint16_t* gate_up, int64_t n, uint16_t* out) {
+    int64_t i = 0;
+    for (; i + kBlock <= n; i += kBlock) {
+        const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate_up + i))), 16));
+        alignas(64) float silu[kBlock];
+        _mm512_store_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        for (int l = 0; l < kBlock; ++l) out[i + l] = to_bf16(to_float(to_bf16(silu[l])) * to_float(gate_up[n + i + l]));
+    }
+    for (; i < n; ++i) {
+        const float g = to_float(gate_up[i]);
+        out[i] = to_bf16(to_float(to_bf16(g / (1.0f + __builtin_expf(-g)))) * to_float(gate_up[n + i]));
+    }
+}
+
+// x += delta, rounded to bfloat16 (a residual).
+inline void add_into(uint16_t* x, const uint16_t* delta, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = to_bf16(to_float(x[i]) + to_float(delta[i]));
+}
+
+
+// The same maps on AMX tiles (Intel Xeons from Sapphire Rapids on), for calls of many rows: a tile
+// multiply takes 16 rows at the cost of one, so a call of 16 rows reads its weights once and costs
+// about what one row does (AVX512-BF16 spends a VDPBF16PS per row and block). Each output is again one
+// fixed sequence, the K inputs in chunks of 32 (TDPBF16PS over a row of A and the block's 16 pairs of
+// B), then (int8) times the scale and rounding to bfloat16; a row's bits do not depend on the other
+// rows in its tile, so these kernels keep rows invariant too (in their own order, not bf16dot's).
+// Tiles: 0-3 accumulators (rows x 16 floats), 4 the rows' inputs (rows x 32), 5 and 6 weights (the
+// packed layout's 16 pairs x 16 channels, 64 bytes apart; int8 weights widened into a scratch first).
+constexpr int kTileRows = 16;
+
+// GCC's tile intrinsics are asm statements that do not tell the compiler which memory they read or
+// write: this orders the widened weights' stores before a tile load, and a tile store before its reads.
+inline void memory_barrier() { __asm__ __volatile__("" ::: "memory"); }
+
+struct TileConfig {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile"))) inline void configure_tiles(int rows) {
+    TileConfig config;
+    for (int t = 0; t < 5; ++t) config.rows[t] = rows, config.colsb[t] = 64;
+    for (int t = 5; t < 7; ++t) config.rows[t] = kTileRows, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+// The address of block `block`'s 16 pairs from pair `pair` on, as bfloat16 (int8 widened into `scratch`).
+template <bool Int8>
+inline const void* weight_tile(const void* packed, int64_t pairs, int64_t block, int64_t pair, uint16_t* scratch) {
+    const int64_t index = block * pairs + pair;
+    if constexpr (!Int8) {
+        return reinterpret_cast<const uint16_t*>(packed) + index * 2 * kBlock;
+    } else {
+        for (int p = 0; p < kTileRows; ++p)
+            _mm512_storeu_si512(scratch + p * 2 * kBlock, (__m512i)load_pair<true>(packed, index + p));
+        memory_barrier();
+        return scratch;
+    }
+}
+
+// The cache lines of block `block`'s weights kTileAhead bytes past pair `pair`'s, asked for ahead of the
+// tile loads (which the hardware prefetcher alone left waiting on memory).
+constexpr int kTileAhead = 4096;
+template <bool Int8>
+inline void prefetch_tile(const void* packed, int64_t pairs, int64_t block, int64_t pair) {
+    const char* ahead = reinterpret_cast<const char*>(packed) + (block * pairs + pair) * (Int8 ? 32 : 64) + kTileAhead;
+    for (int line = 0; line < (Int8 ? 8 : 16); ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+}
+
+template <int CB, bool Int8>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const uint16_t* x, int rows, int64_t K,
+                                                            const void* packed, const float* scales, int64_t block,
+                                                            int64_t N, uint16_t* y) {
+    const int64_t pairs = K / 2;
+    alignas(64) uint16_t scratch[2][kTileRows * 2 * kBlock];
+    _tile_zero(0);
+    if constexpr (CB == 4) {
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t k = 0; k < K; k += 2 * kTileRows) {
+        const int64_t pair = k / 2;
+        for (int c = 0; c < CB; ++c) prefetch_tile<Int8>(packed, pairs, block + c, pair);
+        _tile_loadd(4, x + k, K * sizeof(uint16_t));
+        _tile_loadd(5, weight_tile<Int8>(packed, pairs, block, pair, scratch[0]), 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if constexpr (CB == 4) {
+            _tile_loadd(6, weight_tile<Int8>(packed, pairs, block + 1, pair, scratch[1]), 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, weight_tile<Int8>(packed, pairs, block + 2, pair, scratch[0]), 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(6, weight_tile<Int8>(packed, pairs, block + 3, pair, scratch[1]), 64);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+    }
+    alignas(64) float sums[CB][kTileRows * kBlock];
+    _tile_stored(0, sums[0], 64);
+    if constexpr (CB == 4) {
+        _tile_stored(1, sums[1], 64);
+        _tile_stored(2, sums[2], 64);
+        _tile_stored(3, sums[3], 64);
+    }
+    memory_barrier();
+    for (int c = 0; c < CB; ++c) {
+        const __m512 scale = Int8 ? _mm512_loadu_ps(scales + (block + c) * kBlock) : _mm512_set1_ps(1.0f);
+        for (int r = 0; r < rows; ++r) {
+            const __m512 sum = _mm512_load_ps(sums[c] + r * kBlock);
+            const __m512 out = Int8 ? _mm512_mul_ps(sum, scale) : sum;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + (block + c) * kBlock),
+                                (__m256i)_mm512_cvtneps_pbh(out));
+        }
+    }
+}
+
+// y [M, N] = x [M, K] through packed weights on AMX tiles, in passes of at most 16 rows of equal size;
+// threads split the output channels as `matmul` does. K % 32 == 0.
+template <bool Int8>
+__attribute__((target("amx-tile"))) void amx_matmul(const uint16_t* x, int64_t M, int64_t K, const void* packed,
+                                                    const float* scales, int64_t N, uint16_t* y) {
+    const int64_t total = N / kBlock, groups = total / kGroup, units = groups + total % kGroup;
+    const int64_t passes = (M + kTileRows - 1) / kTileRows, per_pass = (M + passes - 1) / passes;
+    #pragma omp parallel
+    {
+        int configured = 0;
+        #pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; ++u) {
+            for (int64_t r = 0; r < M; r += per_pass) {
+                const int rows = static_cast<int>(M - r < per_pass ? M - r : per_pass);
+                if (rows != configured) configure_tiles(configured = rows);
+                if (u < groups)
+                    amx_tile<kGroup, Int8>(x + r * K, rows, K, packed, scales, u * kGroup, N, y + r * N);
+                else
+                    amx_tile<1, Int8>(x + r * K, rows, K, packed, scales, groups * kGroup + (u - groups), N, y + r * N);
+            }
+        }
+        if (configured) _tile_release();
+    }
+}
+
+// A map by kernel: 0 bf16dot, 1 int8dot, 2 AMX over bfloat16 weights, 3 AMX over int8 weights.
+inline void apply_map(int kind, const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales,
+                      int64_t N, uint16_t* y) {
+    switch (kind) {
+        case 0: matmul<false>(x, M, K, packed, nullptr, N, y); break;
+        case 1: matmul<true>(x, M, K, packed, scales, N, y); break;
+        case 2: amx_matmul<false>(x, M, K, packed, nullptr, N, y); break;
+        default: amx_matmul<true>(x, M, K, packed, scales, N, y); break;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Attention of queries q [heads, n, d] over a layer's cache k, v [kv_heads, length, d] (bfloat16): query
+// r sees `width` candidate slots, slots[r, j] where given (else slot j), those where visible[r, j] is set
+// (all where null). Query heads share KV heads in groups (GQA). out [n, heads, d], the layout the output
+// map reads. Each query's result is computed alone, so it does not depend on the others in the call.
+void rvqtts_attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t heads,
+                   int64_t kv_heads, int64_t d, int64_t length, const int64_t* slots, int64_t width,
+                   const uint8_t* visible, float scale, uint16_t* out) {
+    const int64_t group = heads / kv_heads;
+    #pragma omp parallel for schedule(static) if (n * heads * width * d >= (1 << 18))
+    for (int64_t task = 0; task < heads * n; ++task) {
+        const int64_t h = task / n, r = task % n;
+        thread_local std::vector<float> scores, sum;
+        scores.resize(width);
+        sum.resize(d);
+        const uint16_t* keys = k + (h / group) * length * d;
+        const uint16_t* values = v + (h / group) * length * d;
+        const uint8_t* seen = visible ? visible + r * width : nullptr;
+        const uint16_t* query = q + (h * n + r) * d;
+        uint16_t* result = out + (r * heads + h) * d;
+        if (slots) {
+            const int64_t* own = slots + r * width;
+            attend_one(query, keys, values, d, width, seen, [own](int64_t j) { return own[j]; }, scale, scores.data(),
+                       sum.data(), result);
+        } else {
+            attend_one(query, keys, values, d, width, seen, [](int64_t j) { return j; }, scale, scores.data(), sum.data(),
+                       result);
+        }
+    }
+}
+
+// RMSNorm of `rows` rows of n bfloat16 values (qwen-tts's, with float32 statistics).
+void rvqtts_rms_norm(const uint16_t* x, int64_t rows, int64_t n, const uint16_t* weight, float eps, uint16_t* out) {
+    for (int64_t r = 0; r < rows; ++r) norm_row(x + r * n, n, weight, eps, out + r * n);
+}
+
+// A layer's attention inputs from its fused q|k|v map output [rows, (heads + 2 kv_heads) d]: each query
+// and key head RMS-normed (q_weight, k_weight) and rotated (RoPE with the rows' cos, sin [rows, d], in
+// bfloat16 steps as qwen-tts's: x cos + rotate_half(x) sin). Queries go to q [heads, rows, d]; keys and
+// values straight into the layer's caches [kv_heads, length, d], row r at slot slots[r] (start + r
+// where slots is null).
+void rvqtts_attention_inputs(const uint16_t* qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
+                             const uint16_t* q_weight, const uint16_t* k_weight, const uint16_t* cos,
+                             const uint16_t* sin, float eps, uint16_t* q, uint16_t* k_cache, uint16_t* v_cache,
+                             int64_t length, const int64_t* slots, int64_t start) {
+    const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;
+    uint16_t normed[1024];
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* row = qkv + r * width;
+        const uint16_t* c = cos + r * d;
+        const uint16_t* s = sin + r * d;
+        const int64_t slot = slots ? slots[r] : start + r;
+        for (int64_t h = 0; h < heads + kv_heads; ++h) {
+            const bool query = h < heads;
+            norm_row(row + h * d, d, query ? q_weight : k_weight, eps, normed);
+            uint16_t* out = query ? q + (h * rows + r) * d : k_cache + ((h - heads) * length + slot) * d;
+            for (int64_t e = 0; e < d; ++e) {
+                const float rotated = e < half ? -to_float(normed[e + half]) : to_float(normed[e - half]);
+                out[e] = to_bf16(to_float(to_bf16(to_float(normed[e]) * to_float(c[e])))
+                                 + to_float(to_bf16(rotated * to_float(s[e]))));
+            }
+        }
+        for (int64_t h = 0; h < kv_heads; ++h)
+            __builtin_memcpy(v_cache + (h * length + slot) * d, row + (heads + kv_heads + h) * d, d * sizeof(uint16_t));
+    }
+}
+
+// The MLP's activation: rows of [gate | up] (2 n each) to bf16(bf16(silu(gate)) * up) [rows, n].
+void rvqtts_silu_times_up(const uint16_t* gate_up, int64_t rows, int64_t n, uint16_t* out) {
+    for (int64_t r = 0; r < rows; ++r) silu_times_up(gate_up + r * 2 * n, n, out + r * n);
+}
+
+// y [M, N] bfloat16 = x [M, K] bfloat16 through packed weights (transposed) by kernel `kind` (apply_map's
+// numbers; scales for int8 weights). K even (a multiple of 32 on AMX), N % 16 == 0.
+void rvqtts_map(int kind, const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales,
+                int64_t N, uint16_t* y) {
+    apply_map(kind, x, M, K, packed, scales, N, y);
+}
+
+// Asks Linux for this process's use of AMX tile data (once, before any tile instruction): 0 where granted.
+int rvqtts_amx_permit() {
+    constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return static_cast<int>(syscall(SYS_arch_prctl, kRequestPermission, kTileData));
+}
+
+// One decoder layer of `rows` states x [rows, hidden] (updated in place), every step of
+// CachedDecoder.run_layers's in one call: RMSNorm, the fused q|k|v map, q/k norms and RoPE with keys and
+// values into the caches, attention (as rvqtts_attend), the output map and residual, RMSNorm, the fused
+// gate|up map, SiLU times up, the down map and residual. maps[4] are the packed q|k|v, output, gate|up
+// and down weights (with scales[4] for int8 weights); widths[4] their output counts; kind the kernel
+// (apply_map's numbers).
+void rvqtts_layer(uint16_t* x, int64_t rows, int64_t hidden, const uint16_t* input_norm,
+                  const uint16_t* post_norm, float eps, const void* const* maps, const float* const* scales,
+                  const int64_t* widths, int kind, int64_t heads, int64_t kv_heads, int64_t d,
+                  const uint16_t* q_norm, const uint16_t* k_norm, const uint16_t* cos, const uint16_t* sin,
+                  uint16_t* k_cache, uint16_t* v_cache, int64_t length, const int64_t* write_slots,
+                  int64_t write_start, int64_t width, const int64_t* attend_slots, const uint8_t* visible,
+                  float scale) {
+    thread_local std::vector<uint16_t> normed, qkv, q, attended, mapped, gate_up, act;
+    normed.resize(rows * hidden);
+    qkv.resize(rows * widths[0]);
+    q.resize(rows * heads * d);
+    attended.resize(rows * heads * d);
+    mapped.resize(rows * hidden);
+    gate_up.resize(rows * widths[2]);
+    act.resize(rows * widths[2] / 2);
+    auto map = [&](int which, const uint16_t* in, int64_t in_features, uint16_t* out) {
+        apply_map(kind, in, rows, in_features, maps[which], scales[which], widths[which], out);
+    };
+    rvqtts_rms_norm(x, rows, hidden, input_norm, eps, normed.data());
+    map(0, normed.data(), hidden, qkv.data());
+    rvqtts_attention_inputs(qkv.data(), rows, heads, kv_heads, d, q_norm, k_norm, cos, sin, eps, q.data(), k_cache,
+                            v_cache, length, write_slots, write_start);
+    rvqtts_attend(q.data(), k_cache, v_cache, rows, heads, kv_heads, d, length, attend_slots, width, visible, scale,
+                  attended.data());
+    map(1, attended.data(), heads * d, mapped.data());
+    add_into(x, mapped.data(), rows * hidden);
+    rvqtts_rms_norm(x, rows, hidden, post_norm, eps, normed.data());
+    map(2, normed.data(), hidden, gate_up.data());
+    const int64_t inner = widths[2] / 2;
+    rvqtts_silu_times_up(gate_up.data(), rows, inner, act.data());
+    map(3, act.data(), inner, mapped.data());
+    add_into(x, mapped.data(), rows * hidden);
+}
+
+}

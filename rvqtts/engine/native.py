@@ -1,0 +1,264 @@
+"""rvqtts's native CPU kernels, for CPUs with AVX512-BF16 (no AMX needed): a few rows through a linear
+map, and the row-wise steps of a layer that torch runs as dozens of small operations.
+
+Without AMX, oneDNN's kernels ran a 17-row bfloat16 call at about half of this CPU's measured peak and
+one row below what a pass over the weights reads (docs/benchmarks.md); `native.cpp` streams each
+weight once per pass over at most six rows with VDPBF16PS, for bfloat16 weights and for int8 weights
+widened to bfloat16 in registers (W8A16). Each output is one fixed sequence of operations whatever the
+call's row count or thread count, so rows are invariant by construction (and still probed, like every
+candidate, by rvqtts.engine.kernels, which picks it only where it measures fastest).
+
+That kernel spends a VDPBF16PS per row and weight vector, so past a few rows it is bound by compute:
+17 rows cost 3x one on an AMX Xeon. Where the CPU has AMX, the same packed weights also run on its
+tiles (`bf16amx`, `int8amx`): one tile multiply takes up to 16 rows, so 16 rows cost about what one
+does, which is what tree rounds and batches need (docs/benchmarks.md). Its sums run in another order
+than the dot kernel's (chunks of 32 inputs), again the same for every row count.
+
+A predictor step spent about a third of its time in torch's per-operation overhead around the maps
+(RMSNorm is eight operations, a layer's q/k norms and RoPE about thirty): `rms_norm` and
+`attention_inputs` do those in one call each, rounding where qwen-tts's bfloat16 operations round (only
+the norm's float32 sum runs in another order). And torch's fused attention ran one bfloat16 query over
+a talker's 1,024 cached slots in 2 ms a layer here, 6x its float32 time: `attend` computes each query's
+scores, softmax and weighted values in float32 (qwen-tts's eager attention rounds the scores to
+bfloat16 first) over the slots it sees. All of them work row by row, query by query, so they keep rows
+invariant too.
+
+The source is compiled once per machine with the system's C++ compiler (`$CXX`, else g++, c++ or
+clang++) into the user's cache and loaded with ctypes; its OpenMP threads are torch's own (the library
+links the libgomp torch has loaded). Where the CPU lacks the instructions or no compiler works, nothing
+here runs: `unavailable()` says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rvqtts.files import cache_dir
+
+SOURCE = Path(__file__).with_name("native.cpp")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
+         "-mavx512bf16", "-mfma")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+BLOCK = 16  # output channels per vector: a map's output count must be a multiple
+MAX_HEAD_DIM = 1024  # attention_inputs' scratch row
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+
+
+KINDS = {"bf16dot": 0, "int8dot": 1, "bf16amx": 2, "int8amx": 3}  # the library's kernel numbers
+AMX_FLAGS = ("amx_tile", "amx_bf16")
+AMX_CHUNK = 32  # inputs per tile multiply: an AMX map's input count must be a multiple
+
+
+def supports(shape: tuple[int, int], dtype: torch.dtype, kind: str = "bf16dot") -> bool:
+    """Whether a map of this [out, in] shape and activation dtype can run here by kernel `kind`."""
+    out_features, in_features = shape
+    amx = kind.endswith("amx")
+    return (dtype == torch.bfloat16 and out_features % BLOCK == 0 and in_features % (AMX_CHUNK if amx else 2) == 0
+            and (amx_unavailable() if amx else unavailable()) is None)
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run on this machine, or None where it can."""
+    return _load()[1]
+
+
+def amx_unavailable() -> str | None:
+    """Why the AMX kernels cannot run here (no AMX, or Linux did not grant its tile data), or None."""
+    return unavailable() or _load()[2]
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """Weights [out, in] (bfloat16 or int8) in the kernels' order [out/16, in/2, 16, 2]."""
+    out_features, in_features = weight.shape
+    return weight.detach().reshape(out_features // BLOCK, BLOCK, in_features // 2, 2).transpose(1, 2).contiguous()
+
+
+def apply(kind: str, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, in] bfloat16 (contiguous) through packed weights by kernel `kind` (`KINDS`; the int8 ones
+    with float32 scales [out]): [M, out] bfloat16."""
+    out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK)
+    _load()[0].rvqtts_map(KINDS[kind], rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(),
+                          _address(scales), out.shape[1], out.data_ptr())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """qwen-tts's RMSNorm over the last dimension of bfloat16 x (any leading shape)."""
+    rows = x.contiguous()
+    out = torch.empty_like(rows)
+    _load()[0].rvqtts_rms_norm(rows.data_ptr(), rows.numel() // rows.shape[-1], rows.shape[-1],
+                               weight.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def attention_inputs(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     write: slice | torch.Tensor) -> torch.Tensor:
+    """A fused q|k|v map's output [q, width] to queries [heads, q, d], and its keys and values into a
+    layer's caches [kv_heads, length, d] (contiguous) at the slots `write` (a slice, or a tensor of slot
+    indices): the q/k RMSNorms, then RoPE with cos, sin [q, d] (bfloat16, contiguous)."""
+    rows, head_dim = qkv.shape[0], cos.shape[-1]
+    q = qkv.new_empty(heads, rows, head_dim)
+    slots, start = _write_slots(write)  # held through the call
+    _load()[0].rvqtts_attention_inputs(qkv.data_ptr(), rows, heads, kv_heads, head_dim, q_weight.data_ptr(),
+                                       k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), eps, q.data_ptr(),
+                                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], _address(slots),
+                                       start)
+    return q
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, width: int,
+           slots: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Queries q [heads, n, d] over a layer's cache [kv_heads, length, d] (bfloat16, contiguous): query r
+    over `width` slots, `slots[r]` [n, width] where given (else the first `width`), those where
+    `visible[r]` [n, width] is true (all where None), scores and softmax in float32. Returns [heads, n, d],
+    a view of [n, heads, d] memory (what the output map reads, with no copy)."""
+    heads, n, head_dim = q.shape
+    q = q.contiguous()
+    out = q.new_empty(n, heads, head_dim)
+    slots, visible = _slot_list(slots), _bytes(visible)  # held in names until the call returns
+    _load()[0].rvqtts_attend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n, heads, k_cache.shape[0],
+                             head_dim, k_cache.shape[1], _address(slots), width, _address(visible),
+                             head_dim ** -0.5, out.data_ptr())
+    return out.transpose(0, 1)
+
+
+def silu_times_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation of the fused gate|up map's output [q, 2 n]: silu(gate) * up [q, n], rounded
+    as torch's bfloat16 operations round (the exponential is this library's own)."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = gate_up.new_empty(rows, width // 2)
+    _load()[0].rvqtts_silu_times_up(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    return out
+
+
+def layer_maps(maps: list) -> tuple | None:
+    """A layer's q|k|v, output, gate|up and down maps (rvqtts.engine.kernels.LinearMap) as `layer` takes them, or
+    None where they do not all run this library's kernel in one weight format, without biases."""
+    kinds = {linear.kernel.multi for linear in maps}
+    if len(kinds) != 1 or not kinds <= KINDS.keys() or any(linear.bias is not None for linear in maps):
+        return None
+    kind = kinds.pop()
+    int8 = kind.startswith("int8")
+    return ((ctypes.c_void_p * 4)(*[linear.operands[0].data_ptr() for linear in maps]),
+            (ctypes.c_void_p * 4)(*[linear.operands[1].data_ptr() if int8 else None for linear in maps]),
+            (ctypes.c_int64 * 4)(*[linear.out_features for linear in maps]), KINDS[kind])
+
+
+def layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float, maps: tuple,
+          shape: tuple[int, int, int], qk_norms: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
+          sin: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], write: slice | torch.Tensor, width: int,
+          slots: torch.Tensor | None, visible: torch.Tensor | None) -> None:
+    """One decoder layer over bfloat16 states x [q, hidden] (contiguous; updated in place) in one call,
+    computing what the calls above compute step by step, bit for bit: `maps` from `layer_maps`, `shape`
+    (heads, kv_heads, head_dim), keys and values written to the caches at `write`, attention as
+    `attend`, the MLP through `silu_times_up`."""
+    rows, hidden = x.shape
+    heads, kv_heads, head_dim = shape
+    packed, scales, widths, kind = maps
+    (write_slots, start), slots, visible = _write_slots(write), _slot_list(slots), _bytes(visible)
+    k_cache, v_cache = caches
+    _load()[0].rvqtts_layer(
+        x.data_ptr(), rows, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps, packed, scales, widths, kind,
+        heads, kv_heads, head_dim, qk_norms[0].data_ptr(), qk_norms[1].data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], _address(write_slots), start, width,
+        _address(slots), _address(visible), head_dim ** -0.5)
+
+
+def _write_slots(write: slice | torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """Cache slots to write as the library takes them: slot indices (int64), or none and the first slot."""
+    return (None, write.start) if isinstance(write, slice) else (_slot_list(write), 0)
+
+
+def _slot_list(slots: torch.Tensor | None) -> torch.Tensor | None:
+    return None if slots is None else slots.to(torch.int64).contiguous()
+
+
+def _bytes(visible: torch.Tensor | None) -> torch.Tensor | None:
+    """A boolean mask as the library's bytes (a bool tensor's own bytes: no copy)."""
+    return None if visible is None else visible.to(torch.bool).contiguous().view(torch.uint8)
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
+    """The built library, or None and why not, and why its AMX kernels cannot run or None (once per
+    process: a process must ask Linux for AMX's tile data before its first tile instruction)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the CPU is {platform.machine()}, not x86-64", None
+    missing = [flag for flag in CPU_FLAGS if flag not in _cpu_flags()]
+    if missing:
+        return None, f"the CPU lacks {', '.join(missing)}", None
+    try:
+        library = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as error:
+        return None, str(error), None
+    library.rvqtts_map.argtypes = [ctypes.c_int, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER]
+    library.rvqtts_amx_permit.restype = ctypes.c_int
+    library.rvqtts_rms_norm.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, ctypes.c_float, _POINTER]
+    library.rvqtts_attention_inputs.argtypes = [_POINTER, *[_SIZE] * 4, *[_POINTER] * 4, ctypes.c_float,
+                                                *[_POINTER] * 3, _SIZE, _POINTER, _SIZE]
+    library.rvqtts_attend.argtypes = [*[_POINTER] * 3, *[_SIZE] * 5, _POINTER, _SIZE, _POINTER, ctypes.c_float,
+                                      _POINTER]
+    library.rvqtts_silu_times_up.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER]
+    library.rvqtts_layer.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _POINTER, ctypes.c_float, _POINTER, _POINTER,
+                                     _POINTER, ctypes.c_int, *[_SIZE] * 3, *[_POINTER] * 6, _SIZE, _POINTER, _SIZE,
+                                     _SIZE, _POINTER, _POINTER, ctypes.c_float]
+    for function in (library.rvqtts_map, library.rvqtts_rms_norm,
+                     library.rvqtts_attention_inputs, library.rvqtts_attend, library.rvqtts_silu_times_up,
+                     library.rvqtts_layer):
+        function.restype = None
+    amx_missing = [flag for flag in AMX_FLAGS if flag not in _cpu_flags()]
+    if amx_missing:
+        return library, None, f"the CPU lacks {', '.join(amx_missing)}"
+    if library.rvqtts_amx_permit() != 0:
+        return library, None, "Linux did not grant AMX tile data to this process (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return library, None, None
+
+
+def _cpu_flags() -> set[str]:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    return set()
+
+
+def _build() -> Path:
+    """The compiled library in the cache, built now if this source and compiler have not been built."""
+    compiler = os.environ.get("CXX") or next(filter(None, map(shutil.which, ("g++", "c++", "clang++"))), None)
+    if not compiler:
+        raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / "build" / f"native-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        try:
+            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True,
+                                    text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {error}") from error
+        if result.returncode:
+            last = (result.stderr.strip().splitlines() or ["no message"])[-1]
+            raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {last}")
+        os.replace(built, target)  # atomic: processes building together each leave a whole library
+    return target

@@ -1,0 +1,167 @@
+"""The code predictor (the paper's MultiCodeDecoder) run by hand: static KV cache, explicit positions,
+a boolean attention mask, no Hugging Face `generate()` and no cache objects.
+
+The weights are the loaded qwen-tts module's own; this file only owns the forward pass, so one call
+can carry a whole draft tree. Numerics follow qwen-tts: RMSNorm in float32, RoPE tables computed in
+float32 by the model's own rotary module and cast to the model dtype, attention through SDPA.
+
+Sequence layout within a frame: slot/position 0 holds the talker's hidden state h_t, 1 holds the
+talker's embedding of c0, and position m + 1 holds code c_m (embedded with `codec_embedding[m - 1]`).
+The normed output at position m is h_m, and `lm_head[m - 1](h_m)` scores c_m.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rvqtts.engine.attention import attention_width, row_attention_exact
+from rvqtts.engine.kernels import LinearMap, make_map, module_map
+from rvqtts.engine.transformer import CachedDecoder
+
+
+class PredictorRunner(CachedDecoder):
+    """Forward passes of one utterance's code predictor over a preallocated KV cache of `max_len` slots."""
+
+    def __init__(self, code_predictor: torch.nn.Module, max_len: int, weights: str = "native"):
+        config = code_predictor.config
+        weight = code_predictor.lm_head[0].weight
+        # Where this machine keeps a query's bits whatever else is in the call (rvqtts.engine.attention), every
+        # query attends over `width` slots through small batched products; elsewhere rounds gather per depth.
+        self.row_attention = row_attention_exact(config, weight.device, weight.dtype)
+        self.width = attention_width(config.num_code_groups)
+        if self.row_attention:
+            max_len = max(max_len, self.width)
+        super().__init__(code_predictor.model.layers, code_predictor.model.norm, config, max_len,
+                         weight.device, weight.dtype, weights)
+        self.heads = [module_map(head, weights) for head in code_predictor.lm_head]
+        self.embeddings = code_predictor.model.codec_embedding
+        # The talker's states to the predictor's width where the talker is wider (1.7B), its bias added
+        # apart from the kernel, so that a one-row call rounds as a many-row one does.
+        projection = code_predictor.small_to_mtp_projection
+        linear = isinstance(projection, torch.nn.Linear)
+        self.project = make_map(projection.weight, None, weights) if linear else projection
+        self.project_bias = projection.bias if linear else None
+        self.code_groups = config.num_code_groups
+        self.vocab_size = config.vocab_size
+        # Positions never exceed the frame length plus the deepest draft: a small table serves them all.
+        positions = torch.arange(max_len + self.code_groups, device=self.device)[None]
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = code_predictor.model.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0], sin[0]
+        self.causal = torch.ones(max_len, max_len, device=self.device, dtype=torch.bool).tril()
+
+    @torch.inference_mode()
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, start: int,
+                mask: torch.Tensor | None = None, groups: list[tuple[slice, torch.Tensor]] | None = None,
+                rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run `embeds` [q, E] at `positions` [q], writing their KV to slots start..start+q-1.
+
+        `mask` [q, max_len] says which cache slots each query attends to (after this call's writes);
+        `groups` instead gives, for slices of the queries, the slots [n, L] each query attends to in
+        order (a tree round: rvqtts.engine.decode.RoundPlan.attention_groups); `rows`, for row attention, each
+        query's `width` slots (None: the first `width`) and which it sees (RoundPlan.row_slots); with none,
+        every query sees every slot up to its own writes (a single query, as in plain steps).
+        Returns the final-normed hidden states [q, hidden], the input of the LM heads.
+        """
+        end = start + embeds.shape[0]  # attention reads only the slots written so far
+        x = self.project_input(embeds)
+        cos, sin = self.cos[positions][None], self.sin[positions][None]
+        if rows is not None:
+            return self.run_layers(x, cos, sin, slice(start, end), self.width, rows=rows)
+        return self.run_layers(x, cos, sin, slice(start, end), end, None if mask is None else mask[:, :end], groups)
+
+    def project_input(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Embeddings [q, E] to the layers' width (the module's projection, bias added after the map)."""
+        x = self.project(embeds.to(self.dtype))
+        return x if self.project_bias is None else x + self.project_bias
+
+    def prefill(self, prefix: torch.Tensor) -> torch.Tensor:
+        """The frame's first call: [h_t, embedding of c0] at positions 0 and 1. Returns h_1."""
+        positions = torch.arange(2, device=self.device)
+        if self.row_attention:
+            return self.forward(prefix, positions, 0, rows=(None, self.causal[:2, :self.width]))[-1]
+        return self.forward(prefix, positions, 0, self.causal[:2])[-1]
+
+    def step(self, code: torch.Tensor, index: int) -> torch.Tensor:
+        """One plain step: code c_index (a 1-element tensor) at position index + 1. Returns h_{index+1}."""
+        slot = index + 1
+        embed = self.embeddings[index - 1](code.view(1))
+        positions = torch.full((1,), slot, device=self.device, dtype=torch.long)
+        if self.row_attention:
+            return self.forward(embed, positions, slot, rows=(None, self.causal[slot:slot + 1, :self.width]))[0]
+        return self.forward(embed, positions, slot, None)[0]
+
+    def prefill_rows(self, prefixes: torch.Tensor) -> torch.Tensor:
+        """The first call of n frames at once, frame r in batch row r: prefixes [n, 2, E] ([h_t, embedding
+        of c0] each). Each row's queries attend to their own slots only, as `prefill` does for one frame
+        (the same bits: rows are invariant). Returns each frame's h_1 [n, hidden]."""
+        n = prefixes.shape[0]
+        base = self.row_bases(n)
+        positions = torch.arange(2, device=self.device)
+        if not self.row_attention:  # row by row, each call shaped as a one-frame prefill's
+            x = self.project_input(prefixes)
+            cos, sin = self.cos[positions][None], self.sin[positions][None]
+            regions = [slice(b, b + 2) for b in base.tolist()]
+            return torch.stack([self.run_layers(x[r], cos, sin, region, region, self.causal[:2, :2])[-1]
+                                for r, region in enumerate(regions)])
+        write = (base[:, None] + positions).flatten()
+        slots = (base[:, None] + torch.arange(self.width, device=self.device)).repeat_interleave(2, 0)
+        attention = {"rows": (slots, self.causal[:2, :self.width].repeat(n, 1))}
+        out = self.forward_rows(prefixes.flatten(0, 1), positions.repeat(n), write, attention)
+        return out.view(n, 2, -1)[:, -1]
+
+    def step_rows(self, codes: torch.Tensor, index: int) -> torch.Tensor:
+        """One plain step of n frames at once: code c_index of frame r ([n]) in batch row r. Returns each
+        frame's h_{index+1} [n, hidden], the bits `step` gives each alone."""
+        n, slot = codes.shape[0], index + 1
+        base = self.row_bases(n)
+        positions = torch.full((n,), slot, device=self.device, dtype=torch.long)
+        if self.row_attention:
+            slots = base[:, None] + torch.arange(self.width, device=self.device)
+            attention = {"rows": (slots, self.causal[slot:slot + 1, :self.width].expand(n, -1))}
+        else:
+            attention = {"groups": [(slice(r, r + 1), (base[r] + torch.arange(slot + 1, device=self.device))[None])
+                                    for r in range(n)]}
+        return self.forward_rows(self.embeddings[index - 1](codes), positions, base + slot, attention)
+
+    def row_bases(self, rows: int) -> torch.Tensor:
+        """The first cache slot of each of `rows` batch rows, the cache grown to hold them."""
+        if rows > self.rows:
+            self.allocate(self.max_len, rows)
+        return torch.arange(rows, device=self.device) * self.max_len
+
+    def forward_rows(self, embeds: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
+                     attention: dict) -> torch.Tensor:
+        """`forward` for queries of several batch rows: KV written to the slots `write` [q], attention by
+        `rows` (each query's slots over the width) or `groups` (`run_layers`)."""
+        x = self.project_input(embeds)
+        return self.run_layers(x, self.cos[positions][None], self.sin[positions][None], write, self.width, **attention)
+
+    def round_attention(self, plan: object, length: int) -> dict:
+        """How a tree round of `plan` (rvqtts.engine.decode.RoundPlan) over `length` committed slots attends:
+        with row attention, each query's slots over the width, else per depth its gathered slots."""
+        if self.row_attention:
+            return {"rows": plan.row_slots(length, self.width)}
+        return {"groups": plan.attention_groups(length)}
+
+    def linear_maps(self) -> list[LinearMap]:
+        """Every linear map a call may apply: the layers', the LM heads and the input projection's."""
+        return self.layer_maps() + self.heads + ([self.project] if isinstance(self.project, LinearMap) else [])
+
+    def embed_codes(self, codes: torch.Tensor, first_index: int, depth_slices: list[slice]) -> torch.Tensor:
+        """Embed a round's query: the codes in `depth_slices[d]` are c_{first_index + d}."""
+        parts = [self.embeddings[first_index + d - 1](codes[s]) for d, s in enumerate(depth_slices)]
+        return torch.cat(parts)
+
+    def logits(self, hidden: torch.Tensor, index: int) -> torch.Tensor:
+        """Scores of code c_index from hidden states [..., hidden] (the head LMH_index)."""
+        return self.heads[index - 1](hidden)
+
+    def keep(self, sources: list[int], destination: int) -> None:
+        """Move the KV entries of `sources` (accepted tree slots) to the slots from `destination` on."""
+        if not sources:
+            return
+        src = torch.tensor(sources, device=self.device)
+        dst = torch.arange(destination, destination + len(sources), device=self.device)
+        for cache in (self.k_cache, self.v_cache):
+            cache[:, :, dst] = cache[:, :, src]

@@ -1,0 +1,129 @@
+"""The talker (the paper's CodeDecoder) run by hand: static KV cache, explicit positions, one call per frame.
+
+The weights are the loaded qwen-tts module's own; this file owns its forward pass, in the code predictor's
+style (rvqtts.engine.transformer). A synthesis is one prefill over the prompt qwen-tts builds (rvqtts.prompt),
+then one step per frame, whose input is what qwen-tts feeds back: the sum of the frame's 16 code
+embeddings (c0 through the talker's codec embedding, c1..c15 through the code predictor's) plus the next
+text embedding, or the pad embedding once the text is consumed.
+
+Positions are MRoPE's: three axes (time, height, width), each rotating its own section of the head. The
+talker only ever sees text and codec tokens of one unpadded utterance, whose three position ids are all
+equal to the token's index (qwen-tts's `get_rope_index` over a mask of ones; no rope delta), and with
+equal ids every section rotates by the same angle: the table of one axis is the table of all three.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rvqtts.engine.graphs import StaticCalls
+from rvqtts.engine.kernels import module_map
+from rvqtts.engine.transformer import CachedDecoder
+
+CAPACITY_STEP = 256  # the cache grows in these many slots; CUDA graphs attend over spans rounded to it
+
+
+class TalkerRunner(CachedDecoder):
+    """Prefill and per-frame steps of the talker over a KV cache that grows as utterances need.
+
+    With `calls` in a static mode (CUDA graphs), a step's shapes depend only on its span, the slots it
+    attends to rounded up to CAPACITY_STEP: the step is captured once per span and replayed, its position
+    a tensor and the slots beyond it masked. Eagerly (CPUs), the same step attends to exactly its slots.
+    """
+
+    def __init__(self, talker: torch.nn.Module, capacity: int = CAPACITY_STEP, calls: StaticCalls | None = None,
+                 weights: str = "native"):
+        self.rotary = talker.model.rotary_emb
+        self.head = module_map(talker.codec_head, weights)
+        self.codec_embedding = talker.model.codec_embedding
+        self.predictor_embeddings = talker.code_predictor.model.codec_embedding
+        self.calls = calls or StaticCalls()
+        weight = talker.codec_head.weight
+        super().__init__(talker.model.layers, talker.model.norm, talker.config, capacity, weight.device, weight.dtype,
+                         weights)
+        self.vocab_size = talker.config.vocab_size
+
+    def allocate(self, max_len: int, rows: int | None = None) -> None:
+        """Caches and RoPE tables for `max_len` positions per batch row, keeping what the old caches hold
+        row by row (captured graphs read the old tensors: they start over)."""
+        old = (self.k_cache, self.v_cache, self.max_len, self.rows) if hasattr(self, "k_cache") else None
+        super().allocate(max_len, rows)
+        if old is not None:
+            old_k, old_v, old_len, old_rows = old
+            kept = min(old_len, max_len)
+            for row in range(min(old_rows, self.rows)):
+                for cache, before in ((self.k_cache, old_k), (self.v_cache, old_v)):
+                    cache[:, :, row * max_len:row * max_len + kept] = before[:, :, row * old_len:row * old_len + kept]
+        positions = torch.arange(max_len, device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        cos, sin = self.rotary(probe, positions)  # [3, 1, max_len, head_dim]: three equal axes
+        self.cos, self.sin = cos[0, 0], sin[0, 0]
+        self.calls = StaticCalls(self.calls.mode)
+
+    def reserve(self, slots: int, rows: int = 1) -> None:
+        """Make room for `slots` positions (a prompt and the frames it may take) in each of `rows` rows."""
+        if slots > self.max_len or rows > self.rows:
+            self.allocate(max(self.max_len, -(-slots // CAPACITY_STEP) * CAPACITY_STEP), max(rows, self.rows))
+
+    @torch.inference_mode()
+    def prefill(self, embeds: torch.Tensor, row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt [L, hidden] at positions 0..L-1 of batch row `row`. Returns the last position's
+        hidden state h [hidden] and its logits [vocab] (the scores of the first frame's c0)."""
+        length = embeds.shape[0]
+        self.reserve(length, row + 1)
+        causal = torch.ones(length, length, device=self.device, dtype=torch.bool).tril()
+        region = slice(row * self.max_len, row * self.max_len + length)
+        hidden = self.run_layers(embeds.to(self.dtype), self.cos[None, :length], self.sin[None, :length],
+                                 region, region, causal, prompt=True)[-1]
+        return hidden, self.head(hidden)
+
+    @torch.inference_mode()
+    def step(self, embed: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame's input [1, hidden] at `position`. Returns (h [hidden], logits [vocab]), which a
+        replayed graph overwrites on its next replay: read them first."""
+        self.reserve(position + 1)
+        index = torch.full((1,), position, device=self.device, dtype=torch.long)
+        if self.calls.mode == "eager":
+            return self._step(embed, index, position + 1)
+        span = min(self.max_len, -(-(position + 1) // CAPACITY_STEP) * CAPACITY_STEP)
+        return self.calls(("talker", span), lambda e, i: self._step(e, i, span), embed, index)
+
+    def _step(self, embed: torch.Tensor, index: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step at position `index` (a 1-element tensor), attending to the first `span` slots, masked
+        beyond the position where the span is longer."""
+        mask = None if self.calls.mode == "eager" else (torch.arange(span, device=self.device) <= index)[None]
+        hidden = self.run_layers(embed.to(self.dtype), self.cos[index][None], self.sin[index][None], index, span,
+                                 mask)[0]
+        return hidden, self.head(hidden)
+
+    @torch.inference_mode()
+    def step_rows(self, embeds: torch.Tensor, positions: list[int],
+                  rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame's step for several utterances in one call: input [n, hidden] at `positions` of batch
+        rows `rows`. Each row attends to its own slots only, as `step` does for one utterance (the same
+        bits: rvqtts's kernels keep rows invariant), eagerly. Returns (h [n, hidden], logits [n, vocab])."""
+        self.reserve(max(positions) + 1, max(rows) + 1)
+        position = torch.tensor(positions, device=self.device)
+        base = torch.tensor(rows, device=self.device) * self.max_len
+        width = max(positions) + 1
+        slots = base[:, None] + torch.arange(width, device=self.device)
+        if self.runs_natively():  # each query over its row's slots up to its own position
+            attention = {"rows": (slots, torch.arange(width, device=self.device)[None] <= position[:, None])}
+        else:  # each query alone, as a step's attention: its row's slots 0..position
+            attention = {"groups": [(slice(r, r + 1), slots[r:r + 1, :p + 1]) for r, p in enumerate(positions)]}
+        hidden = self.run_layers(embeds.to(self.dtype), self.cos[position][None], self.sin[position][None],
+                                 base + position, width, **attention)
+        return hidden, self.head(hidden)
+
+    @torch.inference_mode()
+    def code_embedding(self, c0: torch.Tensor) -> torch.Tensor:
+        """The talker's embedding of c0 (a 1-element tensor) [1, hidden]: the inner loop's second input."""
+        return self.codec_embedding(c0.view(1))
+
+    @torch.inference_mode()
+    def frame_input(self, codes: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """The next step's input [1, hidden] after a frame's codes [G]: the sum of their embeddings (in the
+        same order and shapes as qwen-tts sums them) plus `text` [hidden], the next text or pad embedding."""
+        parts = [self.codec_embedding(codes[:1])] + [table(codes[i + 1:i + 2])
+                                                      for i, table in enumerate(self.predictor_embeddings)]
+        return torch.cat(parts)[None].sum(1) + text

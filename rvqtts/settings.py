@@ -1,0 +1,146 @@
+"""What a user asks of a synthesis and what comes back: the sampling settings (over the checkpoint's
+generation config and qwen-tts's defaults), one line of a batch, and the record of one utterance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rvqtts.cloning import ClonedVoice
+from rvqtts.engine.decode import DecodeStats
+from rvqtts.engine.sampling import SamplingConfig
+
+QWEN_TTS_DEFAULTS = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
+                         subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0,
+                         subtalker_temperature=0.9)  # qwen-tts's own, for keys a checkpoint does not set
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What the user asked for; None means the checkpoint's generation_config.json, as qwen-tts reads it
+    (talker and code predictor separately), else qwen-tts's defaults. `temperature`, `top_k` and `top_p`
+    set both loops; the `predictor_*` fields set the code predictor's apart. `max_frames` caps every chunk
+    (None: as long as its text warrants, within the model's limit)."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    max_frames: int | None = None
+    predictor_temperature: float | None = None
+    predictor_top_k: int | None = None
+    predictor_top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        # The same checks as the sampler's, with their messages, on whatever was given.
+        for temperature, top_k, top_p in ((self.temperature, self.top_k, self.top_p),
+                                          (self.predictor_temperature, self.predictor_top_k, self.predictor_top_p)):
+            SamplingConfig(0.9 if temperature is None else temperature, 50 if top_k is None else top_k,
+                           1.0 if top_p is None else top_p)
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise ValueError(f"repetition penalty must be positive, got {self.repetition_penalty}")
+        if self.max_frames is not None and self.max_frames < 1:
+            raise ValueError(f"max frames must be at least 1, got {self.max_frames}")
+
+    def resolve(self, defaults: dict) -> "ResolvedSampling":
+        """The sampling both loops run with: given values first, then `defaults` (the checkpoint's
+        generation config), then qwen-tts's own defaults."""
+
+        def pick(key: str, *given):
+            """The first value given, else the checkpoint's, else qwen-tts's."""
+            stored = defaults.get(key)
+            return next((v for v in given if v is not None), QWEN_TTS_DEFAULTS[key] if stored is None else stored)
+
+        talker = SamplingConfig(pick("temperature", self.temperature), pick("top_k", self.top_k) or 0,
+                                pick("top_p", self.top_p), bool(pick("do_sample")))
+        predictor = SamplingConfig(pick("subtalker_temperature", self.predictor_temperature, self.temperature),
+                                   pick("subtalker_top_k", self.predictor_top_k, self.top_k) or 0,
+                                   pick("subtalker_top_p", self.predictor_top_p, self.top_p),
+                                   bool(pick("subtalker_dosample")))
+        return ResolvedSampling(talker, predictor, float(pick("repetition_penalty", self.repetition_penalty)))
+
+
+@dataclass(frozen=True)
+class ResolvedSampling:
+    """The sampling of one run: the talker's (c0, with its repetition penalty) and the code predictor's."""
+
+    talker: SamplingConfig
+    predictor: SamplingConfig
+    repetition_penalty: float
+
+    def generate_kwargs(self, max_frames: int) -> dict:
+        """qwen-tts keywords, for its stock loops. N generated talker tokens make N - 1 frames, hence the + 1."""
+        return dict(do_sample=self.talker.do_sample, temperature=self.talker.temperature,
+                    top_k=self.talker.top_k, top_p=self.talker.top_p, repetition_penalty=self.repetition_penalty,
+                    subtalker_dosample=self.predictor.do_sample, subtalker_temperature=self.predictor.temperature,
+                    subtalker_top_k=self.predictor.top_k, subtalker_top_p=self.predictor.top_p,
+                    max_new_tokens=max_frames + 1)
+
+    def record(self) -> dict:
+        """What `--stats-json` shows under "sampling"."""
+        def loop(config: SamplingConfig) -> dict:
+            return dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                        do_sample=config.do_sample)
+
+        return {"talker": {**loop(self.talker), "repetition_penalty": self.repetition_penalty},
+                "predictor": loop(self.predictor)}
+
+
+@dataclass
+class Synthesis:
+    """One utterance: audio, its frame codes [frames, G], and what the run did and cost."""
+
+    audio: np.ndarray
+    sample_rate: int
+    codes: np.ndarray
+    stats: DecodeStats
+    seconds: dict[str, float]
+    talker_calls: int
+    chunks: int
+    spec: bool
+    tree_nodes: int
+    seed: int
+    sampling: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    stream_frames: int | None = None
+    weights: str = "native"
+    engine: dict = field(default_factory=dict)
+    online: dict | None = None  # --tree auto's online choice (rvqtts.engine.online): what ran and why
+    batch_rows: int = 1  # utterances spoken together in each call (synthesize_many)
+    batch_row_bytes: int | None = None  # the caches each batch row holds: its talker and code predictor regions
+
+    def record(self) -> dict:
+        """The statistics users see (`--stats-json`, the table). rtf = compute seconds / audio seconds."""
+        audio_seconds = self.audio.size / self.sample_rate
+        wall = self.seconds["wall"]
+        return {
+            "frames": int(self.codes.shape[0]), "audio_seconds": round(audio_seconds, 3), "chunks": self.chunks,
+            "talker_calls": self.talker_calls, "predictor_calls": self.stats.calls,
+            "predictor_codes": self.stats.codes, "codes_per_call": round(self.stats.codes_per_call, 4),
+            "accepted_per_depth": list(self.stats.accepted_per_depth), "wall_seconds": round(wall, 3),
+            "talker_seconds": round(self.seconds["talker"], 3),
+            "predictor_seconds": round(self.seconds["predictor"], 3),
+            "decoder_seconds": round(self.seconds["decoder"], 3),
+            "prefill_seconds": round(self.seconds["prefill"], 3),
+            "first_audio_seconds": round(self.seconds["first_audio"], 3),
+            "first_audio_split": self.seconds["first_audio_split"], "stream_frames": self.stream_frames,
+            "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
+            "spec": self.spec, "tree_nodes": self.tree_nodes, "weights": self.weights, "seed": self.seed,
+            "sampling": self.sampling, "engine": self.engine, "online": self.online, "batch_rows": self.batch_rows,
+            "batch_row_mib": None if self.batch_row_bytes is None else round(self.batch_row_bytes / 2**20, 2),
+            "warnings": list(self.warnings),
+        }
+
+
+@dataclass(frozen=True)
+class Line:
+    """One utterance of `Synthesizer.synthesize_many`: what `synthesize` takes for it. `utterance` keys its
+    noise (a batch file's line number), so it is spoken the same wherever it runs."""
+
+    text: str
+    speaker: str | None = None
+    language: str = "auto"
+    instruct: str | None = None
+    clone: ClonedVoice | None = None
+    utterance: int | None = None  # None: its index in the batch

@@ -1,0 +1,222 @@
+"""`rvqtts standin build`: corpus, codec, trained stand-in, held-out contexts and the faithfulness report,
+all from fixed seeds, into one folder:
+
+  OUT/model/          a Qwen3-TTS 12 Hz checkpoint whose code predictor is the trained stand-in
+  OUT/codec.npz       the residual VQ codec
+  OUT/contexts.npz    per held-out frame: h_t, the codes c0..c15, language and split
+  OUT/offsets.safetensors  draft offsets trained on the calibration split (self-distilled)
+  OUT/trees/          trees calibrated for the reused heads and for those offsets, N = 4..64
+  OUT/sample.wav      an evaluation sentence through the codec, to listen to
+  OUT/report.json     corpus, training, faithfulness per position, codes per call per N of each drafter
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rvqtts.tuning.standin.codec import LEVELS, ResidualCodec, frame_features
+from rvqtts.tuning.standin.corpus import LANGUAGES, build_corpus
+from rvqtts.tuning.standin.model import ContextEncoder, FrameData, StandinConfig, train
+from rvqtts.tuning.training import TrainingConfig
+
+BUDGETS = (4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    config: StandinConfig
+    variants: int
+    sentences_per_language: int | None
+    calibration_frames: int
+    evaluation_frames: int
+    offsets: TrainingConfig
+
+
+FULL = BuildPlan(StandinConfig(), variants=6, sentences_per_language=None, calibration_frames=600,
+                 evaluation_frames=600, offsets=TrainingConfig())
+SMALL = BuildPlan(StandinConfig(entries=128, hidden=64, layers=2, copies=2, steps=150, batch=128),
+                  variants=2, sentences_per_language=4, calibration_frames=120, evaluation_frames=120,
+                  offsets=TrainingConfig(learning_rate=1e-2, max_steps=300, eval_every=50))
+
+
+def _split_frames(recordings, codec: ResidualCodec, pca: np.ndarray, pca_scale: np.ndarray,
+                  config: StandinConfig, split: str, copies: int, rng: np.random.Generator) -> FrameData:
+    """Frames of one split (copies > 0 adds jittered, re-encoded copies of each frame). The coarse view is
+    the frame's top principal components plus noise of `coarse_noise` times each component's spread."""
+    languages = list(LANGUAGES)
+    parts = []
+    for recording in (r for r in recordings if r.split == split):
+        features = frame_features(recording.audio)
+        for copy in range(copies + 1):
+            noisy = features if copy == 0 else features + rng.normal(0, config.jitter, features.shape) * codec.std
+            codes = codec.encode(noisy.astype(np.float32))
+            previous = np.vstack([np.full((1, LEVELS), config.entries), codes[:-1]])
+            normalised = (noisy - codec.mean) / codec.std
+            coarse = normalised @ pca + rng.normal(0, config.coarse_noise, (len(codes), pca.shape[1])) * pca_scale
+            parts.append((codes, previous, np.full(len(codes), languages.index(recording.language)), coarse))
+    stacked = [np.concatenate([p[i] for p in parts]) for i in range(4)]
+    return FrameData(stacked[0].astype(np.int64), stacked[1].astype(np.int64), stacked[2].astype(np.int64),
+                     stacked[3].astype(np.float32))
+
+
+def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences_dir: Path | None = None,
+                  steps: int | None = None, log=print) -> dict:
+    """Run the whole pipeline into `out` and return the report (also written to out/report.json).
+
+    `steps` overrides the plan's training steps (more on a GPU, to train to convergence)."""
+    from rvqtts.engine.decode import Speculation
+    from rvqtts.engine.offsets import Offsets, save_offsets
+    from rvqtts.engine.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
+    from rvqtts.synthesis import Synthesizer
+    from rvqtts.tuning.calibration import calibrate_trees, codes_per_call
+    from rvqtts.tuning.comparison import compare_drafters
+    from rvqtts.tuning.contexts import Contexts
+    from rvqtts.tuning.drafters import OffsetDrafter
+    from rvqtts.tuning.drafts import draft_ranks, frozen_draft_data, head_weights, top1_by_depth
+    from rvqtts.tuning.standin.corpus import default_sentences_dir
+    from rvqtts.tuning.standin.measure import chain_gain, entropy_by_position
+    from rvqtts.tuning.tiny import build_tiny_model
+    from rvqtts.tuning.training import fit_offsets
+
+    plan = SMALL if small else FULL
+    config = plan.config if steps is None else replace(plan.config, steps=steps)
+    torch.manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    report: dict = {"small": small, "config": asdict(config)}
+    out.mkdir(parents=True, exist_ok=True)
+
+    started = time.perf_counter()
+    recordings = build_corpus(sentences_dir or default_sentences_dir(), plan.variants, plan.sentences_per_language)
+    seconds = {}
+    for r in recordings:
+        key = f"{r.language}/{r.split}"
+        seconds[key] = seconds.get(key, 0.0) + r.audio.size / 24000
+    report["corpus"] = {"seconds": {k: round(v, 1) for k, v in sorted(seconds.items())},
+                        "recordings": len(recordings), "build_seconds": round(time.perf_counter() - started, 1)}
+    log(f"corpus: {len(recordings)} recordings, {sum(seconds.values()) / 60:.1f} min of audio")
+
+    started = time.perf_counter()
+    train_features = np.concatenate([frame_features(r.audio) for r in recordings if r.split == "train"])
+    # Jittered copies keep the deep codebooks from memorising the training frames' exact residuals.
+    spread = train_features.std(0)
+    jittered = [train_features + rng.normal(0, config.jitter, train_features.shape) * spread
+                for _ in range(config.copies)]
+    codec = ResidualCodec.fit(np.concatenate([train_features, *jittered]).astype(np.float32), config.entries,
+                              seed=config.seed, device=device)
+    codec.save(out / "codec.npz")
+    normalised = (train_features - codec.mean) / codec.std
+    _, singular, vt = np.linalg.svd(normalised - normalised.mean(0), full_matrices=False)
+    pca = vt[:config.coarse_dims].T.astype(np.float32)
+    pca_scale = (singular[:config.coarse_dims] / np.sqrt(len(normalised))).astype(np.float32)
+    report["codec"] = {"entries": config.entries, "levels": LEVELS, "train_frames": int(len(train_features)),
+                       "seconds": round(time.perf_counter() - started, 1)}
+    log(f"codec: {LEVELS} x {config.entries} entries on {len(train_features)} frames "
+        f"({report['codec']['seconds']} s)")
+
+    data = {split: _split_frames(recordings, codec, pca, pca_scale, config, split,
+                                 config.copies if split == "train" else 0, rng)
+            for split in ("train", "calibration", "evaluation")}
+
+    model_dir = out / "model"
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    build_tiny_model(model_dir, codebook=config.entries, code_groups=LEVELS, seed=config.seed,
+                     talker_hidden=config.hidden, predictor_layers=config.layers)
+    synth = Synthesizer.load(model_dir)
+    code_predictor = synth.code_predictor
+    talker_embedding = synth.talker.get_input_embeddings()
+    encoder = ContextEncoder(config, len(LANGUAGES))
+    report["training"] = train(code_predictor, talker_embedding, encoder, data["train"], config, device, log)
+    report["training"]["parameters"] = {
+        "code_predictor": sum(p.numel() for p in code_predictor.parameters()),
+        "context_encoder": sum(p.numel() for p in encoder.parameters())}
+    for module in (code_predictor, talker_embedding, encoder):
+        module.to("cpu")
+    _save_weights(model_dir, synth)
+
+    contexts = {}
+    with torch.no_grad():
+        for split in ("calibration", "evaluation"):
+            frames = data[split]
+            h_t = encoder(*(torch.from_numpy(a) for a in (frames.previous, frames.language, frames.coarse)))
+            contexts[split] = (h_t.numpy(), frames.codes, np.array(list(LANGUAGES))[frames.language])
+    np.savez(out / "contexts.npz", **{f"{split}_{name}": value for split, arrays in contexts.items()
+                                      for name, value in zip(("h_t", "codes", "language"), arrays)})
+
+    calibration, evaluation = (Contexts(*contexts[split], source=f"stand-in {split} split")
+                               for split in ("calibration", "evaluation"))
+    evaluation = evaluation.take(rng.permutation(len(evaluation))[:plan.evaluation_frames])
+    h_eval, codes_eval = torch.from_numpy(evaluation.h_t), torch.from_numpy(evaluation.codes)
+    report.update(entropy_by_position(code_predictor, talker_embedding, h_eval, codes_eval))
+    report["chain_gain_bits"] = chain_gain(code_predictor, talker_embedding, h_eval, codes_eval)
+    prefixes_eval = evaluation.prefixes(talker_embedding)
+    truth = frozen_draft_data(code_predictor, prefixes_eval, evaluation.codes[:, 1:])
+    ranks = draft_ranks(OffsetDrafter(3, config.hidden), head_weights(code_predictor), truth, 1)
+    report["draft_top1_by_depth"] = top1_by_depth(ranks)
+    report["c1_top1_accuracy"] = _c1_accuracy(code_predictor, talker_embedding, h_eval, codes_eval)
+    report["chance_top1_accuracy"] = round(1 / config.entries, 6)
+
+    calibration_sample = calibration.take(rng.permutation(len(calibration))[:plan.calibration_frames])
+    # Self-distilled (the model's own codes from the calibration frames): the recipe the README gives for
+    # real models, and the one acceptance is measured against; docs/acceptance.md compares the others.
+    offsets, report["offsets_training"] = fit_offsets(synth, calibration, plan.offsets, self_distill=True,
+                                                      model_name="stand-in")
+    save_offsets(offsets, out / "offsets.safetensors")
+    for name, drafting in (("reused_heads", Offsets.zeros(3, config.hidden)), ("offsets", offsets)):
+        table, trees = calibrate_trees(synth, calibration_sample, drafting, list(BUDGETS), config.seed,
+                                       model_name="stand-in", offsets_name=name.replace("_", " "))
+        report[f"{name}_acceptance"] = table["acceptance"]
+        report[f"{name}_codes_per_call"] = {}
+        save_acceptance(table, out / "trees" / f"stand-in-{name.replace('_', '-')}{ACCEPTANCE_SUFFIX}")
+        for budget, tree in trees.items():
+            save_tree(tree, out / "trees" / f"stand-in-{name.replace('_', '-')}-n{budget}.json")
+            measured = codes_per_call(code_predictor, Speculation(tree, drafting), prefixes_eval,
+                                      list(evaluation.language), seed=config.seed + 1)
+            report[f"{name}_codes_per_call"][str(budget)] = {
+                **measured, "tree": [list(p) for p in tree.paths], "predicted_per_round": tree.expected_codes_per_call}
+    compared = compare_drafters(synth, calibration, evaluation, list(BUDGETS), config.seed, plan.offsets,
+                                variants=not small, log=log)
+    report["drafters"] = compared["drafters"]
+    report["comparison_frames"] = compared["frames"]
+    report["medusa_codes_per_call"] = compared["drafters"]["medusa heads"]["codes_per_call"]
+    report["drafter_parameters"] = {name: entry["parameters"] for name, entry in compared["drafters"].items()}
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    _write_sample(out, codec, recordings)
+    return report
+
+
+def _c1_accuracy(code_predictor, talker_embedding, h_t, codes) -> float:
+    from rvqtts.tuning.standin.model import teacher_forced_logits
+
+    with torch.no_grad():
+        logits = teacher_forced_logits(code_predictor, talker_embedding, h_t, codes[:, :3])[:, 0]
+    return round(float((logits.argmax(-1) == codes[:, 1]).float().mean()), 4)
+
+
+def _save_weights(model_dir: Path, synth) -> None:
+    """Write the trained predictor and c0 embedding into the checkpoint's safetensors file."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    state = synth.model.state_dict()
+    for name in tensors:
+        if name.startswith("talker.code_predictor.") or name == "talker.model.codec_embedding.weight":
+            tensors[name] = state[name].detach().contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write_sample(out: Path, codec: ResidualCodec, recordings) -> None:
+    from rvqtts.audio import audio_bytes
+    from rvqtts.files import write_atomically
+
+    sample = next(r for r in recordings if r.split == "evaluation")
+    audio = codec.to_audio(codec.encode(frame_features(sample.audio)))
+    write_atomically(out / "sample.wav", audio_bytes(audio / max(1e-6, np.abs(audio).max()) * 0.9, 24000))
