@@ -10,10 +10,10 @@ from rvqtts.cli.common import fail, progress_bar, say
 
 TEXTS_HELP = ("Texts to synthesize and record (.txt, or .jsonl with text and the voice fields of rvqtts synth -f: "
               "speaker, language, instruct, ref_audio, ref_text, x_vector_only, voice).")
-SPEAKER_HELP = "With --texts or --audio: speaker of lines that name none (CustomVoice models; default vivian)."
-INSTRUCT_HELP = ("With --texts or --audio: instruction of lines that name none (VoiceDesign models need one; the "
+SPEAKER_HELP = "speaker of lines that name none (CustomVoice models; default vivian)."
+INSTRUCT_HELP = ("instruction of lines that name none (VoiceDesign models need one; the "
                  "1.7B CustomVoice takes a style).")
-VOICE_HELP = ("With --texts or --audio on a Base model: the cloned voice of lines that name none, a voice file "
+VOICE_HELP = ("on a Base model, the cloned voice of lines that name none, a voice file "
               "(rvqtts synth --ref-audio FILE --ref-text TEXT --save-voice VOICE).")
 CONTEXTS_HELP = "Recorded frames: a contexts .npz (h_t, codes, language), as rvqtts standin build writes."
 SPLIT_HELP = "The split of a contexts file that has splits (calibration or evaluation)."

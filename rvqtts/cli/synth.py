@@ -70,7 +70,8 @@ def synth(
                                                                 "line's file is the one a one-line run writes "
                                                                 "where the kernels keep "
                                                                 "rows invariant (rvqtts tune); a batch's inner "
-                                                                "loop runs plain."),
+                                                                "loop speculates as one line's does, every "
+                                                                "row's tree round in one call."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Batch on a Ray cluster (pip install 'rvqtts[ray]'): "
                                                           "auto ($RAY_ADDRESS, or the cluster `ray start` made "
                                                           "here, else a new one on this machine) or the "
@@ -86,9 +87,10 @@ def synth(
                                                   "Base (a cloned voice) or VoiceDesign (rvqtts voices says "
                                                   "which)."),
     device: str = typer.Option("auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps."),
-    dtype: str = typer.Option("auto", help="auto (bfloat16 on cuda and on CPUs that multiply bfloat16 natively: "
-                                           "AMX, AVX512-BF16; float16 on mps; else float32), float32, bfloat16 "
-                                           "or float16."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 on cuda, float16 on mps; on a CPU the cheaper of "
+                                           "bfloat16 and float32 for one frame's linear maps, measured once; "
+                                           "with RVQTTS_CHOICES=fixed, bfloat16 where the CPU multiplies it "
+                                           "natively, else float32), float32, bfloat16 or float16."),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
     speaker: Optional[str] = typer.Option(None, help="Speaker of a CustomVoice model (rvqtts voices lists them); "
                                                      "default vivian. Base and VoiceDesign models have none."),
@@ -132,9 +134,11 @@ def synth(
                                      "bfloat16 where the CPU's kernels are row-invariant, as measured in float32 "
                                      "(README: Same seed, same codes)."),
     spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
-    tree: str = typer.Option("auto", help="Draft tree: auto (the best N measured for this device and dtype, "
-                                          "0 = the plain loop where no tree pays; see `rvqtts bench speedup "
-                                          "--save`), a node budget N (a shipped tree) or a tree file."),
+    tree: str = typer.Option("auto", help="Draft tree: auto (the tree size decided online from this model's "
+                                          "acceptance, counted as it speaks, and this machine's call costs; "
+                                          "0, the plain loop, where no tree pays; with --backend coreml, the "
+                                          "best N measured for the device), a node budget N (a shipped tree) "
+                                          "or a tree file."),
     offsets: Optional[Path] = typer.Option(None, help="Draft offsets file; default: shipped offsets matching "
                                                       "the model, else zero offsets."),
     backend: str = typer.Option("torch", help="torch, or coreml (macOS): the inner loop runs on a Core ML "
