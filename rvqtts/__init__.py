@@ -15,8 +15,13 @@ if TYPE_CHECKING:
     from rvqtts.synthesis import AudioStream, Synthesizer
 
 __all__ = ["AudioStream", "GenerationSettings", "Line", "Synthesis", "Synthesizer"]
-_HOMES = {"AudioStream": "rvqtts.synthesis", "Synthesizer": "rvqtts.synthesis", "GenerationSettings": "rvqtts.settings",
-          "Line": "rvqtts.settings", "Synthesis": "rvqtts.settings"}
+_HOMES = {
+    "AudioStream": "rvqtts.synthesis",
+    "Synthesizer": "rvqtts.synthesis",
+    "GenerationSettings": "rvqtts.settings",
+    "Line": "rvqtts.settings",
+    "Synthesis": "rvqtts.settings",
+}
 
 
 def __getattr__(name: str) -> object:

@@ -94,8 +94,10 @@ def audio_format(target: str | Path) -> tuple[str, str]:
         return AUDIO_FORMATS[".wav"]
     suffix = Path(target).suffix.lower()
     if suffix not in AUDIO_FORMATS:
-        raise ValueError(f"{target}: rvqtts writes {', '.join(AUDIO_FORMATS)} files (or - for a WAV on standard "
-                         f"output), not {suffix or 'a name without a suffix'}")
+        raise ValueError(
+            f"{target}: rvqtts writes {', '.join(AUDIO_FORMATS)} files (or - for a WAV on standard "
+            f"output), not {suffix or 'a name without a suffix'}"
+        )
     return AUDIO_FORMATS[suffix]
 
 
@@ -120,9 +122,14 @@ def pcm16(audio: np.ndarray) -> bytes:
 def wav_header(sample_rate: int) -> bytes:
     """The 44-byte header of a mono 16-bit PCM WAV stream of unknown length: both sizes 0xFFFFFFFF, which
     sox, ffmpeg and common players read as "until the end of the input"."""
-    return (b"RIFF" + struct.pack("<I", UNKNOWN_SIZE) + b"WAVEfmt "
-            + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
-            + b"data" + struct.pack("<I", UNKNOWN_SIZE))
+    return (
+        b"RIFF"
+        + struct.pack("<I", UNKNOWN_SIZE)
+        + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", UNKNOWN_SIZE)
+    )
 
 
 def _stdout_write(data: bytes) -> None:
@@ -139,8 +146,9 @@ def write_audio(target: str | Path, audio: np.ndarray, sample_rate: int, stdout_
         write_atomically(Path(target), audio_bytes(audio, sample_rate, audio_format(target)))
 
 
-def write_stream(target: str | Path, chunks: Iterable[np.ndarray], sample_rate: int,
-                 stdout_format: str = "wav") -> None:
+def write_stream(
+    target: str | Path, chunks: Iterable[np.ndarray], sample_rate: int, stdout_format: str = "wav"
+) -> None:
     """Write audio chunk by chunk as `chunks` yields them: to standard output for "-" (a WAV of unknown
     length, or raw PCM), flushed after every chunk; else to a file in the format its suffix names, which
     appears complete when the stream ends (and not at all if it fails)."""

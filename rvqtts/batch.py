@@ -38,21 +38,24 @@ class Utterance:
     instruct: str | None = None
     clone: VoiceSource | None = None  # this line's cloned voice (Base models), else the batch's
 
-    def voice(self, speaker: str | None, language: str, instruct: str | None,
-              clone: VoiceSource | None) -> dict:
+    def voice(self, speaker: str | None, language: str, instruct: str | None, clone: VoiceSource | None) -> dict:
         """This line's voice, the keywords of `voice_for`: its own fields, else the run's (given here)."""
-        return dict(speaker=self.speaker or speaker, language=self.language or language,
-                    instruct=self.instruct or instruct, source=self.clone or clone)
+        return dict(
+            speaker=self.speaker or speaker,
+            language=self.language or language,
+            instruct=self.instruct or instruct,
+            source=self.clone or clone,
+        )
 
 
 def _output_name(path: Path, line: int, out: object) -> str:
     if out is None:
         return f"{line:04d}.wav"
     if not isinstance(out, str) or not out.strip():
-        raise BatchFileError(f"{path}:{line}: \"out\" must be a non-empty file name")
+        raise BatchFileError(f'{path}:{line}: "out" must be a non-empty file name')
     name = PurePosixPath(out.strip())
     if name.is_absolute() or ".." in name.parts:
-        raise BatchFileError(f"{path}:{line}: \"out\" must stay inside the output folder, got {out!r}")
+        raise BatchFileError(f'{path}:{line}: "out" must stay inside the output folder, got {out!r}')
     return str(name) if name.suffix.lower() in AUDIO_FORMATS else f"{name}.wav"
 
 
@@ -62,32 +65,41 @@ def _from_json(path: Path, line: int, raw: str) -> Utterance:
     except json.JSONDecodeError as error:
         raise BatchFileError(f"{path}:{line}: not valid JSON ({error.msg})") from error
     if not isinstance(record, dict):
-        raise BatchFileError(f"{path}:{line}: expected a JSON object with a \"text\" field")
+        raise BatchFileError(f'{path}:{line}: expected a JSON object with a "text" field')
     unknown = sorted(set(record) - FIELDS)
     if unknown:
         raise BatchFileError(f"{path}:{line}: unknown field(s) {unknown}; allowed: {sorted(FIELDS)}")
     text = record.get("text")
     if not isinstance(text, str) or not text.strip():
-        raise BatchFileError(f"{path}:{line}: \"text\" must be a non-empty string")
+        raise BatchFileError(f'{path}:{line}: "text" must be a non-empty string')
     for key in ("speaker", "language", "instruct", "ref_audio", "ref_text", "voice"):
         if record.get(key) is not None and not isinstance(record[key], str):
-            raise BatchFileError(f"{path}:{line}: \"{key}\" must be a string")
+            raise BatchFileError(f'{path}:{line}: "{key}" must be a string')
     if not isinstance(record.get("x_vector_only", False), bool):
-        raise BatchFileError(f"{path}:{line}: \"x_vector_only\" must be true or false")
-    return Utterance(line, text.strip(), _output_name(path, line, record.get("out")), record.get("speaker"),
-                     record.get("language"), record.get("instruct"), _voice_source(path, line, record))
+        raise BatchFileError(f'{path}:{line}: "x_vector_only" must be true or false')
+    return Utterance(
+        line,
+        text.strip(),
+        _output_name(path, line, record.get("out")),
+        record.get("speaker"),
+        record.get("language"),
+        record.get("instruct"),
+        _voice_source(path, line, record),
+    )
 
 
 def _voice_source(path: Path, line: int, record: dict) -> VoiceSource | None:
     """A line's cloned voice, its files relative to the batch file's folder; None if it names none."""
+
     def located(key: str) -> Path | None:
         return None if record.get(key) is None else (path.parent / record[key]).expanduser().resolve()
 
     if not any(record.get(key) not in (None, False) for key in ("ref_audio", "ref_text", "x_vector_only", "voice")):
         return None
     try:
-        return VoiceSource(located("ref_audio"), record.get("ref_text"), record.get("x_vector_only", False),
-                           located("voice"))
+        return VoiceSource(
+            located("ref_audio"), record.get("ref_text"), record.get("x_vector_only", False), located("voice")
+        )
     except VoiceError as error:
         raise BatchFileError(f"{path}:{line}: {error}") from error
 
@@ -102,8 +114,11 @@ def read_batch(path: str | Path) -> list[Utterance]:
     except (OSError, UnicodeDecodeError) as error:
         raise BatchFileError(f"cannot read batch file {path}: {error}") from error
     jsonl = path.suffix.lower() == ".jsonl"
-    utterances = [_from_json(path, n, raw) if jsonl else Utterance(n, raw.strip(), f"{n:04d}.wav")
-                  for n, raw in enumerate(lines, start=1) if raw.strip()]
+    utterances = [
+        _from_json(path, n, raw) if jsonl else Utterance(n, raw.strip(), f"{n:04d}.wav")
+        for n, raw in enumerate(lines, start=1)
+        if raw.strip()
+    ]
     if not utterances:
         raise BatchFileError(f"{path}: no utterances (the file has no non-empty line)")
     seen: dict[str, int] = {}
@@ -141,23 +156,36 @@ def voice_for(synth, speaker: str | None, language: str, instruct: str | None, s
     """The voice keywords of `synth.synthesize` for one line (its fields, else the run's, given here):
     the speaker resolved, the cloned voice encoded (once per source); ValueError saying what to give."""
     clone = synth.voice_of(source) if source is not None else None
-    return dict(speaker=synth.check_voice(speaker, language, instruct, clone), language=language, instruct=instruct,
-                clone=clone)
+    return dict(
+        speaker=synth.check_voice(speaker, language, instruct, clone), language=language, instruct=instruct, clone=clone
+    )
 
 
-def render(synth, item: Utterance, *, speaker: str | None, language: str, instruct: str | None, seed: int,
-           settings, clone: VoiceSource | None = None, chunk_chars: float | None = MAX_CHUNK_WEIGHT) -> Rendered:
+def render(
+    synth,
+    item: Utterance,
+    *,
+    speaker: str | None,
+    language: str,
+    instruct: str | None,
+    seed: int,
+    settings,
+    clone: VoiceSource | None = None,
+    chunk_chars: float | None = MAX_CHUNK_WEIGHT,
+) -> Rendered:
     """Synthesize one utterance into the bytes of its output file (its voice: the line's, else the
     batch's). Every code's noise (c0's included) is keyed by the utterance's line number, so any run,
     partial, resumed or on any worker, makes the same audio for it."""
     voice, source = line_voice(synth, item, speaker, language, instruct, clone)
-    synthesis = synth.synthesize(item.text, seed=seed, utterance=item.line, settings=settings,
-                                 chunk_chars=chunk_chars, **voice)
+    synthesis = synth.synthesize(
+        item.text, seed=seed, utterance=item.line, settings=settings, chunk_chars=chunk_chars, **voice
+    )
     return rendered(synth, item, synthesis, voice, source)
 
 
-def line_voice(synth, item: Utterance, speaker: str | None, language: str, instruct: str | None,
-               clone: VoiceSource | None) -> tuple[dict, VoiceSource | None]:
+def line_voice(
+    synth, item: Utterance, speaker: str | None, language: str, instruct: str | None, clone: VoiceSource | None
+) -> tuple[dict, VoiceSource | None]:
     """The voice keywords of one line (`voice_for`) and its cloned voice's source, if any."""
     line = item.voice(speaker, language, instruct, clone)
     return voice_for(synth, **line), line["source"]
@@ -170,8 +198,12 @@ def rendered(synth, item: Utterance, synthesis, voice: dict, source: VoiceSource
     heard = {"speaker": voice["speaker"], "language": voice["language"]}
     if voice["instruct"] and synth.supports_instruct:
         heard["instruct"] = voice["instruct"]
-    return Rendered(audio_bytes(synthesis.audio, synthesis.sample_rate, audio_format(item.name)),
-                    synthesis.codes, {**heard, **(source.record() if source else {})}, synthesis.record())
+    return Rendered(
+        audio_bytes(synthesis.audio, synthesis.sample_rate, audio_format(item.name)),
+        synthesis.codes,
+        {**heard, **(source.record() if source else {})},
+        synthesis.record(),
+    )
 
 
 def describe(error: BaseException) -> str:
@@ -210,14 +242,18 @@ class Manifest:
     def add(self, item: Utterance, rendered: Rendered) -> None:
         from rvqtts.files import write_atomically
 
-        self.entries[item.name] = {"name": item.name, "line": item.line, "text": item.text, **rendered.voice,
-                                   **rendered.record}
+        self.entries[item.name] = {
+            "name": item.name,
+            "line": item.line,
+            "text": item.text,
+            **rendered.voice,
+            **rendered.record,
+        }
         ordered = sorted(self.entries.values(), key=lambda e: (e.get("line", 0), e["name"]))
         write_atomically(self.path, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in ordered).encode())
 
 
-def save(out_dir: Path, item: Utterance, rendered: Rendered, manifest: Manifest,
-         codes_dir: Path | None = None) -> None:
+def save(out_dir: Path, item: Utterance, rendered: Rendered, manifest: Manifest, codes_dir: Path | None = None) -> None:
     """Write one made utterance: its codes (if asked), its audio file, then its manifest entry; each
     atomically, so an interrupted batch leaves whole files and a rerun redoes only what is missing."""
     from rvqtts.audio import write_codes
@@ -229,8 +265,15 @@ def save(out_dir: Path, item: Utterance, rendered: Rendered, manifest: Manifest,
     manifest.add(item, rendered)
 
 
-def conclude(out_dir: Path, item: Utterance, status: str, value: object, manifest: Manifest,
-             codes_dir: Path | None = None, worker: object | None = None) -> BatchResult:
+def conclude(
+    out_dir: Path,
+    item: Utterance,
+    status: str,
+    value: object,
+    manifest: Manifest,
+    codes_dir: Path | None = None,
+    worker: object | None = None,
+) -> BatchResult:
     """A line's result from `attempt`'s answer, made here or on a worker: a made line is written (`save`),
     and a write that fails fails the line."""
     if status == "done":
@@ -247,11 +290,24 @@ def to_do(utterances: list[Utterance], out_dir: Path, force: bool = False) -> li
     return [item for item in utterances if force or not (out_dir / item.name).exists()]
 
 
-def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speaker: str | None, language: str,
-                     instruct: str | None, seed: int, settings, clone: VoiceSource | None = None, force: bool = False,
-                     codes_dir: Path | None = None, on_done=None,
-                     chunk_chars: float | None = MAX_CHUNK_WEIGHT, batch_size: int = 1,
-                     on_notice=None) -> list[BatchResult]:
+def synthesize_batch(
+    synth,
+    utterances: list[Utterance],
+    out_dir: Path,
+    *,
+    speaker: str | None,
+    language: str,
+    instruct: str | None,
+    seed: int,
+    settings,
+    clone: VoiceSource | None = None,
+    force: bool = False,
+    codes_dir: Path | None = None,
+    on_done=None,
+    chunk_chars: float | None = MAX_CHUNK_WEIGHT,
+    batch_size: int = 1,
+    on_notice=None,
+) -> list[BatchResult]:
     """Synthesize every utterance into `out_dir` here, skipping existing outputs unless `force`; with
     `batch_size` > 1, that many lines at once (Synthesizer.synthesize_many: the same files).
 
@@ -263,8 +319,15 @@ def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speak
     """
     manifest = Manifest(out_dir)
     pending = {item.line for item in to_do(utterances, out_dir, force)}
-    run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings, clone=clone,
-               chunk_chars=chunk_chars)
+    run = dict(
+        speaker=speaker,
+        language=language,
+        instruct=instruct,
+        seed=seed,
+        settings=settings,
+        clone=clone,
+        chunk_chars=chunk_chars,
+    )
     results: dict[int, BatchResult] = {}
 
     def finish(item: Utterance, result: BatchResult) -> None:
@@ -286,8 +349,9 @@ def synthesize_batch(synth, utterances: list[Utterance], out_dir: Path, *, speak
     return [results[item.line] for item in utterances]
 
 
-def attempt_many(synth, items: list[Utterance], run: dict, batch_size: int,
-                 on_notice=None) -> Iterator[tuple[Utterance, tuple]]:
+def attempt_many(
+    synth, items: list[Utterance], run: dict, batch_size: int, on_notice=None
+) -> Iterator[tuple[Utterance, tuple]]:
     """`attempt` for several lines spoken together: each line and its answer, as it ends."""
     from rvqtts.settings import Line
 
@@ -303,8 +367,9 @@ def attempt_many(synth, items: list[Utterance], run: dict, batch_size: int,
         voices.append((item, voice, source))
         lines.append(Line(item.text, voice["speaker"], voice["language"], voice["instruct"], voice["clone"], item.line))
     yield from failed
-    for index, outcome in synth.synthesize_many(lines, run["seed"], run["settings"],
-                                                run.get("chunk_chars", MAX_CHUNK_WEIGHT), batch_size, on_notice):
+    for index, outcome in synth.synthesize_many(
+        lines, run["seed"], run["settings"], run.get("chunk_chars", MAX_CHUNK_WEIGHT), batch_size, on_notice
+    ):
         item, voice, source = voices[index]
         if isinstance(outcome, Exception):
             yield item, ("failed", describe(outcome))

@@ -92,8 +92,10 @@ def choose_batch_size(synth, lines: int, progress: Callable[[str], None] | None 
     if not measured_choices():
         return 1, "RVQTTS_CHOICES=fixed (no measurement)"
     if not rows_invariant(synth):
-        return 1, ("the kernels here are not known to keep rows invariant (off the CPU they are not checked): one "
-                   "line at a time keeps each line's one-line bits")
+        return 1, (
+            "the kernels here are not known to keep rows invariant (off the CPU they are not checked): one "
+            "line at a time keeps each line's one-line bits"
+        )
     path = cache_dir() / BATCH_FILE
     machine, key = batch_key(synth)
     stored = read_records(path).get(machine, {}).get(key)
@@ -116,8 +118,9 @@ def rows_invariant(synth) -> bool:
     """Whether every linear map of both loops was measured to give each row the bits it gets alone (so a
     batched line's codes are its one-line run's)."""
     talker, runner = synth.talker_runner(), synth.batch_runner()
-    return all(kernels_used(maps)["row_invariant"] for maps in (talker.layer_maps() + [talker.head],
-                                                               runner.linear_maps()))
+    return all(
+        kernels_used(maps)["row_invariant"] for maps in (talker.layer_maps() + [talker.head], runner.linear_maps())
+    )
 
 
 def row_bytes(synth, slots: int) -> int:
@@ -125,7 +128,7 @@ def row_bytes(synth, slots: int) -> int:
     cache region."""
     talker, runner = synth.talker_runner(), synth.batch_runner()
     per_slot = 2 * len(talker.layers) * talker.n_kv_heads * talker.head_dim * talker.k_cache.element_size()
-    predictor = 2 * runner.k_cache[:, :, :runner.max_len].numel() * runner.k_cache.element_size()
+    predictor = 2 * runner.k_cache[:, :, : runner.max_len].numel() * runner.k_cache.element_size()
     return per_slot * slots + predictor
 
 

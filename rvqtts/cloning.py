@@ -52,14 +52,19 @@ class VoiceSource:
                 raise VoiceError("give a voice file or reference audio (with its text), not both")
         elif self.ref_audio is None:
             if self.ref_text is not None or self.x_vector_only:
-                raise VoiceError("the reference text and x-vector-only mode go with reference audio: give it too "
-                                 "(--ref-audio FILE)")
+                raise VoiceError(
+                    "the reference text and x-vector-only mode go with reference audio: give it too (--ref-audio FILE)"
+                )
         elif self.x_vector_only and self.ref_text is not None:
-            raise VoiceError("x-vector-only mode clones from the audio alone: drop the reference text, or drop "
-                             "--x-vector-only to clone in ICL mode with it")
+            raise VoiceError(
+                "x-vector-only mode clones from the audio alone: drop the reference text, or drop "
+                "--x-vector-only to clone in ICL mode with it"
+            )
         elif not self.x_vector_only and not (self.ref_text or "").strip():
-            raise VoiceError("cloning a voice in ICL mode needs the reference audio's transcript (--ref-text "
-                             "\"...\"), or --x-vector-only to clone from the audio alone")
+            raise VoiceError(
+                "cloning a voice in ICL mode needs the reference audio's transcript (--ref-text "
+                '"..."), or --x-vector-only to clone from the audio alone'
+            )
 
     def record(self) -> dict:
         """What a manifest says about the voice."""
@@ -89,8 +94,12 @@ class ClonedVoice:
         from rvqtts.compat import qwen_tts
 
         return qwen_tts().VoiceClonePromptItem(
-            ref_code=None if self.codes is None else self.codes.to(device), ref_spk_embedding=self.embedding.to(device),
-            x_vector_only_mode=not self.icl, icl_mode=self.icl, ref_text=self.ref_text)
+            ref_code=None if self.codes is None else self.codes.to(device),
+            ref_spk_embedding=self.embedding.to(device),
+            x_vector_only_mode=not self.icl,
+            icl_mode=self.icl,
+            ref_text=self.ref_text,
+        )
 
 
 def encoder_fingerprint(model: torch.nn.Module) -> str:
@@ -98,8 +107,10 @@ def encoder_fingerprint(model: torch.nn.Module) -> str:
     last projection's weights, rounded to bfloat16 so the model's dtype does not change it): an embedding
     means something only to the encoder's own model."""
     config = model.config.speaker_encoder_config.to_dict()  # its numbers: the dtype's name is left out
-    summary = {"config": {k: v for k, v in sorted(config.items()) if isinstance(v, (int, float, list))},
-               "weights": weight_digest(model.speaker_encoder.fc.weight)}
+    summary = {
+        "config": {k: v for k, v in sorted(config.items()) if isinstance(v, (int, float, list))},
+        "weights": weight_digest(model.speaker_encoder.fc.weight),
+    }
     return hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -118,13 +129,17 @@ def read_reference(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     samples = samples.mean(axis=1)
     seconds = samples.size / rate
     if seconds < MIN_REFERENCE_SECONDS:
-        raise VoiceError(f"reference audio {path} is {seconds:.2f} s long: give at least {MIN_REFERENCE_SECONDS:g} s "
-                         "of the voice speaking")
+        raise VoiceError(
+            f"reference audio {path} is {seconds:.2f} s long: give at least {MIN_REFERENCE_SECONDS:g} s "
+            "of the voice speaking"
+        )
     if not np.isfinite(samples).all():
         raise VoiceError(f"reference audio {path} holds NaN or infinite samples")
     if np.abs(samples).max() < SILENCE_PEAK:
-        raise VoiceError(f"reference audio {path} is silent (its loudest sample is below -60 dBFS): give a "
-                         "recording of the voice speaking")
+        raise VoiceError(
+            f"reference audio {path} is silent (its loudest sample is below -60 dBFS): give a "
+            "recording of the voice speaking"
+        )
     return samples, int(rate)
 
 
@@ -133,13 +148,19 @@ def encode_voice(tts: object, source: VoiceSource) -> ClonedVoice:
     VoiceError for audio that cannot be read or encoded."""
     samples, rate = read_reference(source.ref_audio)
     try:
-        item, = tts.create_voice_clone_prompt(ref_audio=(samples, rate), ref_text=source.ref_text,
-                                              x_vector_only_mode=source.x_vector_only)
+        (item,) = tts.create_voice_clone_prompt(
+            ref_audio=(samples, rate), ref_text=source.ref_text, x_vector_only_mode=source.x_vector_only
+        )
     except (RuntimeError, ValueError) as error:  # out of memory on a long reference, a resampling fault
         raise VoiceError(f"cannot clone a voice from {source.ref_audio}: {error}") from error
     codes = None if item.ref_code is None else item.ref_code.detach().to(torch.long).cpu()
-    return ClonedVoice(item.ref_spk_embedding.detach().float().cpu(), codes, source.ref_text,
-                       encoder_fingerprint(tts.model), str(source.ref_audio))
+    return ClonedVoice(
+        item.ref_spk_embedding.detach().float().cpu(),
+        codes,
+        source.ref_text,
+        encoder_fingerprint(tts.model),
+        str(source.ref_audio),
+    )
 
 
 def save_voice(voice: ClonedVoice, path: str | os.PathLike) -> None:
@@ -150,13 +171,23 @@ def save_voice(voice: ClonedVoice, path: str | os.PathLike) -> None:
     tensors = {"embedding": voice.embedding.float().contiguous()}
     if voice.codes is not None:
         tensors["codes"] = voice.codes.to(torch.int64).contiguous()
-    meta = {"format": VOICE_FORMAT, "mode": "icl" if voice.icl else "x-vector-only", "ref_text": voice.ref_text or "",
-            "encoder_fingerprint": voice.encoder_fingerprint, "source": voice.source}
+    meta = {
+        "format": VOICE_FORMAT,
+        "mode": "icl" if voice.icl else "x-vector-only",
+        "ref_text": voice.ref_text or "",
+        "encoder_fingerprint": voice.encoder_fingerprint,
+        "source": voice.source,
+    }
     write_atomically(path, save(tensors, metadata=meta))
 
 
-def load_voice(path: str | os.PathLike, hidden_size: int | None = None, fingerprint: str | None = None,
-               code_groups: int | None = None, codebook: int | None = None) -> ClonedVoice:
+def load_voice(
+    path: str | os.PathLike,
+    hidden_size: int | None = None,
+    fingerprint: str | None = None,
+    code_groups: int | None = None,
+    codebook: int | None = None,
+) -> ClonedVoice:
     """Read and check a voice file; VoiceError naming the file for every fault. With the model's talker
     `hidden_size`, its `code_groups`, `codebook` size and its speaker encoder's `fingerprint`, a voice
     another model encoded is refused."""
@@ -175,22 +206,34 @@ def load_voice(path: str | os.PathLike, hidden_size: int | None = None, fingerpr
         raise VoiceError(f"{path} is not an rvqtts voice file (metadata format != {VOICE_FORMAT!r})")
     embedding, codes, icl = tensors.get("embedding"), tensors.get("codes"), meta.get("mode") == "icl"
     if embedding is None or embedding.dim() != 1 or icl != (codes is not None) or (icl and not meta.get("ref_text")):
-        raise VoiceError(f"voice file {path} is damaged: it needs an embedding [hidden] and, in ICL mode, codes "
-                         "and the reference text")
-    if codes is not None and (codes.dim() != 2 or codes.dtype != torch.int64 or codes.shape[0] < 1
-                              or (code_groups is not None and codes.shape[1] != code_groups)):
-        raise VoiceError(f"voice file {path} is damaged: its codes must be int64 [frames, {code_groups or 'groups'}], "
-                         f"got {codes.dtype} {list(codes.shape)}")
+        raise VoiceError(
+            f"voice file {path} is damaged: it needs an embedding [hidden] and, in ICL mode, codes "
+            "and the reference text"
+        )
+    if codes is not None and (
+        codes.dim() != 2
+        or codes.dtype != torch.int64
+        or codes.shape[0] < 1
+        or (code_groups is not None and codes.shape[1] != code_groups)
+    ):
+        raise VoiceError(
+            f"voice file {path} is damaged: its codes must be int64 [frames, {code_groups or 'groups'}], "
+            f"got {codes.dtype} {list(codes.shape)}"
+        )
     if codes is not None and (int(codes.min()) < 0 or (codebook is not None and int(codes.max()) >= codebook)):
-        raise VoiceError(f"voice file {path} is damaged: its codes must lie in 0..{(codebook or 0) - 1}, got "
-                         f"{int(codes.min())}..{int(codes.max())}")
+        raise VoiceError(
+            f"voice file {path} is damaged: its codes must lie in 0..{(codebook or 0) - 1}, got "
+            f"{int(codes.min())}..{int(codes.max())}"
+        )
     if not torch.isfinite(embedding).all():
         raise VoiceError(f"voice file {path} holds NaN or infinite values")
     theirs = meta.get("encoder_fingerprint", "")
     if (hidden_size is not None and embedding.shape[0] != hidden_size) or (fingerprint and theirs != fingerprint):
-        raise VoiceError(f"voice file {path} was encoded by another model's speaker encoder (fingerprint {theirs}, "
-                         f"embedding {embedding.shape[0]}; this model's: {fingerprint}, {hidden_size}): encode the "
-                         "reference again with this model (--ref-audio ... --save-voice)")
+        raise VoiceError(
+            f"voice file {path} was encoded by another model's speaker encoder (fingerprint {theirs}, "
+            f"embedding {embedding.shape[0]}; this model's: {fingerprint}, {hidden_size}): encode the "
+            "reference again with this model (--ref-audio ... --save-voice)"
+        )
     return ClonedVoice(embedding.float(), codes, meta.get("ref_text") or None, theirs, meta.get("source", ""))
 
 

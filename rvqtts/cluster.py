@@ -84,25 +84,36 @@ class SynthesisWorker:
 
         spec = self.spec
         torch.set_num_threads(max(1, int(spec.cpus)))  # the CPUs Ray gave this worker, not the whole node's
-        device = pick_device("cuda" if spec.device == "auto" and spec.gpus > 0 else
-                             "cpu" if spec.device == "auto" else spec.device)
+        device = pick_device(
+            "cuda" if spec.device == "auto" and spec.gpus > 0 else "cpu" if spec.device == "auto" else spec.device
+        )
         dtype, _ = pick_dtype(spec.dtype, device, model_config(spec.model).talker_config, spec.weights)
         self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights)
         notice = prepare_inner_loop(self.synth, spec.spec, spec.tree, spec.offsets, spec.cuda_graphs)
         for source in spec.voices:
             self.synth.voice_of(source)
         self.rows = spec.batch_size or choose_batch_size(self.synth, MEASURED_LINES)[0]
-        return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(), "device": device, "dtype": dtype,
-                "threads": torch.get_num_threads(), "rvqtts": version("rvqtts"), "torch": torch.__version__,
-                "notice": notice, "instruct": self.synth.supports_instruct, "rows": self.rows}
+        return {
+            "node": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "device": device,
+            "dtype": dtype,
+            "threads": torch.get_num_threads(),
+            "rvqtts": version("rvqtts"),
+            "torch": torch.__version__,
+            "notice": notice,
+            "instruct": self.synth.supports_instruct,
+            "rows": self.rows,
+        }
 
     def render(self, items: list[Utterance], run: dict) -> tuple[str, object]:
         """("lines", [(line number, status, value)]): rvqtts.batch.attempt's answer for each line, the lines
         spoken `rows` at a time; or ("nonfinite", (model, dtype)). A line's failure is an answer, so only a
         worker in trouble raises."""
         try:
-            return "lines", [(item.line, status, value)
-                             for item, (status, value) in attempt_many(self.synth, items, run, self.rows)]
+            return "lines", [
+                (item.line, status, value) for item, (status, value) in attempt_many(self.synth, items, run, self.rows)
+            ]
         except NonFiniteError as error:
             return "nonfinite", (error.model, error.dtype)
 
@@ -125,11 +136,20 @@ class WorkerRecord:
     alive: bool = True
 
     def summary(self) -> dict:
-        return {"worker": self.name, "node": self.node, "pid": self.pid, "device": self.device,
-                "dtype": self.dtype, "threads": self.threads, "rows": self.rows, "lines": self.lines,
-                "failed": self.failed,
-                "audio_seconds": round(self.audio_seconds, 3), "busy_seconds": round(self.busy_seconds, 3),
-                "died": not self.alive}
+        return {
+            "worker": self.name,
+            "node": self.node,
+            "pid": self.pid,
+            "device": self.device,
+            "dtype": self.dtype,
+            "threads": self.threads,
+            "rows": self.rows,
+            "lines": self.lines,
+            "failed": self.failed,
+            "audio_seconds": round(self.audio_seconds, 3),
+            "busy_seconds": round(self.busy_seconds, 3),
+            "died": not self.alive,
+        }
 
 
 @dataclass
@@ -152,12 +172,17 @@ class ClusterBatch:
         done = [r.record for r in self.results if r.status == "done"]
         audio = sum(r["audio_seconds"] for r in done)
         wall = self.wall_seconds or float("nan")
-        return {"lines": len(done), "wall_seconds": round(self.wall_seconds, 3),
-                "startup_seconds": round(self.startup_seconds, 3),
-                "lines_per_second": round(len(done) / wall, 4), "audio_seconds": round(audio, 3),
-                "audio_seconds_per_wall_second": round(audio / wall, 4),
-                "workers": len(self.workers), "workers_died": sum(not w.alive for w in self.workers),
-                "retried_lines": self.retried_lines}
+        return {
+            "lines": len(done),
+            "wall_seconds": round(self.wall_seconds, 3),
+            "startup_seconds": round(self.startup_seconds, 3),
+            "lines_per_second": round(len(done) / wall, 4),
+            "audio_seconds": round(audio, 3),
+            "audio_seconds_per_wall_second": round(audio / wall, 4),
+            "workers": len(self.workers),
+            "workers_died": sum(not w.alive for w in self.workers),
+            "retried_lines": self.retried_lines,
+        }
 
 
 def connect(address: str) -> bool:
@@ -169,13 +194,13 @@ def connect(address: str) -> bool:
     import logging
 
     try:
-        ray.init(address=None if address == "auto" else address, logging_level=logging.ERROR,
-                 log_to_driver=False)
+        ray.init(address=None if address == "auto" else address, logging_level=logging.ERROR, log_to_driver=False)
     except Exception as error:  # Ray raises ConnectionError, RuntimeError, ValueError or a bare Exception
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         hint = "see `ray status`" if address == "auto" else "check it with `ray status --address` there"
-        raise ClusterError(f"cannot reach a Ray cluster at {address!r}: {first} ({hint}; `ray start --head` "
-                           "starts one)") from error
+        raise ClusterError(
+            f"cannot reach a Ray cluster at {address!r}: {first} ({hint}; `ray start --head` starts one)"
+        ) from error
     return True
 
 
@@ -187,19 +212,30 @@ def _worker_count(ray, spec: WorkerSpec, workers: int | None, lines: int) -> int
     if spec.gpus > 0:
         fits.append(int(resources.get("GPU", 0) // spec.gpus))
     room = min(fits) if fits else lines
-    have = (f"{resources.get('CPU', 0):g} CPUs and {resources.get('GPU', 0):g} GPUs")
+    have = f"{resources.get('CPU', 0):g} CPUs and {resources.get('GPU', 0):g} GPUs"
     if room < 1 or (workers is not None and workers > room):
         wanted = workers or 1
-        raise ClusterError(f"the cluster has {have}; {wanted} worker(s) of {spec.cpus:g} CPUs and "
-                           f"{spec.gpus:g} GPUs need more: use fewer --workers, or smaller --cpus-per-worker "
-                           "/ --gpus-per-worker")
+        raise ClusterError(
+            f"the cluster has {have}; {wanted} worker(s) of {spec.cpus:g} CPUs and "
+            f"{spec.gpus:g} GPUs need more: use fewer --workers, or smaller --cpus-per-worker "
+            "/ --gpus-per-worker"
+        )
     return max(1, min(workers or room, lines))
 
 
-def synthesize_batch_on_ray(utterances: list[Utterance], out_dir: Path, spec: WorkerSpec, run: dict, *,
-                            address: str = "auto", workers: int | None = None, force: bool = False,
-                            codes_dir: Path | None = None, on_done: Callable[[BatchResult], None] | None = None,
-                            on_start: Callable[[int], None] | None = None) -> ClusterBatch:
+def synthesize_batch_on_ray(
+    utterances: list[Utterance],
+    out_dir: Path,
+    spec: WorkerSpec,
+    run: dict,
+    *,
+    address: str = "auto",
+    workers: int | None = None,
+    force: bool = False,
+    codes_dir: Path | None = None,
+    on_done: Callable[[BatchResult], None] | None = None,
+    on_start: Callable[[int], None] | None = None,
+) -> ClusterBatch:
     """Synthesize the utterances whose output is missing from `out_dir` (all with `force`) on Ray workers.
 
     `run` holds the synthesis settings as for rvqtts.batch.synthesize_batch (speaker, language, instruct,
@@ -224,8 +260,18 @@ def synthesize_batch_on_ray(utterances: list[Utterance], out_dir: Path, spec: Wo
     return batch
 
 
-def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: dict, workers: int | None,
-         codes_dir: Path | None, on_done, results: dict[int, BatchResult], batch: ClusterBatch) -> None:
+def _run(
+    ray,
+    pending: list[Utterance],
+    out_dir: Path,
+    spec: WorkerSpec,
+    run: dict,
+    workers: int | None,
+    codes_dir: Path | None,
+    on_done,
+    results: dict[int, BatchResult],
+    batch: ClusterBatch,
+) -> None:
     """The driver's loop: keep every worker busy with its share of lines (up to its batch size), write what
     comes back, replace the dead."""
     from ray.exceptions import ActorDiedError, RayError, RayTaskError
@@ -262,16 +308,26 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
         ray.kill(actor)  # one that is only unreachable must not keep its CPUs and GPUs
         if items is None:
             if isinstance(error, ActorDiedError) and error.actor_init_failed:
-                raise ClusterError(f"a worker could not start on {record.node or 'its node'} (is rvqtts "
-                                   f"installed there?): {_first_line(error)}")
+                raise ClusterError(
+                    f"a worker could not start on {record.node or 'its node'} (is rvqtts "
+                    f"installed there?): {_first_line(error)}"
+                )
             load_deaths += 1
             if load_deaths >= DEATHS_PER_LINE:
-                raise ClusterError(f"{load_deaths} workers died while loading the model (out of memory? see "
-                                   f"`ray status` and the Ray logs): {_first_line(error)}")
+                raise ClusterError(
+                    f"{load_deaths} workers died while loading the model (out of memory? see "
+                    f"`ray status` and the Ray logs): {_first_line(error)}"
+                )
         for item in reversed(items or []):
             if deaths.setdefault(item.line, 0) >= DEATHS_PER_LINE - 1:
-                finish(BatchResult(item, "failed", error=f"its worker was lost {DEATHS_PER_LINE} times "
-                                                          f"({_first_line(error)})", worker=record))
+                finish(
+                    BatchResult(
+                        item,
+                        "failed",
+                        error=f"its worker was lost {DEATHS_PER_LINE} times ({_first_line(error)})",
+                        worker=record,
+                    )
+                )
             else:
                 deaths[item.line] += 1
                 batch.retried_lines += 1
@@ -299,9 +355,11 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
             if not ready:  # a node that died takes its calls' answers with it: none would ever come
                 _check_this_node(ray)
                 if not serving and time.perf_counter() - waiting >= START_TIMEOUT:
-                    raise ClusterError(f"no worker loaded the model in {START_TIMEOUT:g} s: the cluster cannot "
-                                       f"place a worker of {spec.cpus:g} CPUs and {spec.gpus:g} GPUs, or the "
-                                       "load is stuck (see `ray status`)")
+                    raise ClusterError(
+                        f"no worker loaded the model in {START_TIMEOUT:g} s: the cluster cannot "
+                        f"place a worker of {spec.cpus:g} CPUs and {spec.gpus:g} GPUs, or the "
+                        "load is stuck (see `ray status`)"
+                    )
                 continue
             waiting = time.perf_counter()
             actor, record, items, sent = calls.pop(ready[0])
@@ -309,8 +367,9 @@ def _run(ray, pending: list[Utterance], out_dir: Path, spec: WorkerSpec, run: di
                 answer = ray.get(ready[0])
             except RayTaskError as error:  # the call itself raised
                 if items is None:
-                    raise ClusterError(f"a worker could not load the model (or a voice of the batch): "
-                                       f"{describe(error.cause)}") from error
+                    raise ClusterError(
+                        f"a worker could not load the model (or a voice of the batch): {describe(error.cause)}"
+                    ) from error
                 for item in items:
                     finish(BatchResult(item, "failed", error=_first_line(error), worker=record))
                 idle.append((actor, record))
@@ -349,9 +408,11 @@ def _check_this_node(ray) -> None:
     except Exception as error:  # the cluster's control store is gone too
         raise ClusterError(f"lost the Ray cluster ({_first_line(error)})") from error
     if not alive:
-        raise ClusterError("the Ray node on this machine died (its raylet stopped), and with it every call of "
-                           "the batch: start Ray again (or use --ray auto) and rerun the command to make the "
-                           "rest")
+        raise ClusterError(
+            "the Ray node on this machine died (its raylet stopped), and with it every call of "
+            "the batch: start Ray again (or use --ray auto) and rerun the command to make the "
+            "rest"
+        )
 
 
 def _loaded(record: WorkerRecord, answer: dict, ours: str, wants_instruct: bool, batch: ClusterBatch) -> None:
@@ -362,8 +423,10 @@ def _loaded(record: WorkerRecord, answer: dict, ours: str, wants_instruct: bool,
     for key in ("node", "pid", "device", "dtype", "threads", "rows"):
         setattr(record, key, answer[key])
     if answer["rvqtts"] != ours:
-        raise ClusterError(f"worker {record.name} on {record.node} runs rvqtts {answer['rvqtts']}, this driver "
-                           f"{ours}: install the same version on every node (their files could differ)")
+        raise ClusterError(
+            f"worker {record.name} on {record.node} runs rvqtts {answer['rvqtts']}, this driver "
+            f"{ours}: install the same version on every node (their files could differ)"
+        )
     notices = [answer["notice"]] if answer["notice"] else []
     if wants_instruct and not answer["instruct"]:
         notices.append(INSTRUCT_IGNORED)

@@ -103,8 +103,9 @@ def check_writable(path: str | os.PathLike, folder: bool = False) -> None:
     except RuntimeError as error:  # expanduser: no such user
         raise OutputPathError(f"cannot write {path}: {error}") from error
     except OSError as error:
-        raise OutputPathError(f"cannot write {path}: {error.strerror or error}"
-                              + (f" ({error.filename})" if error.filename else "")) from error
+        raise OutputPathError(
+            f"cannot write {path}: {error.strerror or error}" + (f" ({error.filename})" if error.filename else "")
+        ) from error
     finally:
         for part in reversed(made):
             try:

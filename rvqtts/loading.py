@@ -15,9 +15,11 @@ import torch
 from rvqtts.compat import qwen_tts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-OFFLINE_HINT = ("pass --model PATH with a downloaded checkpoint folder, or try rvqtts offline with a tiny "
-                "random-weight one: rvqtts make-tiny-model tiny-model && rvqtts synth \"Hello.\" --model "
-                "tiny-model -o hello.wav")
+OFFLINE_HINT = (
+    "pass --model PATH with a downloaded checkpoint folder, or try rvqtts offline with a tiny "
+    'random-weight one: rvqtts make-tiny-model tiny-model && rvqtts synth "Hello." --model '
+    "tiny-model -o hello.wav"
+)
 
 
 class ModelLoadError(RuntimeError):
@@ -55,28 +57,36 @@ def resolve_model(model: str | os.PathLike) -> str:
     except LocalEntryNotFoundError:
         pass
     except ValueError as error:  # not a valid repo id
-        raise ModelLoadError(f"no model folder {text}, and it is not a valid hub id ({error}); "
-                             f"{OFFLINE_HINT}") from error
+        raise ModelLoadError(
+            f"no model folder {text}, and it is not a valid hub id ({error}); {OFFLINE_HINT}"
+        ) from error
     if not _hub_reachable():
-        raise ModelLoadError(f"cannot load {text}: the Hugging Face hub cannot be reached and the model is not "
-                             f"in the local cache; {OFFLINE_HINT}")
+        raise ModelLoadError(
+            f"cannot load {text}: the Hugging Face hub cannot be reached and the model is not "
+            f"in the local cache; {OFFLINE_HINT}"
+        )
     return text
 
 
 # The 12 Hz model kinds (config.tts_model_type), by their released names, and what each takes from a user.
-KINDS = {"custom_voice": ("CustomVoice", "built-in speakers (--speaker), a style instruction (--instruct) on the "
-                                         "1.7B"),
-         "base": ("Base", "a voice cloned from reference audio (--ref-audio with --ref-text or --x-vector-only, "
-                          "or --voice)"),
-         "voice_design": ("VoiceDesign", "a voice described in words (--instruct)")}
+KINDS = {
+    "custom_voice": ("CustomVoice", "built-in speakers (--speaker), a style instruction (--instruct) on the 1.7B"),
+    "base": (
+        "Base",
+        "a voice cloned from reference audio (--ref-audio with --ref-text or --x-vector-only, or --voice)",
+    ),
+    "voice_design": ("VoiceDesign", "a voice described in words (--instruct)"),
+}
 DEFAULT_SPEAKER = "vivian"  # a CustomVoice model's speaker when none is named
 
 
 def _check_kind(model: str | os.PathLike, model_type: str, tokenizer_type: str) -> None:
     """ModelLoadError unless the checkpoint is a 12 Hz model of a known kind."""
     if tokenizer_type != "qwen3_tts_tokenizer_12hz" or model_type not in KINDS:
-        raise ModelLoadError(f"{model} is a {model_type} model with the {tokenizer_type}; rvqtts runs the 12 Hz "
-                             f"models (such as Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)")
+        raise ModelLoadError(
+            f"{model} is a {model_type} model with the {tokenizer_type}; rvqtts runs the 12 Hz "
+            f"models (such as Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice)"
+        )
 
 
 def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
@@ -100,24 +110,33 @@ class ModelVoices:
     speakers: list[str]
     languages: list[str]
 
-    def check(self, speaker: str | None, language: str, instruct: str | None = None, cloned: bool = False) -> str | None:
+    def check(
+        self, speaker: str | None, language: str, instruct: str | None = None, cloned: bool = False
+    ) -> str | None:
         """The speaker to use (None: the default speaker, where the model has speakers); ValueError, saying
         what to give, when the voice asked for is not one this kind of model speaks: an unknown speaker or
         language, a speaker on a model without speakers, a VoiceDesign model without an instruction, a Base
         model without a cloned voice, or a cloned voice on another kind."""
         if cloned and self.kind != "base":
-            raise ValueError(f"reference audio and voice files clone a voice on Base models; this is a "
-                             f"{KINDS[self.kind][0]} model (it takes {KINDS[self.kind][1]})")
+            raise ValueError(
+                f"reference audio and voice files clone a voice on Base models; this is a "
+                f"{KINDS[self.kind][0]} model (it takes {KINDS[self.kind][1]})"
+            )
         if self.kind == "base" and not cloned:
-            raise ValueError("a Base model speaks a cloned voice: give a voice file (--voice FILE; rvqtts synth also "
-                             "takes --ref-audio FILE with --ref-text \"...\" or --x-vector-only)")
+            raise ValueError(
+                "a Base model speaks a cloned voice: give a voice file (--voice FILE; rvqtts synth also "
+                'takes --ref-audio FILE with --ref-text "..." or --x-vector-only)'
+            )
         if self.kind == "voice_design" and not (instruct or "").strip():
-            raise ValueError("a VoiceDesign model speaks the voice its instruction describes: give an instruction "
-                             "(--instruct \"...\")")
+            raise ValueError(
+                'a VoiceDesign model speaks the voice its instruction describes: give an instruction (--instruct "...")'
+            )
         if not self.speakers:
             if speaker is not None:
-                raise ValueError(f"this {KINDS[self.kind][0]} model has no built-in speakers (got {speaker!r}): it "
-                                 f"takes {KINDS[self.kind][1]}")
+                raise ValueError(
+                    f"this {KINDS[self.kind][0]} model has no built-in speakers (got {speaker!r}): it "
+                    f"takes {KINDS[self.kind][1]}"
+                )
         elif speaker is None:
             speaker = DEFAULT_SPEAKER if DEFAULT_SPEAKER in self.speakers else self.speakers[0]
         elif speaker.lower() not in self.speakers:
@@ -135,8 +154,9 @@ def model_voices(model: str | os.PathLike) -> ModelVoices:
     talker = config.talker_config
     languages = ["auto"] + [k for k in talker.codec_language_id if "dialect" not in k]
     speakers = talker.spk_id if config.tts_model_type == "custom_voice" else None
-    return ModelVoices(config.tts_model_type, sorted(k.lower() for k in speakers or {}),
-                       sorted(k.lower() for k in languages))
+    return ModelVoices(
+        config.tts_model_type, sorted(k.lower() for k in speakers or {}), sorted(k.lower() for k in languages)
+    )
 
 
 def model_config(model: str | os.PathLike):

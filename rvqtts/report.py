@@ -8,16 +8,27 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 
-SUMMED = ("frames", "audio_seconds", "chunks", "talker_calls", "predictor_calls", "predictor_codes",
-          "wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds")
+SUMMED = (
+    "frames",
+    "audio_seconds",
+    "chunks",
+    "talker_calls",
+    "predictor_calls",
+    "predictor_codes",
+    "wall_seconds",
+    "talker_seconds",
+    "predictor_seconds",
+    "decoder_seconds",
+)
 
 
 def total_record(records: list[dict]) -> dict:
     """One record for a whole batch: counts and seconds add up; ratios are recomputed from the sums."""
     total: dict = {key: round(sum(r[key] for r in records), 3) for key in SUMMED}
     depth = max((len(r["accepted_per_depth"]) for r in records), default=0)
-    total["accepted_per_depth"] = [sum(r["accepted_per_depth"][d] for r in records
-                                       if d < len(r["accepted_per_depth"])) for d in range(depth)]
+    total["accepted_per_depth"] = [
+        sum(r["accepted_per_depth"][d] for r in records if d < len(r["accepted_per_depth"])) for d in range(depth)
+    ]
     calls = total["predictor_calls"]
     total["codes_per_call"] = round(total["predictor_codes"] / calls, 4) if calls else 0.0
     total["rtf"] = round(total["wall_seconds"] / total["audio_seconds"], 4) if total["audio_seconds"] else None
@@ -34,16 +45,28 @@ def total_record(records: list[dict]) -> dict:
 def stats_table(rows: list[tuple[str, dict]]) -> Table:
     """A table of (name, record) rows: what was made, how the inner loop did, where the time went."""
     table = Table(title="rvqtts synth (seconds)", title_justify="left", box=box.SIMPLE_HEAD)
-    columns = [("", "name", None), ("frames", "frames", None), ("audio", "audio_seconds", ".2f"),
-               ("calls", "predictor_calls", None), ("codes/call", "codes_per_call", ".2f"),
-               ("wall", "wall_seconds", ".2f"), ("talker", "talker_seconds", ".2f"),
-               ("predictor", "predictor_seconds", ".2f"), ("decoder", "decoder_seconds", ".2f"),
-               ("1st audio", "first_audio_seconds", ".2f"), ("RTF", "rtf", ".2f")]
+    columns = [
+        ("", "name", None),
+        ("frames", "frames", None),
+        ("audio", "audio_seconds", ".2f"),
+        ("calls", "predictor_calls", None),
+        ("codes/call", "codes_per_call", ".2f"),
+        ("wall", "wall_seconds", ".2f"),
+        ("talker", "talker_seconds", ".2f"),
+        ("predictor", "predictor_seconds", ".2f"),
+        ("decoder", "decoder_seconds", ".2f"),
+        ("1st audio", "first_audio_seconds", ".2f"),
+        ("RTF", "rtf", ".2f"),
+    ]
     cells = []
     for name, record in rows:
         values = [name if key == "name" else record.get(key) for _, key, _ in columns]
-        cells.append(["-" if value is None else format(value, fmt) if fmt else str(value)
-                      for value, (_, _, fmt) in zip(values, columns)])
+        cells.append(
+            [
+                "-" if value is None else format(value, fmt) if fmt else str(value)
+                for value, (_, _, fmt) in zip(values, columns)
+            ]
+        )
     for i, (title, _, _) in enumerate(columns):
         if title:  # figures are never cut: their columns keep their full width; a long name folds instead
             width = max(len(title), *(len(row[i]) for row in cells))
@@ -60,10 +83,16 @@ def stats_table(rows: list[tuple[str, dict]]) -> Table:
             chosen[n] = chosen.get(n, 0) + frames
     if chosen:
         caption = "tree size chosen online, frames by N: " + ", ".join(
-            f"N = {n}: {frames}" for n, frames in sorted(chosen.items(), key=lambda item: int(item[0])))
+            f"N = {n}: {frames}" for n, frames in sorted(chosen.items(), key=lambda item: int(item[0]))
+        )
     else:
-        caption = ("speculative, tree N = " + "/".join(str(n) for n in sorted(nodes)) if spec == {True}
-                   else "plain inner loop (--no-spec)" if spec == {False} else "mixed")
+        caption = (
+            "speculative, tree N = " + "/".join(str(n) for n in sorted(nodes))
+            if spec == {True}
+            else "plain inner loop (--no-spec)"
+            if spec == {False}
+            else "mixed"
+        )
     engines = {json.dumps(r.get("engine"), sort_keys=True) for _, r in rows if r.get("engine")}
     if len(engines) == 1:
         caption += f"; {_engine_summary(json.loads(engines.pop()))}"
@@ -86,54 +115,81 @@ def _engine_summary(engine: dict) -> str:
 def workers_table(workers: list[dict], totals: dict) -> Table:
     """A cluster batch's workers (rvqtts.cluster): where each ran, what it made, how busy it was."""
     table = Table(title="workers (seconds)", title_justify="left", box=box.SIMPLE_HEAD)
-    columns = [("worker", "worker"), ("node", "node"), ("pid", "pid"), ("device", "device"), ("dtype", "dtype"),
-               ("threads", "threads"), ("lines", "lines"), ("failed", "failed"), ("audio", "audio_seconds"),
-               ("busy", "busy_seconds")]
+    columns = [
+        ("worker", "worker"),
+        ("node", "node"),
+        ("pid", "pid"),
+        ("device", "device"),
+        ("dtype", "dtype"),
+        ("threads", "threads"),
+        ("lines", "lines"),
+        ("failed", "failed"),
+        ("audio", "audio_seconds"),
+        ("busy", "busy_seconds"),
+    ]
     for title, _ in columns:
         table.add_column(title, justify="left" if title in ("worker", "node") else "right", no_wrap=True)
     table.add_column("lines/s busy", justify="right", no_wrap=True)
     for worker in workers:
         busy = worker["busy_seconds"]
         cells = [f"{worker[key]:.2f}" if key.endswith("seconds") else str(worker[key]) for _, key in columns]
-        table.add_row(*cells, f"{worker['lines'] / busy:.3f}" if busy else "-",
-                      style="dim" if worker["died"] else None)
-    table.caption = (f"{totals['lines']} lines in {totals['wall_seconds']:.1f} s wall (the first "
-                     f"{totals['startup_seconds']:.1f} s starting workers): "
-                     f"{totals['lines_per_second']:.3f} lines/s, {totals['audio_seconds_per_wall_second']:.2f} "
-                     f"audio s per wall s on {totals['workers']} worker(s)"
-                     + (f"; {totals['workers_died']} died, {totals['retried_lines']} line(s) retried"
-                        if totals["workers_died"] else ""))
+        table.add_row(*cells, f"{worker['lines'] / busy:.3f}" if busy else "-", style="dim" if worker["died"] else None)
+    table.caption = (
+        f"{totals['lines']} lines in {totals['wall_seconds']:.1f} s wall (the first "
+        f"{totals['startup_seconds']:.1f} s starting workers): "
+        f"{totals['lines_per_second']:.3f} lines/s, {totals['audio_seconds_per_wall_second']:.2f} "
+        f"audio s per wall s on {totals['workers']} worker(s)"
+        + (
+            f"; {totals['workers_died']} died, {totals['retried_lines']} line(s) retried"
+            if totals["workers_died"]
+            else ""
+        )
+    )
     return table
 
 
 def standin_tables(report: dict) -> list[Table]:
     """The stand-in's faithfulness per position, and each drafter's codes per call per tree size."""
-    per_position = Table(title="stand-in, per position k (held-out frames)", title_justify="left",
-                         box=box.SIMPLE_HEAD)
+    per_position = Table(title="stand-in, per position k (held-out frames)", title_justify="left", box=box.SIMPLE_HEAD)
     for title in ("k", "sampling entropy bits", "raw entropy bits", "cross-entropy bits", "chain gain bits"):
         per_position.add_column(title, justify="right")
     for k in range(len(report["entropy_bits"])):
         gain = report["chain_gain_bits"][k]
-        per_position.add_row(str(k + 1), f"{report['entropy_bits'][k]:.2f}", f"{report['raw_entropy_bits'][k]:.2f}",
-                             f"{report['cross_entropy_bits'][k]:.2f}", "-" if gain is None else f"{gain:+.2f}")
+        per_position.add_row(
+            str(k + 1),
+            f"{report['entropy_bits'][k]:.2f}",
+            f"{report['raw_entropy_bits'][k]:.2f}",
+            f"{report['cross_entropy_bits'][k]:.2f}",
+            "-" if gain is None else f"{gain:+.2f}",
+        )
     drafts = report["draft_top1_by_depth"]
-    per_position.caption = ("reused-heads draft top-1 by depth: " + ", ".join(f"{a:.3f}" for a in drafts)
-                            + f"; c1 top-1 {report['c1_top1_accuracy']:.3f} (chance {report['chance_top1_accuracy']:.4f})")
+    per_position.caption = (
+        "reused-heads draft top-1 by depth: "
+        + ", ".join(f"{a:.3f}" for a in drafts)
+        + f"; c1 top-1 {report['c1_top1_accuracy']:.3f} (chance {report['chance_top1_accuracy']:.4f})"
+    )
     tables = [per_position]
     for drafter in ("reused_heads", "offsets"):
         rows = report.get(f"{drafter}_codes_per_call")
         if not rows:
             continue
-        per_budget = Table(title=f"{drafter.replace('_', ' ')}: codes per predictor call (evaluation frames)",
-                           title_justify="left", box=box.SIMPLE_HEAD)
+        per_budget = Table(
+            title=f"{drafter.replace('_', ' ')}: codes per predictor call (evaluation frames)",
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+        )
         languages = sorted(next(iter(rows.values()))["per_language"])
         for title in ("N", "overall", "95% CI", *languages, "nodes per depth"):
             per_budget.add_column(title, justify="right")
         for budget, row in rows.items():
             depths = [sum(len(p) == d for p in row["tree"]) for d in range(1, 4)]
-            per_budget.add_row(budget, f"{row['codes_per_call']:.3f}", "{:.3f}-{:.3f}".format(*row["ci95"]),
-                               *(f"{row['per_language'][lang]['codes_per_call']:.3f}" for lang in languages),
-                               "/".join(map(str, depths)))
+            per_budget.add_row(
+                budget,
+                f"{row['codes_per_call']:.3f}",
+                "{:.3f}-{:.3f}".format(*row["ci95"]),
+                *(f"{row['per_language'][lang]['codes_per_call']:.3f}" for lang in languages),
+                "/".join(map(str, depths)),
+            )
         tables.append(per_budget)
     if report.get("drafters"):
         tables.append(drafters_table(report["drafters"]))
@@ -142,22 +198,30 @@ def standin_tables(report: dict) -> list[Table]:
 
 def drafters_table(drafters: dict) -> Table:
     """Drafters side by side: trained parameters, codes per call per N (replayed), draft top-1 by depth."""
-    table = Table(title="drafters, each with its own calibrated trees: codes per predictor call (evaluation frames)",
-                  title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(
+        title="drafters, each with its own calibrated trees: codes per predictor call (evaluation frames)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     budgets = list(next(iter(drafters.values()))["codes_per_call"])
     for title in ("drafter", "parameters", *(f"N={n}" for n in budgets), "top-1 by depth"):
         table.add_column(title, justify="left" if title == "drafter" else "right")
     for name, entry in drafters.items():
         top1 = "/".join("-" if a is None else f"{a:.3f}" for a in entry["top1_by_depth"][:3])
-        table.add_row(name, f"{entry['parameters']:,}",
-                      *(f"{entry['codes_per_call'][n]['codes_per_call']:.3f}" for n in budgets), top1)
+        table.add_row(
+            name,
+            f"{entry['parameters']:,}",
+            *(f"{entry['codes_per_call'][n]['codes_per_call']:.3f}" for n in budgets),
+            top1,
+        )
     return table
 
 
 def codes_per_call_table(result: dict) -> Table:
     """`rvqtts accept`'s figures: codes per predictor call, overall and per language, with 95 % intervals."""
-    table = Table(title=f"codes per predictor call, tree N = {result['tree_nodes']}", title_justify="left",
-                  box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"codes per predictor call, tree N = {result['tree_nodes']}", title_justify="left", box=box.SIMPLE_HEAD
+    )
     for title in ("frames", "language", "codes/call", "95% CI"):
         table.add_column(title, justify="right")
     rows = [("all", result)] + sorted(result["per_language"].items())
@@ -169,56 +233,114 @@ def codes_per_call_table(result: dict) -> Table:
 
 def predictor_table(result: dict) -> Table:
     """`rvqtts bench predictor`: one call's median and spread per query length, against q = 1 and stock."""
-    table = Table(title=f"one code-predictor call, {result['device']} {result['dtype']}, KV length "
-                        f"{result['kv_length']}, {result['threads']} threads", title_justify="left", box=box.SIMPLE_HEAD)
-    for title in ("q", "median ms", "p10-p90 ms", "x q=1", "x stock q=1", "weights MB", "read floor ms",
-                  "compute floor ms", "x larger floor"):
+    table = Table(
+        title=f"one code-predictor call, {result['device']} {result['dtype']}, KV length "
+        f"{result['kv_length']}, {result['threads']} threads",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for title in (
+        "q",
+        "median ms",
+        "p10-p90 ms",
+        "x q=1",
+        "x stock q=1",
+        "weights MB",
+        "read floor ms",
+        "compute floor ms",
+        "x larger floor",
+    ):
         table.add_column(title, justify="right")
     for i, q in enumerate(result["q"]):
-        table.add_row(str(q), f"{result['median_ms'][i]:.2f}", f"{result['p10_ms'][i]:.2f}-{result['p90_ms'][i]:.2f}",
-                      f"{result['ratio_to_q1'][i]:.3f}", f"{result['ratio_to_stock_q1'][i]:.3f}",
-                      f"{result['weights_mb'][i]:.1f}", f"{result['floor_ms'][i]:.2f}",
-                      f"{result['compute_floor_ms'][i]:.2f}", f"{result['ratio_to_larger_floor'][i]:.3f}")
-    table.add_row("stock 1", f"{result['stock_q1_ms']:.2f}",
-                  f"{result['stock_q1_p10_ms']:.2f}-{result['stock_q1_p90_ms']:.2f}", "", "1.000", "", "", "", "")
-    table.caption = (f"weights: {result['weights']}; {result['repeats']} interleaved repeats; read floor: one pass "
-                     f"reading the call's weights, timed in the same run; compute floor: q rows through every "
-                     f"weight at {result['peak_gmac_per_s']:.0f} G multiply-adds/s (a dense square product "
-                     f"timed in the same run); one frame's inner "
-                     f"loop: stock HF generate() {result['stock_frame_ms']:.1f} ms, rvqtts plain "
-                     f"{result['plain_frame_ms']:.1f} ms")
+        table.add_row(
+            str(q),
+            f"{result['median_ms'][i]:.2f}",
+            f"{result['p10_ms'][i]:.2f}-{result['p90_ms'][i]:.2f}",
+            f"{result['ratio_to_q1'][i]:.3f}",
+            f"{result['ratio_to_stock_q1'][i]:.3f}",
+            f"{result['weights_mb'][i]:.1f}",
+            f"{result['floor_ms'][i]:.2f}",
+            f"{result['compute_floor_ms'][i]:.2f}",
+            f"{result['ratio_to_larger_floor'][i]:.3f}",
+        )
+    table.add_row(
+        "stock 1",
+        f"{result['stock_q1_ms']:.2f}",
+        f"{result['stock_q1_p10_ms']:.2f}-{result['stock_q1_p90_ms']:.2f}",
+        "",
+        "1.000",
+        "",
+        "",
+        "",
+        "",
+    )
+    table.caption = (
+        f"weights: {result['weights']}; {result['repeats']} interleaved repeats; read floor: one pass "
+        f"reading the call's weights, timed in the same run; compute floor: q rows through every "
+        f"weight at {result['peak_gmac_per_s']:.0f} G multiply-adds/s (a dense square product "
+        f"timed in the same run); one frame's inner "
+        f"loop: stock HF generate() {result['stock_frame_ms']:.1f} ms, rvqtts plain "
+        f"{result['plain_frame_ms']:.1f} ms"
+    )
     return table
 
 
 def speedup_table(projection: dict) -> Table:
     """`rvqtts bench speedup`: codes per call, cost ratio and projected inner-loop speedup per N."""
     best = f"best N = {projection['best_N']}" if projection["best_N"] else "no N beats the plain loop"
-    table = Table(title=f"projected inner-loop speedup, {projection['device']} {projection['dtype']}: {best}",
-                  title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"projected inner-loop speedup, {projection['device']} {projection['dtype']}: {best}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     for title in ("N", "codes/call", "cost q=N+1 / q=1", "speedup", "vs stock"):
         table.add_column(title, justify="right")
     for row in projection["rows"]:
-        table.add_row(str(row["N"]), f"{row['codes_per_call']:.3f}", f"{row['cost_ratio']:.3f}",
-                      f"{row['speedup']:.3f}", f"{row['speedup_vs_stock']:.3f}")
+        table.add_row(
+            str(row["N"]),
+            f"{row['codes_per_call']:.3f}",
+            f"{row['cost_ratio']:.3f}",
+            f"{row['speedup']:.3f}",
+            f"{row['speedup_vs_stock']:.3f}",
+        )
     skipped = projection["not_measured"]
     table.caption = f"acceptance: {projection['acceptance_source']}" + (
-        f"; N = {', '.join(map(str, skipped))} not projected (q = N + 1 outside the bench's range)" if skipped else "")
+        f"; N = {', '.join(map(str, skipped))} not projected (q = N + 1 outside the bench's range)" if skipped else ""
+    )
     return table
 
 
 def e2e_table(result: dict) -> Table:
     """`rvqtts bench e2e`: per-frame times of stock qwen-tts, the plain loop, the default and fixed trees."""
-    table = Table(title=f"end to end, {result['texts']} texts, seed {result['seed']}, fastest fixed tree: "
-                        f"{result['best_fixed']}, auto: {_online_summary(result['auto'])}",
-                  title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"end to end, {result['texts']} texts, seed {result['seed']}, fastest fixed tree: "
+        f"{result['best_fixed']}, auto: {_online_summary(result['auto'])}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     for title in ("variant", "frames", "wall ms/frame", "talker", "floor", "inner loop", "floor", "decoder", "RTF"):
         table.add_column(title, justify="left" if title == "variant" else "right")
     for name, total in result["totals"].items():
-        table.add_row(name, str(total["frames"]), *("-" if total[key] is None else f"{total[key]:.1f}" for key in (
-            "wall_ms_per_frame", "talker_ms_per_frame", "talker_floor_ms_per_frame", "predictor_ms_per_frame",
-            "predictor_floor_ms_per_frame", "decoder_ms_per_frame")), f"{total['rtf'] or 0:.3f}")
-    table.caption = ("; ".join(f"{name}: {ratio}x" for name, ratio in result["ratios"].items())
-                     + "; floor: read passes over the weights of the calls made, timed in the same run")
+        table.add_row(
+            name,
+            str(total["frames"]),
+            *(
+                "-" if total[key] is None else f"{total[key]:.1f}"
+                for key in (
+                    "wall_ms_per_frame",
+                    "talker_ms_per_frame",
+                    "talker_floor_ms_per_frame",
+                    "predictor_ms_per_frame",
+                    "predictor_floor_ms_per_frame",
+                    "decoder_ms_per_frame",
+                )
+            ),
+            f"{total['rtf'] or 0:.3f}",
+        )
+    table.caption = (
+        "; ".join(f"{name}: {ratio}x" for name, ratio in result["ratios"].items())
+        + "; floor: read passes over the weights of the calls made, timed in the same run"
+    )
     return table
 
 
@@ -232,25 +354,36 @@ def _online_summary(auto: dict) -> str:
 def dtype_table(result: dict) -> Table:
     """`rvqtts bench dtype`: a reduced dtype's codes and speed against float32 (or 8-bit weights' against
     the dtype's own)."""
-    candidate = result["dtype"] + (f" with {result['weights']} weights" if result.get("weights", "native") != "native"
-                                   else "")
-    table = Table(title=f"code predictor, {candidate} vs {result['reference_dtype']}, {result['frames']} frames",
-                  title_justify="left", box=box.SIMPLE_HEAD)
+    candidate = result["dtype"] + (
+        f" with {result['weights']} weights" if result.get("weights", "native") != "native" else ""
+    )
+    table = Table(
+        title=f"code predictor, {candidate} vs {result['reference_dtype']}, {result['frames']} frames",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("codes agreeing, teacher forced", f"{100 * result['teacher_forced_code_agreement']:.2f} %")
     table.add_row("frames identical, free running", f"{100 * result['free_running_frames_identical']:.1f} %")
-    table.add_row("codes before the first difference", f"{result['codes_before_first_difference']:.2f} of {result['codes_per_frame']}")
+    table.add_row(
+        "codes before the first difference",
+        f"{result['codes_before_first_difference']:.2f} of {result['codes_per_frame']}",
+    )
     for name, value in result["ms_per_frame"].items():
-        table.add_row(f"plain loop ms/frame, {candidate if name == 'candidate' else result['reference_dtype']}",
-                      f"{value:.1f}")
+        table.add_row(
+            f"plain loop ms/frame, {candidate if name == 'candidate' else result['reference_dtype']}", f"{value:.1f}"
+        )
     return table
 
 
 def decoder_table(result: dict) -> Table:
     """`rvqtts bench decoder`: the speech decoder's cost per frame by utterance length."""
-    table = Table(title=f"speech decoder, {result['device']} {result['dtype']}, median of {result['repeats']}",
-                  title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"speech decoder, {result['device']} {result['dtype']}, median of {result['repeats']}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     for title in ("frames", "ms", "ms/frame"):
         table.add_column(title, justify="right")
     for row in result["rows"]:
@@ -260,38 +393,68 @@ def decoder_table(result: dict) -> Table:
 
 def talker_table(result: dict) -> Table:
     """`rvqtts bench talker`: one talker step, rvqtts's against qwen-tts's, by context length."""
-    table = Table(title=f"talker step, {result['device']} {result['dtype']}, median of {result['repeats']}",
-                  title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"talker step, {result['device']} {result['dtype']}, median of {result['repeats']}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     for title in ("context", "stock ms", "rvqtts ms", "rvqtts / stock", "floor ms", "rvqtts / floor"):
         table.add_column(title, justify="right")
     for row in result["rows"]:
-        table.add_row(str(row["context"]), f"{row['stock_ms']:.2f}", f"{row['rvqtts_ms']:.2f}", f"{row['ratio']:.3f}",
-                      f"{row['floor_ms']:.2f}", f"{row['ratio_to_floor']:.3f}")
-    table.caption = (f"floor: one pass reading the step's {result['weights_mb']:.0f} MB of weights, timed in the "
-                     f"same run; its one row's multiply-adds at this device's peak (a timed dense product): "
-                     f"{result['compute_floor_ms']:.2f} ms")
+        table.add_row(
+            str(row["context"]),
+            f"{row['stock_ms']:.2f}",
+            f"{row['rvqtts_ms']:.2f}",
+            f"{row['ratio']:.3f}",
+            f"{row['floor_ms']:.2f}",
+            f"{row['ratio_to_floor']:.3f}",
+        )
+    table.caption = (
+        f"floor: one pass reading the step's {result['weights_mb']:.0f} MB of weights, timed in the "
+        f"same run; its one row's multiply-adds at this device's peak (a timed dense product): "
+        f"{result['compute_floor_ms']:.2f} ms"
+    )
     return table
 
 
 def batch_table(result: dict) -> Table:
     """`rvqtts bench batch`: throughput and first files by batch size, rvqtts against stock qwen-tts."""
     engine = result["engine"]
-    table = Table(title=f"batches of {result['lines']} lines, {engine['device']} {engine['dtype']} {engine['weights']}"
-                        f", at most {result['max_frames']} frames each, median of {result['repeats']}",
-                  title_justify="left", box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"batches of {result['lines']} lines, {engine['device']} {engine['dtype']} {engine['weights']}"
+        f", at most {result['max_frames']} frames each, median of {result['repeats']}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
     stock = "stock" in result["rows"][0]
-    for title in ("B", "rvqtts s", "audio s / s", "vs B = 1", "first file s", "vs B = 1",
-                  *(("stock s", "audio s / s", "rvqtts / stock", "first file s") if stock else ())):
+    for title in (
+        "B",
+        "rvqtts s",
+        "audio s / s",
+        "vs B = 1",
+        "first file s",
+        "vs B = 1",
+        *(("stock s", "audio s / s", "rvqtts / stock", "first file s") if stock else ()),
+    ):
         table.add_column(title, justify="right")
     for row in result["rows"]:
         ours = row["rvqtts"]
-        cells = [str(row["batch_size"]), f"{ours['wall_seconds']:.2f}", f"{ours['throughput']:.3f}",
-                 f"{ours.get('throughput_vs_b1', float('nan')):.2f}", f"{ours['first_file_seconds']:.2f}",
-                 f"{ours.get('first_file_vs_b1', float('nan')):.2f}"]
+        cells = [
+            str(row["batch_size"]),
+            f"{ours['wall_seconds']:.2f}",
+            f"{ours['throughput']:.3f}",
+            f"{ours.get('throughput_vs_b1', float('nan')):.2f}",
+            f"{ours['first_file_seconds']:.2f}",
+            f"{ours.get('first_file_vs_b1', float('nan')):.2f}",
+        ]
         if stock:
             theirs = row["stock"]
-            cells += [f"{theirs['wall_seconds']:.2f}", f"{theirs['throughput']:.3f}",
-                      f"{ours['throughput_vs_stock']:.2f}", f"{theirs['first_file_seconds']:.2f}"]
+            cells += [
+                f"{theirs['wall_seconds']:.2f}",
+                f"{theirs['throughput']:.3f}",
+                f"{ours['throughput_vs_stock']:.2f}",
+                f"{theirs['first_file_seconds']:.2f}",
+            ]
         table.add_row(*cells)
     table.caption = "B = 1: each line alone (rvqtts synth's one-line path); stock: qwen-tts's list-of-texts call"
     return table
@@ -311,21 +474,43 @@ def coreml_table(result: dict) -> Table:
 def tune_table(result: dict) -> Table:
     """`rvqtts tune`: each map shape's kernel, its rows' invariance and costs, against the fixed rule's."""
     table = Table(title=f"kernels on {result['machine']}", title_justify="left", box=box.SIMPLE_HEAD)
-    for title in ("dtype", "loop", "map", "per frame", "kernel", "rows invariant", "1 row ms", "17 rows ms",
-                  "fixed rule", "its 1 row ms"):
+    for title in (
+        "dtype",
+        "loop",
+        "map",
+        "per frame",
+        "kernel",
+        "rows invariant",
+        "1 row ms",
+        "17 rows ms",
+        "fixed rule",
+        "its 1 row ms",
+    ):
         left = title in ("dtype", "loop", "map", "kernel", "fixed rule")
         table.add_column(title, justify="left" if left else "right", no_wrap=left)
     for name, measured in result["dtypes"].items():
         for row in measured["maps"]:
             costs = row["ms"][row["kernel"]]
             fixed = next((ms for name, ms in row["ms"].items() if name.split("/pad")[0] == row["fixed"]), {})
-            table.add_row(name, row["loop"], "x".join(map(str, row["shape"])), str(row["per_frame"]), row["kernel"],
-                          {True: "yes", False: "NO", None: "-"}[row["row_invariant"]], f"{costs['1']:.3f}",
-                          f"{costs['17']:.3f}", row["fixed"], f"{fixed['1']:.3f}" if fixed else "-")
+            table.add_row(
+                name,
+                row["loop"],
+                "x".join(map(str, row["shape"])),
+                str(row["per_frame"]),
+                row["kernel"],
+                {True: "yes", False: "NO", None: "-"}[row["row_invariant"]],
+                f"{costs['1']:.3f}",
+                f"{costs['17']:.3f}",
+                row["fixed"],
+                f"{fixed['1']:.3f}" if fixed else "-",
+            )
     costs = ", ".join(f"{measured['frame_map_ms']:.1f} ms in {name}" for name, measured in result["dtypes"].items())
     picked = f"; --dtype auto picks {result['auto']}" if "auto" in result else ""
-    native = ("rvqtts's native kernels run here" if result.get("native") is None
-              else f"rvqtts's native kernels do not run here ({result['native']})")
+    native = (
+        "rvqtts's native kernels run here"
+        if result.get("native") is None
+        else f"rvqtts's native kernels do not run here ({result['native']})"
+    )
     table.caption = f"one frame's linear maps: {costs}{picked}; kept in {result['cache']}; {native}"
     return table if "trees" not in result else Group(table, trees_table(result["trees"]))
 
@@ -336,11 +521,19 @@ def trees_table(online: dict) -> Table:
     for title in ("N", "codes/call", "call ms", "projected ms/frame", "frames run", "ms/frame run"):
         table.add_column(title, justify="right")
     for n, row in online["projected"].items():
-        table.add_row(n, f"{row['codes_per_call']:.3f}", f"{row['call_ms']:.2f}", f"{row['inner_loop_ms_per_frame']:.1f}",
-                      str(online["frames_by_N"].get(n, 0)),
-                      f"{online['inner_loop_ms_per_frame_by_N'][n]:.1f}" if n in online["frames_by_N"] else "-")
-    acceptance = "; ".join(f"depth {d}: " + " ".join(f"{a:.3f}" for a in row[:4])
-                           for d, row in enumerate(online["acceptance"], 1))
-    table.caption = (f"acceptance counted over {online['roots_counted']} roots (ranks 0-3), {acceptance}; "
-                     f"{online['probe_frames']} probe frames; call costs: {online['call_costs']}")
+        table.add_row(
+            n,
+            f"{row['codes_per_call']:.3f}",
+            f"{row['call_ms']:.2f}",
+            f"{row['inner_loop_ms_per_frame']:.1f}",
+            str(online["frames_by_N"].get(n, 0)),
+            f"{online['inner_loop_ms_per_frame_by_N'][n]:.1f}" if n in online["frames_by_N"] else "-",
+        )
+    acceptance = "; ".join(
+        f"depth {d}: " + " ".join(f"{a:.3f}" for a in row[:4]) for d, row in enumerate(online["acceptance"], 1)
+    )
+    table.caption = (
+        f"acceptance counted over {online['roots_counted']} roots (ranks 0-3), {acceptance}; "
+        f"{online['probe_frames']} probe frames; call costs: {online['call_costs']}"
+    )
     return table

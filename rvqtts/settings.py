@@ -11,9 +11,17 @@ from rvqtts.cloning import ClonedVoice
 from rvqtts.engine.decode import DecodeStats
 from rvqtts.engine.sampling import SamplingConfig
 
-QWEN_TTS_DEFAULTS = dict(do_sample=True, top_k=50, top_p=1.0, temperature=0.9, repetition_penalty=1.05,
-                         subtalker_dosample=True, subtalker_top_k=50, subtalker_top_p=1.0,
-                         subtalker_temperature=0.9)  # qwen-tts's own, for keys a checkpoint does not set
+QWEN_TTS_DEFAULTS = dict(
+    do_sample=True,
+    top_k=50,
+    top_p=1.0,
+    temperature=0.9,
+    repetition_penalty=1.05,
+    subtalker_dosample=True,
+    subtalker_top_k=50,
+    subtalker_top_p=1.0,
+    subtalker_temperature=0.9,
+)  # qwen-tts's own, for keys a checkpoint does not set
 
 
 @dataclass(frozen=True)
@@ -34,10 +42,15 @@ class GenerationSettings:
 
     def __post_init__(self) -> None:
         # The same checks as the sampler's, with their messages, on whatever was given.
-        for temperature, top_k, top_p in ((self.temperature, self.top_k, self.top_p),
-                                          (self.predictor_temperature, self.predictor_top_k, self.predictor_top_p)):
-            SamplingConfig(0.9 if temperature is None else temperature, 50 if top_k is None else top_k,
-                           1.0 if top_p is None else top_p)
+        for temperature, top_k, top_p in (
+            (self.temperature, self.top_k, self.top_p),
+            (self.predictor_temperature, self.predictor_top_k, self.predictor_top_p),
+        ):
+            SamplingConfig(
+                0.9 if temperature is None else temperature,
+                50 if top_k is None else top_k,
+                1.0 if top_p is None else top_p,
+            )
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise ValueError(f"repetition penalty must be positive, got {self.repetition_penalty}")
         if self.max_frames is not None and self.max_frames < 1:
@@ -52,12 +65,18 @@ class GenerationSettings:
             stored = defaults.get(key)
             return next((v for v in given if v is not None), QWEN_TTS_DEFAULTS[key] if stored is None else stored)
 
-        talker = SamplingConfig(pick("temperature", self.temperature), pick("top_k", self.top_k) or 0,
-                                pick("top_p", self.top_p), bool(pick("do_sample")))
-        predictor = SamplingConfig(pick("subtalker_temperature", self.predictor_temperature, self.temperature),
-                                   pick("subtalker_top_k", self.predictor_top_k, self.top_k) or 0,
-                                   pick("subtalker_top_p", self.predictor_top_p, self.top_p),
-                                   bool(pick("subtalker_dosample")))
+        talker = SamplingConfig(
+            pick("temperature", self.temperature),
+            pick("top_k", self.top_k) or 0,
+            pick("top_p", self.top_p),
+            bool(pick("do_sample")),
+        )
+        predictor = SamplingConfig(
+            pick("subtalker_temperature", self.predictor_temperature, self.temperature),
+            pick("subtalker_top_k", self.predictor_top_k, self.top_k) or 0,
+            pick("subtalker_top_p", self.predictor_top_p, self.top_p),
+            bool(pick("subtalker_dosample")),
+        )
         return ResolvedSampling(talker, predictor, float(pick("repetition_penalty", self.repetition_penalty)))
 
 
@@ -71,20 +90,31 @@ class ResolvedSampling:
 
     def generate_kwargs(self, max_frames: int) -> dict:
         """qwen-tts keywords, for its stock loops. N generated talker tokens make N - 1 frames, hence the + 1."""
-        return dict(do_sample=self.talker.do_sample, temperature=self.talker.temperature,
-                    top_k=self.talker.top_k, top_p=self.talker.top_p, repetition_penalty=self.repetition_penalty,
-                    subtalker_dosample=self.predictor.do_sample, subtalker_temperature=self.predictor.temperature,
-                    subtalker_top_k=self.predictor.top_k, subtalker_top_p=self.predictor.top_p,
-                    max_new_tokens=max_frames + 1)
+        return dict(
+            do_sample=self.talker.do_sample,
+            temperature=self.talker.temperature,
+            top_k=self.talker.top_k,
+            top_p=self.talker.top_p,
+            repetition_penalty=self.repetition_penalty,
+            subtalker_dosample=self.predictor.do_sample,
+            subtalker_temperature=self.predictor.temperature,
+            subtalker_top_k=self.predictor.top_k,
+            subtalker_top_p=self.predictor.top_p,
+            max_new_tokens=max_frames + 1,
+        )
 
     def record(self) -> dict:
         """What `--stats-json` shows under "sampling"."""
-        def loop(config: SamplingConfig) -> dict:
-            return dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                        do_sample=config.do_sample)
 
-        return {"talker": {**loop(self.talker), "repetition_penalty": self.repetition_penalty},
-                "predictor": loop(self.predictor)}
+        def loop(config: SamplingConfig) -> dict:
+            return dict(
+                temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, do_sample=config.do_sample
+            )
+
+        return {
+            "talker": {**loop(self.talker), "repetition_penalty": self.repetition_penalty},
+            "predictor": loop(self.predictor),
+        }
 
 
 @dataclass
@@ -115,19 +145,31 @@ class Synthesis:
         audio_seconds = self.audio.size / self.sample_rate
         wall = self.seconds["wall"]
         return {
-            "frames": int(self.codes.shape[0]), "audio_seconds": round(audio_seconds, 3), "chunks": self.chunks,
-            "talker_calls": self.talker_calls, "predictor_calls": self.stats.calls,
-            "predictor_codes": self.stats.codes, "codes_per_call": round(self.stats.codes_per_call, 4),
-            "accepted_per_depth": list(self.stats.accepted_per_depth), "wall_seconds": round(wall, 3),
+            "frames": int(self.codes.shape[0]),
+            "audio_seconds": round(audio_seconds, 3),
+            "chunks": self.chunks,
+            "talker_calls": self.talker_calls,
+            "predictor_calls": self.stats.calls,
+            "predictor_codes": self.stats.codes,
+            "codes_per_call": round(self.stats.codes_per_call, 4),
+            "accepted_per_depth": list(self.stats.accepted_per_depth),
+            "wall_seconds": round(wall, 3),
             "talker_seconds": round(self.seconds["talker"], 3),
             "predictor_seconds": round(self.seconds["predictor"], 3),
             "decoder_seconds": round(self.seconds["decoder"], 3),
             "prefill_seconds": round(self.seconds["prefill"], 3),
             "first_audio_seconds": round(self.seconds["first_audio"], 3),
-            "first_audio_split": self.seconds["first_audio_split"], "stream_frames": self.stream_frames,
+            "first_audio_split": self.seconds["first_audio_split"],
+            "stream_frames": self.stream_frames,
             "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
-            "spec": self.spec, "tree_nodes": self.tree_nodes, "weights": self.weights, "seed": self.seed,
-            "sampling": self.sampling, "engine": self.engine, "online": self.online, "batch_rows": self.batch_rows,
+            "spec": self.spec,
+            "tree_nodes": self.tree_nodes,
+            "weights": self.weights,
+            "seed": self.seed,
+            "sampling": self.sampling,
+            "engine": self.engine,
+            "online": self.online,
+            "batch_rows": self.batch_rows,
             "batch_row_mib": None if self.batch_row_bytes is None else round(self.batch_row_bytes / 2**20, 2),
             "warnings": list(self.warnings),
         }

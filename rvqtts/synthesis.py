@@ -2,10 +2,10 @@
 
 qwen-tts owns loading, prompts, speakers and the speech decoder's weights. rvqtts runs the talker
 (rvqtts.engine.talker), the inner loop (rvqtts.engine.inner_loop) and the frame loop joining them
-(rvqtts.engine.frame_loop), with every code drawn from keyed noise: the same seed gives the same codes, with or without speculation.
-Audio comes offline (qwen-tts's decoder over each text chunk) or streamed (rvqtts.engine.streaming, a few
-frames at a time). Long text is spoken chunk by chunk (rvqtts.text) and joined with a short crossfade
-(rvqtts.audio).
+(rvqtts.engine.frame_loop), with every code drawn from keyed noise: the same seed gives the same codes, with or
+without speculation. Audio comes offline (qwen-tts's decoder over each text chunk) or streamed
+(rvqtts.engine.streaming, a few frames at a time). Long text is spoken chunk by chunk (rvqtts.text) and joined with a
+short crossfade (rvqtts.audio).
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_b
 
 STREAM_FRAMES = 4  # frames per streamed audio chunk: 320 ms, the Qwen3-TTS report's packet
 PROMPT_TOKENS = 64  # a prompt's tokens besides its text's (roles, codec tags, speaker), generously
-INSTRUCT_IGNORED = ("warning: this model does not support --instruct (the 0.6B CustomVoice and the Base models "
-                    "take none); ignoring it")
+INSTRUCT_IGNORED = (
+    "warning: this model does not support --instruct (the 0.6B CustomVoice and the Base models take none); ignoring it"
+)
 
 
 class AudioStream:
@@ -71,8 +72,8 @@ class AudioStream:
 
 class Synthesizer:
     """A loaded Qwen3-TTS 12 Hz model (CustomVoice, Base or VoiceDesign) and the loops rvqtts runs on its
-    weights: the talker (rvqtts.engine.talker), the inner loop (rvqtts.engine.inner_loop) and the frame loop
-    joining them (rvqtts.engine.frame_loop); qwen-tts builds the prompts (and encodes cloned voices) and decodes offline.
+    weights: the talker (rvqtts.engine.talker), the inner loop (rvqtts.engine.inner_loop) and the frame loop joining
+    them (rvqtts.engine.frame_loop); qwen-tts builds the prompts (and encodes cloned voices) and decodes offline.
 
     `speculation=None` runs the plain inner loop (one predictor call per code). The runners are kept
     between utterances (a KV cache only grows; fused weights and captured graphs are reused).
@@ -92,9 +93,11 @@ class Synthesizer:
         self._talker: TalkerRunner | None = None
         self._batch_runner: PredictorRunner | None = None
         # Only CustomVoice models have built-in speakers (the others' voices are cloned or described).
-        self.voices = ModelVoices(self.kind,
-                                  sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else [],
-                                  sorted(tts.get_supported_languages() or []))
+        self.voices = ModelVoices(
+            self.kind,
+            sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else [],
+            sorted(tts.get_supported_languages() or []),
+        )
         self._cloned: dict[VoiceSource, ClonedVoice] = {}  # each source encoded (or read) once
         self._primed = PrimedVoices()  # the streaming decoder after each ICL voice's reference
         # Base models: which speaker encoder made a cloned voice (its embedding means nothing to another).
@@ -104,8 +107,14 @@ class Synthesizer:
         self.default_max_frames = int(tts.generate_defaults.get("max_new_tokens", 2048)) - 1
 
     @classmethod
-    def load(cls, model: str | os.PathLike, device: str = "cpu", dtype: str = "float32",
-             speculation: Speculation | None = None, weights: str = "native") -> "Synthesizer":
+    def load(
+        cls,
+        model: str | os.PathLike,
+        device: str = "cpu",
+        dtype: str = "float32",
+        speculation: Speculation | None = None,
+        weights: str = "native",
+    ) -> "Synthesizer":
         """Load a checkpoint (hub id or local folder) the ordinary qwen-tts way."""
         check_weights(weights, torch.device(device))
         return cls(load_tts(model, device, dtype), speculation, weights)
@@ -131,8 +140,7 @@ class Synthesizer:
     def supports_instruct(self) -> bool:
         """VoiceDesign speaks what its instruction describes; qwen-tts drops instructions for the 0.6B
         CustomVoice model, and its voice-clone call takes none."""
-        return self.kind == "voice_design" or (self.kind == "custom_voice"
-                                               and self.model.tts_model_size not in "0b6")
+        return self.kind == "voice_design" or (self.kind == "custom_voice" and self.model.tts_model_size not in "0b6")
 
     def frame_budget(self, text: str, settings: GenerationSettings) -> int:
         """Most frames one piece of text may take: the settings' limit when given (it may exceed the text's
@@ -146,20 +154,24 @@ class Synthesizer:
         """Both loops' sampling: the settings over the checkpoint's generation_config.json."""
         return settings.resolve(self.tts.generate_defaults)
 
-    def check_voice(self, speaker: str | None, language: str, instruct: str | None = None,
-                    clone: ClonedVoice | None = None) -> str | None:
+    def check_voice(
+        self, speaker: str | None, language: str, instruct: str | None = None, clone: ClonedVoice | None = None
+    ) -> str | None:
         """The speaker to use (None: the default one, on a model with speakers); ValueError saying what to
         give when the voice is not one this model speaks (rvqtts.loading.ModelVoices.check), or the cloned
         voice was encoded by another model's speaker encoder."""
         speaker = self.voices.check(speaker, language, instruct, cloned=clone is not None)
         if clone is not None and clone.encoder_fingerprint != self.encoder_fingerprint:
-            raise VoiceError(f"the voice {clone.source or ''} was encoded by another model's speaker encoder "
-                             f"(fingerprint {clone.encoder_fingerprint}; this model's is {self.encoder_fingerprint}):"
-                             " encode the reference again with this model")
+            raise VoiceError(
+                f"the voice {clone.source or ''} was encoded by another model's speaker encoder "
+                f"(fingerprint {clone.encoder_fingerprint}; this model's is {self.encoder_fingerprint}):"
+                " encode the reference again with this model"
+            )
         return speaker
 
-    def clone_voice(self, ref_audio: str | os.PathLike, ref_text: str | None = None,
-                    x_vector_only: bool = False) -> ClonedVoice:
+    def clone_voice(
+        self, ref_audio: str | os.PathLike, ref_text: str | None = None, x_vector_only: bool = False
+    ) -> ClonedVoice:
         """A voice cloned from reference audio with qwen-tts's `create_voice_clone_prompt` (ICL mode with
         its transcript, or from the audio alone); VoiceError for unusable audio or arguments, ValueError
         on a model that is not a Base model."""
@@ -172,39 +184,60 @@ class Synthesizer:
             if self.kind != "base":
                 self.voices.check(None, "auto", cloned=True)  # refuses: only Base models clone voices
             if source.voice is not None:
-                self._cloned[source] = load_voice(source.voice, self.talker.config.hidden_size,
-                                                  self.encoder_fingerprint, self.talker.config.num_code_groups,
-                                                  self.code_predictor.config.vocab_size)
+                self._cloned[source] = load_voice(
+                    source.voice,
+                    self.talker.config.hidden_size,
+                    self.encoder_fingerprint,
+                    self.talker.config.num_code_groups,
+                    self.code_predictor.config.vocab_size,
+                )
             else:
                 self._cloned[source] = encode_voice(self.tts, source)
         return self._cloned[source]
 
-    def prompt(self, text: str, speaker: str | None, language: str = "auto", instruct: str | None = None,
-               clone: ClonedVoice | None = None) -> Prompt:
+    def prompt(
+        self,
+        text: str,
+        speaker: str | None,
+        language: str = "auto",
+        instruct: str | None = None,
+        clone: ClonedVoice | None = None,
+    ) -> Prompt:
         """The talker's prompt for one piece of text, as qwen-tts's own call for the model's kind builds
         it (`generate_custom_voice`, `generate_voice_design` or `generate_voice_clone`)."""
-        return capture_prompt(self.talker, lambda: self._generate(text, speaker, language, instruct, clone,
-                                                                  max_new_tokens=2))
+        return capture_prompt(
+            self.talker, lambda: self._generate(text, speaker, language, instruct, clone, max_new_tokens=2)
+        )
 
-    def _generate(self, text: str, speaker: str | None, language: str, instruct: str | None,
-                  clone: ClonedVoice | None, **options):
+    def _generate(
+        self, text: str, speaker: str | None, language: str, instruct: str | None, clone: ClonedVoice | None, **options
+    ):
         """qwen-tts's own generation call for this model's kind (the voice checked by the caller)."""
         if self.kind == "voice_design":
             return self.tts.generate_voice_design(text=text, instruct=instruct, language=language, **options)
         if self.kind == "base":
-            return self.tts.generate_voice_clone(text=text, language=language,
-                                                 voice_clone_prompt=[clone.prompt_item(self.talker.device)],
-                                                 **options)
-        return self.tts.generate_custom_voice(text=text, speaker=speaker, language=language,
-                                              instruct=instruct if self.supports_instruct else None, **options)
+            return self.tts.generate_voice_clone(
+                text=text, language=language, voice_clone_prompt=[clone.prompt_item(self.talker.device)], **options
+            )
+        return self.tts.generate_custom_voice(
+            text=text,
+            speaker=speaker,
+            language=language,
+            instruct=instruct if self.supports_instruct else None,
+            **options,
+        )
 
     def talker_runner(self) -> TalkerRunner:
         """The talker runner, made on first use (CUDA graphs per `cuda_graphs`)."""
-        if (self._talker is None or (self._talker.calls.mode == "cuda") != self._cuda_graphs_on()
-                or self._talker.weights != self.weights):
+        if (
+            self._talker is None
+            or (self._talker.calls.mode == "cuda") != self._cuda_graphs_on()
+            or self._talker.weights != self.weights
+        ):
             device = self.talker.codec_head.weight.device
-            self._talker = TalkerRunner(self.talker, calls=StaticCalls.for_device(device, self.cuda_graphs),
-                                        weights=self.weights)
+            self._talker = TalkerRunner(
+                self.talker, calls=StaticCalls.for_device(device, self.cuda_graphs), weights=self.weights
+            )
         return self._talker
 
     def engine_record(self) -> dict:
@@ -215,14 +248,22 @@ class Synthesizer:
         kernels = {}
         if self._talker is not None:
             kernels["talker"] = kernels_used(self._talker.layer_maps() + [self._talker.head]) | {
-                "native": self._talker.native_mode}
+                "native": self._talker.native_mode
+            }
         if self._parts is not None and self._parts.runner is not None:
             runner = self._parts.runner
             kernels["predictor"] = kernels_used(runner.linear_maps()) | {
-                "attention": "rows" if runner.row_attention else "gathered", "native": runner.native_mode}
-        return {"device": str(weight.device), "dtype": str(weight.dtype).removeprefix("torch."),
-                "weights": self.weights, "torch": torch.__version__,
-                "cpu": cpu_model() if weight.device.type == "cpu" else None, "kernels": kernels}
+                "attention": "rows" if runner.row_attention else "gathered",
+                "native": runner.native_mode,
+            }
+        return {
+            "device": str(weight.device),
+            "dtype": str(weight.dtype).removeprefix("torch."),
+            "weights": self.weights,
+            "torch": torch.__version__,
+            "cpu": cpu_model() if weight.device.type == "cpu" else None,
+            "kernels": kernels,
+        }
 
     def _cuda_graphs_on(self) -> bool:
         return self.cuda_graphs and self.talker.codec_head.weight.device.type == "cuda"
@@ -233,14 +274,19 @@ class Synthesizer:
         if self.fused is not None:
             if parts is None or parts.fused is not self.fused or parts.speculation is not self.speculation:
                 parts = self._parts = LoopParts.package(self.fused, self.speculation)
-        elif (parts is None or parts.fused is not None or parts.speculation is not self.speculation
-              or parts.cuda_graphs != self.cuda_graphs or parts.weights != self.weights):
-            parts = self._parts = LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs,
-                                                  self.weights)
+        elif (
+            parts is None
+            or parts.fused is not None
+            or parts.speculation is not self.speculation
+            or parts.cuda_graphs != self.cuda_graphs
+            or parts.weights != self.weights
+        ):
+            parts = self._parts = LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs, self.weights)
         return parts
 
-    def frame_loop(self, sampling: ResolvedSampling, seed: int, utterance: int,
-                   inner: InnerLoop | None = None) -> FrameLoop:
+    def frame_loop(
+        self, sampling: ResolvedSampling, seed: int, utterance: int, inner: InnerLoop | None = None
+    ) -> FrameLoop:
         """A frame loop for one utterance over the kept runners (`inner`: another inner loop, e.g. forced)."""
         runner = self.talker_runner()
         config = self.talker.config
@@ -261,32 +307,63 @@ class Synthesizer:
             decoder = StreamingDecoder(self.model.speech_tokenizer)
             self._primed.start(decoder, clone)
             # in pieces of at most 300 frames, as qwen-tts's decode goes: exact, and memory stays bounded
-            return np.concatenate([decoder.push(codes[start:start + 300]) for start in range(0, len(codes), 300)])
+            return np.concatenate([decoder.push(codes[start : start + 300]) for start in range(0, len(codes), 300)])
         device = self.talker.codec_head.weight.device
         wavs, _ = self.model.speech_tokenizer.decode([{"audio_codes": torch.from_numpy(codes).to(device)}])
         return wavs[0]
 
-    def stream(self, text: str, speaker: str | None = None, language: str = "auto", seed: int = 0,
-               utterance: int = 0,
-               instruct: str | None = None, settings: GenerationSettings = GenerationSettings(),
-               chunk_chars: float | None = MAX_CHUNK_WEIGHT, frames_per_chunk: int = STREAM_FRAMES,
-               on_chunk: Callable[[int, int], None] | None = None,
-               on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
-               clone: ClonedVoice | None = None) -> AudioStream:
+    def stream(
+        self,
+        text: str,
+        speaker: str | None = None,
+        language: str = "auto",
+        seed: int = 0,
+        utterance: int = 0,
+        instruct: str | None = None,
+        settings: GenerationSettings = GenerationSettings(),
+        chunk_chars: float | None = MAX_CHUNK_WEIGHT,
+        frames_per_chunk: int = STREAM_FRAMES,
+        on_chunk: Callable[[int, int], None] | None = None,
+        on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
+        clone: ClonedVoice | None = None,
+    ) -> AudioStream:
         """Synthesize one utterance as a stream of audio chunks: every `frames_per_chunk` frames, their
         samples, decoded incrementally (rvqtts.engine.streaming). Arguments as for `synthesize`, which makes the
         same codes and, up to float rounding, the same waveform."""
         if frames_per_chunk < 1:
             raise ValueError(f"frames per stream chunk must be at least 1, got {frames_per_chunk}")
-        return AudioStream(self._speak(text, speaker, language, seed, utterance, instruct, clone, settings,
-                                       chunk_chars, frames_per_chunk, on_chunk, on_frame), self.sample_rate)
+        return AudioStream(
+            self._speak(
+                text,
+                speaker,
+                language,
+                seed,
+                utterance,
+                instruct,
+                clone,
+                settings,
+                chunk_chars,
+                frames_per_chunk,
+                on_chunk,
+                on_frame,
+            ),
+            self.sample_rate,
+        )
 
-    def synthesize(self, text: str, speaker: str | None = None, language: str = "auto", seed: int = 0,
-                   utterance: int = 0,
-                   instruct: str | None = None, settings: GenerationSettings = GenerationSettings(),
-                   chunk_chars: float | None = MAX_CHUNK_WEIGHT, on_chunk: Callable[[int, int], None] | None = None,
-                   on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
-                   clone: ClonedVoice | None = None) -> Synthesis:
+    def synthesize(
+        self,
+        text: str,
+        speaker: str | None = None,
+        language: str = "auto",
+        seed: int = 0,
+        utterance: int = 0,
+        instruct: str | None = None,
+        settings: GenerationSettings = GenerationSettings(),
+        chunk_chars: float | None = MAX_CHUNK_WEIGHT,
+        on_chunk: Callable[[int, int], None] | None = None,
+        on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
+        clone: ClonedVoice | None = None,
+    ) -> Synthesis:
         """Synthesize one utterance; long text is spoken in sentence chunks of at most `chunk_chars`
         (None: the whole text in one pass, as qwen-tts does) joined by a crossfade. The voice: a CustomVoice
         model's `speaker` (and, on the 1.7B, a style `instruct`), a VoiceDesign model's `instruct`, or a
@@ -297,16 +374,23 @@ class Synthesizer:
         progress after each chunk; `on_frame(prefix, codes)` sees every frame the inner loop decodes
         ([h_t, embedding of c0] and c1..c_{G-1}).
         """
-        run = self._speak(text, speaker, language, seed, utterance, instruct, clone, settings, chunk_chars, None,
-                          on_chunk, on_frame)
+        run = self._speak(
+            text, speaker, language, seed, utterance, instruct, clone, settings, chunk_chars, None, on_chunk, on_frame
+        )
         stream = AudioStream(run, self.sample_rate)
         for _ in stream:
             pass
         return stream.result
 
-    def synthesize_many(self, lines: list[Line], seed: int = 0, settings: GenerationSettings = GenerationSettings(),
-                        chunk_chars: float | None = MAX_CHUNK_WEIGHT, batch_size: int = 4,
-                        on_notice: Callable[[str], None] | None = None) -> Iterator[tuple[int, Synthesis | Exception]]:
+    def synthesize_many(
+        self,
+        lines: list[Line],
+        seed: int = 0,
+        settings: GenerationSettings = GenerationSettings(),
+        chunk_chars: float | None = MAX_CHUNK_WEIGHT,
+        batch_size: int = 4,
+        on_notice: Callable[[str], None] | None = None,
+    ) -> Iterator[tuple[int, Synthesis | Exception]]:
         """Synthesize several utterances, up to `batch_size` of them in every call of both loops
         (rvqtts.engine.batch_frames), each starting as soon as a row is free. Yields (index in `lines`, its
         Synthesis) as each one ends, or (index, the exception) for one that failed (a voice the model
@@ -316,25 +400,30 @@ class Synthesizer:
         Each utterance's codes, and so its audio, are those `synthesize` gives it with the same seed and
         settings wherever the kernels keep rows invariant (`rvqtts tune` shows them): its rows get their
         own arithmetic whatever else shares the call. A batch's inner loop runs every row's frame in
-        shared calls: plain, a given tree's rounds (B x (N + 1) rows a call), or, where the tree size is
-        chosen online, the size measured to pay at these rows (`batch_speculation`); with `batch_size` 1,
-        one line, or a Core ML package, the utterances run one after another as `synthesize` runs them. A
-        batch whose caches would not fit in memory is cut to one that does (rvqtts.batch_size.fitting_rows), said through `on_notice`."""
+        shared calls: plain, a given tree's rounds (B x (N + 1) rows a call), or, where the tree size is chosen
+        online, the size measured to pay at these rows (`batch_speculation`); with `batch_size` 1, one line, or a Core
+        ML package, the utterances run one after another as `synthesize` runs them. A batch whose caches would not fit
+        in memory is cut to one that does (rvqtts.batch_size.fitting_rows), said through `on_notice`."""
         if batch_size < 1:
             raise ValueError(f"the batch size must be at least 1, got {batch_size}")
-        lines = [line if line.utterance is not None else replace(line, utterance=index)
-                 for index, line in enumerate(lines)]
+        lines = [
+            line if line.utterance is not None else replace(line, utterance=index) for index, line in enumerate(lines)
+        ]
         rows = min(batch_size, len(lines))
         if rows > 1 and self.inner_parts().runner is not None:
             slots = max(self._row_slots(line, settings, chunk_chars) for line in lines)
             fitting = fitting_rows(self, rows, slots)
             if fitting < rows and on_notice:
-                on_notice(f"a batch of {rows} rows would hold {rows * row_bytes(self, slots) / 2**30:.1f} GiB of "
-                          f"caches, more than half the memory free: speaking {fitting} at a time")
+                on_notice(
+                    f"a batch of {rows} rows would hold {rows * row_bytes(self, slots) / 2**30:.1f} GiB of "
+                    f"caches, more than half the memory free: speaking {fitting} at a time"
+                )
             rows = fitting
             if rows > 1 and on_notice and not rows_invariant(self):
-                on_notice("the kernels here are not known to keep rows invariant: a batched line's audio can "
-                          "differ from its one-line run's in the last bits (--batch-size 1 keeps them)")
+                on_notice(
+                    "the kernels here are not known to keep rows invariant: a batched line's audio can "
+                    "differ from its one-line run's in the last bits (--batch-size 1 keeps them)"
+                )
         if rows <= 1 or self.inner_parts().runner is None:
             yield from self._one_by_one(lines, seed, settings, chunk_chars)
             return
@@ -345,22 +434,41 @@ class Synthesizer:
             talker.allocate(talker.max_len, 1)
             runner.allocate(runner.max_len, 1)
 
-    def _one_by_one(self, lines: list[Line], seed: int, settings: GenerationSettings,
-                    chunk_chars: float | None) -> Iterator[tuple[int, Synthesis | Exception]]:
+    def _one_by_one(
+        self, lines: list[Line], seed: int, settings: GenerationSettings, chunk_chars: float | None
+    ) -> Iterator[tuple[int, Synthesis | Exception]]:
         """`synthesize_many` one line after another (`synthesize`)."""
         for index, line in enumerate(lines):
             try:
-                yield index, self.synthesize(line.text, speaker=line.speaker, language=line.language, seed=seed,
-                                             utterance=line.utterance, instruct=line.instruct, settings=settings,
-                                             chunk_chars=chunk_chars, clone=line.clone)
+                yield (
+                    index,
+                    self.synthesize(
+                        line.text,
+                        speaker=line.speaker,
+                        language=line.language,
+                        seed=seed,
+                        utterance=line.utterance,
+                        instruct=line.instruct,
+                        settings=settings,
+                        chunk_chars=chunk_chars,
+                        clone=line.clone,
+                    ),
+                )
             except NonFiniteError:
                 raise
             except Exception as error:  # this utterance's: the rest go on
                 yield index, error
 
-    def _batched(self, lines: list[Line], seed: int, settings: GenerationSettings, chunk_chars: float | None,
-                 rows: int, talker: TalkerRunner,
-                 runner: PredictorRunner) -> Iterator[tuple[int, Synthesis | Exception]]:
+    def _batched(
+        self,
+        lines: list[Line],
+        seed: int,
+        settings: GenerationSettings,
+        chunk_chars: float | None,
+        rows: int,
+        talker: TalkerRunner,
+        runner: PredictorRunner,
+    ) -> Iterator[tuple[int, Synthesis | Exception]]:
         """`synthesize_many` `rows` lines at a time (rvqtts.engine.batch_frames), each line's chunks decoded as they
         end; a line whose voice, text or decoding fails, fails alone."""
         sampling = self.sampling(settings)
@@ -409,8 +517,11 @@ class Synthesizer:
                 if state.first_audio is None:
                     state.first_audio = time.perf_counter() - state.started
                 if event.cut:
-                    state.warnings.append(cut_warning(state.chunks_done, len(state.pieces), event.budget,
-                                                      state.pieces[state.chunks_done - 1]))
+                    state.warnings.append(
+                        cut_warning(
+                            state.chunks_done, len(state.pieces), event.budget, state.pieces[state.chunks_done - 1]
+                        )
+                    )
             else:
                 yield index, self._batched_synthesis(event.work, spoken.pop(index), sampling, seed, rows, speculation)
 
@@ -421,8 +532,11 @@ class Synthesizer:
         parts = self.inner_parts()
         if parts.calls.mode == "eager":
             return parts.runner
-        if (self._batch_runner is None or self._batch_runner.weights != self.weights
-                or self._batch_runner.max_len != parts.runner.max_len):
+        if (
+            self._batch_runner is None
+            or self._batch_runner.weights != self.weights
+            or self._batch_runner.max_len != parts.runner.max_len
+        ):
             self._batch_runner = PredictorRunner(self.code_predictor, parts.runner.max_len, self.weights)
         return self._batch_runner
 
@@ -439,31 +553,66 @@ class Synthesizer:
         reference = len(line.clone.codes) if line.clone is not None and line.clone.icl else 0
         return max(self.frame_budget(piece, settings) + 2 * len(piece) for piece in pieces) + PROMPT_TOKENS + reference
 
-    def _batched_synthesis(self, work: Work, state: "_Spoken", sampling: ResolvedSampling, seed: int, rows: int,
-                           speculation: Speculation | OnlineSpeculation | None) -> Synthesis:
+    def _batched_synthesis(
+        self,
+        work: Work,
+        state: "_Spoken",
+        sampling: ResolvedSampling,
+        seed: int,
+        rows: int,
+        speculation: Speculation | OnlineSpeculation | None,
+    ) -> Synthesis:
         """The Synthesis of an utterance `synthesize_many` finished. Its loops' seconds are its shares of the
         calls it was in; its prompts count as talker work and its first prompt in the prefill, as in
         `synthesize`."""
         state.joiner.finish()
         first_prompt = state.prompts / max(state.chunks_done, 1)
         prefill = work.seconds["prefill"] + first_prompt
-        seconds = {"wall": time.perf_counter() - state.started, "talker": work.seconds["talker"] + state.prompts,
-                   "predictor": work.seconds["predictor"], "decoder": state.decoder, "prefill": prefill,
-                   "first_audio": state.first_audio, "prompts": state.prompts,
-                   "first_audio_split": {"prefill": round(prefill, 3)}}
-        return Synthesis(audio=state.joiner.audio(), sample_rate=self.sample_rate, codes=np.stack(state.frames),
-                         stats=work.stats, seconds=seconds, talker_calls=work.talker_calls, chunks=len(state.pieces),
-                         spec=speculation is not None, tree_nodes=tree_nodes(speculation), seed=seed,
-                         sampling=sampling.record(), warnings=state.warnings, weights=self.weights,
-                         engine=self.engine_record(), batch_rows=rows,
-                         batch_row_bytes=row_bytes(self, self.talker_runner().max_len),
-                         online=speculation.record(work.frames_by_budget)
-                         if isinstance(speculation, OnlineSpeculation) else None)
+        seconds = {
+            "wall": time.perf_counter() - state.started,
+            "talker": work.seconds["talker"] + state.prompts,
+            "predictor": work.seconds["predictor"],
+            "decoder": state.decoder,
+            "prefill": prefill,
+            "first_audio": state.first_audio,
+            "prompts": state.prompts,
+            "first_audio_split": {"prefill": round(prefill, 3)},
+        }
+        return Synthesis(
+            audio=state.joiner.audio(),
+            sample_rate=self.sample_rate,
+            codes=np.stack(state.frames),
+            stats=work.stats,
+            seconds=seconds,
+            talker_calls=work.talker_calls,
+            chunks=len(state.pieces),
+            spec=speculation is not None,
+            tree_nodes=tree_nodes(speculation),
+            seed=seed,
+            sampling=sampling.record(),
+            warnings=state.warnings,
+            weights=self.weights,
+            engine=self.engine_record(),
+            batch_rows=rows,
+            batch_row_bytes=row_bytes(self, self.talker_runner().max_len),
+            online=speculation.record(work.frames_by_budget) if isinstance(speculation, OnlineSpeculation) else None,
+        )
 
-    def _speak(self, text: str, speaker: str | None, language: str, seed: int, utterance: int, instruct: str | None,
-               clone: ClonedVoice | None, settings: GenerationSettings, chunk_chars: float | None, stream_frames: int | None,
-               on_chunk: Callable[[int, int], None] | None,
-               on_frame: Callable[[torch.Tensor, list[int]], None] | None) -> Generator[np.ndarray, None, Synthesis]:
+    def _speak(
+        self,
+        text: str,
+        speaker: str | None,
+        language: str,
+        seed: int,
+        utterance: int,
+        instruct: str | None,
+        clone: ClonedVoice | None,
+        settings: GenerationSettings,
+        chunk_chars: float | None,
+        stream_frames: int | None,
+        on_chunk: Callable[[int, int], None] | None,
+        on_frame: Callable[[torch.Tensor, list[int]], None] | None,
+    ) -> Generator[np.ndarray, None, Synthesis]:
         """The audio of one utterance, chunk of text after chunk: decoded every `stream_frames` frames by
         the streaming decoder, or (None) each text chunk at once (`decode`); then the Synthesis."""
         if not text.strip():
@@ -491,9 +640,11 @@ class Synthesizer:
             if ready.size and seconds["first_audio"] is None:
                 seconds["first_audio"] = time.perf_counter() - started
                 frames_seconds = loop.seconds["talker"] + loop.seconds["predictor"] - loop.first_prefill
-                seconds["first_audio_split"] = {"prefill": round(seconds["prompt"] + loop.first_prefill, 3),
-                                                "frames": round(frames_seconds, 3),
-                                                "decoder": round(seconds["decoder"], 3)}
+                seconds["first_audio_split"] = {
+                    "prefill": round(seconds["prompt"] + loop.first_prefill, 3),
+                    "frames": round(frames_seconds, 3),
+                    "decoder": round(seconds["decoder"], 3),
+                }
             return ready
 
         for index, piece in enumerate(pieces):
@@ -524,33 +675,63 @@ class Synthesizer:
         yield joiner.finish()
         seconds["wall"] = time.perf_counter() - started
         # Building prompts is talker work: it counts there (and the first one in the prefill).
-        seconds.update(talker=loop.seconds["talker"] + seconds["prompts"], predictor=loop.seconds["predictor"],
-                       prefill=seconds["prompt"] + loop.first_prefill)
-        return Synthesis(audio=joiner.audio(), sample_rate=self.sample_rate, codes=np.stack(spoken),
-                         stats=loop.inner.stats, seconds=seconds, talker_calls=loop.talker_calls,
-                         chunks=len(pieces), spec=self.speculation is not None, tree_nodes=tree_nodes(self.speculation), seed=seed,
-                         sampling=sampling.record(), warnings=warnings, stream_frames=stream_frames,
-                         weights=self.weights, engine=self.engine_record(),
-                         online=online.record(online.frames_since(frames_before)) if online else None)
+        seconds.update(
+            talker=loop.seconds["talker"] + seconds["prompts"],
+            predictor=loop.seconds["predictor"],
+            prefill=seconds["prompt"] + loop.first_prefill,
+        )
+        return Synthesis(
+            audio=joiner.audio(),
+            sample_rate=self.sample_rate,
+            codes=np.stack(spoken),
+            stats=loop.inner.stats,
+            seconds=seconds,
+            talker_calls=loop.talker_calls,
+            chunks=len(pieces),
+            spec=self.speculation is not None,
+            tree_nodes=tree_nodes(self.speculation),
+            seed=seed,
+            sampling=sampling.record(),
+            warnings=warnings,
+            stream_frames=stream_frames,
+            weights=self.weights,
+            engine=self.engine_record(),
+            online=online.record(online.frames_since(frames_before)) if online else None,
+        )
 
-    def force(self, text: str, speaker: str | None, language: str, codes: np.ndarray,
-              on_frame: Callable[[torch.Tensor, list[int]], None], instruct: str | None = None,
-              clone: ClonedVoice | None = None) -> None:
+    def force(
+        self,
+        text: str,
+        speaker: str | None,
+        language: str,
+        codes: np.ndarray,
+        on_frame: Callable[[torch.Tensor, list[int]], None],
+        instruct: str | None = None,
+        clone: ClonedVoice | None = None,
+    ) -> None:
         """Teacher forcing: run the talker over `text` while it emits exactly these frame codes [frames, G]
         (c0 read instead of drawn, c1.. returned by the inner loop), and show `on_frame` each frame's
         predictor prefix [h_t, embedding of c0] with the frame's codes c1.. ."""
         speaker = self.check_voice(speaker, language, instruct, clone)
-        loop = self.frame_loop(self.sampling(GenerationSettings()), 0, 0, ForcedLoop(self.code_predictor, codes,
-                                                                                     on_frame))
+        loop = self.frame_loop(
+            self.sampling(GenerationSettings()), 0, 0, ForcedLoop(self.code_predictor, codes, on_frame)
+        )
         prompt = self.prompt(" ".join(text.split()), speaker, language, instruct, clone)
         for _ in loop.run(prompt, len(codes), forced=codes):
             pass
         if loop.frame != len(codes):
             raise RuntimeError(f"teacher forcing stopped after {loop.frame} of {len(codes)} frames")
 
-    def synthesize_stock(self, text: str, speaker: str | None, language: str = "auto", seed: int = 0,
-                         settings: GenerationSettings = GenerationSettings(), instruct: str | None = None,
-                         clone: ClonedVoice | None = None) -> dict:
+    def synthesize_stock(
+        self,
+        text: str,
+        speaker: str | None,
+        language: str = "auto",
+        seed: int = 0,
+        settings: GenerationSettings = GenerationSettings(),
+        instruct: str | None = None,
+        clone: ClonedVoice | None = None,
+    ) -> dict:
         """Stock qwen-tts on the same text, untouched: its own HF loops for talker and code predictor,
         sampling with torch's generator (seeded with `seed`), then its decoder. Timed through forward
         hooks: the talker's calls minus their transformer are the code predictor (which qwen-tts runs
@@ -568,28 +749,43 @@ class Synthesizer:
                 now = time.perf_counter()
                 clock[name] += now - opened[name]
                 clock["last"] = now
+
             return hook
 
-        handles = [self.talker.register_forward_pre_hook(enter("calls")),
-                   self.talker.register_forward_hook(leave("calls")),
-                   self.talker.model.register_forward_pre_hook(enter("transformer")),
-                   self.talker.model.register_forward_hook(leave("transformer"))]
+        handles = [
+            self.talker.register_forward_pre_hook(enter("calls")),
+            self.talker.register_forward_hook(leave("calls")),
+            self.talker.model.register_forward_pre_hook(enter("transformer")),
+            self.talker.model.register_forward_hook(leave("transformer")),
+        ]
         budget = self.frame_budget(text, settings)
         torch.manual_seed(seed)
         started = time.perf_counter()
         try:
-            wavs, sample_rate = self._generate(" ".join(text.split()), speaker, language, instruct, clone,
-                                               **self.sampling(settings).generate_kwargs(budget))
+            wavs, sample_rate = self._generate(
+                " ".join(text.split()),
+                speaker,
+                language,
+                instruct,
+                clone,
+                **self.sampling(settings).generate_kwargs(budget),
+            )
         finally:
             for handle in handles:
                 handle.remove()
         ended = time.perf_counter()
         wall, predictor, decoder = ended - started, clock["calls"] - clock["transformer"], ended - clock["last"]
         audio_seconds = wavs[0].size / sample_rate
-        return {"frames": round(audio_seconds * FRAMES_PER_SECOND), "audio_seconds": round(audio_seconds, 3),
-                "wall_seconds": round(wall, 3), "talker_seconds": round(wall - predictor - decoder, 3),
-                "predictor_seconds": round(predictor, 3), "decoder_seconds": round(decoder, 3),
-                "first_audio_seconds": round(wall, 3), "rtf": round(wall / audio_seconds, 4) if audio_seconds else None}
+        return {
+            "frames": round(audio_seconds * FRAMES_PER_SECOND),
+            "audio_seconds": round(audio_seconds, 3),
+            "wall_seconds": round(wall, 3),
+            "talker_seconds": round(wall - predictor - decoder, 3),
+            "predictor_seconds": round(predictor, 3),
+            "decoder_seconds": round(decoder, 3),
+            "first_audio_seconds": round(wall, 3),
+            "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
+        }
 
 
 def tree_nodes(speculation: Speculation | OnlineSpeculation | None) -> int:
@@ -606,8 +802,10 @@ def text_pieces(text: str, chunk_chars: float | None) -> list[str]:
 
 def cut_warning(chunk: int, chunks: int, budget: int, piece: str) -> str:
     """The warning of a chunk cut at its frame budget."""
-    return (f"chunk {chunk} of {chunks} was cut at {budget} frames ({budget / FRAMES_PER_SECOND:.1f} s) for "
-            f"{len(piece)} characters: the model did not end its speech (text: {piece[:40]!r})")
+    return (
+        f"chunk {chunk} of {chunks} was cut at {budget} frames ({budget / FRAMES_PER_SECOND:.1f} s) for "
+        f"{len(piece)} characters: the model did not end its speech (text: {piece[:40]!r})"
+    )
 
 
 @dataclass
@@ -625,24 +823,34 @@ class _Spoken:
     first_audio: float | None = None
 
 
-def prepare_inner_loop(synth: Synthesizer, spec: bool = True, tree: str | os.PathLike = "auto",
-                       offsets: str | os.PathLike | None = None, cuda_graphs: bool = True,
-                       device_type: str | None = None) -> str | None:
+def prepare_inner_loop(
+    synth: Synthesizer,
+    spec: bool = True,
+    tree: str | os.PathLike = "auto",
+    offsets: str | os.PathLike | None = None,
+    cuda_graphs: bool = True,
+    device_type: str | None = None,
+) -> str | None:
     """Set up `synth`'s inner loop as `rvqtts synth` does: CUDA graphs on or off and, with `spec`, the tree
     and offsets `choose_speculation` picks (the plain loop where `auto` finds that no tree pays). Returns
     its notice for the user, or None; raises as choose_speculation does."""
     synth.cuda_graphs = cuda_graphs
     if not spec:
         return None
-    synth.speculation, notice = choose_speculation(synth.code_predictor, tree, offsets, allow_plain=True,
-                                                   device_type=device_type, weights=synth.weights)
+    synth.speculation, notice = choose_speculation(
+        synth.code_predictor, tree, offsets, allow_plain=True, device_type=device_type, weights=synth.weights
+    )
     return notice
 
 
-def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike = "auto",
-                       offsets: str | os.PathLike | None = None, allow_plain: bool = False,
-                       device_type: str | None = None,
-                       weights: str = "native") -> tuple[Speculation | OnlineSpeculation | None, str | None]:
+def choose_speculation(
+    code_predictor: torch.nn.Module,
+    tree: str | os.PathLike = "auto",
+    offsets: str | os.PathLike | None = None,
+    allow_plain: bool = False,
+    device_type: str | None = None,
+    weights: str = "native",
+) -> tuple[Speculation | OnlineSpeculation | None, str | None]:
     """The tree and offsets to draft with, and a notice for the user (or None).
 
     `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` or a file.
@@ -657,8 +865,11 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
     fingerprint = predictor_fingerprint(code_predictor)
     hidden = code_predictor.config.hidden_size
     weight = code_predictor.lm_head[0].weight
-    platform = platform_key(device_type, "float16") if device_type == "coreml" else platform_key(
-        weight.device.type, weight.dtype, weights)
+    platform = (
+        platform_key(device_type, "float16")
+        if device_type == "coreml"
+        else platform_key(weight.device.type, weight.dtype, weights)
+    )
     plain = None
     if allow_plain and str(tree) == "auto" and device_type != "coreml" and measured_choices():
         budget, source = best_budget(platform, fingerprint)
@@ -670,8 +881,10 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
     if allow_plain and str(tree) == "auto":
         budget, source = best_budget(platform, fingerprint)
         if budget == 0:
-            plain = (f"plain inner loop: no tree was measured to pay for this model on {platform} ({source});"
-                     f" --tree N forces speculation")
+            plain = (
+                f"plain inner loop: no tree was measured to pay for this model on {platform} ({source});"
+                f" --tree N forces speculation"
+            )
             if offsets is None:
                 return None, plain
     chosen = resolve_tree(tree, fingerprint, platform)
@@ -685,8 +898,9 @@ def choose_speculation(code_predictor: torch.nn.Module, tree: str | os.PathLike 
     return speculation, notice
 
 
-def _drafting_offsets(offsets: str | os.PathLike | None, hidden: int, fingerprint: str,
-                      depth: int) -> tuple[Offsets, str | None]:
+def _drafting_offsets(
+    offsets: str | os.PathLike | None, hidden: int, fingerprint: str, depth: int
+) -> tuple[Offsets, str | None]:
     """The offsets file given, else shipped offsets matching the model, else zero offsets of at least
     `depth` (reused heads, said in the notice)."""
     if offsets is not None:
@@ -694,5 +908,7 @@ def _drafting_offsets(offsets: str | os.PathLike | None, hidden: int, fingerprin
     drafts = shipped_offsets_for(fingerprint, hidden)
     if drafts is not None:
         return drafts, None
-    return (Offsets.zeros(max(DEFAULT_DEPTH, depth), hidden),
-            "no shipped offsets match this model: drafting with zero offsets (reused heads)")
+    return (
+        Offsets.zeros(max(DEFAULT_DEPTH, depth), hidden),
+        "no shipped offsets match this model: drafting with zero offsets (reused heads)",
+    )

@@ -14,7 +14,8 @@ _CLOSERS = re.escape("\"'”’)]」』）")
 # A sentence ends after . ! ? … (and any closing quote or bracket) before a space, or after a CJK full
 # stop, which needs no space.
 _SENTENCE_END = re.compile(
-    rf"(?<=[.!?…])\s+|(?<=[.!?…][{_CLOSERS}])\s+|(?<=[。！？])(?![{_CLOSERS}])|(?<=[。！？][{_CLOSERS}])")
+    rf"(?<=[.!?…])\s+|(?<=[.!?…][{_CLOSERS}])\s+|(?<=[。！？])(?![{_CLOSERS}])|(?<=[。！？][{_CLOSERS}])"
+)
 _CLAUSE_END = re.compile(r"(?<=[,;:，；：、])\s*")
 _SPACES = re.compile(r"\s+")
 MAX_CHUNK_WEIGHT = 240  # about 17 s of English speech

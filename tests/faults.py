@@ -9,6 +9,7 @@ OVERFLOW = "Overflow."  # and one with this text meets NaN logits, as a float16 
 def failing_synthesize(original):
     """Synthesizer.synthesize, except that the text BREAK raises RuntimeError("simulated failure") and
     OVERFLOW the NonFiniteError of a talker in float16."""
+
     def synthesize(self, text, **kwargs):
         import torch
 
@@ -19,6 +20,7 @@ def failing_synthesize(original):
         if text == OVERFLOW:
             raise NonFiniteError("talker", torch.float16)
         return original(self, text, **kwargs)
+
     return synthesize
 
 

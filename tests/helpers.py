@@ -65,8 +65,12 @@ def random_contexts(synth, frames: int, seed: int = 0) -> Contexts:
     generator = np.random.default_rng(seed)
     groups = synth.code_predictor.config.num_code_groups
     codes = generator.integers(0, synth.code_predictor.config.vocab_size, (frames, groups))
-    contexts = Contexts(generator.standard_normal((frames, synth.talker.config.hidden_size)).astype(np.float32),
-                        codes, np.array(["english", "german"] * (frames // 2)), source="random test frames")
+    contexts = Contexts(
+        generator.standard_normal((frames, synth.talker.config.hidden_size)).astype(np.float32),
+        codes,
+        np.array(["english", "german"] * (frames // 2)),
+        source="random test frames",
+    )
     codes[:, 1:] = sample_codes(synth.code_predictor, contexts.prefixes(synth.talker.get_input_embeddings()), seed)
     return contexts
 
@@ -89,7 +93,8 @@ def linear_maps_are_row_invariant(code_predictor, rows: int = 34) -> bool:
             x = torch.randn(rows, linear.weight.shape[1], generator=generator).to(linear.weight.dtype)
             alone = linear(x[:1])[0]  # how the runner maps one row
             for size in range(2, rows + 1):
-                if not torch.equal(linear(x[:size])[0], alone) or not torch.equal(linear(x[:size])[-1],
-                                                                                  linear(x[size - 1:size])[0]):
+                if not torch.equal(linear(x[:size])[0], alone) or not torch.equal(
+                    linear(x[:size])[-1], linear(x[size - 1 : size])[0]
+                ):
                     return False
     return True

@@ -37,7 +37,7 @@ def test_each_query_attends_to_its_visible_slots_with_its_kv_heads():
         seen = visible[r]
         k = keys[r][:, seen].repeat_interleave(group, 0)  # query head h reads KV head h // group
         v = values[r][:, seen].repeat_interleave(group, 0)
-        reference = F.scaled_dot_product_attention(q[:, r:r + 1], k, v)[:, 0]
+        reference = F.scaled_dot_product_attention(q[:, r : r + 1], k, v)[:, 0]
         torch.testing.assert_close(out[:, r], reference, atol=1e-5, rtol=1e-5)
 
 

@@ -24,8 +24,13 @@ from rvqtts.settings import GenerationSettings, Line
 from rvqtts.synthesis import Synthesizer
 from tests.helpers import random_prefix, run_cli
 
-TEXTS = ["Hello there.", "A longer sentence, which makes more frames than the first one does. And a second one.",
-         "Short.", "The fourth line is here. It has two sentences.", "Five."]
+TEXTS = [
+    "Hello there.",
+    "A longer sentence, which makes more frames than the first one does. And a second one.",
+    "Short.",
+    "The fourth line is here. It has two sentences.",
+    "Five.",
+]
 
 
 @pytest.fixture
@@ -58,8 +63,10 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir,
     synth.speculation = Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size))
     settings = GenerationSettings(max_frames=None if dtype == "float32" else 9)
     lines = [Line(text, utterance=index + 3) for index, text in enumerate(TEXTS)]
-    alone = [synth.synthesize(line.text, seed=5, utterance=line.utterance, settings=settings, chunk_chars=40)
-             for line in lines]
+    alone = [
+        synth.synthesize(line.text, seed=5, utterance=line.utterance, settings=settings, chunk_chars=40)
+        for line in lines
+    ]
     rows = _count_rows(monkeypatch)
     grown = []
     allocate = TalkerRunner.allocate
@@ -74,8 +81,11 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir,
     synth.talker_runner().allocate(16, 1)
     batch_size = 2 if dtype == "float32" else 3
     bad = [Line("Nobody speaks this.", speaker="nobody"), Line("  ")]
-    outcomes = dict(synth.synthesize_many(bad[:1] + lines + bad[1:], seed=5, settings=settings, chunk_chars=40,
-                                          batch_size=batch_size))
+    outcomes = dict(
+        synth.synthesize_many(
+            bad[:1] + lines + bad[1:], seed=5, settings=settings, chunk_chars=40, batch_size=batch_size
+        )
+    )
     assert sorted(outcomes) == list(range(len(lines) + 2))
     assert "nobody" in str(outcomes[0]) and "empty" in str(outcomes[len(lines) + 1])
     together = [outcomes[index + 1] for index in range(len(lines))]
@@ -115,7 +125,7 @@ def test_a_batched_talker_step_gives_each_row_the_bits_of_its_own_step(tiny, mea
         alone = TalkerRunner(talker)
         alone.prefill(prompt)
         for t in range(3):
-            hidden, logits = alone.step(inputs[t, row:row + 1], lengths[row] + t)
+            hidden, logits = alone.step(inputs[t, row : row + 1], lengths[row] + t)
             assert torch.equal(steps[t][0][row], hidden) and torch.equal(steps[t][1][row], logits)
 
 
@@ -138,8 +148,9 @@ def test_a_batch_file_writes_the_files_of_a_one_line_run_and_resumes(tiny_dir, t
     assert (tmp_path / "one" / written[1]).read_bytes() == (tmp_path / "many" / written[1]).read_bytes()
 
 
-def test_a_line_whose_audio_fails_fails_alone_and_a_batch_that_cannot_fit_runs_line_by_line(tiny_dir, measured,
-                                                                                               monkeypatch):
+def test_a_line_whose_audio_fails_fails_alone_and_a_batch_that_cannot_fit_runs_line_by_line(
+    tiny_dir, measured, monkeypatch
+):
     synth = Synthesizer.load(tiny_dir)
     settings = GenerationSettings(max_frames=6)
     lines = [Line(text) for text in TEXTS[:3]]
@@ -169,8 +180,9 @@ def test_a_line_whose_audio_fails_fails_alone_and_a_batch_that_cannot_fit_runs_l
     assert "speaking 1 at a time" in notices[0] and {s.record()["batch_rows"] for s in one_by_one.values()} == {1}
 
 
-def test_auto_takes_the_smallest_size_within_a_tenth_of_the_cheapest_measured_once(tiny_dir, measured, monkeypatch,
-                                                                                    user_cache):
+def test_auto_takes_the_smallest_size_within_a_tenth_of_the_cheapest_measured_once(
+    tiny_dir, measured, monkeypatch, user_cache
+):
     tiny = Synthesizer.load(tiny_dir)  # its runners' kernels measured (and probed for invariance)
     assert batch_size.choose_batch_size(tiny, 1)[0] == 1
     measured_costs = batch_size.frame_costs(tiny, (1, 2))
@@ -195,10 +207,13 @@ def test_a_batch_that_would_not_fit_in_memory_is_cut_to_one_that_does(tiny, monk
     assert batch_size.fitting_rows(tiny, 8, 1000) == 1
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--batch-size", 0], "--batch-size must be auto or a whole number of at least 1"),
-    (["--batch-size", "many"], "--batch-size must be auto or a whole number of at least 1"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--batch-size", 0], "--batch-size must be auto or a whole number of at least 1"),
+        (["--batch-size", "many"], "--batch-size must be auto or a whole number of at least 1"),
+    ],
+)
 def test_batch_sizes_that_cannot_run_are_refused_with_what_to_do(tiny_dir, tmp_path, arguments, message):
     lines = tmp_path / "lines.txt"
     lines.write_text("Hello.\n")
@@ -212,8 +227,9 @@ def test_bench_batch_times_each_size_beside_stock_qwen_tts(tiny_dir, tmp_path):
     texts = tmp_path / "lines.txt"
     texts.write_text("Hello there.\nA second line.\nThe third.\n")
     out = tmp_path / "batch.json"
-    result = run_cli("bench", "batch", "--texts", texts, "--model", tiny_dir, "--sizes", "1,2", "--max-frames", 4,
-                     "--json", out)
+    result = run_cli(
+        "bench", "batch", "--texts", texts, "--model", tiny_dir, "--sizes", "1,2", "--max-frames", 4, "--json", out
+    )
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
     assert [row["batch_size"] for row in figures["rows"]] == [1, 2] and figures["lines"] == 3
@@ -232,8 +248,11 @@ def test_a_batched_round_gives_every_frame_the_codes_and_rounds_it_gets_alone(wh
     equal their one-frame speculative runs: codes, calls and accepted depths; and the plain loop's codes.
     A model whose drafts are often right (codebook 16) puts the frames out of step; a frame without a tree
     takes plain steps in the same calls."""
-    synth = (request.getfixturevalue("narrow") if which == "narrow"
-             else Synthesizer.load(request.getfixturevalue("released_06_dir"), dtype="bfloat16"))
+    synth = (
+        request.getfixturevalue("narrow")
+        if which == "narrow"
+        else Synthesizer.load(request.getfixturevalue("released_06_dir"), dtype="bfloat16")
+    )
     speculation = Speculation(resolve_tree("16"), Offsets.zeros(3, synth.hidden_size))
     parts = LoopParts.build(synth.code_predictor, speculation, False)
     runner = parts.runner
@@ -250,14 +269,16 @@ def test_a_batched_round_gives_every_frame_the_codes_and_rounds_it_gets_alone(wh
         if speculations[f] is None:
             assert frame.calls == plain.calls == groups - 1 and not frame.accepted and not frame.drafted
             continue
-        assert frame.codes == decode_frame_speculative(runner, prefixes[f], noise[f], sampling, speculation,
-                                                       parts.offsets, stats)
+        assert frame.codes == decode_frame_speculative(
+            runner, prefixes[f], noise[f], sampling, speculation, parts.offsets, stats
+        )
         assert frame.calls == stats.calls and sum(frame.accepted) == sum(stats.accepted_per_depth)
     assert len({frame.calls for frame in frames}) > 2 and min(frame.calls for frame in frames) < groups - 1
 
 
-def test_a_batch_chooses_its_tree_size_online_at_its_rows_and_keeps_every_lines_codes(narrow, measured, user_cache,
-                                                                                    monkeypatch):
+def test_a_batch_chooses_its_tree_size_online_at_its_rows_and_keeps_every_lines_codes(
+    narrow, measured, user_cache, monkeypatch
+):
     """Where the tree size is chosen online, a batch has a choice of its own whose call costs are measured at
     its rows; the size changing mid-batch (forced here) changes no line's codes."""
     offsets = Offsets(torch.randn(3, narrow.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.5)

@@ -29,8 +29,20 @@ from rvqtts.synthesis import Synthesizer, choose_speculation
 @pytest.fixture(scope="module")
 def predictor_json(tiny_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "predictor.json"
-    result = run("bench", "predictor", "--model", tiny_dir, "--dtype", "float32", "--q", "3,9,17",
-                 "--repeats", "2", "--json", path)
+    result = run(
+        "bench",
+        "predictor",
+        "--model",
+        tiny_dir,
+        "--dtype",
+        "float32",
+        "--q",
+        "3,9,17",
+        "--repeats",
+        "2",
+        "--json",
+        path,
+    )
     assert result.exit_code == 0, result.output
     return path
 
@@ -54,31 +66,46 @@ def test_bench_predictor_sets_each_call_beside_a_pass_over_its_weights(predictor
     exactly those bytes, each once)."""
     result = json.loads(predictor_json.read_text())
     predictor = tiny.code_predictor
-    shared = sum(p.numel() for module in (predictor.model.layers, predictor.model.norm,
-                                          predictor.small_to_mtp_projection) for p in module.parameters())
+    shared = sum(
+        p.numel()
+        for module in (predictor.model.layers, predictor.model.norm, predictor.small_to_mtp_projection)
+        for p in module.parameters()
+    )
     head = predictor.lm_head[0].weight.numel()
     assert result["weights_mb"][0] == pytest.approx(4 * (shared + head) / 1e6, abs=1e-3)
     assert result["weights_mb"][-1] == pytest.approx(4 * (shared + 4 * head) / 1e6, abs=1e-3)  # q = 17, depth 3
     assert all(f > 0 for f in result["floor_ms"])
-    assert result["ratio_to_floor"] == [pytest.approx(m / f, rel=0.01) for m, f in zip(result["median_ms"],
-                                                                                       result["floor_ms"])]
+    assert result["ratio_to_floor"] == [
+        pytest.approx(m / f, rel=0.01) for m, f in zip(result["median_ms"], result["floor_ms"])
+    ]
     # The compute floor: every row through every weight matrix read, at the peak timed in the run.
-    matrices = sum(p.numel() for module in (predictor.model.layers, predictor.small_to_mtp_projection)
-                   for p in module.parameters() if p.dim() == 2)
+    matrices = sum(
+        p.numel()
+        for module in (predictor.model.layers, predictor.small_to_mtp_projection)
+        for p in module.parameters()
+        if p.dim() == 2
+    )
     peak = result["peak_gmac_per_s"] * 1e6  # multiply-adds per ms
     assert result["compute_floor_ms"][0] == pytest.approx((matrices + head) / peak, rel=0.01)
     assert result["compute_floor_ms"][-1] == pytest.approx(17 * (matrices + 4 * head) / peak, rel=0.01)
     assert result["ratio_to_larger_floor"] == [
         pytest.approx(m / max(f, c), rel=0.01)
-        for m, f, c in zip(result["median_ms"], result["floor_ms"], result["compute_floor_ms"])]
+        for m, f, c in zip(result["median_ms"], result["floor_ms"], result["compute_floor_ms"])
+    ]
     console = Console(width=220, record=True)
     console.print(predictor_table(result))
     assert "x larger floor" in console.export_text()
 
 
 def test_projection_arithmetic():
-    predictor = {"q": [1, 5, 9, 33], "ratio_to_q1": [1.0, 1.2, 1.4, 2.0], "ratio_to_stock_q1": [0.5, 0.6, 0.7, 1.0],
-                 "device": "cpu", "dtype": "bfloat16", "weights": "w"}
+    predictor = {
+        "q": [1, 5, 9, 33],
+        "ratio_to_q1": [1.0, 1.2, 1.4, 2.0],
+        "ratio_to_stock_q1": [0.5, 0.6, 0.7, 1.0],
+        "device": "cpu",
+        "dtype": "bfloat16",
+        "weights": "w",
+    }
     assert cost_at(predictor, 17) == pytest.approx(1.4 + 0.6 * 8 / 24)  # between q = 9 and q = 33
     projection = project_speedup({4: 1.5, 8: 1.8, 16: 2.0, 64: 3.0}, predictor)
     rows = {row["N"]: row for row in projection["rows"]}
@@ -96,15 +123,25 @@ def test_codes_per_call_from_a_table_or_the_paper():
     table = {"acceptance": [[0.5, 0.2], [0.5, 0.1], [0.5]], "source": "hand"}
     figures, source = codes_per_call_by_budget(table)
     assert source == "hand" and list(figures) == list(BUDGETS)
-    assert figures[8] == pytest.approx(frame_codes_per_call(table["acceptance"], grow_tree(table["acceptance"], 8)),
-                                       abs=1e-4)
+    assert figures[8] == pytest.approx(
+        frame_codes_per_call(table["acceptance"], grow_tree(table["acceptance"], 8)), abs=1e-4
+    )
 
 
 def write_costs(path):
     """Fixed call costs (as `bench predictor --json` writes them), so that the best N is known."""
-    path.write_text(json.dumps({"q": [1, 5, 8, 9, 16, 17], "ratio_to_q1": [1.0, 1.1, 1.15, 1.2, 1.25, 1.4],
-                                "ratio_to_stock_q1": [0.9, 0.99, 1.035, 1.08, 1.125, 1.26],
-                                "device": "cpu", "dtype": "float32", "weights": "hand"}))
+    path.write_text(
+        json.dumps(
+            {
+                "q": [1, 5, 8, 9, 16, 17],
+                "ratio_to_q1": [1.0, 1.1, 1.15, 1.2, 1.25, 1.4],
+                "ratio_to_stock_q1": [0.9, 0.99, 1.035, 1.08, 1.125, 1.26],
+                "device": "cpu",
+                "dtype": "float32",
+                "weights": "hand",
+            }
+        )
+    )
     return path
 
 
@@ -115,8 +152,18 @@ def test_bench_speedup_plots_saves_and_synth_follows(tmp_path, user_cache, tiny)
     shipped = json.loads((SHIPPED_TREES / "best-n.json").read_text())["cpu/float32"]["N"]
     assert best_budget("cpu/float32")[0] == shipped and "trees/best-n.json" in best_budget("cpu/float32")[1]
     plot = tmp_path / "figure.png"
-    result, projection = run_json(tmp_path / "speedup.json", "bench", "speedup", "--predictor", predictor_json,
-                                  "--acceptance", table, "--plot", plot, "--save")
+    result, projection = run_json(
+        tmp_path / "speedup.json",
+        "bench",
+        "speedup",
+        "--predictor",
+        predictor_json,
+        "--acceptance",
+        table,
+        "--plot",
+        plot,
+        "--save",
+    )
     assert [row["N"] for row in projection["rows"]] == [4, 7, 8, 15, 16]
     best = max(projection["rows"], key=lambda row: row["speedup"])
     assert projection["not_measured"] == [31, 32, 63, 64] and projection["best_N"] == best["N"]
@@ -130,10 +177,13 @@ def test_bench_speedup_plots_saves_and_synth_follows(tmp_path, user_cache, tiny)
     assert speculation.tree.nodes == projection["best_N"]
 
 
-@pytest.mark.parametrize("contents, message", [
-    ("{", "is not valid JSON"),
-    ('{"q": [1]}', "is not the JSON of `rvqtts bench predictor --json`"),
-])
+@pytest.mark.parametrize(
+    "contents, message",
+    [
+        ("{", "is not valid JSON"),
+        ('{"q": [1]}', "is not the JSON of `rvqtts bench predictor --json`"),
+    ],
+)
 def test_bench_speedup_refuses_bad_input(tmp_path, contents, message):
     path = tmp_path / "p.json"
     path.write_text(contents)
@@ -152,14 +202,27 @@ def test_bench_e2e_runs_every_variant(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("RVQTTS_CHOICES", "measured")  # auto: the tree size chosen online, as synth does
     texts = tmp_path / "texts.txt"
     texts.write_text("Hello there.\nA second line.\n")
-    _, report = run_json(tmp_path / "e2e.json", "bench", "e2e", "--model", tiny_dir, "--texts", texts,
-                         "--max-frames", "6", "--tree", "4,8", "--dtype", "float32")
+    _, report = run_json(
+        tmp_path / "e2e.json",
+        "bench",
+        "e2e",
+        "--model",
+        tiny_dir,
+        "--texts",
+        texts,
+        "--max-frames",
+        "6",
+        "--tree",
+        "4,8",
+        "--dtype",
+        "float32",
+    )
     assert set(report["runs"]) == {"stock", "plain", "auto", "N=4", "N=8"} and report["tree_nodes"] == [4, 8]
     best = report["best_fixed"]
     assert best == min(("N=4", "N=8"), key=lambda name: report["totals"][name]["predictor_ms_per_frame"])
     assert report["ratios"][f"{best}/auto predictor"] == pytest.approx(
-        report["totals"][best]["predictor_ms_per_frame"] / report["totals"]["auto"]["predictor_ms_per_frame"],
-        rel=0.01)
+        report["totals"][best]["predictor_ms_per_frame"] / report["totals"]["auto"]["predictor_ms_per_frame"], rel=0.01
+    )
     assert sum(report["auto"]["frames_by_N"].values()) == report["totals"]["auto"]["frames"]
     assert report["ratios"]["plain/auto wall"] > 0 and report["totals"]["auto"]["predictor_floor_ms_per_frame"] is None
     for name, runs in report["runs"].items():
@@ -182,41 +245,83 @@ def test_bench_e2e_runs_every_variant(tiny_dir, tmp_path, monkeypatch):
         rounds = sum(r["predictor_calls"] for r in report["runs"][name]) - spec["frames"]
         assert spec["predictor_floor_ms_per_frame"] == pytest.approx(
             (spec["frames"] * floor["predictor_step"] + rounds * floor[f"predictor_round {name}"]) / spec["frames"],
-            abs=0.01)
+            abs=0.01,
+        )
 
 
 def test_bench_e2e_refuses_repeated_tree_sizes(tiny_dir, tmp_path):
     texts = tmp_path / "texts.txt"
     texts.write_text("Hello there.\n")
-    result = run("bench", "e2e", "--model", tiny_dir, "--texts", texts, "--tree", "4,4", "--dtype", "float32",
-                 "--max-frames", "2")
+    result = run(
+        "bench",
+        "e2e",
+        "--model",
+        tiny_dir,
+        "--texts",
+        texts,
+        "--tree",
+        "4,4",
+        "--dtype",
+        "float32",
+        "--max-frames",
+        "2",
+    )
     assert result.exit_code == 2 and "must differ in size" in result.output
 
 
 def test_bench_decoder_times_each_length(tiny_dir, tmp_path):
-    result, report = run_json(tmp_path / "decoder.json", "bench", "decoder", "--model", tiny_dir, "--frames", "4,12",
-                              "--repeats", "1", "--dtype", "float32")
+    result, report = run_json(
+        tmp_path / "decoder.json",
+        "bench",
+        "decoder",
+        "--model",
+        tiny_dir,
+        "--frames",
+        "4,12",
+        "--repeats",
+        "1",
+        "--dtype",
+        "float32",
+    )
     assert [row["frames"] for row in report["rows"]] == [4, 12] and report["dtype"] == "float32"
-    assert all(row["ms"] > 0 and row["ms_per_frame"] == pytest.approx(row["ms"] / row["frames"], abs=0.05)
-               for row in report["rows"])
+    assert all(
+        row["ms"] > 0 and row["ms_per_frame"] == pytest.approx(row["ms"] / row["frames"], abs=0.05)
+        for row in report["rows"]
+    )
     assert "ms/frame" in result.output
 
 
 def test_bench_talker_times_both_steps_at_each_context(tiny_dir, tmp_path):
-    result, report = run_json(tmp_path / "talker.json", "bench", "talker", "--model", tiny_dir, "--contexts", "8,300",
-                              "--repeats", "2", "--dtype", "float32")
+    result, report = run_json(
+        tmp_path / "talker.json",
+        "bench",
+        "talker",
+        "--model",
+        tiny_dir,
+        "--contexts",
+        "8,300",
+        "--repeats",
+        "2",
+        "--dtype",
+        "float32",
+    )
     assert [row["context"] for row in report["rows"]] == [8, 300] and report["dtype"] == "float32"
-    assert all(row["stock_ms"] > 0 and row["ratio"] == pytest.approx(row["rvqtts_ms"] / row["stock_ms"], rel=0.05)
-               for row in report["rows"])
+    assert all(
+        row["stock_ms"] > 0 and row["ratio"] == pytest.approx(row["rvqtts_ms"] / row["stock_ms"], rel=0.05)
+        for row in report["rows"]
+    )
     assert "rvqtts / stock" in result.output and "rvqtts / floor" in result.output
     talker = Synthesizer.load(tiny_dir).talker
-    weights = sum(p.numel() for module in (talker.model.layers, talker.model.norm, talker.codec_head)
-                  for p in module.parameters())
+    weights = sum(
+        p.numel() for module in (talker.model.layers, talker.model.norm, talker.codec_head) for p in module.parameters()
+    )
     assert report["weights_mb"] == pytest.approx(4 * weights / 1e6, abs=1e-3)
-    assert all(row["ratio_to_floor"] == pytest.approx(row["rvqtts_ms"] / row["floor_ms"], rel=0.05)
-               for row in report["rows"])
-    matrices = sum(p.numel() for module in (talker.model.layers, talker.codec_head) for p in module.parameters()
-                   if p.dim() == 2)
+    assert all(
+        row["ratio_to_floor"] == pytest.approx(row["rvqtts_ms"] / row["floor_ms"], rel=0.05) for row in report["rows"]
+    )
+    matrices = sum(
+        p.numel() for module in (talker.model.layers, talker.codec_head) for p in module.parameters() if p.dim() == 2
+    )
     assert report["compute_floor_ms"] == pytest.approx(matrices / (report["peak_gmac_per_s"] * 1e6), rel=0.01)
     assert "multiply-adds at this device's peak" in result.output
 
@@ -240,13 +345,26 @@ def test_bench_refuses_unknown_dimensions():
 def test_a_measured_no_speculation_choice_runs_the_plain_loop(tmp_path, tiny, narrow):
     fingerprint = predictor_fingerprint(tiny.code_predictor)
     table = tmp_path / "never-acceptance.json"
-    save_acceptance({"acceptance": [[0.0], [0.0], [0.0]], "model_fingerprint": fingerprint,
-                     "source": "drafts never accepted"}, table)
+    save_acceptance(
+        {"acceptance": [[0.0], [0.0], [0.0]], "model_fingerprint": fingerprint, "source": "drafts never accepted"},
+        table,
+    )
     costs = tmp_path / "predictor.json"  # fixed costs: a tree call dearer than a plain step, as it always is
-    costs.write_text(json.dumps({"q": [1, 65], "ratio_to_q1": [1.0, 2.0], "ratio_to_stock_q1": [0.9, 1.8],
-                                 "device": "cpu", "dtype": "float32", "weights": "hand"}))
-    result, projection = run_json(tmp_path / "speedup.json", "bench", "speedup", "--predictor", costs,
-                                  "--acceptance", table, "--save")
+    costs.write_text(
+        json.dumps(
+            {
+                "q": [1, 65],
+                "ratio_to_q1": [1.0, 2.0],
+                "ratio_to_stock_q1": [0.9, 1.8],
+                "device": "cpu",
+                "dtype": "float32",
+                "weights": "hand",
+            }
+        )
+    )
+    result, projection = run_json(
+        tmp_path / "speedup.json", "bench", "speedup", "--predictor", costs, "--acceptance", table, "--save"
+    )
     assert projection["best_N"] == 0
     assert "runs the plain loop (no tree pays) for this model" in result.output
     assert best_budget("cpu/float32", fingerprint)[0] == 0

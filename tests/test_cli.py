@@ -22,8 +22,11 @@ runner = CliRunner()
 
 
 def digest(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def synth(*arguments, input=None):
@@ -35,8 +38,9 @@ def test_make_tiny_model_is_byte_reproducible_and_refuses_a_used_folder(tmp_path
     assert result.exit_code == 0, result.output
     assert digest(tmp_path / "again") == digest(tiny_dir)
     assert (tmp_path / "again").stat().st_mode & 0o777 == 0o777 & ~current_umask()
-    other = runner.invoke(app, ["make-tiny-model", str(tmp_path / "other"), "--seed", "1", "--codebook", "16",
-                                "--code-groups", "4"])
+    other = runner.invoke(
+        app, ["make-tiny-model", str(tmp_path / "other"), "--seed", "1", "--codebook", "16", "--code-groups", "4"]
+    )
     assert other.exit_code == 0 and digest(tmp_path / "other") != digest(tiny_dir)
     used = runner.invoke(app, ["make-tiny-model", str(tmp_path / "again")])
     assert used.exit_code == 2 and "already exists" in used.output
@@ -47,8 +51,22 @@ def test_make_tiny_model_is_byte_reproducible_and_refuses_a_used_folder(tmp_path
 def run_one(tmp_path, tiny_dir, name, *extra):
     """A float32 run with the 15-node tree (the defaults depend on the CPU), or as `extra` says."""
     wav, codes, stats = (tmp_path / f"{name}.{suffix}" for suffix in ("wav", "npy", "json"))
-    result = synth("Hello there.", "--model", tiny_dir, "-o", wav, "--codes-out", codes, "--stats-json", stats,
-                   "--dtype", "float32", "--tree", "15", *extra)
+    result = synth(
+        "Hello there.",
+        "--model",
+        tiny_dir,
+        "-o",
+        wav,
+        "--codes-out",
+        codes,
+        "--stats-json",
+        stats,
+        "--dtype",
+        "float32",
+        "--tree",
+        "15",
+        *extra,
+    )
     assert result.exit_code == 0, result.output
     return wav.read_bytes(), np.load(codes), json.loads(stats.read_text())
 
@@ -109,15 +127,20 @@ def test_long_text_is_chunked_and_joined(tmp_path, tiny_dir):
 
 def test_batch_writes_resumes_and_skips(tmp_path, tiny_dir):
     batch = tmp_path / "lines.jsonl"
-    batch.write_text('{"text": "One.", "out": "one"}\n{"text": "Two.", "speaker": "ryan"}\n'
-                     '{"text": "Three.", "language": "german"}\n')
+    batch.write_text(
+        '{"text": "One.", "out": "one"}\n{"text": "Two.", "speaker": "ryan"}\n'
+        '{"text": "Three.", "language": "german"}\n'
+    )
     out = tmp_path / "out"
     result = synth("-f", batch, "--out-dir", out, "--model", tiny_dir, "--stats-json", tmp_path / "s.json")
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == ["0002.wav", "0003.wav", "manifest.jsonl", "one.wav"]
     manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert [(m["name"], m["speaker"], m["language"]) for m in manifest] == [
-        ("one.wav", "vivian", "auto"), ("0002.wav", "ryan", "auto"), ("0003.wav", "vivian", "german")]
+        ("one.wav", "vivian", "auto"),
+        ("0002.wav", "ryan", "auto"),
+        ("0003.wav", "vivian", "german"),
+    ]
     stats = json.loads((tmp_path / "s.json").read_text())
     assert len(stats["utterances"]) == 3 and stats["total"]["frames"] == sum(m["frames"] for m in manifest)
     kept = (out / "one.wav").read_bytes()
@@ -148,7 +171,8 @@ def test_voices_lists_speakers_and_languages(tiny_dir):
     assert result.stdout.splitlines() == [
         "kind: CustomVoice (built-in speakers (--speaker), a style instruction (--instruct) on the 1.7B)",
         "speakers: aiden, dylan, eric, ono_anna, ryan, serena, sohee, uncle_fu, vivian",
-        "languages: auto, chinese, english, french, german, italian, japanese, korean, portuguese, russian, spanish"]
+        "languages: auto, chinese, english, french, german, italian, japanese, korean, portuguese, russian, spanish",
+    ]
 
 
 def test_bad_input_exits_2_with_its_message_and_writes_nothing(tmp_path, tiny_dir):
@@ -172,14 +196,21 @@ def test_bad_input_exits_2_with_its_message_and_writes_nothing(tmp_path, tiny_di
         (["Hi", *model, "-o", single, "--tree", bad_tree], "not closed under prefixes"),
         (["Hi", *model, "-o", single, "--tree", "5"], "no shipped tree has N = 5"),
         (["Hi", *model, "-o", single, "--offsets", tmp_path / "none.safetensors"], "cannot read offsets file"),
-        (["Hi", *model, "-o", single, "--offsets", wide], "has hidden size 1024, but the model's code predictor has 64"),
-        (["Hi", *model, "-o", single, "--offsets", shallow],
-         "the tree is 3 deep but the offsets draft only K = 2 codes"),
+        (
+            ["Hi", *model, "-o", single, "--offsets", wide],
+            "has hidden size 1024, but the model's code predictor has 64",
+        ),
+        (
+            ["Hi", *model, "-o", single, "--offsets", shallow],
+            "the tree is 3 deep but the offsets draft only K = 2 codes",
+        ),
         (["Hi", *model, "-o", a_file / "out.wav"], "is a file, not a folder"),
         (["Hi", *model, "-o", single, "--top-p", "0"], "top_p must be in (0, 1]"),
         (["Hi", "--model", tmp_path / "missing-model", "-o", single], "no model folder"),
-        (["Hi", "--model", "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "-o", single],
-         "the Hugging Face hub cannot be reached and the model is not in the local cache; pass --model PATH"),
+        (
+            ["Hi", "--model", "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "-o", single],
+            "the Hugging Face hub cannot be reached and the model is not in the local cache; pass --model PATH",
+        ),
         (["-f", tmp_path / "missing.txt", "--out-dir", tmp_path / "batch", *model], "cannot read batch file"),
         (["-f", malformed, "--out-dir", tmp_path / "batch", *model], "bad.jsonl:2: not valid JSON"),
         (["-f", unknown_voice, "--out-dir", tmp_path / "batch", *model], "voice.jsonl:2: unknown speaker 'nobody'"),
@@ -261,15 +292,17 @@ def test_output_formats_follow_the_suffix(tmp_path, tiny_dir):
 
 def test_max_frames_raises_the_limit_and_no_chunk_speaks_in_one_pass(tmp_path, tiny_dir):
     stats = tmp_path / "s.json"
-    result = synth("Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames", "40",
-                   "--stats-json", stats, "--no-spec")
+    result = synth(
+        "Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames", "40", "--stats-json", stats, "--no-spec"
+    )
     record = json.loads(stats.read_text())["utterances"][0]
     assert result.exit_code == 0 and record["frames"] == 40  # "Hi." alone warrants 33 frames
     assert record["accepted_per_depth"] == [0, 0, 0]  # K entries also when nothing was drafted
     text = "One short sentence. Another short sentence. A third short one."
     for extra, chunks in ((["--chunk-chars", "25"], 3), (["--no-chunk"], 1)):
-        result = synth(text, "--model", tiny_dir, "-o", tmp_path / "b.wav", "--max-frames", "3",
-                       "--stats-json", stats, *extra)
+        result = synth(
+            text, "--model", tiny_dir, "-o", tmp_path / "b.wav", "--max-frames", "3", "--stats-json", stats, *extra
+        )
         record = json.loads(stats.read_text())["utterances"][0]
         assert result.exit_code == 0 and record["chunks"] == chunks and record["frames"] == 3 * chunks
         assert len(record["accepted_per_depth"]) == 3
@@ -281,20 +314,21 @@ def test_sampling_defaults_come_from_the_checkpoint_and_flags_override(tmp_path,
     model = tmp_path / "model"
     shutil.copytree(tiny_dir, model)
     generation = json.loads((model / "generation_config.json").read_text())
-    generation.update(temperature=0.8, top_k=30, subtalker_temperature=0.6, subtalker_top_k=7,
-                      repetition_penalty=1.2)
+    generation.update(temperature=0.8, top_k=30, subtalker_temperature=0.6, subtalker_top_k=7, repetition_penalty=1.2)
     (model / "generation_config.json").write_text(json.dumps(generation))
     stats = tmp_path / "s.json"
 
     def sampling(*flags):
-        result = synth("Hi.", "--model", model, "-o", tmp_path / "a.wav", "--max-frames", "2", "--stats-json",
-                       stats, *flags)
+        result = synth(
+            "Hi.", "--model", model, "-o", tmp_path / "a.wav", "--max-frames", "2", "--stats-json", stats, *flags
+        )
         assert result.exit_code == 0, result.output
         return json.loads(stats.read_text())["utterances"][0]["sampling"]
 
-    assert sampling() == {"talker": {"temperature": 0.8, "top_k": 30, "top_p": 1.0, "do_sample": True,
-                                     "repetition_penalty": 1.2},
-                          "predictor": {"temperature": 0.6, "top_k": 7, "top_p": 1.0, "do_sample": True}}
+    assert sampling() == {
+        "talker": {"temperature": 0.8, "top_k": 30, "top_p": 1.0, "do_sample": True, "repetition_penalty": 1.2},
+        "predictor": {"temperature": 0.6, "top_k": 7, "top_p": 1.0, "do_sample": True},
+    }
     both = sampling("--temperature", "0.5", "--top-k", "9")
     assert both["talker"]["temperature"] == both["predictor"]["temperature"] == 0.5
     assert both["talker"]["top_k"] == both["predictor"]["top_k"] == 9
@@ -312,8 +346,10 @@ def test_non_finite_logits_stop_with_the_dtype_and_a_suggestion(tmp_path, tiny_d
         module = synthesizer.talker.codec_head if part == "talker" else synthesizer.code_predictor.lm_head[3]
         with torch.no_grad():
             module.weight[5, 0] = float("nan")
-        with pytest.raises(NonFiniteError, match=f"the {'talker' if part == 'talker' else 'code predictor'} "
-                                                 f"produced NaN or inf values in float32"):
+        with pytest.raises(
+            NonFiniteError,
+            match=f"the {'talker' if part == 'talker' else 'code predictor'} produced NaN or inf values in float32",
+        ):
             synthesizer.synthesize("Hi.", speaker="vivian", settings=GenerationSettings(max_frames=3))
 
 
@@ -333,9 +369,19 @@ def test_the_statistics_table_never_cuts_a_figure():
 
     from rvqtts.report import stats_table
 
-    record = dict(frames=1234, audio_seconds=98.72, predictor_calls=12345, codes_per_call=1.23456,
-                  wall_seconds=123.456, talker_seconds=45.678, predictor_seconds=67.891, decoder_seconds=9.876,
-                  rtf=1.2506, spec=True, tree_nodes=15)
+    record = dict(
+        frames=1234,
+        audio_seconds=98.72,
+        predictor_calls=12345,
+        codes_per_call=1.23456,
+        wall_seconds=123.456,
+        talker_seconds=45.678,
+        predictor_seconds=67.891,
+        decoder_seconds=9.876,
+        rtf=1.2506,
+        spec=True,
+        tree_nodes=15,
+    )
     console = Console(width=110, record=True, file=io.StringIO())
     console.print(stats_table([("/a/very/long/output/folder/name/that/goes/on/and/on/utterance-0001.wav", record)]))
     shown = console.export_text()

@@ -51,7 +51,7 @@ def test_a_voice_cloned_in_icl_mode_is_spoken_exactly_as_its_references_continua
     upstream = synth.model.speech_tokenizer.decode([{"audio_codes": joined}])[0][0]
     cut = int(len(voice.codes) / len(joined) * upstream.shape[0])
     assert upstream[cut:].size in (frames * 1920, frames * 1920 + 1)
-    assert np.abs(upstream[-frames * 1920:] - spoken.audio).max() < 1e-4
+    assert np.abs(upstream[-frames * 1920 :] - spoken.audio).max() < 1e-4
     assert not np.allclose(synth.decode(spoken.codes), spoken.audio, atol=1e-4)  # the reference matters
     stream = synth.stream("Hi there.", seed=3, clone=voice, settings=SETTINGS, frames_per_chunk=3)
     chunks = list(stream)
@@ -135,8 +135,10 @@ def test_bad_voice_input_fails_with_one_line_before_the_model_loads(base, tiny_d
         (["--voice", tmp_path / "missing.safetensors"], "no voice file"),
         (["--ref-audio", ref, "--x-vector-only", "--speaker", "vivian"], "has no built-in speakers"),
         (["--ref-audio", ref, "--x-vector-only", "--save-voice", tmp_path / "v.pt"], "must end in .safetensors"),
-        (["--voice", tmp_path / "v.safetensors", "--save-voice", tmp_path / "w.safetensors"],
-         "--save-voice writes the voice cloned from --ref-audio"),
+        (
+            ["--voice", tmp_path / "v.safetensors", "--save-voice", tmp_path / "w.safetensors"],
+            "--save-voice writes the voice cloned from --ref-audio",
+        ),
     ]
     for extra, message in cases:
         result = run_cli("synth", "Hi.", "--model", folder, *out, *extra)
@@ -149,9 +151,12 @@ def test_bad_voice_input_fails_with_one_line_before_the_model_loads(base, tiny_d
     refused = run_cli("synth", "-f", lines, "--out-dir", tmp_path / "batch", "--model", folder)
     assert refused.exit_code == 2 and "lines.jsonl:1: x-vector-only mode clones" in refused.output
     lines.write_text('{"text": "One."}\n{"text": "Two.", "ref_audio": "short.wav", "x_vector_only": true}\n')
-    refused = run_cli("synth", "-f", lines, "--out-dir", tmp_path / "batch", "--model", folder, "--voice",
-                      tmp_path / "v.safetensors")
-    assert refused.exit_code == 2 and "lines.jsonl:2: reference audio" in refused.output and "is 0.50 s" in refused.output
+    refused = run_cli(
+        "synth", "-f", lines, "--out-dir", tmp_path / "batch", "--model", folder, "--voice", tmp_path / "v.safetensors"
+    )
+    assert (
+        refused.exit_code == 2 and "lines.jsonl:2: reference audio" in refused.output and "is 0.50 s" in refused.output
+    )
     assert not (tmp_path / "out.wav").exists() and not (tmp_path / "batch").exists()
     assert not (tmp_path / "w.safetensors").exists()
 
@@ -159,15 +164,38 @@ def test_bad_voice_input_fails_with_one_line_before_the_model_loads(base, tiny_d
 def test_a_batch_speaks_each_lines_cloned_voice_and_a_saved_voice_is_the_same(base, tmp_path):
     folder, ref, _ = base
     model = ["--model", folder, "--max-frames", 6, "--dtype", "float32"]
-    saved = run_cli("synth", *model, "--ref-audio", ref, "--ref-text", REF_TEXT, "--save-voice",
-                    tmp_path / "v.safetensors")
+    saved = run_cli(
+        "synth", *model, "--ref-audio", ref, "--ref-text", REF_TEXT, "--save-voice", tmp_path / "v.safetensors"
+    )
     assert saved.exit_code == 0 and (tmp_path / "v.safetensors").is_file(), saved.output
     (tmp_path / "one.txt").write_text("One.\n")
-    alone = run_cli("synth", "-f", tmp_path / "one.txt", "--out-dir", tmp_path / "one", *model, "--ref-audio", ref,
-                    "--ref-text", REF_TEXT)
+    alone = run_cli(
+        "synth",
+        "-f",
+        tmp_path / "one.txt",
+        "--out-dir",
+        tmp_path / "one",
+        *model,
+        "--ref-audio",
+        ref,
+        "--ref-text",
+        REF_TEXT,
+    )
     assert alone.exit_code == 0, alone.output
-    spoken = run_cli("synth", "Hi.", *model, "--ref-audio", ref, "--ref-text", REF_TEXT, "--save-voice",
-                     tmp_path / "w.safetensors", "--stream", "-o", tmp_path / "hi.wav")  # both, streamed
+    spoken = run_cli(
+        "synth",
+        "Hi.",
+        *model,
+        "--ref-audio",
+        ref,
+        "--ref-text",
+        REF_TEXT,
+        "--save-voice",
+        tmp_path / "w.safetensors",
+        "--stream",
+        "-o",
+        tmp_path / "hi.wav",
+    )  # both, streamed
     assert spoken.exit_code == 0 and (tmp_path / "w.safetensors").is_file() and (tmp_path / "hi.wav").is_file()
     other = ClonedVoice(torch.zeros(64), None, None, "0" * 16, "elsewhere.wav")
     save_voice(other, tmp_path / "other.safetensors")
@@ -176,12 +204,18 @@ def test_a_batch_speaks_each_lines_cloned_voice_and_a_saved_voice_is_the_same(ba
     assert not (tmp_path / "no.wav").exists()
     (tmp_path / "ref.wav").write_bytes(ref.read_bytes())
     lines = tmp_path / "lines.jsonl"
-    lines.write_text("\n".join(json.dumps(line) for line in [
-        {"text": "One."},  # the batch's voice (--voice)
-        {"text": "Two.", "ref_audio": "ref.wav", "x_vector_only": True},
-        {"text": "Three.", "ref_audio": "ref.wav", "ref_text": REF_TEXT},
-        {"text": "Four.", "voice": "v.safetensors"},
-    ]) + "\n")
+    lines.write_text(
+        "\n".join(
+            json.dumps(line)
+            for line in [
+                {"text": "One."},  # the batch's voice (--voice)
+                {"text": "Two.", "ref_audio": "ref.wav", "x_vector_only": True},
+                {"text": "Three.", "ref_audio": "ref.wav", "ref_text": REF_TEXT},
+                {"text": "Four.", "voice": "v.safetensors"},
+            ]
+        )
+        + "\n"
+    )
     made = run_cli("synth", "-f", lines, "--out-dir", tmp_path / "out", *model, "--voice", tmp_path / "v.safetensors")
     assert made.exit_code == 0, made.output
     entries = [json.loads(line) for line in (tmp_path / "out" / "manifest.jsonl").read_text().splitlines()]
@@ -198,15 +232,35 @@ def test_offsets_and_trees_are_made_on_a_base_model_in_a_cloned_voice(base, tmp_
     folder, ref, synth = base
     save_voice(synth.clone_voice(ref, REF_TEXT), tmp_path / "v.safetensors")
     texts = tmp_path / "texts.jsonl"
-    texts.write_text('{"text": "One two three."}\n{"text": "Four five.", "ref_audio": "%s", "x_vector_only": true}\n'
-                     % ref)
+    texts.write_text(
+        '{"text": "One two three."}\n{"text": "Four five.", "ref_audio": "%s", "x_vector_only": true}\n' % ref
+    )
     train = ["train-offsets", "--model", folder, "--texts", texts, "--max-steps", 3, "-q"]
     refused = run_cli(*train, "--out", tmp_path / "refused.safetensors")
     assert refused.exit_code == 2 and "texts.jsonl:1: a Base model speaks a cloned voice" in refused.output
     assert not (tmp_path / "refused.safetensors").exists()
-    trained = run_cli(*train, "--out", tmp_path / "o.safetensors", "--voice", tmp_path / "v.safetensors",
-                      "--save-contexts", tmp_path / "frames.npz")
+    trained = run_cli(
+        *train,
+        "--out",
+        tmp_path / "o.safetensors",
+        "--voice",
+        tmp_path / "v.safetensors",
+        "--save-contexts",
+        tmp_path / "frames.npz",
+    )
     assert trained.exit_code == 0 and (tmp_path / "o.safetensors").is_file(), trained.output
-    made = run_cli("calibrate", "--model", folder, "--texts", texts, "--voice", tmp_path / "v.safetensors",
-                   "--budgets", "4", "--out-dir", tmp_path / "trees", "-q")
+    made = run_cli(
+        "calibrate",
+        "--model",
+        folder,
+        "--texts",
+        texts,
+        "--voice",
+        tmp_path / "v.safetensors",
+        "--budgets",
+        "4",
+        "--out-dir",
+        tmp_path / "trees",
+        "-q",
+    )
     assert made.exit_code == 0 and (tmp_path / "trees" / "reused-heads-n4.json").is_file(), made.output

@@ -24,14 +24,33 @@ from rvqtts.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
 from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer
 
-LINES = [{"text": "One."}, {"text": "Break."}, {"text": "Three.", "speaker": "ryan"},
-         {"text": "Four.", "out": "four.flac"}, {"text": "Five.", "language": "german"}]
+LINES = [
+    {"text": "One."},
+    {"text": "Break."},
+    {"text": "Three.", "speaker": "ryan"},
+    {"text": "Four.", "out": "four.flac"},
+    {"text": "Five.", "language": "german"},
+]
 OUTPUTS = ["0001.wav", "0003.wav", "0005.wav", "four.flac"]  # line 2 fails, everywhere
 FRAMES = 12  # --max-frames: short lines keep the module fast
-TIMINGS = {"wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds", "prefill_seconds",
-           "first_audio_seconds", "first_audio_split", "rtf"}
-RUN = dict(speaker="vivian", language="auto", instruct=None, seed=0, settings=GenerationSettings(max_frames=FRAMES),
-           chunk_chars=240)  # what `rvqtts synth --max-frames 12` runs
+TIMINGS = {
+    "wall_seconds",
+    "talker_seconds",
+    "predictor_seconds",
+    "decoder_seconds",
+    "prefill_seconds",
+    "first_audio_seconds",
+    "first_audio_split",
+    "rtf",
+}
+RUN = dict(
+    speaker="vivian",
+    language="auto",
+    instruct=None,
+    seed=0,
+    settings=GenerationSettings(max_frames=FRAMES),
+    chunk_chars=240,
+)  # what `rvqtts synth --max-frames 12` runs
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +58,15 @@ def cluster(tmp_path_factory):
     """A 2-CPU Ray cluster on this machine whose workers fail the line "Break." (tests/faults.py); yields
     its address and the job's runtime environment (for a second driver)."""
     here = str(Path(__file__).parent)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
-           "RVQTTS_CACHE": str(tmp_path_factory.mktemp("worker-cache")), "HF_HUB_OFFLINE": "1"}
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+        "RVQTTS_CACHE": str(tmp_path_factory.mktemp("worker-cache")),
+        "HF_HUB_OFFLINE": "1",
+    }
     runtime_env = {"env_vars": env, "worker_process_setup_hook": "faults.break_lines"}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,
-             runtime_env=runtime_env)
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR, runtime_env=runtime_env
+    )
     yield ray.get_runtime_context().gcs_address, runtime_env
     ray.shutdown()
 
@@ -85,11 +108,25 @@ def assert_same_outputs(folder: Path, local: Path) -> None:
     assert [entry["line"] for entry in manifest(folder)] == [1, 3, 4, 5]
 
 
-def test_a_ray_batch_writes_a_local_runs_files_and_reports_its_failing_line(cluster, corpus, local, tiny_dir,
-                                                                            tmp_path):
+def test_a_ray_batch_writes_a_local_runs_files_and_reports_its_failing_line(cluster, corpus, local, tiny_dir, tmp_path):
     out, stats = tmp_path / "out", tmp_path / "stats.json"
-    result = run_cli("synth", "-f", corpus, "--out-dir", out, "--model", tiny_dir, "--max-frames", FRAMES,
-                     "--ray", "auto", "--workers", 2, "--stats-json", stats)
+    result = run_cli(
+        "synth",
+        "-f",
+        corpus,
+        "--out-dir",
+        out,
+        "--model",
+        tiny_dir,
+        "--max-frames",
+        FRAMES,
+        "--ray",
+        "auto",
+        "--workers",
+        2,
+        "--stats-json",
+        stats,
+    )
     assert result.exit_code == 1, result.output
     assert "lines.jsonl:2: failed: RuntimeError: simulated failure" in result.output
     assert "4 written, 0 skipped" in result.output and "1 failed" in result.output
@@ -111,8 +148,9 @@ def test_a_killed_workers_line_is_made_by_another(cluster, corpus, local, tiny_d
             os.kill(killed[0], signal.SIGKILL)
 
     out = tmp_path / "out"
-    batch = synthesize_batch_on_ray(read_batch(corpus), out, WorkerSpec(str(tiny_dir)), RUN, workers=2,
-                                    on_done=kill_a_worker)
+    batch = synthesize_batch_on_ray(
+        read_batch(corpus), out, WorkerSpec(str(tiny_dir)), RUN, workers=2, on_done=kill_a_worker
+    )
     assert killed and [r.status for r in batch.results] == ["done", "failed", "done", "done", "done"]
     assert_same_outputs(out, local)
     totals = batch.totals()
@@ -143,19 +181,45 @@ synthesize_batch_on_ray(read_batch(corpus), Path(out), WorkerSpec(model), run, w
 """
 
 
-def test_a_killed_driver_leaves_whole_files_and_a_rerun_finishes_the_batch(cluster, corpus, local, tiny_dir,
-                                                                         tmp_path):
+def test_a_killed_driver_leaves_whole_files_and_a_rerun_finishes_the_batch(cluster, corpus, local, tiny_dir, tmp_path):
     address, runtime_env = cluster
     out = tmp_path / "out"
-    killed = subprocess.run([sys.executable, "-c", DRIVER, address, json.dumps(runtime_env), str(corpus), str(out),
-                             str(tiny_dir), str(FRAMES)], capture_output=True, text=True, timeout=300)
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            DRIVER,
+            address,
+            json.dumps(runtime_env),
+            str(corpus),
+            str(out),
+            str(tiny_dir),
+            str(FRAMES),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     written = sorted(p.name for p in out.iterdir() if p.name != MANIFEST)
     assert len(written) == 2 and len(manifest(out)) == 2  # two whole files and their entries, nothing partial
     for name in written:
         assert (out / name).read_bytes() == (local / name).read_bytes()
-    resumed = run_cli("synth", "-f", corpus, "--out-dir", out, "--model", tiny_dir, "--max-frames", FRAMES,
-                      "--ray", "auto", "--workers", 2)
+    resumed = run_cli(
+        "synth",
+        "-f",
+        corpus,
+        "--out-dir",
+        out,
+        "--model",
+        tiny_dir,
+        "--max-frames",
+        FRAMES,
+        "--ray",
+        "auto",
+        "--workers",
+        2,
+    )
     assert resumed.exit_code == 1 and "2 written, 2 skipped" in resumed.output, resumed.output
     assert_same_outputs(out, local)
 
@@ -163,14 +227,19 @@ def test_a_killed_driver_leaves_whole_files_and_a_rerun_finishes_the_batch(clust
 def test_a_model_that_overflows_or_does_not_load_stops_the_batch_with_one_line(cluster, tiny_dir, tmp_path):
     overflow = tmp_path / "overflow.txt"
     overflow.write_text("Overflow.\n")
-    result = run_cli("synth", "-f", overflow, "--out-dir", tmp_path / "out", "--model", tiny_dir, "--ray", "auto",
-                     "--workers", 1)
+    result = run_cli(
+        "synth", "-f", overflow, "--out-dir", tmp_path / "out", "--model", tiny_dir, "--ray", "auto", "--workers", 1
+    )
     assert result.exit_code == 1, result.output
-    assert result.output.strip().splitlines()[-1].startswith("rvqtts: error: the talker produced NaN or inf values "
-                                                              "in float16")
+    assert (
+        result.output.strip()
+        .splitlines()[-1]
+        .startswith("rvqtts: error: the talker produced NaN or inf values in float16")
+    )
     with pytest.raises(ClusterError, match="a worker could not load the model .*: ModelLoadError: .*missing"):
-        synthesize_batch_on_ray(read_batch(overflow), tmp_path / "out", WorkerSpec(str(tmp_path / "missing")), RUN,
-                                workers=1)
+        synthesize_batch_on_ray(
+            read_batch(overflow), tmp_path / "out", WorkerSpec(str(tmp_path / "missing")), RUN, workers=1
+        )
     assert not list((tmp_path / "out").glob("*"))  # nothing written
 
 
@@ -179,21 +248,25 @@ def test_ray_options_are_checked_before_anything_runs(tmp_path, tiny_dir, monkey
     lines.write_text("One.\n")
     out = tmp_path / "out"
     batch = ["synth", "-f", lines, "--out-dir", out, "--model", tiny_dir]
-    cases = [([*batch, "--workers", 2], "--workers, --cpus-per-worker and --gpus-per-worker are for --ray"),
-             (["synth", "Hi.", "-o", tmp_path / "a.wav", "--ray", "auto"], "--ray is for batch files"),
-             ([*batch, "--ray", "auto", "--workers", 0], "--workers must be at least 1"),
-             ([*batch, "--ray", "auto", "--device", "cuda"], "needs GPUs for the workers"),
-             ([*batch, "--ray", "auto", "--device", "cuda:1", "--gpus-per-worker", 1], "choose auto, cpu or cuda"),
-             ([*batch, "--ray", "auto", "--tree", tmp_path / "none.json"], "no such tree file"),
-             ([*batch, "--ray", "auto", "--dtype", "float8"], "unknown --dtype")]
+    cases = [
+        ([*batch, "--workers", 2], "--workers, --cpus-per-worker and --gpus-per-worker are for --ray"),
+        (["synth", "Hi.", "-o", tmp_path / "a.wav", "--ray", "auto"], "--ray is for batch files"),
+        ([*batch, "--ray", "auto", "--workers", 0], "--workers must be at least 1"),
+        ([*batch, "--ray", "auto", "--device", "cuda"], "needs GPUs for the workers"),
+        ([*batch, "--ray", "auto", "--device", "cuda:1", "--gpus-per-worker", 1], "choose auto, cpu or cuda"),
+        ([*batch, "--ray", "auto", "--tree", tmp_path / "none.json"], "no such tree file"),
+        ([*batch, "--ray", "auto", "--dtype", "float8"], "unknown --dtype"),
+    ]
     for arguments, message in cases:
         result = run_cli(*arguments)
         assert result.exit_code == 2 and message in result.output, (arguments, result.output)
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     result = run_cli(*batch, "--ray", "auto")
     assert result.exit_code == 2
-    assert result.output.strip() == ("rvqtts: error: --ray needs Ray, which is not installed: pip install "
-                                     "'rvqtts[ray]' (in a checkout: pip install -e '.[ray]')")
+    assert result.output.strip() == (
+        "rvqtts: error: --ray needs Ray, which is not installed: pip install "
+        "'rvqtts[ray]' (in a checkout: pip install -e '.[ray]')"
+    )
     assert not out.exists()
 
 
@@ -209,8 +282,19 @@ def test_a_ray_batch_speaks_cloned_voices_as_a_local_run_does(cluster, base_dir,
     soundfile.write(tmp_path / "ref.wav", samples, 24000)
     lines = tmp_path / "lines.jsonl"
     lines.write_text('{"text": "One."}\n{"text": "Two.", "ref_audio": "ref.wav", "x_vector_only": true}\n')
-    batch = ["synth", "-f", lines, "--model", base, "--max-frames", 6, "--ref-audio", tmp_path / "ref.wav",
-             "--ref-text", "Hello there."]
+    batch = [
+        "synth",
+        "-f",
+        lines,
+        "--model",
+        base,
+        "--max-frames",
+        6,
+        "--ref-audio",
+        tmp_path / "ref.wav",
+        "--ref-text",
+        "Hello there.",
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers' thread count (float32 audio depends on it)
     try:
@@ -242,9 +326,29 @@ def test_a_driver_whose_ray_node_dies_stops_with_one_line_and_keeps_its_files(ti
     lines = tmp_path / "lines.txt"
     lines.write_text("".join(f"Line {n} of the batch.\n" for n in range(1, 9)))
     env = {**os.environ, "RAY_ADDRESS": "local"}  # a cluster of its own, not this module's
-    driver = subprocess.Popen([shutil.which("rvqtts"), "synth", "-f", str(lines), "--out-dir", str(out),
-                               "--model", str(tiny_dir), "--max-frames", "60", "--ray", "auto", "--workers", "2", "-q"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [
+            shutil.which("rvqtts"),
+            "synth",
+            "-f",
+            str(lines),
+            "--out-dir",
+            str(out),
+            "--model",
+            str(tiny_dir),
+            "--max-frames",
+            "60",
+            "--ray",
+            "auto",
+            "--workers",
+            "2",
+            "-q",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not list(out.glob("*.wav")) and time.monotonic() < deadline and driver.poll() is None:

@@ -60,8 +60,9 @@ def package_path(tiny_package) -> Path:
     return Path(result.output.strip().splitlines()[-1])
 
 
-def codes_agreement(decoder: FusedDecoder, synth, speculation: Speculation, sampling: SamplingConfig,
-                    frames: int = 24) -> tuple[int, int]:
+def codes_agreement(
+    decoder: FusedDecoder, synth, speculation: Speculation, sampling: SamplingConfig, frames: int = 24
+) -> tuple[int, int]:
     """Codes the decoder and the engine agree on over the same frames and noise, and codes compared."""
     engine = InnerLoop(synth.code_predictor, speculation, seed=3)
     same = total = 0
@@ -84,11 +85,16 @@ def emulated_predictors(traced: FusedCalls, signatures) -> dict:
 
     def predictor(module, signature):
         def predict(feed: dict) -> dict:
-            args = [torch.from_numpy(feed[name]).to(torch.long if dtype == np.int32 else torch.float32)
-                    for name, _, dtype in signature.inputs]
+            args = [
+                torch.from_numpy(feed[name]).to(torch.long if dtype == np.int32 else torch.float32)
+                for name, _, dtype in signature.inputs
+            ]
             outputs = module(*args)
-            return {name: value.numpy().astype(np.int32 if value.dtype == torch.long else np.float16)
-                    for name, value in zip(signature.outputs, outputs)}
+            return {
+                name: value.numpy().astype(np.int32 if value.dtype == torch.long else np.float16)
+                for name, value in zip(signature.outputs, outputs)
+            }
+
         return predict
 
     return {name: predictor(getattr(traced, name), signatures[name]) for name in FUNCTIONS}
@@ -136,8 +142,13 @@ def test_export_writes_a_package_with_the_declared_interface(tiny, tiny_package,
     queries = {name: dict((n, s) for n, s, _ in signatures[name].inputs)["noise"][0] for name in FUNCTIONS}
     assert queries == {"prefill": 2, "round": 9, "step": 1}
     assert dict((n, t) for n, _, t in signatures["round"].inputs) == {
-        "codes": np.int32, "index": np.int32, "k_cache": np.float16, "v_cache": np.float16, "mask": np.float16,
-        "noise": np.float16}
+        "codes": np.int32,
+        "index": np.int32,
+        "k_cache": np.float16,
+        "v_cache": np.float16,
+        "mask": np.float16,
+        "noise": np.float16,
+    }
     again = run_cli("export-coreml", "--model", tiny_dir, "--out", out, "--tree", "8", "--precision", "fp16")
     assert again.exit_code == 0 and "already exported" in again.output
 
@@ -147,11 +158,13 @@ def test_the_host_runs_the_package_interface(tiny, tiny_package):
     back, fused frames decoded), with the traced graphs answering for Core ML: the engine's codes, up to
     float16 rounding of the cache and noise that the package's inputs impose."""
     speculation, sampling = exported_drafting(tiny), SamplingConfig()
-    signatures = check_package(package_path(tiny_package), PackageKey.build(tiny.code_predictor, speculation,
-                                                                            sampling, "w8a16", "macOS15"))
+    signatures = check_package(
+        package_path(tiny_package), PackageKey.build(tiny.code_predictor, speculation, sampling, "w8a16", "macOS15")
+    )
     traced, _ = trace_calls(tiny.code_predictor, speculation.tree, speculation.offsets.vectors, sampling)
-    decoder = FusedDecoder(package_calls(signatures, emulated_predictors(traced, signatures)), speculation.tree,
-                           sampling)
+    decoder = FusedDecoder(
+        package_calls(signatures, emulated_predictors(traced, signatures)), speculation.tree, sampling
+    )
     assert decoder.k_cache.dtype == torch.float16
     same, total = codes_agreement(decoder, tiny, speculation, sampling)
     assert same / total >= 0.97, f"{same} of {total} codes agree"
@@ -174,8 +187,13 @@ def test_export_at_the_real_predictor_dimensions(tmp_path):
     """Random weights at the 0.6B predictor's dimensions, W8A16: about one byte per weight."""
     predictor = random_code_predictor("0.6b", torch.float32, "cpu")
     weights = sum(p.numel() for p in predictor.parameters())
-    exported = export_package(predictor, Speculation(resolve_tree("15"), Offsets.zeros(3, 1024)), SamplingConfig(),
-                              tmp_path, precision="w8a16")
+    exported = export_package(
+        predictor,
+        Speculation(resolve_tree("15"), Offsets.zeros(3, 1024)),
+        SamplingConfig(),
+        tmp_path,
+        precision="w8a16",
+    )
     assert 0.8 < exported.bytes / weights < 1.2, (exported.bytes, weights)
     key, signatures = read_package(exported.path)
     assert key.precision == "w8a16" and len(key.tree) == 15
@@ -183,9 +201,11 @@ def test_export_at_the_real_predictor_dimensions(tmp_path):
 
 
 def test_export_refuses_what_the_graph_cannot_do(tiny_dir, tmp_path):
-    for options, message in [(["--top-k", "50", "--precision", "int4"], "unknown precision"),
-                             (["--min-target", "macOS14"], "macOS15 or later"),
-                             (["--temperature", "0"], "temperature")]:
+    for options, message in [
+        (["--top-k", "50", "--precision", "int4"], "unknown precision"),
+        (["--min-target", "macOS14"], "macOS15 or later"),
+        (["--temperature", "0"], "temperature"),
+    ]:
         result = run_cli("export-coreml", "--model", tiny_dir, "--out", tmp_path / "out", *options)
         assert result.exit_code == 2 and message in result.output, result.output
     assert not (tmp_path / "out").exists()
@@ -218,9 +238,28 @@ def test_synth_with_coreml_gives_the_torch_codes(tiny_dir, tmp_path):
     runs = {}
     for backend in ("torch", "coreml"):
         wav, codes = tmp_path / f"{backend}.wav", tmp_path / f"{backend}.npy"
-        result = run_cli("synth", "Hello there, how are you?", "--model", tiny_dir, "-o", wav, "--backend", backend,
-                         "--tree", "8", "--max-frames", "12", "--seed", "4", "--codes-out", codes,
-                         "--device", "cpu", "--compute-units", "cpu_only")
+        result = run_cli(
+            "synth",
+            "Hello there, how are you?",
+            "--model",
+            tiny_dir,
+            "-o",
+            wav,
+            "--backend",
+            backend,
+            "--tree",
+            "8",
+            "--max-frames",
+            "12",
+            "--seed",
+            "4",
+            "--codes-out",
+            codes,
+            "--device",
+            "cpu",
+            "--compute-units",
+            "cpu_only",
+        )
         assert result.exit_code == 0, result.output
         assert soundfile.info(str(wav)).frames > 0
         runs[backend] = np.load(codes)
@@ -241,10 +280,12 @@ def test_synthesis_runs_its_inner_loop_on_a_package(tiny_dir, tiny_package):
 
     reference = run(settings=settings)
     signatures = read_package(path)[1]
-    traced, _ = trace_calls(synth.code_predictor, synth.speculation.tree, synth.speculation.offsets.vectors,
-                            SamplingConfig())
-    synth.fused = FusedDecoder(package_calls(signatures, emulated_predictors(traced, signatures)),
-                               synth.speculation.tree, SamplingConfig())
+    traced, _ = trace_calls(
+        synth.code_predictor, synth.speculation.tree, synth.speculation.offsets.vectors, SamplingConfig()
+    )
+    synth.fused = FusedDecoder(
+        package_calls(signatures, emulated_predictors(traced, signatures)), synth.speculation.tree, SamplingConfig()
+    )
     spec = run(settings=settings)
     assert spec.codes.shape == reference.codes.shape and (spec.codes == reference.codes).mean() >= 0.9
     assert spec.stats.calls < spec.stats.codes  # tree rounds ran on the package
@@ -260,8 +301,21 @@ def test_synthesis_runs_its_inner_loop_on_a_package(tiny_dir, tiny_package):
 @pytest.mark.skipif(sys.platform == "darwin", reason="off macOS, PyTorch float16 stands in for the package")
 def test_bench_coreml_measures_agreement_with_the_float32_engine(tiny, tiny_dir, tmp_path):
     save_contexts(random_contexts(tiny, 12), tmp_path / "frames.npz")
-    result = run_cli("bench", "coreml", "--model", tiny_dir, "--contexts", tmp_path / "frames.npz", "--tree", "8",
-                     "--frames", "10", "--json", tmp_path / "agreement.json", "--quiet")
+    result = run_cli(
+        "bench",
+        "coreml",
+        "--model",
+        tiny_dir,
+        "--contexts",
+        tmp_path / "frames.npz",
+        "--tree",
+        "8",
+        "--frames",
+        "10",
+        "--json",
+        tmp_path / "agreement.json",
+        "--quiet",
+    )
     assert result.exit_code == 0, result.output
     figures = json.loads((tmp_path / "agreement.json").read_text())
     assert figures["candidate"] == "pytorch float16 (proxy)" and figures["frames"] == 10

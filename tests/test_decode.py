@@ -19,9 +19,11 @@ from rvqtts.engine.sampling import SamplingConfig, target_probs
 from rvqtts.engine.tree import grow_tree
 
 # A plausible acceptance table (falling with depth and rank) to shape trees of any budget.
-TABLE = [[0.5, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.01] * 2,
-         [0.4, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01] * 2,
-         [0.3, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01, 0.01] * 2]
+TABLE = [
+    [0.5, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.01] * 2,
+    [0.4, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01] * 2,
+    [0.3, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01, 0.01] * 2,
+]
 
 
 def random_offsets(hidden: int, seed: int) -> Offsets:
@@ -64,8 +66,11 @@ def test_speculative_codes_equal_plain_codes(which, budget, request):
 def test_codes_per_call_is_counted_from_real_calls(narrow, monkeypatch):
     calls = []
     original = rvqtts.engine.predictor.PredictorRunner.forward
-    monkeypatch.setattr(rvqtts.engine.predictor.PredictorRunner, "forward",
-                        lambda self, *args, **kwargs: calls.append(1) or original(self, *args, **kwargs))
+    monkeypatch.setattr(
+        rvqtts.engine.predictor.PredictorRunner,
+        "forward",
+        lambda self, *args, **kwargs: calls.append(1) or original(self, *args, **kwargs),
+    )
     speculation = Speculation(grow_tree(TABLE, 16), random_offsets(narrow.hidden_size, 0))
     frames = 50
     codes, stats = decode_many(narrow, speculation, frames)
@@ -156,8 +161,9 @@ def test_static_calls_give_the_eager_codes(narrow):
         eager, _ = decode_many(narrow, spec, frames)
         loop = InnerLoop(narrow.code_predictor, spec, seed=11)
         loop.calls = StaticCalls("emulated")
-        static = [loop.decode(random_prefix(narrow, seed=f), SamplingConfig(), utterance=0, frame=f)
-                  for f in range(frames)]
+        static = [
+            loop.decode(random_prefix(narrow, seed=f), SamplingConfig(), utterance=0, frame=f) for f in range(frames)
+        ]
         assert static == eager
         kinds = {key[0] for key in loop.calls.entries}
         assert kinds == ({"prefill", "step"} if spec is None else {"prefill", "round"})

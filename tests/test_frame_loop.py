@@ -45,10 +45,10 @@ def test_talker_runner_matches_the_stock_talker_over_a_whole_utterance(name, req
     codes = synth.synthesize(TEXT, "vivian", "english", seed=2, settings=GenerationSettings(max_frames=30)).codes
     prompt = synth.prompt(TEXT, "vivian", "english")
     runner = TalkerRunner(synth.talker)
-    inputs = [prompt.embeds] + [runner.frame_input(torch.from_numpy(codes[n]), prompt.text_after(n))
-                                for n in range(len(codes))]
-    ours = [runner.prefill(prompt.embeds)[1]] + [runner.step(x, prompt.length + n)[1]
-                                                 for n, x in enumerate(inputs[1:])]
+    inputs = [prompt.embeds] + [
+        runner.frame_input(torch.from_numpy(codes[n]), prompt.text_after(n)) for n in range(len(codes))
+    ]
+    ours = [runner.prefill(prompt.embeds)[1]] + [runner.step(x, prompt.length + n)[1] for n, x in enumerate(inputs[1:])]
     stock = stock_logits(synth.talker, inputs)
     assert len(codes) >= 20 and prompt.length > 10
     assert max(float((a - b).abs().max()) for a, b in zip(ours, stock)) <= 1e-4
@@ -58,11 +58,9 @@ def test_the_talker_cache_grows_past_its_first_allocation_without_losing_what_it
     """Steps far past the first 256 slots, the cache growing mid-utterance, against the stock talker."""
     prompt = tiny.prompt(TEXT, "vivian", "english")
     generator = torch.Generator().manual_seed(1)
-    inputs = [prompt.embeds] + [torch.randn(1, tiny.talker.config.hidden_size, generator=generator)
-                                for _ in range(300)]
+    inputs = [prompt.embeds] + [torch.randn(1, tiny.talker.config.hidden_size, generator=generator) for _ in range(300)]
     runner = TalkerRunner(tiny.talker)
-    ours = [runner.prefill(prompt.embeds)[1]] + [runner.step(x, prompt.length + n)[1]
-                                                 for n, x in enumerate(inputs[1:])]
+    ours = [runner.prefill(prompt.embeds)[1]] + [runner.step(x, prompt.length + n)[1] for n, x in enumerate(inputs[1:])]
     assert runner.max_len == 512 and prompt.length + 300 > 256
     assert max(float((a - b).abs().max()) for a, b in zip(ours, stock_logits(tiny.talker, inputs))) <= 1e-4
 
@@ -82,8 +80,11 @@ def test_talker_steps_replayed_through_static_calls_equal_eager_steps(tiny):
 
 def greedy(synth, penalty: float) -> ResolvedSampling:
     sampling = synth.sampling(GenerationSettings(repetition_penalty=penalty))
-    return ResolvedSampling(dataclasses.replace(sampling.talker, do_sample=False),
-                            dataclasses.replace(sampling.predictor, do_sample=False), penalty)
+    return ResolvedSampling(
+        dataclasses.replace(sampling.talker, do_sample=False),
+        dataclasses.replace(sampling.predictor, do_sample=False),
+        penalty,
+    )
 
 
 @pytest.mark.parametrize("name, penalty", [("tiny", 1.05), ("small", 1.05), ("small", 3.0)])
@@ -95,24 +96,36 @@ def test_greedy_frames_equal_stock_qwen_tts(name, penalty, request):
     tts, frames = tiny.tts, 40
     sampling = greedy(tiny, penalty)
     ids = tts._tokenize_texts([tts._build_assistant_text(TEXT)])
-    stock, _ = tts.model.generate(input_ids=ids, instruct_ids=[None], languages=["english"], speakers=["vivian"],
-                                  non_streaming_mode=True, **sampling.generate_kwargs(frames))
+    stock, _ = tts.model.generate(
+        input_ids=ids,
+        instruct_ids=[None],
+        languages=["english"],
+        speakers=["vivian"],
+        non_streaming_mode=True,
+        **sampling.generate_kwargs(frames),
+    )
     ours = np.stack(list(tiny.frame_loop(sampling, 0, 0).run(tiny.prompt(TEXT, "vivian", "english"), frames)))
     assert np.array_equal(stock[0].numpy(), ours)
     if penalty > 2:  # the penalty binds: without it, greedy decoding goes elsewhere
-        unpenalized = np.stack(list(tiny.frame_loop(greedy(tiny, 1.0), 0, 0).run(
-            tiny.prompt(TEXT, "vivian", "english"), frames)))
+        unpenalized = np.stack(
+            list(tiny.frame_loop(greedy(tiny, 1.0), 0, 0).run(tiny.prompt(TEXT, "vivian", "english"), frames))
+        )
         assert not np.array_equal(unpenalized[:, 0], ours[:, 0])
 
 
 def hf_c0_probs(logits: torch.Tensor, history: list[int], eos: int, sampling, penalty: float) -> torch.Tensor:
     """The c0 distribution as Hugging Face's generate() computes it, with the processors qwen-tts asks for."""
     vocab = logits.shape[-1]
-    processors = LogitsProcessorList([
-        RepetitionPenaltyLogitsProcessor(penalty), MinNewTokensLengthLogitsProcessor(0, 2, eos),
-        SuppressTokensLogitsProcessor([i for i in range(vocab - 1024, vocab) if i != eos]),
-        TemperatureLogitsWarper(sampling.temperature), TopKLogitsWarper(sampling.top_k),
-        TopPLogitsWarper(sampling.top_p)])
+    processors = LogitsProcessorList(
+        [
+            RepetitionPenaltyLogitsProcessor(penalty),
+            MinNewTokensLengthLogitsProcessor(0, 2, eos),
+            SuppressTokensLogitsProcessor([i for i in range(vocab - 1024, vocab) if i != eos]),
+            TemperatureLogitsWarper(sampling.temperature),
+            TopKLogitsWarper(sampling.top_k),
+            TopPLogitsWarper(sampling.top_p),
+        ]
+    )
     scores = processors(torch.tensor([history]), logits[None].float().clone())
     return scores.softmax(-1)[0]
 
@@ -169,8 +182,12 @@ def test_an_utterance_depends_only_on_its_own_inputs_and_not_on_torch_generator(
 
 
 def test_no_upstream_method_is_replaced_while_synthesizing(tiny):
-    parts = {"talker": tiny.talker, "code predictor": tiny.code_predictor,
-             "speech tokenizer": tiny.model.speech_tokenizer, "model": tiny.model}
+    parts = {
+        "talker": tiny.talker,
+        "code predictor": tiny.code_predictor,
+        "speech tokenizer": tiny.model.speech_tokenizer,
+        "model": tiny.model,
+    }
     seen: list[str] = []
 
     def look(prefix, codes) -> None:

@@ -17,9 +17,11 @@ from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
 from rvqtts.engine.tree import grow_tree
 from rvqtts.synthesis import Synthesizer
 
-TABLE = [[0.5, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.01] * 2,
-         [0.4, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01] * 2,
-         [0.3, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01, 0.01] * 2]
+TABLE = [
+    [0.5, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.01] * 2,
+    [0.4, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01] * 2,
+    [0.3, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01, 0.01] * 2,
+]
 
 
 @pytest.mark.parametrize("which", ["tiny", "narrow"])
@@ -51,15 +53,20 @@ def test_the_fused_round_traces_to_a_static_graph(tiny_dir):
     synth = Synthesizer.load(tiny_dir)
     synth.code_predictor.requires_grad_(False)  # traced weights become constants
     tree = grow_tree(TABLE, 8)
-    decoder = FusedDecoder.pytorch(PredictorRunner(synth.code_predictor, 16), tree, torch.zeros(3, synth.hidden_size),
-                                 SamplingConfig())
+    decoder = FusedDecoder.pytorch(
+        PredictorRunner(synth.code_predictor, 16), tree, torch.zeros(3, synth.hidden_size), SamplingConfig()
+    )
     q, generator = tree.nodes + 1, torch.Generator().manual_seed(0)
 
     def inputs(index: int):
-        return (torch.randint(0, 2048, (q,), generator=generator), torch.tensor([index]),
-                torch.randn(decoder.k_cache.shape, generator=generator),
-                torch.randn(decoder.v_cache.shape, generator=generator),
-                decoder.mask(index + 1, decoder.ancestors), torch.randn(q, 2048, generator=generator))
+        return (
+            torch.randint(0, 2048, (q,), generator=generator),
+            torch.tensor([index]),
+            torch.randn(decoder.k_cache.shape, generator=generator),
+            torch.randn(decoder.v_cache.shape, generator=generator),
+            decoder.mask(index + 1, decoder.ancestors),
+            torch.randn(q, 2048, generator=generator),
+        )
 
     with torch.no_grad():
         traced = torch.jit.trace(decoder.calls.round, inputs(3), check_trace=False)
@@ -67,8 +74,14 @@ def test_the_fused_round_traces_to_a_static_graph(tiny_dir):
             example = inputs(index)
             for ours, theirs in zip(decoder.calls.round(*example), traced(*example)):
                 assert torch.equal(ours, theirs)
-        step = (torch.tensor([7]), torch.tensor([4]), decoder.k_cache, decoder.v_cache,
-                decoder.mask(5, torch.zeros(1, 1)), torch.randn(1, 2048, generator=generator))
+        step = (
+            torch.tensor([7]),
+            torch.tensor([4]),
+            decoder.k_cache,
+            decoder.v_cache,
+            decoder.mask(5, torch.zeros(1, 1)),
+            torch.randn(1, 2048, generator=generator),
+        )
         traced_step = torch.jit.trace(decoder.calls.step, step, check_trace=False)
         later = (step[0], torch.tensor([14]), *step[2:4], decoder.mask(15, torch.zeros(1, 1)), step[5])
         assert all(torch.equal(a, b) for a, b in zip(decoder.calls.step(*later), traced_step(*later)))

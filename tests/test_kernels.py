@@ -56,8 +56,13 @@ def test_the_fastest_row_invariant_kernel_wins_and_a_faster_variant_one_is_passe
     costs = {"mv+linear": 3.0, "linear": 1.0, "mv+packed": 2.0, "packed": 1.5}
     invariant = {"mv+linear": 1, "linear": None, "mv+packed": 1, "packed": 2}
     monkeypatch.setattr(kernels, "invariant_pad", lambda weight, kernel: invariant[kernel.name])
-    monkeypatch.setattr(kernels, "time_kernels", lambda weight, found, rows=(1, 17): {
-        k.name: {count: costs[k.name.split("/pad")[0]] for count in rows} for k in found})
+    monkeypatch.setattr(
+        kernels,
+        "time_kernels",
+        lambda weight, found, rows=(1, 17): {
+            k.name: {count: costs[k.name.split("/pad")[0]] for count in rows} for k in found
+        },
+    )
     monkeypatch.setattr(kernels, "packing_available", lambda dtype: True)
     choice = kernels.measure_choice((8, 8), torch.float32, "native")
     assert choice.kernel == Kernel("packed", pad=2) and choice.row_invariant is True
@@ -71,11 +76,18 @@ def test_the_fastest_row_invariant_kernel_wins_and_a_faster_variant_one_is_passe
 def test_one_row_cost_decides_then_17_rows_and_a_prompt_runs_f_linear_where_that_is_faster(measured, monkeypatch):
     """Steps are one-row calls: the fastest kernel there wins unless another is within STEP_TIE of it and
     cheaper at 17 rows; a prompt's rows go through F.linear where it measured faster at PROMPT_ROWS."""
-    costs = {"mv+linear": {1: 1.0, 17: 9.0}, "linear": {1: 2.0, 17: 2.0, 64: 4.0},
-             "mv+packed": {1: 1.04, 17: 3.0, 64: 10.0}, "packed": {1: 1.5, 17: 1.0}}
+    costs = {
+        "mv+linear": {1: 1.0, 17: 9.0},
+        "linear": {1: 2.0, 17: 2.0, 64: 4.0},
+        "mv+packed": {1: 1.04, 17: 3.0, 64: 10.0},
+        "packed": {1: 1.5, 17: 1.0},
+    }
     monkeypatch.setattr(kernels, "invariant_pad", lambda weight, kernel: 1)
-    monkeypatch.setattr(kernels, "time_kernels", lambda weight, found, rows=(1, 17): {
-        k.name: {count: costs[k.name][count] for count in rows} for k in found})
+    monkeypatch.setattr(
+        kernels,
+        "time_kernels",
+        lambda weight, found, rows=(1, 17): {k.name: {count: costs[k.name][count] for count in rows} for k in found},
+    )
     monkeypatch.setattr(kernels, "packing_available", lambda dtype: True)
     choice = kernels.measure_choice((8, 8), torch.float32, "native")
     assert choice.kernel == Kernel("packed", one_row_mv=True) and choice.bulk == Kernel("linear")
@@ -129,8 +141,11 @@ def test_dtype_auto_on_a_cpu_is_the_cheaper_measured_frame(measured, monkeypatch
     from rvqtts.loading import model_config
 
     costs = {"bfloat16": 10.0, "float32": 20.0} if cheaper == "bfloat16" else {"bfloat16": 30.0, "float32": 20.0}
-    monkeypatch.setattr(rvqtts.engine.devices, "frame_map_ms", lambda config, dtype, weights, progress: costs[
-        str(dtype).removeprefix("torch.")])
+    monkeypatch.setattr(
+        rvqtts.engine.devices,
+        "frame_map_ms",
+        lambda config, dtype, weights, progress: costs[str(dtype).removeprefix("torch.")],
+    )
     dtype, reason = rvqtts.engine.devices.pick_dtype("auto", "cpu", model_config(tiny_dir).talker_config)
     assert dtype == cheaper and f"{costs[cheaper]:.1f} ms in {cheaper}" in reason and "--dtype" in reason
     assert rvqtts.engine.devices.pick_dtype("float32", "cpu", None) == ("float32", None)
@@ -164,8 +179,9 @@ def test_measured_kernels_keep_speculative_codes_equal_to_plain_codes(measured, 
     """Whatever kernels the measurement picks (all row-invariant where any is: both dtypes on the CPUs
     measured so far, float32 included), every frame of a tree run equals the plain run's."""
     synth = Synthesizer.load(released_06_dir, dtype=dtype)
-    speculation = Speculation(resolve_tree("15"), Offsets(torch.randn(3, 1024, generator=torch.Generator()
-                                                                      .manual_seed(3)) * 0.5))
+    speculation = Speculation(
+        resolve_tree("15"), Offsets(torch.randn(3, 1024, generator=torch.Generator().manual_seed(3)) * 0.5)
+    )
     plain, _ = decode_frames(synth, None, 20)
     spec, stats = decode_frames(synth, speculation, 20)
     if linear_maps_are_row_invariant(synth.code_predictor):
@@ -176,8 +192,20 @@ def test_measured_kernels_keep_speculative_codes_equal_to_plain_codes(measured, 
 
 
 def test_a_run_records_its_device_dtype_and_kernels(tiny_dir, tmp_path):
-    result = run("synth", "Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames", "3", "--dtype",
-                 "float32", "--stats-json", tmp_path / "s.json")
+    result = run(
+        "synth",
+        "Hi.",
+        "--model",
+        tiny_dir,
+        "-o",
+        tmp_path / "a.wav",
+        "--max-frames",
+        "3",
+        "--dtype",
+        "float32",
+        "--stats-json",
+        tmp_path / "s.json",
+    )
     assert result.exit_code == 0, result.output
     stats = json.loads((tmp_path / "s.json").read_text())
     engine = stats["utterances"][0]["engine"]

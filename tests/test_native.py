@@ -24,10 +24,12 @@ from rvqtts.engine.quantize import quantize_rows
 from rvqtts.engine.tree import resolve_tree
 from rvqtts.synthesis import Synthesizer
 
-needs_kernel = pytest.mark.skipif(native.unavailable() is not None,
-                                  reason=f"rvqtts's kernel does not run here: {native.unavailable()}")
-needs_amx = pytest.mark.skipif(native.amx_unavailable() is not None,
-                               reason=f"rvqtts's AMX kernels do not run here: {native.amx_unavailable()}")
+needs_kernel = pytest.mark.skipif(
+    native.unavailable() is not None, reason=f"rvqtts's kernel does not run here: {native.unavailable()}"
+)
+needs_amx = pytest.mark.skipif(
+    native.amx_unavailable() is not None, reason=f"rvqtts's AMX kernels do not run here: {native.amx_unavailable()}"
+)
 # Each of the library's kernels, those on AMX tiles skipped on CPUs without them.
 BF16_KERNELS = ["bf16dot", pytest.param("bf16amx", marks=needs_amx)]
 INT8_KERNELS = ["int8dot", pytest.param("int8amx", marks=needs_amx)]
@@ -40,15 +42,16 @@ def _sample(generator: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=generator).to(torch.bfloat16)
 
 
-def _within_rounding(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                     ) -> bool:
+def _within_rounding(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> bool:
     """Whether `out` is x W^T (+ bias) up to its roundings to bfloat16 and the float32 sums of its terms
     (a wrong layout or scale is off by the size of the terms)."""
     exact = x.double() @ weight.double().T
     size = x.double().abs() @ weight.double().abs().T
     if bias is not None:
         exact, size = exact + bias.double(), size + bias.double().abs()
-    return bool(((out.double() - exact).abs() <= exact.abs() * 2 ** -7 + size * 2 ** -12).all())
+    return bool(((out.double() - exact).abs() <= exact.abs() * 2**-7 + size * 2**-12).all())
 
 
 @needs_kernel
@@ -115,8 +118,10 @@ def test_the_amx_kernels_are_candidates_where_the_inputs_fill_their_tiles():
 
 
 def test_a_machine_that_cannot_build_it_says_why_and_offers_the_other_kernels(tmp_path):
-    script = ("import torch; from rvqtts import native, kernels; print(native.unavailable()); "
-              "print([k.name for k in kernels.candidates(torch.device('cpu'), torch.bfloat16, 'native', (64, 64))])")
+    script = (
+        "import torch; from rvqtts import native, kernels; print(native.unavailable()); "
+        "print([k.name for k in kernels.candidates(torch.device('cpu'), torch.bfloat16, 'native', (64, 64))])"
+    )
     env = {**os.environ, "CXX": "/bin/false", "RVQTTS_CACHE": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     reason, names = result.stdout.strip().splitlines()
@@ -146,12 +151,13 @@ def test_a_layers_norms_and_rope_run_natively_as_qwen_tts_rounds_them(rows, rele
         assert torch.equal(native.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
         for a, b in zip(ours, theirs):
             assert a.shape == b.shape
-            assert (a.float() - b.float()).abs().max() <= b.float().abs().max() * 2 ** -7
+            assert (a.float() - b.float()).abs().max() <= b.float().abs().max() * 2**-7
             assert (a == b).float().mean() > 0.99
         runner.allocate(40)
         for r in range(rows):  # one row a call, at slots given as a slice
-            alone = runner.native_attention_inputs(0, x[r:r + 1], cos[:, r:r + 1], sin[:, r:r + 1],
-                                                   slice(int(slots[r]), int(slots[r]) + 1))
+            alone = runner.native_attention_inputs(
+                0, x[r : r + 1], cos[:, r : r + 1], sin[:, r : r + 1], slice(int(slots[r]), int(slots[r]) + 1)
+            )
             assert torch.equal(alone[:, 0], q[:, r])
         assert torch.equal(runner.k_cache[0][:, slots], ours[1]) and torch.equal(runner.v_cache[0][:, slots], ours[2])
 
@@ -170,11 +176,16 @@ def test_attention_over_the_cache_is_float32_attention_of_the_visible_slots_quer
         seen = slots[r][visible[r]]
         keys = k_cache[:, seen].double().repeat_interleave(heads // kv_heads, 0)
         values = v_cache[:, seen].double().repeat_interleave(heads // kv_heads, 0)
-        weights = (q[:, r:r + 1].double() @ keys.transpose(1, 2) * head_dim ** -0.5).softmax(-1)
+        weights = (q[:, r : r + 1].double() @ keys.transpose(1, 2) * head_dim**-0.5).softmax(-1)
         expected = (weights @ values)[:, 0]
-        assert ((out[:, r].double() - expected).abs() <= expected.abs() * 2 ** -8 + 2 ** -12).all()
-    alone = torch.cat([native.attend(q[:, r:r + 1], k_cache, v_cache, width, slots[r:r + 1], visible[r:r + 1])
-                       for r in range(rows)], dim=1)
+        assert ((out[:, r].double() - expected).abs() <= expected.abs() * 2**-8 + 2**-12).all()
+    alone = torch.cat(
+        [
+            native.attend(q[:, r : r + 1], k_cache, v_cache, width, slots[r : r + 1], visible[r : r + 1])
+            for r in range(rows)
+        ],
+        dim=1,
+    )
     assert torch.equal(out, alone)
     # Without slots, query r sees the first `width` slots (where visible: a causal prefill's mask).
     causal = torch.ones(rows, rows, dtype=torch.bool).tril()
@@ -187,6 +198,7 @@ def test_attention_over_the_cache_is_float32_attention_of_the_visible_slots_quer
 def own_kernel(monkeypatch, request):
     """Every CPU map runs one of the library's kernels (bfloat16 or 8-bit; AVX512 dot products or AMX
     tiles), whatever this machine would measure."""
+
     def choice(shape, dtype, weights="native", device=torch.device("cpu")):
         name = ("int8" if weights == "int8" else "bf16") + request.param
         return KernelChoice(Kernel(name), True, {}, (), "measured")
@@ -196,8 +208,9 @@ def own_kernel(monkeypatch, request):
 
 @needs_kernel
 @pytest.mark.parametrize("weights", ["native", "int8"])
-def test_a_whole_layer_in_one_call_gives_the_step_by_step_bits_and_the_plain_codes(released_06_dir, own_kernel,
-                                                                                  weights):
+def test_a_whole_layer_in_one_call_gives_the_step_by_step_bits_and_the_plain_codes(
+    released_06_dir, own_kernel, weights
+):
     """With every map on the library's kernel a layer runs in one native call: its states and cache
     equal the step-by-step calls' bit for bit (a round's rows and a causal prefill), and a tree's codes
     are the plain loop's at the released 0.6B layout."""

@@ -137,8 +137,20 @@ def test_trees_that_cost_more_steps_than_they_can_accept_codes_are_not_measured(
 
 def test_a_default_run_chooses_online_and_says_what_it_did(tiny_dir, tmp_path):
     stats = tmp_path / "s.json"
-    result = run("synth", "Hello there, online.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames",
-                 "12", "--dtype", "float32", "--stats-json", stats)
+    result = run(
+        "synth",
+        "Hello there, online.",
+        "--model",
+        tiny_dir,
+        "-o",
+        tmp_path / "a.wav",
+        "--max-frames",
+        "12",
+        "--dtype",
+        "float32",
+        "--stats-json",
+        stats,
+    )
     assert result.exit_code == 0, result.output
     assert "--tree auto: the tree size is chosen online, starting from the plain loop" in result.output
     record = json.loads(stats.read_text())["utterances"][0]
@@ -146,17 +158,38 @@ def test_a_default_run_chooses_online_and_says_what_it_did(tiny_dir, tmp_path):
     assert sum(online["frames_by_N"].values()) == record["frames"] and online["probe_frames"] >= 1
     assert set(online["projected"]) == {"0", "4", "8", "16", "32"} and online["call_ms"]["1"] > 0
     assert record["spec"] is True and record["predictor_codes"] == 15 * record["frames"]
-    plain = run("synth", "Hello there, online.", "--model", tiny_dir, "-o", tmp_path / "b.wav", "--max-frames",
-                "12", "--dtype", "float32", "--no-spec")
+    plain = run(
+        "synth",
+        "Hello there, online.",
+        "--model",
+        tiny_dir,
+        "-o",
+        tmp_path / "b.wav",
+        "--max-frames",
+        "12",
+        "--dtype",
+        "float32",
+        "--no-spec",
+    )
     assert plain.exit_code == 0 and (tmp_path / "a.wav").read_bytes() == (tmp_path / "b.wav").read_bytes()
-
 
 
 def test_tune_with_texts_shows_what_the_online_choice_chose_from(tiny_dir, tmp_path, user_cache):
     texts = tmp_path / "lines.txt"
     texts.write_text("One line to speak.\nAnd a second one.\n")
-    result = run("tune", "--model", tiny_dir, "--dtype", "float32", "--texts", texts, "--max-frames", "9",
-                 "--json", tmp_path / "tune.json")
+    result = run(
+        "tune",
+        "--model",
+        tiny_dir,
+        "--dtype",
+        "float32",
+        "--texts",
+        texts,
+        "--max-frames",
+        "9",
+        "--json",
+        tmp_path / "tune.json",
+    )
     assert result.exit_code == 0, result.output
     trees = json.loads((tmp_path / "tune.json").read_text())["trees"]
     assert sum(trees["frames_by_N"].values()) == 18 and trees["roots_counted"] > 32  # the prior counts 32

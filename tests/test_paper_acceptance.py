@@ -18,8 +18,9 @@ FRAMES = 64
 @pytest.fixture(scope="module")
 def paper(tmp_path_factory):
     """The shallow variant: the same embeddings and heads as the full checkpoint, two layers that barely act."""
-    folder = build_tiny_model(tmp_path_factory.mktemp("models") / "paper", dims="0.6b", shallow=True,
-                              acceptance="paper")
+    folder = build_tiny_model(
+        tmp_path_factory.mktemp("models") / "paper", dims="0.6b", shallow=True, acceptance="paper"
+    )
     return Synthesizer.load(folder)
 
 

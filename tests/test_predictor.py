@@ -19,8 +19,9 @@ TOLERANCE = 1e-4
 @pytest.fixture(scope="module")
 def projected(tmp_path_factory):
     """The 1.7B layout: the code predictor is narrower than the talker and projects its inputs."""
-    folder = build_tiny_model(tmp_path_factory.mktemp("models") / "projected", codebook=64, talker_hidden=96,
-                              predictor_hidden=64)
+    folder = build_tiny_model(
+        tmp_path_factory.mktemp("models") / "projected", codebook=64, talker_hidden=96, predictor_hidden=64
+    )
     return Synthesizer.load(folder)
 
 
@@ -40,8 +41,12 @@ def test_prefill_and_steps_match_stock_cached_forward(which, request):
     generator = torch.Generator().manual_seed(2)
     for index in range(1, last):
         code = torch.randint(0, code_predictor.config.vocab_size, (1,), generator=generator)
-        stock = code_predictor(input_ids=code[None], past_key_values=stock.past_key_values, use_cache=True,
-                               generation_steps=stock.generation_steps)
+        stock = code_predictor(
+            input_ids=code[None],
+            past_key_values=stock.past_key_values,
+            use_cache=True,
+            generation_steps=stock.generation_steps,
+        )
         hidden = runner.step(code, index)
         ours = runner.logits(hidden, index + 1)
         assert (ours - stock.logits[0, -1]).abs().max() <= TOLERANCE, f"step {index}"
@@ -72,12 +77,16 @@ def test_tree_call_matches_stock_forward_on_every_path(which, attention, committ
     length = committed + 1
     q = len(node_codes)
     codes = torch.tensor(node_codes)
-    embeds = torch.cat([code_predictor.get_input_embeddings()[committed - 1 + int(d)](codes[i:i + 1])
-                        for i, d in enumerate(buffers.depth)])
+    embeds = torch.cat(
+        [
+            code_predictor.get_input_embeddings()[committed - 1 + int(d)](codes[i : i + 1])
+            for i, d in enumerate(buffers.depth)
+        ]
+    )
     if attention == "mask":
         mask = torch.zeros(q, runner.max_len, dtype=torch.bool)
         mask[:, :length] = True
-        mask[:, length:length + q] = buffers.ancestor_mask
+        mask[:, length : length + q] = buffers.ancestor_mask
         out = runner.forward(embeds, committed + 1 + buffers.depth, length, mask)
     else:
         groups = RoundPlan.build(tree, runner.device).attention_groups(length)
@@ -125,8 +134,9 @@ def test_half_precision_runs_close_to_float32(tiny_dir, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_measured_kernels_give_every_row_the_bits_it_gets_alone_at_the_released_shapes(released_06_dir, dtype,
-                                                                                     monkeypatch):
+def test_measured_kernels_give_every_row_the_bits_it_gets_alone_at_the_released_shapes(
+    released_06_dir, dtype, monkeypatch
+):
     """Whatever kernel the measurement picks for a map (rvqtts.engine.kernels), a call of any number of rows up to
     a 64-node round's 65 gives each row what a call of that row alone gives it: tree rounds compute what
     plain steps do. Where no kernel is invariant the choice says so, and the claim is not made."""
@@ -141,6 +151,6 @@ def test_measured_kernels_give_every_row_the_bits_it_gets_alone_at_the_released_
             continue
         x = torch.randn(65, linear.weight.shape[1], generator=generator).to(linear.weight.dtype)
         with torch.inference_mode():
-            alone = torch.cat([linear(x[i:i + 1]) for i in range(65)])
+            alone = torch.cat([linear(x[i : i + 1]) for i in range(65)])
             for rows in (2, 3, 4, 7, 8, 16, 17, 32, 33, 64, 65):
                 assert torch.equal(linear(x[:rows]), alone[:rows]), f"{linear.kernel.name}, {rows} rows"

@@ -57,7 +57,7 @@ def test_int8_maps_of_the_released_shapes_give_rows_the_same_bits_in_calls_of_up
     generator = torch.Generator().manual_seed(4)
     for linear in (runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[0]):
         x = torch.randn(65, linear.weight.shape[1], generator=generator).to(getattr(torch, dtype))
-        alone = torch.cat([linear(x[i:i + 1]) for i in range(65)])
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(65)])
         for rows in (2, 17, 33, 65):
             assert torch.equal(linear(x[:rows]), alone[:rows]), f"{tuple(linear.weight.shape)}, {rows} rows"
 
@@ -84,39 +84,80 @@ def test_speculative_codes_equal_plain_codes_within_the_quantized_model(tiny_dir
         if speculation:
             assert loop.stats.accepted_per_depth[0] > 0  # drafts were accepted
     native = InnerLoop(predictor, None, seed=7)
-    unquantized = np.array([native.decode(random_prefix(synth, seed=f).to(getattr(torch, dtype)), SamplingConfig(),
-                                          0, f) for f in range(25)])
+    unquantized = np.array(
+        [
+            native.decode(random_prefix(synth, seed=f).to(getattr(torch, dtype)), SamplingConfig(), 0, f)
+            for f in range(25)
+        ]
+    )
     assert np.array_equal(frames["plain"], frames["tree"])
     assert not np.array_equal(frames["plain"], unquantized)  # the runner did quantize
 
 
 def test_synth_with_int8_weights_and_its_refusals(tiny_dir, tmp_path):
     out, stats = tmp_path / "a.wav", tmp_path / "a.json"
-    result = run("synth", "--model", tiny_dir, "--weights", "int8", "--max-frames", "5", "-o", out,
-                 "--stats-json", stats, "Hello there.")
+    result = run(
+        "synth",
+        "--model",
+        tiny_dir,
+        "--weights",
+        "int8",
+        "--max-frames",
+        "5",
+        "-o",
+        out,
+        "--stats-json",
+        stats,
+        "Hello there.",
+    )
     assert result.exit_code == 0, result.output
     assert out.stat().st_size > 44 and json.loads(stats.read_text())["utterances"][0]["weights"] == "int8"
     bad = run("synth", "--model", tiny_dir, "--weights", "int4", "-o", tmp_path / "b.wav", "Hello.")
     assert bad.exit_code == 2 and "choose native or int8" in bad.output and not (tmp_path / "b.wav").exists()
-    coreml = run("synth", "--model", tiny_dir, "--weights", "int8", "--backend", "coreml", "-o", tmp_path / "c.wav",
-                 "Hello.")
+    coreml = run(
+        "synth", "--model", tiny_dir, "--weights", "int8", "--backend", "coreml", "-o", tmp_path / "c.wav", "Hello."
+    )
     assert coreml.exit_code == 2 and "torch backend" in coreml.output
 
 
 def test_bench_talker_reads_fewer_bytes_with_int8_weights(tiny_dir, tmp_path):
     reports = {}
     for weights in ("native", "int8"):
-        _, reports[weights] = run_json(tmp_path / f"{weights}.json", "bench", "talker", "--model", tiny_dir,
-                                       "--contexts", "8", "--repeats", "1", "--dtype", "float32", "--weights",
-                                       weights, "-q")
+        _, reports[weights] = run_json(
+            tmp_path / f"{weights}.json",
+            "bench",
+            "talker",
+            "--model",
+            tiny_dir,
+            "--contexts",
+            "8",
+            "--repeats",
+            "1",
+            "--dtype",
+            "float32",
+            "--weights",
+            weights,
+            "-q",
+        )
     # float32 maps become one byte a weight plus a float32 scale per row: about a quarter of the bytes.
     ratio = reports["int8"]["weights_mb"] / reports["native"]["weights_mb"]
     assert 0.2 < ratio < 0.35 and reports["int8"]["weight_format"] == "int8"
 
 
 def test_bench_dtype_compares_int8_weights_with_the_dtypes_own(tiny_dir, tmp_path):
-    result, report = run_json(tmp_path / "dtype.json", "bench", "dtype", "--model", tiny_dir, "--dtype", "float32",
-                              "--weights", "int8", "--frames", "6")
+    result, report = run_json(
+        tmp_path / "dtype.json",
+        "bench",
+        "dtype",
+        "--model",
+        tiny_dir,
+        "--dtype",
+        "float32",
+        "--weights",
+        "int8",
+        "--frames",
+        "6",
+    )
     assert (report["dtype"], report["reference_dtype"], report["weights"]) == ("float32", "float32", "int8")
     # 8-bit weights change a draw now and then; a broken comparison would agree on about 1 code in 50.
     assert 0.8 < report["teacher_forced_code_agreement"] < 1

@@ -28,15 +28,37 @@ def test_the_shallow_checkpoint_has_the_released_layout(dims, request):
     released = released_file(f"{dims}-customvoice-config.json")
     talker, config = released["talker_config"], synth.model.config
     ours = config.talker_config
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size", "text_hidden_size", "codec_eos_token_id", "codec_pad_id", "codec_bos_id",
-                "codec_think_id", "codec_nothink_id", "spk_id", "spk_is_dialect", "codec_language_id",
-                "position_id_per_seconds", "num_code_groups"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "text_hidden_size",
+        "codec_eos_token_id",
+        "codec_pad_id",
+        "codec_bos_id",
+        "codec_think_id",
+        "codec_nothink_id",
+        "spk_id",
+        "spk_is_dialect",
+        "codec_language_id",
+        "position_id_per_seconds",
+        "num_code_groups",
+    ):
         assert getattr(ours, key) == talker[key], key
     assert ours.rope_scaling["mrope_section"] == [24, 20, 20] and ours.num_hidden_layers == 2
     predictor = synth.code_predictor.config
-    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size", "num_code_groups"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "num_code_groups",
+    ):
         assert getattr(predictor, key) == talker["code_predictor_config"][key], key
     assert predictor.num_hidden_layers == 2 and config.tts_model_size == released["tts_model_size"]
     projection = synth.code_predictor.small_to_mtp_projection

@@ -15,8 +15,13 @@ from transformers.generation.logits_process import (
 
 from rvqtts.engine.sampling import SamplingConfig, draw, gumbel_noise, target_probs, warp_logits
 
-CONFIGS = [SamplingConfig(0.9, 50, 1.0), SamplingConfig(0.7, 3, 1.0), SamplingConfig(1.3, 0, 0.8),
-           SamplingConfig(0.9, 5, 0.6), SamplingConfig(1.0, 1, 1.0)]
+CONFIGS = [
+    SamplingConfig(0.9, 50, 1.0),
+    SamplingConfig(0.7, 3, 1.0),
+    SamplingConfig(1.3, 0, 0.8),
+    SamplingConfig(0.9, 5, 0.6),
+    SamplingConfig(1.0, 1, 1.0),
+]
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -56,9 +61,16 @@ def assert_matches(counts: np.ndarray, probs: torch.Tensor) -> None:
         assert result.pvalue > 1e-3, (counts, probs)
 
 
-@pytest.mark.parametrize("config", [SamplingConfig(1.0, 0, 1.0), SamplingConfig(0.9, 50, 1.0),
-                                    SamplingConfig(0.5, 0, 1.0), SamplingConfig(1.0, 3, 1.0),
-                                    SamplingConfig(1.0, 0, 0.7)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(1.0, 0, 1.0),
+        SamplingConfig(0.9, 50, 1.0),
+        SamplingConfig(0.5, 0, 1.0),
+        SamplingConfig(1.0, 3, 1.0),
+        SamplingConfig(1.0, 0, 0.7),
+    ],
+)
 def test_draws_follow_the_target_distribution(config):
     probs = target_probs(LOGITS, config)
     assert torch.allclose(probs.sum(), torch.tensor(1.0))
@@ -87,15 +99,19 @@ def test_noise_depends_only_on_its_key():
     assert whole.shape == (4, 50) and whole.dtype == np.float32
     assert np.array_equal(gumbel_noise(1, 2, 3, [3], 50)[0], whole[2])
     assert np.array_equal(gumbel_noise(1, 2, 3, [4, 1], 20), whole[[3, 0], :20])
-    for other in (gumbel_noise(9, 2, 3, [1], 50), gumbel_noise(1, 9, 3, [1], 50), gumbel_noise(1, 2, 9, [1], 50),
-                  gumbel_noise(1, 2, 3, [9], 50)):
+    for other in (
+        gumbel_noise(9, 2, 3, [1], 50),
+        gumbel_noise(1, 9, 3, [1], 50),
+        gumbel_noise(1, 2, 9, [1], 50),
+        gumbel_noise(1, 2, 3, [9], 50),
+    ):
         assert not np.array_equal(other[0], whole[0])
     assert not np.array_equal(whole[0], whole[1])
 
 
 def test_noise_is_standard_gumbel_and_the_layout_is_frozen():
     sample = gumbel_noise(0, 0, 0, list(range(1, 41)), 2048).astype(np.float64).ravel()
-    assert abs(sample.mean() - 0.5772) < 0.02 and abs(sample.std() - np.pi / 6 ** 0.5) < 0.02
+    assert abs(sample.mean() - 0.5772) < 0.02 and abs(sample.std() - np.pi / 6**0.5) < 0.02
     # The key layout is part of --seed's promise: these values must never change silently.
     assert gumbel_noise(0, 0, 0, [1], 3).tolist() == FROZEN
 

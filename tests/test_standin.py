@@ -47,13 +47,21 @@ def test_report_holds_every_field(built):
     for key in ("offsets_codes_per_call", "medusa_codes_per_call"):
         assert set(report[key]) == {"4", "8", "16", "32", "64"}
     assert set(report["drafters"]) == {"reused heads", "offsets", "medusa heads"}  # --small: the paper's three
-    assert report["drafter_parameters"] == {"reused heads": 0, "offsets": 3 * 64,
-                                            "medusa heads": 3 * 15 * (64 * 64 + 64)}
+    assert report["drafter_parameters"] == {
+        "reused heads": 0,
+        "offsets": 3 * 64,
+        "medusa heads": 3 * 15 * (64 * 64 + 64),
+    }
     assert report["offsets_training"]["held_out_loss"] <= report["offsets_training"]["initial_held_out_loss"]
     assert (out / "offsets.safetensors").is_file()
     for drafter in ("reused-heads", "offsets"):
-        assert [load_tree(out / "trees" / f"stand-in-{drafter}-n{n}.json").nodes for n in (4, 8, 16, 32, 64)] == \
-            [4, 8, 16, 32, 64]
+        assert [load_tree(out / "trees" / f"stand-in-{drafter}-n{n}.json").nodes for n in (4, 8, 16, 32, 64)] == [
+            4,
+            8,
+            16,
+            32,
+            64,
+        ]
         table = load_acceptance(out / "trees" / f"stand-in-{drafter}-acceptance.json")
         assert table["acceptance"] == report[f"{drafter.replace('-', '_')}_acceptance"]
     assert all(f"{code}/train" in report["corpus"]["seconds"] for code in LANGUAGES)
@@ -74,8 +82,7 @@ def test_the_engine_runs_on_the_stand_in_unchanged(built):
     frames = load_contexts(out / "contexts.npz", "evaluation").take(np.arange(40))
     prefixes = frames.prefixes(synth.talker.get_input_embeddings())
     plain = InnerLoop(synth.code_predictor, None, seed=3)
-    spec = InnerLoop(synth.code_predictor,
-                     Speculation(resolve_tree("16"), Offsets.zeros(3, synth.hidden_size)), seed=3)
+    spec = InnerLoop(synth.code_predictor, Speculation(resolve_tree("16"), Offsets.zeros(3, synth.hidden_size)), seed=3)
     for frame, prefix in enumerate(prefixes):
         assert spec.decode(prefix, SamplingConfig(), 0, frame) == plain.decode(prefix, SamplingConfig(), 0, frame)
     assert spec.stats.calls < plain.stats.calls

@@ -29,13 +29,13 @@ def test_streaming_decoder_equals_qwen_tts_decode(tiny, step):
     codes = torch.randint(0, 2048, (151, 16), generator=torch.Generator().manual_seed(step))
     offline = tiny.decode(codes.numpy())
     decoder = StreamingDecoder(tiny.model.speech_tokenizer)
-    pieces = [decoder.push(codes[i:i + step]) for i in range(0, len(codes), step)]
+    pieces = [decoder.push(codes[i : i + step]) for i in range(0, len(codes), step)]
     assert all(p.size == min(step, len(codes) - i * step) * 1920 for i, p in enumerate(pieces))
     streamed = np.concatenate(pieces)
     assert streamed.shape == offline.shape and np.abs(offline).max() > 0.05
     assert np.abs(streamed - offline).max() <= BOUND
     decoder.reset()  # a new utterance starts from silence, as the offline decode does
-    assert np.abs(decoder.push(codes[:5]) - offline[:5 * 1920]).max() <= BOUND
+    assert np.abs(decoder.push(codes[:5]) - offline[: 5 * 1920]).max() <= BOUND
 
 
 def test_a_stream_has_the_codes_and_audio_of_offline_synthesis_chunk_after_chunk(tiny):
@@ -65,8 +65,8 @@ def crossfaded(parts: list[np.ndarray], rate: int, seconds: float) -> np.ndarray
     for index, part in enumerate(parts):
         overlap = min(int(seconds * rate), joined.size, part.size) if index else 0
         fade = np.linspace(0.0, 1.0, overlap + 2, dtype=np.float32)[1:-1]
-        seam = joined[joined.size - overlap:] * (1.0 - fade) + part[:overlap] * fade
-        joined = np.concatenate([joined[:joined.size - overlap], seam, part[overlap:]])
+        seam = joined[joined.size - overlap :] * (1.0 - fade) + part[:overlap] * fade
+        joined = np.concatenate([joined[: joined.size - overlap], seam, part[overlap:]])
     return joined
 
 
@@ -81,8 +81,9 @@ def test_the_stream_joiner_makes_join_chunks_audio_from_any_pieces():
                 out.append(joiner.add(piece, new_part=k == 0))
         out.append(joiner.finish())
         reference = crossfaded(parts, 100, 0.1)
-        assert np.array_equal(np.concatenate(out), reference) and np.array_equal(join_chunks(parts, 100, 0.1),
-                                                                                    reference)
+        assert np.array_equal(np.concatenate(out), reference) and np.array_equal(
+            join_chunks(parts, 100, 0.1), reference
+        )
 
 
 def test_synth_stream_to_stdout_writes_a_wav_of_unknown_length(tmp_path, tiny_dir):
@@ -107,19 +108,34 @@ def test_synth_stream_to_stdout_writes_a_wav_of_unknown_length(tmp_path, tiny_di
 
 def test_synth_stream_to_a_file_writes_it_whole(tmp_path, tiny_dir):
     out = tmp_path / "streamed.flac"
-    result = run_cli("synth", "Hello there.", "--model", tiny_dir, "--max-frames", "6", "-q", "--stream",
-                     "--stream-frames", "1", "-o", out)
+    result = run_cli(
+        "synth",
+        "Hello there.",
+        "--model",
+        tiny_dir,
+        "--max-frames",
+        "6",
+        "-q",
+        "--stream",
+        "--stream-frames",
+        "1",
+        "-o",
+        out,
+    )
     assert result.exit_code == 0, result.output
     audio, rate = soundfile.read(out)
     assert rate == 24000 and audio.shape == (6 * 1920,)
     assert [p.name for p in tmp_path.iterdir()] == ["streamed.flac"]  # no partial file left behind
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (["--stream-frames", "0"], "--stream-frames must be at least 1"),
-    (["--format", "mp3"], "unknown --format 'mp3'"),
-    (["--format", "raw", "-o", "x.wav"], "--format is for -o -"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--stream-frames", "0"], "--stream-frames must be at least 1"),
+        (["--format", "mp3"], "unknown --format 'mp3'"),
+        (["--format", "raw", "-o", "x.wav"], "--format is for -o -"),
+    ],
+)
 def test_bad_stream_options_fail_before_the_model_loads(tmp_path, arguments, message):
     output = [] if "-o" in arguments else ["-o", "-"]
     result = run_cli("synth", "Hi.", "--model", tmp_path / "missing", "--stream", *arguments, *output)
@@ -128,8 +144,21 @@ def test_bad_stream_options_fail_before_the_model_loads(tmp_path, arguments, mes
 
 @pytest.mark.skipif(shutil.which("sox") is None, reason="sox is not installed")
 def test_sox_reads_the_streamed_wav_from_a_pipe(tiny_dir):
-    command = [sys.executable, "-m", "rvqtts.cli", "synth", "Hello there.", "--model", str(tiny_dir),
-               "--max-frames", "8", "-q", "--stream", "-o", "-"]
+    command = [
+        sys.executable,
+        "-m",
+        "rvqtts.cli",
+        "synth",
+        "Hello there.",
+        "--model",
+        str(tiny_dir),
+        "--max-frames",
+        "8",
+        "-q",
+        "--stream",
+        "-o",
+        "-",
+    ]
     synth = subprocess.Popen(command, stdout=subprocess.PIPE)
     stat = subprocess.run(["sox", "-t", "wav", "-", "-n", "stat"], stdin=synth.stdout, capture_output=True, text=True)
     synth.stdout.close()

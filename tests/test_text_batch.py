@@ -15,8 +15,16 @@ from rvqtts.text import chunk_text, frame_budget, split_sentences, text_weight
 
 def test_sentences_split_in_latin_and_cjk_scripts():
     text = 'He said "hi." Then (he left.) Now!  Why? 你好。我是「测试。」好的！ok'
-    assert split_sentences(text) == ['He said "hi."', "Then (he left.)", "Now!", "Why?", "你好。", "我是「测试。」",
-                                     "好的！", "ok"]
+    assert split_sentences(text) == [
+        'He said "hi."',
+        "Then (he left.)",
+        "Now!",
+        "Why?",
+        "你好。",
+        "我是「测试。」",
+        "好的！",
+        "ok",
+    ]
     assert split_sentences("Dr. Smith arrived.\nShe sat down.") == ["Dr.", "Smith arrived.", "She sat down."]
 
 
@@ -30,8 +38,7 @@ def test_chunks_keep_sentences_whole_and_respect_the_limit():
 
 def test_overlong_sentences_are_cut_at_clauses_then_spaces_then_anywhere():
     clauses = "one two three, four five six, seven eight nine, ten eleven twelve."
-    assert chunk_text(clauses, limit=30) == ["one two three, four five six,", "seven eight nine,",
-                                             "ten eleven twelve."]
+    assert chunk_text(clauses, limit=30) == ["one two three, four five six,", "seven eight nine,", "ten eleven twelve."]
     assert all(text_weight(c) <= 20 for c in chunk_text("word " * 40, limit=20))
     ideographs = "这" * 100
     pieces = chunk_text(ideographs, limit=50)
@@ -53,24 +60,30 @@ def test_batch_txt_uses_line_numbers(tmp_path):
 
 def test_batch_jsonl_fields_and_names(tmp_path):
     path = tmp_path / "lines.jsonl"
-    rows = [{"text": "A", "speaker": "ryan", "out": "intro"}, {"text": "B", "language": "german"},
-            {"text": "C", "out": "parts/c.wav", "instruct": "calm"}]
+    rows = [
+        {"text": "A", "speaker": "ryan", "out": "intro"},
+        {"text": "B", "language": "german"},
+        {"text": "C", "out": "parts/c.wav", "instruct": "calm"},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     items = read_batch(path)
     assert [u.name for u in items] == ["intro.wav", "0002.wav", "parts/c.wav"]
     assert items[0].speaker == "ryan" and items[1].language == "german" and items[2].instruct == "calm"
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"text": "ok"}\n{"text": "bad"\n', "lines.jsonl:2: not valid JSON"),
-    ('{"text": ""}\n', "lines.jsonl:1: \"text\" must be a non-empty string"),
-    ('["text"]\n', "lines.jsonl:1: expected a JSON object"),
-    ('{"text": "a", "spekaer": "x"}\n', "lines.jsonl:1: unknown field(s) ['spekaer']"),
-    ('{"text": "a", "out": "../up"}\n', "lines.jsonl:1: \"out\" must stay inside the output folder"),
-    ('{"text": "a", "out": "x"}\n{"text": "b", "out": "x.wav"}\n', "lines.jsonl:2: output x.wav is also line 1's"),
-    ('{"text": "a", "speaker": 3}\n', "lines.jsonl:1: \"speaker\" must be a string"),
-    ("\n\n", "no utterances"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"text": "ok"}\n{"text": "bad"\n', "lines.jsonl:2: not valid JSON"),
+        ('{"text": ""}\n', 'lines.jsonl:1: "text" must be a non-empty string'),
+        ('["text"]\n', "lines.jsonl:1: expected a JSON object"),
+        ('{"text": "a", "spekaer": "x"}\n', "lines.jsonl:1: unknown field(s) ['spekaer']"),
+        ('{"text": "a", "out": "../up"}\n', 'lines.jsonl:1: "out" must stay inside the output folder'),
+        ('{"text": "a", "out": "x"}\n{"text": "b", "out": "x.wav"}\n', "lines.jsonl:2: output x.wav is also line 1's"),
+        ('{"text": "a", "speaker": 3}\n', 'lines.jsonl:1: "speaker" must be a string'),
+        ("\n\n", "no utterances"),
+    ],
+)
 def test_bad_batch_files_name_the_line(tmp_path, content, message):
     path = tmp_path / "lines.jsonl"
     path.write_text(content)
@@ -99,12 +112,40 @@ def test_crossfade_overlaps_each_seam():
 
 
 def test_total_record_adds_counts_and_recomputes_ratios():
-    base = dict(chunks=1, talker_calls=11, decoder_seconds=0.1, talker_seconds=0.2, spec=True, tree_nodes=16,
-                weights="int8", seed=0, warnings=[])
-    records = [dict(base, frames=10, audio_seconds=0.8, predictor_calls=100, predictor_codes=150,
-                    wall_seconds=2.0, predictor_seconds=1.0, accepted_per_depth=[20, 5]),
-               dict(base, frames=30, audio_seconds=2.4, predictor_calls=200, predictor_codes=450,
-                    wall_seconds=4.0, predictor_seconds=2.0, accepted_per_depth=[60], warnings=["cut"])]
+    base = dict(
+        chunks=1,
+        talker_calls=11,
+        decoder_seconds=0.1,
+        talker_seconds=0.2,
+        spec=True,
+        tree_nodes=16,
+        weights="int8",
+        seed=0,
+        warnings=[],
+    )
+    records = [
+        dict(
+            base,
+            frames=10,
+            audio_seconds=0.8,
+            predictor_calls=100,
+            predictor_codes=150,
+            wall_seconds=2.0,
+            predictor_seconds=1.0,
+            accepted_per_depth=[20, 5],
+        ),
+        dict(
+            base,
+            frames=30,
+            audio_seconds=2.4,
+            predictor_calls=200,
+            predictor_codes=450,
+            wall_seconds=4.0,
+            predictor_seconds=2.0,
+            accepted_per_depth=[60],
+            warnings=["cut"],
+        ),
+    ]
     total = total_record(records)
     assert total["frames"] == 40 and total["predictor_calls"] == 300 and total["predictor_codes"] == 600
     assert total["codes_per_call"] == 2.0 and total["rtf"] == pytest.approx(6.0 / 3.2, abs=1e-4)
@@ -123,8 +164,9 @@ def test_atomic_files_get_ordinary_permissions(tmp_path):
 
 def test_the_manifest_keeps_line_order_and_earlier_runs_entries(tmp_path):
     def made(line: int) -> tuple[Utterance, Rendered]:
-        return Utterance(line, f"line {line}", f"{line:04d}.wav"), Rendered(b"", None, {"speaker": "ryan"},
-                                                                           {"frames": line})
+        return Utterance(line, f"line {line}", f"{line:04d}.wav"), Rendered(
+            b"", None, {"speaker": "ryan"}, {"frames": line}
+        )
 
     first = Manifest(tmp_path)
     first.add(*made(3))  # lines finish in any order on a cluster
@@ -134,4 +176,7 @@ def test_the_manifest_keeps_line_order_and_earlier_runs_entries(tmp_path):
     Manifest(tmp_path).add(*made(2))  # a resumed run keeps what the first one wrote
     entries = [json.loads(line) for line in (tmp_path / MANIFEST).read_text().splitlines()]
     assert [(e["line"], e["name"], e["speaker"], e["frames"]) for e in entries] == [
-        (1, "0001.wav", "ryan", 1), (2, "0002.wav", "ryan", 2), (3, "0003.wav", "ryan", 3)]
+        (1, "0001.wav", "ryan", 1),
+        (2, "0002.wav", "ryan", 2),
+        (3, "0003.wav", "ryan", 3),
+    ]

@@ -27,7 +27,7 @@ RAW = SamplingConfig(temperature=1.0, top_k=0)  # the planted codes are drawn fr
 
 def planted(frames: int = 4000, length: int = 6, vocab: int = 32, hidden: int = 16, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
-    weights = torch.randn(length, vocab, hidden, generator=generator) / hidden ** 0.5 * 2
+    weights = torch.randn(length, vocab, hidden, generator=generator) / hidden**0.5 * 2
     step = torch.randn(hidden, generator=generator) * 0.35
     z = torch.randn(frames, hidden, generator=generator)
     states = z[:, None] + torch.arange(1, length + 1)[None, :, None] * step
@@ -44,8 +44,10 @@ def test_planted_offsets_are_learned_to_the_planted_optimum(target):
     weights, train, held, optimum = planted()
     config = TrainingConfig(target=target, learning_rate=1e-2, eval_every=100)
     trained, record = train_offsets(weights, train, held, config, RAW)
-    best, got, zero = (evaluate(OffsetDrafter(3, 16, vectors), weights, held, target, RAW)
-                       for vectors in (optimum, trained, torch.zeros_like(optimum)))
+    best, got, zero = (
+        evaluate(OffsetDrafter(3, 16, vectors), weights, held, target, RAW)
+        for vectors in (optimum, trained, torch.zeros_like(optimum))
+    )
     # Measured: hard 4.2012 vs 4.1980 (zeros 5.046); soft 4.1527 vs 4.1527 (zeros 5.037).
     assert got["loss"] <= best["loss"] + 0.02
     assert zero["loss"] >= best["loss"] + 0.5
@@ -60,8 +62,10 @@ def test_planted_offsets_are_learned_to_the_planted_optimum(target):
 def test_planted_drafts_rank_higher_with_the_learned_offsets():
     weights, train, held, optimum = planted()
     trained, _ = train_offsets(weights, train, held, TrainingConfig(learning_rate=1e-2, eval_every=100), RAW)
-    hits = [(draft_ranks(OffsetDrafter(3, 16, vectors), weights, held, 4) == 0).sum((0, 1))
-            for vectors in (torch.zeros(3, 16), trained)]
+    hits = [
+        (draft_ranks(OffsetDrafter(3, 16, vectors), weights, held, 4) == 0).sum((0, 1))
+        for vectors in (torch.zeros(3, 16), trained)
+    ]
     assert (hits[1] > hits[0]).all()
 
 
@@ -74,9 +78,16 @@ def test_training_stops_early_and_keeps_the_best_offsets():
     assert record["held_out_loss"] < record["initial_held_out_loss"]
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("depth", 0, "between 1 and 14"), ("depth", 15, "between 1 and 14"), ("target", "kl", "hard, soft"),
-    ("batch", 0, "batch must be at least 1"), ("learning_rate", 0.0, "learning rate must be positive")])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("depth", 0, "between 1 and 14"),
+        ("depth", 15, "between 1 and 14"),
+        ("target", "kl", "hard, soft"),
+        ("batch", 0, "batch must be at least 1"),
+        ("learning_rate", 0.0, "learning rate must be positive"),
+    ],
+)
 def test_bad_training_settings_are_refused(field, value, message):
     with pytest.raises(ValueError, match=message):
         TrainingConfig(**{field: value})

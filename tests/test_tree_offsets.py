@@ -72,17 +72,20 @@ def write_tree(path, **fields):
     return path
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"paths": [[0], [1, 0]]}, "not closed under prefixes: node [1, 0] has no parent [1]"),
-    ({"paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], "nodes": 4}, "has depth 4, above the tree's depth K = 3"),
-    ({"paths": [[0], [-1]]}, "is not a non-empty list of ranks"),
-    ({"paths": [[0], [0]]}, "appears twice"),
-    ({"paths": [[0], []]}, "is not a non-empty list of ranks"),
-    ({"nodes": 5}, "says \"nodes\": 5 but lists 2 paths"),
-    ({"depth": 0}, "needs \"depth\""),
-    ({"format": "medusa"}, "is not an rvqtts tree"),
-    ({"paths": []}, "has no \"paths\" list"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"paths": [[0], [1, 0]]}, "not closed under prefixes: node [1, 0] has no parent [1]"),
+        ({"paths": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], "nodes": 4}, "has depth 4, above the tree's depth K = 3"),
+        ({"paths": [[0], [-1]]}, "is not a non-empty list of ranks"),
+        ({"paths": [[0], [0]]}, "appears twice"),
+        ({"paths": [[0], []]}, "is not a non-empty list of ranks"),
+        ({"nodes": 5}, 'says "nodes": 5 but lists 2 paths'),
+        ({"depth": 0}, 'needs "depth"'),
+        ({"format": "medusa"}, "is not an rvqtts tree"),
+        ({"paths": []}, 'has no "paths" list'),
+    ],
+)
 def test_invalid_tree_files_are_refused_with_their_fault(tmp_path, fields, message):
     path = write_tree(tmp_path / "bad.json", **fields)
     with pytest.raises(TreeFileError) as error:
@@ -130,14 +133,17 @@ def test_frame_codes_per_call_counts_the_prefill_and_the_frame_end():
     assert 1.0 < frame_codes_per_call(half, chain) < chain.expected_codes_per_call
 
 
-@pytest.mark.parametrize("document, message", [
-    ({"format": "rvqtts-tree", "acceptance": [[0.5]]}, "is not an rvqtts acceptance table"),
-    ({"format": "rvqtts-acceptance"}, "must be a non-empty list with one list of rates per depth"),
-    ({"format": "rvqtts-acceptance", "acceptance": [[0.5], []]}, "depth 2 of \"acceptance\" must be"),
-    ({"format": "rvqtts-acceptance", "acceptance": [[0.5, -0.1]]}, "rates between 0 and 1"),
-    ({"format": "rvqtts-acceptance", "acceptance": [[0.7, 0.4]]}, "depth 1 of \"acceptance\" sums to 1.1000"),
-    ([1, 2], "is not an rvqtts acceptance table"),
-])
+@pytest.mark.parametrize(
+    "document, message",
+    [
+        ({"format": "rvqtts-tree", "acceptance": [[0.5]]}, "is not an rvqtts acceptance table"),
+        ({"format": "rvqtts-acceptance"}, "must be a non-empty list with one list of rates per depth"),
+        ({"format": "rvqtts-acceptance", "acceptance": [[0.5], []]}, 'depth 2 of "acceptance" must be'),
+        ({"format": "rvqtts-acceptance", "acceptance": [[0.5, -0.1]]}, "rates between 0 and 1"),
+        ({"format": "rvqtts-acceptance", "acceptance": [[0.7, 0.4]]}, 'depth 1 of "acceptance" sums to 1.1000'),
+        ([1, 2], "is not an rvqtts acceptance table"),
+    ],
+)
 def test_invalid_acceptance_files_are_refused_with_their_fault(tmp_path, document, message):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(document))
@@ -162,23 +168,32 @@ def test_offsets_round_trip_and_zeros(tmp_path):
 
 
 def write_offsets(path, tensor, **meta):
-    metadata = {"format": "rvqtts-offsets", "hidden_size": str(tensor.shape[-1]),
-                "depth": str(tensor.shape[0]) if tensor.dim() == 2 else "1"}
+    metadata = {
+        "format": "rvqtts-offsets",
+        "hidden_size": str(tensor.shape[-1]),
+        "depth": str(tensor.shape[0]) if tensor.dim() == 2 else "1",
+    }
     metadata.update(meta)
     save_file({"offsets": tensor}, str(path), metadata=metadata)
     return path
 
 
-@pytest.mark.parametrize("tensor, meta, message", [
-    (torch.zeros(64), {}, "must be [K, hidden]"),
-    (torch.zeros(15, 64), {}, "K = 15, but K must be between 1 and 14"),
-    (torch.zeros(3, 64), {"hidden_size": "32"}, "metadata says hidden 32"),
-    (torch.zeros(3, 32), {}, "has hidden size 32, but the model's code predictor has 64"),
-    (torch.full((3, 64), float("nan")), {}, "NaN or infinite"),
-    (torch.zeros(3, 64), {"format": "other"}, "is not rvqtts offsets"),
-    (torch.zeros(3, 64), {"model": "other-model", "model_fingerprint": "0123"},
-     "was trained for another model (other-model, code-predictor fingerprint 0123; this model's is abcd)"),
-])
+@pytest.mark.parametrize(
+    "tensor, meta, message",
+    [
+        (torch.zeros(64), {}, "must be [K, hidden]"),
+        (torch.zeros(15, 64), {}, "K = 15, but K must be between 1 and 14"),
+        (torch.zeros(3, 64), {"hidden_size": "32"}, "metadata says hidden 32"),
+        (torch.zeros(3, 32), {}, "has hidden size 32, but the model's code predictor has 64"),
+        (torch.full((3, 64), float("nan")), {}, "NaN or infinite"),
+        (torch.zeros(3, 64), {"format": "other"}, "is not rvqtts offsets"),
+        (
+            torch.zeros(3, 64),
+            {"model": "other-model", "model_fingerprint": "0123"},
+            "was trained for another model (other-model, code-predictor fingerprint 0123; this model's is abcd)",
+        ),
+    ],
+)
 def test_invalid_offsets_are_refused_with_their_fault(tmp_path, tensor, meta, message):
     path = write_offsets(tmp_path / "bad.safetensors", tensor, **meta)
     with pytest.raises(OffsetsFileError) as error:
@@ -191,8 +206,7 @@ def test_unreadable_offsets(tmp_path):
     for path in (tmp_path / "junk.safetensors", tmp_path / "missing.safetensors"):
         with pytest.raises(OffsetsFileError, match="cannot read offsets file"):
             load_offsets(path)
-    save_file({"other": torch.zeros(3, 4)}, str(tmp_path / "named.safetensors"),
-              metadata={"format": "rvqtts-offsets"})
+    save_file({"other": torch.zeros(3, 4)}, str(tmp_path / "named.safetensors"), metadata={"format": "rvqtts-offsets"})
     with pytest.raises(OffsetsFileError, match="no tensor named 'offsets'"):
         load_offsets(tmp_path / "named.safetensors")
 

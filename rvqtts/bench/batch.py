@@ -13,26 +13,43 @@ from rvqtts.settings import GenerationSettings, Line
 from rvqtts.synthesis import Synthesizer
 
 
-def stock_batches(synth: Synthesizer, texts: list[str], size: int, speaker: str | None, language: str,
-                  settings: GenerationSettings, seed: int) -> dict:
+def stock_batches(
+    synth: Synthesizer,
+    texts: list[str],
+    size: int,
+    speaker: str | None,
+    language: str,
+    settings: GenerationSettings,
+    seed: int,
+) -> dict:
     """qwen-tts's `generate_custom_voice` over consecutive groups of `size` lines (its list-of-texts call):
     wall seconds, audio seconds, and when its first files were done."""
     sampling = synth.sampling(settings)
     torch.manual_seed(seed)
     started, audio, first = time.perf_counter(), 0.0, None
     for start in range(0, len(texts), size):
-        group = texts[start:start + size]
+        group = texts[start : start + size]
         budget = max(synth.frame_budget(text, settings) for text in group)
-        wavs, rate = synth.tts.generate_custom_voice(text=group, speaker=[speaker] * len(group),
-                                                     language=[language] * len(group),
-                                                     **sampling.generate_kwargs(budget))
+        wavs, rate = synth.tts.generate_custom_voice(
+            text=group,
+            speaker=[speaker] * len(group),
+            language=[language] * len(group),
+            **sampling.generate_kwargs(budget),
+        )
         audio += sum(wav.size / rate for wav in wavs)
         first = first or time.perf_counter() - started
     return {"wall_seconds": time.perf_counter() - started, "audio_seconds": audio, "first_file_seconds": first}
 
 
-def rvqtts_batches(synth: Synthesizer, texts: list[str], size: int, speaker: str | None, language: str,
-                   settings: GenerationSettings, seed: int) -> dict:
+def rvqtts_batches(
+    synth: Synthesizer,
+    texts: list[str],
+    size: int,
+    speaker: str | None,
+    language: str,
+    settings: GenerationSettings,
+    seed: int,
+) -> dict:
     """`synthesize_many` over every line at batch size `size`: wall seconds, audio seconds, when its first
     file was done, and each line's time to first audio."""
     lines = [Line(text, speaker, language, utterance=number) for number, text in enumerate(texts)]
@@ -43,13 +60,26 @@ def rvqtts_batches(synth: Synthesizer, texts: list[str], size: int, speaker: str
         audio += outcome.audio.size / outcome.sample_rate
         first = first or time.perf_counter() - started
         firsts.append(outcome.seconds["first_audio"])
-    return {"wall_seconds": time.perf_counter() - started, "audio_seconds": audio, "first_file_seconds": first,
-            "line_first_audio_seconds": round(statistics.median(firsts), 3)}
+    return {
+        "wall_seconds": time.perf_counter() - started,
+        "audio_seconds": audio,
+        "first_file_seconds": first,
+        "line_first_audio_seconds": round(statistics.median(firsts), 3),
+    }
 
 
-def bench_batch(synth: Synthesizer, texts: list[str], sizes: list[int], settings: GenerationSettings,
-                speaker: str | None = None, language: str = "auto", seed: int = 0, stock: bool = True,
-                repeats: int = 1, progress: Callable[[int, int], None] | None = None) -> dict:
+def bench_batch(
+    synth: Synthesizer,
+    texts: list[str],
+    sizes: list[int],
+    settings: GenerationSettings,
+    speaker: str | None = None,
+    language: str = "auto",
+    seed: int = 0,
+    stock: bool = True,
+    repeats: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
     """Per batch size B (and per side: rvqtts, stock qwen-tts): medians over `repeats` turns of wall seconds,
     throughput (audio seconds per wall second) and the first file's seconds; the ratios to rvqtts at
     B = 1 and to stock at the same B. Each text is spoken as one piece; the sides take turns."""
@@ -77,21 +107,31 @@ def bench_batch(synth: Synthesizer, texts: list[str], sizes: list[int], settings
             walls = [r["wall_seconds"] for r in runs[side][size]]
             wall = statistics.median(walls)
             audio = runs[side][size][0]["audio_seconds"]
-            row[side] = {"wall_seconds": round(wall, 3), "audio_seconds": round(audio, 3),
-                         "throughput": round(audio / wall, 4),
-                         "first_file_seconds": round(statistics.median(r["first_file_seconds"]
-                                                                       for r in runs[side][size]), 3)}
+            row[side] = {
+                "wall_seconds": round(wall, 3),
+                "audio_seconds": round(audio, 3),
+                "throughput": round(audio / wall, 4),
+                "first_file_seconds": round(statistics.median(r["first_file_seconds"] for r in runs[side][size]), 3),
+            }
             if side == "rvqtts":
-                row[side]["line_first_audio_seconds"] = round(statistics.median(
-                    r["line_first_audio_seconds"] for r in runs[side][size]), 3)
+                row[side]["line_first_audio_seconds"] = round(
+                    statistics.median(r["line_first_audio_seconds"] for r in runs[side][size]), 3
+                )
         rows.append(row)
     base = rows[0]["rvqtts"] if sizes[0] == 1 else None
     for row in rows:
         if base:
             row["rvqtts"]["throughput_vs_b1"] = round(row["rvqtts"]["throughput"] / base["throughput"], 3)
-            row["rvqtts"]["first_file_vs_b1"] = round(row["rvqtts"]["first_file_seconds"]
-                                                      / base["first_file_seconds"], 3)
+            row["rvqtts"]["first_file_vs_b1"] = round(
+                row["rvqtts"]["first_file_seconds"] / base["first_file_seconds"], 3
+            )
         if stock:
             row["rvqtts"]["throughput_vs_stock"] = round(row["rvqtts"]["throughput"] / row["stock"]["throughput"], 3)
-    return {"lines": len(texts), "max_frames": settings.max_frames, "seed": seed, "repeats": repeats,
-            "rows": rows, "engine": synth.engine_record()}
+    return {
+        "lines": len(texts),
+        "max_frames": settings.max_frames,
+        "seed": seed,
+        "repeats": repeats,
+        "rows": rows,
+        "engine": synth.engine_record(),
+    }

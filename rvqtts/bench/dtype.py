@@ -23,19 +23,26 @@ def random_prefixes(talker: torch.nn.Module, frames: int, seed: int = 0) -> torc
         return torch.stack([h_t.to(embedding.weight.dtype), embedding(c0.to(embedding.weight.device)).cpu()], dim=1)
 
 
-def bench_dtype(reference: torch.nn.Module, candidate: torch.nn.Module, prefixes: torch.Tensor, seed: int = 0,
-                sampling: SamplingConfig = SamplingConfig(), candidate_weights: str = "native") -> dict:
-    """A code predictor in another dtype or with 8-bit weights (`candidate`, `candidate_weights`) against
-    the `reference` (float32, or the same model's own weights) on the same frames and noise, plain loops:
-    codes drawn by the candidate given the reference's earlier codes (teacher forcing: how often the dtype
-    changes a draw), frames whose 15 codes all agree when each runs free, and the codes a free-running frame gets right before its first difference; with the two
-    loops' ms per frame, timed frame by frame in turn."""
+def bench_dtype(
+    reference: torch.nn.Module,
+    candidate: torch.nn.Module,
+    prefixes: torch.Tensor,
+    seed: int = 0,
+    sampling: SamplingConfig = SamplingConfig(),
+    candidate_weights: str = "native",
+) -> dict:
+    """A code predictor in another dtype or with 8-bit weights (`candidate`, `candidate_weights`) against the
+    `reference` (float32, or the same model's own weights) on the same frames and noise, plain loops: codes drawn by
+    the candidate given the reference's earlier codes (teacher forcing: how often the dtype changes a draw), frames
+    whose 15 codes all agree when each runs free, and the codes a free-running frame gets right before its first
+    difference; with the two loops' ms per frame, timed frame by frame in turn."""
     from rvqtts.engine.inner_loop import InnerLoop, LoopParts
     from rvqtts.engine.sampling import draw, gumbel_noise
 
-    loops = {"reference": InnerLoop(reference, None, seed),
-             "candidate": InnerLoop(candidate, None, seed, parts=LoopParts.build(candidate, None, True,
-                                                                                 candidate_weights))}
+    loops = {
+        "reference": InnerLoop(reference, None, seed),
+        "candidate": InnerLoop(candidate, None, seed, parts=LoopParts.build(candidate, None, True, candidate_weights)),
+    }
     runner = loops["candidate"].runner
     last = runner.code_groups - 1
     forced = agree = frames_equal = before_first = 0
@@ -60,17 +67,28 @@ def bench_dtype(reference: torch.nn.Module, candidate: torch.nn.Module, prefixes
                 agree += int(draw(runner.logits(hidden, index), noise[index - 1], sampling)) == theirs[index - 1]
                 forced += 1
     frames = len(prefixes)
-    return {"frames": frames, "codes_per_frame": last, "dtype": str(runner.dtype).removeprefix("torch."),
-            "reference_dtype": str(loops["reference"].runner.dtype).removeprefix("torch."),
-            "teacher_forced_code_agreement": round(agree / forced, 5),
-            "free_running_frames_identical": round(frames_equal / frames, 4),
-            "codes_before_first_difference": round(before_first / frames, 3),
-            "ms_per_frame": {name: round(statistics.median(values), 2) for name, values in ms.items()},
-            "device": str(runner.device), "weights": candidate_weights}
+    return {
+        "frames": frames,
+        "codes_per_frame": last,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "reference_dtype": str(loops["reference"].runner.dtype).removeprefix("torch."),
+        "teacher_forced_code_agreement": round(agree / forced, 5),
+        "free_running_frames_identical": round(frames_equal / frames, 4),
+        "codes_before_first_difference": round(before_first / frames, 3),
+        "ms_per_frame": {name: round(statistics.median(values), 2) for name, values in ms.items()},
+        "device": str(runner.device),
+        "weights": candidate_weights,
+    }
 
 
-def bench_fused(code_predictor: torch.nn.Module, speculation, candidate, prefixes: torch.Tensor, seed: int = 0,
-                sampling: SamplingConfig = SamplingConfig()) -> dict:
+def bench_fused(
+    code_predictor: torch.nn.Module,
+    speculation,
+    candidate,
+    prefixes: torch.Tensor,
+    seed: int = 0,
+    sampling: SamplingConfig = SamplingConfig(),
+) -> dict:
     """A fused decoder (a Core ML package, or PyTorch in float16 standing in for one off macOS) against the
     float32 PyTorch engine on the same frames and noise: how many codes and whole frames agree, speculative
     and plain, the candidate's codes per call, and its milliseconds per frame both ways (interleaved)."""
@@ -88,18 +106,22 @@ def bench_fused(code_predictor: torch.nn.Module, speculation, candidate, prefixe
     for frame, prefix in enumerate(prefixes):
         noise = torch.from_numpy(gumbel_noise(seed, 0, frame, positions, engine.vocab_size))
         reference = engine.decode(prefix, sampling, 0, frame)
-        for mode, decode, stats in (("spec", candidate.decode, spec_stats), ("plain", candidate.decode_plain,
-                                                                              plain_stats)):
+        for mode, decode, stats in (
+            ("spec", candidate.decode, spec_stats),
+            ("plain", candidate.decode_plain, plain_stats),
+        ):
             started = time.perf_counter()
             codes = decode(prefix, noise.to(candidate.device), stats)
             seconds[mode] += time.perf_counter() - started
             same[mode][0] += sum(a == b for a, b in zip(codes, reference))
             same[mode][1] += codes == reference
     frames, codes = len(prefixes), len(prefixes) * (engine.code_groups - 1)
-    return {"frames": frames,
-            **{f"{mode}_code_agreement": round(same[mode][0] / codes, 5) for mode in same},
-            **{f"{mode}_frame_agreement": round(same[mode][1] / frames, 5) for mode in same},
-            "codes_per_call": round(spec_stats.codes_per_call, 4),
-            "engine_codes_per_call": round(engine.stats.codes_per_call, 4),
-            **{f"{mode}_ms_per_frame": round(1e3 * seconds[mode] / frames, 3) for mode in seconds},
-            "inner_loop_speedup": round(seconds["plain"] / seconds["spec"], 3) if seconds["spec"] else None}
+    return {
+        "frames": frames,
+        **{f"{mode}_code_agreement": round(same[mode][0] / codes, 5) for mode in same},
+        **{f"{mode}_frame_agreement": round(same[mode][1] / frames, 5) for mode in same},
+        "codes_per_call": round(spec_stats.codes_per_call, 4),
+        "engine_codes_per_call": round(engine.stats.codes_per_call, 4),
+        **{f"{mode}_ms_per_frame": round(1e3 * seconds[mode] / frames, 3) for mode in seconds},
+        "inner_loop_speedup": round(seconds["plain"] / seconds["spec"], 3) if seconds["spec"] else None,
+    }

@@ -23,9 +23,18 @@ def fixed_variants(fixed: list) -> list[str]:
     return names
 
 
-def bench_e2e(tts: object, lines: list[tuple[str | None, str, str]], fixed: list, seed: int = 0, settings=None,
-              progress: Callable[[int, int], None] | None = None, weight_format: str = "native",
-              instruct: str | None = None, clone=None, default=None) -> dict:
+def bench_e2e(
+    tts: object,
+    lines: list[tuple[str | None, str, str]],
+    fixed: list,
+    seed: int = 0,
+    settings=None,
+    progress: Callable[[int, int], None] | None = None,
+    weight_format: str = "native",
+    instruct: str | None = None,
+    clone=None,
+    default=None,
+) -> dict:
     """Stock qwen-tts, rvqtts's plain loop, rvqtts's default (`default`: what `--tree auto` runs, decided
     online, rvqtts.engine.online) and rvqtts's speculative loop with each fixed tree of `fixed` (a variant `N=n`
     each) on the same texts and seeds, taking turns text by text (the order rotating), each text spoken as
@@ -52,48 +61,83 @@ def bench_e2e(tts: object, lines: list[tuple[str | None, str, str]], fixed: list
         order = variants[turn:] + variants[:turn]
         for name in order:
             if name == "stock":
-                record = synthesizers["plain"].synthesize_stock(text, speaker, language, seed, settings, instruct,
-                                                                clone)
+                record = synthesizers["plain"].synthesize_stock(
+                    text, speaker, language, seed, settings, instruct, clone
+                )
             else:
-                record = synthesizers[name].synthesize(text, speaker, language, seed, settings=settings,
-                                                       chunk_chars=None, instruct=instruct, clone=clone).record()
-            runs[name].append({key: record[key] for key in ("frames", "audio_seconds", *TIMED_FIELDS, "rtf")}
-                              | ({key: record[key] for key in ("codes_per_call", "predictor_calls", "talker_calls")}
-                                 if name != "stock" else {}))
+                record = (
+                    synthesizers[name]
+                    .synthesize(
+                        text,
+                        speaker,
+                        language,
+                        seed,
+                        settings=settings,
+                        chunk_chars=None,
+                        instruct=instruct,
+                        clone=clone,
+                    )
+                    .record()
+                )
+            runs[name].append(
+                {key: record[key] for key in ("frames", "audio_seconds", *TIMED_FIELDS, "rtf")}
+                | (
+                    {key: record[key] for key in ("codes_per_call", "predictor_calls", "talker_calls")}
+                    if name != "stock"
+                    else {}
+                )
+            )
             if progress:
                 progress(number * len(order) + order.index(name) + 1, len(lines) * len(order))
         for name, values in interleaved_ms(floors, talker.device, warmup=1, repeats=3).items():
             floor_times[name].extend(values)
     floor_ms = {name: round(statistics.median(values), 3) for name, values in floor_times.items()}
-    totals = {name: _totals(records) | _floor_per_frame(name, records, floor_ms, runner.code_groups - 1)
-              for name, records in runs.items()}
+    totals = {
+        name: _totals(records) | _floor_per_frame(name, records, floor_ms, runner.code_groups - 1)
+        for name, records in runs.items()
+    }
     online = synthesizers["auto"].speculation
     best = min(names, key=lambda name: totals[name]["predictor_ms_per_frame"] or float("inf"))
-    return {"runs": runs, "totals": totals, "ratios": _e2e_ratios(totals, names, best), "seed": seed,
-            "tree_nodes": [speculation.tree.nodes for speculation in fixed], "best_fixed": best,
-            "texts": len(lines), "floor_ms": floor_ms, "weight_format": weight_format,
-            "auto": online.record() if isinstance(online, OnlineSpeculation) else {
-                "N": online.tree.nodes if online else 0}}
+    return {
+        "runs": runs,
+        "totals": totals,
+        "ratios": _e2e_ratios(totals, names, best),
+        "seed": seed,
+        "tree_nodes": [speculation.tree.nodes for speculation in fixed],
+        "best_fixed": best,
+        "texts": len(lines),
+        "floor_ms": floor_ms,
+        "weight_format": weight_format,
+        "auto": online.record() if isinstance(online, OnlineSpeculation) else {"N": online.tree.nodes if online else 0},
+    }
 
 
-def _e2e_floor_passes(talker: object, runner: PredictorRunner, fixed: dict,
-                      module: torch.nn.Module) -> dict[str, Callable[[], None]]:
+def _e2e_floor_passes(
+    talker: object, runner: PredictorRunner, fixed: dict, module: torch.nn.Module
+) -> dict[str, Callable[[], None]]:
     """Passes over what each kind of call reads: rvqtts's talker step, plain predictor step and verify round
     of each fixed tree mid-frame (KV_LENGTH committed slots; `fixed`: variant name -> speculation), as the
     runners hold their weights (8-bit ones too), and stock's talker and predictor steps over the modules'
     own weights."""
     index, last = KV_LENGTH - 1, runner.code_groups - 1
     predictor = module.code_predictor
-    stock_predictor = [predictor.model.layers, predictor.model.norm, predictor.small_to_mtp_projection,
-                       predictor.lm_head[index]]
+    stock_predictor = [
+        predictor.model.layers,
+        predictor.model.norm,
+        predictor.small_to_mtp_projection,
+        predictor.lm_head[index],
+    ]
     rounds = {}
     for name, speculation in fixed.items():
         plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
         rounds[f"predictor_round {name}"] = read_pass(predictor_weights(runner, round_heads(plan, index, last)))
-    return {"talker_step": read_pass(talker_weights(talker)),
-            "predictor_step": read_pass(predictor_weights(runner, [index + 1])), **rounds,
-            "stock_talker_step": read_pass(module_weights(module.model.layers, module.model.norm, module.codec_head)),
-            "stock_predictor_step": read_pass(module_weights(*stock_predictor))}
+    return {
+        "talker_step": read_pass(talker_weights(talker)),
+        "predictor_step": read_pass(predictor_weights(runner, [index + 1])),
+        **rounds,
+        "stock_talker_step": read_pass(module_weights(module.model.layers, module.model.norm, module.codec_head)),
+        "stock_predictor_step": read_pass(module_weights(*stock_predictor)),
+    }
 
 
 def _floor_per_frame(variant: str, records: list[dict], floor_ms: dict[str, float], plain_calls: int) -> dict:
@@ -110,8 +154,10 @@ def _floor_per_frame(variant: str, records: list[dict], floor_ms: dict[str, floa
     predictor = (calls - rounds) * floor_ms[f"{kind}predictor_step"]
     if rounds:
         predictor += rounds * floor_ms[f"predictor_round {variant}"]
-    return {"talker_floor_ms_per_frame": round(talker_calls * floor_ms[f"{kind}talker_step"] / frames, 2),
-            "predictor_floor_ms_per_frame": round(predictor / frames, 2)}
+    return {
+        "talker_floor_ms_per_frame": round(talker_calls * floor_ms[f"{kind}talker_step"] / frames, 2),
+        "predictor_floor_ms_per_frame": round(predictor / frames, 2),
+    }
 
 
 def _totals(records: list[dict]) -> dict:
@@ -129,11 +175,15 @@ def _totals(records: list[dict]) -> dict:
 def _e2e_ratios(totals: dict, fixed: list[str], best: str) -> dict:
     """How many times faster the second variant is than the first, per frame (`best`: the fixed tree whose
     inner loop was fastest)."""
+
     def faster(slow: str, fast: str, part: str) -> float | None:
         a, b = totals[slow][f"{part}_ms_per_frame"], totals[fast][f"{part}_ms_per_frame"]
         return round(a / b, 3) if a and b else None
 
     pairs = [("stock", "auto"), ("plain", "auto"), (best, "auto"), ("stock", "plain")]
     pairs += [("plain", name) for name in fixed]
-    return {f"{slow}/{fast} {part}": faster(slow, fast, part) for slow, fast in pairs
-            for part in ("wall", "predictor", "talker")}
+    return {
+        f"{slow}/{fast} {part}": faster(slow, fast, part)
+        for slow, fast in pairs
+        for part in ("wall", "predictor", "talker")
+    }

@@ -67,7 +67,7 @@ def peak_multiply_adds_per_ms(dtype: torch.dtype, device: torch.device, size: in
             synchronize(device)
             if attempt:
                 best = min(best, (time.perf_counter() - started) * 1e3)
-    return size ** 3 / best
+    return size**3 / best
 
 
 def module_weights(*modules: torch.nn.Module) -> list[torch.Tensor]:

@@ -36,8 +36,13 @@ def random_code_predictor(dims: str, dtype: torch.dtype, device: str, seed: int 
     return model.to(device=device, dtype=dtype).eval()
 
 
-def interleaved_ms(calls: dict[str, Callable[[], object]], device: torch.device, warmup: int = 5,
-                   repeats: int = 30, reset: Callable[[], None] | None = None) -> dict[str, list[float]]:
+def interleaved_ms(
+    calls: dict[str, Callable[[], object]],
+    device: torch.device,
+    warmup: int = 5,
+    repeats: int = 30,
+    reset: Callable[[], None] | None = None,
+) -> dict[str, list[float]]:
     """Milliseconds of each call, `repeats` times, the calls taking turns so that load on a shared
     machine falls on all of them alike. `reset` runs untimed before every call."""
     times: dict[str, list[float]] = {name: [] for name in calls}
@@ -62,8 +67,9 @@ def timing_tree(nodes: int) -> Tree:
 
 def talker_width(code_predictor: torch.nn.Module) -> int:
     """Width of what the talker hands the predictor (its embeddings), before any projection to 1024."""
-    return getattr(code_predictor.small_to_mtp_projection, "in_features",
-                   code_predictor.model.codec_embedding[0].weight.shape[1])
+    return getattr(
+        code_predictor.small_to_mtp_projection, "in_features", code_predictor.model.codec_embedding[0].weight.shape[1]
+    )
 
 
 def quantile(values: list[float], fraction: float) -> float:

@@ -31,9 +31,11 @@ def _stock_step(code_predictor: torch.nn.Module, device: torch.device, dtype: to
 
     cache = DynamicCache()
     with torch.inference_mode():
-        code_predictor(inputs_embeds=torch.randn(1, KV_LENGTH, talker_width(code_predictor), device=device,
-                                                 dtype=dtype),
-                       past_key_values=cache, use_cache=True)
+        code_predictor(
+            inputs_embeds=torch.randn(1, KV_LENGTH, talker_width(code_predictor), device=device, dtype=dtype),
+            past_key_values=cache,
+            use_cache=True,
+        )
     code = torch.tensor([[5]], device=device)
 
     def step() -> None:
@@ -43,8 +45,9 @@ def _stock_step(code_predictor: torch.nn.Module, device: torch.device, dtype: to
     return step, lambda: cache.crop(KV_LENGTH)
 
 
-def _frame_loops(code_predictor: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                 weight_format: str = "native") -> dict:
+def _frame_loops(
+    code_predictor: torch.nn.Module, device: torch.device, dtype: torch.dtype, weight_format: str = "native"
+) -> dict:
     """One frame's whole inner loop (15 codes, sampled with qwen-tts's defaults): qwen-tts's HF
     `generate()` as its talker calls it, and rvqtts's plain loop on the same prefix."""
     from rvqtts.engine.decode import DecodeStats, decode_frame_plain
@@ -56,17 +59,33 @@ def _frame_loops(code_predictor: torch.nn.Module, device: torch.device, dtype: t
     sampling = SamplingConfig()
 
     def stock() -> None:
-        code_predictor.generate(inputs_embeds=prefix, max_new_tokens=groups - 1, do_sample=True, top_p=1.0,
-                                top_k=50, temperature=0.9, output_hidden_states=True, return_dict_in_generate=True)
+        code_predictor.generate(
+            inputs_embeds=prefix,
+            max_new_tokens=groups - 1,
+            do_sample=True,
+            top_p=1.0,
+            top_k=50,
+            temperature=0.9,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+        )
 
     static = StaticCalls.for_device(device)
-    return {"stock_frame": stock,
-            "plain_frame": lambda: decode_frame_plain(runner, prefix[0], noise, sampling, DecodeStats(), static)}
+    return {
+        "stock_frame": stock,
+        "plain_frame": lambda: decode_frame_plain(runner, prefix[0], noise, sampling, DecodeStats(), static),
+    }
 
 
-def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup: int = 5, repeats: int = 30,
-                    weights: str = "random", progress: Callable[[int, int], None] | None = None,
-                    weight_format: str = "native") -> dict:
+def bench_predictor(
+    code_predictor: torch.nn.Module,
+    queries: list[int],
+    warmup: int = 5,
+    repeats: int = 30,
+    weights: str = "random",
+    progress: Callable[[int, int], None] | None = None,
+    weight_format: str = "native",
+) -> dict:
     """Median and spread of one predictor call per query length q, as the engine makes it (q = 1: a plain
     step and its draw; q > 1: a verify round of a q - 1 node tree: drafts, forward with tree attention row by
     row, LM heads and draws at every slot; CUDA-graph replays on CUDA), and of qwen-tts's own q = 1 forward,
@@ -90,13 +109,15 @@ def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup:
     plans = {q: RoundPlan.build(timing_tree(q - 1), device) for q in queries if q > 1}
 
     def tree_round(q: int) -> Callable[[], object]:
-        return lambda: static(("round", q), partial(round_call, runner, plans[q], offsets, index, sampling),
-                              hidden, code, noise)
+        return lambda: static(
+            ("round", q), partial(round_call, runner, plans[q], offsets, index, sampling), hidden, code, noise
+        )
 
     calls = {f"q{q}": plain if q == 1 else tree_round(q) for q in queries}
     last = runner.code_groups - 1
-    weights_read = {q: predictor_weights(runner, [index + 1] if q == 1 else round_heads(plans[q], index, last))
-                    for q in queries}
+    weights_read = {
+        q: predictor_weights(runner, [index + 1] if q == 1 else round_heads(plans[q], index, last)) for q in queries
+    }
     floors = {f"floor{q}": read_pass(tensors) for q, tensors in weights_read.items()}
     stock, reset_stock = _stock_step(code_predictor, device, dtype)
     with torch.inference_mode():
@@ -106,8 +127,9 @@ def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup:
                 progress(done + 1, len(calls))
         # Cropping the stock cache runs before every call (untimed); it is cheap and leaves ours untouched.
         times = interleaved_ms({**calls, **floors, "stock": stock}, device, warmup, repeats, reset=reset_stock)
-        frames = interleaved_ms(_frame_loops(code_predictor, device, dtype, weight_format), device, 2,
-                                max(3, repeats // 4))
+        frames = interleaved_ms(
+            _frame_loops(code_predictor, device, dtype, weight_format), device, 2, max(3, repeats // 4)
+        )
     medians = {name: statistics.median(values) for name, values in times.items()}
     base = medians["q1"] if "q1" in medians else None
     peak = peak_multiply_adds_per_ms(dtype, device)
@@ -130,7 +152,11 @@ def bench_predictor(code_predictor: torch.nn.Module, queries: list[int], warmup:
         "stock_q1_p90_ms": round(quantile(times["stock"], 0.9), 3),
         "stock_frame_ms": round(statistics.median(frames["stock_frame"]), 3),
         "plain_frame_ms": round(statistics.median(frames["plain_frame"]), 3),
-        "kv_length": KV_LENGTH, "repeats": repeats, "threads": torch.get_num_threads(),
-        "dtype": str(dtype).removeprefix("torch."), "device": str(device), "weights": weights,
+        "kv_length": KV_LENGTH,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "weights": weights,
         "weight_format": weight_format,
     }

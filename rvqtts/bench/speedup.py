@@ -43,21 +43,36 @@ def project_speedup(codes_per_call: dict[int, float], predictor: dict) -> dict:
     the fastest, or 0 when none beats the plain loop."""
     measured = [n for n in sorted(codes_per_call) if min(predictor["q"]) <= n + 1 <= max(predictor["q"])]
     if not measured:
-        raise ValueError(f"the predictor bench measured q = {min(predictor['q'])}..{max(predictor['q'])}, none of "
-                         f"q = N + 1 for N = {', '.join(map(str, sorted(codes_per_call)))}: rerun `rvqtts bench "
-                         f"predictor` with --q covering them")
+        raise ValueError(
+            f"the predictor bench measured q = {min(predictor['q'])}..{max(predictor['q'])}, none of "
+            f"q = N + 1 for N = {', '.join(map(str, sorted(codes_per_call)))}: rerun `rvqtts bench "
+            f"predictor` with --q covering them"
+        )
     rows = []
     for n in measured:
         codes = codes_per_call[n]
         ratio, ratio_stock = cost_at(predictor, n + 1), cost_at(predictor, n + 1, "ratio_to_stock_q1")
-        rows.append({"N": n, "codes_per_call": codes, "cost_ratio": round(ratio, 4),
-                     "speedup": round(codes / ratio, 4), "speedup_vs_stock": round(codes / ratio_stock, 4)})
+        rows.append(
+            {
+                "N": n,
+                "codes_per_call": codes,
+                "cost_ratio": round(ratio, 4),
+                "speedup": round(codes / ratio, 4),
+                "speedup_vs_stock": round(codes / ratio_stock, 4),
+            }
+        )
     best = max(rows, key=lambda row: row["speedup"])
     # best_N = 0: no tree beats the plain loop on this device with this acceptance.
-    return {"rows": rows, "best_N": best["N"] if best["speedup"] > 1.0 else 0, "best_speedup": best["speedup"],
-            "not_measured": [n for n in sorted(codes_per_call) if n not in measured],
-            "device": predictor["device"], "dtype": predictor["dtype"], "weights": predictor["weights"],
-            "weight_format": predictor.get("weight_format", "native")}
+    return {
+        "rows": rows,
+        "best_N": best["N"] if best["speedup"] > 1.0 else 0,
+        "best_speedup": best["speedup"],
+        "not_measured": [n for n in sorted(codes_per_call) if n not in measured],
+        "device": predictor["device"],
+        "dtype": predictor["dtype"],
+        "weights": predictor["weights"],
+        "weight_format": predictor.get("weight_format", "native"),
+    }
 
 
 def plot_speedup(projection: dict, acceptance_source: str, path) -> None:
@@ -74,13 +89,27 @@ def plot_speedup(projection: dict, acceptance_source: str, path) -> None:
     left.set(xscale="log", xlabel="tree nodes N", ylabel="codes per call", title="acceptance ceiling")
     left.text(0.02, 0.02, acceptance_source[:70], transform=left.transAxes, fontsize=7, color="gray")
     label = f"{projection['device']} {projection['dtype']}"
-    right.plot(budgets, [row["speedup"] for row in projection["rows"]], "o-", color="tab:red",
-               label=f"vs rvqtts plain loop ({label})")
-    right.plot(budgets, [row["speedup_vs_stock"] for row in projection["rows"]], "s--", color="tab:orange",
-               label="vs stock qwen-tts q = 1 call")
+    right.plot(
+        budgets,
+        [row["speedup"] for row in projection["rows"]],
+        "o-",
+        color="tab:red",
+        label=f"vs rvqtts plain loop ({label})",
+    )
+    right.plot(
+        budgets,
+        [row["speedup_vs_stock"] for row in projection["rows"]],
+        "s--",
+        color="tab:orange",
+        label="vs stock qwen-tts q = 1 call",
+    )
     right.axhline(1.0, color="gray", linewidth=0.8)
-    right.set(xscale="log", xlabel="tree nodes N", ylabel="projected inner-loop speedup",
-              title=f"{label}: " + (f"best N = {projection['best_N']}" if projection["best_N"] else "no N pays"))
+    right.set(
+        xscale="log",
+        xlabel="tree nodes N",
+        ylabel="projected inner-loop speedup",
+        title=f"{label}: " + (f"best N = {projection['best_N']}" if projection["best_N"] else "no N pays"),
+    )
     right.legend(fontsize=7)
     ticks = [n for n in budgets if n & (n - 1) == 0]  # powers of two; neighbours like 15 and 16 would collide
     for axis in (left, right):

@@ -11,8 +11,9 @@ from rvqtts.bench.floor import megabytes, multiply_adds, peak_multiply_adds_per_
 from rvqtts.bench.harness import interleaved_ms
 
 
-def bench_talker(talker: torch.nn.Module, contexts: list[int], repeats: int = 20, seed: int = 0,
-                 weight_format: str = "native") -> dict:
+def bench_talker(
+    talker: torch.nn.Module, contexts: list[int], repeats: int = 20, seed: int = 0, weight_format: str = "native"
+) -> dict:
     """One talker step at each context length: rvqtts's runner (rvqtts.engine.talker) against qwen-tts's talker
     transformer and codec head as its HF loop calls them (a dynamic cache, the attention mask and MRoPE
     positions of generate()), the two taking turns. The stock step's code-predictor call, which qwen-tts
@@ -38,19 +39,43 @@ def bench_talker(talker: torch.nn.Module, contexts: list[int], repeats: int = 20
             talker.model(inputs_embeds=prompt[None], past_key_values=cache, use_cache=True)
 
             def stock() -> torch.Tensor:
-                hidden = talker.model(inputs_embeds=step[None], attention_mask=mask, position_ids=positions,
-                                      past_key_values=cache, use_cache=True).last_hidden_state
+                hidden = talker.model(
+                    inputs_embeds=step[None],
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                ).last_hidden_state
                 return talker.codec_head(hidden)
 
-            times = interleaved_ms({"stock": stock, "rvqtts": partial(runner.step, step, length), "floor": floor},
-                                   device, warmup=3, repeats=repeats, reset=lambda: cache.crop(length))
+            times = interleaved_ms(
+                {"stock": stock, "rvqtts": partial(runner.step, step, length), "floor": floor},
+                device,
+                warmup=3,
+                repeats=repeats,
+                reset=lambda: cache.crop(length),
+            )
         stock_ms, ours_ms, floor_ms = (statistics.median(times[name]) for name in ("stock", "rvqtts", "floor"))
-        rows.append({"context": length, "stock_ms": round(stock_ms, 2), "rvqtts_ms": round(ours_ms, 2),
-                     "ratio": round(ours_ms / stock_ms, 3), "floor_ms": round(floor_ms, 4),
-                     "ratio_to_floor": round(ours_ms / floor_ms, 3)})
+        rows.append(
+            {
+                "context": length,
+                "stock_ms": round(stock_ms, 2),
+                "rvqtts_ms": round(ours_ms, 2),
+                "ratio": round(ours_ms / stock_ms, 3),
+                "floor_ms": round(floor_ms, 4),
+                "ratio_to_floor": round(ours_ms / floor_ms, 3),
+            }
+        )
     peak = peak_multiply_adds_per_ms(dtype, device)
-    return {"rows": rows, "repeats": repeats, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-            "layers": talker.config.num_hidden_layers, "hidden_size": talker.config.hidden_size,
-            "weights_mb": round(megabytes(weights), 3), "weight_format": weight_format,
-            "compute_floor_ms": round(multiply_adds(weights) / peak, 6),  # one row through every weight
-            "peak_gmac_per_s": round(peak / 1e6, 1)}
+    return {
+        "rows": rows,
+        "repeats": repeats,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "layers": talker.config.num_hidden_layers,
+        "hidden_size": talker.config.hidden_size,
+        "weights_mb": round(megabytes(weights), 3),
+        "weight_format": weight_format,
+        "compute_floor_ms": round(multiply_adds(weights) / peak, 6),  # one row through every weight
+        "peak_gmac_per_s": round(peak / 1e6, 1),
+    }

@@ -22,8 +22,11 @@ def _version(show: bool) -> None:
 
 
 @app.callback()
-def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Show rvqtts's version and exit.")) -> None:
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Show rvqtts's version and exit."
+    ),
+) -> None:
     """Fast, exact Qwen3-TTS synthesis with RVQ position-aware speculative decoding."""
 
 

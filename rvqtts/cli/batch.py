@@ -13,12 +13,14 @@ from rvqtts.cli.common import fail, progress_bar, say, show_stats, stderr_consol
 
 def _on_done(progress, task, file: Path, quiet: bool):
     """Advance the bar, and name a failed line (always) and a line's warnings (unless quiet)."""
+
     def done(result) -> None:
         progress.advance(task)
         if result.status == "failed":
             typer.echo(f"rvqtts: {file}:{result.utterance.line}: failed: {result.error}", err=True)
         for warning in (result.record or {}).get("warnings", []):
             say(f"warning: {result.utterance.name}: {warning}", quiet)
+
     return done
 
 
@@ -35,39 +37,75 @@ def _report(results, out_dir: Path, stats_json: Optional[Path], quiet: bool, clu
         show_stats(made + ([("total", total_record([r for _, r in made]))] if len(made) > 1 else []), quiet)
     if cluster is not None and cluster.workers and not quiet:
         stderr_console().print(workers_table(extra["workers"], extra["cluster"]))
-    say(f"{len(made)} written, {skipped} skipped (already there; --force redoes them), {failed} failed "
-        f"-> {out_dir}", quiet and not failed)
+    say(
+        f"{len(made)} written, {skipped} skipped (already there; --force redoes them), {failed} failed -> {out_dir}",
+        quiet and not failed,
+    )
     if failed:
         raise typer.Exit(1)
 
 
-def run_here(synthesizer, utterances, out_dir: Path, file: Path, run: dict, force: bool,
-             codes_out: Optional[Path], stats_json: Optional[Path], quiet: bool, batch_size: int = 1) -> None:
+def run_here(
+    synthesizer,
+    utterances,
+    out_dir: Path,
+    file: Path,
+    run: dict,
+    force: bool,
+    codes_out: Optional[Path],
+    stats_json: Optional[Path],
+    quiet: bool,
+    batch_size: int = 1,
+) -> None:
     from rvqtts.batch import synthesize_batch
 
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {file.name}", total=len(utterances))
-        results = synthesize_batch(synthesizer, utterances, out_dir, **run, force=force, codes_dir=codes_out,
-                                   on_done=_on_done(progress, task, file, quiet), batch_size=batch_size,
-                                   on_notice=lambda notice: say(notice, quiet))
+        results = synthesize_batch(
+            synthesizer,
+            utterances,
+            out_dir,
+            **run,
+            force=force,
+            codes_dir=codes_out,
+            on_done=_on_done(progress, task, file, quiet),
+            batch_size=batch_size,
+            on_notice=lambda notice: say(notice, quiet),
+        )
     _report(results, out_dir, stats_json, quiet)
 
 
-def run_on_ray(spec, address: str, workers: Optional[int], utterances, out_dir: Path, file: Path, run: dict,
-               force: bool, codes_out: Optional[Path], stats_json: Optional[Path], quiet: bool) -> None:
+def run_on_ray(
+    spec,
+    address: str,
+    workers: Optional[int],
+    utterances,
+    out_dir: Path,
+    file: Path,
+    run: dict,
+    force: bool,
+    codes_out: Optional[Path],
+    stats_json: Optional[Path],
+    quiet: bool,
+) -> None:
     """The batch on a Ray cluster; the driver (this process) writes every file. A cluster that fails
     before any file is written is exit 2 with one line, after some were written exit 1 (they stay)."""
     import torch
 
     from rvqtts.cluster import ClusterError, synthesize_batch_on_ray
 
-    say(f"starting Ray workers for {file.name} ({'a cluster here or $RAY_ADDRESS' if address == 'auto' else address})",
-        quiet)
+    say(
+        f"starting Ray workers for {file.name} ({'a cluster here or $RAY_ADDRESS' if address == 'auto' else address})",
+        quiet,
+    )
     threads = torch.get_num_threads()  # a local run's here
     if spec.gpus == 0 and max(1, int(spec.cpus)) != threads:
-        say(f"each worker runs {max(1, int(spec.cpus))} torch thread(s), a local run here {threads}: the speech "
+        say(
+            f"each worker runs {max(1, int(spec.cpus))} torch thread(s), a local run here {threads}: the speech "
             f"decoder's last bits depend on it, so files can differ from a local run's (the codes do not); "
-            f"--cpus-per-worker {threads} gives a local run's bytes (docs/cluster.md)", quiet)
+            f"--cpus-per-worker {threads} gives a local run's bytes (docs/cluster.md)",
+            quiet,
+        )
     written = []
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {file.name} on Ray", total=None)
@@ -78,14 +116,24 @@ def run_on_ray(spec, address: str, workers: Optional[int], utterances, out_dir: 
             report(result)
 
         try:
-            batch = synthesize_batch_on_ray(utterances, out_dir, spec, run, address=address, workers=workers,
-                                            force=force, codes_dir=codes_out,
-                                            on_start=lambda lines: progress.update(task, total=lines), on_done=done)
+            batch = synthesize_batch_on_ray(
+                utterances,
+                out_dir,
+                spec,
+                run,
+                address=address,
+                workers=workers,
+                force=force,
+                codes_dir=codes_out,
+                on_start=lambda lines: progress.update(task, total=lines),
+                on_done=done,
+            )
         except ClusterError as error:
             if not any(written):
                 fail(str(error))
-            typer.echo(f"rvqtts: error: {error} ({sum(written)} files were written to {out_dir}; a rerun "
-                       "resumes)", err=True)
+            typer.echo(
+                f"rvqtts: error: {error} ({sum(written)} files were written to {out_dir}; a rerun resumes)", err=True
+            )
             raise typer.Exit(1)
     for notice in batch.notices:
         say(notice, quiet and not notice.startswith("warning"))

@@ -36,8 +36,11 @@ from rvqtts.cli.frames import (
 DEFAULT_BENCH_QUERIES = (1, 2, 4, 5, 8, 9, 16, 17, 24, 32, 33, 48, 64, 65)  # N + 1 for N = 4..64 included
 
 
-bench_app = typer.Typer(help="Benchmarks: predictor call cost per query length, projected speedup per tree size, "
-                             "and whole synthesis against stock qwen-tts (docs/benchmarks.md).", **HELP_STYLE)
+bench_app = typer.Typer(
+    help="Benchmarks: predictor call cost per query length, projected speedup per tree size, "
+    "and whole synthesis against stock qwen-tts (docs/benchmarks.md).",
+    **HELP_STYLE,
+)
 app.add_typer(bench_app, name="bench")
 
 
@@ -47,8 +50,11 @@ def bench_predictor_command(
     dims: str = typer.Option("0.6b", help="Without --model: random weights at the real 0.6b or 1.7b dimensions."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("bfloat16", help="float32, bfloat16 or float16."),
-    q: str = typer.Option(",".join(map(str, DEFAULT_BENCH_QUERIES)), "--q",
-                          help="Query lengths (q = N + 1 for a tree of N nodes; 1 is always timed)."),
+    q: str = typer.Option(
+        ",".join(map(str, DEFAULT_BENCH_QUERIES)),
+        "--q",
+        help="Query lengths (q = N + 1 for a tree of N nodes; 1 is always timed).",
+    ),
     repeats: int = typer.Option(30, help="Timed repetitions per query length (after 5 warm-up rounds)."),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
@@ -87,21 +93,28 @@ def bench_predictor_command(
         source = model
     with progress_bar(quiet) as progress:
         task = progress.add_task("warming up and timing", total=len(queries))
-        result = bench_predictor(code_predictor, queries, repeats=repeats, weights=source,
-                                 progress=lambda done, total: progress.update(task, completed=done),
-                                 weight_format=weights)
+        result = bench_predictor(
+            code_predictor,
+            queries,
+            repeats=repeats,
+            weights=source,
+            progress=lambda done, total: progress.update(task, completed=done),
+            weight_format=weights,
+        )
     publish(result, json_out, predictor_table, quiet)
 
 
 @bench_app.command("speedup")
 def bench_speedup_command(
     predictor: Path = typer.Option(..., help="JSON that `rvqtts bench predictor --json` wrote."),
-    acceptance: Optional[Path] = typer.Option(None, help="Acceptance table (`rvqtts calibrate` writes "
-                                                         "NAME-acceptance.json); default: the paper's figures."),
+    acceptance: Optional[Path] = typer.Option(
+        None, help="Acceptance table (`rvqtts calibrate` writes NAME-acceptance.json); default: the paper's figures."
+    ),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG in the manner of the paper's Figure 4."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the projection as JSON."),
-    save: bool = typer.Option(False, "--save", help="Make the best N the default tree of `rvqtts synth` on "
-                                                   "this kind of device."),
+    save: bool = typer.Option(
+        False, "--save", help="Make the best N the default tree of `rvqtts synth` on this kind of device."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """Projected inner-loop speedup per N = codes per call at N / (cost of a q = N + 1 call / cost of a
@@ -131,11 +144,15 @@ def bench_speedup_command(
     if save:
         fingerprint = table.get("model_fingerprint") if table else None  # the choice is this model's only
         platform = platform_key(projection["device"], projection["dtype"], projection["weight_format"])
-        where = save_best_budget(platform, projection["best_N"], f"rvqtts bench speedup: {source}; "
-                                 f"{projection['weights']}", fingerprint)
+        where = save_best_budget(
+            platform, projection["best_N"], f"rvqtts bench speedup: {source}; {projection['weights']}", fingerprint
+        )
         scope = "for this model" if fingerprint else "for every model without its own choice"
-        choice = (f"defaults to --tree {projection['best_N']}" if projection["best_N"]
-                  else "runs the plain loop (no tree pays)")
+        choice = (
+            f"defaults to --tree {projection['best_N']}"
+            if projection["best_N"]
+            else "runs the plain loop (no tree pays)"
+        )
         say(f"rvqtts synth on {platform} now {choice} {scope} (recorded in {where})", quiet)
     if not quiet:
         stderr_console().print(speedup_table(projection))
@@ -143,19 +160,29 @@ def bench_speedup_command(
 
 @bench_app.command("e2e")
 def bench_e2e_command(
-    texts: Path = typer.Option(..., help="Text file, one utterance per line (.jsonl lines may set speaker and "
-                                         "language; --instruct and --voice hold for every line)."),
+    texts: Path = typer.Option(
+        ...,
+        help="Text file, one utterance per line (.jsonl lines may set speaker and "
+        "language; --instruct and --voice hold for every line).",
+    ),
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
-    tree: str = typer.Option("16", help="Trees of the fixed-size speculative runs, comma-separated: N or a tree "
-                                        "file each, e.g. 4,8,16,32 (the auto runs choose theirs online, as "
-                                        "`rvqtts synth` does)."),
+    tree: str = typer.Option(
+        "16",
+        help="Trees of the fixed-size speculative runs, comma-separated: N or a tree "
+        "file each, e.g. 4,8,16,32 (the auto runs choose theirs online, as "
+        "`rvqtts synth` does).",
+    ),
     offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the model."),
-    speaker: Optional[str] = typer.Option(None, help="Speaker of lines that name none (CustomVoice models; "
-                                                     "default vivian)."),
+    speaker: Optional[str] = typer.Option(
+        None, help="Speaker of lines that name none (CustomVoice models; default vivian)."
+    ),
     language: str = typer.Option("auto", help="Language of lines that name none."),
     instruct: Optional[str] = typer.Option(None, help="Instruction of every line (VoiceDesign models need one)."),
-    voice: Optional[Path] = typer.Option(None, help="Base models: the cloned voice of every line, a voice file "
-                                                    "(rvqtts synth --ref-audio ... --save-voice VOICE)."),
+    voice: Optional[Path] = typer.Option(
+        None,
+        help="Base models: the cloned voice of every line, a voice file "
+        "(rvqtts synth --ref-audio ... --save-voice VOICE).",
+    ),
     seed: int = typer.Option(0, help="Seed of every run."),
     max_frames: Optional[int] = typer.Option(None, help="Most frames per utterance."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
@@ -187,8 +214,9 @@ def bench_e2e_command(
         clone = None if voice is None else synthesizer.voice_of(VoiceSource(voice=voice))
         for _, line_speaker, line_language in lines:
             synthesizer.check_voice(line_speaker, line_language, instruct, clone)
-        default, notice = choose_speculation(synthesizer.code_predictor, "auto", offsets, allow_plain=True,
-                                             weights=weights)
+        default, notice = choose_speculation(
+            synthesizer.code_predictor, "auto", offsets, allow_plain=True, weights=weights
+        )
         trees = [item.strip() for item in tree.split(",") if item.strip()]
         fixed = [choose_speculation(synthesizer.code_predictor, item, offsets, weights=weights)[0] for item in trees]
         fixed_variants(fixed)
@@ -199,9 +227,18 @@ def bench_e2e_command(
     with progress_bar(quiet) as progress:
         variants = 3 + len(fixed)
         task = progress.add_task(f"{len(lines)} texts x {variants} variants", total=len(lines) * variants)
-        result = bench_e2e(synthesizer.tts, lines, fixed, seed, settings,
-                           progress=lambda done, total: progress.update(task, completed=done), weight_format=weights,
-                           instruct=instruct, clone=clone, default=default)
+        result = bench_e2e(
+            synthesizer.tts,
+            lines,
+            fixed,
+            seed,
+            settings,
+            progress=lambda done, total: progress.update(task, completed=done),
+            weight_format=weights,
+            instruct=instruct,
+            clone=clone,
+            default=default,
+        )
     publish(result, json_out, e2e_table, quiet)
 
 
@@ -216,8 +253,12 @@ def bench_batch_command(
     stock: bool = typer.Option(True, "--stock/--no-stock", help="Time stock qwen-tts's batched call too."),
     repeats: int = typer.Option(1, help="Turns of every size and side."),
     seed: int = typer.Option(0, help="Seed of every run."),
-    spec: bool = typer.Option(True, "--spec/--no-spec", help="The inner loop speculative (--tree auto: the tree size "
-                              "chosen online, for each batch size at its rows) or plain."),
+    spec: bool = typer.Option(
+        True,
+        "--spec/--no-spec",
+        help="The inner loop speculative (--tree auto: the tree size "
+        "chosen online, for each batch size at its rows) or plain.",
+    ),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
@@ -250,8 +291,18 @@ def bench_batch_command(
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"{len(lines)} lines x {len(batch_sizes)} sizes", total=None)
         try:
-            result = bench_batch(synthesizer, lines, batch_sizes, settings, speaker, language, seed, stock, repeats,
-                                 progress=lambda done, total: progress.update(task, completed=done, total=total))
+            result = bench_batch(
+                synthesizer,
+                lines,
+                batch_sizes,
+                settings,
+                speaker,
+                language,
+                seed,
+                stock,
+                repeats,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
         except ValueError as error:
             fail(str(error))
     result["model"] = model
@@ -261,8 +312,11 @@ def bench_batch_command(
 @bench_app.command("dtype")
 def bench_dtype_command(
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
-    dtype: str = typer.Option("bfloat16", help="The dtype to compare with float32 (bfloat16 or float16), or, with "
-                                               "--weights int8, the dtype whose own weights are the reference."),
+    dtype: str = typer.Option(
+        "bfloat16",
+        help="The dtype to compare with float32 (bfloat16 or float16), or, with "
+        "--weights int8, the dtype whose own weights are the reference.",
+    ),
     weights: str = typer.Option("native", help="native, or int8: compare 8-bit weights with the dtype's own."),
     frames: int = typer.Option(100, help="Frames to decode (random contexts)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
@@ -283,15 +337,18 @@ def bench_dtype_command(
     if json_out is not None:
         ensure_writable(json_out)
     if weights == "native":
-        reference, candidate = load_synthesizer(model, device, "float32", quiet), load_synthesizer(model, device,
-                                                                                                  dtype, quiet)
+        reference, candidate = (
+            load_synthesizer(model, device, "float32", quiet),
+            load_synthesizer(model, device, dtype, quiet),
+        )
     else:  # one model: the runners hold the 8-bit weights beside the module's own
         reference = candidate = load_synthesizer(model, device, dtype, quiet, weights)
     prefixes = random_prefixes(reference.talker, frames, seed)
     with progress_bar(quiet) as progress:
         progress.add_task(f"decoding {frames} frames both ways", total=None)
-        result = bench_dtype(reference.code_predictor, candidate.code_predictor, prefixes, seed,
-                             candidate_weights=weights)
+        result = bench_dtype(
+            reference.code_predictor, candidate.code_predictor, prefixes, seed, candidate_weights=weights
+        )
     result["model"] = model
     publish(result, json_out, dtype_table, quiet)
 
@@ -299,8 +356,9 @@ def bench_dtype_command(
 @bench_app.command("decoder")
 def bench_decoder_command(
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
-    frames: str = typer.Option("50,300,301,600", help="Utterance lengths in frames (qwen-tts decodes in chunks "
-                                                     "of 300 past 300)."),
+    frames: str = typer.Option(
+        "50,300,301,600", help="Utterance lengths in frames (qwen-tts decodes in chunks of 300 past 300)."
+    ),
     repeats: int = typer.Option(3, help="Timed repetitions per length (after one warm-up)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
@@ -312,8 +370,16 @@ def bench_decoder_command(
     from rvqtts.report import decoder_table
 
     lengths = list_of_ints(frames, "--frames")
-    _model_bench(model, device, dtype, repeats, json_out, quiet,
-                 lambda synthesizer: bench_decoder(synthesizer.tts, lengths, repeats), decoder_table)
+    _model_bench(
+        model,
+        device,
+        dtype,
+        repeats,
+        json_out,
+        quiet,
+        lambda synthesizer: bench_decoder(synthesizer.tts, lengths, repeats),
+        decoder_table,
+    )
 
 
 @bench_app.command("talker")
@@ -332,13 +398,30 @@ def bench_talker_command(
     from rvqtts.report import talker_table
 
     lengths = list_of_ints(contexts, "--contexts")
-    _model_bench(model, device, dtype, repeats, json_out, quiet,
-                 lambda synthesizer: bench_talker(synthesizer.talker, lengths, repeats,
-                                                  weight_format=synthesizer.weights), talker_table, weights)
+    _model_bench(
+        model,
+        device,
+        dtype,
+        repeats,
+        json_out,
+        quiet,
+        lambda synthesizer: bench_talker(synthesizer.talker, lengths, repeats, weight_format=synthesizer.weights),
+        talker_table,
+        weights,
+    )
 
 
-def _model_bench(model: str, device: str, dtype: str, repeats: int, json_out: Optional[Path], quiet: bool,
-                 measure, table, weights: str = "native") -> None:
+def _model_bench(
+    model: str,
+    device: str,
+    dtype: str,
+    repeats: int,
+    json_out: Optional[Path],
+    quiet: bool,
+    measure,
+    table,
+    weights: str = "native",
+) -> None:
     """Check the options, load the model, measure it and publish the result (JSON and a table)."""
     if repeats < 1:
         fail(f"--repeats must be at least 1, got {repeats}")
@@ -356,8 +439,9 @@ def bench_coreml_command(
     texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP),
     split: str = typer.Option("evaluation", help=SPLIT_HELP),
     frames: int = typer.Option(200, help="Frames to decode (the first of the source)."),
-    package: Optional[Path] = typer.Option(None, help="Package to measure (macOS); default: the cache's, "
-                                                      "exported on first use."),
+    package: Optional[Path] = typer.Option(
+        None, help="Package to measure (macOS); default: the cache's, exported on first use."
+    ),
     tree: str = typer.Option("auto", help="auto (the best N measured for Core ML, else 16), N, or a tree file."),
     offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the model."),
     precision: str = typer.Option("w8a16", help="Precision of a package exported on first use: w8a16 or fp16."),
@@ -394,8 +478,15 @@ def bench_coreml_command(
     try:
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
         if on_mac:
-            candidate = coreml_decoder(synthesizer.code_predictor, speculation, sampling, package, precision,
-                                       compute_units, report=lambda message: say(message, quiet))
+            candidate = coreml_decoder(
+                synthesizer.code_predictor,
+                speculation,
+                sampling,
+                package,
+                precision,
+                compute_units,
+                report=lambda message: say(message, quiet),
+            )
         else:
             candidate = float16_stand_in(synthesizer.code_predictor, speculation, sampling)
     except (CoreMLError, TreeFileError, OffsetsFileError, ValueError) as error:
@@ -407,6 +498,10 @@ def bench_coreml_command(
     with progress_bar(quiet) as progress:
         progress.add_task(f"decoding {len(prefixes)} frames three ways", total=None)
         result = bench_fused(synthesizer.code_predictor, speculation, candidate, prefixes, seed, sampling)
-    result.update(model=model, candidate=f"coreml {compute_units}" if on_mac else "pytorch float16 (proxy)",
-                  tree_nodes=speculation.tree.nodes, frames_source=source.source)
+    result.update(
+        model=model,
+        candidate=f"coreml {compute_units}" if on_mac else "pytorch float16 (proxy)",
+        tree_nodes=speculation.tree.nodes,
+        frames_source=source.source,
+    )
     publish(result, json_out, coreml_table, quiet)

@@ -10,13 +10,19 @@ import typer
 
 # Plain (click) help: no "<bool>" placeholders after switches, and it reads the same in a pipe or a log.
 HELP_STYLE = dict(no_args_is_help=True, rich_markup_mode=None)
-app = typer.Typer(help="Fast, exact Qwen3-TTS synthesis with RVQ position-aware speculative decoding.",
-                  add_completion=False, pretty_exceptions_enable=False, **HELP_STYLE)
+app = typer.Typer(
+    help="Fast, exact Qwen3-TTS synthesis with RVQ position-aware speculative decoding.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    **HELP_STYLE,
+)
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
-WEIGHTS_HELP = ("native (the dtype's own), or int8: the linear maps of both loops' layers and heads as 8-bit "
-                "weights with per-channel scales (W8A16; CPUs only; changes the model slightly, "
-                "docs/benchmarks.md).")
+WEIGHTS_HELP = (
+    "native (the dtype's own), or int8: the linear maps of both loops' layers and heads as 8-bit "
+    "weights with per-channel scales (W8A16; CPUs only; changes the model slightly, "
+    "docs/benchmarks.md)."
+)
 
 
 def fail(message: str) -> None:
@@ -62,8 +68,15 @@ def progress_bar(quiet: bool):
 
     console = Console(stderr=True)
     # A bar only helps on a terminal; in a log file it would leave blank lines behind.
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, disable=quiet or not console.is_terminal)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=quiet or not console.is_terminal,
+    )
 
 
 def stderr_console():

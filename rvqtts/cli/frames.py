@@ -8,27 +8,43 @@ from typing import Optional
 
 from rvqtts.cli.common import fail, progress_bar, say
 
-TEXTS_HELP = ("Texts to synthesize and record (.txt, or .jsonl with text and the voice fields of rvqtts synth -f: "
-              "speaker, language, instruct, ref_audio, ref_text, x_vector_only, voice).")
+TEXTS_HELP = (
+    "Texts to synthesize and record (.txt, or .jsonl with text and the voice fields of rvqtts synth -f: "
+    "speaker, language, instruct, ref_audio, ref_text, x_vector_only, voice)."
+)
 SPEAKER_HELP = "speaker of lines that name none (CustomVoice models; default vivian)."
-INSTRUCT_HELP = ("instruction of lines that name none (VoiceDesign models need one; the "
-                 "1.7B CustomVoice takes a style).")
-VOICE_HELP = ("on a Base model, the cloned voice of lines that name none, a voice file "
-              "(rvqtts synth --ref-audio FILE --ref-text TEXT --save-voice VOICE).")
+INSTRUCT_HELP = "instruction of lines that name none (VoiceDesign models need one; the 1.7B CustomVoice takes a style)."
+VOICE_HELP = (
+    "on a Base model, the cloned voice of lines that name none, a voice file "
+    "(rvqtts synth --ref-audio FILE --ref-text TEXT --save-voice VOICE)."
+)
 CONTEXTS_HELP = "Recorded frames: a contexts .npz (h_t, codes, language), as rvqtts standin build writes."
 SPLIT_HELP = "The split of a contexts file that has splits (calibration or evaluation)."
 
 
-def check_source(texts: Optional[Path], contexts: Optional[Path], audio: Optional[Path] = None,
-                  audio_allowed: bool = False) -> None:
+def check_source(
+    texts: Optional[Path], contexts: Optional[Path], audio: Optional[Path] = None, audio_allowed: bool = False
+) -> None:
     if sum(source is not None for source in (texts, contexts, audio)) != 1:
-        fail("give one data source: --texts FILE (synthesize and record), --contexts FILE (recorded frames)"
-             + (" or --audio FILE.jsonl (recordings and transcripts)" if audio_allowed else ""))
+        fail(
+            "give one data source: --texts FILE (synthesize and record), --contexts FILE (recorded frames)"
+            + (" or --audio FILE.jsonl (recordings and transcripts)" if audio_allowed else "")
+        )
 
 
-def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path], split: str,
-                    speaker: Optional[str], language: str, seed: int, quiet: bool, audio: Optional[Path] = None,
-                    instruct: Optional[str] = None, voice: Optional[Path] = None):
+def recorded_frames(
+    synthesizer,
+    texts: Optional[Path],
+    contexts: Optional[Path],
+    split: str,
+    speaker: Optional[str],
+    language: str,
+    seed: int,
+    quiet: bool,
+    audio: Optional[Path] = None,
+    instruct: Optional[str] = None,
+    voice: Optional[Path] = None,
+):
     """Frames from a contexts file, from recordings by teacher forcing, or recorded by synthesizing a text
     file with the plain inner loop (in each line's voice, else the one given: `speaker`, `instruct`, or
     a Base model's `voice` file)."""
@@ -59,9 +75,15 @@ def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path]
             fail(str(error))
         with progress_bar(quiet) as progress:
             task = progress.add_task(f"teacher forcing {audio.name}", total=len(pairs))
-            frames = force_contexts(synthesizer, pairs, speaker, language,
-                                    on_pair=lambda done, total: progress.update(task, completed=done),
-                                    instruct=instruct, clone=clone)
+            frames = force_contexts(
+                synthesizer,
+                pairs,
+                speaker,
+                language,
+                on_pair=lambda done, total: progress.update(task, completed=done),
+                instruct=instruct,
+                clone=clone,
+            )
         say(f"recorded {len(frames)} frames from {len(pairs)} recordings", quiet)
         return frames
     try:
@@ -75,9 +97,17 @@ def recorded_frames(synthesizer, texts: Optional[Path], contexts: Optional[Path]
             fail(f"{texts}:{item.line}: {error}")
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {texts.name}", total=len(utterances))
-        frames = record_contexts(synthesizer, utterances, speaker, language, seed, GenerationSettings(),
-                                 on_utterance=lambda done, total: progress.update(task, completed=done),
-                                 instruct=instruct, clone=clone)
+        frames = record_contexts(
+            synthesizer,
+            utterances,
+            speaker,
+            language,
+            seed,
+            GenerationSettings(),
+            on_utterance=lambda done, total: progress.update(task, completed=done),
+            instruct=instruct,
+            clone=clone,
+        )
     say(f"recorded {len(frames)} frames from {len(utterances)} texts", quiet)
     return frames
 
@@ -89,7 +119,8 @@ def drafting_offsets(synthesizer, offsets: Optional[Path], depth: int):
     if offsets is None:
         return Offsets.zeros(depth, synthesizer.hidden_size)
     try:
-        return load_offsets(offsets, hidden_size=synthesizer.hidden_size,
-                            fingerprint=predictor_fingerprint(synthesizer.code_predictor))
+        return load_offsets(
+            offsets, hidden_size=synthesizer.hidden_size, fingerprint=predictor_fingerprint(synthesizer.code_predictor)
+        )
     except OffsetsFileError as error:
         fail(str(error))

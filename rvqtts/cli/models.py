@@ -22,19 +22,31 @@ from rvqtts.cli.common import (
 @app.command("make-tiny-model")
 def make_tiny_model(
     directory: Path = typer.Argument(..., help="Folder to create; it must not exist or be empty."),
-    dims: str = typer.Option("tiny", help="tiny (shrunk), or 0.6b / 1.7b: the released CustomVoice model's "
-                                          "dimensions and layout (rvqtts/tuning/released/), stored in bfloat16."),
-    kind: str = typer.Option("custom-voice", help="custom-voice (built-in speakers), base (voice cloning: a "
-                                                  "speaker encoder, no speakers) or voice-design (described "
-                                                  "voices; 1.7B only)."),
-    shallow: bool = typer.Option(False, "--shallow", help="With --dims: two talker and two code-predictor layers "
-                                                          "and a small speech tokenizer, released widths and heads."),
-    codebook: int = typer.Option(2048, help="--dims tiny: residual codebook size (the code predictor's "
-                                            "vocabulary)."),
+    dims: str = typer.Option(
+        "tiny",
+        help="tiny (shrunk), or 0.6b / 1.7b: the released CustomVoice model's "
+        "dimensions and layout (rvqtts/tuning/released/), stored in bfloat16.",
+    ),
+    kind: str = typer.Option(
+        "custom-voice",
+        help="custom-voice (built-in speakers), base (voice cloning: a "
+        "speaker encoder, no speakers) or voice-design (described "
+        "voices; 1.7B only).",
+    ),
+    shallow: bool = typer.Option(
+        False,
+        "--shallow",
+        help="With --dims: two talker and two code-predictor layers "
+        "and a small speech tokenizer, released widths and heads.",
+    ),
+    codebook: int = typer.Option(2048, help="--dims tiny: residual codebook size (the code predictor's vocabulary)."),
     code_groups: int = typer.Option(16, help="--dims tiny: codes per frame, c0 plus code_groups - 1 residual codes."),
-    acceptance: str = typer.Option("none", help="none (random weights), or paper (--dims 0.6b): a code predictor "
-                                                "whose own weights draft about as well as the paper reports "
-                                                "(docs/acceptance.md)."),
+    acceptance: str = typer.Option(
+        "none",
+        help="none (random weights), or paper (--dims 0.6b): a code predictor "
+        "whose own weights draft about as well as the paper reports "
+        "(docs/acceptance.md).",
+    ),
     seed: int = typer.Option(0, help="Seed of the random weights; same arguments give byte-identical files."),
     force: bool = typer.Option(False, "--force", help="Replace the folder if it already exists."),
 ) -> None:
@@ -52,8 +64,16 @@ def make_tiny_model(
     if force and directory.is_dir():
         shutil.rmtree(directory)
     try:
-        build_tiny_model(directory, codebook=codebook, code_groups=code_groups, seed=seed, dims=dims,
-                         shallow=shallow, kind=kind, acceptance=acceptance)
+        build_tiny_model(
+            directory,
+            codebook=codebook,
+            code_groups=code_groups,
+            seed=seed,
+            dims=dims,
+            shallow=shallow,
+            kind=kind,
+            acceptance=acceptance,
+        )
     except (ValueError, FileExistsError) as error:
         fail(str(error))
     say(f"wrote {directory}")
@@ -79,10 +99,14 @@ def voices(model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder
 def export_coreml(
     out: Path = typer.Option(..., "--out", help="Folder for the .mlpackage (named by what it was built for)."),
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
-    tree: str = typer.Option("auto", help="Draft tree: auto (the best N measured for Core ML, else 16), a node "
-                                          "budget N (a shipped tree) or a tree file."),
-    offsets: Optional[Path] = typer.Option(None, help="Draft offsets file; default: shipped offsets matching "
-                                                      "the model, else zero offsets."),
+    tree: str = typer.Option(
+        "auto",
+        help="Draft tree: auto (the best N measured for Core ML, else 16), a node "
+        "budget N (a shipped tree) or a tree file.",
+    ),
+    offsets: Optional[Path] = typer.Option(
+        None, help="Draft offsets file; default: shipped offsets matching the model, else zero offsets."
+    ),
     precision: str = typer.Option("w8a16", help="w8a16 (int8 per-channel weights, float16 activations) or fp16."),
     min_target: str = typer.Option("macOS15", help="Oldest macOS the package runs on (macOS15 or later)."),
     temperature: float = typer.Option(0.9, help="Sampling temperature baked into the package (synth's must match)."),
@@ -109,20 +133,30 @@ def export_coreml(
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
         if notice:
             say(notice, quiet)
-        exported = export_package(synthesizer.code_predictor, speculation, sampling, out, precision, min_target,
-                                  report=lambda message: say(message, quiet), force=force)
+        exported = export_package(
+            synthesizer.code_predictor,
+            speculation,
+            sampling,
+            out,
+            precision,
+            min_target,
+            report=lambda message: say(message, quiet),
+            force=force,
+        )
     except (CoreMLError, TreeFileError, OffsetsFileError, ValueError) as error:
         fail(str(error))
     if exported.reused:
-        say(f"{exported.path} is already exported for this model, tree, offsets and sampling (--force redoes it)",
-            quiet)
+        say(
+            f"{exported.path} is already exported for this model, tree, offsets and sampling (--force redoes it)", quiet
+        )
     else:
         say(f"wrote {exported.path}: {exported.bytes / 1e6:.1f} MB in {exported.seconds:.1f} s", quiet)
     typer.echo(str(exported.path))
 
 
-standin_app = typer.Typer(help="The trained stand-in code predictor (a proxy for tests and benchmarks, not "
-                                "Qwen3-TTS).", **HELP_STYLE)
+standin_app = typer.Typer(
+    help="The trained stand-in code predictor (a proxy for tests and benchmarks, not Qwen3-TTS).", **HELP_STYLE
+)
 app.add_typer(standin_app, name="standin")
 
 
@@ -131,8 +165,9 @@ def standin_build(
     out: Path = typer.Argument(..., help="Folder for the model, codec, contexts and report.json."),
     small: bool = typer.Option(False, "--small", help="The same pipeline, shrunk to run in well under two minutes."),
     device: str = typer.Option("cpu", help="cpu or cuda (training and the codec's k-means)."),
-    sentences: Optional[Path] = typer.Option(None, help="Folder of {en,de,es,ru,ja,cmn}.txt; default: the 86 "
-                                                        "sentences shipped with rvqtts."),
+    sentences: Optional[Path] = typer.Option(
+        None, help="Folder of {en,de,es,ru,ja,cmn}.txt; default: the 86 sentences shipped with rvqtts."
+    ),
     steps: Optional[int] = typer.Option(None, help="Training steps (default 1500, --small 150); more on a GPU."),
 ) -> None:
     """Rebuild corpus (espeak-ng), codec, stand-in and contexts with fixed seeds, and report faithfulness.
@@ -146,8 +181,9 @@ def standin_build(
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         fail(f"unknown --device {device!r}: choose cpu or cuda")
     try:
-        report = build_standin(out, small=small, device=device, sentences_dir=sentences, steps=steps,
-                               log=lambda m: say(m))
+        report = build_standin(
+            out, small=small, device=device, sentences_dir=sentences, steps=steps, log=lambda m: say(m)
+        )
     except CorpusError as error:
         fail(str(error))
     console = stderr_console()

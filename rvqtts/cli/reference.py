@@ -40,8 +40,7 @@ def _is_option(param: Any) -> bool:
 def _names(param: Any) -> str:
     if not _is_option(param):
         return f"`{param.name.upper()}`"
-    return " / ".join(", ".join(f"`{name}`" for name in names) for names in (param.opts, param.secondary_opts)
-                      if names)
+    return " / ".join(", ".join(f"`{name}`" for name in names) for names in (param.opts, param.secondary_opts) if names)
 
 
 def _default(param: Any) -> str:
@@ -61,8 +60,7 @@ def _table(params: list[Any]) -> list[str]:
     shown = [param for param in params if not getattr(param, "hidden", False)]
     if not shown:
         return []
-    rows = [f"| {_names(param)} | {_default(param)} | {_cell(getattr(param, 'help', None) or '')} |"
-            for param in shown]
+    rows = [f"| {_names(param)} | {_default(param)} | {_cell(getattr(param, 'help', None) or '')} |" for param in shown]
     return ["| argument or option | default | meaning |", "|---|---|---|", *rows, ""]
 
 
@@ -94,9 +92,11 @@ def _anchor(path: str) -> str:
 def markdown() -> str:
     """`docs/cli.md`: every command's usage, help and options, from the app's own definitions."""
     commands = _walk("rvqtts", typer.main.get_command(app))
-    intro = (f"Generated from the commands' own help by `{REGENERATE}`; `tests/test_docs.py` fails when this "
-             "page and the commands differ, so edit the help in `rvqtts/cli/`, not this page. Every command "
-             "also takes `--help`.")
+    intro = (
+        f"Generated from the commands' own help by `{REGENERATE}`; `tests/test_docs.py` fails when this "
+        "page and the commands differ, so edit the help in `rvqtts/cli/`, not this page. Every command "
+        "also takes `--help`."
+    )
     lines = ["# The rvqtts command line", "", intro, ""]
     for path, command in commands[1:]:
         summary = _paragraphs(command.short_help or command.help)[:1]

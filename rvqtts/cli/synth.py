@@ -35,8 +35,10 @@ def _read_text(text: Optional[str]) -> str:
         try:
             text = data.decode("utf-8") if isinstance(data, bytes) else data
         except UnicodeDecodeError as error:
-            fail(f"standard input is not UTF-8 text (byte {error.start} is {data[error.start:error.start + 1]!r}): "
-                 f"convert it first, e.g. iconv -f LATIN1 -t UTF-8")
+            fail(
+                f"standard input is not UTF-8 text (byte {error.start} is {data[error.start : error.start + 1]!r}): "
+                f"convert it first, e.g. iconv -f LATIN1 -t UTF-8"
+            )
     if not text.strip():
         fail("the text is empty: give something to say")
     return text
@@ -45,117 +47,192 @@ def _read_text(text: Optional[str]) -> str:
 @app.command()
 def synth(
     text: Optional[str] = typer.Argument(None, help="Text to speak; '-' or nothing reads standard input."),
-    output: Optional[str] = typer.Option(None, "-o", "--output", help="Audio file to write: .wav, .flac or .ogg; "
-                                                                      "'-' writes to standard output (--format)."),
-    stream: bool = typer.Option(False, "--stream", help="Write audio while it is made, every --stream-frames "
-                                                        "frames (decoded incrementally: the audio of a run "
-                                                        "without --stream up to float rounding, for chunks "
-                                                        "of up to 300 frames); a file appears when it is "
-                                                        "complete."),
+    output: Optional[str] = typer.Option(
+        None,
+        "-o",
+        "--output",
+        help="Audio file to write: .wav, .flac or .ogg; '-' writes to standard output (--format).",
+    ),
+    stream: bool = typer.Option(
+        False,
+        "--stream",
+        help="Write audio while it is made, every --stream-frames "
+        "frames (decoded incrementally: the audio of a run "
+        "without --stream up to float rounding, for chunks "
+        "of up to 300 frames); a file appears when it is "
+        "complete.",
+    ),
     stream_frames: int = typer.Option(4, help="Frames per streamed chunk (12.5 frames = 1 s; 4 = 320 ms)."),
-    stdout_format: str = typer.Option("wav", "--format", help="What -o - writes: wav (streamed: a WAV header of "
-                                                              "unknown length) or raw (16-bit little-endian mono "
-                                                              "PCM at 24 kHz)."),
-    file: Optional[Path] = typer.Option(None, "-f", "--file",
-                                        help="Batch: a .txt file (one utterance per line) or a .jsonl file "
-                                             "(text, speaker, language, instruct, out; on Base models "
-                                             "ref_audio, ref_text, x_vector_only or voice)."),
+    stdout_format: str = typer.Option(
+        "wav",
+        "--format",
+        help="What -o - writes: wav (streamed: a WAV header of "
+        "unknown length) or raw (16-bit little-endian mono "
+        "PCM at 24 kHz).",
+    ),
+    file: Optional[Path] = typer.Option(
+        None,
+        "-f",
+        "--file",
+        help="Batch: a .txt file (one utterance per line) or a .jsonl file "
+        "(text, speaker, language, instruct, out; on Base models "
+        "ref_audio, ref_text, x_vector_only or voice).",
+    ),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Batch output folder (required with -f)."),
     force: bool = typer.Option(False, "--force", help="Batch: overwrite outputs that already exist."),
-    batch_size: str = typer.Option("auto", "--batch-size", help="Batch: lines spoken together, a row each in every "
-                                                                "call of both loops (a free row takes the next "
-                                                                "line); auto: the size measured best on this "
-                                                                "machine and model (once; on Ray, on each "
-                                                                "worker's; 1 with RVQTTS_CHOICES=fixed). Each "
-                                                                "line's file is the one a one-line run writes "
-                                                                "where the kernels keep "
-                                                                "rows invariant (rvqtts tune); a batch's inner "
-                                                                "loop speculates as one line's does, every "
-                                                                "row's tree round in one call."),
-    ray: Optional[str] = typer.Option(None, "--ray", help="Batch on a Ray cluster (pip install 'rvqtts[ray]'): "
-                                                          "auto ($RAY_ADDRESS, or the cluster `ray start` made "
-                                                          "here, else a new one on this machine) or the "
-                                                          "cluster's address (HOST:PORT). "
-                                                          "This machine writes every file (docs/cluster.md)."),
-    workers: Optional[int] = typer.Option(None, help="--ray: workers, each loading the model once; default: as "
-                                                     "many as the cluster's CPUs (GPUs) hold."),
-    cpus_per_worker: Optional[float] = typer.Option(None, help="--ray: CPUs (torch threads) per worker; "
-                                                               "default 1."),
-    gpus_per_worker: Optional[float] = typer.Option(None, help="--ray: GPUs per worker (fractions share one); "
-                                                               "default 0. With GPUs, --device auto is cuda."),
-    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of a Qwen3-TTS 12 Hz model: CustomVoice, "
-                                                  "Base (a cloned voice) or VoiceDesign (rvqtts voices says "
-                                                  "which)."),
+    batch_size: str = typer.Option(
+        "auto",
+        "--batch-size",
+        help="Batch: lines spoken together, a row each in every "
+        "call of both loops (a free row takes the next "
+        "line); auto: the size measured best on this "
+        "machine and model (once; on Ray, on each "
+        "worker's; 1 with RVQTTS_CHOICES=fixed). Each "
+        "line's file is the one a one-line run writes "
+        "where the kernels keep "
+        "rows invariant (rvqtts tune); a batch's inner "
+        "loop speculates as one line's does, every "
+        "row's tree round in one call.",
+    ),
+    ray: Optional[str] = typer.Option(
+        None,
+        "--ray",
+        help="Batch on a Ray cluster (pip install 'rvqtts[ray]'): "
+        "auto ($RAY_ADDRESS, or the cluster `ray start` made "
+        "here, else a new one on this machine) or the "
+        "cluster's address (HOST:PORT). "
+        "This machine writes every file (docs/cluster.md).",
+    ),
+    workers: Optional[int] = typer.Option(
+        None, help="--ray: workers, each loading the model once; default: as many as the cluster's CPUs (GPUs) hold."
+    ),
+    cpus_per_worker: Optional[float] = typer.Option(None, help="--ray: CPUs (torch threads) per worker; default 1."),
+    gpus_per_worker: Optional[float] = typer.Option(
+        None, help="--ray: GPUs per worker (fractions share one); default 0. With GPUs, --device auto is cuda."
+    ),
+    model: str = typer.Option(
+        DEFAULT_MODEL,
+        help="Hub id or local folder of a Qwen3-TTS 12 Hz model: CustomVoice, "
+        "Base (a cloned voice) or VoiceDesign (rvqtts voices says "
+        "which).",
+    ),
     device: str = typer.Option("auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps."),
-    dtype: str = typer.Option("auto", help="auto (bfloat16 on cuda, float16 on mps; on a CPU the cheaper of "
-                                           "bfloat16 and float32 for one frame's linear maps, measured once; "
-                                           "with RVQTTS_CHOICES=fixed, bfloat16 where the CPU multiplies it "
-                                           "natively, else float32), float32, bfloat16 or float16."),
+    dtype: str = typer.Option(
+        "auto",
+        help="auto (bfloat16 on cuda, float16 on mps; on a CPU the cheaper of "
+        "bfloat16 and float32 for one frame's linear maps, measured once; "
+        "with RVQTTS_CHOICES=fixed, bfloat16 where the CPU multiplies it "
+        "natively, else float32), float32, bfloat16 or float16.",
+    ),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
-    speaker: Optional[str] = typer.Option(None, help="Speaker of a CustomVoice model (rvqtts voices lists them); "
-                                                     "default vivian. Base and VoiceDesign models have none."),
-    ref_audio: Optional[Path] = typer.Option(None, help="Base models: reference audio of the voice to clone "
-                                                        "(.wav, .flac, .ogg; at least 1 s), with --ref-text or "
-                                                        "--x-vector-only."),
-    ref_text: Optional[str] = typer.Option(None, help="Base models: what the reference audio says, word for word "
-                                                      "(ICL cloning, qwen-tts's default)."),
-    x_vector_only: bool = typer.Option(False, "--x-vector-only", help="Base models: clone from the reference's "
-                                                                      "speaker embedding alone (no transcript; "
-                                                                      "its codes are not in the prompt)."),
-    voice: Optional[Path] = typer.Option(None, help="Base models: a voice file written by --save-voice (the "
-                                                    "reference encoded once)."),
-    save_voice: Optional[Path] = typer.Option(None, help="Write the voice cloned from --ref-audio to this file "
-                                                         "(.safetensors) for --voice; with no text, only that."),
+    speaker: Optional[str] = typer.Option(
+        None,
+        help="Speaker of a CustomVoice model (rvqtts voices lists them); "
+        "default vivian. Base and VoiceDesign models have none.",
+    ),
+    ref_audio: Optional[Path] = typer.Option(
+        None,
+        help="Base models: reference audio of the voice to clone "
+        "(.wav, .flac, .ogg; at least 1 s), with --ref-text or "
+        "--x-vector-only.",
+    ),
+    ref_text: Optional[str] = typer.Option(
+        None, help="Base models: what the reference audio says, word for word (ICL cloning, qwen-tts's default)."
+    ),
+    x_vector_only: bool = typer.Option(
+        False,
+        "--x-vector-only",
+        help="Base models: clone from the reference's "
+        "speaker embedding alone (no transcript; "
+        "its codes are not in the prompt).",
+    ),
+    voice: Optional[Path] = typer.Option(
+        None, help="Base models: a voice file written by --save-voice (the reference encoded once)."
+    ),
+    save_voice: Optional[Path] = typer.Option(
+        None,
+        help="Write the voice cloned from --ref-audio to this file "
+        "(.safetensors) for --voice; with no text, only that.",
+    ),
     language: str = typer.Option("auto", help="Language, or auto."),
-    instruct: Optional[str] = typer.Option(None, help="Style instruction (ignored, with a warning, by models "
-                                                      "without instruction support such as the 0.6B "
-                                                      "CustomVoice); on a VoiceDesign model, the voice "
-                                                      "described in words (required)."),
-    temperature: Optional[float] = typer.Option(None, help="Sampling temperature of both loops; default: the "
-                                                           "model's generation_config.json (talker and code "
-                                                           "predictor apart), else 0.9."),
+    instruct: Optional[str] = typer.Option(
+        None,
+        help="Style instruction (ignored, with a warning, by models "
+        "without instruction support such as the 0.6B "
+        "CustomVoice); on a VoiceDesign model, the voice "
+        "described in words (required).",
+    ),
+    temperature: Optional[float] = typer.Option(
+        None,
+        help="Sampling temperature of both loops; default: the "
+        "model's generation_config.json (talker and code "
+        "predictor apart), else 0.9.",
+    ),
     top_k: Optional[int] = typer.Option(None, help="Top-k of both loops (0 = off); default: the model's, else 50."),
     top_p: Optional[float] = typer.Option(None, help="Top-p of both loops (1 = off); default: the model's, else 1."),
-    predictor_temperature: Optional[float] = typer.Option(None, help="The code predictor's temperature apart "
-                                                                     "from the talker's."),
+    predictor_temperature: Optional[float] = typer.Option(
+        None, help="The code predictor's temperature apart from the talker's."
+    ),
     predictor_top_k: Optional[int] = typer.Option(None, help="The code predictor's top-k apart from the talker's."),
     predictor_top_p: Optional[float] = typer.Option(None, help="The code predictor's top-p apart from the talker's."),
-    repetition_penalty: Optional[float] = typer.Option(None, help="Repetition penalty of the talker; default: the "
-                                                                  "model's, else 1.05."),
-    max_frames: Optional[int] = typer.Option(None, help="Most frames per chunk (12.5 frames = 1 s); default: "
-                                                        "three times what the chunk's text needs plus 2 s, within "
-                                                        "the model's max_new_tokens."),
-    chunk_chars: int = typer.Option(240, help="Long text is spoken in chunks of about this many characters, cut "
-                                              "at sentence ends (ideographs and kana count 2.5)."),
-    no_chunk: bool = typer.Option(False, "--no-chunk", help="Speak the whole text in one pass, as qwen-tts does "
-                                                            "(keeps prosody across sentences; the runaway cut "
-                                                            "still applies)."),
-    seed: int = typer.Option(0, help="Same seed, same codes, same audio, speculative or not: by construction in "
-                                     "bfloat16 where the CPU's kernels are row-invariant, as measured in float32 "
-                                     "(README: Same seed, same codes)."),
+    repetition_penalty: Optional[float] = typer.Option(
+        None, help="Repetition penalty of the talker; default: the model's, else 1.05."
+    ),
+    max_frames: Optional[int] = typer.Option(
+        None,
+        help="Most frames per chunk (12.5 frames = 1 s); default: "
+        "three times what the chunk's text needs plus 2 s, within "
+        "the model's max_new_tokens.",
+    ),
+    chunk_chars: int = typer.Option(
+        240,
+        help="Long text is spoken in chunks of about this many characters, cut "
+        "at sentence ends (ideographs and kana count 2.5).",
+    ),
+    no_chunk: bool = typer.Option(
+        False,
+        "--no-chunk",
+        help="Speak the whole text in one pass, as qwen-tts does "
+        "(keeps prosody across sentences; the runaway cut "
+        "still applies).",
+    ),
+    seed: int = typer.Option(
+        0,
+        help="Same seed, same codes, same audio, speculative or not: by construction in "
+        "bfloat16 where the CPU's kernels are row-invariant, as measured in float32 "
+        "(README: Same seed, same codes).",
+    ),
     spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
-    tree: str = typer.Option("auto", help="Draft tree: auto (the tree size decided online from this model's "
-                                          "acceptance, counted as it speaks, and this machine's call costs; "
-                                          "0, the plain loop, where no tree pays; with --backend coreml, the "
-                                          "best N measured for the device), a node budget N (a shipped tree) "
-                                          "or a tree file."),
-    offsets: Optional[Path] = typer.Option(None, help="Draft offsets file; default: shipped offsets matching "
-                                                      "the model, else zero offsets."),
-    backend: str = typer.Option("torch", help="torch, or coreml (macOS): the inner loop runs on a Core ML "
-                                              "package (docs/coreml.md)."),
-    compute_units: str = typer.Option("all", help="Core ML compute units: all, cpu_and_ne, cpu_and_gpu or "
-                                                  "cpu_only."),
-    coreml_package: Optional[Path] = typer.Option(None, help="Core ML package from rvqtts export-coreml; default: "
-                                                             "the cache's, exported on first use."),
-    coreml_precision: str = typer.Option("w8a16", help="Precision of a package exported on first use: w8a16 "
-                                                       "or fp16."),
-    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs",
-                                     help="On CUDA, replay the talker's and the inner loop's calls from CUDA "
-                                          "graphs."),
-    codes_out: Optional[Path] = typer.Option(None, help="Save frame codes as int .npy [frames, 16] (batch: a "
-                                                        "folder of NAME.npy)."),
-    stats_json: Optional[Path] = typer.Option(None, help="Write the run's statistics as JSON (per utterance and "
-                                                         "total)."),
+    tree: str = typer.Option(
+        "auto",
+        help="Draft tree: auto (the tree size decided online from this model's "
+        "acceptance, counted as it speaks, and this machine's call costs; "
+        "0, the plain loop, where no tree pays; with --backend coreml, the "
+        "best N measured for the device), a node budget N (a shipped tree) "
+        "or a tree file.",
+    ),
+    offsets: Optional[Path] = typer.Option(
+        None, help="Draft offsets file; default: shipped offsets matching the model, else zero offsets."
+    ),
+    backend: str = typer.Option(
+        "torch", help="torch, or coreml (macOS): the inner loop runs on a Core ML package (docs/coreml.md)."
+    ),
+    compute_units: str = typer.Option("all", help="Core ML compute units: all, cpu_and_ne, cpu_and_gpu or cpu_only."),
+    coreml_package: Optional[Path] = typer.Option(
+        None, help="Core ML package from rvqtts export-coreml; default: the cache's, exported on first use."
+    ),
+    coreml_precision: str = typer.Option("w8a16", help="Precision of a package exported on first use: w8a16 or fp16."),
+    cuda_graphs: bool = typer.Option(
+        True,
+        "--cuda-graphs/--no-cuda-graphs",
+        help="On CUDA, replay the talker's and the inner loop's calls from CUDA graphs.",
+    ),
+    codes_out: Optional[Path] = typer.Option(
+        None, help="Save frame codes as int .npy [frames, 16] (batch: a folder of NAME.npy)."
+    ),
+    stats_json: Optional[Path] = typer.Option(
+        None, help="Write the run's statistics as JSON (per utterance and total)."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, table or notices."),
 ) -> None:
     """Synthesize speech to audio files: one text, standard input, or a batch file.
@@ -178,8 +255,10 @@ def synth(
     if backend not in ("torch", "coreml"):
         fail(f"unknown --backend {backend!r}: choose torch or coreml")
     if backend == "coreml" and weights != "native":
-        fail(f"--weights {weights} is for the torch backend: Core ML packages hold their own weights "
-             "(--coreml-precision)")
+        fail(
+            f"--weights {weights} is for the torch backend: Core ML packages hold their own weights "
+            "(--coreml-precision)"
+        )
     if backend == "coreml":
         check_coreml(compute_units, coreml_precision)
     if stdout_format not in STDOUT_FORMATS:
@@ -191,8 +270,10 @@ def synth(
     if ray is None and (workers, cpus_per_worker, gpus_per_worker) != (None, None, None):
         fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
     try:
-        ref_audio, voice = (None if path is None else path.expanduser().resolve()  # absolute, as batch lines'
-                            for path in (ref_audio, voice))                     # are: Ray workers start elsewhere
+        ref_audio, voice = (
+            None if path is None else path.expanduser().resolve()  # absolute, as batch lines'
+            for path in (ref_audio, voice)
+        )  # are: Ray workers start elsewhere
         given = ref_audio or voice or ref_text is not None or x_vector_only
         clone = VoiceSource(ref_audio, ref_text, x_vector_only, voice) if given else None
     except VoiceError as error:
@@ -210,8 +291,21 @@ def synth(
             _save_voice_only(clone, save_voice, model, device, dtype, quiet)
             return
     if ray is not None:
-        worker_spec = _ray_worker_spec(file, backend, model, device, dtype, weights, spec, tree, offsets,
-                                       cuda_graphs, workers, cpus_per_worker, gpus_per_worker)
+        worker_spec = _ray_worker_spec(
+            file,
+            backend,
+            model,
+            device,
+            dtype,
+            weights,
+            spec,
+            tree,
+            offsets,
+            cuda_graphs,
+            workers,
+            cpus_per_worker,
+            gpus_per_worker,
+        )
     if file is not None:
         if text is not None:
             fail("give either TEXT or -f FILE, not both")
@@ -247,8 +341,16 @@ def synth(
     if stats_json is not None:
         ensure_writable(stats_json)
     try:
-        settings = GenerationSettings(temperature, top_k, top_p, repetition_penalty, max_frames,
-                                      predictor_temperature, predictor_top_k, predictor_top_p)
+        settings = GenerationSettings(
+            temperature,
+            top_k,
+            top_p,
+            repetition_penalty,
+            max_frames,
+            predictor_temperature,
+            predictor_top_k,
+            predictor_top_p,
+        )
     except ValueError as error:
         fail(str(error))
     if file is not None and not force and save_voice is None and all((out_dir / u.name).exists() for u in utterances):
@@ -271,8 +373,15 @@ def synth(
     _check_voice_files(voices, {item.clone: f"{file}:{item.line}: " for item in reversed(making) if item.clone})
     if ray is not None:
         worker_spec = replace(worker_spec, voices=tuple(voices), batch_size=rows)  # auto: each worker measures
-    run = dict(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings, clone=clone,
-               chunk_chars=None if no_chunk else chunk_chars)
+    run = dict(
+        speaker=speaker,
+        language=language,
+        instruct=instruct,
+        seed=seed,
+        settings=settings,
+        clone=clone,
+        chunk_chars=None if no_chunk else chunk_chars,
+    )
     if ray is None:  # the model is loaded here; on Ray each worker loads its own
         synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
         device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
@@ -283,8 +392,7 @@ def synth(
         if notice:
             say(notice, quiet)
         if backend == "coreml":
-            _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units,
-                        quiet)
+            _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet)
         if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
             say(INSTRUCT_IGNORED)
         _encode_voices(synthesizer, voices, clone, save_voice, quiet)
@@ -292,11 +400,19 @@ def synth(
         if ray is not None:
             from rvqtts.cli.batch import run_on_ray
 
-            run_on_ray(worker_spec, ray, workers, utterances, out_dir, file, run, force, codes_out, stats_json,
-                       quiet)
+            run_on_ray(worker_spec, ray, workers, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
         elif file is None:
-            _synth_one(synthesizer, utterances[0], output, run, stream_frames if stream else None, stdout_format,
-                       codes_out, stats_json, quiet)
+            _synth_one(
+                synthesizer,
+                utterances[0],
+                output,
+                run,
+                stream_frames if stream else None,
+                stdout_format,
+                codes_out,
+                stats_json,
+                quiet,
+            )
         else:
             from rvqtts.batch_size import choose_batch_size
             from rvqtts.cli.batch import run_here
@@ -372,9 +488,21 @@ def _save_voice_only(clone, save_voice: Path, model: str, device: str, dtype: st
     _encode_voices(synthesizer, [clone], clone, save_voice, quiet)
 
 
-def _ray_worker_spec(file: Optional[Path], backend: str, model: str, device: str, dtype: str, weights: str,
-                     spec: bool, tree: str, offsets: Optional[Path], cuda_graphs: bool, workers: Optional[int],
-                     cpus: Optional[float], gpus: Optional[float]):
+def _ray_worker_spec(
+    file: Optional[Path],
+    backend: str,
+    model: str,
+    device: str,
+    dtype: str,
+    weights: str,
+    spec: bool,
+    tree: str,
+    offsets: Optional[Path],
+    cuda_graphs: bool,
+    workers: Optional[int],
+    cpus: Optional[float],
+    gpus: Optional[float],
+):
     """What each Ray worker loads, checked here as far as it can be: the workers' machines resolve the
     device and read the model, tree and offsets (local paths go to them absolute: a worker starts in a
     folder of its own)."""
@@ -391,8 +519,10 @@ def _ray_worker_spec(file: Optional[Path], backend: str, model: str, device: str
     if cpus <= 0 or gpus < 0:
         fail(f"--cpus-per-worker must be above 0 and --gpus-per-worker at least 0, got {cpus:g} and {gpus:g}")
     if device not in ("auto", "cpu", "cuda"):
-        fail(f"--device {device} cannot be given to Ray workers: choose auto, cpu or cuda (Ray hands each "
-             "worker its own GPUs)")
+        fail(
+            f"--device {device} cannot be given to Ray workers: choose auto, cpu or cuda (Ray hands each "
+            "worker its own GPUs)"
+        )
     if device == "cuda" and gpus == 0:
         fail("--device cuda on Ray needs GPUs for the workers: add --gpus-per-worker (e.g. 1)")
     check_dtype(dtype)
@@ -410,13 +540,30 @@ def _ray_worker_spec(file: Optional[Path], backend: str, model: str, device: str
     def absolute(path: str) -> str:
         return str(Path(path).expanduser().resolve()) if Path(path).expanduser().exists() else path
 
-    return WorkerSpec(absolute(model), device, dtype, weights, spec,
-                      tree if tree == "auto" or tree.isdigit() else absolute(tree),
-                      None if offsets is None else absolute(str(offsets)), cuda_graphs, cpus, gpus)
+    return WorkerSpec(
+        absolute(model),
+        device,
+        dtype,
+        weights,
+        spec,
+        tree if tree == "auto" or tree.isdigit() else absolute(tree),
+        None if offsets is None else absolute(str(offsets)),
+        cuda_graphs,
+        cpus,
+        gpus,
+    )
 
 
-def _use_coreml(synthesizer, tree: str, offsets: Optional[Path], settings, package: Optional[Path],
-                precision: str, compute_units: str, quiet: bool) -> None:
+def _use_coreml(
+    synthesizer,
+    tree: str,
+    offsets: Optional[Path],
+    settings,
+    package: Optional[Path],
+    precision: str,
+    compute_units: str,
+    quiet: bool,
+) -> None:
     """Run the synthesizer's inner loop on a Core ML package (the plain step when it has no speculation)."""
     from rvqtts.engine.coreml import CoreMLError, coreml_decoder
     from rvqtts.engine.offsets import OffsetsFileError
@@ -428,21 +575,32 @@ def _use_coreml(synthesizer, tree: str, offsets: Optional[Path], settings, packa
         if speculation is None:
             speculation, _ = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
         sampling = synthesizer.sampling(settings).predictor
-        synthesizer.fused = coreml_decoder(synthesizer.code_predictor, speculation, sampling, package, precision,
-                                           compute_units, report=lambda message: say(message, quiet))
+        synthesizer.fused = coreml_decoder(
+            synthesizer.code_predictor,
+            speculation,
+            sampling,
+            package,
+            precision,
+            compute_units,
+            report=lambda message: say(message, quiet),
+        )
     except (CoreMLError, TreeFileError, OffsetsFileError) as error:
         fail(str(error))
 
 
-def _synth_one(synthesizer, item, output, run: dict, stream_frames: Optional[int], stdout_format: str, codes_out,
-               stats_json, quiet) -> None:
+def _synth_one(
+    synthesizer, item, output, run: dict, stream_frames: Optional[int], stdout_format: str, codes_out, stats_json, quiet
+) -> None:
     """One text to `output`: streamed every `stream_frames` frames, or (None) written whole at the end."""
     from rvqtts.audio import write_audio, write_codes, write_stream
 
     with progress_bar(quiet) as progress:
         task = progress.add_task("synthesizing", total=None)
-        run = dict(run, on_chunk=lambda done, total: progress.update(task, completed=done, total=total),
-                   clone=synthesizer.voice_of(run["clone"]) if run["clone"] else None)
+        run = dict(
+            run,
+            on_chunk=lambda done, total: progress.update(task, completed=done, total=total),
+            clone=synthesizer.voice_of(run["clone"]) if run["clone"] else None,
+        )
         if stream_frames:
             audio = synthesizer.stream(item.text, **run, frames_per_chunk=stream_frames)
             write_stream(output, audio, synthesizer.sample_rate, stdout_format)

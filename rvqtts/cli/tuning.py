@@ -41,18 +41,25 @@ def check_new_file(path: Path, force: bool, suffix: str) -> None:
 
 @app.command()
 def tune(
-    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model (its config gives the "
-                                                  "shapes; no weights load)."),
-    dtype: str = typer.Option("auto", help="auto (bfloat16 and float32, and which `--dtype auto` picks), "
-                                           "float32 or bfloat16."),
+    model: str = typer.Option(
+        DEFAULT_MODEL, help="Hub id or local folder of the model (its config gives the shapes; no weights load)."
+    ),
+    dtype: str = typer.Option(
+        "auto", help="auto (bfloat16 and float32, and which `--dtype auto` picks), float32 or bfloat16."
+    ),
     weights: str = typer.Option("native", help="native, or int8 (8-bit weights, W8A16)."),
-    again: bool = typer.Option(False, "--again", help="Measure anew, replacing what the cache holds for this "
-                                                      "machine."),
-    texts: Optional[Path] = typer.Option(None, help="Also speak these lines (.txt, or .jsonl as synth -f takes) "
-                                                    "with --tree auto: the run measures this model's acceptance "
-                                                    "(kept for later runs) and shows the tree sizes it chose from."),
-    offsets: Optional[Path] = typer.Option(None, help="With --texts: the offsets to draft with (default: shipped "
-                                                      "offsets matching the model, else zero offsets)."),
+    again: bool = typer.Option(False, "--again", help="Measure anew, replacing what the cache holds for this machine."),
+    texts: Optional[Path] = typer.Option(
+        None,
+        help="Also speak these lines (.txt, or .jsonl as synth -f takes) "
+        "with --tree auto: the run measures this model's acceptance "
+        "(kept for later runs) and shows the tree sizes it chose from.",
+    ),
+    offsets: Optional[Path] = typer.Option(
+        None,
+        help="With --texts: the offsets to draft with (default: shipped "
+        "offsets matching the model, else zero offsets).",
+    ),
     speaker: Optional[str] = typer.Option(None, help="With --texts: " + SPEAKER_HELP),
     max_frames: Optional[int] = typer.Option(None, help="With --texts: most frames per line."),
     seed: int = typer.Option(0, help="With --texts: seed of synthesis."),
@@ -90,28 +97,48 @@ def tune(
     def progress(line: str) -> None:
         say(line, quiet)
 
-    result = {"model": model, "machine": machine_key(), "cache": str(kernels_path()), "weights": weights,
-              "native": native.unavailable(), "dtypes": {}}
+    result = {
+        "model": model,
+        "machine": machine_key(),
+        "cache": str(kernels_path()),
+        "weights": weights,
+        "native": native.unavailable(),
+        "dtypes": {},
+    }
     for name in names:
         if again:
             forget_choices(getattr(torch, name), weights)
         maps = frame_maps(talker_config)
         choices = choose_kernels([shape for _, shape, _ in maps], getattr(torch, name), weights, progress)
         fixed = fixed_kernel(torch.device("cpu"), getattr(torch, name), weights)
-        rows = [{"loop": loop, "shape": list(shape), "per_frame": count, "fixed": fixed.name,
-                 **choices[shape].record()} for loop, shape, count in maps]
-        result["dtypes"][name] = {"frame_map_ms": round(frame_map_ms(talker_config, getattr(torch, name), weights),
-                                                        3), "maps": rows}
+        rows = [
+            {"loop": loop, "shape": list(shape), "per_frame": count, "fixed": fixed.name, **choices[shape].record()}
+            for loop, shape, count in maps
+        ]
+        result["dtypes"][name] = {
+            "frame_map_ms": round(frame_map_ms(talker_config, getattr(torch, name), weights), 3),
+            "maps": rows,
+        }
     if dtype == "auto":
         result["auto"], result["reason"] = pick_dtype("auto", "cpu", talker_config, weights)
     if texts is not None:
-        result["trees"] = _tune_trees(model, result.get("auto", dtype), weights, texts, offsets, speaker, max_frames,
-                                      seed, quiet)
+        result["trees"] = _tune_trees(
+            model, result.get("auto", dtype), weights, texts, offsets, speaker, max_frames, seed, quiet
+        )
     publish(result, json_out, tune_table, quiet)
 
 
-def _tune_trees(model: str, dtype: str, weights: str, texts: Path, offsets: Optional[Path], speaker: Optional[str],
-                max_frames: Optional[int], seed: int, quiet: bool) -> dict:
+def _tune_trees(
+    model: str,
+    dtype: str,
+    weights: str,
+    texts: Path,
+    offsets: Optional[Path],
+    speaker: Optional[str],
+    max_frames: Optional[int],
+    seed: int,
+    quiet: bool,
+) -> dict:
     """`tune --texts`: the lines spoken with --tree auto on the CPU; what the online choice measured and chose."""
     from rvqtts.batch import BatchFileError, read_batch
     from rvqtts.engine.offsets import OffsetsFileError
@@ -137,8 +164,14 @@ def _tune_trees(model: str, dtype: str, weights: str, texts: Path, offsets: Opti
         task = progress.add_task(f"speaking {len(lines)} lines with --tree auto", total=len(lines))
         for line in lines:
             try:
-                synthesizer.synthesize(line.text, line.speaker or speaker, line.language or "auto", seed,
-                                       settings=settings, instruct=line.instruct)
+                synthesizer.synthesize(
+                    line.text,
+                    line.speaker or speaker,
+                    line.language or "auto",
+                    seed,
+                    settings=settings,
+                    instruct=line.instruct,
+                )
             except ValueError as error:
                 fail(f"{texts}: {error}")
             progress.advance(task)
@@ -150,29 +183,38 @@ def _tune_trees(model: str, dtype: str, weights: str, texts: Path, offsets: Opti
 def train_offsets_command(
     out: Path = typer.Option(..., help="Offsets file to write (.safetensors)."),
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
-    texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP + " Self-distillation: the offsets learn from "
-                                                                 "the model's own codes."),
+    texts: Optional[Path] = typer.Option(
+        None, help=TEXTS_HELP + " Self-distillation: the offsets learn from the model's own codes."
+    ),
     contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP + " Teacher forcing on their codes."),
-    audio: Optional[Path] = typer.Option(None, help="Recordings and transcripts: a .jsonl file of {\"audio\": "
-                                                    "WAV, \"text\": transcript} (optional speaker, language). "
-                                                    "Teacher forcing on the codes of the model's speech tokenizer."),
+    audio: Optional[Path] = typer.Option(
+        None,
+        help='Recordings and transcripts: a .jsonl file of {"audio": '
+        'WAV, "text": transcript} (optional speaker, language). '
+        "Teacher forcing on the codes of the model's speech tokenizer.",
+    ),
     split: str = typer.Option("calibration", help=SPLIT_HELP),
-    resample: bool = typer.Option(False, "--resample", help="With --contexts: train on codes the model samples "
-                                                            "itself from each frame's h_t and c0."),
+    resample: bool = typer.Option(
+        False,
+        "--resample",
+        help="With --contexts: train on codes the model samples itself from each frame's h_t and c0.",
+    ),
     depth: int = typer.Option(3, help="K, codes drafted ahead (1..14)."),
     target: str = typer.Option("hard", help="hard: the codes; soft: the distribution they are sampled from."),
     learning_rate: float = typer.Option(1e-3, help="Adam's learning rate."),
     batch: int = typer.Option(32, help="Frames per step."),
-    max_steps: int = typer.Option(20000, help="Most training steps (training stops earlier when the held-out "
-                                              "loss stops falling)."),
+    max_steps: int = typer.Option(
+        20000, help="Most training steps (training stops earlier when the held-out loss stops falling)."
+    ),
     held_out: float = typer.Option(0.1, help="Fraction of the frames held out for early stopping."),
     speaker: Optional[str] = typer.Option(None, help="With --texts or --audio: " + SPEAKER_HELP),
     language: str = typer.Option("auto", help="With --texts or --audio: language of lines that name none."),
     instruct: Optional[str] = typer.Option(None, help="With --texts or --audio: " + INSTRUCT_HELP),
     voice: Optional[Path] = typer.Option(None, help="With --texts or --audio: " + VOICE_HELP),
     seed: int = typer.Option(0, help="Seed of synthesis, the split and the batches."),
-    save_contexts: Optional[Path] = typer.Option(None, help="With --texts or --audio: also keep the recorded "
-                                                            "frames (.npz) for rvqtts calibrate and accept."),
+    save_contexts: Optional[Path] = typer.Option(
+        None, help="With --texts or --audio: also keep the recorded frames (.npz) for rvqtts calibrate and accept."
+    ),
     device: str = typer.Option("auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
@@ -192,33 +234,46 @@ def train_offsets_command(
     if save_contexts is not None:
         check_new_file(save_contexts, force, ".npz")
     try:
-        config = TrainingConfig(depth=depth, learning_rate=learning_rate, batch=batch, max_steps=max_steps,
-                                target=target, seed=seed)
+        config = TrainingConfig(
+            depth=depth, learning_rate=learning_rate, batch=batch, max_steps=max_steps, target=target, seed=seed
+        )
         if not 0 < held_out < 1:
             raise ValueError(f"--held-out must be between 0 and 1, got {held_out}")
     except ValueError as error:
         fail(str(error))
     synthesizer = load_synthesizer(model, device, dtype, quiet)
-    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, audio, instruct,
-                             voice)
+    frames = recorded_frames(
+        synthesizer, texts, contexts, split, speaker, language, seed, quiet, audio, instruct, voice
+    )
     if save_contexts is not None:
         write_contexts(frames, save_contexts)
     with progress_bar(quiet) as progress:
         task = progress.add_task("training offsets", total=max_steps)
 
         def report(step: int, total: int, train_loss: float, held_loss: float) -> None:
-            progress.update(task, completed=step,
-                            description=f"training offsets (loss {train_loss:.3f}, held out {held_loss:.3f})")
+            progress.update(
+                task, completed=step, description=f"training offsets (loss {train_loss:.3f}, held out {held_loss:.3f})"
+            )
 
         try:
-            offsets, record = fit_offsets(synthesizer, frames, config, held_out=held_out, self_distill=resample,
-                                          model_name=model, on_progress=report)
+            offsets, record = fit_offsets(
+                synthesizer,
+                frames,
+                config,
+                held_out=held_out,
+                self_distill=resample,
+                model_name=model,
+                on_progress=report,
+            )
         except ValueError as error:
             fail(str(error))
     save_offsets(offsets, out)
-    say(f"held-out loss {record['initial_held_out_loss']:.4f} -> {record['held_out_loss']:.4f} nats "
+    say(
+        f"held-out loss {record['initial_held_out_loss']:.4f} -> {record['held_out_loss']:.4f} nats "
         f"(top-1 by depth {record['initial_held_out_top1']} -> {record['held_out_top1']}) after "
-        f"{record['steps']} steps; wrote {out}", quiet)
+        f"{record['steps']} steps; wrote {out}",
+        quiet,
+    )
 
 
 @app.command()
@@ -229,10 +284,13 @@ def calibrate(
     texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP),
     contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP),
     split: str = typer.Option("calibration", help=SPLIT_HELP),
-    budgets: str = typer.Option("4,7,8,15,16,31,32,63,64", help="Node budgets N, comma-separated: one tree each "
-                                                               "(N + 1 a multiple of 8 or 16 is often cheaper to run)."),
-    name: Optional[str] = typer.Option(None, help="File name prefix; default: the offsets file's name, or "
-                                                  "reused-heads."),
+    budgets: str = typer.Option(
+        "4,7,8,15,16,31,32,63,64",
+        help="Node budgets N, comma-separated: one tree each (N + 1 a multiple of 8 or 16 is often cheaper to run).",
+    ),
+    name: Optional[str] = typer.Option(
+        None, help="File name prefix; default: the offsets file's name, or reused-heads."
+    ),
     speaker: Optional[str] = typer.Option(None, help="With --texts: " + SPEAKER_HELP),
     language: str = typer.Option("auto", help="With --texts: language of lines that name none."),
     instruct: Optional[str] = typer.Option(None, help="With --texts: " + INSTRUCT_HELP),
@@ -260,26 +318,30 @@ def calibrate(
     out_dir.mkdir(parents=True, exist_ok=True)
     synthesizer = load_synthesizer(model, device, dtype, quiet)
     drafting = drafting_offsets(synthesizer, offsets, 3)
-    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, None, instruct,
-                             voice)
+    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, None, instruct, voice)
     with progress_bar(quiet) as progress:
         progress.add_task(f"sampling {len(frames)} frames and ranking drafts", total=None)
-        table, trees = calibrate_trees(synthesizer, frames, drafting, sizes, seed, model_name=model,
-                                       offsets_name=offsets.name if offsets else "")
+        table, trees = calibrate_trees(
+            synthesizer, frames, drafting, sizes, seed, model_name=model, offsets_name=offsets.name if offsets else ""
+        )
     save_acceptance(table, table_path)
     for size, tree in trees.items():
         save_tree(tree, tree_paths[size])
     summary = ", ".join(f"N={n}: {t.expected_codes_per_call}" for n, t in trees.items())
     entropy = " ".join(f"{bits:.2f}" for bits in table["entropy_bits"])
-    say(f"expected codes per call {summary}; sampling entropy of c1..c{len(table['entropy_bits'])} in bits: "
-        f"{entropy}; wrote {table_path} and {len(trees)} trees in {out_dir}", quiet)
+    say(
+        f"expected codes per call {summary}; sampling entropy of c1..c{len(table['entropy_bits'])} in bits: "
+        f"{entropy}; wrote {table_path} and {len(trees)} trees in {out_dir}",
+        quiet,
+    )
 
 
 @app.command()
 def accept(
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
-    offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the "
-                                                      "model, else zero offsets."),
+    offsets: Optional[Path] = typer.Option(
+        None, help="Offsets file; default: shipped offsets matching the model, else zero offsets."
+    ),
     tree: str = typer.Option("16", help="A node budget N (a shipped tree) or a tree file."),
     texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP),
     contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP),
@@ -312,14 +374,21 @@ def accept(
         fail(str(error))
     if notice:
         say(notice, quiet)
-    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, None, instruct,
-                             voice)
+    frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, None, instruct, voice)
     with progress_bar(quiet) as progress:
         progress.add_task(f"decoding {len(frames)} frames", total=None)
-        result = codes_per_call(synthesizer.code_predictor, speculation,
-                                frames.prefixes(synthesizer.talker.get_input_embeddings()), list(frames.language),
-                                seed)
-    result.update(model=model, tree=tree, tree_nodes=speculation.tree.nodes,
-                  offsets=str(offsets) if offsets else speculation.offsets.metadata.get("source", "shipped"),
-                  frames_source=frames.source)
+        result = codes_per_call(
+            synthesizer.code_predictor,
+            speculation,
+            frames.prefixes(synthesizer.talker.get_input_embeddings()),
+            list(frames.language),
+            seed,
+        )
+    result.update(
+        model=model,
+        tree=tree,
+        tree_nodes=speculation.tree.nodes,
+        offsets=str(offsets) if offsets else speculation.offsets.metadata.get("source", "shipped"),
+        frames_source=frames.source,
+    )
     publish(result, json_out, codes_per_call_table, quiet)

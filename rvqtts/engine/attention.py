@@ -39,15 +39,23 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visib
     kv_heads, width = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     rows = q.reshape(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n * kv_heads, group, d)
-    scores = torch.bmm(rows, keys.reshape(n * kv_heads, width, d).transpose(1, 2)) * d ** -0.5
+    scores = torch.bmm(rows, keys.reshape(n * kv_heads, width, d).transpose(1, 2)) * d**-0.5
     scores = scores.view(n, kv_heads * group, width).masked_fill(~visible[:, None], float("-inf"))
     weights = scores.softmax(-1, dtype=torch.float32).to(q.dtype).view(n * kv_heads, group, width)
     out = torch.bmm(weights, values.reshape(n * kv_heads, width, d))
     return out.view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(heads, n, d)
 
 
-def rows_exact(heads: int, kv_heads: int, head_dim: int, width: int, max_rows: int, device: torch.device,
-               dtype: torch.dtype, seed: int = 0) -> bool:
+def rows_exact(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    width: int,
+    max_rows: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> bool:
     """Whether, on random data at these shapes, every query of calls of 2..max_rows queries gets the bits it
     gets in a call of its own (each query its own keys and a random count of visible leading slots)."""
     generator = torch.Generator().manual_seed(seed)
@@ -60,10 +68,17 @@ def rows_exact(heads: int, kv_heads: int, head_dim: int, width: int, max_rows: i
     lengths = torch.randint(1, width + 1, (max_rows, 1), generator=generator)
     visible = (torch.arange(width)[None] < lengths).to(device)
     with torch.inference_mode():
-        alone = torch.cat([attend_rows(q[:, r:r + 1], keys[r:r + 1], values[r:r + 1], visible[r:r + 1])
-                           for r in range(max_rows)], dim=1)
-        return all(torch.equal(attend_rows(q[:, :n], keys[:n], values[:n], visible[:n]), alone[:, :n])
-                   for n in range(2, max_rows + 1))
+        alone = torch.cat(
+            [
+                attend_rows(q[:, r : r + 1], keys[r : r + 1], values[r : r + 1], visible[r : r + 1])
+                for r in range(max_rows)
+            ],
+            dim=1,
+        )
+        return all(
+            torch.equal(attend_rows(q[:, :n], keys[:n], values[:n], visible[:n]), alone[:, :n])
+            for n in range(2, max_rows + 1)
+        )
 
 
 def row_attention_exact(config: object, device: torch.device, dtype: torch.dtype) -> bool:
@@ -74,8 +89,13 @@ def row_attention_exact(config: object, device: torch.device, dtype: torch.dtype
     if device.type != "cpu":
         return False
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shape = (config.num_attention_heads, config.num_key_value_heads, head_dim,
-             attention_width(config.num_code_groups), MAX_TREE_NODES + 1)
+    shape = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        head_dim,
+        attention_width(config.num_code_groups),
+        MAX_TREE_NODES + 1,
+    )
     key = (*shape, str(dtype), torch.get_num_threads())
     if key not in _EXACT:
         _EXACT[key] = rows_exact(*shape, device, dtype)

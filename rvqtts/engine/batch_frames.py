@@ -84,17 +84,26 @@ class _Row:
 class BatchFrameLoop:
     """Speaks utterances `rows` at a time over one talker runner and one code predictor runner."""
 
-    def __init__(self, talker: TalkerRunner, predictor: PredictorRunner, rules: C0Rules,
-                 talker_sampling: SamplingConfig, predictor_sampling: SamplingConfig, seed: int, rows: int,
-                 speculation: Speculation | OnlineSpeculation | None = None):
+    def __init__(
+        self,
+        talker: TalkerRunner,
+        predictor: PredictorRunner,
+        rules: C0Rules,
+        talker_sampling: SamplingConfig,
+        predictor_sampling: SamplingConfig,
+        seed: int,
+        rows: int,
+        speculation: Speculation | OnlineSpeculation | None = None,
+    ):
         if rows < 1:
             raise ValueError(f"a batch needs at least one row, got {rows}")
         self.talker, self.predictor, self.rules = talker, predictor, rules
         self.talker_sampling, self.predictor_sampling = talker_sampling, predictor_sampling
         self.seed, self.rows = seed, rows
         self.speculation = speculation
-        self.offsets = (speculation.offsets.vectors.to(predictor.device, predictor.dtype)
-                        if speculation is not None else None)
+        self.offsets = (
+            speculation.offsets.vectors.to(predictor.device, predictor.dtype) if speculation is not None else None
+        )
 
     def run(self, works: Iterable[Work]) -> Iterator[ChunkDone | WorkDone | WorkFailed]:
         """Speak every utterance; report each chunk and each utterance as it ends (NonFiniteError, which
@@ -120,8 +129,16 @@ class BatchFrameLoop:
         for slot, row in enumerate(rows):
             if row is None:
                 continue
-            c0 = draw_c0(self.rules, self.talker_sampling, row.logits, row.seen, len(row.frames), self.seed,
-                         row.work.utterance, row.work.frame)
+            c0 = draw_c0(
+                self.rules,
+                self.talker_sampling,
+                row.logits,
+                row.seen,
+                len(row.frames),
+                self.seed,
+                row.work.utterance,
+                row.work.frame,
+            )
             if c0 == self.rules.eos_id:
                 yield from self._end_chunk(rows, slot, cut=False)
             else:
@@ -130,11 +147,27 @@ class BatchFrameLoop:
             return
         device = self.talker.device
         codes0 = torch.tensor([c0 for _, c0 in ready], device=device)
-        prefixes = torch.stack([torch.cat([rows[slot].hidden[None], self.talker.code_embedding(codes0[i:i + 1])])
-                                for i, (slot, _) in enumerate(ready)])
+        prefixes = torch.stack(
+            [
+                torch.cat([rows[slot].hidden[None], self.talker.code_embedding(codes0[i : i + 1])])
+                for i, (slot, _) in enumerate(ready)
+            ]
+        )
         positions = np.arange(1, self.predictor.code_groups)
-        noise = torch.from_numpy(np.stack([gumbel_noise(self.seed, rows[slot].work.utterance, rows[slot].work.frame,
-                                                        positions, self.predictor.vocab_size) for slot, _ in ready]))
+        noise = torch.from_numpy(
+            np.stack(
+                [
+                    gumbel_noise(
+                        self.seed,
+                        rows[slot].work.utterance,
+                        rows[slot].work.frame,
+                        positions,
+                        self.predictor.vocab_size,
+                    )
+                    for slot, _ in ready
+                ]
+            )
+        )
         between = time.perf_counter()
         rests = self._inner_loop(prefixes, noise.to(self.predictor.device), [rows[slot].work for slot, _ in ready])
         synchronize(device)
@@ -153,12 +186,16 @@ class BatchFrameLoop:
                 yield from self._end_chunk(rows, slot, cut=True)
             else:
                 stepping.append(slot)
-                inputs.append(self.talker.frame_input(torch.from_numpy(codes).to(device),
-                                                      row.prompt.text_after(len(row.frames) - 1)))
+                inputs.append(
+                    self.talker.frame_input(
+                        torch.from_numpy(codes).to(device), row.prompt.text_after(len(row.frames) - 1)
+                    )
+                )
         if stepping:
             begun = time.perf_counter()
-            hidden, logits = self.talker.step_rows(torch.cat(inputs), [rows[s].prompt.length + len(rows[s].frames) - 1
-                                                                       for s in stepping], stepping)
+            hidden, logits = self.talker.step_rows(
+                torch.cat(inputs), [rows[s].prompt.length + len(rows[s].frames) - 1 for s in stepping], stepping
+            )
             synchronize(device)
             spent = (time.perf_counter() - begun) / len(stepping)
             for i, slot in enumerate(stepping):
@@ -185,8 +222,9 @@ class BatchFrameLoop:
             rounds = [None] * len(rests)
         else:
             speculations = [speculation] + [None if probe else speculation] * (len(works) - 1)
-            rounds = decode_frames_speculative(self.predictor, prefixes, noise, self.predictor_sampling, speculations,
-                                               self.offsets)
+            rounds = decode_frames_speculative(
+                self.predictor, prefixes, noise, self.predictor_sampling, speculations, self.offsets
+            )
             rests = [frame.codes for frame in rounds]
         synchronize(self.predictor.device)
         share = (time.perf_counter() - started) * 1e3 / len(works)

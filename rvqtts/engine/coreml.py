@@ -46,8 +46,11 @@ COMPUTE_UNITS = {"all": "ALL", "cpu_and_ne": "CPU_AND_NE", "cpu_and_gpu": "CPU_A
 FUNCTIONS = ("prefill", "round", "step")
 INPUTS = ("index", "k_cache", "v_cache", "mask", "noise")  # after each function's first input
 FIRST_INPUT = {"prefill": "embeds", "round": "codes", "step": "codes"}
-OUTPUTS = {"prefill": ("draws", "ranks", "new_k", "new_v"), "round": ("draws", "ranks", "new_k", "new_v"),
-           "step": ("draws", "new_k", "new_v")}
+OUTPUTS = {
+    "prefill": ("draws", "ranks", "new_k", "new_v"),
+    "round": ("draws", "ranks", "new_k", "new_v"),
+    "step": ("draws", "new_k", "new_v"),
+}
 METADATA_KEY = "rvqtts"
 FORMAT = "rvqtts-coreml-1"
 QUANTIZE_FROM = 65536  # elements: W8A16 quantizes constants at least this large
@@ -71,29 +74,42 @@ def coremltools():
 
 def require_macos() -> None:
     if sys.platform != "darwin":
-        raise CoreMLError(f"Core ML runs only on macOS and this is {platform.system()}: use --backend torch "
-                          f"(rvqtts export-coreml works here)")
+        raise CoreMLError(
+            f"Core ML runs only on macOS and this is {platform.system()}: use --backend torch "
+            f"(rvqtts export-coreml works here)"
+        )
 
 
 @dataclass(frozen=True)
 class PackageKey:
     """What a package was built for. It runs only for the same model, tree, offsets and sampling."""
 
-    model: str                    # predictor fingerprint
+    model: str  # predictor fingerprint
     tree: tuple[tuple[int, ...], ...]
-    offsets: str                  # digest of the offsets' float32 values
+    offsets: str  # digest of the offsets' float32 values
     sampling: tuple[float, int, bool]  # temperature, top-k, do_sample
     precision: str
     min_target: str
 
     @classmethod
-    def build(cls, code_predictor: torch.nn.Module, speculation: Speculation, sampling: SamplingConfig,
-              precision: str, min_target: str) -> "PackageKey":
+    def build(
+        cls,
+        code_predictor: torch.nn.Module,
+        speculation: Speculation,
+        sampling: SamplingConfig,
+        precision: str,
+        min_target: str,
+    ) -> "PackageKey":
         check_sampling(sampling)
         vectors = speculation.offsets.vectors.detach().float().cpu().numpy()
-        return cls(predictor_fingerprint(code_predictor), tuple(tuple(p) for p in speculation.tree.paths),
-                   hashlib.sha256(vectors.tobytes()).hexdigest()[:16],
-                   (float(sampling.temperature), int(sampling.top_k), bool(sampling.do_sample)), precision, min_target)
+        return cls(
+            predictor_fingerprint(code_predictor),
+            tuple(tuple(p) for p in speculation.tree.paths),
+            hashlib.sha256(vectors.tobytes()).hexdigest()[:16],
+            (float(sampling.temperature), int(sampling.top_k), bool(sampling.do_sample)),
+            precision,
+            min_target,
+        )
 
     @property
     def file_name(self) -> str:
@@ -101,29 +117,51 @@ class PackageKey:
         return f"rvqtts-n{len(self.tree)}-{self.precision}-{digest}.mlpackage"
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "model": self.model, "tree": [list(p) for p in self.tree], "offsets": self.offsets,
-                "temperature": self.sampling[0], "top_k": self.sampling[1], "do_sample": self.sampling[2],
-                "precision": self.precision, "min_target": self.min_target}
+        return {
+            "format": FORMAT,
+            "model": self.model,
+            "tree": [list(p) for p in self.tree],
+            "offsets": self.offsets,
+            "temperature": self.sampling[0],
+            "top_k": self.sampling[1],
+            "do_sample": self.sampling[2],
+            "precision": self.precision,
+            "min_target": self.min_target,
+        }
 
     @classmethod
     def from_json(cls, document: dict) -> "PackageKey":
-        return cls(document["model"], tuple(tuple(p) for p in document["tree"]), document["offsets"],
-                   (float(document["temperature"]), int(document["top_k"]), bool(document["do_sample"])),
-                   document["precision"], document["min_target"])
+        return cls(
+            document["model"],
+            tuple(tuple(p) for p in document["tree"]),
+            document["offsets"],
+            (float(document["temperature"]), int(document["top_k"]), bool(document["do_sample"])),
+            document["precision"],
+            document["min_target"],
+        )
 
     def differences(self, other: "PackageKey") -> list[str]:
         """What a package built for `other` does not share with this run (precision and target may differ)."""
-        named = {"model": "model (predictor fingerprint)", "tree": "tree", "offsets": "offsets",
-                 "sampling": "sampling (temperature, top-k, do_sample)"}
-        return [f"{label}: package {getattr(other, field)!r:.60}, this run {getattr(self, field)!r:.60}"
-                for field, label in named.items() if getattr(self, field) != getattr(other, field)]
+        named = {
+            "model": "model (predictor fingerprint)",
+            "tree": "tree",
+            "offsets": "offsets",
+            "sampling": "sampling (temperature, top-k, do_sample)",
+        }
+        return [
+            f"{label}: package {getattr(other, field)!r:.60}, this run {getattr(self, field)!r:.60}"
+            for field, label in named.items()
+            if getattr(self, field) != getattr(other, field)
+        ]
 
 
 def check_sampling(sampling: SamplingConfig) -> None:
     """Raise CoreMLError for sampling the graph cannot do (it has no top-p filter)."""
     if sampling.top_p < 1.0:
-        raise CoreMLError(f"the Core ML graph samples with temperature and top-k only; top-p {sampling.top_p} "
-                          f"needs --top-p 1 (or --backend torch)")
+        raise CoreMLError(
+            f"the Core ML graph samples with temperature and top-k only; top-p {sampling.top_p} "
+            f"needs --top-p 1 (or --backend torch)"
+        )
 
 
 def check_export_settings(sampling: SamplingConfig, precision: str, min_target: str) -> None:
@@ -132,25 +170,30 @@ def check_export_settings(sampling: SamplingConfig, precision: str, min_target: 
     if precision not in PRECISIONS:
         raise CoreMLError(f"unknown precision {precision!r}: choose {' or '.join(PRECISIONS)}")
     ct = coremltools()
-    usable = [name for name, target in ct.target.__members__.items()
-              if name.startswith("macOS") and target >= ct.target.macOS15]
+    usable = [
+        name
+        for name, target in ct.target.__members__.items()
+        if name.startswith("macOS") and target >= ct.target.macOS15
+    ]
     if min_target not in usable:
-        raise CoreMLError(f"unknown or too old --min-target {min_target!r}: the package holds several functions, "
-                          f"which needs macOS15 or later: choose {' or '.join(usable)}")
+        raise CoreMLError(
+            f"unknown or too old --min-target {min_target!r}: the package holds several functions, "
+            f"which needs macOS15 or later: choose {' or '.join(usable)}"
+        )
 
 
 def example_inputs(decoder: FusedDecoder, function: str, embed_width: int, vocab: int) -> tuple[torch.Tensor, ...]:
     """Inputs of the right shapes and types for one function (values do not matter to the trace)."""
     queries = {"prefill": 2, "round": decoder.tree.nodes + 1, "step": 1}[function]
     block = {"prefill": decoder.causal, "round": decoder.ancestors, "step": decoder.itself}[function]
-    first = (torch.zeros(queries, embed_width) if function == "prefill"
-             else torch.zeros(queries, dtype=torch.long))
+    first = torch.zeros(queries, embed_width) if function == "prefill" else torch.zeros(queries, dtype=torch.long)
     cache = torch.zeros(decoder.calls.cache_shape)
     return first, torch.tensor([1]), cache, cache.clone(), decoder.mask(2, block), torch.zeros(queries, vocab)
 
 
-def trace_calls(code_predictor: torch.nn.Module, tree: Tree, offsets: torch.Tensor,
-                sampling: SamplingConfig) -> tuple[FusedCalls, dict[str, tuple[torch.Tensor, ...]]]:
+def trace_calls(
+    code_predictor: torch.nn.Module, tree: Tree, offsets: torch.Tensor, sampling: SamplingConfig
+) -> tuple[FusedCalls, dict[str, tuple[torch.Tensor, ...]]]:
     """The traced graphs Core ML converts (float32, CPU), as a FusedCalls, with each one's example inputs."""
     predictor = copy.deepcopy(code_predictor).to("cpu", torch.float32).requires_grad_(False)
     runner = PredictorRunner(predictor, predictor.config.num_code_groups)
@@ -159,32 +202,48 @@ def trace_calls(code_predictor: torch.nn.Module, tree: Tree, offsets: torch.Tens
     embed_width = predictor.get_input_embeddings()[0].weight.shape[1]
     examples = {name: example_inputs(decoder, name, embed_width, runner.vocab_size) for name in FUNCTIONS}
     with torch.no_grad():
-        traced = {name: torch.jit.trace(getattr(calls, name).eval(), examples[name], check_trace=False)
-                  for name in FUNCTIONS}
+        traced = {
+            name: torch.jit.trace(getattr(calls, name).eval(), examples[name], check_trace=False) for name in FUNCTIONS
+        }
     return dataclasses.replace(calls, **traced), examples
 
 
-def _convert(ct, traced: torch.jit.ScriptModule, example: tuple[torch.Tensor, ...], function: str,
-             precision: str, min_target: str):
+def _convert(
+    ct,
+    traced: torch.jit.ScriptModule,
+    example: tuple[torch.Tensor, ...],
+    function: str,
+    precision: str,
+    min_target: str,
+):
     """One traced call to a float16 ML program (weights int8 per channel for w8a16)."""
     names = (FIRST_INPUT[function], *INPUTS)
-    inputs = [ct.TensorType(name=name, shape=tuple(value.shape),
-                            dtype=np.int32 if value.dtype == torch.long else np.float16)
-              for name, value in zip(names, example)]
-    outputs = [ct.TensorType(name=name, dtype=np.int32 if name in ("draws", "ranks") else np.float16)
-               for name in OUTPUTS[function]]
+    inputs = [
+        ct.TensorType(name=name, shape=tuple(value.shape), dtype=np.int32 if value.dtype == torch.long else np.float16)
+        for name, value in zip(names, example)
+    ]
+    outputs = [
+        ct.TensorType(name=name, dtype=np.int32 if name in ("draws", "ranks") else np.float16)
+        for name in OUTPUTS[function]
+    ]
     with warnings.catch_warnings():  # the top-k filter's -inf is cast to float16 through float32's lowest
         warnings.filterwarnings("ignore", "overflow encountered in cast", RuntimeWarning)
-        model = ct.convert(traced, inputs=inputs, outputs=outputs, convert_to="mlprogram",
-                           minimum_deployment_target=getattr(ct.target, min_target),
-                           compute_precision=ct.precision.FLOAT16)
+        model = ct.convert(
+            traced,
+            inputs=inputs,
+            outputs=outputs,
+            convert_to="mlprogram",
+            minimum_deployment_target=getattr(ct.target, min_target),
+            compute_precision=ct.precision.FLOAT16,
+        )
     if precision == "w8a16":
         from coremltools.optimize.coreml import OpLinearQuantizerConfig, OptimizationConfig, linear_quantize_weights
 
         # Small constants stay float16: the offsets (K x hidden, zero rows for reused heads, whose per-channel
         # scale would be 0), norms and rotary tables; the matrices and the stacked heads and tables are int8.
-        config = OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int8", granularity="per_channel",
-                                         weight_threshold=QUANTIZE_FROM)
+        config = OpLinearQuantizerConfig(
+            mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=QUANTIZE_FROM
+        )
         model = linear_quantize_weights(model, OptimizationConfig(global_config=config))
     return model
 
@@ -201,9 +260,16 @@ class Export:
     reused: bool = False
 
 
-def export_package(code_predictor: torch.nn.Module, speculation: Speculation, sampling: SamplingConfig,
-                   out_dir: str | Path, precision: str = "w8a16", min_target: str = "macOS15",
-                   report: Callable[[str], None] = lambda message: None, force: bool = False) -> Export:
+def export_package(
+    code_predictor: torch.nn.Module,
+    speculation: Speculation,
+    sampling: SamplingConfig,
+    out_dir: str | Path,
+    precision: str = "w8a16",
+    min_target: str = "macOS15",
+    report: Callable[[str], None] = lambda message: None,
+    force: bool = False,
+) -> Export:
     """Export the fused calls for this tree into `out_dir`/<name>.mlpackage (named by what it was built
     for, so an existing package of that name is reused unless `force`). Written whole or not at all."""
     check_export_settings(sampling, precision, min_target)
@@ -229,8 +295,9 @@ def export_package(code_predictor: torch.nn.Module, speculation: Speculation, sa
         ct.utils.save_multifunction(descriptor, f"{work}/joined.mlpackage")
         package = ct.models.MLModel(f"{work}/joined.mlpackage", skip_model_load=True)
         package.user_defined_metadata[METADATA_KEY] = json.dumps(key.to_json())
-        package.short_description = (f"rvqtts fused inner loop: Qwen3-TTS code predictor {key.model}, "
-                                     f"tree N = {len(key.tree)}, {precision}")
+        package.short_description = (
+            f"rvqtts fused inner loop: Qwen3-TTS code predictor {key.model}, tree N = {len(key.tree)}, {precision}"
+        )
         package.save(f"{work}/done.mlpackage")
         if final.exists():
             shutil.rmtree(final)
@@ -259,13 +326,16 @@ def read_package(path: str | Path) -> tuple[PackageKey, dict[str, Signature]]:
         spec = ct.models.MLModel(str(path), skip_model_load=True).get_spec()
         key = PackageKey.from_json(json.loads(spec.description.metadata.userDefined[METADATA_KEY]))
     except (KeyError, ValueError, TypeError, OSError) as error:
-        raise CoreMLError(f"{path} is not a package rvqtts exported ({error}): export one with "
-                          f"rvqtts export-coreml") from error
+        raise CoreMLError(
+            f"{path} is not a package rvqtts exported ({error}): export one with rvqtts export-coreml"
+        ) from error
     data_types = {value: name for name, value in ct.proto.FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.items()}
     signatures = {}
     for function in spec.description.functions:
-        inputs = tuple((item.name, tuple(item.type.multiArrayType.shape),
-                        _DTYPES[data_types[item.type.multiArrayType.dataType]]) for item in function.input)
+        inputs = tuple(
+            (item.name, tuple(item.type.multiArrayType.shape), _DTYPES[data_types[item.type.multiArrayType.dataType]])
+            for item in function.input
+        )
         signatures[function.name] = Signature(inputs, tuple(item.name for item in function.output))
     missing = set(FUNCTIONS) - set(signatures)
     if missing:
@@ -278,8 +348,10 @@ def check_package(path: str | Path, expected: PackageKey) -> dict[str, Signature
     key, signatures = read_package(path)
     differences = expected.differences(key)
     if differences:
-        raise CoreMLError(f"{path} was exported for another setup ({'; '.join(differences)}): export it again "
-                          f"for this one, or leave out the package to export into the cache")
+        raise CoreMLError(
+            f"{path} was exported for another setup ({'; '.join(differences)}): export it again "
+            f"for this one, or leave out the package to export into the cache"
+        )
     return signatures
 
 
@@ -310,8 +382,9 @@ def package_calls(signatures: dict[str, Signature], predictors: dict[str, Callab
     return FusedCalls(**functions, cache_shape=cache_shape, dtype=torch.float16, device=torch.device("cpu"))
 
 
-def load_decoder(path: str | Path, expected: PackageKey, tree: Tree, sampling: SamplingConfig,
-                 compute_units: str = "all") -> FusedDecoder:
+def load_decoder(
+    path: str | Path, expected: PackageKey, tree: Tree, sampling: SamplingConfig, compute_units: str = "all"
+) -> FusedDecoder:
     """A fused decoder running a package's functions through Core ML (macOS). The package must have been
     built for `expected`'s model, tree, offsets and sampling."""
     require_macos()
@@ -320,29 +393,39 @@ def load_decoder(path: str | Path, expected: PackageKey, tree: Tree, sampling: S
     signatures = check_package(path, expected)
     ct = coremltools()
     units = getattr(ct.ComputeUnit, COMPUTE_UNITS[compute_units])
-    predictors = {name: ct.models.MLModel(str(path), compute_units=units, function_name=name).predict
-                  for name in FUNCTIONS}
+    predictors = {
+        name: ct.models.MLModel(str(path), compute_units=units, function_name=name).predict for name in FUNCTIONS
+    }
     return FusedDecoder(package_calls(signatures, predictors), tree, sampling)
 
 
-def float16_stand_in(code_predictor: torch.nn.Module, speculation: Speculation,
-                     sampling: SamplingConfig) -> FusedDecoder:
+def float16_stand_in(
+    code_predictor: torch.nn.Module, speculation: Speculation, sampling: SamplingConfig
+) -> FusedDecoder:
     """The fused calls in PyTorch float16 on the CPU: where Core ML cannot run, a proxy for how often float16
     rounding flips a draw (Core ML's kernels round differently, so only a Mac measures the package)."""
     predictor = copy.deepcopy(code_predictor).to("cpu", torch.float16)
     runner = PredictorRunner(predictor, predictor.config.num_code_groups)
     return FusedDecoder.pytorch(runner, speculation.tree, speculation.offsets.vectors, sampling)
 
-def coreml_decoder(code_predictor: torch.nn.Module, speculation: Speculation, sampling: SamplingConfig,
-                   package: str | Path | None = None, precision: str = "w8a16", compute_units: str = "all",
-                   report: Callable[[str], None] = lambda message: None) -> FusedDecoder:
+
+def coreml_decoder(
+    code_predictor: torch.nn.Module,
+    speculation: Speculation,
+    sampling: SamplingConfig,
+    package: str | Path | None = None,
+    precision: str = "w8a16",
+    compute_units: str = "all",
+    report: Callable[[str], None] = lambda message: None,
+) -> FusedDecoder:
     """The Core ML decoder for this model, tree, offsets and sampling (macOS): `package`, or the package
     exported for them into the cache folder (exported on first use). Set it as `Synthesizer.fused`."""
     require_macos()
     key = PackageKey.build(code_predictor, speculation, sampling, precision, "macOS15")
     if package is None:
-        exported = export_package(code_predictor, speculation, sampling, cache_dir() / "coreml", precision,
-                                  report=report)
+        exported = export_package(
+            code_predictor, speculation, sampling, cache_dir() / "coreml", precision, report=report
+        )
         package = exported.path
         if not exported.reused:
             report(f"exported {package} in {exported.seconds:.0f} s")

@@ -59,11 +59,11 @@ class RoundPlan:
     """A tree cut to the depth the frame still allows, with its buffers on the runner's device."""
 
     tree: Tree
-    depth_slices: list[slice]     # query slots of each depth (0 = the root), contiguous (breadth-first)
-    draft_ranks: list[int]        # ranked drafts needed at depths 1..depth
-    slot_depth: torch.Tensor      # [1 + N] depth of each query slot (its position after the root's), on device
-    node_rank: torch.Tensor       # [N] rank of each node, on device
-    ancestor_mask: torch.Tensor   # [q, q] on device
+    depth_slices: list[slice]  # query slots of each depth (0 = the root), contiguous (breadth-first)
+    draft_ranks: list[int]  # ranked drafts needed at depths 1..depth
+    slot_depth: torch.Tensor  # [1 + N] depth of each query slot (its position after the root's), on device
+    node_rank: torch.Tensor  # [N] rank of each node, on device
+    ancestor_mask: torch.Tensor  # [q, q] on device
     _attention: dict = field(default_factory=dict, repr=False, compare=False)
 
     def attention_groups(self, length: int) -> list[tuple[slice, torch.Tensor]]:
@@ -92,8 +92,8 @@ class RoundPlan:
             index = torch.zeros(queries, width, dtype=torch.long, device=device)
             visible = torch.zeros(queries, width, dtype=torch.bool, device=device)
             for rows, slots in self.attention_groups(length):
-                index[rows, :slots.shape[1]] = slots
-                visible[rows, :slots.shape[1]] = True
+                index[rows, : slots.shape[1]] = slots
+                visible[rows, : slots.shape[1]] = True
             self._attention[key] = (index, visible)
         return self._attention[key]
 
@@ -102,9 +102,14 @@ class RoundPlan:
         buffers = tree.buffers
         depth = buffers.depth.tolist()
         slices = [slice(depth.index(d), len(depth) - depth[::-1].index(d)) for d in range(tree.depth + 1)]
-        return cls(tree=tree, depth_slices=slices, draft_ranks=tree.max_rank_by_depth(),
-                   slot_depth=buffers.depth.to(device), node_rank=torch.tensor(buffers.rank[1:], device=device),
-                   ancestor_mask=buffers.ancestor_mask.to(device))
+        return cls(
+            tree=tree,
+            depth_slices=slices,
+            draft_ranks=tree.max_rank_by_depth(),
+            slot_depth=buffers.depth.to(device),
+            node_rank=torch.tensor(buffers.rank[1:], device=device),
+            ancestor_mask=buffers.ancestor_mask.to(device),
+        )
 
 
 @dataclass
@@ -117,11 +122,15 @@ class Speculation:
 
     def __post_init__(self) -> None:
         if self.tree.nodes > MAX_TREE_NODES:
-            raise ValueError(f"the tree has {self.tree.nodes} nodes; rounds carry at most {MAX_TREE_NODES} "
-                             f"(larger trees cost more than they accept): use a tree of <= {MAX_TREE_NODES} nodes")
+            raise ValueError(
+                f"the tree has {self.tree.nodes} nodes; rounds carry at most {MAX_TREE_NODES} "
+                f"(larger trees cost more than they accept): use a tree of <= {MAX_TREE_NODES} nodes"
+            )
         if self.tree.depth > self.offsets.depth:
-            raise ValueError(f"the tree is {self.tree.depth} deep but the offsets draft only "
-                             f"K = {self.offsets.depth} codes ahead: use a tree of depth <= {self.offsets.depth}")
+            raise ValueError(
+                f"the tree is {self.tree.depth} deep but the offsets draft only "
+                f"K = {self.offsets.depth} codes ahead: use a tree of depth <= {self.offsets.depth}"
+            )
 
     def plan(self, cap: int, device: torch.device) -> RoundPlan:
         if cap not in self._plans:
@@ -129,8 +138,13 @@ class Speculation:
         return self._plans[cap]
 
 
-def walk_tree(children: list[list[tuple[int, int]]], node_rank_codes: list[int], draws: list[int],
-              slot_index: list[int], last_index: int) -> tuple[list[int], int | None]:
+def walk_tree(
+    children: list[list[tuple[int, int]]],
+    node_rank_codes: list[int],
+    draws: list[int],
+    slot_index: list[int],
+    last_index: int,
+) -> tuple[list[int], int | None]:
     """Verify one round on the host. Returns the accepted node slots and the round's last code.
 
     At slot u the target drew `draws[u]`; if a child of u holds that code it is accepted and the walk
@@ -149,8 +163,9 @@ def walk_tree(children: list[list[tuple[int, int]]], node_rank_codes: list[int],
     return accepted, None
 
 
-def prefill_call(runner: PredictorRunner, sampling: SamplingConfig, prefix: torch.Tensor,
-                 noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def prefill_call(
+    runner: PredictorRunner, sampling: SamplingConfig, prefix: torch.Tensor, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A frame's first call: h_1 from [h_t, embedding of c0], c1 drawn from it ([1]), and whether its
     logits were finite. Every call returns that flag; the frame reads it back with its codes."""
     hidden = runner.prefill(prefix)
@@ -158,8 +173,9 @@ def prefill_call(runner: PredictorRunner, sampling: SamplingConfig, prefix: torc
     return hidden, code.view(1), finite
 
 
-def step_call(runner: PredictorRunner, index: int, sampling: SamplingConfig, code: torch.Tensor,
-              noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def step_call(
+    runner: PredictorRunner, index: int, sampling: SamplingConfig, code: torch.Tensor, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One plain call: feed c_index ([1]) and draw c_{index+1} ([1]), with the finite flag."""
     hidden = runner.step(code, index)
     code, finite = draw_checked(runner.logits(hidden, index + 1), noise[index], sampling)
@@ -167,8 +183,14 @@ def step_call(runner: PredictorRunner, index: int, sampling: SamplingConfig, cod
 
 
 @torch.inference_mode()
-def decode_frame_plain(runner: PredictorRunner, prefix: torch.Tensor, noise: torch.Tensor,
-                       sampling: SamplingConfig, stats: DecodeStats, calls: StaticCalls = EAGER) -> list[int]:
+def decode_frame_plain(
+    runner: PredictorRunner,
+    prefix: torch.Tensor,
+    noise: torch.Tensor,
+    sampling: SamplingConfig,
+    stats: DecodeStats,
+    calls: StaticCalls = EAGER,
+) -> list[int]:
     """c1..c_{G-1} with one call per code. `noise` [G-1, V]: row m-1 draws c_m. Codes stay on the
     device until the frame is done (one read back per frame)."""
     last = runner.code_groups - 1
@@ -188,8 +210,9 @@ def decode_frame_plain(runner: PredictorRunner, prefix: torch.Tensor, noise: tor
 OBSERVED_RANKS = 8  # every round drafts at least this many ranks per depth: what online acceptance counts
 
 
-def draft(runner: PredictorRunner, hidden: torch.Tensor, offsets: torch.Tensor, index: int,
-          ranks: list[int]) -> torch.Tensor:
+def draft(
+    runner: PredictorRunner, hidden: torch.Tensor, offsets: torch.Tensor, index: int, ranks: list[int]
+) -> torch.Tensor:
     """Ranked drafts [depth, width] for c_{index+1..}: top ranks of LMH_{index+j}(h_index + b_j), as many
     as the tree uses and at least OBSERVED_RANKS (the ranks of committed codes measure acceptance)."""
     width = min(max(*ranks, OBSERVED_RANKS), runner.vocab_size)
@@ -205,9 +228,15 @@ def scored_slices(plan: RoundPlan, index: int, last: int) -> list[tuple[int, sli
     return [(d, s) for d, s in enumerate(plan.depth_slices) if index + d < last]
 
 
-def tree_call(runner: PredictorRunner, plan: RoundPlan, hidden: torch.Tensor, offsets: torch.Tensor,
-              root: torch.Tensor, index: int,
-              length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def tree_call(
+    runner: PredictorRunner,
+    plan: RoundPlan,
+    hidden: torch.Tensor,
+    offsets: torch.Tensor,
+    root: torch.Tensor,
+    index: int,
+    length: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One speculative call's model work: draft the tree's nodes from `hidden` (h_index), run the root
     (c_index) and the nodes in one forward pass under the tree mask over `length` committed slots, and
     score the next code at every slot. Returns node codes [q] (root first), hidden states [q, H], the
@@ -221,9 +250,16 @@ def tree_call(runner: PredictorRunner, plan: RoundPlan, hidden: torch.Tensor, of
     return node_codes, out, logits, ranked
 
 
-def round_call(runner: PredictorRunner, plan: RoundPlan, offsets: torch.Tensor, index: int,
-               sampling: SamplingConfig, hidden: torch.Tensor, root: torch.Tensor,
-               noise: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def round_call(
+    runner: PredictorRunner,
+    plan: RoundPlan,
+    offsets: torch.Tensor,
+    index: int,
+    sampling: SamplingConfig,
+    hidden: torch.Tensor,
+    root: torch.Tensor,
+    noise: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
     """One verify round rooted at c_index over index + 1 committed slots: node codes [q], hidden states
     [q, H], at every scored slot the target's draw of the next code, with that code's noise row, whether
     the logits were finite, and the ranked drafts [depth, width]."""
@@ -234,10 +270,17 @@ def round_call(runner: PredictorRunner, plan: RoundPlan, offsets: torch.Tensor, 
 
 
 @torch.inference_mode()
-def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, noise: torch.Tensor,
-                             sampling: SamplingConfig, speculation: Speculation, offsets: torch.Tensor,
-                             stats: DecodeStats, calls: StaticCalls = EAGER,
-                             drafted: list[tuple[int, list[list[int]]]] | None = None) -> list[int]:
+def decode_frame_speculative(
+    runner: PredictorRunner,
+    prefix: torch.Tensor,
+    noise: torch.Tensor,
+    sampling: SamplingConfig,
+    speculation: Speculation,
+    offsets: torch.Tensor,
+    stats: DecodeStats,
+    calls: StaticCalls = EAGER,
+    drafted: list[tuple[int, list[list[int]]]] | None = None,
+) -> list[int]:
     """c1..c_{G-1} by tree rounds. `offsets` is the speculation's [K, hidden] on the runner's device/dtype.
     `drafted`, where given, receives each round's root index and ranked drafts (what acceptance is
     measured from online, rvqtts.engine.online).
@@ -256,8 +299,12 @@ def decode_frame_speculative(runner: PredictorRunner, prefix: torch.Tensor, nois
             break
         plan = speculation.plan(min(speculation.tree.depth, last - index), runner.device)
         node_codes, out, draws, round_finite, ranked = calls(
-            ("round", index, sampling, plan.tree.paths), partial(round_call, runner, plan, offsets, index, sampling),
-            hidden, root, noise)
+            ("round", index, sampling, plan.tree.paths),
+            partial(round_call, runner, plan, offsets, index, sampling),
+            hidden,
+            root,
+            noise,
+        )
         made += 1
         finite = finite & round_finite  # the prefill's flag too, read back with the first round's codes
         host_codes, host_draws = node_codes.tolist(), draws.tolist()

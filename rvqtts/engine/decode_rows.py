@@ -22,16 +22,18 @@ from rvqtts.engine.sampling import NonFiniteError, SamplingConfig, draw_checked
 from rvqtts.engine.tree import Tree
 
 
-def steps_call(runner: PredictorRunner, codes: torch.Tensor, index: int, noise: torch.Tensor,
-               sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def steps_call(
+    runner: PredictorRunner, codes: torch.Tensor, index: int, noise: torch.Tensor, sampling: SamplingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One plain step of n frames: feed c_index of frame r (`codes` [n]) in batch row r and draw each one's
     c_{index+1} with its noise row (`noise` [n, V]); with the finite flag."""
     return draw_checked(runner.logits(runner.step_rows(codes, index), index + 1), noise, sampling)
 
 
 @torch.inference_mode()
-def decode_frames_plain(runner: PredictorRunner, prefixes: torch.Tensor, noise: torch.Tensor,
-                        sampling: SamplingConfig) -> list[list[int]]:
+def decode_frames_plain(
+    runner: PredictorRunner, prefixes: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig
+) -> list[list[int]]:
     """c1..c_{G-1} of n frames at once (frame r in the runner's batch row r), one call per code for all of
     them: `prefixes` [n, 2, E], `noise` [n, G-1, V]. Each frame gets the codes `decode_frame_plain` gives
     it alone (its rows through the same kernels, its attention over its own slots)."""
@@ -77,8 +79,9 @@ def frame_plan(frame: FrameRounds, last: int, device: torch.device) -> RoundPlan
     return frame.speculation.plan(min(frame.speculation.tree.depth, last - frame.index), device)
 
 
-def heads_by_position(runner: PredictorRunner, hidden: torch.Tensor,
-                      positions: list[int]) -> list[tuple[list[int], torch.Tensor]]:
+def heads_by_position(
+    runner: PredictorRunner, hidden: torch.Tensor, positions: list[int]
+) -> list[tuple[list[int], torch.Tensor]]:
     """Scores of rows `hidden` [n, H], row i by the head of code `positions[i]`: one call per head over all
     the rows it scores (each head's weights read once). Returns (row indices, their logits [k, V]) by head."""
     scored = []
@@ -88,8 +91,9 @@ def heads_by_position(runner: PredictorRunner, hidden: torch.Tensor,
     return scored
 
 
-def draft_rows(runner: PredictorRunner, frames: list[FrameRounds], offsets: torch.Tensor,
-               depths: list[int], width: int) -> list[torch.Tensor]:
+def draft_rows(
+    runner: PredictorRunner, frames: list[FrameRounds], offsets: torch.Tensor, depths: list[int], width: int
+) -> list[torch.Tensor]:
     """Ranked drafts [depth_r, width] of every frame: the top ranks of LMH_{index+j}(h_index + b_j), each
     head called once over every frame it drafts for."""
     inputs, positions, owners = [], [], []
@@ -123,8 +127,14 @@ class RowsRound:
     finite: list[torch.Tensor]
 
 
-def round_rows(runner: PredictorRunner, frames: list[FrameRounds], bases: list[int], offsets: torch.Tensor,
-               noise: torch.Tensor, sampling: SamplingConfig) -> RowsRound:
+def round_rows(
+    runner: PredictorRunner,
+    frames: list[FrameRounds],
+    bases: list[int],
+    offsets: torch.Tensor,
+    noise: torch.Tensor,
+    sampling: SamplingConfig,
+) -> RowsRound:
     """Every frame's round in one call: drafts, node embeddings at each frame's own positions, the
     forward pass over all their rows (each frame's KV written to and read from its region at `bases`),
     and the draws at every slot whose code is not its frame's last."""
@@ -149,8 +159,9 @@ def round_rows(runner: PredictorRunner, frames: list[FrameRounds], bases: list[i
             slots.append(region + index)
             visible.append(seen)
         else:
-            groups.extend((slice(start + s.start, start + s.stop), region + keys)
-                          for s, keys in plan.attention_groups(length))
+            groups.extend(
+                (slice(start + s.start, start + s.stop), region + keys) for s, keys in plan.attention_groups(length)
+            )
         for d, s in enumerate(plan.depth_slices):
             if frame.index + d < last:  # a slot whose code is not the frame's last scores the next one
                 scored_rows.extend(range(start + s.start, start + s.stop))
@@ -178,7 +189,7 @@ def commit_rounds(runner: PredictorRunner, frames: list[FrameRounds], bases: lis
     start = drawn = 0
     for frame, plan, drafts in zip(frames, done.plans, done.ranked):
         q = plan.tree.nodes + 1
-        codes = host_codes[start:start + q]
+        codes = host_codes[start : start + q]
         slot_index = [frame.index + d for d, s in enumerate(plan.depth_slices) for _ in range(s.start, s.stop)]
         accepted, final = walk_tree(plan.tree.buffers.children, codes, host_draws[drawn:], slot_index, last)
         if plan.tree.nodes:
@@ -197,9 +208,14 @@ def commit_rounds(runner: PredictorRunner, frames: list[FrameRounds], bases: lis
 
 
 @torch.inference_mode()
-def decode_frames_speculative(runner: PredictorRunner, prefixes: torch.Tensor, noise: torch.Tensor,
-                              sampling: SamplingConfig, speculations: list[Speculation | None],
-                              offsets: torch.Tensor) -> list[FrameRounds]:
+def decode_frames_speculative(
+    runner: PredictorRunner,
+    prefixes: torch.Tensor,
+    noise: torch.Tensor,
+    sampling: SamplingConfig,
+    speculations: list[Speculation | None],
+    offsets: torch.Tensor,
+) -> list[FrameRounds]:
     """c1..c_{G-1} of n frames, frame r by the tree rounds of `speculations[r]` (None: plain steps), every
     frame's round in one call (see the module's docstring). `prefixes` [n, 2, E], `noise` [n, G-1, V],
     `offsets` the speculations' [K, hidden] on the runner's device and dtype. Returns each frame's
@@ -207,12 +223,16 @@ def decode_frames_speculative(runner: PredictorRunner, prefixes: torch.Tensor, n
     last = runner.code_groups - 1
     nodes = max(s.tree.nodes if s else 0 for s in speculations)
     if runner.max_len < runner.code_groups + nodes + 1:
-        raise ValueError(f"the runner's rows hold {runner.max_len} slots, too few for rounds of {nodes} nodes: "
-                         f"build it for this speculation (LoopParts.build)")
+        raise ValueError(
+            f"the runner's rows hold {runner.max_len} slots, too few for rounds of {nodes} nodes: "
+            f"build it for this speculation (LoopParts.build)"
+        )
     hidden = runner.prefill_rows(prefixes)
     first, finite = draw_checked(runner.logits(hidden, 1), noise[:, 0], sampling)
-    frames = [FrameRounds(r, 1, code, hidden[r], speculation)
-              for r, (code, speculation) in enumerate(zip(first.tolist(), speculations))]
+    frames = [
+        FrameRounds(r, 1, code, hidden[r], speculation)
+        for r, (code, speculation) in enumerate(zip(first.tolist(), speculations))
+    ]
     bases, flags = runner.row_bases(len(frames)).tolist(), [finite]
     while True:
         for frame in frames:

@@ -38,16 +38,23 @@ def pick_device(device: str = "auto") -> str:
     if device not in ("auto", "cpu", "mps") and not device.startswith("cuda"):
         raise DeviceError(f"unknown --device {device!r}: choose auto, cpu, cuda or mps")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise DeviceError(f"--device {device}: " + (
-            "this torch is built without CUDA; install a CUDA build of torch, or use --device cpu"
-            if torch.version.cuda is None else "no CUDA GPU is visible; use --device cpu"))
+        raise DeviceError(
+            f"--device {device}: "
+            + (
+                "this torch is built without CUDA; install a CUDA build of torch, or use --device cpu"
+                if torch.version.cuda is None
+                else "no CUDA GPU is visible; use --device cpu"
+            )
+        )
     if device.startswith("cuda:"):
         index = device.removeprefix("cuda:")
         if not index.isdigit() or int(index) >= torch.cuda.device_count():
             raise DeviceError(f"--device {device}: this machine has CUDA devices 0 to {torch.cuda.device_count() - 1}")
     if device == "mps" and not torch.backends.mps.is_available():
-        raise DeviceError("--device mps: MPS is not available here (it needs a Mac with Apple silicon and a torch "
-                          "built with MPS); use --device cpu")
+        raise DeviceError(
+            "--device mps: MPS is not available here (it needs a Mac with Apple silicon and a torch "
+            "built with MPS); use --device cpu"
+        )
     if device != "auto":
         return device
     if torch.cuda.is_available():
@@ -76,12 +83,17 @@ def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
 def frame_maps(talker_config: object) -> list[tuple[str, tuple[int, int], int]]:
     """The linear maps one frame applies, as (loop, weight shape, calls per frame): the talker's layers and
     codec head once, the code predictor's layers and one LM head for each of its G - 1 calls."""
+
     def layers(config: object) -> list[tuple[int, int]]:
         width = config.hidden_size
         head_dim = getattr(config, "head_dim", None) or width // config.num_attention_heads
         queries, keys = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-        return [(queries + 2 * keys, width), (width, queries), (2 * config.intermediate_size, width),
-                (width, config.intermediate_size)]
+        return [
+            (queries + 2 * keys, width),
+            (width, queries),
+            (2 * config.intermediate_size, width),
+            (width, config.intermediate_size),
+        ]
 
     predictor = talker_config.code_predictor_config
     calls = predictor.num_code_groups - 1
@@ -94,8 +106,9 @@ def frame_maps(talker_config: object) -> list[tuple[str, tuple[int, int], int]]:
     return maps
 
 
-def frame_map_ms(talker_config: object, dtype: torch.dtype, weights: str = "native",
-                 progress: Callable[[str], None] | None = None) -> float:
+def frame_map_ms(
+    talker_config: object, dtype: torch.dtype, weights: str = "native", progress: Callable[[str], None] | None = None
+) -> float:
     """Milliseconds one frame spends in its linear maps on this CPU, each map one row through the kernel
     measured fastest for its shape (rvqtts.engine.kernels; measured once, then read from the user's cache)."""
     maps = frame_maps(talker_config)
@@ -103,8 +116,13 @@ def frame_map_ms(talker_config: object, dtype: torch.dtype, weights: str = "nati
     return sum(count * choices[shape].timings[choices[shape].kernel.name][1] for _, shape, count in maps)
 
 
-def pick_dtype(dtype: str, device: str, talker_config: object | None = None, weights: str = "native",
-               progress: Callable[[str], None] | None = None) -> tuple[str, str | None]:
+def pick_dtype(
+    dtype: str,
+    device: str,
+    talker_config: object | None = None,
+    weights: str = "native",
+    progress: Callable[[str], None] | None = None,
+) -> tuple[str, str | None]:
     """The dtype for `auto` on this device, and why (None when the user chose it or nothing needs saying).
     On a CPU, the cheaper of bfloat16 and float32 for one frame's maps at `talker_config`'s shapes."""
     if dtype != "auto":
@@ -119,10 +137,13 @@ def pick_dtype(dtype: str, device: str, talker_config: object | None = None, wei
         if flag:
             return "bfloat16", f"bfloat16: this CPU multiplies bfloat16 natively ({flag}); --dtype float32 overrides"
         return "float32", None
-    costs = {name: frame_map_ms(talker_config, getattr(torch, name), weights, progress)
-             for name in ("bfloat16", "float32")}
+    costs = {
+        name: frame_map_ms(talker_config, getattr(torch, name), weights, progress) for name in ("bfloat16", "float32")
+    }
     chosen = min(costs, key=costs.get)
     other = "float32" if chosen == "bfloat16" else "bfloat16"
-    return chosen, (f"{chosen}: one frame's linear maps take {costs[chosen]:.1f} ms in {chosen} against "
-                    f"{costs[other]:.1f} ms in {other} on this CPU (measured once, kept in {kernels_path()}); "
-                    f"--dtype {other} overrides")
+    return chosen, (
+        f"{chosen}: one frame's linear maps take {costs[chosen]:.1f} ms in {chosen} against "
+        f"{costs[other]:.1f} ms in {other} on this CPU (measured once, kept in {kernels_path()}); "
+        f"--dtype {other} overrides"
+    )

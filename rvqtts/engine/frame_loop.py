@@ -30,8 +30,16 @@ from rvqtts.prompt import Prompt
 class FrameLoop:
     """The frames of one utterance (one or more prompts, one per text chunk), and the time each loop took."""
 
-    def __init__(self, talker: TalkerRunner, inner: InnerLoop, rules: C0Rules, talker_sampling: SamplingConfig,
-                 predictor_sampling: SamplingConfig, seed: int, utterance: int):
+    def __init__(
+        self,
+        talker: TalkerRunner,
+        inner: InnerLoop,
+        rules: C0Rules,
+        talker_sampling: SamplingConfig,
+        predictor_sampling: SamplingConfig,
+        seed: int,
+        utterance: int,
+    ):
         self.talker, self.inner, self.rules = talker, inner, rules
         self.talker_sampling, self.predictor_sampling = talker_sampling, predictor_sampling
         self.seed, self.utterance = seed, utterance
@@ -83,8 +91,16 @@ class FrameLoop:
         return draw_c0(self.rules, self.talker_sampling, logits, seen, draws, self.seed, self.utterance, self.frame)
 
 
-def draw_c0(rules: C0Rules, sampling: SamplingConfig, logits: torch.Tensor, seen: torch.Tensor, draws: int, seed: int,
-            utterance: int, frame: int) -> int:
+def draw_c0(
+    rules: C0Rules,
+    sampling: SamplingConfig,
+    logits: torch.Tensor,
+    seen: torch.Tensor,
+    draws: int,
+    seed: int,
+    utterance: int,
+    frame: int,
+) -> int:
     """c0 of an utterance's frame: qwen-tts's processors and warpers over the talker's logits [vocab], then
     the Gumbel-max draw with the noise of (seed, utterance, frame, position 0)."""
     noise = gumbel_noise(seed, utterance, frame, [0], logits.shape[-1])[0]

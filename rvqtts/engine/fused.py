@@ -33,8 +33,14 @@ class FusedCall(torch.nn.Module):
     """One predictor call over slots of fixed depths (-1: a slot that scores nothing, as h_t in the
     prefill). Slot u at depth d holds code c_{index+d}; it scores c_{index+d+1} and drafts the K after."""
 
-    def __init__(self, runner: PredictorRunner, slot_depth: list[int], offsets: torch.Tensor, draft_width: int,
-                 sampling: SamplingConfig):
+    def __init__(
+        self,
+        runner: PredictorRunner,
+        slot_depth: list[int],
+        offsets: torch.Tensor,
+        draft_width: int,
+        sampling: SamplingConfig,
+    ):
         super().__init__()
         self.runner, self.sampling, self.draft_width = runner, sampling, draft_width
         self.offsets = offsets.to(runner.device, runner.dtype)
@@ -51,11 +57,18 @@ class FusedCall(torch.nn.Module):
         """LMH for code c_{code_index} ([V, H]), clamped to the last head past the frame's end."""
         return self.heads[(code_index - 1).clamp(0, self.last_head)][0]
 
-    def forward(self, embeds: torch.Tensor, index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                mask: torch.Tensor, noise: torch.Tensor):
-        """embeds [q, E], index [1] (code index of depth 0; Core ML takes no rank-0 inputs), caches
-        [L, kv_heads, C, head_dim], mask [q, C + q] additive, noise [q, V]. Returns draws [q], draft ranks [q, K, m], new keys and values
-        [L, kv_heads, q, head_dim]."""
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        index: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        mask: torch.Tensor,
+        noise: torch.Tensor,
+    ):
+        """embeds [q, E], index [1] (code index of depth 0; Core ML takes no rank-0 inputs), caches [L, kv_heads, C,
+        head_dim], mask [q, C + q] additive, noise [q, V]. Returns draws [q], draft ranks [q, K, m], new keys and
+        values [L, kv_heads, q, head_dim]."""
         runner = self.runner
         positions = (index + 1 + self.slot_depth).clamp(0, self.last_position)
         x = runner.project_input(embeds)
@@ -93,13 +106,26 @@ class FusedRound(FusedCall):
     """A round of slots at fixed depths (a tree's, or [0] for a plain step), with its codes embedded in
     the graph: slot u's code c_{index+d_u} by its own table."""
 
-    def __init__(self, runner: PredictorRunner, slot_depth: list[int], offsets: torch.Tensor, draft_width: int,
-                 sampling: SamplingConfig):
+    def __init__(
+        self,
+        runner: PredictorRunner,
+        slot_depth: list[int],
+        offsets: torch.Tensor,
+        draft_width: int,
+        sampling: SamplingConfig,
+    ):
         super().__init__(runner, slot_depth, offsets, draft_width, sampling)
         self.tables = torch.stack([table.weight for table in runner.embeddings]).detach()  # [G-1, V, E]
 
-    def forward(self, codes: torch.Tensor, index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                mask: torch.Tensor, noise: torch.Tensor):
+    def forward(
+        self,
+        codes: torch.Tensor,
+        index: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        mask: torch.Tensor,
+        noise: torch.Tensor,
+    ):
         """codes [q]: the root c_index, then the tree's nodes (anything past c15 is ignored)."""
         table = (index + self.slot_depth - 1).clamp(0, self.last_head)
         return super().forward(self.tables[table, codes], index, k_cache, v_cache, mask, noise)
@@ -124,16 +150,21 @@ class FusedCalls:
     device: torch.device
 
     @classmethod
-    def modules(cls, runner: PredictorRunner, tree: Tree, offsets: torch.Tensor,
-                sampling: SamplingConfig) -> "FusedCalls":
+    def modules(
+        cls, runner: PredictorRunner, tree: Tree, offsets: torch.Tensor, sampling: SamplingConfig
+    ) -> "FusedCalls":
         """PyTorch modules for this tree (the ones Core ML converts)."""
         width = max(tree.max_rank_by_depth())
         slot_depth = tree.buffers.depth.tolist()
         shape = (len(runner.layers), runner.n_kv_heads, runner.code_groups + 1, runner.head_dim)
-        return cls(prefill=FusedCall(runner, [-1, 0], offsets, width, sampling),
-                   round=FusedRound(runner, slot_depth, offsets, width, sampling),
-                   step=FusedRound(runner, [0], offsets[:0], 1, sampling),
-                   cache_shape=shape, dtype=runner.dtype, device=runner.device)
+        return cls(
+            prefill=FusedCall(runner, [-1, 0], offsets, width, sampling),
+            round=FusedRound(runner, slot_depth, offsets, width, sampling),
+            step=FusedRound(runner, [0], offsets[:0], 1, sampling),
+            cache_shape=shape,
+            dtype=runner.dtype,
+            device=runner.device,
+        )
 
 
 class FusedDecoder:
@@ -157,8 +188,9 @@ class FusedDecoder:
         self.itself = torch.zeros(1, 1, device=self.device)
 
     @classmethod
-    def pytorch(cls, runner: PredictorRunner, tree: Tree, offsets: torch.Tensor,
-              sampling: SamplingConfig) -> "FusedDecoder":
+    def pytorch(
+        cls, runner: PredictorRunner, tree: Tree, offsets: torch.Tensor, sampling: SamplingConfig
+    ) -> "FusedDecoder":
         """A decoder over the PyTorch fused modules."""
         return cls(FusedCalls.modules(runner, tree, offsets, sampling), tree, sampling)
 
@@ -172,16 +204,17 @@ class FusedDecoder:
     def keep(self, new_k: torch.Tensor, new_v: torch.Tensor, slots: list[int], length: int) -> None:
         """Write the new keys and values of these query slots into the cache from slot `length` on."""
         chosen = torch.tensor(slots, device=self.device)
-        self.k_cache[:, :, length:length + len(slots)] = new_k[:, :, chosen]
-        self.v_cache[:, :, length:length + len(slots)] = new_v[:, :, chosen]
+        self.k_cache[:, :, length : length + len(slots)] = new_k[:, :, chosen]
+        self.v_cache[:, :, length : length + len(slots)] = new_v[:, :, chosen]
 
     def index(self, value: int) -> torch.Tensor:
         return torch.tensor([value], device=self.device)
 
     def start(self, prefix: torch.Tensor, noise: torch.Tensor) -> tuple[int, list[list[int]]]:
         """The frame's prefill: commits [h_t, c0] and returns c1 with the drafts made from h_1."""
-        draws, ranks, new_k, new_v = self.calls.prefill(prefix, self.index(0), self.k_cache, self.v_cache,
-                                                        self.mask(0, self.causal), noise[[0, 0]])
+        draws, ranks, new_k, new_v = self.calls.prefill(
+            prefix, self.index(0), self.k_cache, self.v_cache, self.mask(0, self.causal), noise[[0, 0]]
+        )
         self.keep(new_k, new_v, [0, 1], 0)
         return int(draws[1]), ranks[1].tolist()
 
@@ -193,13 +226,19 @@ class FusedDecoder:
         index, calls = 1, 1
         codes: list[int] = []
         while index < last:
-            node_codes = [root] + [drafts[d - 1][r] if index + d <= last else 0
-                                   for d, r in zip(self.slot_depth[1:], self.node_rank[1:])]
+            node_codes = [root] + [
+                drafts[d - 1][r] if index + d <= last else 0 for d, r in zip(self.slot_depth[1:], self.node_rank[1:])
+            ]
             slot_index = [index + d for d in self.slot_depth]
             rows = noise[[min(m, last - 1) for m in slot_index]]
-            draws, ranks, new_k, new_v = self.calls.round(torch.tensor(node_codes, device=self.device),
-                                                          self.index(index), self.k_cache, self.v_cache,
-                                                          self.mask(index + 1, self.ancestors), rows)
+            draws, ranks, new_k, new_v = self.calls.round(
+                torch.tensor(node_codes, device=self.device),
+                self.index(index),
+                self.k_cache,
+                self.v_cache,
+                self.mask(index + 1, self.ancestors),
+                rows,
+            )
             calls += 1
             accepted, final = walk_tree(self.children, node_codes, draws.tolist(), slot_index, last)
             stats.count_accepted(len(accepted))
@@ -221,9 +260,14 @@ class FusedDecoder:
         last = self.code_groups - 1
         codes = [self.start(prefix, noise)[0]]
         for index in range(1, last):
-            draws, new_k, new_v = self.calls.step(torch.tensor(codes[-1:], device=self.device),
-                                                  self.index(index), self.k_cache, self.v_cache,
-                                                  self.mask(index + 1, self.itself), noise[[index]])
+            draws, new_k, new_v = self.calls.step(
+                torch.tensor(codes[-1:], device=self.device),
+                self.index(index),
+                self.k_cache,
+                self.v_cache,
+                self.mask(index + 1, self.itself),
+                noise[[index]],
+            )
             self.keep(new_k, new_v, [0], index + 1)
             codes.append(int(draws[0]))
         stats.count_frame(last, last)

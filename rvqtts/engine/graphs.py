@@ -32,8 +32,9 @@ class StaticCalls:
         self.entries: dict[Hashable, tuple[list[torch.Tensor], list[torch.Tensor], object]] = {}
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
 
-    def __call__(self, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]],
-                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(
+        self, key: Hashable, fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         if self.mode == "eager":
             return tuple(fn(*inputs))
         if key not in self.entries:

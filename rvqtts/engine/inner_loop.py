@@ -43,14 +43,30 @@ class LoopParts:
     weights: str = "native"
 
     @classmethod
-    def build(cls, code_predictor: torch.nn.Module, speculation: Speculation | OnlineSpeculation | None,
-              cuda_graphs: bool, weights: str = "native") -> "LoopParts":
-        extra = (speculation.max_nodes if isinstance(speculation, OnlineSpeculation)
-                 else speculation.tree.nodes if speculation else -1) + 1
+    def build(
+        cls,
+        code_predictor: torch.nn.Module,
+        speculation: Speculation | OnlineSpeculation | None,
+        cuda_graphs: bool,
+        weights: str = "native",
+    ) -> "LoopParts":
+        extra = (
+            speculation.max_nodes
+            if isinstance(speculation, OnlineSpeculation)
+            else speculation.tree.nodes
+            if speculation
+            else -1
+        ) + 1
         runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra, weights)
         offsets = speculation.offsets.vectors.to(runner.device, runner.dtype) if speculation else None
-        return cls(speculation, cuda_graphs, runner, offsets, StaticCalls.for_device(runner.device, cuda_graphs),
-                   weights=weights)
+        return cls(
+            speculation,
+            cuda_graphs,
+            runner,
+            offsets,
+            StaticCalls.for_device(runner.device, cuda_graphs),
+            weights=weights,
+        )
 
     @classmethod
     def package(cls, decoder: FusedDecoder, speculation: Speculation | None) -> "LoopParts":
@@ -62,9 +78,15 @@ class LoopParts:
 class InnerLoop:
     """Produces c1..c_{G-1} for each frame the frame loop asks for, and counts what it did."""
 
-    def __init__(self, code_predictor: torch.nn.Module, speculation: Speculation | OnlineSpeculation | None, seed: int,
-                 on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
-                 cuda_graphs: bool = True, parts: LoopParts | None = None):
+    def __init__(
+        self,
+        code_predictor: torch.nn.Module,
+        speculation: Speculation | OnlineSpeculation | None,
+        seed: int,
+        on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
+        cuda_graphs: bool = True,
+        parts: LoopParts | None = None,
+    ):
         self.speculation = speculation
         self.on_frame = on_frame
         self.seed = seed
@@ -74,8 +96,7 @@ class InnerLoop:
         self.vocab_size = code_predictor.config.vocab_size
         self.device = self.fused.device if self.fused else self.runner.device
         # One entry per draft depth K, also when nothing is accepted (or nothing is drafted: --no-spec).
-        self.stats = DecodeStats(accepted_per_depth=[0] * (speculation.offsets.depth if speculation
-                                                           else DEFAULT_DEPTH))
+        self.stats = DecodeStats(accepted_per_depth=[0] * (speculation.offsets.depth if speculation else DEFAULT_DEPTH))
 
     def decode(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
         """The codes c1..c_{G-1} of one frame; `prefix` is [h_t, embedding of c0], shape [2, E]."""
@@ -84,8 +105,10 @@ class InnerLoop:
         noise = noise.to(self.device)
         if self.fused is not None:
             if sampling != self.fused.sampling:
-                raise ValueError(f"the Core ML package samples with {self.fused.sampling}, but this frame asks "
-                                 f"for {sampling}: export a package for these settings")
+                raise ValueError(
+                    f"the Core ML package samples with {self.fused.sampling}, but this frame asks "
+                    f"for {sampling}: export a package for these settings"
+                )
             decode = self.fused.decode if self.speculation else self.fused.decode_plain
             codes = decode(prefix, noise, self.stats)
         elif isinstance(self.speculation, OnlineSpeculation):
@@ -93,12 +116,12 @@ class InnerLoop:
         elif self.speculation is None:
             codes = decode_frame_plain(self.runner, prefix, noise, sampling, self.stats, self.calls)
         else:
-            codes = decode_frame_speculative(self.runner, prefix, noise, sampling, self.speculation, self.offsets,
-                                             self.stats, self.calls)
+            codes = decode_frame_speculative(
+                self.runner, prefix, noise, sampling, self.speculation, self.offsets, self.stats, self.calls
+            )
         if self.on_frame:
             self.on_frame(prefix, codes)
         return codes
-
 
     def decode_online(self, prefix: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig) -> list[int]:
         """A frame with the tree size the online choice (rvqtts.engine.online) makes now; it learns from the frame."""
@@ -110,8 +133,9 @@ class InnerLoop:
         if speculation is None:
             codes = decode_frame_plain(self.runner, prefix, noise, sampling, self.stats, self.calls)
         else:
-            codes = decode_frame_speculative(self.runner, prefix, noise, sampling, speculation, self.offsets,
-                                             self.stats, self.calls, drafted)
+            codes = decode_frame_speculative(
+                self.runner, prefix, noise, sampling, speculation, self.offsets, self.stats, self.calls, drafted
+            )
         synchronize(self.device)
         online.observe(codes, drafted, probe, (time.perf_counter() - started) * 1e3)
         return codes
@@ -120,8 +144,9 @@ class InnerLoop:
 class ForcedLoop(InnerLoop):
     """An inner loop that returns recorded codes instead of sampling them (teacher forcing)."""
 
-    def __init__(self, code_predictor: torch.nn.Module, codes: np.ndarray,
-                 on_frame: Callable[[torch.Tensor, list[int]], None]):
+    def __init__(
+        self, code_predictor: torch.nn.Module, codes: np.ndarray, on_frame: Callable[[torch.Tensor, list[int]], None]
+    ):
         super().__init__(code_predictor, None, 0, on_frame=on_frame)
         self.codes = codes
 

@@ -93,14 +93,18 @@ def packing_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def candidates(device: torch.device, dtype: torch.dtype, weights: str,
-               shape: tuple[int, int] | None = None) -> list[Kernel]:
+def candidates(
+    device: torch.device, dtype: torch.dtype, weights: str, shape: tuple[int, int] | None = None
+) -> list[Kernel]:
     """The kernels that can apply a map (of `shape`, where given) here, the rule used before measurement
     first (`fixed_kernel`)."""
     if device.type != "cpu":
         return [Kernel("linear")]
-    own = [name for name in (("int8dot", "int8amx") if weights == "int8" else ("bf16dot", "bf16amx"))
-           if shape is not None and native.supports(shape, dtype, name)]
+    own = [
+        name
+        for name in (("int8dot", "int8amx") if weights == "int8" else ("bf16dot", "bf16amx"))
+        if shape is not None and native.supports(shape, dtype, name)
+    ]
     if weights == "int8":
         return [Kernel("int8")] + [Kernel(name) for name in own]
     packed = packing_available(dtype)
@@ -132,8 +136,14 @@ class LinearMap:
     or 8-bit weights with a scale per output channel in the activations' dtype (W8A16,
     rvqtts.engine.quantize). Off the CPU, and while tracing, every call is F.linear."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Kernel,
-                 row_invariant: bool | None = None, bulk: Kernel | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernel: Kernel,
+        row_invariant: bool | None = None,
+        bulk: Kernel | None = None,
+    ):
         self.weight, self.bias, self.kernel = weight, bias, kernel
         self.row_invariant = row_invariant  # as measured for the kernel at this shape (None: not probed)
         # A prompt's rows at once (`many`): F.linear over the module's weight where that was measured faster
@@ -202,7 +212,7 @@ def rows_are_invariant(linear: LinearMap, generator: torch.Generator) -> bool:
     """Whether every row of a call of 2 to CHUNK + 1 rows gets the bits it gets in a call of its own."""
     x = torch.randn(CHUNK + 1, linear.weight.shape[1], generator=generator).to(linear.weight.dtype)
     with torch.inference_mode():
-        alone = torch.cat([linear(x[i:i + 1]) for i in range(len(x))])
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
         return all(torch.equal(linear(x[:q]), alone[:q]) for q in range(2, len(x) + 1))
 
 
@@ -214,8 +224,9 @@ def invariant_pad(weight: torch.Tensor, kernel: Kernel) -> int | None:
     return None
 
 
-def time_kernels(weight: torch.Tensor, kernels: list[Kernel], rows: tuple[int, ...] = TIMED_ROWS
-                 ) -> dict[str, dict[int, float]]:
+def time_kernels(
+    weight: torch.Tensor, kernels: list[Kernel], rows: tuple[int, ...] = TIMED_ROWS
+) -> dict[str, dict[int, float]]:
     """Milliseconds per call of each kernel at each row count: the median of passes over copies of `weight`
     that together exceed the caches (a loop's maps are read from memory, not from cache), the kernels'
     passes interleaved so that a busy spell on a shared machine falls on all of them alike."""
@@ -233,8 +244,10 @@ def time_kernels(weight: torch.Tensor, kernels: list[Kernel], rows: tuple[int, .
                         linear(x)
                     if turn:
                         passes[name][count].append((time.perf_counter() - start) / copies)
-    return {name: {count: round(statistics.median(times) * 1e3, 4) for count, times in by_rows.items()}
-            for name, by_rows in passes.items()}
+    return {
+        name: {count: round(statistics.median(times) * 1e3, 4) for count, times in by_rows.items()}
+        for name, by_rows in passes.items()
+    }
 
 
 @dataclass(frozen=True)
@@ -250,15 +263,25 @@ class KernelChoice:
     bulk: Kernel | None = None  # a prompt's prefill: the kernel, or F.linear where faster at PROMPT_ROWS
 
     def record(self) -> dict:
-        return {"kernel": self.kernel.name, "row_invariant": self.row_invariant, "invariant": list(self.invariant),
-                "bulk": (self.bulk or self.kernel).name,
-                "ms": {name: {str(k): v for k, v in t.items()} for name, t in self.timings.items()}}
+        return {
+            "kernel": self.kernel.name,
+            "row_invariant": self.row_invariant,
+            "invariant": list(self.invariant),
+            "bulk": (self.bulk or self.kernel).name,
+            "ms": {name: {str(k): v for k, v in t.items()} for name, t in self.timings.items()},
+        }
 
     @classmethod
     def from_record(cls, record: dict) -> "KernelChoice":
         timings = {name: {int(k): float(v) for k, v in t.items()} for name, t in record["ms"].items()}
-        return cls(Kernel.parse(record["kernel"]), record["row_invariant"], timings,
-                   tuple(record["invariant"]), "cache", Kernel.parse(record["bulk"]))
+        return cls(
+            Kernel.parse(record["kernel"]),
+            record["row_invariant"],
+            timings,
+            tuple(record["invariant"]),
+            "cache",
+            Kernel.parse(record["bulk"]),
+        )
 
 
 def measure_choice(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> KernelChoice:
@@ -309,8 +332,9 @@ def shape_key(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> str:
 _chosen: dict[tuple[str, str], KernelChoice] = {}  # this process's choices, by machine and shape key
 
 
-def kernel_choice(shape: tuple[int, int], dtype: torch.dtype, weights: str = "native",
-                  device: torch.device = torch.device("cpu")) -> KernelChoice:
+def kernel_choice(
+    shape: tuple[int, int], dtype: torch.dtype, weights: str = "native", device: torch.device = torch.device("cpu")
+) -> KernelChoice:
     """The kernel for a map of this shape: measured once per machine and kept in the user's cache."""
     if device.type != "cpu":
         return KernelChoice(Kernel("linear"), None, {}, (), "device")
@@ -324,8 +348,12 @@ def measured_choices() -> bool:
     return os.environ.get(CHOICES_VARIABLE, "measured") != "fixed"
 
 
-def choose_kernels(shapes: list[tuple[int, int]], dtype: torch.dtype, weights: str = "native",
-                   progress: Callable[[str], None] | None = None) -> dict[tuple[int, int], KernelChoice]:
+def choose_kernels(
+    shapes: list[tuple[int, int]],
+    dtype: torch.dtype,
+    weights: str = "native",
+    progress: Callable[[str], None] | None = None,
+) -> dict[tuple[int, int], KernelChoice]:
     """Choices for these CPU map shapes: this process's, else the cache's, else measured now (under a lock,
     so processes starting together measure once) and saved."""
     machine = machine_key()
@@ -340,8 +368,10 @@ def choose_kernels(shapes: list[tuple[int, int]], dtype: torch.dtype, weights: s
                     _chosen[machine, keys[shape]] = KernelChoice.from_record(stored[keys[shape]])
                     continue
                 if progress:
-                    progress(f"measuring this CPU's kernels for {shape[0]} x {shape[1]} {keys[shape].split('/')[0]} "
-                             f"maps (once)")
+                    progress(
+                        f"measuring this CPU's kernels for {shape[0]} x {shape[1]} {keys[shape].split('/')[0]} "
+                        f"maps (once)"
+                    )
                 choice = measure_choice(shape, dtype, weights)
                 _chosen[machine, keys[shape]] = choice
                 measured[keys[shape]] = {**choice.record(), "measured": _now()}
@@ -375,8 +405,12 @@ def _read_cache() -> dict:
         data = json.loads(kernels_path().read_text())
     except (OSError, ValueError):
         return {}
-    if (not isinstance(data, dict) or data.get("format") != KERNELS_FORMAT
-            or data.get("version") != KERNELS_VERSION or not isinstance(data.get("machines"), dict)):
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != KERNELS_FORMAT
+        or data.get("version") != KERNELS_VERSION
+        or not isinstance(data.get("machines"), dict)
+    ):
         return {}
     return {machine: records for machine, records in data["machines"].items() if isinstance(records, dict)}
 

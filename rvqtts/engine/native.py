@@ -47,8 +47,18 @@ import torch
 from rvqtts.files import cache_dir
 
 SOURCE = Path(__file__).with_name("native.cpp")
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-         "-mavx512bf16", "-mfma")
+FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-fopenmp",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+    "-mfma",
+)
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 BLOCK = 16  # output channels per vector: a map's output count must be a multiple
 MAX_HEAD_DIM = 1024  # attention_inputs' scratch row
@@ -64,8 +74,12 @@ def supports(shape: tuple[int, int], dtype: torch.dtype, kind: str = "bf16dot") 
     """Whether a map of this [out, in] shape and activation dtype can run here by kernel `kind`."""
     out_features, in_features = shape
     amx = kind.endswith("amx")
-    return (dtype == torch.bfloat16 and out_features % BLOCK == 0 and in_features % (AMX_CHUNK if amx else 2) == 0
-            and (amx_unavailable() if amx else unavailable()) is None)
+    return (
+        dtype == torch.bfloat16
+        and out_features % BLOCK == 0
+        and in_features % (AMX_CHUNK if amx else 2) == 0
+        and (amx_unavailable() if amx else unavailable()) is None
+    )
 
 
 def unavailable() -> str | None:
@@ -88,8 +102,16 @@ def apply(kind: str, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     """rows [M, in] bfloat16 (contiguous) through packed weights by kernel `kind` (`KINDS`; the int8 ones
     with float32 scales [out]): [M, out] bfloat16."""
     out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK)
-    _load()[0].rvqtts_map(KINDS[kind], rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(),
-                          _address(scales), out.shape[1], out.data_ptr())
+    _load()[0].rvqtts_map(
+        KINDS[kind],
+        rows.data_ptr(),
+        rows.shape[0],
+        rows.shape[1],
+        packed.data_ptr(),
+        _address(scales),
+        out.shape[1],
+        out.data_ptr(),
+    )
     return out
 
 
@@ -97,29 +119,60 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """qwen-tts's RMSNorm over the last dimension of bfloat16 x (any leading shape)."""
     rows = x.contiguous()
     out = torch.empty_like(rows)
-    _load()[0].rvqtts_rms_norm(rows.data_ptr(), rows.numel() // rows.shape[-1], rows.shape[-1],
-                               weight.data_ptr(), eps, out.data_ptr())
+    _load()[0].rvqtts_rms_norm(
+        rows.data_ptr(), rows.numel() // rows.shape[-1], rows.shape[-1], weight.data_ptr(), eps, out.data_ptr()
+    )
     return out
 
 
-def attention_inputs(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                     cos: torch.Tensor, sin: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     write: slice | torch.Tensor) -> torch.Tensor:
+def attention_inputs(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write: slice | torch.Tensor,
+) -> torch.Tensor:
     """A fused q|k|v map's output [q, width] to queries [heads, q, d], and its keys and values into a
     layer's caches [kv_heads, length, d] (contiguous) at the slots `write` (a slice, or a tensor of slot
     indices): the q/k RMSNorms, then RoPE with cos, sin [q, d] (bfloat16, contiguous)."""
     rows, head_dim = qkv.shape[0], cos.shape[-1]
     q = qkv.new_empty(heads, rows, head_dim)
     slots, start = _write_slots(write)  # held through the call
-    _load()[0].rvqtts_attention_inputs(qkv.data_ptr(), rows, heads, kv_heads, head_dim, q_weight.data_ptr(),
-                                       k_weight.data_ptr(), cos.data_ptr(), sin.data_ptr(), eps, q.data_ptr(),
-                                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], _address(slots),
-                                       start)
+    _load()[0].rvqtts_attention_inputs(
+        qkv.data_ptr(),
+        rows,
+        heads,
+        kv_heads,
+        head_dim,
+        q_weight.data_ptr(),
+        k_weight.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        eps,
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[1],
+        _address(slots),
+        start,
+    )
     return q
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, width: int,
-           slots: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    width: int,
+    slots: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Queries q [heads, n, d] over a layer's cache [kv_heads, length, d] (bfloat16, contiguous): query r
     over `width` slots, `slots[r]` [n, width] where given (else the first `width`), those where
     `visible[r]` [n, width] is true (all where None), scores and softmax in float32. Returns [heads, n, d],
@@ -128,9 +181,21 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, width:
     q = q.contiguous()
     out = q.new_empty(n, heads, head_dim)
     slots, visible = _slot_list(slots), _bytes(visible)  # held in names until the call returns
-    _load()[0].rvqtts_attend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n, heads, k_cache.shape[0],
-                             head_dim, k_cache.shape[1], _address(slots), width, _address(visible),
-                             head_dim ** -0.5, out.data_ptr())
+    _load()[0].rvqtts_attend(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        n,
+        heads,
+        k_cache.shape[0],
+        head_dim,
+        k_cache.shape[1],
+        _address(slots),
+        width,
+        _address(visible),
+        head_dim**-0.5,
+        out.data_ptr(),
+    )
     return out.transpose(0, 1)
 
 
@@ -152,15 +217,29 @@ def layer_maps(maps: list) -> tuple | None:
         return None
     kind = kinds.pop()
     int8 = kind.startswith("int8")
-    return ((ctypes.c_void_p * 4)(*[linear.operands[0].data_ptr() for linear in maps]),
-            (ctypes.c_void_p * 4)(*[linear.operands[1].data_ptr() if int8 else None for linear in maps]),
-            (ctypes.c_int64 * 4)(*[linear.out_features for linear in maps]), KINDS[kind])
+    return (
+        (ctypes.c_void_p * 4)(*[linear.operands[0].data_ptr() for linear in maps]),
+        (ctypes.c_void_p * 4)(*[linear.operands[1].data_ptr() if int8 else None for linear in maps]),
+        (ctypes.c_int64 * 4)(*[linear.out_features for linear in maps]),
+        KINDS[kind],
+    )
 
 
-def layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float, maps: tuple,
-          shape: tuple[int, int, int], qk_norms: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
-          sin: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], write: slice | torch.Tensor, width: int,
-          slots: torch.Tensor | None, visible: torch.Tensor | None) -> None:
+def layer(
+    x: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor],
+    eps: float,
+    maps: tuple,
+    shape: tuple[int, int, int],
+    qk_norms: tuple[torch.Tensor, torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    write: slice | torch.Tensor,
+    width: int,
+    slots: torch.Tensor | None,
+    visible: torch.Tensor | None,
+) -> None:
     """One decoder layer over bfloat16 states x [q, hidden] (contiguous; updated in place) in one call,
     computing what the calls above compute step by step, bit for bit: `maps` from `layer_maps`, `shape`
     (heads, kv_heads, head_dim), keys and values written to the caches at `write`, attention as
@@ -171,10 +250,33 @@ def layer(x: torch.Tensor, norms: tuple[torch.Tensor, torch.Tensor], eps: float,
     (write_slots, start), slots, visible = _write_slots(write), _slot_list(slots), _bytes(visible)
     k_cache, v_cache = caches
     _load()[0].rvqtts_layer(
-        x.data_ptr(), rows, hidden, norms[0].data_ptr(), norms[1].data_ptr(), eps, packed, scales, widths, kind,
-        heads, kv_heads, head_dim, qk_norms[0].data_ptr(), qk_norms[1].data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], _address(write_slots), start, width,
-        _address(slots), _address(visible), head_dim ** -0.5)
+        x.data_ptr(),
+        rows,
+        hidden,
+        norms[0].data_ptr(),
+        norms[1].data_ptr(),
+        eps,
+        packed,
+        scales,
+        widths,
+        kind,
+        heads,
+        kv_heads,
+        head_dim,
+        qk_norms[0].data_ptr(),
+        qk_norms[1].data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[1],
+        _address(write_slots),
+        start,
+        width,
+        _address(slots),
+        _address(visible),
+        head_dim**-0.5,
+    )
 
 
 def _write_slots(write: slice | torch.Tensor) -> tuple[torch.Tensor | None, int]:
@@ -211,17 +313,55 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
     library.rvqtts_map.argtypes = [ctypes.c_int, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER]
     library.rvqtts_amx_permit.restype = ctypes.c_int
     library.rvqtts_rms_norm.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, ctypes.c_float, _POINTER]
-    library.rvqtts_attention_inputs.argtypes = [_POINTER, *[_SIZE] * 4, *[_POINTER] * 4, ctypes.c_float,
-                                                *[_POINTER] * 3, _SIZE, _POINTER, _SIZE]
-    library.rvqtts_attend.argtypes = [*[_POINTER] * 3, *[_SIZE] * 5, _POINTER, _SIZE, _POINTER, ctypes.c_float,
-                                      _POINTER]
+    library.rvqtts_attention_inputs.argtypes = [
+        _POINTER,
+        *[_SIZE] * 4,
+        *[_POINTER] * 4,
+        ctypes.c_float,
+        *[_POINTER] * 3,
+        _SIZE,
+        _POINTER,
+        _SIZE,
+    ]
+    library.rvqtts_attend.argtypes = [
+        *[_POINTER] * 3,
+        *[_SIZE] * 5,
+        _POINTER,
+        _SIZE,
+        _POINTER,
+        ctypes.c_float,
+        _POINTER,
+    ]
     library.rvqtts_silu_times_up.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER]
-    library.rvqtts_layer.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, _POINTER, ctypes.c_float, _POINTER, _POINTER,
-                                     _POINTER, ctypes.c_int, *[_SIZE] * 3, *[_POINTER] * 6, _SIZE, _POINTER, _SIZE,
-                                     _SIZE, _POINTER, _POINTER, ctypes.c_float]
-    for function in (library.rvqtts_map, library.rvqtts_rms_norm,
-                     library.rvqtts_attention_inputs, library.rvqtts_attend, library.rvqtts_silu_times_up,
-                     library.rvqtts_layer):
+    library.rvqtts_layer.argtypes = [
+        _POINTER,
+        _SIZE,
+        _SIZE,
+        _POINTER,
+        _POINTER,
+        ctypes.c_float,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        ctypes.c_int,
+        *[_SIZE] * 3,
+        *[_POINTER] * 6,
+        _SIZE,
+        _POINTER,
+        _SIZE,
+        _SIZE,
+        _POINTER,
+        _POINTER,
+        ctypes.c_float,
+    ]
+    for function in (
+        library.rvqtts_map,
+        library.rvqtts_rms_norm,
+        library.rvqtts_attention_inputs,
+        library.rvqtts_attend,
+        library.rvqtts_silu_times_up,
+        library.rvqtts_layer,
+    ):
         function.restype = None
     amx_missing = [flag for flag in AMX_FLAGS if flag not in _cpu_flags()]
     if amx_missing:
@@ -253,8 +393,9 @@ def _build() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         try:
-            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True,
-                                    text=True, timeout=300)
+            result = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
+            )
         except (OSError, subprocess.TimeoutExpired) as error:
             raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {error}") from error
         if result.returncode:

@@ -59,8 +59,18 @@ def predictor_fingerprint(code_predictor: torch.nn.Module) -> str:
     head's weights, rounded to bfloat16 and of magnitude above 1e-3: for checkpoints stored in bfloat16,
     as Qwen3-TTS's are, loading in float32, bfloat16 or float16 gives the same fingerprint."""
     config = code_predictor.config
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "num_code_groups", "rope_theta", "rms_norm_eps")
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "num_code_groups",
+        "rope_theta",
+        "rms_norm_eps",
+    )
     summary = {k: getattr(config, k, None) for k in keys}
     summary["input_width"] = code_predictor.get_input_embeddings()[0].weight.shape[1]
     summary["weights"] = weight_digest(code_predictor.lm_head[0].weight)
@@ -78,9 +88,15 @@ def save_offsets(offsets: Offsets, path: str | os.PathLike, **metadata: object) 
     """Write an offsets file (atomically: a temporary file, then a rename)."""
     from safetensors.torch import save
 
-    meta = {**offsets.metadata, **{k: str(v) for k, v in metadata.items()},
-            "format": OFFSETS_FORMAT, "hidden_size": str(offsets.hidden_size), "depth": str(offsets.depth),
-            "model": offsets.model, "model_fingerprint": offsets.model_fingerprint}
+    meta = {
+        **offsets.metadata,
+        **{k: str(v) for k, v in metadata.items()},
+        "format": OFFSETS_FORMAT,
+        "hidden_size": str(offsets.hidden_size),
+        "depth": str(offsets.depth),
+        "model": offsets.model,
+        "model_fingerprint": offsets.model_fingerprint,
+    }
     write_atomically(path, save({"offsets": offsets.vectors.detach().float().cpu().contiguous()}, metadata=meta))
 
 
@@ -112,21 +128,25 @@ def load_offsets(path: str | os.PathLike, hidden_size: int | None = None, finger
     if meta.get("hidden_size") != str(hidden) or meta.get("depth") != str(depth):
         raise OffsetsFileError(
             f"offsets file {path}: metadata says hidden {meta.get('hidden_size')}, K {meta.get('depth')}, "
-            f"but the tensor is [{depth}, {hidden}]")
+            f"but the tensor is [{depth}, {hidden}]"
+        )
     if hidden_size is not None and hidden != hidden_size:
         raise OffsetsFileError(
             f"offsets file {path} has hidden size {hidden}, but the model's code predictor has {hidden_size}: "
-            f"these offsets belong to another model (theirs: {meta.get('model') or 'unnamed'})")
+            f"these offsets belong to another model (theirs: {meta.get('model') or 'unnamed'})"
+        )
     theirs = meta.get("model_fingerprint")
     if fingerprint is not None and theirs and theirs != fingerprint:
         raise OffsetsFileError(
             f"offsets file {path} was trained for another model ({meta.get('model') or 'unnamed'}, code-predictor "
             f"fingerprint {theirs}; this model's is {fingerprint}): train offsets for this model with "
-            f"rvqtts train-offsets")
+            f"rvqtts train-offsets"
+        )
     if not torch.isfinite(vectors).all():
         raise OffsetsFileError(f"offsets file {path} holds NaN or infinite values")
-    return Offsets(vectors.float(), model=meta.get("model", ""), model_fingerprint=meta.get("model_fingerprint", ""),
-                   metadata=meta)
+    return Offsets(
+        vectors.float(), model=meta.get("model", ""), model_fingerprint=meta.get("model_fingerprint", ""), metadata=meta
+    )
 
 
 SHIPPED_OFFSETS = Path(__file__).resolve().parents[2] / "offsets"

@@ -93,7 +93,10 @@ class AcceptanceCounts:
         return [[hit / reached if reached else 0.0 for hit in hits] for reached, hits in zip(self.reached, self.hits)]
 
     def record(self) -> dict:
-        return {"reached": [round(r, 3) for r in self.reached], "hits": [[round(h, 3) for h in row] for row in self.hits]}
+        return {
+            "reached": [round(r, 3) for r in self.reached],
+            "hits": [[round(h, 3) for h in row] for row in self.hits],
+        }
 
 
 def committed_ranks(drafted: list[list[int]], codes: list[int], index: int) -> list[int | None]:
@@ -120,11 +123,15 @@ def predictor_key(runner: PredictorRunner) -> str:
     its rounds attend (rvqtts.engine.attention) and how much runs natively (rvqtts.engine.native)."""
     attention = "rows" if runner.row_attention else "gathered"
     native = f"/native-{runner.native_mode}" if runner.native_mode else ""
-    return (f"{str(runner.dtype).removeprefix('torch.')}/{runner.weights}/{runner.hidden_size}x"
-            f"{len(runner.layers)}x{runner.vocab_size}/{attention}{native}")
+    return (
+        f"{str(runner.dtype).removeprefix('torch.')}/{runner.weights}/{runner.hidden_size}x"
+        f"{len(runner.layers)}x{runner.vocab_size}/{attention}{native}"
+    )
 
 
-def measure_call_costs(runner: PredictorRunner, queries: list[int], repeats: int = 9, rows: int = 1) -> dict[int, float]:
+def measure_call_costs(
+    runner: PredictorRunner, queries: list[int], repeats: int = 9, rows: int = 1
+) -> dict[int, float]:
     """Milliseconds of one predictor call per query length q (1: a plain step; q > 1: a round of a q - 1
     node tree) for each of `rows` frames (a batch's: rvqtts.engine.decode_rows), mid-frame, the lengths taking
     turns; median of `repeats` after a warm-up."""
@@ -143,8 +150,9 @@ def measure_call_costs(runner: PredictorRunner, queries: list[int], repeats: int
         if q == 1:
             return partial(static, ("cost", 1), partial(step_call, runner, index, sampling), code, noise)
         plan = RoundPlan.build(grow_tree(prior, q - 1), device)
-        return partial(static, ("cost", q), partial(round_call, runner, plan, offsets, index, sampling), hidden,
-                       code, noise)
+        return partial(
+            static, ("cost", q), partial(round_call, runner, plan, offsets, index, sampling), hidden, code, noise
+        )
 
     calls = {q: call(q) for q in queries}
     times: dict[int, list[float]] = {q: [] for q in queries}
@@ -160,8 +168,16 @@ def measure_call_costs(runner: PredictorRunner, queries: list[int], repeats: int
     return {q: round(statistics.median(values), 4) for q, values in times.items()}
 
 
-def rows_call(runner: PredictorRunner, rows: int, index: int, speculation: Speculation | None, offsets: torch.Tensor,
-              hidden: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig) -> None:
+def rows_call(
+    runner: PredictorRunner,
+    rows: int,
+    index: int,
+    speculation: Speculation | None,
+    offsets: torch.Tensor,
+    hidden: torch.Tensor,
+    noise: torch.Tensor,
+    sampling: SamplingConfig,
+) -> None:
     """One call of `rows` frames at code `index`: a plain step of each (no speculation), or each one's
     round of the speculation's tree (rvqtts.engine.decode_rows.round_rows)."""
     codes = torch.full((rows,), 5, device=runner.device)
@@ -172,8 +188,9 @@ def rows_call(runner: PredictorRunner, rows: int, index: int, speculation: Specu
     round_rows(runner, frames, runner.row_bases(rows).tolist(), offsets, noise[None].expand(rows, -1, -1), sampling)
 
 
-def call_costs(runner: PredictorRunner, queries: list[int], rows: int = 1,
-               bound: float | None = None) -> tuple[dict[int, float], str]:
+def call_costs(
+    runner: PredictorRunner, queries: list[int], rows: int = 1, bound: float | None = None
+) -> tuple[dict[int, float], str]:
     """Call costs per query length for this runner and `rows` frames a call, measured once per machine,
     predictor key and rows (the user's cache, call-costs.json), and where they came from. Lengths are
     measured shortest first, each beside a plain step; with `bound`, once one costs `bound` steps or more
@@ -252,11 +269,14 @@ class OnlineSpeculation:
         run's codes from one run to the next: there the start budget stays, and nothing is decided."""
         self.codes_per_frame = runner.code_groups - 1
         if self.budget < 0 and kernels_used(runner.linear_maps())["row_invariant"] is not True:
-            self.fixed = ("this device's kernels are not all measured row-invariant: the tree size stays "
-                          "where it started, so that runs repeat")
+            self.fixed = (
+                "this device's kernels are not all measured row-invariant: the tree size stays "
+                "where it started, so that runs repeat"
+            )
         if not self.costs:  # trees dearer than depth + 1 steps are not weighed: none can pay
-            self.costs, self.costs_source = call_costs(runner, [1, self.depth + 1] + [n + 1 for n in self.budgets],
-                                                       self.rows, bound=self.depth + 1)
+            self.costs, self.costs_source = call_costs(
+                runner, [1, self.depth + 1] + [n + 1 for n in self.budgets], self.rows, bound=self.depth + 1
+            )
         key = drafter_key(self.fingerprint, self.offsets, sampling)
         if self.counts is None or key != self._learned_key:
             self._learned_key = key
@@ -300,8 +320,9 @@ class OnlineSpeculation:
             return self._probe, True
         return None, False
 
-    def observe(self, codes: list[int], drafted: list[tuple[int, list[list[int]]]], probe: bool,
-                milliseconds: float) -> None:
+    def observe(
+        self, codes: list[int], drafted: list[tuple[int, list[list[int]]]], probe: bool, milliseconds: float
+    ) -> None:
         """A finished frame: its codes, each round's root index and drafts, and the frame's inner-loop
         time; choose again when due."""
         for index, rows in drafted if not self.fixed else ():  # fixed: the prior's tree, run after run
@@ -321,8 +342,11 @@ class OnlineSpeculation:
         rows = {0: {"codes_per_call": 1.0, "call_ms": self.costs[1], "codes_per_ms": 1.0 / self.costs[1]}}
         for n in (n for n in self.budgets if n + 1 in self.costs):  # the timed ones (call_costs' bound)
             codes = frame_codes_per_call(table, grow_tree(table, n), self.codes_per_frame)
-            rows[n] = {"codes_per_call": round(codes, 4), "call_ms": self.costs[n + 1],
-                       "codes_per_ms": codes / self.costs[n + 1]}
+            rows[n] = {
+                "codes_per_call": round(codes, 4),
+                "call_ms": self.costs[n + 1],
+                "codes_per_ms": codes / self.costs[n + 1],
+            }
         for row in rows.values():
             row["inner_loop_ms_per_frame"] = self.codes_per_frame / row["codes_per_ms"]
         return rows
@@ -333,8 +357,13 @@ class OnlineSpeculation:
         current = rows.get(self.budget, rows[0])
         if best != self.budget and rows[best]["codes_per_ms"] > SWITCH_MARGIN * current["codes_per_ms"]:
             self.budget = best
-            self.decisions.append({"frame": self.frames_seen, "N": best, "projected_speedup": round(
-                rows[best]["codes_per_ms"] / rows[0]["codes_per_ms"], 4)})
+            self.decisions.append(
+                {
+                    "frame": self.frames_seen,
+                    "N": best,
+                    "projected_speedup": round(rows[best]["codes_per_ms"] / rows[0]["codes_per_ms"], 4),
+                }
+            )
             self._trees.clear()  # the new size's tree grows from the counts as they are now
         elif self.frames_seen % REGROW_EVERY == 0:
             self._trees.clear()  # now and then, not at every choice: each new tree is a new static call
@@ -359,13 +388,21 @@ class OnlineSpeculation:
         """What `--stats-json` shows under "online"; `frames_by_budget`: one utterance's own frames by N
         (the choice is shared by the utterances of a run: its other figures are the run's so far)."""
         rows = self.projection() if self.counts and self.costs else {}
-        realized = {str(n): round(self.ms_by_budget[n] / frames, 3) for n, frames in sorted(self.frames_by_budget.items())}
+        realized = {
+            str(n): round(self.ms_by_budget[n] / frames, 3) for n, frames in sorted(self.frames_by_budget.items())
+        }
         own = self.frames_by_budget if frames_by_budget is None else frames_by_budget
-        return {"N": self.budget, "fixed": self.fixed, "rows": self.rows,
-                "frames_by_N": {str(n): f for n, f in sorted(own.items()) if f},
-                "inner_loop_ms_per_frame_by_N": realized,
-                "probe_frames": self.probes, "roots_counted": self.observed(),
-                "acceptance": [[round(a, 4) for a in row] for row in self.counts.table()] if self.counts else None,
-                "call_ms": {str(q): ms for q, ms in sorted(self.costs.items())}, "call_costs": self.costs_source,
-                "projected": {str(n): {k: round(v, 4) for k, v in row.items()} for n, row in rows.items()},
-                "decisions": self.decisions[-20:]}
+        return {
+            "N": self.budget,
+            "fixed": self.fixed,
+            "rows": self.rows,
+            "frames_by_N": {str(n): f for n, f in sorted(own.items()) if f},
+            "inner_loop_ms_per_frame_by_N": realized,
+            "probe_frames": self.probes,
+            "roots_counted": self.observed(),
+            "acceptance": [[round(a, 4) for a in row] for row in self.counts.table()] if self.counts else None,
+            "call_ms": {str(q): ms for q, ms in sorted(self.costs.items())},
+            "call_costs": self.costs_source,
+            "projected": {str(n): {k: round(v, 4) for k, v in row.items()} for n, row in rows.items()},
+            "decisions": self.decisions[-20:],
+        }

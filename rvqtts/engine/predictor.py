@@ -31,8 +31,15 @@ class PredictorRunner(CachedDecoder):
         self.width = attention_width(config.num_code_groups)
         if self.row_attention:
             max_len = max(max_len, self.width)
-        super().__init__(code_predictor.model.layers, code_predictor.model.norm, config, max_len,
-                         weight.device, weight.dtype, weights)
+        super().__init__(
+            code_predictor.model.layers,
+            code_predictor.model.norm,
+            config,
+            max_len,
+            weight.device,
+            weight.dtype,
+            weights,
+        )
         self.heads = [module_map(head, weights) for head in code_predictor.lm_head]
         self.embeddings = code_predictor.model.codec_embedding
         # The talker's states to the predictor's width where the talker is wider (1.7B), its bias added
@@ -51,9 +58,15 @@ class PredictorRunner(CachedDecoder):
         self.causal = torch.ones(max_len, max_len, device=self.device, dtype=torch.bool).tril()
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, start: int,
-                mask: torch.Tensor | None = None, groups: list[tuple[slice, torch.Tensor]] | None = None,
-                rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        start: int,
+        mask: torch.Tensor | None = None,
+        groups: list[tuple[slice, torch.Tensor]] | None = None,
+        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Run `embeds` [q, E] at `positions` [q], writing their KV to slots start..start+q-1.
 
         `mask` [q, max_len] says which cache slots each query attends to (after this call's writes);
@@ -79,7 +92,7 @@ class PredictorRunner(CachedDecoder):
         """The frame's first call: [h_t, embedding of c0] at positions 0 and 1. Returns h_1."""
         positions = torch.arange(2, device=self.device)
         if self.row_attention:
-            return self.forward(prefix, positions, 0, rows=(None, self.causal[:2, :self.width]))[-1]
+            return self.forward(prefix, positions, 0, rows=(None, self.causal[:2, : self.width]))[-1]
         return self.forward(prefix, positions, 0, self.causal[:2])[-1]
 
     def step(self, code: torch.Tensor, index: int) -> torch.Tensor:
@@ -88,7 +101,7 @@ class PredictorRunner(CachedDecoder):
         embed = self.embeddings[index - 1](code.view(1))
         positions = torch.full((1,), slot, device=self.device, dtype=torch.long)
         if self.row_attention:
-            return self.forward(embed, positions, slot, rows=(None, self.causal[slot:slot + 1, :self.width]))[0]
+            return self.forward(embed, positions, slot, rows=(None, self.causal[slot : slot + 1, : self.width]))[0]
         return self.forward(embed, positions, slot, None)[0]
 
     def prefill_rows(self, prefixes: torch.Tensor) -> torch.Tensor:
@@ -102,11 +115,15 @@ class PredictorRunner(CachedDecoder):
             x = self.project_input(prefixes)
             cos, sin = self.cos[positions][None], self.sin[positions][None]
             regions = [slice(b, b + 2) for b in base.tolist()]
-            return torch.stack([self.run_layers(x[r], cos, sin, region, region, self.causal[:2, :2])[-1]
-                                for r, region in enumerate(regions)])
+            return torch.stack(
+                [
+                    self.run_layers(x[r], cos, sin, region, region, self.causal[:2, :2])[-1]
+                    for r, region in enumerate(regions)
+                ]
+            )
         write = (base[:, None] + positions).flatten()
         slots = (base[:, None] + torch.arange(self.width, device=self.device)).repeat_interleave(2, 0)
-        attention = {"rows": (slots, self.causal[:2, :self.width].repeat(n, 1))}
+        attention = {"rows": (slots, self.causal[:2, : self.width].repeat(n, 1))}
         out = self.forward_rows(prefixes.flatten(0, 1), positions.repeat(n), write, attention)
         return out.view(n, 2, -1)[:, -1]
 
@@ -118,10 +135,13 @@ class PredictorRunner(CachedDecoder):
         positions = torch.full((n,), slot, device=self.device, dtype=torch.long)
         if self.row_attention:
             slots = base[:, None] + torch.arange(self.width, device=self.device)
-            attention = {"rows": (slots, self.causal[slot:slot + 1, :self.width].expand(n, -1))}
+            attention = {"rows": (slots, self.causal[slot : slot + 1, : self.width].expand(n, -1))}
         else:
-            attention = {"groups": [(slice(r, r + 1), (base[r] + torch.arange(slot + 1, device=self.device))[None])
-                                    for r in range(n)]}
+            attention = {
+                "groups": [
+                    (slice(r, r + 1), (base[r] + torch.arange(slot + 1, device=self.device))[None]) for r in range(n)
+                ]
+            }
         return self.forward_rows(self.embeddings[index - 1](codes), positions, base + slot, attention)
 
     def row_bases(self, rows: int) -> torch.Tensor:
@@ -130,8 +150,9 @@ class PredictorRunner(CachedDecoder):
             self.allocate(self.max_len, rows)
         return torch.arange(rows, device=self.device) * self.max_len
 
-    def forward_rows(self, embeds: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
-                     attention: dict) -> torch.Tensor:
+    def forward_rows(
+        self, embeds: torch.Tensor, positions: torch.Tensor, write: torch.Tensor, attention: dict
+    ) -> torch.Tensor:
         """`forward` for queries of several batch rows: KV written to the slots `write` [q], attention by
         `rows` (each query's slots over the width) or `groups` (`run_layers`)."""
         x = self.project_input(embeds)

@@ -25,8 +25,10 @@ def check_weights(weights: str, device: torch.device) -> None:
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}: choose {' or '.join(WEIGHTS)}")
     if weights == "int8" and device.type != "cpu":
-        raise ValueError(f"8-bit weights run on CPUs only (torch's int8 matrix kernel), not on {device.type}: "
-                         "use --weights native there")
+        raise ValueError(
+            f"8-bit weights run on CPUs only (torch's int8 matrix kernel), not on {device.type}: "
+            "use --weights native there"
+        )
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

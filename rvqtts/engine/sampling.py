@@ -50,10 +50,14 @@ class NonFiniteError(RuntimeError):
     def __init__(self, model: str, dtype: torch.dtype):
         self.model, self.dtype = model, dtype  # to raise it again elsewhere (a cluster's driver)
         name = str(dtype).removeprefix("torch.")
-        advice = {"float16": "run again with --dtype bfloat16 or --dtype float32",
-                  "bfloat16": "run again with --dtype float32"}.get(name, "the checkpoint's weights may be broken")
-        super().__init__(f"the {model} produced NaN or inf values in {name} (an overflow in this dtype, or broken "
-                         f"weights), so no code can be drawn from them: {advice}")
+        advice = {
+            "float16": "run again with --dtype bfloat16 or --dtype float32",
+            "bfloat16": "run again with --dtype float32",
+        }.get(name, "the checkpoint's weights may be broken")
+        super().__init__(
+            f"the {model} produced NaN or inf values in {name} (an overflow in this dtype, or broken "
+            f"weights), so no code can be drawn from them: {advice}"
+        )
 
 
 def warp_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
@@ -102,8 +106,9 @@ def draw(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig) -> t
     return _noisy_scores(logits, noise, config).argmax(dim=-1)
 
 
-def draw_checked(logits: torch.Tensor, noise: torch.Tensor,
-                 config: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_checked(
+    logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`draw`, and whether every row's logits were finite (a 0-d bool on the device, read back with the
     codes): argmax takes a NaN or +inf where a row has one, so the drawn score alone tells."""
     scores = _noisy_scores(logits, noise, config)
@@ -125,7 +130,7 @@ class C0Rules:
         self.eos_id = eos_id
         self.penalty = repetition_penalty
         self.suppressed = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        self.suppressed[vocab_size - self.SUPPRESSED_TAIL:] = True
+        self.suppressed[vocab_size - self.SUPPRESSED_TAIL :] = True
         self.suppressed[eos_id] = False
 
     def scores(self, logits: torch.Tensor, seen: torch.Tensor, draws: int) -> torch.Tensor:
@@ -151,8 +156,7 @@ def _fold(key: np.ndarray, field: np.ndarray | int) -> np.ndarray:
     return _mix(key + np.asarray(field, dtype=np.int64).astype(np.uint64) + GOLDEN)
 
 
-def gumbel_noise(seed: int, utterance: int, frame: int, positions: np.ndarray | list[int],
-                 vocab: int) -> np.ndarray:
+def gumbel_noise(seed: int, utterance: int, frame: int, positions: np.ndarray | list[int], vocab: int) -> np.ndarray:
     """Gumbel noise of shape [len(positions), vocab], float32, for the given key fields.
 
     Positions are code indices within the frame (0 = c0, the talker's, 1 = c1 ... 15 = c15). Every field must be a

@@ -64,8 +64,9 @@ class StreamingDecoder:
         hidden = decoder.quantizer.decode(codes.clamp(min=0).T[None])
         hidden = self._causal(decoder.pre_conv, hidden).transpose(1, 2)
         positions = torch.arange(self.frames, self.frames + count, device=hidden.device)
-        hidden = decoder.pre_transformer(inputs_embeds=hidden, past_key_values=self.cache, use_cache=True,
-                                         cache_position=positions).last_hidden_state.permute(0, 2, 1)
+        hidden = decoder.pre_transformer(
+            inputs_embeds=hidden, past_key_values=self.cache, use_cache=True, cache_position=positions
+        ).last_hidden_state.permute(0, 2, 1)
         for blocks in decoder.upsample:
             for block in blocks:
                 hidden = self._run(block, hidden)
@@ -94,8 +95,10 @@ class StreamingDecoder:
             return x
         if hasattr(module, "alpha") and hasattr(module, "beta"):  # SnakeBeta: pointwise in time
             return module(x)
-        raise ValueError(f"the streaming decoder does not know {type(module).__name__}: it may not be pointwise in "
-                         f"time, so it cannot run incrementally (decode offline, without --stream)")
+        raise ValueError(
+            f"the streaming decoder does not know {type(module).__name__}: it may not be pointwise in "
+            f"time, so it cannot run incrementally (decode offline, without --stream)"
+        )
 
     def _carried(self, module: torch.nn.Module, x: torch.Tensor, keep: int) -> torch.Tensor:
         """x with the module's last `keep` inputs in front (zeros before the first push), keeping the new
@@ -123,4 +126,4 @@ class StreamingDecoder:
         kernel, stride = module.conv.kernel_size[0], module.conv.stride[0]
         keep = -(-kernel // stride) - 1
         y = module.conv(self._carried(module, x, keep))
-        return y[..., keep * stride:(keep + x.shape[-1]) * stride]
+        return y[..., keep * stride : (keep + x.shape[-1]) * stride]

@@ -31,16 +31,22 @@ class TalkerRunner(CachedDecoder):
     a tensor and the slots beyond it masked. Eagerly (CPUs), the same step attends to exactly its slots.
     """
 
-    def __init__(self, talker: torch.nn.Module, capacity: int = CAPACITY_STEP, calls: StaticCalls | None = None,
-                 weights: str = "native"):
+    def __init__(
+        self,
+        talker: torch.nn.Module,
+        capacity: int = CAPACITY_STEP,
+        calls: StaticCalls | None = None,
+        weights: str = "native",
+    ):
         self.rotary = talker.model.rotary_emb
         self.head = module_map(talker.codec_head, weights)
         self.codec_embedding = talker.model.codec_embedding
         self.predictor_embeddings = talker.code_predictor.model.codec_embedding
         self.calls = calls or StaticCalls()
         weight = talker.codec_head.weight
-        super().__init__(talker.model.layers, talker.model.norm, talker.config, capacity, weight.device, weight.dtype,
-                         weights)
+        super().__init__(
+            talker.model.layers, talker.model.norm, talker.config, capacity, weight.device, weight.dtype, weights
+        )
         self.vocab_size = talker.config.vocab_size
 
     def allocate(self, max_len: int, rows: int | None = None) -> None:
@@ -53,7 +59,9 @@ class TalkerRunner(CachedDecoder):
             kept = min(old_len, max_len)
             for row in range(min(old_rows, self.rows)):
                 for cache, before in ((self.k_cache, old_k), (self.v_cache, old_v)):
-                    cache[:, :, row * max_len:row * max_len + kept] = before[:, :, row * old_len:row * old_len + kept]
+                    cache[:, :, row * max_len : row * max_len + kept] = before[
+                        :, :, row * old_len : row * old_len + kept
+                    ]
         positions = torch.arange(max_len, device=self.device).view(1, 1, -1).expand(3, 1, -1)
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         cos, sin = self.rotary(probe, positions)  # [3, 1, max_len, head_dim]: three equal axes
@@ -73,8 +81,9 @@ class TalkerRunner(CachedDecoder):
         self.reserve(length, row + 1)
         causal = torch.ones(length, length, device=self.device, dtype=torch.bool).tril()
         region = slice(row * self.max_len, row * self.max_len + length)
-        hidden = self.run_layers(embeds.to(self.dtype), self.cos[None, :length], self.sin[None, :length],
-                                 region, region, causal, prompt=True)[-1]
+        hidden = self.run_layers(
+            embeds.to(self.dtype), self.cos[None, :length], self.sin[None, :length], region, region, causal, prompt=True
+        )[-1]
         return hidden, self.head(hidden)
 
     @torch.inference_mode()
@@ -92,13 +101,15 @@ class TalkerRunner(CachedDecoder):
         """The step at position `index` (a 1-element tensor), attending to the first `span` slots, masked
         beyond the position where the span is longer."""
         mask = None if self.calls.mode == "eager" else (torch.arange(span, device=self.device) <= index)[None]
-        hidden = self.run_layers(embed.to(self.dtype), self.cos[index][None], self.sin[index][None], index, span,
-                                 mask)[0]
+        hidden = self.run_layers(embed.to(self.dtype), self.cos[index][None], self.sin[index][None], index, span, mask)[
+            0
+        ]
         return hidden, self.head(hidden)
 
     @torch.inference_mode()
-    def step_rows(self, embeds: torch.Tensor, positions: list[int],
-                  rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_rows(
+        self, embeds: torch.Tensor, positions: list[int], rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame's step for several utterances in one call: input [n, hidden] at `positions` of batch
         rows `rows`. Each row attends to its own slots only, as `step` does for one utterance (the same
         bits: rvqtts's kernels keep rows invariant), eagerly. Returns (h [n, hidden], logits [n, vocab])."""
@@ -110,9 +121,15 @@ class TalkerRunner(CachedDecoder):
         if self.runs_natively():  # each query over its row's slots up to its own position
             attention = {"rows": (slots, torch.arange(width, device=self.device)[None] <= position[:, None])}
         else:  # each query alone, as a step's attention: its row's slots 0..position
-            attention = {"groups": [(slice(r, r + 1), slots[r:r + 1, :p + 1]) for r, p in enumerate(positions)]}
-        hidden = self.run_layers(embeds.to(self.dtype), self.cos[position][None], self.sin[position][None],
-                                 base + position, width, **attention)
+            attention = {"groups": [(slice(r, r + 1), slots[r : r + 1, : p + 1]) for r, p in enumerate(positions)]}
+        hidden = self.run_layers(
+            embeds.to(self.dtype),
+            self.cos[position][None],
+            self.sin[position][None],
+            base + position,
+            width,
+            **attention,
+        )
         return hidden, self.head(hidden)
 
     @torch.inference_mode()
@@ -124,6 +141,7 @@ class TalkerRunner(CachedDecoder):
     def frame_input(self, codes: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """The next step's input [1, hidden] after a frame's codes [G]: the sum of their embeddings (in the
         same order and shapes as qwen-tts sums them) plus `text` [hidden], the next text or pad embedding."""
-        parts = [self.codec_embedding(codes[:1])] + [table(codes[i + 1:i + 2])
-                                                      for i, table in enumerate(self.predictor_embeddings)]
+        parts = [self.codec_embedding(codes[:1])] + [
+            table(codes[i + 1 : i + 2]) for i, table in enumerate(self.predictor_embeddings)
+        ]
         return torch.cat(parts)[None].sum(1) + text

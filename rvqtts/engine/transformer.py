@@ -35,7 +35,7 @@ def _stacked(*maps: torch.nn.Linear, weights: str = "native") -> LinearMap:
         start = 0
         for m in maps:
             part = getattr(m, name)
-            part.data = joined[start:start + part.shape[0]]
+            part.data = joined[start : start + part.shape[0]]
             start += part.shape[0]
         stacked.append(joined)
     return make_map(stacked[0], stacked[1], weights)
@@ -44,8 +44,16 @@ def _stacked(*maps: torch.nn.Linear, weights: str = "native") -> LinearMap:
 class CachedDecoder:
     """The layers of a loaded Qwen3 decoder with a preallocated KV cache of `max_len` slots."""
 
-    def __init__(self, layers: torch.nn.ModuleList, norm: torch.nn.Module, config: object, max_len: int,
-                 device: torch.device, dtype: torch.dtype, weights: str = "native"):
+    def __init__(
+        self,
+        layers: torch.nn.ModuleList,
+        norm: torch.nn.Module,
+        config: object,
+        max_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        weights: str = "native",
+    ):
         check_weights(weights, device)
         self.layers, self.norm = layers, norm
         self.weights = weights
@@ -57,8 +65,10 @@ class CachedDecoder:
         # One matrix product for q, k and v, and one for the MLP's gate and up maps: fewer, larger kernels
         # (on a 2-core CPU in bf16 this cut the linear maps' time by about a tenth; docs/benchmarks.md).
         # Each map's kernel is the one measured fastest for its shape on this machine (rvqtts.engine.kernels).
-        self.qkv = [_stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, weights=weights)
-                    for layer in layers]
+        self.qkv = [
+            _stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, weights=weights)
+            for layer in layers
+        ]
         self.gate_up = [_stacked(layer.mlp.gate_proj, layer.mlp.up_proj, weights=weights) for layer in layers]
         self.out = [module_map(layer.self_attn.o_proj, weights) for layer in layers]
         self.down = [module_map(layer.mlp.down_proj, weights) for layer in layers]
@@ -66,11 +76,17 @@ class CachedDecoder:
         self.kv_width = self.n_kv_heads * self.head_dim
         # Norms, RoPE and attention in one native call each where they run (rvqtts.engine.native): bfloat16 on a
         # CPU with it. torch's fused attention ran a bfloat16 query over 1,024 slots 6x slower than float32.
-        self.native_rows = (device.type == "cpu" and dtype == torch.bfloat16 and self.head_dim <= native.MAX_HEAD_DIM
-                            and native.unavailable() is None)
+        self.native_rows = (
+            device.type == "cpu"
+            and dtype == torch.bfloat16
+            and self.head_dim <= native.MAX_HEAD_DIM
+            and native.unavailable() is None
+        )
         # And where every map runs the library's own kernel, a whole layer in one call (no torch dispatch).
-        maps = [native.layer_maps([self.qkv[i], self.out[i], self.gate_up[i], self.down[i]]) if self.native_rows
-                else None for i in range(len(layers))]
+        maps = [
+            native.layer_maps([self.qkv[i], self.out[i], self.gate_up[i], self.down[i]]) if self.native_rows else None
+            for i in range(len(layers))
+        ]
         self.native_layers = maps if all(maps) else None
         self.allocate(max_len)
 
@@ -98,10 +114,18 @@ class CachedDecoder:
         v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.k_cache, self.v_cache, self.max_len, self.rows = k_cache, v_cache, max_len, rows
 
-    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: slice | torch.Tensor,
-                   span: int | slice, mask: torch.Tensor | None = None,
-                   groups: list[tuple[slice, torch.Tensor]] | None = None,
-                   rows: tuple[torch.Tensor, torch.Tensor] | None = None, prompt: bool = False) -> torch.Tensor:
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write: slice | torch.Tensor,
+        span: int | slice,
+        mask: torch.Tensor | None = None,
+        groups: list[tuple[slice, torch.Tensor]] | None = None,
+        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        prompt: bool = False,
+    ) -> torch.Tensor:
         """The layers over states x [q, hidden] with RoPE tables `cos`, `sin` [1, q, d]; their keys and values
         go to the cache slots `write` (a slice, or a tensor of slot indices, which keeps shapes static), and
         attention reads slots 0..span-1 (or the slots of `span`, a slice: one batch row's region of the
@@ -121,8 +145,13 @@ class CachedDecoder:
             rows, mask = (torch.arange(read.start, read.stop, device=x.device).expand(x.shape[0], -1), mask), None
         span = read.stop - read.start
         attn_mask = None if mask is None else mask[None, None]
-        if (native_rows and self.native_layers and groups is None and (mask is None or mask.dtype == torch.bool)
-                and not (prompt and self.prompt_maps_differ)):
+        if (
+            native_rows
+            and self.native_layers
+            and groups is None
+            and (mask is None or mask.dtype == torch.bool)
+            and not (prompt and self.prompt_maps_differ)
+        ):
             return self.run_native_layers(x, cos, sin, write, span, *(rows or (None, mask)))
         for i in range(len(self.layers)):
             if native_rows:  # the keys and values go straight to the cache
@@ -138,16 +167,26 @@ class CachedDecoder:
             if native_rows and rows is not None:
                 out = native.attend(q, self.k_cache[i], self.v_cache[i], span, *rows)
             elif native_rows and groups is not None:
-                out = torch.cat([native.attend(q[:, queries], self.k_cache[i], self.v_cache[i], slots.shape[1], slots)
-                                 for queries, slots in groups], dim=1)
+                out = torch.cat(
+                    [
+                        native.attend(q[:, queries], self.k_cache[i], self.v_cache[i], slots.shape[1], slots)
+                        for queries, slots in groups
+                    ],
+                    dim=1,
+                )
             elif native_rows and (mask is None or mask.dtype == torch.bool):
                 out = native.attend(q, self.k_cache[i], self.v_cache[i], span, None, mask)
             elif rows is not None:
                 slots, visible = rows
                 keys, values = (  # each query's keys in position order: the first `span` slots, or gathered
-                    cache[None, i, :, :span].expand(len(visible), -1, -1, -1) if slots is None else
-                    cache[i].index_select(1, slots.flatten()).view(cache.shape[1], *slots.shape, -1).transpose(0, 1)
-                    for cache in (self.k_cache, self.v_cache))
+                    cache[None, i, :, :span].expand(len(visible), -1, -1, -1)
+                    if slots is None
+                    else cache[i]
+                    .index_select(1, slots.flatten())
+                    .view(cache.shape[1], *slots.shape, -1)
+                    .transpose(0, 1)
+                    for cache in (self.k_cache, self.v_cache)
+                )
                 out = attend_rows(q, keys, values, visible)
             elif groups is not None:
                 out = torch.cat([self.attend_gathered(i, q[:, queries], slots) for queries, slots in groups], dim=1)
@@ -157,18 +196,37 @@ class CachedDecoder:
             x = self.layer_rest(i, x, out, prompt)
         return self.rms(self.norm, x)
 
-    def run_native_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write: slice | torch.Tensor,
-                          span: int, slots: torch.Tensor | None, visible: torch.Tensor | None) -> torch.Tensor:
+    def run_native_layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write: slice | torch.Tensor,
+        span: int,
+        slots: torch.Tensor | None,
+        visible: torch.Tensor | None,
+    ) -> torch.Tensor:
         """`run_layers` with one native call per layer (rvqtts.engine.native.layer): the same bits."""
         x = x.clone(memory_format=torch.contiguous_format)  # updated in place
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         shape = (self.n_heads, self.n_kv_heads, self.head_dim)
         for i, layer in enumerate(self.layers):
             attention = layer.self_attn
-            native.layer(x, (layer.input_layernorm.weight, layer.post_attention_layernorm.weight),
-                         layer.input_layernorm.variance_epsilon, self.native_layers[i], shape,
-                         (attention.q_norm.weight, attention.k_norm.weight), cos, sin,
-                         (self.k_cache[i], self.v_cache[i]), write, span, slots, visible)
+            native.layer(
+                x,
+                (layer.input_layernorm.weight, layer.post_attention_layernorm.weight),
+                layer.input_layernorm.variance_epsilon,
+                self.native_layers[i],
+                shape,
+                (attention.q_norm.weight, attention.k_norm.weight),
+                cos,
+                sin,
+                (self.k_cache[i], self.v_cache[i]),
+                write,
+                span,
+                slots,
+                visible,
+            )
         return self.rms(self.norm, x)
 
     def runs_natively(self) -> bool:
@@ -181,8 +239,9 @@ class CachedDecoder:
             return native.rms_norm(x, norm.weight, norm.variance_epsilon)
         return norm(x)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
 
     def attend_gathered(self, i: int, q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -192,8 +251,9 @@ class CachedDecoder:
         values = self.v_cache[i][:, slots].transpose(0, 1)
         return self.attend(q.transpose(0, 1)[:, :, None], keys, values)[:, :, 0].transpose(0, 1)
 
-    def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attention_inputs(
+        self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prompt: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer i's queries [heads, q, d] and keys, values [kv_heads, q, d] for states x [q, hidden]:
         one fused map, the q/k norms, then RoPE with the slots' `cos`, `sin` [1, q, d]. Nothing reads
         x's shape, so traced graphs hold no size lookups (Core ML's converter mishandles them)."""
@@ -205,17 +265,33 @@ class CachedDecoder:
         v = v.view(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
-    def native_attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                                write: slice | torch.Tensor, prompt: bool = False) -> torch.Tensor:
+    def native_attention_inputs(
+        self,
+        i: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write: slice | torch.Tensor,
+        prompt: bool = False,
+    ) -> torch.Tensor:
         """`attention_inputs` natively (rvqtts.engine.native): the queries [heads, q, d], with the keys and values
         written to the cache slots `write`."""
         layer = self.layers[i]
         attention = layer.self_attn
         qkv = self.qkv[i].many if prompt else self.qkv[i]
-        return native.attention_inputs(qkv(self.rms(layer.input_layernorm, x)), self.n_heads, self.n_kv_heads,
-                                       attention.q_norm.weight, attention.k_norm.weight, cos[0].contiguous(),
-                                       sin[0].contiguous(), attention.q_norm.variance_epsilon, self.k_cache[i],
-                                       self.v_cache[i], write)
+        return native.attention_inputs(
+            qkv(self.rms(layer.input_layernorm, x)),
+            self.n_heads,
+            self.n_kv_heads,
+            attention.q_norm.weight,
+            attention.k_norm.weight,
+            cos[0].contiguous(),
+            sin[0].contiguous(),
+            attention.q_norm.variance_epsilon,
+            self.k_cache[i],
+            self.v_cache[i],
+            write,
+        )
 
     def layer_rest(self, i: int, x: torch.Tensor, attended: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         """Layer i after attention: output map and residual, then the MLP (gate and up fused) and residual.

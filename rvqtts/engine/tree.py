@@ -111,8 +111,11 @@ def tree_problem(paths: tuple[Path_, ...] | list, depth_limit: int | None = None
     """Why `paths` is not a valid tree, or None."""
     seen: set[Path_] = set()
     for path in paths:
-        if not isinstance(path, tuple) or not path or not all(
-                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path):
+        if (
+            not isinstance(path, tuple)
+            or not path
+            or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)
+        ):
             return f"node {list(path) if isinstance(path, tuple) else path!r} is not a non-empty list of ranks >= 0"
         if path in seen:
             return f"node {list(path)} appears twice"
@@ -130,30 +133,40 @@ def load_tree(path: str | os.PathLike) -> Tree:
     path = Path(path)
     data = read_json(path, "tree file", TreeFileError)
     if not isinstance(data, dict) or data.get("format") != TREE_FORMAT:
-        raise TreeFileError(f"tree file {path} is not an rvqtts tree (expected \"format\": \"{TREE_FORMAT}\")")
+        raise TreeFileError(f'tree file {path} is not an rvqtts tree (expected "format": "{TREE_FORMAT}")')
     raw = data.get("paths")
     if not isinstance(raw, list) or not raw:
-        raise TreeFileError(f"tree file {path} has no \"paths\" list of nodes")
+        raise TreeFileError(f'tree file {path} has no "paths" list of nodes')
     paths = tuple(tuple(p) if isinstance(p, list) else p for p in raw)
     depth = data.get("depth")
     if not isinstance(depth, int) or depth < 1:
-        raise TreeFileError(f"tree file {path} needs \"depth\" (K, a positive integer), got {depth!r}")
+        raise TreeFileError(f'tree file {path} needs "depth" (K, a positive integer), got {depth!r}')
     problem = tree_problem(paths, depth)
     if problem:
         raise TreeFileError(f"tree file {path}: {problem}")
     if data.get("nodes") != len(paths):
-        raise TreeFileError(f"tree file {path} says \"nodes\": {data.get('nodes')!r} but lists {len(paths)} paths")
+        raise TreeFileError(f'tree file {path} says "nodes": {data.get("nodes")!r} but lists {len(paths)} paths')
     known = {"format", "version", "paths", "depth", "nodes", "source", "expected_codes_per_call"}
-    return Tree(paths, source=str(data.get("source", "")),
-                expected_codes_per_call=data.get("expected_codes_per_call"), depth_limit=depth,
-                extra={k: v for k, v in data.items() if k not in known})
+    return Tree(
+        paths,
+        source=str(data.get("source", "")),
+        expected_codes_per_call=data.get("expected_codes_per_call"),
+        depth_limit=depth,
+        extra={k: v for k, v in data.items() if k not in known},
+    )
 
 
 def save_tree(tree: Tree, path: str | os.PathLike) -> None:
     """Write a tree file (atomically: a temporary file, then a rename)."""
-    header = {"format": TREE_FORMAT, "version": 1, "nodes": tree.nodes,
-              "depth": tree.depth_limit or tree.depth, "source": tree.source,
-              "expected_codes_per_call": tree.expected_codes_per_call, **tree.extra}
+    header = {
+        "format": TREE_FORMAT,
+        "version": 1,
+        "nodes": tree.nodes,
+        "depth": tree.depth_limit or tree.depth,
+        "source": tree.source,
+        "expected_codes_per_call": tree.expected_codes_per_call,
+        **tree.extra,
+    }
     nodes = ",\n".join(f"  {json.dumps(list(p))}" for p in tree.paths)  # one node per line
     text = f'{json.dumps(header, indent=1)[:-2]},\n "paths": [\n{nodes}\n ]\n}}'
     write_atomically(path, (text + "\n").encode())
@@ -189,8 +202,7 @@ def grow_tree(acceptance: list[list[float]], budget: int, source: str = "") -> T
         if len(best) < depth_limit:
             frontier.add(best + (0,))
     expected = 1.0 + sum(value(p) for p in chosen)  # codes per verify round: y plus accepted nodes
-    return Tree(tuple(chosen), source=source, expected_codes_per_call=round(expected, 4),
-                depth_limit=depth_limit)
+    return Tree(tuple(chosen), source=source, expected_codes_per_call=round(expected, 4), depth_limit=depth_limit)
 
 
 def frame_codes_per_call(acceptance: list[list[float]], tree: Tree, codes: int = 15) -> float:
@@ -198,6 +210,7 @@ def frame_codes_per_call(acceptance: list[list[float]], tree: Tree, codes: int =
     model of acceptance (independent rounds): the prefill counts as a call, and near the frame's end the
     tree is cut to the codes that remain, as the engine cuts it. `tree.expected_codes_per_call` is the
     per-round figure without those two effects."""
+
     def reach(path: Path_) -> float:  # the chance a round accepts this node
         result = 1.0
         for d, r in enumerate(path):
@@ -231,13 +244,16 @@ def acceptance_problem(acceptance: object) -> str | None:
     Each depth's entries are probabilities of disjoint events (the committed code is the rank-r draft),
     so they lie in [0, 1] and sum to at most 1."""
     if not isinstance(acceptance, list) or not acceptance:
-        return "\"acceptance\" must be a non-empty list with one list of rates per depth"
+        return '"acceptance" must be a non-empty list with one list of rates per depth'
     for d, rates in enumerate(acceptance, 1):
-        if not isinstance(rates, list) or not rates or not all(
-                isinstance(a, (int, float)) and not isinstance(a, bool) and 0.0 <= a <= 1.0 for a in rates):
-            return f"depth {d} of \"acceptance\" must be a non-empty list of rates between 0 and 1"
+        if (
+            not isinstance(rates, list)
+            or not rates
+            or not all(isinstance(a, (int, float)) and not isinstance(a, bool) and 0.0 <= a <= 1.0 for a in rates)
+        ):
+            return f'depth {d} of "acceptance" must be a non-empty list of rates between 0 and 1'
         if sum(rates) > 1.0 + 1e-4:
-            return f"depth {d} of \"acceptance\" sums to {sum(rates):.4f}: rates of one depth sum to at most 1"
+            return f'depth {d} of "acceptance" sums to {sum(rates):.4f}: rates of one depth sum to at most 1'
     return None
 
 
@@ -255,8 +271,10 @@ def load_acceptance(path: str | os.PathLike) -> dict:
     path = Path(path)
     data = read_json(path, "acceptance table", AcceptanceFileError)
     if not isinstance(data, dict) or data.get("format") != ACCEPTANCE_FORMAT:
-        raise AcceptanceFileError(f"{path} is not an rvqtts acceptance table (expected \"format\": "
-                                  f"\"{ACCEPTANCE_FORMAT}\"; `rvqtts calibrate` writes one as NAME{ACCEPTANCE_SUFFIX})")
+        raise AcceptanceFileError(
+            f'{path} is not an rvqtts acceptance table (expected "format": '
+            f'"{ACCEPTANCE_FORMAT}"; `rvqtts calibrate` writes one as NAME{ACCEPTANCE_SUFFIX})'
+        )
     problem = acceptance_problem(data.get("acceptance"))
     if problem:
         raise AcceptanceFileError(f"acceptance table {path}: {problem}")
@@ -306,8 +324,9 @@ def save_best_budget(platform: str, budget: int, source: str, fingerprint: str |
 
 
 def shipped_tree_files() -> list[Path]:
-    return sorted(p for p in SHIPPED_TREES.glob("*.json")
-                  if not p.name.endswith(ACCEPTANCE_SUFFIX) and p.name != BEST_BUDGETS)
+    return sorted(
+        p for p in SHIPPED_TREES.glob("*.json") if not p.name.endswith(ACCEPTANCE_SUFFIX) and p.name != BEST_BUDGETS
+    )
 
 
 def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None, platform: str = "cpu/float32") -> Tree:
@@ -325,10 +344,12 @@ def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None, platfo
         return load_tree(text)
     trees = [load_tree(p) for p in shipped_tree_files()]
     usable = [t for t in trees if t.extra.get("model_fingerprint") in (None, fingerprint)]
-    matching = sorted((t for t in usable if t.nodes == int(text)),
-                      key=lambda t: t.extra.get("model_fingerprint") is None)
+    matching = sorted(
+        (t for t in usable if t.nodes == int(text)), key=lambda t: t.extra.get("model_fingerprint") is None
+    )
     if not matching:
         sizes = ", ".join(str(n) for n in sorted({t.nodes for t in usable})) or "none"
-        raise TreeFileError(f"no shipped tree has N = {text} nodes (shipped: {sizes}); pass one of those "
-                            f"or the path of a tree file")
+        raise TreeFileError(
+            f"no shipped tree has N = {text} nodes (shipped: {sizes}); pass one of those or the path of a tree file"
+        )
     return matching[0]

@@ -25,8 +25,9 @@ from rvqtts.tuning.drafts import DraftData, draft_logits, draft_ranks, frozen_dr
 MAX_RANK = 16  # ranks per depth an acceptance table records; greedy trees rarely reach past rank 10
 
 
-def sample_codes(code_predictor, prefixes: torch.Tensor, seed: int,
-                 sampling: SamplingConfig = SamplingConfig()) -> np.ndarray:
+def sample_codes(
+    code_predictor, prefixes: torch.Tensor, seed: int, sampling: SamplingConfig = SamplingConfig()
+) -> np.ndarray:
     """Free-running codes c1..c15 [n, 15] from the plain inner loop, frame f keyed (seed, 0, f)."""
     from rvqtts.engine.inner_loop import InnerLoop
 
@@ -34,14 +35,21 @@ def sample_codes(code_predictor, prefixes: torch.Tensor, seed: int,
     return np.array([loop.decode(p, sampling, 0, f) for f, p in enumerate(prefixes)], dtype=np.int64)
 
 
-def free_running_data(code_predictor, prefixes: torch.Tensor, seed: int,
-                      sampling: SamplingConfig = SamplingConfig()) -> DraftData:
+def free_running_data(
+    code_predictor, prefixes: torch.Tensor, seed: int, sampling: SamplingConfig = SamplingConfig()
+) -> DraftData:
     """Codes sampled free-running from these prefixes, with their hidden states under the frozen predictor."""
     return frozen_draft_data(code_predictor, prefixes, sample_codes(code_predictor, prefixes, seed, sampling))
 
 
-def measure_acceptance(code_predictor, prefixes: torch.Tensor, offsets: torch.Tensor, seed: int,
-                       sampling: SamplingConfig = SamplingConfig(), max_rank: int = MAX_RANK) -> dict:
+def measure_acceptance(
+    code_predictor,
+    prefixes: torch.Tensor,
+    offsets: torch.Tensor,
+    seed: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    max_rank: int = MAX_RANK,
+) -> dict:
     """The acceptance table of drafts with these offsets [K, H] on free-running codes from `prefixes`,
     with the drafts' top-1 accuracy per depth and the entropy of each position's sampling distribution."""
     max_rank = min(max_rank, code_predictor.config.vocab_size)
@@ -49,9 +57,13 @@ def measure_acceptance(code_predictor, prefixes: torch.Tensor, offsets: torch.Te
     weights = head_weights(code_predictor)
     drafter = OffsetDrafter(offsets.shape[0], offsets.shape[1], offsets).to(data.hidden.device)
     ranks = draft_ranks(drafter, weights, data, max_rank)
-    return {"acceptance": acceptance_table(ranks, max_rank), "top1_by_depth": top1_by_depth(ranks),
-            "entropy_bits": sampling_entropy(weights, data, sampling), "frames": len(prefixes),
-            "max_rank": max_rank}
+    return {
+        "acceptance": acceptance_table(ranks, max_rank),
+        "top1_by_depth": top1_by_depth(ranks),
+        "entropy_bits": sampling_entropy(weights, data, sampling),
+        "frames": len(prefixes),
+        "max_rank": max_rank,
+    }
 
 
 def sampling_entropy(weights: torch.Tensor, data: DraftData, sampling: SamplingConfig) -> list[float]:
@@ -59,7 +71,7 @@ def sampling_entropy(weights: torch.Tensor, data: DraftData, sampling: SamplingC
     averaged over the frames: how predictable each position is, which bounds what any draft can accept."""
     totals = torch.zeros(weights.shape[0])
     for start in range(0, len(data), 256):  # [256, L, V] logits at a time
-        logits = draft_logits(weights, data.hidden[start:start + 256], 0.0, 0)
+        logits = draft_logits(weights, data.hidden[start : start + 256], 0.0, 0)
         totals += entropy_bits(target_probs(logits, sampling)).sum(0).cpu()
     return [round(float(bits), 3) for bits in totals / max(len(data), 1)]
 
@@ -79,8 +91,14 @@ def acceptance_table(ranks: np.ndarray, max_rank: int) -> list[list[float]]:
     return table
 
 
-def codes_per_call(code_predictor, speculation: Speculation, prefixes: torch.Tensor, languages: list[str],
-                   seed: int, sampling: SamplingConfig = SamplingConfig()) -> dict:
+def codes_per_call(
+    code_predictor,
+    speculation: Speculation,
+    prefixes: torch.Tensor,
+    languages: list[str],
+    seed: int,
+    sampling: SamplingConfig = SamplingConfig(),
+) -> dict:
     """Codes per predictor call of the engine's speculative loop over these frames, overall and per language,
     with a 95 % interval from the spread of per-frame calls."""
     from rvqtts.engine.inner_loop import InnerLoop
@@ -96,18 +114,23 @@ def codes_per_call(code_predictor, speculation: Speculation, prefixes: torch.Ten
 
 def summarize_calls(calls: np.ndarray, languages: list[str], codes: int) -> dict:
     """Codes per call from per-frame call counts, overall and per language, with 95 % intervals."""
+
     def summary(values: np.ndarray) -> dict:
         mean = values.mean()
         half = 1.96 * values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else 0.0
-        return {"codes_per_call": round(float(codes / mean), 4),
-                "ci95": [round(float(codes / (mean + half)), 4), round(float(codes / max(mean - half, 1e-9)), 4)],
-                "frames": int(len(values))}
+        return {
+            "codes_per_call": round(float(codes / mean), 4),
+            "ci95": [round(float(codes / (mean + half)), 4), round(float(codes / max(mean - half, 1e-9)), 4)],
+            "frames": int(len(values)),
+        }
 
     by_language: dict[str, list[float]] = defaultdict(list)
     for language, count in zip(languages, calls):
         by_language[str(language)].append(float(count))
-    return {**summary(calls.astype(np.float64)),
-            "per_language": {k: summary(np.array(v)) for k, v in sorted(by_language.items())}}
+    return {
+        **summary(calls.astype(np.float64)),
+        "per_language": {k: summary(np.array(v)) for k, v in sorted(by_language.items())},
+    }
 
 
 def replay_calls(ranks: np.ndarray, trees: Tree | list[Tree]) -> np.ndarray:
@@ -134,16 +157,28 @@ def replay_calls(ranks: np.ndarray, trees: Tree | list[Tree]) -> np.ndarray:
     return calls
 
 
-def calibrate_trees(synthesizer, frames: Contexts, offsets: Offsets, budgets: list[int], seed: int,
-                    model_name: str = "", offsets_name: str = "") -> tuple[dict, dict[int, Tree]]:
+def calibrate_trees(
+    synthesizer,
+    frames: Contexts,
+    offsets: Offsets,
+    budgets: list[int],
+    seed: int,
+    model_name: str = "",
+    offsets_name: str = "",
+) -> tuple[dict, dict[int, Tree]]:
     """The acceptance table of these offsets on free-running codes from the frames, and one greedy tree
     per budget (depth capped at K), each tagged with the model it was calibrated for."""
     code_predictor = synthesizer.code_predictor
     prefixes = frames.prefixes(synthesizer.talker.get_input_embeddings())
     measured = measure_acceptance(code_predictor, prefixes, offsets.vectors, seed)
     drafts = offsets_name or ("zero offsets (reused heads)" if offsets.is_zero else "offsets")
-    provenance = {"model": model_name, "model_fingerprint": predictor_fingerprint(code_predictor),
-                  "offsets": drafts, "frames_source": frames.source, "seed": seed}
+    provenance = {
+        "model": model_name,
+        "model_fingerprint": predictor_fingerprint(code_predictor),
+        "offsets": drafts,
+        "frames_source": frames.source,
+        "seed": seed,
+    }
     table = {**provenance, **measured}
     source = f"calibrated on {measured['frames']} free-running frames ({frames.source}) with {drafts}"
     trees = {n: replace(grow_tree(measured["acceptance"], n, source), extra=provenance) for n in budgets}

@@ -32,10 +32,10 @@ class ContextsFileError(ValueError):
 
 @dataclass(frozen=True)
 class Contexts:
-    h_t: np.ndarray        # [n, E] the talker's hidden state per frame
-    codes: np.ndarray      # [n, G] c0..c_{G-1}
-    language: np.ndarray   # [n] language name per frame
-    source: str = ""       # where the frames came from, for provenance
+    h_t: np.ndarray  # [n, E] the talker's hidden state per frame
+    codes: np.ndarray  # [n, G] c0..c_{G-1}
+    language: np.ndarray  # [n] language name per frame
+    source: str = ""  # where the frames came from, for provenance
 
     def __len__(self) -> int:
         return len(self.codes)
@@ -60,13 +60,19 @@ class Contexts:
 def save_contexts(contexts: Contexts, path: str | os.PathLike) -> None:
     """Write a contexts file (atomically: a temporary file, then a rename)."""
     buffer = io.BytesIO()
-    np.savez(buffer, h_t=contexts.h_t.astype(np.float32), codes=contexts.codes.astype(np.int64),
-             language=contexts.language.astype(str), source=np.array(contexts.source))
+    np.savez(
+        buffer,
+        h_t=contexts.h_t.astype(np.float32),
+        codes=contexts.codes.astype(np.int64),
+        language=contexts.language.astype(str),
+        source=np.array(contexts.source),
+    )
     write_atomically(path, buffer.getvalue())
 
 
-def load_contexts(path: str | os.PathLike, split: str | None = None, hidden_size: int | None = None,
-                  code_groups: int | None = None) -> Contexts:
+def load_contexts(
+    path: str | os.PathLike, split: str | None = None, hidden_size: int | None = None, code_groups: int | None = None
+) -> Contexts:
     """Read and check a contexts file. A file with splits needs `split`; a file without ignores it.
 
     With `hidden_size` and `code_groups`, frames recorded for another model are refused."""
@@ -76,13 +82,14 @@ def load_contexts(path: str | os.PathLike, split: str | None = None, hidden_size
             arrays = {name: data[name] for name in data.files}
     except (OSError, ValueError, zipfile.BadZipFile) as error:
         raise ContextsFileError(f"cannot read contexts file {path}: {error}") from error
-    splits = sorted({name[:-len("_h_t")] for name in arrays if name.endswith("_h_t")})
+    splits = sorted({name[: -len("_h_t")] for name in arrays if name.endswith("_h_t")})
     if all(name in arrays for name in FIELDS):
         prefix, where = "", ""
     elif splits:
         if split not in splits:
-            raise ContextsFileError(f"contexts file {path} holds the splits {', '.join(splits)}: "
-                                    f"choose one with --split")
+            raise ContextsFileError(
+                f"contexts file {path} holds the splits {', '.join(splits)}: choose one with --split"
+            )
         prefix, where = f"{split}_", f" (split {split})"
     else:
         raise ContextsFileError(f"{path} is not a contexts file: it needs the arrays {', '.join(FIELDS)}")
@@ -92,23 +99,37 @@ def load_contexts(path: str | os.PathLike, split: str | None = None, hidden_size
     h_t, codes, language = (arrays[f"{prefix}{name}"] for name in FIELDS)
     n = len(codes)
     if h_t.ndim != 2 or codes.ndim != 2 or language.shape != (n,) or len(h_t) != n or n == 0:
-        raise ContextsFileError(f"contexts file {path}{where}: expected h_t [n, E], codes [n, G] and language "
-                                f"[n] with n > 0, got {list(h_t.shape)}, {list(codes.shape)}, {list(language.shape)}")
+        raise ContextsFileError(
+            f"contexts file {path}{where}: expected h_t [n, E], codes [n, G] and language "
+            f"[n] with n > 0, got {list(h_t.shape)}, {list(codes.shape)}, {list(language.shape)}"
+        )
     if hidden_size is not None and h_t.shape[1] != hidden_size:
-        raise ContextsFileError(f"contexts file {path}: h_t has width {h_t.shape[1]} but the model's talker has "
-                                f"{hidden_size}: these frames were recorded for another model")
+        raise ContextsFileError(
+            f"contexts file {path}: h_t has width {h_t.shape[1]} but the model's talker has "
+            f"{hidden_size}: these frames were recorded for another model"
+        )
     if code_groups is not None and codes.shape[1] != code_groups:
-        raise ContextsFileError(f"contexts file {path}: frames have {codes.shape[1]} codes but the model makes "
-                                f"{code_groups}: these frames were recorded for another model")
+        raise ContextsFileError(
+            f"contexts file {path}: frames have {codes.shape[1]} codes but the model makes "
+            f"{code_groups}: these frames were recorded for another model"
+        )
     if not np.isfinite(h_t).all():
         raise ContextsFileError(f"contexts file {path}{where}: h_t holds NaN or infinite values")
     source = str(arrays["source"]) if "source" in arrays else f"{path.name}{where}"
     return Contexts(h_t.astype(np.float32), codes.astype(np.int64), language.astype(str), source)
 
 
-def record_contexts(synthesizer, utterances, speaker: str | None, language: str, seed: int, settings,
-                    on_utterance: Callable[[int, int], None] | None = None, instruct: str | None = None,
-                    clone=None) -> Contexts:
+def record_contexts(
+    synthesizer,
+    utterances,
+    speaker: str | None,
+    language: str,
+    seed: int,
+    settings,
+    on_utterance: Callable[[int, int], None] | None = None,
+    instruct: str | None = None,
+    clone=None,
+) -> Contexts:
     """Synthesize `utterances` (rvqtts.batch items; their voice fields, else the voice given here: a
     speaker, an instruction, a cloned voice's rvqtts.cloning.VoiceSource) with the plain inner loop and
     record every frame.
@@ -130,14 +151,17 @@ def record_contexts(synthesizer, utterances, speaker: str | None, language: str,
             codes.append([c0, *residual])
             languages.append(spoken)
 
-        synthesizer.synthesize(item.text, seed=seed, utterance=item.line, settings=settings, on_frame=on_frame,
-                               **voice)
+        synthesizer.synthesize(item.text, seed=seed, utterance=item.line, settings=settings, on_frame=on_frame, **voice)
         if on_utterance:
             on_utterance(number + 1, len(utterances))
     if not codes:
         raise ValueError("the synthesis produced no frames to record")
-    return Contexts(np.stack(h_t), np.array(codes, dtype=np.int64), np.array(languages),
-                    source=f"self-distilled: {len(utterances)} texts, seed {seed}")
+    return Contexts(
+        np.stack(h_t),
+        np.array(codes, dtype=np.int64),
+        np.array(languages),
+        source=f"self-distilled: {len(utterances)} texts, seed {seed}",
+    )
 
 
 @dataclass(frozen=True)
@@ -156,7 +180,7 @@ def read_audio_pairs(path: str | os.PathLike) -> list[AudioPair]:
 
     path = Path(path)
     if path.suffix.lower() != ".jsonl":
-        raise ContextsFileError(f"{path}: audio pairs come in a .jsonl file (one {{\"audio\", \"text\"}} per line)")
+        raise ContextsFileError(f'{path}: audio pairs come in a .jsonl file (one {{"audio", "text"}} per line)')
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
@@ -169,9 +193,10 @@ def read_audio_pairs(path: str | os.PathLike) -> list[AudioPair]:
             record = json.loads(raw)
         except json.JSONDecodeError as error:
             raise ContextsFileError(f"{path}:{number}: not valid JSON ({error.msg})") from error
-        if not isinstance(record, dict) or not all(isinstance(record.get(k), str) and record[k].strip()
-                                                   for k in ("audio", "text")):
-            raise ContextsFileError(f"{path}:{number}: needs \"audio\" (a file) and \"text\" (its transcript)")
+        if not isinstance(record, dict) or not all(
+            isinstance(record.get(k), str) and record[k].strip() for k in ("audio", "text")
+        ):
+            raise ContextsFileError(f'{path}:{number}: needs "audio" (a file) and "text" (its transcript)')
         unknown = sorted(set(record) - {"audio", "text", "speaker", "language"})
         if unknown:
             raise ContextsFileError(f"{path}:{number}: unknown field(s) {unknown}")
@@ -184,9 +209,15 @@ def read_audio_pairs(path: str | os.PathLike) -> list[AudioPair]:
     return pairs
 
 
-def force_contexts(synthesizer, pairs: list[AudioPair], speaker: str | None, language: str,
-                   on_pair: Callable[[int, int], None] | None = None, instruct: str | None = None,
-                   clone=None) -> Contexts:
+def force_contexts(
+    synthesizer,
+    pairs: list[AudioPair],
+    speaker: str | None,
+    language: str,
+    on_pair: Callable[[int, int], None] | None = None,
+    instruct: str | None = None,
+    clone=None,
+) -> Contexts:
     """Teacher forcing: encode each recording with the model's own speech tokenizer and run the talker
     over its transcript (in the pair's voice, else the one given here) emitting exactly those codes;
     record every frame's h_t with the true codes."""
@@ -206,5 +237,9 @@ def force_contexts(synthesizer, pairs: list[AudioPair], speaker: str | None, lan
         codes.append(frames)
         if on_pair:
             on_pair(number + 1, len(pairs))
-    return Contexts(np.stack(h_t), np.concatenate(codes).astype(np.int64), np.array(languages),
-                    source=f"teacher-forced: {len(pairs)} recordings")
+    return Contexts(
+        np.stack(h_t),
+        np.concatenate(codes).astype(np.int64),
+        np.array(languages),
+        source=f"teacher-forced: {len(pairs)} recordings",
+    )

@@ -42,9 +42,10 @@ class MedusaDrafter(torch.nn.Module):
 
     def forward(self, weights: torch.Tensor, hidden: torch.Tensor, codes: torch.Tensor, j: int) -> torch.Tensor:
         length = weights.shape[0]
-        h = hidden[:, :length - j]
-        h = h + torch.nn.functional.silu(torch.einsum("nkh,kgh->nkg", h, self.blocks[j - 1, :length - j])
-                                         + self.biases[j - 1, :length - j])
+        h = hidden[:, : length - j]
+        h = h + torch.nn.functional.silu(
+            torch.einsum("nkh,kgh->nkg", h, self.blocks[j - 1, : length - j]) + self.biases[j - 1, : length - j]
+        )
         return torch.einsum("nkh,kvh->nkv", h, weights[j:]).log_softmax(-1)
 
 
@@ -70,7 +71,7 @@ class TableDrafter(torch.nn.Module):
         tables = []
         for j in range(1, depth + 1):
             counts = torch.zeros(length - j, vocab * vocab)
-            pairs = codes[:, :length - j] * vocab + codes[:, j:]
+            pairs = codes[:, : length - j] * vocab + codes[:, j:]
             counts.scatter_add_(1, pairs.T.contiguous(), torch.ones(pairs.shape[1], pairs.shape[0]))
             counts = counts.view(length - j, vocab, vocab)
             smoothed = counts + strength * prior[j:, None, :]

@@ -43,29 +43,38 @@ def teacher_forced_hidden(code_predictor: torch.nn.Module, prefixes: torch.Tenso
     """h_1..h_{m+1} [n, m+1, H] from one causal pass over [h_t, embedding of c0, c1..c_m] (codes [n, m]),
     through the module's own batched forward (training and measurement, not the decode loop)."""
     embeddings = code_predictor.get_input_embeddings()
-    parts = [prefixes] + [embeddings[i](codes[:, i:i + 1]) for i in range(codes.shape[1])]
+    parts = [prefixes] + [embeddings[i](codes[:, i : i + 1]) for i in range(codes.shape[1])]
     inputs = code_predictor.small_to_mtp_projection(torch.cat(parts, 1).to(code_predictor.lm_head[0].weight.dtype))
     return code_predictor.model(inputs_embeds=inputs).last_hidden_state[:, 1:]
 
 
 @torch.no_grad()
-def frozen_draft_data(code_predictor: torch.nn.Module, prefixes: torch.Tensor, codes: np.ndarray | torch.Tensor,
-                      device: str | torch.device | None = None) -> DraftData:
+def frozen_draft_data(
+    code_predictor: torch.nn.Module,
+    prefixes: torch.Tensor,
+    codes: np.ndarray | torch.Tensor,
+    device: str | torch.device | None = None,
+) -> DraftData:
     """Hidden states of the frames' codes c1..c_L ([n, L]) under the frozen predictor, float32 on `device`
     (default: the predictor's)."""
     codes = torch.as_tensor(codes, dtype=torch.long)
     weight = code_predictor.lm_head[0].weight
     device = device or weight.device
-    hidden = [teacher_forced_hidden(code_predictor, prefixes[s:s + CHUNK].to(weight.device),
-                                    codes[s:s + CHUNK, :-1].to(weight.device)).float().to(device)
-              for s in range(0, len(codes), CHUNK)]
+    hidden = [
+        teacher_forced_hidden(
+            code_predictor, prefixes[s : s + CHUNK].to(weight.device), codes[s : s + CHUNK, :-1].to(weight.device)
+        )
+        .float()
+        .to(device)
+        for s in range(0, len(codes), CHUNK)
+    ]
     return DraftData(torch.cat(hidden), codes.to(device))
 
 
 def draft_logits(weights: torch.Tensor, hidden: torch.Tensor, offset: torch.Tensor, depth: int) -> torch.Tensor:
     """Scores [n, L - depth, V] of c_{k+depth} from h_k + offset, for k = 1..L - depth."""
     length = weights.shape[0]
-    return torch.einsum("nkh,kvh->nkv", hidden[:, :length - depth] + offset, weights[depth:])
+    return torch.einsum("nkh,kvh->nkv", hidden[:, : length - depth] + offset, weights[depth:])
 
 
 @torch.no_grad()
@@ -76,12 +85,12 @@ def draft_ranks(drafter: torch.nn.Module, weights: torch.Tensor, data: DraftData
     weights = weights.to(data.hidden.device)
     ranks = np.full((n, length, drafter.depth), -1, dtype=np.int64)
     for s in range(0, n, CHUNK):
-        hidden, codes = data.hidden[s:s + CHUNK], data.codes[s:s + CHUNK]
+        hidden, codes = data.hidden[s : s + CHUNK], data.codes[s : s + CHUNK]
         for j in range(1, min(drafter.depth, length - 1) + 1):
             top = torch.topk(drafter(weights, hidden, codes, j), max_rank, dim=-1).indices
             hit = top == codes[:, j:, None]
             found = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(codes[:, j:], max_rank))
-            ranks[s:s + CHUNK, :length - j, j - 1] = found.cpu().numpy()
+            ranks[s : s + CHUNK, : length - j, j - 1] = found.cpu().numpy()
     return ranks
 
 

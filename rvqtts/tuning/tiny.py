@@ -23,14 +23,25 @@ from rvqtts.files import current_umask
 from rvqtts.settings import QWEN_TTS_DEFAULTS
 
 SPEAKERS = ["vivian", "serena", "uncle_fu", "dylan", "eric", "ryan", "aiden", "ono_anna", "sohee"]
-LANGUAGES = ["chinese", "english", "japanese", "korean", "german", "french", "russian",
-             "portuguese", "spanish", "italian"]
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
-                  "<|tts_pad|>", "<|tts_text_bos|>", "<|tts_text_eod|>"]
+LANGUAGES = [
+    "chinese",
+    "english",
+    "japanese",
+    "korean",
+    "german",
+    "french",
+    "russian",
+    "portuguese",
+    "spanish",
+    "italian",
+]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|tts_pad|>", "<|tts_text_bos|>", "<|tts_text_eod|>"]
 # The Qwen2 pre-tokenizer pattern: it isolates "\n", so "assistant" and "\n" become single tokens,
 # which qwen-tts relies on when it slices prompt token ids by position.
-QWEN2_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 TEXT_VOCAB = 512
 # The released 12 Hz model kinds, as `make-tiny-model --kind` names them, and their config's tts_model_type.
 KINDS = {"custom-voice": "custom_voice", "base": "base", "voice-design": "voice_design"}
@@ -48,12 +59,12 @@ GENERATION_DEFAULTS = {**QWEN_TTS_DEFAULTS, "max_new_tokens": 48}
 # the paper's (1.70 codes per call with reused heads, 2.47 with offsets, at N = 32).
 ACCEPTANCES = ("none", "paper")
 PREFERENCE_SPREAD = (6.5, 4.5)  # spread of the preferred codes' scores at c1 and at c15 (linear between)
-LOOKAHEAD_SHIFT = 3.6           # spread of the scores a head's drafts are off by per position they look ahead
-CONTEXT_SPREAD = 1.4            # spread of the scores the previous code adds
-LAYER_SCALE = 5e-4              # what is kept of each predictor layer's output projections
+LOOKAHEAD_SHIFT = 3.6  # spread of the scores a head's drafts are off by per position they look ahead
+CONTEXT_SPREAD = 1.4  # spread of the scores the previous code adds
+LAYER_SCALE = 5e-4  # what is kept of each predictor layer's output projections
 # Norms of the parts of a normed predictor input, whose norm is sqrt(hidden) (32 at the released width).
 CARRIER_NORM, DRIFT_STEP, CONTEXT_NORM = 20.0, 1.0, 20.0
-EMBEDDING_STD = 0.02            # HF's init std: the talker's inputs keep their usual size
+EMBEDDING_STD = 0.02  # HF's init std: the talker's inputs keep their usual size
 
 
 def _build_text_tokenizer(out_dir: Path):
@@ -62,25 +73,46 @@ def _build_text_tokenizer(out_dir: Path):
 
     tokenizer = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    corpus = ["assistant\n", "user\n", "system\n",
-              "Hello world. This is a tiny test of the text to speech model.",
-              "The quick brown fox jumps over the lazy dog.",
-              "Speak slowly and clearly, please."] * 50
-    trainer = trainers.BpeTrainer(vocab_size=400, min_frequency=1, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = [
+        "assistant\n",
+        "user\n",
+        "system\n",
+        "Hello world. This is a tiny test of the text to speech model.",
+        "The quick brown fox jumps over the lazy dog.",
+        "Speak slowly and clearly, please.",
+    ] * 50
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
-    wrapped = Qwen2TokenizerFast(tokenizer_object=tokenizer, unk_token=None, bos_token=None,
-                                 eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                 additional_special_tokens=SPECIAL_TOKENS[1:])
+    wrapped = Qwen2TokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
     ids = wrapped("<|im_start|>assistant\nHi there.<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
     pieces = wrapped.convert_ids_to_tokens(ids)
     if pieces[:3] != ["<|im_start|>", "assistant", "Ċ"] or pieces[-5:] != [
-            "<|im_end|>", "Ċ", "<|im_start|>", "assistant", "Ċ"]:
+        "<|im_end|>",
+        "Ċ",
+        "<|im_start|>",
+        "assistant",
+        "Ċ",
+    ]:
         raise RuntimeError(f"tiny tokenizer breaks qwen-tts's positional prompt layout: {pieces}")
     wrapped.save_pretrained(out_dir)
     return wrapped
@@ -90,33 +122,57 @@ def _codec_ids(codebook: int) -> tuple[int, dict[str, int], dict[str, int], dict
     """Talker vocabulary and special ids. qwen-tts suppresses ids [vocab - 1024, vocab) for c0 except EOS,
     so vocab = codebook + 1024 and the specials sit above the codes, in the real model's relative layout."""
     base = codebook
-    ids = dict(codec_pad_id=base + 100, codec_bos_id=base + 101, codec_eos_token_id=base + 102,
-               codec_think_id=base + 106, codec_nothink_id=base + 107,
-               codec_think_bos_id=base + 108, codec_think_eos_id=base + 109)
+    ids = dict(
+        codec_pad_id=base + 100,
+        codec_bos_id=base + 101,
+        codec_eos_token_id=base + 102,
+        codec_think_id=base + 106,
+        codec_nothink_id=base + 107,
+        codec_think_bos_id=base + 108,
+        codec_think_eos_id=base + 109,
+    )
     languages = {name: base + 2 + i for i, name in enumerate(LANGUAGES)}
     speakers = {name: base + 952 + i for i, name in enumerate(SPEAKERS)}
     return codebook + 1024, ids, languages, speakers
 
 
-def _tiny_talker(codebook: int, code_groups: int, talker_hidden: int, predictor_hidden: int,
-                 predictor_layers: int) -> tuple[dict, str]:
+def _tiny_talker(
+    codebook: int, code_groups: int, talker_hidden: int, predictor_hidden: int, predictor_layers: int
+) -> tuple[dict, str]:
     """The talker config (with its code predictor's) of the tiny layout, and its tts_model_size."""
     vocab, ids, languages, speakers = _codec_ids(codebook)
 
     def block(hidden: int, layers: int, heads: int) -> dict:
-        return dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                    num_attention_heads=heads, num_key_value_heads=heads // 2, head_dim=hidden // heads,
-                    hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000, num_code_groups=code_groups)
+        return dict(
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads // 2,
+            head_dim=hidden // heads,
+            hidden_act="silu",
+            rms_norm_eps=1e-6,
+            rope_theta=1000000,
+            num_code_groups=code_groups,
+        )
 
     # The talker's MRoPE sections need head_dim 16; the predictor keeps four heads at any width.
     talker = dict(
-        **block(talker_hidden, 2, talker_hidden // HEAD_DIM), vocab_size=vocab, max_position_embeddings=32768,
+        **block(talker_hidden, 2, talker_hidden // HEAD_DIM),
+        vocab_size=vocab,
+        max_position_embeddings=32768,
         rope_scaling={"rope_type": "default", "interleaved": True, "mrope_section": [4, 2, 2]},
-        text_hidden_size=32, spk_id=speakers,
-        spk_is_dialect={name: False for name in speakers}, codec_language_id=languages,
+        text_hidden_size=32,
+        spk_id=speakers,
+        spk_is_dialect={name: False for name in speakers},
+        codec_language_id=languages,
         position_id_per_seconds=13,
-        code_predictor_config=dict(**block(predictor_hidden, predictor_layers, 4), vocab_size=codebook,
-                                   max_position_embeddings=65536, rope_scaling=None),
+        code_predictor_config=dict(
+            **block(predictor_hidden, predictor_layers, 4),
+            vocab_size=codebook,
+            max_position_embeddings=65536,
+            rope_scaling=None,
+        ),
         **ids,
     )
     return talker, "0b6"
@@ -177,7 +233,7 @@ def _shape_paper_acceptance(model, seed: int) -> None:
     with torch.no_grad():
         for position, table in enumerate(tables, 1):
             drift = (position - centre) * DRIFT_STEP
-            pad = (hidden - CARRIER_NORM ** 2 - drift ** 2 - CONTEXT_NORM ** 2) ** 0.5
+            pad = (hidden - CARRIER_NORM**2 - drift**2 - CONTEXT_NORM**2) ** 0.5
             rows = context(codebook)
             rows *= CONTEXT_NORM / rows.norm(dim=1, keepdim=True)
             rows += basis @ torch.tensor([CARRIER_NORM, drift, pad])
@@ -197,9 +253,17 @@ def _shape_paper_acceptance(model, seed: int) -> None:
             layer.mlp.down_proj.weight.mul_(LAYER_SCALE)
 
 
-def _build_main_model(out_dir: Path, tokenizer, talker: dict, model_size: str, seed: int,
-                      dtype: torch.dtype, kind: str = "custom-voice", small_encoder: bool = True,
-                      acceptance: str = "none") -> None:
+def _build_main_model(
+    out_dir: Path,
+    tokenizer,
+    talker: dict,
+    model_size: str,
+    seed: int,
+    dtype: torch.dtype,
+    kind: str = "custom-voice",
+    small_encoder: bool = True,
+    acceptance: str = "none",
+) -> None:
     models = qwen_tts().core.models
     token_id = tokenizer.convert_tokens_to_ids
     talker = dict(talker, text_vocab_size=TEXT_VOCAB)  # rvqtts's tiny text tokenizer
@@ -207,14 +271,21 @@ def _build_main_model(out_dir: Path, tokenizer, talker: dict, model_size: str, s
     if kind != "custom-voice":  # Base and VoiceDesign have no built-in speakers
         talker.update(spk_id={}, spk_is_dialect={})
     if kind == "base":  # the speaker encoder whose x-vector stands where a speaker's embedding would
-        extra["speaker_encoder_config"] = dict(enc_dim=talker["hidden_size"],
-                                               **(TINY_SPEAKER_ENCODER if small_encoder else {}))
+        extra["speaker_encoder_config"] = dict(
+            enc_dim=talker["hidden_size"], **(TINY_SPEAKER_ENCODER if small_encoder else {})
+        )
     config = models.Qwen3TTSConfig(
-        talker_config=talker, tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size=model_size,
-        tts_model_type=KINDS[kind], im_start_token_id=token_id("<|im_start|>"),
-        im_end_token_id=token_id("<|im_end|>"), tts_pad_token_id=token_id("<|tts_pad|>"),
-        tts_bos_token_id=token_id("<|tts_text_bos|>"), tts_eos_token_id=token_id("<|tts_text_eod|>"),
-        architectures=["Qwen3TTSForConditionalGeneration"], **extra,
+        talker_config=talker,
+        tokenizer_type="qwen3_tts_tokenizer_12hz",
+        tts_model_size=model_size,
+        tts_model_type=KINDS[kind],
+        im_start_token_id=token_id("<|im_start|>"),
+        im_end_token_id=token_id("<|im_end|>"),
+        tts_pad_token_id=token_id("<|tts_pad|>"),
+        tts_bos_token_id=token_id("<|tts_text_bos|>"),
+        tts_eos_token_id=token_id("<|tts_text_eod|>"),
+        architectures=["Qwen3TTSForConditionalGeneration"],
+        **extra,
     )
     torch.manual_seed(seed)
     model = models.Qwen3TTSForConditionalGeneration(config).eval()
@@ -223,7 +294,7 @@ def _build_main_model(out_dir: Path, tokenizer, talker: dict, model_size: str, s
         # HF init (std 0.02) gives nearly uniform code distributions; a wider spread in the predictor's
         # heads makes its distributions peaked enough for sampling and acceptance to be non-trivial.
         for head in model.talker.code_predictor.lm_head:
-            head.weight.normal_(0.0, 1.0 / predictor_hidden ** 0.5 * 2.0)
+            head.weight.normal_(0.0, 1.0 / predictor_hidden**0.5 * 2.0)
     if acceptance == "paper":
         _shape_paper_acceptance(model, seed)
     model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
@@ -239,25 +310,63 @@ def _tiny_speech_tokenizer_config(codebook: int, code_groups: int):
     core = qwen_tts().core
     # Mimi encoder and 12 Hz decoder, shrunk; the rates are kept, so 24 kHz <-> 12.5 Hz (1920 samples/frame).
     encoder = dict(
-        sampling_rate=24000, frame_rate=12.5, audio_channels=1, hidden_size=32, num_filters=4,
-        num_residual_layers=1, upsampling_ratios=[8, 6, 5, 4], kernel_size=7, last_kernel_size=3,
-        residual_kernel_size=3, dilation_growth_rate=2, use_causal_conv=True, compress=2,
-        codebook_size=codebook, codebook_dim=16, num_quantizers=code_groups, num_semantic_quantizers=1,
-        vector_quantization_hidden_dimension=16, upsample_groups=32, num_hidden_layers=1,
-        intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-        sliding_window=250, max_position_embeddings=8000,
+        sampling_rate=24000,
+        frame_rate=12.5,
+        audio_channels=1,
+        hidden_size=32,
+        num_filters=4,
+        num_residual_layers=1,
+        upsampling_ratios=[8, 6, 5, 4],
+        kernel_size=7,
+        last_kernel_size=3,
+        residual_kernel_size=3,
+        dilation_growth_rate=2,
+        use_causal_conv=True,
+        compress=2,
+        codebook_size=codebook,
+        codebook_dim=16,
+        num_quantizers=code_groups,
+        num_semantic_quantizers=1,
+        vector_quantization_hidden_dimension=16,
+        upsample_groups=32,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=250,
+        max_position_embeddings=8000,
     )
     decoder = dict(
-        codebook_size=codebook, codebook_dim=16, hidden_size=32, latent_dim=32, head_dim=16,
-        max_position_embeddings=8000, rope_theta=10000, num_attention_heads=2, num_key_value_heads=2,
-        sliding_window=72, intermediate_size=64, num_hidden_layers=1, num_quantizers=code_groups,
-        upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=32,
-        layer_scale_initial_scale=0.01, rms_norm_eps=1e-5,
+        codebook_size=codebook,
+        codebook_dim=16,
+        hidden_size=32,
+        latent_dim=32,
+        head_dim=16,
+        max_position_embeddings=8000,
+        rope_theta=10000,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        sliding_window=72,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_quantizers=code_groups,
+        upsample_rates=[8, 5, 4, 3],
+        upsampling_ratios=[2, 2],
+        decoder_dim=32,
+        layer_scale_initial_scale=0.01,
+        rms_norm_eps=1e-5,
     )
     return core.Qwen3TTSTokenizerV2Config(
-        encoder_config=encoder, decoder_config=decoder, encoder_valid_num_quantizers=code_groups,
-        input_sample_rate=24000, output_sample_rate=24000, decode_upsample_rate=1920,
-        encode_downsample_rate=1920, architectures=["Qwen3TTSTokenizerV2Model"])
+        encoder_config=encoder,
+        decoder_config=decoder,
+        encoder_valid_num_quantizers=code_groups,
+        input_sample_rate=24000,
+        output_sample_rate=24000,
+        decode_upsample_rate=1920,
+        encode_downsample_rate=1920,
+        architectures=["Qwen3TTSTokenizerV2Model"],
+    )
 
 
 def _build_speech_tokenizer(out_dir: Path, config, seed: int) -> None:
@@ -288,10 +397,19 @@ def _build_speech_tokenizer(out_dir: Path, config, seed: int) -> None:
 DIMS = ("tiny", "0.6b", "1.7b")
 
 
-def build_tiny_model(out_dir: str | os.PathLike, codebook: int = 2048, code_groups: int = 16, seed: int = 0,
-                     talker_hidden: int = 64, predictor_hidden: int | None = None,
-                     predictor_layers: int = 2, dims: str = "tiny", shallow: bool = False,
-                     kind: str = "custom-voice", acceptance: str = "none") -> Path:
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    codebook: int = 2048,
+    code_groups: int = 16,
+    seed: int = 0,
+    talker_hidden: int = 64,
+    predictor_hidden: int | None = None,
+    predictor_layers: int = 2,
+    dims: str = "tiny",
+    shallow: bool = False,
+    kind: str = "custom-voice",
+    acceptance: str = "none",
+) -> Path:
     """Write a random-weight checkpoint to `out_dir` (which must not exist or be empty) and return its path.
 
     `dims="tiny"`: shrunk dimensions; `codebook` is the residual codebook size (the predictor's
@@ -330,24 +448,36 @@ def build_tiny_model(out_dir: str | os.PathLike, codebook: int = 2048, code_grou
         raise ValueError(f"--code-groups must be between 2 and 32, got {code_groups}")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} already exists and is not an empty folder: choose another path, remove it, "
-                              f"or pass --force to replace it")
+        raise FileExistsError(
+            f"{out} already exists and is not an empty folder: choose another path, remove it, "
+            f"or pass --force to replace it"
+        )
     # Build beside the target and rename at the end, so an interrupted build leaves nothing half-written.
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         tokenizer = _build_text_tokenizer(staging)
         if dims == "tiny":
-            talker, model_size = _tiny_talker(codebook, code_groups, talker_hidden,
-                                              predictor_hidden or talker_hidden, predictor_layers)
+            talker, model_size = _tiny_talker(
+                codebook, code_groups, talker_hidden, predictor_hidden or talker_hidden, predictor_layers
+            )
             generation, dtype = GENERATION_DEFAULTS, torch.float32
         else:
             talker, model_size = _released_talker(dims, shallow)
             generation, dtype = released_file("generation_config.json"), torch.bfloat16
         if kind == "voice-design":
             model_size = "1b7"  # its only released size (qwen-tts drops instructions for a 0.6B's)
-        _build_main_model(staging, tokenizer, talker, model_size, seed, dtype, kind,
-                          small_encoder=dims == "tiny" or shallow, acceptance=acceptance)
+        _build_main_model(
+            staging,
+            tokenizer,
+            talker,
+            model_size,
+            seed,
+            dtype,
+            kind,
+            small_encoder=dims == "tiny" or shallow,
+            acceptance=acceptance,
+        )
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         if dims == "tiny" or shallow:
             speech = _tiny_speech_tokenizer_config(codebook, code_groups)

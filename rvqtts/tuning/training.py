@@ -33,12 +33,12 @@ TARGETS = ("hard", "soft")
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    depth: int = 3                 # K, codes drafted ahead
-    learning_rate: float = 1e-3    # the paper's
-    batch: int = 32                # frames per step, the paper's batch
+    depth: int = 3  # K, codes drafted ahead
+    learning_rate: float = 1e-3  # the paper's
+    batch: int = 32  # frames per step, the paper's batch
     max_steps: int = 20_000
-    eval_every: int = 250          # steps between held-out evaluations
-    patience: int = 4              # evaluations without improvement before stopping
+    eval_every: int = 250  # steps between held-out evaluations
+    patience: int = 4  # evaluations without improvement before stopping
     target: str = "hard"
     seed: int = 0
 
@@ -54,8 +54,9 @@ class TrainingConfig:
             raise ValueError(f"the learning rate must be positive, got {self.learning_rate}")
 
 
-def draft_loss(drafter: torch.nn.Module, weights: torch.Tensor, data: DraftData, target: str,
-               sampling: SamplingConfig) -> torch.Tensor:
+def draft_loss(
+    drafter: torch.nn.Module, weights: torch.Tensor, data: DraftData, target: str, sampling: SamplingConfig
+) -> torch.Tensor:
     """Summed over depths, mean over frames and positions (nats)."""
     total = weights.new_zeros(())
     soft = None
@@ -72,20 +73,26 @@ def draft_loss(drafter: torch.nn.Module, weights: torch.Tensor, data: DraftData,
 
 
 @torch.no_grad()
-def evaluate(drafter: torch.nn.Module, weights: torch.Tensor, data: DraftData, target: str,
-             sampling: SamplingConfig) -> dict:
+def evaluate(
+    drafter: torch.nn.Module, weights: torch.Tensor, data: DraftData, target: str, sampling: SamplingConfig
+) -> dict:
     """Loss and the drafts' top-1 accuracy per depth against the frames' codes."""
     losses = []
     for s in range(0, len(data), 256):
         part = data.take(torch.arange(s, min(s + 256, len(data)), device=data.codes.device))
         losses.append(float(draft_loss(drafter, weights, part, target, sampling)) * len(part))
-    return {"loss": sum(losses) / len(data),
-            "top1_by_depth": top1_by_depth(draft_ranks(drafter, weights, data, 1))}
+    return {"loss": sum(losses) / len(data), "top1_by_depth": top1_by_depth(draft_ranks(drafter, weights, data, 1))}
 
 
-def train_drafter(drafter: torch.nn.Module, weights: torch.Tensor, train: DraftData, held_out: DraftData,
-                  config: TrainingConfig, sampling: SamplingConfig = SamplingConfig(),
-                  on_progress: Callable[[int, int, float, float], None] | None = None) -> dict:
+def train_drafter(
+    drafter: torch.nn.Module,
+    weights: torch.Tensor,
+    train: DraftData,
+    held_out: DraftData,
+    config: TrainingConfig,
+    sampling: SamplingConfig = SamplingConfig(),
+    on_progress: Callable[[int, int, float, float], None] | None = None,
+) -> dict:
     """Train the drafter's parameters (the heads stay frozen) and leave it at its best held-out state;
     returns the training record. `on_progress(step, max_steps, train_loss, held_out_loss)` is called
     after every held-out evaluation."""
@@ -114,29 +121,48 @@ def train_drafter(drafter: torch.nn.Module, weights: torch.Tensor, train: DraftD
             else:
                 stale += 1
             if on_progress:
-                on_progress(step, config.max_steps, float(np.mean(recent[-config.eval_every:])), held)
+                on_progress(step, config.max_steps, float(np.mean(recent[-config.eval_every :])), held)
     drafter.load_state_dict(best[1])
     final_train = evaluate(drafter, weights, train, config.target, sampling)
     final_held = evaluate(drafter, weights, held_out, config.target, sampling)
-    return {"steps": step, "best_step": best[2], "stopped_early": stale >= config.patience,
-            "seconds": round(time.perf_counter() - started, 1), "target": config.target,
-            "train_frames": len(train), "held_out_frames": len(held_out),
-            "initial_held_out_loss": round(initial["loss"], 5),
-            "train_loss": round(final_train["loss"], 5), "held_out_loss": round(final_held["loss"], 5),
-            "initial_held_out_top1": initial["top1_by_depth"], "held_out_top1": final_held["top1_by_depth"]}
+    return {
+        "steps": step,
+        "best_step": best[2],
+        "stopped_early": stale >= config.patience,
+        "seconds": round(time.perf_counter() - started, 1),
+        "target": config.target,
+        "train_frames": len(train),
+        "held_out_frames": len(held_out),
+        "initial_held_out_loss": round(initial["loss"], 5),
+        "train_loss": round(final_train["loss"], 5),
+        "held_out_loss": round(final_held["loss"], 5),
+        "initial_held_out_top1": initial["top1_by_depth"],
+        "held_out_top1": final_held["top1_by_depth"],
+    }
 
 
-def train_offsets(weights: torch.Tensor, train: DraftData, held_out: DraftData, config: TrainingConfig,
-                  sampling: SamplingConfig = SamplingConfig(),
-                  on_progress: Callable[[int, int, float, float], None] | None = None) -> tuple[torch.Tensor, dict]:
+def train_offsets(
+    weights: torch.Tensor,
+    train: DraftData,
+    held_out: DraftData,
+    config: TrainingConfig,
+    sampling: SamplingConfig = SamplingConfig(),
+    on_progress: Callable[[int, int, float, float], None] | None = None,
+) -> tuple[torch.Tensor, dict]:
     """Offsets [K, H] trained from zero (reused heads), and the training record."""
     drafter = OffsetDrafter(config.depth, weights.shape[2])
     record = train_drafter(drafter, weights, train, held_out, config, sampling, on_progress)
     return drafter.vectors.detach().cpu(), record
 
 
-def draft_data(synthesizer, contexts: Contexts, config: TrainingConfig, sampling: SamplingConfig,
-               held_out: float, self_distill: bool) -> tuple[DraftData, DraftData]:
+def draft_data(
+    synthesizer,
+    contexts: Contexts,
+    config: TrainingConfig,
+    sampling: SamplingConfig,
+    held_out: float,
+    self_distill: bool,
+) -> tuple[DraftData, DraftData]:
     """(train, held-out) hidden states and target codes of the frames under the frozen predictor; with
     `self_distill` the codes are resampled by the model's plain inner loop from each frame's h_t and c0."""
     if not 0 < held_out < 1:
@@ -148,15 +174,25 @@ def draft_data(synthesizer, contexts: Contexts, config: TrainingConfig, sampling
     parts = []
     for number, part in enumerate(contexts.split(held_out, config.seed)):
         prefixes = part.prefixes(talker_embedding)
-        codes = (sample_codes(code_predictor, prefixes, config.seed + number, sampling) if self_distill
-                 else part.codes[:, 1:])
+        codes = (
+            sample_codes(code_predictor, prefixes, config.seed + number, sampling)
+            if self_distill
+            else part.codes[:, 1:]
+        )
         parts.append(frozen_draft_data(code_predictor, prefixes, codes))
     return parts[0], parts[1]
 
 
-def fit_offsets(synthesizer, contexts: Contexts, config: TrainingConfig, sampling: SamplingConfig = SamplingConfig(),
-                held_out: float = 0.1, self_distill: bool = False, model_name: str = "",
-                on_progress: Callable[[int, int, float, float], None] | None = None) -> tuple[Offsets, dict]:
+def fit_offsets(
+    synthesizer,
+    contexts: Contexts,
+    config: TrainingConfig,
+    sampling: SamplingConfig = SamplingConfig(),
+    held_out: float = 0.1,
+    self_distill: bool = False,
+    model_name: str = "",
+    on_progress: Callable[[int, int, float, float], None] | None = None,
+) -> tuple[Offsets, dict]:
     """Offsets for the synthesizer's predictor from recorded frames, with provenance in their metadata.
 
     The frames' own codes are the targets (teacher forcing on recorded data, or self-distillation when
@@ -166,10 +202,20 @@ def fit_offsets(synthesizer, contexts: Contexts, config: TrainingConfig, samplin
     code_predictor = synthesizer.code_predictor
     vectors, record = train_offsets(head_weights(code_predictor), train, held, config, sampling, on_progress)
     targets = "resampled by the model (self-distillation)" if self_distill else "the frames' own codes"
-    record.update(source=contexts.source, frames=len(contexts), codes=targets, depth=config.depth,
-                  learning_rate=config.learning_rate, batch=config.batch,
-                  date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                  sampling=f"temperature {sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}")
-    offsets = Offsets(vectors, model=model_name, model_fingerprint=predictor_fingerprint(code_predictor),
-                      metadata={"training": json.dumps(record)})
+    record.update(
+        source=contexts.source,
+        frames=len(contexts),
+        codes=targets,
+        depth=config.depth,
+        learning_rate=config.learning_rate,
+        batch=config.batch,
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        sampling=f"temperature {sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}",
+    )
+    offsets = Offsets(
+        vectors,
+        model=model_name,
+        model_fingerprint=predictor_fingerprint(code_predictor),
+        metadata={"training": json.dumps(record)},
+    )
     return offsets, record

@@ -39,15 +39,34 @@ class BuildPlan:
     offsets: TrainingConfig
 
 
-FULL = BuildPlan(StandinConfig(), variants=6, sentences_per_language=None, calibration_frames=600,
-                 evaluation_frames=600, offsets=TrainingConfig())
-SMALL = BuildPlan(StandinConfig(entries=128, hidden=64, layers=2, copies=2, steps=150, batch=128),
-                  variants=2, sentences_per_language=4, calibration_frames=120, evaluation_frames=120,
-                  offsets=TrainingConfig(learning_rate=1e-2, max_steps=300, eval_every=50))
+FULL = BuildPlan(
+    StandinConfig(),
+    variants=6,
+    sentences_per_language=None,
+    calibration_frames=600,
+    evaluation_frames=600,
+    offsets=TrainingConfig(),
+)
+SMALL = BuildPlan(
+    StandinConfig(entries=128, hidden=64, layers=2, copies=2, steps=150, batch=128),
+    variants=2,
+    sentences_per_language=4,
+    calibration_frames=120,
+    evaluation_frames=120,
+    offsets=TrainingConfig(learning_rate=1e-2, max_steps=300, eval_every=50),
+)
 
 
-def _split_frames(recordings, codec: ResidualCodec, pca: np.ndarray, pca_scale: np.ndarray,
-                  config: StandinConfig, split: str, copies: int, rng: np.random.Generator) -> FrameData:
+def _split_frames(
+    recordings,
+    codec: ResidualCodec,
+    pca: np.ndarray,
+    pca_scale: np.ndarray,
+    config: StandinConfig,
+    split: str,
+    copies: int,
+    rng: np.random.Generator,
+) -> FrameData:
     """Frames of one split (copies > 0 adds jittered, re-encoded copies of each frame). The coarse view is
     the frame's top principal components plus noise of `coarse_noise` times each component's spread."""
     languages = list(LANGUAGES)
@@ -62,12 +81,22 @@ def _split_frames(recordings, codec: ResidualCodec, pca: np.ndarray, pca_scale: 
             coarse = normalised @ pca + rng.normal(0, config.coarse_noise, (len(codes), pca.shape[1])) * pca_scale
             parts.append((codes, previous, np.full(len(codes), languages.index(recording.language)), coarse))
     stacked = [np.concatenate([p[i] for p in parts]) for i in range(4)]
-    return FrameData(stacked[0].astype(np.int64), stacked[1].astype(np.int64), stacked[2].astype(np.int64),
-                     stacked[3].astype(np.float32))
+    return FrameData(
+        stacked[0].astype(np.int64),
+        stacked[1].astype(np.int64),
+        stacked[2].astype(np.int64),
+        stacked[3].astype(np.float32),
+    )
 
 
-def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences_dir: Path | None = None,
-                  steps: int | None = None, log=print) -> dict:
+def build_standin(
+    out: Path,
+    small: bool = False,
+    device: str = "cpu",
+    sentences_dir: Path | None = None,
+    steps: int | None = None,
+    log=print,
+) -> dict:
     """Run the whole pipeline into `out` and return the report (also written to out/report.json).
 
     `steps` overrides the plan's training steps (more on a GPU, to train to convergence)."""
@@ -98,37 +127,54 @@ def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences
     for r in recordings:
         key = f"{r.language}/{r.split}"
         seconds[key] = seconds.get(key, 0.0) + r.audio.size / 24000
-    report["corpus"] = {"seconds": {k: round(v, 1) for k, v in sorted(seconds.items())},
-                        "recordings": len(recordings), "build_seconds": round(time.perf_counter() - started, 1)}
+    report["corpus"] = {
+        "seconds": {k: round(v, 1) for k, v in sorted(seconds.items())},
+        "recordings": len(recordings),
+        "build_seconds": round(time.perf_counter() - started, 1),
+    }
     log(f"corpus: {len(recordings)} recordings, {sum(seconds.values()) / 60:.1f} min of audio")
 
     started = time.perf_counter()
     train_features = np.concatenate([frame_features(r.audio) for r in recordings if r.split == "train"])
     # Jittered copies keep the deep codebooks from memorising the training frames' exact residuals.
     spread = train_features.std(0)
-    jittered = [train_features + rng.normal(0, config.jitter, train_features.shape) * spread
-                for _ in range(config.copies)]
-    codec = ResidualCodec.fit(np.concatenate([train_features, *jittered]).astype(np.float32), config.entries,
-                              seed=config.seed, device=device)
+    jittered = [
+        train_features + rng.normal(0, config.jitter, train_features.shape) * spread for _ in range(config.copies)
+    ]
+    codec = ResidualCodec.fit(
+        np.concatenate([train_features, *jittered]).astype(np.float32), config.entries, seed=config.seed, device=device
+    )
     codec.save(out / "codec.npz")
     normalised = (train_features - codec.mean) / codec.std
     _, singular, vt = np.linalg.svd(normalised - normalised.mean(0), full_matrices=False)
-    pca = vt[:config.coarse_dims].T.astype(np.float32)
-    pca_scale = (singular[:config.coarse_dims] / np.sqrt(len(normalised))).astype(np.float32)
-    report["codec"] = {"entries": config.entries, "levels": LEVELS, "train_frames": int(len(train_features)),
-                       "seconds": round(time.perf_counter() - started, 1)}
-    log(f"codec: {LEVELS} x {config.entries} entries on {len(train_features)} frames "
-        f"({report['codec']['seconds']} s)")
+    pca = vt[: config.coarse_dims].T.astype(np.float32)
+    pca_scale = (singular[: config.coarse_dims] / np.sqrt(len(normalised))).astype(np.float32)
+    report["codec"] = {
+        "entries": config.entries,
+        "levels": LEVELS,
+        "train_frames": int(len(train_features)),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    log(f"codec: {LEVELS} x {config.entries} entries on {len(train_features)} frames ({report['codec']['seconds']} s)")
 
-    data = {split: _split_frames(recordings, codec, pca, pca_scale, config, split,
-                                 config.copies if split == "train" else 0, rng)
-            for split in ("train", "calibration", "evaluation")}
+    data = {
+        split: _split_frames(
+            recordings, codec, pca, pca_scale, config, split, config.copies if split == "train" else 0, rng
+        )
+        for split in ("train", "calibration", "evaluation")
+    }
 
     model_dir = out / "model"
     if model_dir.exists():
         shutil.rmtree(model_dir)
-    build_tiny_model(model_dir, codebook=config.entries, code_groups=LEVELS, seed=config.seed,
-                     talker_hidden=config.hidden, predictor_layers=config.layers)
+    build_tiny_model(
+        model_dir,
+        codebook=config.entries,
+        code_groups=LEVELS,
+        seed=config.seed,
+        talker_hidden=config.hidden,
+        predictor_layers=config.layers,
+    )
     synth = Synthesizer.load(model_dir)
     code_predictor = synth.code_predictor
     talker_embedding = synth.talker.get_input_embeddings()
@@ -136,7 +182,8 @@ def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences
     report["training"] = train(code_predictor, talker_embedding, encoder, data["train"], config, device, log)
     report["training"]["parameters"] = {
         "code_predictor": sum(p.numel() for p in code_predictor.parameters()),
-        "context_encoder": sum(p.numel() for p in encoder.parameters())}
+        "context_encoder": sum(p.numel() for p in encoder.parameters()),
+    }
     for module in (code_predictor, talker_embedding, encoder):
         module.to("cpu")
     _save_weights(model_dir, synth)
@@ -147,12 +194,19 @@ def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences
             frames = data[split]
             h_t = encoder(*(torch.from_numpy(a) for a in (frames.previous, frames.language, frames.coarse)))
             contexts[split] = (h_t.numpy(), frames.codes, np.array(list(LANGUAGES))[frames.language])
-    np.savez(out / "contexts.npz", **{f"{split}_{name}": value for split, arrays in contexts.items()
-                                      for name, value in zip(("h_t", "codes", "language"), arrays)})
+    np.savez(
+        out / "contexts.npz",
+        **{
+            f"{split}_{name}": value
+            for split, arrays in contexts.items()
+            for name, value in zip(("h_t", "codes", "language"), arrays)
+        },
+    )
 
-    calibration, evaluation = (Contexts(*contexts[split], source=f"stand-in {split} split")
-                               for split in ("calibration", "evaluation"))
-    evaluation = evaluation.take(rng.permutation(len(evaluation))[:plan.evaluation_frames])
+    calibration, evaluation = (
+        Contexts(*contexts[split], source=f"stand-in {split} split") for split in ("calibration", "evaluation")
+    )
+    evaluation = evaluation.take(rng.permutation(len(evaluation))[: plan.evaluation_frames])
     h_eval, codes_eval = torch.from_numpy(evaluation.h_t), torch.from_numpy(evaluation.codes)
     report.update(entropy_by_position(code_predictor, talker_embedding, h_eval, codes_eval))
     report["chain_gain_bits"] = chain_gain(code_predictor, talker_embedding, h_eval, codes_eval)
@@ -163,26 +217,43 @@ def build_standin(out: Path, small: bool = False, device: str = "cpu", sentences
     report["c1_top1_accuracy"] = _c1_accuracy(code_predictor, talker_embedding, h_eval, codes_eval)
     report["chance_top1_accuracy"] = round(1 / config.entries, 6)
 
-    calibration_sample = calibration.take(rng.permutation(len(calibration))[:plan.calibration_frames])
+    calibration_sample = calibration.take(rng.permutation(len(calibration))[: plan.calibration_frames])
     # Self-distilled (the model's own codes from the calibration frames): the recipe the README gives for
     # real models, and the one acceptance is measured against; docs/acceptance.md compares the others.
-    offsets, report["offsets_training"] = fit_offsets(synth, calibration, plan.offsets, self_distill=True,
-                                                      model_name="stand-in")
+    offsets, report["offsets_training"] = fit_offsets(
+        synth, calibration, plan.offsets, self_distill=True, model_name="stand-in"
+    )
     save_offsets(offsets, out / "offsets.safetensors")
     for name, drafting in (("reused_heads", Offsets.zeros(3, config.hidden)), ("offsets", offsets)):
-        table, trees = calibrate_trees(synth, calibration_sample, drafting, list(BUDGETS), config.seed,
-                                       model_name="stand-in", offsets_name=name.replace("_", " "))
+        table, trees = calibrate_trees(
+            synth,
+            calibration_sample,
+            drafting,
+            list(BUDGETS),
+            config.seed,
+            model_name="stand-in",
+            offsets_name=name.replace("_", " "),
+        )
         report[f"{name}_acceptance"] = table["acceptance"]
         report[f"{name}_codes_per_call"] = {}
         save_acceptance(table, out / "trees" / f"stand-in-{name.replace('_', '-')}{ACCEPTANCE_SUFFIX}")
         for budget, tree in trees.items():
             save_tree(tree, out / "trees" / f"stand-in-{name.replace('_', '-')}-n{budget}.json")
-            measured = codes_per_call(code_predictor, Speculation(tree, drafting), prefixes_eval,
-                                      list(evaluation.language), seed=config.seed + 1)
+            measured = codes_per_call(
+                code_predictor,
+                Speculation(tree, drafting),
+                prefixes_eval,
+                list(evaluation.language),
+                seed=config.seed + 1,
+            )
             report[f"{name}_codes_per_call"][str(budget)] = {
-                **measured, "tree": [list(p) for p in tree.paths], "predicted_per_round": tree.expected_codes_per_call}
-    compared = compare_drafters(synth, calibration, evaluation, list(BUDGETS), config.seed, plan.offsets,
-                                variants=not small, log=log)
+                **measured,
+                "tree": [list(p) for p in tree.paths],
+                "predicted_per_round": tree.expected_codes_per_call,
+            }
+    compared = compare_drafters(
+        synth, calibration, evaluation, list(BUDGETS), config.seed, plan.offsets, variants=not small, log=log
+    )
     report["drafters"] = compared["drafters"]
     report["comparison_frames"] = compared["frames"]
     report["medusa_codes_per_call"] = compared["drafters"]["medusa heads"]["codes_per_call"]

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 SAMPLE_RATE = 24000
-HOP = 480            # 20 ms
-HOPS_PER_FRAME = 4   # 80 ms frames: 1920 samples, 12.5 Hz
+HOP = 480  # 20 ms
+HOPS_PER_FRAME = 4  # 80 ms frames: 1920 samples, 12.5 Hz
 N_FFT = 1024
 MELS = 32
 LEVELS = 16
@@ -35,7 +35,7 @@ def frame_features(audio: np.ndarray) -> np.ndarray:
     power = np.abs(librosa.stft(audio, n_fft=N_FFT, hop_length=HOP, center=True)) ** 2
     mel = np.log(_mel_basis() @ power + 1e-6).T  # [hops, MELS]
     frames = mel.shape[0] // HOPS_PER_FRAME
-    return mel[:frames * HOPS_PER_FRAME].reshape(frames, HOPS_PER_FRAME * MELS).astype(np.float32)
+    return mel[: frames * HOPS_PER_FRAME].reshape(frames, HOPS_PER_FRAME * MELS).astype(np.float32)
 
 
 def _nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -72,8 +72,9 @@ class ResidualCodec:
         return self.codebooks.shape[1]
 
     @classmethod
-    def fit(cls, features: np.ndarray, entries: int, iterations: int = 12, seed: int = 0,
-            device: str = "cpu") -> "ResidualCodec":
+    def fit(
+        cls, features: np.ndarray, entries: int, iterations: int = 12, seed: int = 0, device: str = "cpu"
+    ) -> "ResidualCodec":
         mean, std = features.mean(0), features.std(0) + 1e-3
         residual = torch.from_numpy((features - mean) / std).to(device)
         generator = torch.Generator().manual_seed(seed)
@@ -104,8 +105,9 @@ class ResidualCodec:
         import librosa
 
         mel = np.exp(self.decode(codes).reshape(-1, MELS).T)
-        return librosa.feature.inverse.mel_to_audio(mel, sr=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP,
-                                                    fmin=40.0, fmax=8000.0, n_iter=32).astype(np.float32)
+        return librosa.feature.inverse.mel_to_audio(
+            mel, sr=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP, fmin=40.0, fmax=8000.0, n_iter=32
+        ).astype(np.float32)
 
     def save(self, path: Path) -> None:
         """The codebooks are stored in float16 (half the size; decoding is for listening only)."""

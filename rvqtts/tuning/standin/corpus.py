@@ -15,8 +15,14 @@ import numpy as np
 SAMPLE_RATE = 24000
 ESPEAK_RATE = 22050
 # language code -> (espeak-ng voice, the Qwen3-TTS language name)
-LANGUAGES = {"en": ("en-us", "english"), "de": ("de", "german"), "es": ("es", "spanish"),
-             "ru": ("ru", "russian"), "ja": ("ja", "japanese"), "cmn": ("cmn-latn-pinyin", "chinese")}
+LANGUAGES = {
+    "en": ("en-us", "english"),
+    "de": ("de", "german"),
+    "es": ("es", "spanish"),
+    "ru": ("ru", "russian"),
+    "ja": ("ja", "japanese"),
+    "cmn": ("cmn-latn-pinyin", "chinese"),
+}
 # (voice variant, words per minute, pitch 0-99)
 VARIANTS = [("m1", 150, 50), ("f2", 170, 62), ("m3", 135, 40), ("f4", 185, 70), ("m7", 160, 45), ("f1", 145, 56)]
 SPLITS = ("train", "calibration", "evaluation")
@@ -53,16 +59,23 @@ def speak(text: str, voice: str, variant: str, speed: int, pitch: int) -> np.nda
     import soundfile
     from scipy.signal import resample_poly
 
-    result = subprocess.run(["espeak-ng", "-v", f"{voice}+{variant}", "-s", str(speed), "-p", str(pitch),
-                             "--stdout", text], capture_output=True, check=True)
+    result = subprocess.run(
+        ["espeak-ng", "-v", f"{voice}+{variant}", "-s", str(speed), "-p", str(pitch), "--stdout", text],
+        capture_output=True,
+        check=True,
+    )
     audio, rate = soundfile.read(io.BytesIO(result.stdout), dtype="float32")
     if rate != ESPEAK_RATE:
         raise CorpusError(f"espeak-ng wrote {rate} Hz audio, expected {ESPEAK_RATE}")
     return resample_poly(audio, 160, 147).astype(np.float32)  # 22050 * 160 / 147 = 24000
 
 
-def build_corpus(sentences_dir: Path, variants: int = len(VARIANTS), sentences_per_language: int | None = None,
-                 languages: list[str] | None = None) -> list[Recording]:
+def build_corpus(
+    sentences_dir: Path,
+    variants: int = len(VARIANTS),
+    sentences_per_language: int | None = None,
+    languages: list[str] | None = None,
+) -> list[Recording]:
     """Speak every sentence with the first `variants` voice variants. Needs espeak-ng on PATH."""
     if shutil.which("espeak-ng") is None:
         raise CorpusError("espeak-ng is not installed: apt-get install espeak-ng (Debian/Ubuntu)")
@@ -78,5 +91,7 @@ def build_corpus(sentences_dir: Path, variants: int = len(VARIANTS), sentences_p
     voice = {code: v for code, (v, _) in LANGUAGES.items()}
     with ThreadPoolExecutor(max_workers=4) as pool:
         audio = list(pool.map(lambda j: speak(j[3], voice[j[0]], j[2], j[4], j[5]), jobs))
-    return [Recording(language, index, variant, split_of(index), wave)
-            for (language, index, variant, _, _, _), wave in zip(jobs, audio)]
+    return [
+        Recording(language, index, variant, split_of(index), wave)
+        for (language, index, variant, _, _, _), wave in zip(jobs, audio)
+    ]

@@ -23,14 +23,14 @@ from rvqtts.tuning.standin.codec import LEVELS
 
 @dataclass(frozen=True)
 class StandinConfig:
-    entries: int = 1024          # codebook size of every level (the predictor's vocabulary)
-    hidden: int = 256            # talker and predictor width
-    layers: int = 3              # predictor layers
-    coarse_dims: int = 8         # principal components of the current frame the context sees
-    coarse_noise: float = 0.5    # noise added to them, in units of their standard deviation
-    history_levels: int = 4      # levels of the previous frame's codes the context sees (its coarse part)
-    copies: int = 8              # jittered, re-encoded copies of each training frame
-    jitter: float = 0.15         # feature noise of a copy, in standard deviations
+    entries: int = 1024  # codebook size of every level (the predictor's vocabulary)
+    hidden: int = 256  # talker and predictor width
+    layers: int = 3  # predictor layers
+    coarse_dims: int = 8  # principal components of the current frame the context sees
+    coarse_noise: float = 0.5  # noise added to them, in units of their standard deviation
+    history_levels: int = 4  # levels of the previous frame's codes the context sees (its coarse part)
+    copies: int = 8  # jittered, re-encoded copies of each training frame
+    jitter: float = 0.15  # feature noise of a copy, in standard deviations
     steps: int = 1500
     batch: int = 256
     learning_rate: float = 2e-3
@@ -48,12 +48,15 @@ class ContextEncoder(torch.nn.Module):
         self.entries = config.entries
         self.language = torch.nn.Embedding(languages, width)
         self.coarse = torch.nn.Linear(config.coarse_dims, width)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(3 * width, 2 * config.hidden), torch.nn.SiLU(),
-                                       torch.nn.Linear(2 * config.hidden, config.hidden))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(3 * width, 2 * config.hidden),
+            torch.nn.SiLU(),
+            torch.nn.Linear(2 * config.hidden, config.hidden),
+        )
 
     def forward(self, previous: torch.Tensor, language: torch.Tensor, coarse: torch.Tensor) -> torch.Tensor:
         offsets = torch.arange(self.levels, device=previous.device) * (self.entries + 1)
-        history = self.previous(previous[:, :self.levels] + offsets).sum(1)
+        history = self.previous(previous[:, : self.levels] + offsets).sum(1)
         return self.mlp(torch.cat([history, self.language(language), self.coarse(coarse)], -1))
 
 
@@ -75,8 +78,15 @@ def teacher_forced_logits(code_predictor, talker_embedding, h_t: torch.Tensor, c
     return torch.stack([code_predictor.lm_head[i](hidden[:, i]) for i in range(codes.shape[1] - 1)], 1)
 
 
-def train(code_predictor, talker_embedding, encoder: ContextEncoder, data: FrameData, config: StandinConfig,
-          device: str, log=print) -> dict:
+def train(
+    code_predictor,
+    talker_embedding,
+    encoder: ContextEncoder,
+    data: FrameData,
+    config: StandinConfig,
+    device: str,
+    log=print,
+) -> dict:
     """Adam with a cosine schedule on the summed cross-entropy of c1..c15; returns the training record."""
     generator = torch.Generator().manual_seed(config.seed)
     modules = [code_predictor, talker_embedding, encoder]
@@ -100,9 +110,14 @@ def train(code_predictor, talker_embedding, encoder: ContextEncoder, data: Frame
         optimizer.step()
         losses.append(loss.item())
         if (step + 1) % max(1, config.steps // 10) == 0:
-            log(f"step {step + 1}/{config.steps}: loss {np.mean(losses[-50:]):.3f} nats per frame "
-                f"({time.perf_counter() - started:.0f} s)")
+            log(
+                f"step {step + 1}/{config.steps}: loss {np.mean(losses[-50:]):.3f} nats per frame "
+                f"({time.perf_counter() - started:.0f} s)"
+            )
     for module in modules:
         module.eval()
-    return {"steps": config.steps, "seconds": round(time.perf_counter() - started, 1),
-            "final_loss_nats": round(float(np.mean(losses[-50:])), 4)}
+    return {
+        "steps": config.steps,
+        "seconds": round(time.perf_counter() - started, 1),
+        "final_loss_nats": round(float(np.mean(losses[-50:])), 4),
+    }
