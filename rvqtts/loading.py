@@ -4,17 +4,17 @@ one line instead of minutes of retries."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-import torch
-
 from rvqtts.compat import qwen_tts
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch is imported where a model loads: the config-only answers (rvqtts voices, a voice refused) do without it
+DTYPES = ("float32", "bfloat16", "float16")
 OFFLINE_HINT = (
     "pass --model PATH with a downloaded checkpoint folder, or try rvqtts offline with a tiny "
     'random-weight one: rvqtts make-tiny-model tiny-model && rvqtts synth "Hello." --model '
@@ -94,8 +94,10 @@ def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float3
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     source = resolve_model(model)
+    import torch
+
     try:
-        tts = qwen_tts().Qwen3TTSModel.from_pretrained(source, device_map=device, dtype=DTYPES[dtype])
+        tts = qwen_tts().Qwen3TTSModel.from_pretrained(source, device_map=device, dtype=getattr(torch, dtype))
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"cannot load {model} as a Qwen3-TTS checkpoint: {error}") from error
     _check_kind(model, tts.model.tts_model_type, tts.model.tokenizer_type)
@@ -148,15 +150,34 @@ class ModelVoices:
 
 def model_voices(model: str | os.PathLike) -> ModelVoices:
     """A checkpoint's kind, speakers (only CustomVoice models have any) and languages, as qwen-tts lists
-    them, read from its config alone (no weights are loaded). ModelLoadError for a model that is not a
-    12 Hz Qwen3-TTS checkpoint."""
-    config = model_config(model)
-    talker = config.talker_config
-    languages = ["auto"] + [k for k in talker.codec_language_id if "dialect" not in k]
-    speakers = talker.spk_id if config.tts_model_type == "custom_voice" else None
+    them, read from its config.json alone (no weights, no qwen-tts: an answer in well under a second).
+    ModelLoadError for a model that is not a 12 Hz Qwen3-TTS checkpoint."""
+    config = read_config(model)
+    talker = config.get("talker_config") or {}
+    languages = ["auto"] + [k for k in talker.get("codec_language_id") or {} if "dialect" not in k]
+    speakers = talker.get("spk_id") if config["tts_model_type"] == "custom_voice" else None
     return ModelVoices(
-        config.tts_model_type, sorted(k.lower() for k in speakers or {}), sorted(k.lower() for k in languages)
+        config["tts_model_type"], sorted(k.lower() for k in speakers or {}), sorted(k.lower() for k in languages)
     )
+
+
+def read_config(model: str | os.PathLike) -> dict:
+    """A 12 Hz checkpoint's config.json as it is written (a hub model's fetched alone where it is not cached);
+    ModelLoadError otherwise."""
+    source = resolve_model(model)
+    path = Path(source) / "config.json"
+    try:
+        if not path.is_file():  # a hub id, reachable but not cached
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(source, "config.json"))
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot read {model}'s config as a Qwen3-TTS checkpoint's: {error}") from error
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"cannot read {model}'s config as a Qwen3-TTS checkpoint's: it is not a JSON object")
+    _check_kind(model, config.get("tts_model_type"), config.get("tokenizer_type"))
+    return config
 
 
 def model_config(model: str | os.PathLike):

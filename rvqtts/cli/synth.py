@@ -249,7 +249,6 @@ def synth(
     from rvqtts.engine.tree import TreeFileError
     from rvqtts.loading import ModelLoadError, model_voices
     from rvqtts.settings import GenerationSettings
-    from rvqtts.synthesis import INSTRUCT_IGNORED, prepare_inner_loop
 
     # Everything that can be checked without the model is checked first: bad input costs no model load.
     if backend not in ("torch", "coreml"):
@@ -383,6 +382,8 @@ def synth(
         chunk_chars=None if no_chunk else chunk_chars,
     )
     if ray is None:  # the model is loaded here; on Ray each worker loads its own
+        from rvqtts.synthesis import INSTRUCT_IGNORED, prepare_inner_loop  # qwen-tts: after the checks above
+
         synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
         device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
         try:
