@@ -49,7 +49,7 @@ def test_make_tiny_model_is_byte_reproducible_and_refuses_a_used_folder(tmp_path
 
 
 def run_one(tmp_path, tiny_dir, name, *extra):
-    """A float32 run with the 15-node tree (the defaults depend on the CPU), or as `extra` says."""
+    """A float32 run of 16 frames with the 15-node tree (the defaults depend on the CPU), or as `extra` says."""
     wav, codes, stats = (tmp_path / f"{name}.{suffix}" for suffix in ("wav", "npy", "json"))
     result = synth(
         "Hello there.",
@@ -65,6 +65,8 @@ def run_one(tmp_path, tiny_dir, name, *extra):
         "float32",
         "--tree",
         "15",
+        "--max-frames",
+        "16",  # the tiny model never ends its speech: what is checked holds at any length
         *extra,
     )
     assert result.exit_code == 0, result.output
@@ -131,8 +133,8 @@ def test_batch_writes_resumes_and_skips(tmp_path, tiny_dir):
         '{"text": "One.", "out": "one"}\n{"text": "Two.", "speaker": "ryan"}\n'
         '{"text": "Three.", "language": "german"}\n'
     )
-    out = tmp_path / "out"
-    result = synth("-f", batch, "--out-dir", out, "--model", tiny_dir, "--stats-json", tmp_path / "s.json")
+    out, short = tmp_path / "out", ("--max-frames", 8)  # the tiny model never ends its speech
+    result = synth("-f", batch, "--out-dir", out, "--model", tiny_dir, *short, "--stats-json", tmp_path / "s.json")
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == ["0002.wav", "0003.wav", "manifest.jsonl", "one.wav"]
     manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
@@ -146,10 +148,10 @@ def test_batch_writes_resumes_and_skips(tmp_path, tiny_dir):
     kept = (out / "one.wav").read_bytes()
     (out / "0002.wav").unlink()
     (out / "one.wav").write_bytes(b"stale")  # an existing output is skipped, whatever it holds
-    again = synth("-f", batch, "--out-dir", out, "--model", tiny_dir)
+    again = synth("-f", batch, "--out-dir", out, "--model", tiny_dir, *short)
     assert again.exit_code == 0 and "1 written, 2 skipped" in again.output
     assert (out / "0002.wav").exists() and (out / "one.wav").read_bytes() == b"stale"
-    forced = synth("-f", batch, "--out-dir", out, "--model", tiny_dir, "--force")
+    forced = synth("-f", batch, "--out-dir", out, "--model", tiny_dir, *short, "--force")
     assert forced.exit_code == 0 and (out / "one.wav").read_bytes() == kept  # same seed, same line, same audio
     done = synth("-f", batch, "--out-dir", out, "--model", "no-such-model-folder")
     assert done.exit_code == 0 and "already in" in done.output  # nothing to do: the model is not even loaded
@@ -159,7 +161,7 @@ def test_a_failing_utterance_does_not_stop_the_batch(tmp_path, tiny_dir, monkeyp
     monkeypatch.setattr(Synthesizer, "synthesize", failing_synthesize(Synthesizer.synthesize))
     batch = tmp_path / "lines.txt"
     batch.write_text("Fine.\nBreak.\nAlso fine.\n")
-    result = synth("-f", batch, "--out-dir", tmp_path / "out", "--model", tiny_dir)
+    result = synth("-f", batch, "--out-dir", tmp_path / "out", "--model", tiny_dir, "--max-frames", 8)
     assert result.exit_code == 1
     assert "lines.txt:2: failed: RuntimeError: simulated failure" in result.output
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["0001.wav", "0003.wav", "manifest.jsonl"]

@@ -119,7 +119,7 @@ def test_the_amx_kernels_are_candidates_where_the_inputs_fill_their_tiles():
 
 def test_a_machine_that_cannot_build_it_says_why_and_offers_the_other_kernels(tmp_path):
     script = (
-        "import torch; from rvqtts import native, kernels; print(native.unavailable()); "
+        "import torch; from rvqtts.engine import kernels, native; print(native.unavailable()); "
         "print([k.name for k in kernels.candidates(torch.device('cpu'), torch.bfloat16, 'native', (64, 64))])"
     )
     env = {**os.environ, "CXX": "/bin/false", "RVQTTS_CACHE": str(tmp_path)}

@@ -17,8 +17,11 @@ PREDICTOR_DIMS = {"0.6b": 1024, "1.7b": 2048}  # talker width in front of the (s
 KV_LENGTH = 8  # committed slots before a timed call: mid-frame (a frame holds 2 to 17)
 
 
-def random_code_predictor(dims: str, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
-    """qwen-tts's code predictor at the real dimensions with random weights (cost does not depend on them)."""
+def random_code_predictor(
+    dims: str, dtype: torch.dtype, device: str, seed: int = 0, layers: int | None = None
+) -> torch.nn.Module:
+    """qwen-tts's code predictor at the real dimensions with random weights (cost does not depend on them);
+    `layers` fewer than the released five where only the shapes of one layer matter (tests)."""
     from rvqtts.compat import qwen_tts
 
     qwen_tts()
@@ -29,7 +32,8 @@ def random_code_predictor(dims: str, dtype: torch.dtype, device: str, seed: int 
 
     if dims not in PREDICTOR_DIMS:
         raise ValueError(f"unknown dimensions {dims!r}; choose one of {', '.join(PREDICTOR_DIMS)}")
-    config = Qwen3TTSTalkerCodePredictorConfig(num_code_groups=16)
+    depth = {} if layers is None else {"num_hidden_layers": layers}
+    config = Qwen3TTSTalkerCodePredictorConfig(num_code_groups=16, **depth)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = CodePredictor(config, Qwen3TTSTalkerConfig(hidden_size=PREDICTOR_DIMS[dims]))
