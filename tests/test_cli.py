@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -419,3 +421,17 @@ def test_native_bf16_is_read_from_the_cpu_flags():
     assert native_bf16_flag("flags\t\t: fpu avx2 avx512f\n") is None and native_bf16_flag("") is None
     assert pick_dtype("auto", "cuda:1") == ("bfloat16", None) and pick_dtype("auto", "mps") == ("float16", None)
     assert pick_dtype("float16", "cpu") == ("float16", None)
+
+
+def test_voices_and_a_refused_speaker_are_answered_from_the_config_alone(tiny_dir):
+    """`rvqtts voices` reads config.json only (no torch, no qwen-tts: an answer in well under a second), and
+    synth refuses an unknown speaker before qwen-tts is imported."""
+    script = (
+        "import sys; from typer.testing import CliRunner; from rvqtts.cli import app; "
+        f"listed = CliRunner().invoke(app, ['voices', '--model', {str(tiny_dir)!r}]); "
+        "print(listed.exit_code, 'torch' in sys.modules, 'qwen_tts' in sys.modules); "
+        f"refused = CliRunner().invoke(app, ['synth', 'Hi.', '--model', {str(tiny_dir)!r}, '--speaker', 'nobody']); "
+        "print(refused.exit_code, 'qwen_tts' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["0", "False", "False", "2", "False"], result.stderr
