@@ -181,11 +181,10 @@ def read_config(model: str | os.PathLike) -> dict:
 
 
 def model_config(model: str | os.PathLike):
-    """A 12 Hz checkpoint's `Qwen3TTSConfig`, read alone (no weights load); ModelLoadError otherwise."""
-    source = resolve_model(model)
+    """A 12 Hz checkpoint's `Qwen3TTSConfig`, made by qwen-tts from `read_config`'s fields (no weights load);
+    ModelLoadError otherwise."""
+    fields = read_config(model)
     try:
-        config = qwen_tts().core.models.Qwen3TTSConfig.from_pretrained(source)
-    except (OSError, ValueError, TypeError, KeyError) as error:
+        return qwen_tts().core.models.Qwen3TTSConfig.from_dict(fields)
+    except (ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"cannot read {model}'s config as a Qwen3-TTS checkpoint's: {error}") from error
-    _check_kind(model, config.tts_model_type, config.tokenizer_type)
-    return config

@@ -123,13 +123,12 @@ def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, w
 
     from rvqtts.engine.devices import frame_maps, pick_dtype
     from rvqtts.engine.kernels import choose_kernels, measured_choices
-    from rvqtts.loading import ModelLoadError, model_config, model_voices
+    from rvqtts.loading import ModelLoadError, model_config
     from rvqtts.synthesis import Synthesizer
 
     check_dtype(dtype)
     try:
-        model_voices(model)
-        talker_config = model_config(model).talker_config
+        talker_config = model_config(model).talker_config  # the checkpoint's kind checked with it
     except ModelLoadError as error:
         fail(str(error))
     chosen = resolve_device(device)
