@@ -537,3 +537,24 @@ def trees_table(online: dict) -> Table:
         f"{online['probe_frames']} probe frames; call costs: {online['call_costs']}"
     )
     return table
+
+
+def serve_table(result: dict) -> Table:
+    """`rvqtts bench serve`: a load test's latencies, throughput and the server's memory."""
+    mode = "streamed" if result["stream"] else "whole"
+    table = Table(
+        title=f"{result['requests']} {mode} requests from {result['clients']} clients to {result['url']}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for title in ("first audio p50 s", "p95 s", "total p50 s", "p95 s", "requests / min", "server RSS MiB"):
+        table.add_column(title, justify="right")
+    table.add_row(
+        f"{result['first_audio_p50']:.3f}",
+        f"{result['first_audio_p95']:.3f}",
+        f"{result['total_p50']:.3f}",
+        f"{result['total_p95']:.3f}",
+        f"{result['requests_per_minute']:.1f}",
+        f"{result['server_rss_mib_before']} -> {result['server_rss_mib_after']}",
+    )
+    return table

@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny checkpoints built once per test session with rvqtts's own builder."""
+"""Shared fixtures: tiny checkpoints built once per test run with rvqtts's own builder.
+
+The README's test command runs two pytest-xdist workers (`-n 2 --dist loadfile`): each test module runs whole on
+one worker, so its module fixtures (a Ray cluster, the stand-in, a trained drafter) are built once; the slowest
+modules start first, so that the two workers end together; checkpoints are built once for both."""
 
 from __future__ import annotations
 
@@ -9,10 +13,35 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # driver): tests that exercise measured choices set RVQTTS_CHOICES=measured themselves.
 os.environ.setdefault("RVQTTS_CHOICES", "fixed")
 
+from pathlib import Path
+
 import pytest
+import torch
+from filelock import FileLock
 
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tuning.tiny import build_tiny_model
+
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    # Each worker is a whole process: one thread each, so two workers share two cores instead of four threads
+    # fighting over them; subprocesses inherit the count through the environment.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def built_once(tmp_path_factory, name: str, **options) -> Path:
+    """A checkpoint built by `build_tiny_model(**options)` into a folder every worker of this run shares: the
+    first worker to ask builds it, under a lock; the others wait and read it."""
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if WORKER else root) / "models"
+    shared.mkdir(exist_ok=True)
+    folder, done = shared / name, shared / f"{name}.built"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            build_tiny_model(folder, **options)
+            done.touch()
+    return folder
 
 
 @pytest.fixture(autouse=True)
@@ -25,25 +54,25 @@ def user_cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """The default tiny checkpoint: 16 code groups, codebook 2048."""
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+    return built_once(tmp_path_factory, "tiny")
 
 
 @pytest.fixture(scope="session")
 def small_dir(tmp_path_factory):
     """Three residual codes over an 8-entry codebook: the joint distribution is enumerable (512 outcomes)."""
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "small", codebook=8, code_groups=4)
+    return built_once(tmp_path_factory, "small", codebook=8, code_groups=4)
 
 
 @pytest.fixture(scope="session")
 def narrow(tmp_path_factory):
     """16 code groups over a 16-entry codebook: drafts are often right, so deep acceptance paths run."""
-    return Synthesizer.load(build_tiny_model(tmp_path_factory.mktemp("models") / "narrow", codebook=16))
+    return Synthesizer.load(built_once(tmp_path_factory, "narrow", codebook=16))
 
 
 @pytest.fixture(scope="session")
 def base_dir(tmp_path_factory):
     """A tiny Base checkpoint (voice cloning): a speaker encoder, no speakers."""
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "base", kind="base")
+    return built_once(tmp_path_factory, "base", kind="base")
 
 
 @pytest.fixture(scope="session")
@@ -59,13 +88,13 @@ def small(small_dir):
 @pytest.fixture(scope="session")
 def released_06_dir(tmp_path_factory):
     """The released 0.6B layout, shallow: real widths, heads, codec ids and speakers; two layers each."""
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "released-0.6b", dims="0.6b", shallow=True)
+    return built_once(tmp_path_factory, "released-0.6b", dims="0.6b", shallow=True)
 
 
 @pytest.fixture(scope="session")
 def released_17_dir(tmp_path_factory):
     """The released 1.7B layout, shallow: a 2048-wide talker in front of the projected 1024-wide predictor."""
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "released-1.7b", dims="1.7b", shallow=True)
+    return built_once(tmp_path_factory, "released-1.7b", dims="1.7b", shallow=True)
 
 
 @pytest.fixture(scope="session")
@@ -76,3 +105,13 @@ def released_06(released_06_dir):
 @pytest.fixture(scope="session")
 def released_17(released_17_dir):
     return Synthesizer.load(released_17_dir)
+
+
+# Modules that take a minute or more (pytest --durations), started first so no worker is left with one at the end.
+SLOW_MODULES = ("test_cluster", "test_released", "test_coreml", "test_standin", "test_batch_rows", "test_decode")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """The slowest modules first, each in its own order (a stable sort; every worker collects the same)."""
+    rank = {name: index for index, name in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(SLOW_MODULES)))

@@ -505,3 +505,43 @@ def bench_coreml_command(
         frames_source=source.source,
     )
     publish(result, json_out, coreml_table, quiet)
+
+
+@bench_app.command("serve")
+def bench_serve_command(
+    url: str = typer.Option("http://127.0.0.1:8880", help="Base URL of a running rvqtts serve."),
+    texts: Path = typer.Option(..., help="Text file, one request's input per line (.txt or .jsonl), taken in turn."),
+    requests: int = typer.Option(32, help="Requests in all."),
+    clients: int = typer.Option(8, help="Concurrent clients, each sending its share one after another."),
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="Streamed responses (time to first audio)."),
+    voice: Optional[str] = typer.Option(None, help="Voice of every request; default: the server's first."),
+    max_frames: Optional[int] = typer.Option(None, help="Most frames per chunk of every request."),
+    api_key: Optional[str] = typer.Option(None, envvar="RVQTTS_API_KEY", help="The server's key, if it has one."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
+) -> None:
+    """Load-test a running `rvqtts serve` (docs/server.md): time to first audio and total time per request
+    (p50, p95), requests per minute, and the server's resident memory before and after."""
+    import httpx
+
+    from rvqtts.batch import BatchFileError, read_batch
+    from rvqtts.bench.serve import load_test
+    from rvqtts.report import serve_table
+
+    if requests < 1 or clients < 1:
+        fail("--requests and --clients must be at least 1")
+    if json_out is not None:
+        ensure_writable(json_out)
+    try:
+        lines = [u.text for u in read_batch(texts)]
+    except BatchFileError as error:
+        fail(str(error))
+    url = url.rstrip("/")
+    try:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        voice = voice or (httpx.get(f"{url}/v1/voices", headers=headers, timeout=30).json()["voices"] or [None])[0]
+        fields = {"voice": voice, **({"max_frames": max_frames} if max_frames else {})}
+        result = load_test(url, lines, requests, clients, stream, api_key, fields)
+    except (httpx.HTTPError, RuntimeError, KeyError) as error:
+        fail(f"the load test against {url} failed: {error}")
+    publish(result, json_out, serve_table, quiet)

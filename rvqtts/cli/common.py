@@ -18,6 +18,24 @@ app = typer.Typer(
 )
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+MODEL_HELP = (
+    "Hub id or local folder of a Qwen3-TTS 12 Hz model: CustomVoice, Base (a cloned voice) or VoiceDesign "
+    "(rvqtts voices says which)."
+)
+DEVICE_HELP = "auto (cuda, then mps, then cpu), cpu, cuda or mps."
+DTYPE_HELP = (
+    "auto (bfloat16 on cuda, float16 on mps; on a CPU the cheaper of bfloat16 and float32 for one frame's linear "
+    "maps, measured once; with RVQTTS_CHOICES=fixed, bfloat16 where the CPU multiplies it natively, else float32), "
+    "float32, bfloat16 or float16."
+)
+TREE_HELP = (
+    "Draft tree: auto (the tree size decided online from this model's "
+    "acceptance, counted as it speaks, and this machine's call costs; "
+    "0, the plain loop, where no tree pays; with --backend coreml, the "
+    "best N measured for the device), a node budget N (a shipped tree) "
+    "or a tree file."
+)
+OFFSETS_HELP = "Draft offsets file; default: shipped offsets matching the model, else zero offsets."
 WEIGHTS_HELP = (
     "native (the dtype's own), or int8: the linear maps of both loops' layers and heads as 8-bit "
     "weights with per-channel scales (W8A16; CPUs only; changes the model slightly, "

@@ -10,6 +10,7 @@ import typer
 from rvqtts.cli.common import (
     DEFAULT_MODEL,
     HELP_STYLE,
+    OFFSETS_HELP,
     app,
     ensure_writable,
     fail,
@@ -104,9 +105,7 @@ def export_coreml(
         help="Draft tree: auto (the best N measured for Core ML, else 16), a node "
         "budget N (a shipped tree) or a tree file.",
     ),
-    offsets: Optional[Path] = typer.Option(
-        None, help="Draft offsets file; default: shipped offsets matching the model, else zero offsets."
-    ),
+    offsets: Optional[Path] = typer.Option(None, help=OFFSETS_HELP),
     precision: str = typer.Option("w8a16", help="w8a16 (int8 per-channel weights, float16 activations) or fp16."),
     min_target: str = typer.Option("macOS15", help="Oldest macOS the package runs on (macOS15 or later)."),
     temperature: float = typer.Option(0.9, help="Sampling temperature baked into the package (synth's must match)."),

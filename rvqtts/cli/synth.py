@@ -13,6 +13,11 @@ import typer
 
 from rvqtts.cli.common import (
     DEFAULT_MODEL,
+    DEVICE_HELP,
+    DTYPE_HELP,
+    MODEL_HELP,
+    OFFSETS_HELP,
+    TREE_HELP,
     WEIGHTS_HELP,
     app,
     check_coreml,
@@ -112,17 +117,12 @@ def synth(
     ),
     model: str = typer.Option(
         DEFAULT_MODEL,
-        help="Hub id or local folder of a Qwen3-TTS 12 Hz model: CustomVoice, "
-        "Base (a cloned voice) or VoiceDesign (rvqtts voices says "
-        "which).",
+        help=MODEL_HELP,
     ),
-    device: str = typer.Option("auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps."),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
     dtype: str = typer.Option(
         "auto",
-        help="auto (bfloat16 on cuda, float16 on mps; on a CPU the cheaper of "
-        "bfloat16 and float32 for one frame's linear maps, measured once; "
-        "with RVQTTS_CHOICES=fixed, bfloat16 where the CPU multiplies it "
-        "natively, else float32), float32, bfloat16 or float16.",
+        help=DTYPE_HELP,
     ),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
     speaker: Optional[str] = typer.Option(
@@ -205,15 +205,9 @@ def synth(
     spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
     tree: str = typer.Option(
         "auto",
-        help="Draft tree: auto (the tree size decided online from this model's "
-        "acceptance, counted as it speaks, and this machine's call costs; "
-        "0, the plain loop, where no tree pays; with --backend coreml, the "
-        "best N measured for the device), a node budget N (a shipped tree) "
-        "or a tree file.",
+        help=TREE_HELP,
     ),
-    offsets: Optional[Path] = typer.Option(
-        None, help="Draft offsets file; default: shipped offsets matching the model, else zero offsets."
-    ),
+    offsets: Optional[Path] = typer.Option(None, help=OFFSETS_HELP),
     backend: str = typer.Option(
         "torch", help="torch, or coreml (macOS): the inner loop runs on a Core ML package (docs/coreml.md)."
     ),

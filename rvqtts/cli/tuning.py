@@ -9,6 +9,7 @@ import typer
 
 from rvqtts.cli.common import (
     DEFAULT_MODEL,
+    DEVICE_HELP,
     app,
     ensure_writable,
     fail,
@@ -215,7 +216,7 @@ def train_offsets_command(
     save_contexts: Optional[Path] = typer.Option(
         None, help="With --texts or --audio: also keep the recorded frames (.npz) for rvqtts calibrate and accept."
     ),
-    device: str = typer.Option("auto", help="auto (cuda, then mps, then cpu), cpu, cuda or mps."),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),

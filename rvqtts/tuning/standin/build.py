@@ -51,8 +51,8 @@ SMALL = BuildPlan(
     StandinConfig(entries=128, hidden=64, layers=2, copies=2, steps=150, batch=128),
     variants=2,
     sentences_per_language=4,
-    calibration_frames=120,
-    evaluation_frames=120,
+    calibration_frames=60,
+    evaluation_frames=60,
     offsets=TrainingConfig(learning_rate=1e-2, max_steps=300, eval_every=50),
 )
 

@@ -1,0 +1,72 @@
+"""`rvqtts bench serve`: a load test of a running `rvqtts serve`: requests from concurrent clients over HTTP,
+with each request's time to first audio and total time, the throughput, and the server's resident memory
+before and after."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+WAV_HEADER_BYTES = 44  # a streamed WAV's header comes first; audio is what follows it
+
+
+def percentile(values: list[float], share: float) -> float:
+    """The `share` quantile (nearest rank) of `values`."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(share * len(ordered)) - 1))]
+
+
+def load_test(
+    url: str,
+    texts: list[str],
+    requests: int,
+    clients: int,
+    stream: bool = True,
+    api_key: str | None = None,
+    fields: dict | None = None,
+) -> dict:
+    """Send `requests` speech requests (texts in turn, seed = request number) from `clients` threads, each
+    client sending its share one after another; every request must succeed."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    memory_before = httpx.get(f"{url}/health", timeout=30).json().get("rss_mib")
+
+    def one(http: httpx.Client, number: int) -> dict:
+        body = {"input": texts[number % len(texts)], "seed": number, "stream": stream, **(fields or {})}
+        started, first, size = time.perf_counter(), None, 0
+        with http.stream("POST", "/v1/audio/speech", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                raise RuntimeError(f"request {number}: HTTP {response.status_code}: {response.text[:300]}")
+            for piece in response.iter_bytes():
+                size += len(piece)
+                if first is None and size > (WAV_HEADER_BYTES if stream else 0):
+                    first = time.perf_counter() - started
+        return {"first_audio_seconds": first, "seconds": time.perf_counter() - started, "bytes": size}
+
+    def client(share: list[int]) -> list[dict]:
+        with httpx.Client(base_url=url, headers=headers, timeout=None) as http:
+            return [one(http, number) for number in share]
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        done = [r for rs in pool.map(client, [list(range(c, requests, clients)) for c in range(clients)]) for r in rs]
+    wall = time.perf_counter() - started
+    memory_after = httpx.get(f"{url}/health", timeout=30).json().get("rss_mib")
+    firsts, totals = [r["first_audio_seconds"] for r in done], [r["seconds"] for r in done]
+    return {
+        "url": url,
+        "requests": requests,
+        "clients": clients,
+        "stream": stream,
+        "wall_seconds": round(wall, 3),
+        "requests_per_minute": round(60 * requests / wall, 2),
+        "first_audio_p50": round(statistics.median(firsts), 3),
+        "first_audio_p95": round(percentile(firsts, 0.95), 3),
+        "total_p50": round(statistics.median(totals), 3),
+        "total_p95": round(percentile(totals, 0.95), 3),
+        "server_rss_mib_before": memory_before,
+        "server_rss_mib_after": memory_after,
+    }

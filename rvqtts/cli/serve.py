@@ -1,0 +1,97 @@
+"""`rvqtts serve`: the OpenAI audio API on a model loaded once (rvqtts.server; docs/server.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rvqtts.cli.common import (
+    DEFAULT_MODEL,
+    DEVICE_HELP,
+    DTYPE_HELP,
+    MODEL_HELP,
+    OFFSETS_HELP,
+    TREE_HELP,
+    WEIGHTS_HELP,
+    app,
+    fail,
+    load_synthesizer,
+    say,
+)
+
+
+@app.command()
+def serve(
+    model: str = typer.Option(DEFAULT_MODEL, help=MODEL_HELP),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface; then set --api-key)."),
+    port: int = typer.Option(8880, help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(
+        None,
+        envvar="RVQTTS_API_KEY",
+        help="Key every request must send (Authorization: Bearer KEY); default: none asked.",
+    ),
+    voices: Optional[Path] = typer.Option(
+        None,
+        help="Base models: a folder of voice files (NAME.safetensors, from rvqtts synth --save-voice); a "
+        "request's voice names one. Nothing outside it is read.",
+    ),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    weights: str = typer.Option("native", help=WEIGHTS_HELP),
+    spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
+    tree: str = typer.Option("auto", help=TREE_HELP),
+    offsets: Optional[Path] = typer.Option(None, help=OFFSETS_HELP),
+    queue_size: int = typer.Option(8, help="Requests held waiting while one is spoken; more get 503 (Retry-After)."),
+    max_chars: int = typer.Option(4096, help="Longest input in characters (OpenAI's limit); longer gets 413."),
+    chunk_chars: int = typer.Option(240, help="Long input is spoken in chunks of about this many characters."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only."),
+) -> None:
+    """Serve the OpenAI audio API (POST /v1/audio/speech) on one model loaded once.
+
+    Install the server's packages first: pip install 'rvqtts[serve]'. Requests are spoken one at a time in
+    the order they came; a response equals rvqtts synth's file for the same text, voice and seed.
+    """
+    from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.tree import TreeFileError
+    from rvqtts.loading import ModelLoadError, model_voices
+
+    if not 1 <= port <= 65535:
+        fail(f"--port must be between 1 and 65535, got {port}")
+    if queue_size < 1 or max_chars < 1:
+        fail(f"--queue-size and --max-chars must be at least 1, got {queue_size} and {max_chars}")
+    if chunk_chars < 20:
+        fail(f"--chunk-chars must be at least 20, got {chunk_chars}")
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        fail(
+            "rvqtts serve needs its web packages: pip install 'rvqtts[serve]' "
+            "(in a checkout: pip install -e '.[serve]')"
+        )
+    try:
+        kind = model_voices(model).kind
+    except ModelLoadError as error:
+        fail(str(error))
+    if voices is not None:
+        voices = voices.expanduser()
+        if kind != "base":
+            fail(f"--voices is for Base models (voice cloning); this model is {kind}: its voices are built in")
+        if not voices.is_dir():
+            fail(f"--voices {voices}: no such folder")
+    from rvqtts.server import ServerOptions
+    from rvqtts.server import serve as run_server
+    from rvqtts.synthesis import prepare_inner_loop
+
+    synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
+    try:
+        notice = prepare_inner_loop(synthesizer, spec, tree, offsets)
+    except (TreeFileError, OffsetsFileError, ValueError) as error:
+        fail(str(error))
+    if notice:
+        say(notice, quiet)
+    options = ServerOptions(Path(model).name or model, api_key, voices, max_chars, queue_size, chunk_chars)
+    say(f"serving {model} on http://{host}:{port}/v1 (POST /v1/audio/speech; GET /v1/voices, /health)", quiet)
+    run_server(synthesizer, options, host, port, quiet)
