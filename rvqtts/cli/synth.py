@@ -236,13 +236,7 @@ def synth(
     faster than real time).
     """
     from rvqtts.audio import STDOUT_FORMATS, audio_format
-    from rvqtts.batch import BatchFileError, Utterance, read_batch, to_do
-    from rvqtts.cloning import VoiceError, VoiceSource
-    from rvqtts.engine.offsets import OffsetsFileError
-    from rvqtts.engine.sampling import NonFiniteError
-    from rvqtts.engine.tree import TreeFileError
     from rvqtts.loading import ModelLoadError, model_voices
-    from rvqtts.settings import GenerationSettings
 
     # Everything that can be checked without the model is checked first: bad input costs no model load.
     if backend not in ("torch", "coreml"):
@@ -262,6 +256,16 @@ def synth(
         fail(f"--chunk-chars must be at least 20, got {chunk_chars} (--no-chunk speaks the text in one pass)")
     if ray is None and (workers, cpus_per_worker, gpus_per_worker) != (None, None, None):
         fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
+    if file is None:  # one text: a voice this model does not speak is refused from its config, before torch loads
+        cloned = ref_audio is not None or voice is not None or ref_text is not None or x_vector_only
+        _refuse_unknown_voice(model, speaker, language, instruct, cloned)
+    from rvqtts.batch import BatchFileError, Utterance, read_batch, to_do
+    from rvqtts.cloning import VoiceError, VoiceSource
+    from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.sampling import NonFiniteError
+    from rvqtts.engine.tree import TreeFileError
+    from rvqtts.settings import GenerationSettings
+
     try:
         ref_audio, voice = (
             None if path is None else path.expanduser().resolve()  # absolute, as batch lines'
@@ -424,6 +428,21 @@ def synth(
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         typer.echo("rvqtts: standard output was closed before the audio ended", err=True)
         raise typer.Exit(1)
+
+
+def _refuse_unknown_voice(model: str, speaker: Optional[str], language: str, instruct: Optional[str], cloned: bool):
+    """Fail with one line where the model's config says it does not speak this voice (a model that cannot be
+    read is reported later, in its turn among the other checks)."""
+    from rvqtts.loading import ModelLoadError, model_voices
+
+    try:
+        found = model_voices(model)
+    except ModelLoadError:
+        return
+    try:
+        found.check(speaker, language, instruct, cloned=cloned)
+    except ValueError as error:
+        fail(str(error))
 
 
 def _batch_rows(value: str) -> int | None:
