@@ -177,8 +177,9 @@ class Synthesis:
 
 @dataclass(frozen=True)
 class Line:
-    """One utterance of `Synthesizer.synthesize_many`: what `synthesize` takes for it. `utterance` keys its
-    noise (a batch file's line number), so it is spoken the same wherever it runs."""
+    """One utterance of `Synthesizer.synthesize_many`: what `synthesize` takes for it. `seed` and `utterance` key
+    its noise (a batch file's line number), so it is spoken the same wherever it runs and whatever shares its
+    calls."""
 
     text: str
     speaker: str | None = None
@@ -186,3 +187,4 @@ class Line:
     instruct: str | None = None
     clone: ClonedVoice | None = None
     utterance: int | None = None  # None: its index in the batch
+    seed: int | None = None  # None: the batch's

@@ -395,7 +395,7 @@ class Synthesizer:
         (rvqtts.engine.batch_frames), each starting as soon as a row is free. Yields (index in `lines`, its
         Synthesis) as each one ends, or (index, the exception) for one that failed (a voice the model
         does not speak, an empty text); a model that produced NaN or inf (NonFiniteError) stops it all.
-        A line's noise is keyed by its `utterance`, else by its index.
+        A line's noise is keyed by its `seed` (else `seed`) and its `utterance` (else its index).
 
         Each utterance's codes, and so its audio, are those `synthesize` gives it with the same seed and
         settings wherever the kernels keep rows invariant (`rvqtts tune` shows them): its rows get their
@@ -407,7 +407,12 @@ class Synthesizer:
         if batch_size < 1:
             raise ValueError(f"the batch size must be at least 1, got {batch_size}")
         lines = [
-            line if line.utterance is not None else replace(line, utterance=index) for index, line in enumerate(lines)
+            replace(
+                line,
+                utterance=index if line.utterance is None else line.utterance,
+                seed=seed if line.seed is None else line.seed,
+            )
+            for index, line in enumerate(lines)
         ]
         rows = min(batch_size, len(lines))
         if rows > 1 and self.inner_parts().runner is not None:
@@ -425,17 +430,17 @@ class Synthesizer:
                     "differ from its one-line run's in the last bits (--batch-size 1 keeps them)"
                 )
         if rows <= 1 or self.inner_parts().runner is None:
-            yield from self._one_by_one(lines, seed, settings, chunk_chars)
+            yield from self._one_by_one(lines, settings, chunk_chars)
             return
         talker, runner = self.talker_runner(), self.batch_runner()
         try:
-            yield from self._batched(lines, seed, settings, chunk_chars, rows, talker, runner)
+            yield from self._batched(lines, settings, chunk_chars, rows, talker, runner)
         finally:  # a batch's rows are let go: a later one-line run grows from one row
             talker.allocate(talker.max_len, 1)
             runner.allocate(runner.max_len, 1)
 
     def _one_by_one(
-        self, lines: list[Line], seed: int, settings: GenerationSettings, chunk_chars: float | None
+        self, lines: list[Line], settings: GenerationSettings, chunk_chars: float | None
     ) -> Iterator[tuple[int, Synthesis | Exception]]:
         """`synthesize_many` one line after another (`synthesize`)."""
         for index, line in enumerate(lines):
@@ -446,7 +451,7 @@ class Synthesizer:
                         line.text,
                         speaker=line.speaker,
                         language=line.language,
-                        seed=seed,
+                        seed=line.seed,
                         utterance=line.utterance,
                         instruct=line.instruct,
                         settings=settings,
@@ -462,7 +467,6 @@ class Synthesizer:
     def _batched(
         self,
         lines: list[Line],
-        seed: int,
         settings: GenerationSettings,
         chunk_chars: float | None,
         rows: int,
@@ -475,7 +479,7 @@ class Synthesizer:
         config = self.talker.config
         rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, talker.device)
         speculation = self.batch_speculation(rows)
-        loop = BatchFrameLoop(talker, runner, rules, sampling.talker, sampling.predictor, seed, rows, speculation)
+        loop = BatchFrameLoop(talker, runner, rules, sampling.talker, sampling.predictor, rows, speculation)
         spoken: dict[int, _Spoken] = {}
         failed: set[int] = set()
 
@@ -493,7 +497,7 @@ class Synthesizer:
                 state.prompts += time.perf_counter() - begun
                 yield prompt, self.frame_budget(piece, settings)
 
-        works = (Work(line.utterance, chunks(index), tag=index) for index, line in enumerate(lines))
+        works = (Work(line.seed, line.utterance, chunks(index), tag=index) for index, line in enumerate(lines))
         for event in loop.run(works):
             index = event.work.tag
             if index in failed:  # its decoding failed: the rest of its chunks are not heard
@@ -523,7 +527,7 @@ class Synthesizer:
                         )
                     )
             else:
-                yield index, self._batched_synthesis(event.work, spoken.pop(index), sampling, seed, rows, speculation)
+                yield index, self._batched_synthesis(event.work, spoken.pop(index), sampling, rows, speculation)
 
     def batch_runner(self) -> PredictorRunner:
         """The code predictor runner of batches (its cache grows by rows, each row with room for a tree
@@ -558,7 +562,6 @@ class Synthesizer:
         work: Work,
         state: "_Spoken",
         sampling: ResolvedSampling,
-        seed: int,
         rows: int,
         speculation: Speculation | OnlineSpeculation | None,
     ) -> Synthesis:
@@ -588,7 +591,7 @@ class Synthesizer:
             chunks=len(state.pieces),
             spec=speculation is not None,
             tree_nodes=tree_nodes(speculation),
-            seed=seed,
+            seed=work.seed,
             sampling=sampling.record(),
             warnings=state.warnings,
             weights=self.weights,

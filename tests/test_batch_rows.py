@@ -55,16 +55,16 @@ def _count_rows(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir, measured, monkeypatch, dtype):
-    """Lines of different lengths and chunk counts, two or three at a time: rows end and are refilled mid-batch,
-    every line's codes and samples equal its one-line run's, the batch's tree rounds (every row's frame in
+    """Lines of different lengths, chunk counts and seeds, two or three at a time: rows end and are refilled
+    mid-batch, every line's codes and samples equal its one-line run's, the batch's tree rounds (every row's frame in
     one call, out of step as acceptance differs) making the calls and accepting what the line's own rounds
     do, and a line the model cannot speak fails alone."""
     synth = Synthesizer.load(tiny_dir if dtype == "float32" else released_06_dir, dtype=dtype)
     synth.speculation = Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size))
     settings = GenerationSettings(max_frames=16 if dtype == "float32" else 9)  # chunks of 16 frames: lines of 1-3
-    lines = [Line(text, utterance=index + 3) for index, text in enumerate(TEXTS)]
-    alone = [
-        synth.synthesize(line.text, seed=5, utterance=line.utterance, settings=settings, chunk_chars=40)
+    lines = [Line(text, utterance=index + 3, seed=index % 2 or None) for index, text in enumerate(TEXTS)]
+    alone = [  # seeds 5 (the batch's) and 1 (the line's own) share the batch's calls
+        synth.synthesize(line.text, seed=line.seed or 5, utterance=line.utterance, settings=settings, chunk_chars=40)
         for line in lines
     ]
     rows = _count_rows(monkeypatch)
@@ -98,6 +98,7 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir,
         made = together[index]
         assert np.array_equal(made.codes, one.codes), index
         assert np.array_equal(made.audio, one.audio), index
+        assert made.seed == one.seed == (lines[index].seed or 5)
         record = made.record()
         assert record["batch_rows"] == batch_size and record["frames"] == len(one.codes)
         assert record["batch_row_mib"] > 0 and one.record()["batch_row_mib"] is None

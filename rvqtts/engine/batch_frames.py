@@ -36,9 +36,11 @@ from rvqtts.prompt import Prompt
 
 @dataclass
 class Work:
-    """One utterance of a batch: its number (the noise key), its chunks as (prompt, frame budget) pairs made
-    when its row reaches them (an exception there fails the utterance alone), and what the loop counted."""
+    """One utterance of a batch: its seed and number (its noise keys: rows of different seeds share calls), its
+    chunks as (prompt, frame budget) pairs made when its row reaches them (an exception there fails the
+    utterance alone), and what the loop counted."""
 
+    seed: int
     utterance: int
     chunks: Iterator[tuple[Prompt, int]]
     tag: object = None  # the caller's handle
@@ -91,7 +93,6 @@ class BatchFrameLoop:
         rules: C0Rules,
         talker_sampling: SamplingConfig,
         predictor_sampling: SamplingConfig,
-        seed: int,
         rows: int,
         speculation: Speculation | OnlineSpeculation | None = None,
     ):
@@ -99,7 +100,7 @@ class BatchFrameLoop:
             raise ValueError(f"a batch needs at least one row, got {rows}")
         self.talker, self.predictor, self.rules = talker, predictor, rules
         self.talker_sampling, self.predictor_sampling = talker_sampling, predictor_sampling
-        self.seed, self.rows = seed, rows
+        self.rows = rows
         self.speculation = speculation
         self.offsets = (
             speculation.offsets.vectors.to(predictor.device, predictor.dtype) if speculation is not None else None
@@ -135,7 +136,7 @@ class BatchFrameLoop:
                 row.logits,
                 row.seen,
                 len(row.frames),
-                self.seed,
+                row.work.seed,
                 row.work.utterance,
                 row.work.frame,
             )
@@ -158,7 +159,7 @@ class BatchFrameLoop:
             np.stack(
                 [
                     gumbel_noise(
-                        self.seed,
+                        rows[slot].work.seed,
                         rows[slot].work.utterance,
                         rows[slot].work.frame,
                         positions,
