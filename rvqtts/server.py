@@ -42,6 +42,7 @@ SAMPLING_FIELDS = (
     "predictor_top_k",
     "predictor_top_p",
 )  # GenerationSettings' fields, taken from the body as they are named there
+WHOLE_FIELDS = {"top_k", "max_frames", "predictor_top_k"}
 MAX_BODY_BYTES = 1 << 20
 
 
@@ -281,8 +282,9 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
     speaker, voice_file = _voice(body.get("voice"), synth, engine)
     values = {name: body.get(name) for name in SAMPLING_FIELDS}
     for name, value in values.items():
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise SpeechError(400, f"`{name}` must be a number", name)
+        kinds = int if name in WHOLE_FIELDS else (int, float)
+        if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+            raise SpeechError(400, f"`{name}` must be a {'whole ' if kinds is int else ''}number", name)
     try:
         settings = GenerationSettings(**values)
         clone = None if voice_file is None else synth.voice_of(VoiceSource(voice=voice_file))  # read once, checked

@@ -108,6 +108,7 @@ def test_bad_requests_get_openai_errors_saying_what_to_send(served):
         ({"speed": 1.5}, 400, "speed", "1.0 only"),
         ({"temperature": -1}, 400, None, "temperature"),
         ({"seed": "x"}, 400, "seed", "whole number"),
+        ({"max_frames": 2.5}, 400, "max_frames", "whole number"),
         ({"language": "klingon"}, 400, None, "klingon"),
         ({"stream_format": "sse"}, 400, "stream_format", "choose audio"),
         ({"response_format": "flac", "stream": True}, 400, "response_format", "cannot be streamed"),
