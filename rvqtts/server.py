@@ -3,9 +3,10 @@
 `POST /v1/audio/speech` takes OpenAI's fields (`model`, `input`, `voice`, `response_format`, `speed`,
 `instructions`, `stream_format`) and rvqtts's own (`language`, `instruct`, `seed`, `stream` and the sampling
 settings); `GET /v1/models`, `GET /v1/voices` and `GET /health` say what is served. One engine thread owns the
-model and speaks one request at a time, taking them from a bounded queue (full: 503 with Retry-After), so a
-response is the bytes `rvqtts synth` writes for the same text, voice and seed. A streamed response carries
-audio every 4 frames as `synth --stream` makes it; a client that goes away stops its request within a frame.
+model and takes requests from a bounded queue (full: 503 with Retry-After): whole ones waiting together share
+the calls of both loops (`--batch-size`), a streamed one is spoken alone, and a response is the bytes
+`rvqtts synth` writes for the same text, voice and seed. A streamed response carries audio every 4 frames as
+`synth --stream` makes it; a client that goes away stops its streamed request within a frame.
 Errors are JSON in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -16,9 +17,9 @@ import hmac
 import logging
 import math
 import os
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
@@ -28,7 +29,7 @@ import numpy as np
 from rvqtts.audio import AUDIO_FORMATS, audio_bytes, pcm16, wav_header
 from rvqtts.cloning import VoiceSource
 from rvqtts.engine.sampling import NonFiniteError
-from rvqtts.settings import GenerationSettings
+from rvqtts.settings import GenerationSettings, Line
 
 RESPONSE_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 STREAM_FRAMES = 4  # frames per streamed chunk, as `rvqtts synth --stream` (320 ms)
@@ -64,7 +65,8 @@ class SpeechError(Exception):
 @dataclass(frozen=True)
 class ServerOptions:
     """How the server answers: the model name it reports, the key it asks for, the voice files it may read,
-    the longest input, the waiting requests it holds, and the text chunking `synth` uses."""
+    the longest input, the waiting requests it holds, the text chunking `synth` uses, and how many whole
+    requests may share the calls of both loops."""
 
     model_name: str
     api_key: str | None = None
@@ -72,6 +74,7 @@ class ServerOptions:
     max_chars: int = 4096
     queue_size: int = 8
     chunk_chars: float | None = 240
+    batch_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -129,14 +132,20 @@ def voice_files(folder: Path | None) -> dict[str, Path]:
 
 
 class SpeechEngine:
-    """The model's one thread: it takes jobs from a bounded queue and speaks them one after another."""
+    """The model's one thread: it takes jobs from a bounded queue in the order they came. A streamed job is
+    spoken alone; a whole one takes the waiting whole jobs of the same sampling settings with it, up to
+    `batch_size`, and they are spoken together, a row each in every call of both loops
+    (`Synthesizer.synthesize_many`, each with its own seed: its audio is the one it gets alone where the kernels
+    keep rows invariant, which `--batch-size auto` requires)."""
 
     def __init__(self, synth, options: ServerOptions):
         self.synth = synth
         self.options = options
-        self.waiting: queue.Queue[Job | None] = queue.Queue(maxsize=options.queue_size)
         self.busy = False
-        self.counts = {"served": 0, "failed": 0, "cancelled": 0, "refused_busy": 0}
+        self.counts = {"served": 0, "failed": 0, "cancelled": 0, "refused_busy": 0, "batched": 0}
+        self._waiting: deque[Job] = deque()
+        self._changed = threading.Condition()
+        self._closing = False
         self._seconds, self._timed = 0.0, 0  # the mean time a request held the engine (Retry-After), over how many
         self._thread = threading.Thread(target=self._serve, name="rvqtts-engine", daemon=True)
         self._thread.start()
@@ -149,17 +158,18 @@ class SpeechEngine:
 
     def submit(self, request: SpeechRequest) -> Job:
         job = Job(request, asyncio.get_running_loop())
-        try:
-            self.waiting.put_nowait(job)
-        except queue.Full:
-            self.counts["refused_busy"] += 1
-            wait = max(1, math.ceil(self._seconds * (self.waiting.qsize() + 1)))
-            raise SpeechError(
-                503,
-                f"the server is busy ({self.options.queue_size} requests waiting): retry in {wait} s",
-                code="server_busy",
-                headers={"Retry-After": str(wait)},
-            ) from None
+        with self._changed:
+            if len(self._waiting) >= self.options.queue_size:
+                self.counts["refused_busy"] += 1
+                wait = max(1, math.ceil(self._seconds * (len(self._waiting) + 1)))
+                raise SpeechError(
+                    503,
+                    f"the server is busy ({self.options.queue_size} requests waiting): retry in {wait} s",
+                    code="server_busy",
+                    headers={"Retry-After": str(wait)},
+                )
+            self._waiting.append(job)
+            self._changed.notify()
         return job
 
     def health(self) -> dict:
@@ -167,34 +177,103 @@ class SpeechEngine:
             "status": "ok",
             "model": self.options.model_name,
             "busy": self.busy,
-            "queued": self.waiting.qsize(),
+            "queued": len(self._waiting),
+            "batch_size": self.options.batch_size,
             **self.counts,
             "rss_mib": resident_mib(),
         }
 
     def close(self) -> None:
         """Stop the engine thread once the jobs queued before are done."""
-        self.waiting.put(None)
+        with self._changed:
+            self._closing = True
+            self._changed.notify()
         self._thread.join()
 
+    def _next_group(self) -> list[Job] | None:
+        """The next job and the waiting jobs that can share its calls (None: the engine is closing)."""
+        with self._changed:
+            while not self._waiting:
+                if self._closing:
+                    return None
+                self._changed.wait()
+            first = self._waiting.popleft()
+            group = [first]
+            if not first.request.stream:
+                for job in list(self._waiting):
+                    if len(group) >= self.options.batch_size:
+                        break
+                    if not job.request.stream and job.request.settings == first.request.settings:
+                        self._waiting.remove(job)
+                        group.append(job)
+            return group
+
     def _serve(self) -> None:
-        while (job := self.waiting.get()) is not None:
-            if job.cancelled.is_set():
-                self.counts["cancelled"] += 1
+        while (group := self._next_group()) is not None:
+            for job in group:
+                if job.cancelled.is_set():
+                    self.counts["cancelled"] += 1
+            group = [job for job in group if not job.cancelled.is_set()]
+            if not group:
                 continue
             self.busy, begun = True, time.perf_counter()
             try:
-                self._speak(job)
+                if len(group) == 1:
+                    self._speak_alone(group[0])
+                else:
+                    self._speak_together(group)
+            finally:
+                self.busy = False
+                for _ in group:  # each request's share of the time
+                    self._timed += 1
+                    self._seconds += ((time.perf_counter() - begun) / len(group) - self._seconds) / self._timed
+
+    def _speak_alone(self, job: Job) -> None:
+        try:
+            self._speak(job)
+            job.send(None)
+            self.counts["served"] += 1
+        except Cancelled:
+            self.counts["cancelled"] += 1
+        except Exception as error:  # the job's client hears of it; the engine serves on
+            self.counts["failed"] += 1
+            job.send(error)
+
+    def _speak_together(self, group: list[Job]) -> None:
+        """Whole jobs spoken together; a job whose client left runs on with its batch (its audio unsent)."""
+        synth = self.synth
+        lines = [
+            Line(
+                job.request.text,
+                job.request.speaker,
+                job.request.language,
+                job.request.instruct,
+                synth.voice_of(VoiceSource(voice=job.request.voice_file)) if job.request.voice_file else None,
+                utterance=0,  # as a one-line run
+                seed=job.request.seed,
+            )
+            for job in group
+        ]
+        answered: set[int] = set()
+        try:
+            for index, outcome in synth.synthesize_many(
+                lines, settings=group[0].request.settings, chunk_chars=self.options.chunk_chars, batch_size=len(group)
+            ):
+                job = group[index]
+                answered.add(index)
+                if isinstance(outcome, Exception):
+                    self.counts["failed"] += 1
+                    job.send(outcome)
+                    continue
+                job.send(encode(outcome.audio, synth.sample_rate, job.request.response_format))
                 job.send(None)
                 self.counts["served"] += 1
-            except Cancelled:
-                self.counts["cancelled"] += 1
-            except Exception as error:  # the job's client hears of it; the engine serves on
-                self.counts["failed"] += 1
-                job.send(error)
-            finally:
-                self.busy, self._timed = False, self._timed + 1
-                self._seconds += (time.perf_counter() - begun - self._seconds) / self._timed
+                self.counts["batched"] += 1
+        except Exception as error:  # NaN or inf, which stops every row: each client hears of it
+            for index, job in enumerate(group):
+                if index not in answered:
+                    self.counts["failed"] += 1
+                    job.send(error)
 
     def _speak(self, job: Job) -> None:
         request, synth = job.request, self.synth

@@ -240,3 +240,30 @@ def test_serve_refuses_bad_options_before_loading(tiny_dir, tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the extra were not installed
     result = run_cli("serve", "--model", tiny_dir)
     assert result.exit_code == 2 and "pip install 'rvqtts[serve]'" in result.output
+
+
+def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tiny_dir, monkeypatch):
+    """Requests that wait together are spoken a row each in shared calls (measured kernels, row-invariant),
+    each with its own seed and text: every response is the one it gets alone."""
+    from rvqtts.batch_size import rows_invariant
+
+    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
+    jobs = [("One line.", 1), ("Another, longer line of text.", 2), ("Third.", 3), ("One line.", 4)]
+    with running(tiny_dir, batch_size=4) as (url, engine):
+        assert rows_invariant(engine.synth)
+
+        def post(job: tuple[str, int], frames: int = FRAMES) -> bytes:
+            body = {"input": job[0], "voice": "vivian", "seed": job[1], "max_frames": frames}
+            response = httpx.post(url + "/v1/audio/speech", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            return response.content
+
+        alone = [post(job) for job in jobs]  # one client: each request alone in the engine
+        assert engine.counts["batched"] == 0
+        with ThreadPoolExecutor(5) as pool:
+            holder = pool.submit(post, ("Hold the engine.", 9), 40)  # the others queue behind it
+            while not engine.busy:
+                time.sleep(0.01)
+            together = list(pool.map(post, jobs))
+            holder.result()
+        assert together == alone and engine.counts["batched"] >= 2

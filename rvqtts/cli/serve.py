@@ -46,6 +46,12 @@ def serve(
     queue_size: int = typer.Option(8, help="Requests held waiting while one is spoken; more get 503 (Retry-After)."),
     max_chars: int = typer.Option(4096, help="Longest input in characters (OpenAI's limit); longer gets 413."),
     chunk_chars: int = typer.Option(240, help="Long input is spoken in chunks of about this many characters."),
+    batch_size: str = typer.Option(
+        "auto",
+        help="Whole (not streamed) requests waiting together, with the same sampling settings, spoken a row each "
+        "in every call of both loops, up to this many; auto: the size measured best on this machine and model "
+        "where the kernels keep rows invariant (each response then the one it gets alone), else 1.",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only."),
 ) -> None:
     """Serve the OpenAI audio API (POST /v1/audio/speech) on one model loaded once.
@@ -81,10 +87,13 @@ def serve(
             fail(f"--voices is for Base models (voice cloning); this model is {kind}: its voices are built in")
         if not voices.is_dir():
             fail(f"--voices {voices}: no such folder")
+    from rvqtts.batch_size import choose_batch_size
+    from rvqtts.cli.synth import batch_rows
     from rvqtts.server import ServerOptions
     from rvqtts.server import serve as run_server
     from rvqtts.synthesis import prepare_inner_loop
 
+    rows = batch_rows(batch_size)
     synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
     try:
         notice = prepare_inner_loop(synthesizer, spec, tree, offsets)
@@ -92,6 +101,9 @@ def serve(
         fail(str(error))
     if notice:
         say(notice, quiet)
-    options = ServerOptions(Path(model).name or model, api_key, voices, max_chars, queue_size, chunk_chars)
+    if rows is None:
+        rows, source = choose_batch_size(synthesizer, queue_size + 1, progress=lambda m: say(m, quiet))
+        say(f"--batch-size auto: {rows} ({source})", quiet)
+    options = ServerOptions(Path(model).name or model, api_key, voices, max_chars, queue_size, chunk_chars, rows)
     say(f"serving {model} on http://{host}:{port}/v1 (POST /v1/audio/speech; GET /v1/voices, /health)", quiet)
     run_server(synthesizer, options, host, port, quiet)

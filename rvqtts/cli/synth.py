@@ -310,7 +310,7 @@ def synth(
             fail("-f needs --out-dir DIR for its audio files")
         if stream:
             fail("--stream is for one text; a batch writes each line's file whole")
-        rows = _batch_rows(batch_size)
+        rows = batch_rows(batch_size)
         try:
             utterances = read_batch(file)
         except BatchFileError as error:
@@ -445,7 +445,7 @@ def _refuse_unknown_voice(model: str, speaker: Optional[str], language: str, ins
         fail(str(error))
 
 
-def _batch_rows(value: str) -> int | None:
+def batch_rows(value: str) -> int | None:
     """--batch-size's rows (None: auto), or a failure saying what to give."""
     if value == "auto":
         return None
