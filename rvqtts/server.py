@@ -27,7 +27,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from rvqtts.audio import AUDIO_FORMATS, audio_bytes, pcm16, wav_header
-from rvqtts.cloning import VoiceSource
+from rvqtts.cloning import ClonedVoice, VoiceSource
 from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.settings import GenerationSettings, Line
 
@@ -83,7 +83,7 @@ class SpeechRequest:
 
     text: str
     speaker: str | None
-    voice_file: Path | None  # a Base model's voice, from --voices
+    clone: ClonedVoice | None  # a Base model's voice, read from a file in --voices
     language: str
     instruct: str | None
     seed: int
@@ -224,9 +224,10 @@ class SpeechEngine:
                     self._speak_together(group)
             finally:
                 self.busy = False
-                for _ in group:  # each request's share of the time
+                share = (time.perf_counter() - begun) / len(group)  # each request's share of the time
+                for _ in group:
                     self._timed += 1
-                    self._seconds += ((time.perf_counter() - begun) / len(group) - self._seconds) / self._timed
+                    self._seconds += (share - self._seconds) / self._timed
 
     def _speak_alone(self, job: Job) -> None:
         try:
@@ -248,7 +249,7 @@ class SpeechEngine:
                 job.request.speaker,
                 job.request.language,
                 job.request.instruct,
-                synth.voice_of(VoiceSource(voice=job.request.voice_file)) if job.request.voice_file else None,
+                job.request.clone,
                 utterance=0,  # as a one-line run
                 seed=job.request.seed,
             )
@@ -282,7 +283,6 @@ class SpeechEngine:
             if job.cancelled.is_set():
                 raise Cancelled
 
-        clone = synth.voice_of(VoiceSource(voice=request.voice_file)) if request.voice_file else None  # as checked
         run = dict(
             speaker=request.speaker,
             language=request.language,
@@ -291,7 +291,7 @@ class SpeechEngine:
             settings=request.settings,
             chunk_chars=self.options.chunk_chars,
             on_frame=on_frame,
-            clone=clone,
+            clone=request.clone,
         )
         if request.stream:
             if request.response_format == "wav":
@@ -366,11 +366,11 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
             raise SpeechError(400, f"`{name}` must be a {'whole ' if kinds is int else ''}number", name)
     try:
         settings = GenerationSettings(**values)
-        clone = None if voice_file is None else synth.voice_of(VoiceSource(voice=voice_file))  # read once, checked
+        clone = None if voice_file is None else synth.voice_of(VoiceSource(voice=voice_file))  # read once
         synth.check_voice(speaker, language, instruct, clone)
     except (ValueError, TypeError) as error:  # VoiceError included
         raise SpeechError(400, str(error)) from None
-    return SpeechRequest(text, speaker, voice_file, language, instruct, seed, settings, response_format, stream)
+    return SpeechRequest(text, speaker, clone, language, instruct, seed, settings, response_format, stream)
 
 
 def _voice(value: object, synth, engine: SpeechEngine) -> tuple[str | None, Path | None]:
@@ -382,17 +382,17 @@ def _voice(value: object, synth, engine: SpeechEngine) -> tuple[str | None, Path
         raise SpeechError(400, "`voice` must be a string", "voice")
     if synth.kind == "voice_design":
         return None, None
-    available = engine.voices()
     if synth.kind == "base":
         files = voice_files(engine.options.voices_dir)
         if value in files:
             return None, files[value]
         where = (
-            f"the voice files in {engine.options.voices_dir}: {', '.join(available) or 'none yet'}"
+            f"the voice files in {engine.options.voices_dir}: {', '.join(files) or 'none yet'}"
             if engine.options.voices_dir
             else "none: start the server with --voices DIR (voice files from rvqtts synth --save-voice)"
         )
         raise SpeechError(400, f"voice {value!r} is not served; this Base model's voices are {where}", "voice")
+    available = engine.voices()
     if value is None or value.lower() not in available:
         raise SpeechError(
             400, f"voice {value!r} is not one of this model's speakers: choose {', '.join(available)}", "voice"

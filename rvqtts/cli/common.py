@@ -192,3 +192,16 @@ def list_of_ints(value: str, option: str, least: int = 1) -> list[int]:
     if not numbers or numbers[0] < least:
         fail(f"{option} must be at least {least}, got {value!r}")
     return numbers
+
+
+def batch_rows(value: str) -> int | None:
+    """--batch-size's rows (None: auto), or a failure saying what to give."""
+    if value == "auto":
+        return None
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        fail(f"--batch-size must be auto or a whole number of at least 1, got {value!r}")
+    return rows

@@ -16,6 +16,7 @@ from rvqtts.cli.common import (
     TREE_HELP,
     WEIGHTS_HELP,
     app,
+    batch_rows,
     fail,
     load_synthesizer,
     say,
@@ -56,8 +57,9 @@ def serve(
 ) -> None:
     """Serve the OpenAI audio API (POST /v1/audio/speech) on one model loaded once.
 
-    Install the server's packages first: pip install 'rvqtts[serve]'. Requests are spoken one at a time in
-    the order they came; a response equals rvqtts synth's file for the same text, voice and seed.
+    Install the server's packages first: pip install 'rvqtts[serve]'. Requests are taken in the order they
+    came; whole ones waiting together share calls (--batch-size), streamed ones are spoken alone; a response
+    equals rvqtts synth's file for the same text, voice and seed.
     """
     from rvqtts.engine.offsets import OffsetsFileError
     from rvqtts.engine.tree import TreeFileError
@@ -88,7 +90,6 @@ def serve(
         if not voices.is_dir():
             fail(f"--voices {voices}: no such folder")
     from rvqtts.batch_size import choose_batch_size
-    from rvqtts.cli.synth import batch_rows
     from rvqtts.server import ServerOptions
     from rvqtts.server import serve as run_server
     from rvqtts.synthesis import prepare_inner_loop

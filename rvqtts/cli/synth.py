@@ -20,6 +20,7 @@ from rvqtts.cli.common import (
     TREE_HELP,
     WEIGHTS_HELP,
     app,
+    batch_rows,
     check_coreml,
     check_dtype,
     ensure_writable,
@@ -443,19 +444,6 @@ def _refuse_unknown_voice(model: str, speaker: Optional[str], language: str, ins
         found.check(speaker, language, instruct, cloned=cloned)
     except ValueError as error:
         fail(str(error))
-
-
-def batch_rows(value: str) -> int | None:
-    """--batch-size's rows (None: auto), or a failure saying what to give."""
-    if value == "auto":
-        return None
-    try:
-        rows = int(value)
-    except ValueError:
-        rows = 0
-    if rows < 1:
-        fail(f"--batch-size must be auto or a whole number of at least 1, got {value!r}")
-    return rows
 
 
 def _check_voice_files(sources: list, where: dict | None = None) -> None:
