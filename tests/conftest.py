@@ -6,7 +6,9 @@ modules start first, so that the two workers end together; checkpoints are built
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Kernels and dtype by the fixed rules, not by a timing that could flip between processes (a Ray worker against its
@@ -19,6 +21,7 @@ import pytest
 import torch
 from filelock import FileLock
 
+from rvqtts.engine.kernels import KERNELS_FILE
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tuning.tiny import build_tiny_model
 
@@ -30,11 +33,16 @@ if WORKER:
     torch.set_num_threads(1)
 
 
+def run_folder(tmp_path_factory) -> Path:
+    """The temporary folder every worker of this test run shares."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if WORKER else root
+
+
 def built_once(tmp_path_factory, name: str, **options) -> Path:
     """A checkpoint built by `build_tiny_model(**options)` into a folder every worker of this run shares: the
     first worker to ask builds it, under a lock; the others wait and read it."""
-    root = tmp_path_factory.getbasetemp()
-    shared = (root.parent if WORKER else root) / "models"
+    shared = run_folder(tmp_path_factory) / "models"
     shared.mkdir(exist_ok=True)
     folder, done = shared / name, shared / f"{name}.built"
     with FileLock(str(shared / f"{name}.lock")):
@@ -49,6 +57,53 @@ def user_cache(tmp_path, monkeypatch):
     """An empty per-test cache folder: choices a user saved (`rvqtts bench speedup --save`) never steer tests."""
     monkeypatch.setenv("RVQTTS_CACHE", str(tmp_path / "rvqtts-cache"))
     return tmp_path / "rvqtts-cache"
+
+
+def kernels_folder(tmp_path_factory) -> Path:
+    """The run's shared cache of measured kernels (its kernels.json), which `measured` tests start from."""
+    folder = run_folder(tmp_path_factory) / "kernels"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@pytest.fixture
+def measured(monkeypatch, user_cache, tmp_path_factory):
+    """Kernels chosen by measurement, as users run, each shape timed once per test run: the test's cache starts
+    with what the run has measured so far (as a user's second run reads their own cache) and what it measures is
+    handed on. (The measurement itself is tested from an empty cache in tests/test_kernels.py.)"""
+    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
+    shared = kernels_folder(tmp_path_factory) / KERNELS_FILE
+    mine = user_cache / KERNELS_FILE
+    if shared.exists():  # written whole (os.replace), so read without the lock
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shared, mine)
+    yield
+    if mine.exists():
+        with FileLock(shared.with_suffix(".lock")):  # the lock rvqtts.engine.kernels takes to write the file
+            merged = json.loads(mine.read_text())
+            if shared.exists():
+                for machine, records in json.loads(shared.read_text())["machines"].items():
+                    merged["machines"][machine] = {**records, **merged["machines"].get(machine, {})}
+            partial = shared.with_suffix(".partial")
+            partial.write_text(json.dumps(merged))
+            os.replace(partial, shared)
+
+
+@pytest.fixture(scope="session")
+def released_06_kernels(released_06_dir, tmp_path_factory) -> Path:
+    """The released 0.6B layout's folder, its kernels measured in bfloat16 and float32 into the run's shared cache
+    first (half a minute a dtype on two vCPUs): tests of measured kernels at the released shapes ask for it with
+    `measured`, so both workers do not time the same shapes at once."""
+    from rvqtts.engine.inner_loop import InnerLoop
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RVQTTS_CHOICES", "measured")
+        patch.setenv("RVQTTS_CACHE", str(kernels_folder(tmp_path_factory)))  # measured under rvqtts's own lock
+        for dtype in ("bfloat16", "float32"):
+            synth = Synthesizer.load(released_06_dir, dtype=dtype)
+            synth.talker_runner()
+            InnerLoop(synth.code_predictor, None, seed=0)
+    return released_06_dir
 
 
 @pytest.fixture(scope="session")

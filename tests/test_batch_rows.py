@@ -33,13 +33,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture
-def measured(monkeypatch):
-    """Kernels chosen by measurement, as users run: each map's kernel is probed for row invariance (the fixed
-    rules put one row through torch.mv and more through another kernel)."""
-    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
-
-
 def _count_rows(monkeypatch) -> list[int]:
     """The row counts of every batched talker step from now on."""
     counts: list[int] = []
@@ -54,12 +47,12 @@ def _count_rows(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_dir, measured, monkeypatch, dtype):
+def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_kernels, measured, monkeypatch, dtype):
     """Lines of different lengths, chunk counts and seeds, two or three at a time: rows end and are refilled
     mid-batch, every line's codes and samples equal its one-line run's, the batch's tree rounds (every row's frame in
     one call, out of step as acceptance differs) making the calls and accepting what the line's own rounds
     do, and a line the model cannot speak fails alone."""
-    synth = Synthesizer.load(tiny_dir if dtype == "float32" else released_06_dir, dtype=dtype)
+    synth = Synthesizer.load(tiny_dir if dtype == "float32" else released_06_kernels, dtype=dtype)
     synth.speculation = Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size))
     settings = GenerationSettings(max_frames=16 if dtype == "float32" else 9)  # chunks of 16 frames: lines of 1-3
     lines = [Line(text, utterance=index + 3, seed=index % 2 or None) for index, text in enumerate(TEXTS)]
@@ -252,7 +245,7 @@ def test_a_batched_round_gives_every_frame_the_codes_and_rounds_it_gets_alone(wh
     synth = (
         request.getfixturevalue("narrow")
         if which == "narrow"
-        else Synthesizer.load(request.getfixturevalue("released_06_dir"), dtype="bfloat16")
+        else Synthesizer.load(request.getfixturevalue("released_06_kernels"), dtype="bfloat16")
     )
     speculation = Speculation(resolve_tree("16"), Offsets.zeros(3, synth.hidden_size))
     parts = LoopParts.build(synth.code_predictor, speculation, False)

@@ -198,8 +198,8 @@ def test_bench_speedup_refuses_a_bad_acceptance_table(predictor_json, tmp_path):
     assert result.exit_code == 2 and "sums to 1.8000" in result.output
 
 
-def test_bench_e2e_runs_every_variant(tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("RVQTTS_CHOICES", "measured")  # auto: the tree size chosen online, as synth does
+def test_bench_e2e_runs_every_variant(tiny_dir, tmp_path, measured):
+    # measured kernels: auto chooses the tree size online, as synth does
     texts = tmp_path / "texts.txt"
     texts.write_text("Hello there.\nA second line.\n")
     _, report = run_json(

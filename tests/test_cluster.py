@@ -177,7 +177,7 @@ def die_after_two(result):
 
 run = dict(speaker="vivian", language="auto", instruct=None, seed=0,
            settings=GenerationSettings(max_frames=int(frames)), chunk_chars=240)
-synthesize_batch_on_ray(read_batch(corpus), Path(out), WorkerSpec(model), run, workers=2, on_done=die_after_two)
+synthesize_batch_on_ray(read_batch(corpus), Path(out), WorkerSpec(model), run, workers=1, on_done=die_after_two)
 """
 
 
@@ -218,7 +218,7 @@ def test_a_killed_driver_leaves_whole_files_and_a_rerun_finishes_the_batch(clust
         "--ray",
         "auto",
         "--workers",
-        2,
+        1,
     )
     assert resumed.exit_code == 1 and "2 written, 2 skipped" in resumed.output, resumed.output
     assert_same_outputs(out, local)
@@ -325,7 +325,15 @@ def test_a_driver_whose_ray_node_dies_stops_with_one_line_and_keeps_its_files(ti
     out = tmp_path / "out"
     lines = tmp_path / "lines.txt"
     lines.write_text("".join(f"Line {n} of the batch.\n" for n in range(1, 9)))
-    env = {**os.environ, "RAY_ADDRESS": "local"}  # a cluster of its own, not this module's
+    env = {
+        **os.environ,
+        "RAY_ADDRESS": "local",  # a cluster of its own, not this module's
+        # Ray's health checks quickened, so the node is marked dead within a second or two of its raylet (Ray's
+        # default waits about 15 s): the driver noticing that it died is what this test is about
+        "RAY_health_check_period_ms": "500",
+        "RAY_health_check_timeout_ms": "500",
+        "RAY_health_check_failure_threshold": "2",
+    }
     driver = subprocess.Popen(
         [
             shutil.which("rvqtts"),
@@ -341,7 +349,7 @@ def test_a_driver_whose_ray_node_dies_stops_with_one_line_and_keeps_its_files(ti
             "--ray",
             "auto",
             "--workers",
-            "2",
+            "1",
             "-q",
         ],
         env=env,
@@ -365,13 +373,12 @@ def test_a_driver_whose_ray_node_dies_stops_with_one_line_and_keeps_its_files(ti
     assert written and len(manifest(out)) == len(written)  # whole files, each with its entry
 
 
-def test_a_worker_speaks_its_lines_together_as_each_alone(cluster, tiny_dir, monkeypatch):
+def test_a_worker_speaks_its_lines_together_as_each_alone(cluster, tiny_dir, measured):
     """A worker given several lines speaks them `rows` at a time (measured kernels, row-invariant): each
     line's file is the one it makes alone."""
     from rvqtts.batch import Utterance, attempt
     from rvqtts.cluster import SynthesisWorker
 
-    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
     worker = SynthesisWorker(WorkerSpec(str(tiny_dir), batch_size=3))
     assert worker.load()["rows"] == 3
     items = [Utterance(n, text, f"{n:04d}.wav") for n, text in enumerate(["One.", "A second line, longer.", "3."], 1)]

@@ -52,13 +52,13 @@ def decode_many(synth, speculation, frames: int, sampling=SamplingConfig()):
 @pytest.mark.parametrize("budget", [4, 8, 16, 32])
 def test_speculative_codes_equal_plain_codes(which, budget, request):
     synth = request.getfixturevalue(which)
-    frames = 200
+    frames = 200 if which == "narrow" else 60  # narrow's drafts are accepted deep; tiny's (2048 codes) at depth 1
     plain = plain_codes(synth, frames)
     speculation = Speculation(grow_tree(TABLE, budget), random_offsets(synth.hidden_size, budget))
     spec, stats = decode_many(synth, speculation, frames)
     mismatches = [f for f in range(frames) if spec[f] != plain[f]]
     assert not mismatches, f"frames {mismatches[:10]} differ"
-    assert stats.calls < 15 * frames
+    assert stats.calls < 15 * frames and stats.accepted_per_depth[0] > 0
     if which == "narrow":  # the parity must have been tested on accepted drafts, deep ones included
         assert stats.accepted_per_depth[0] > frames and stats.accepted_per_depth[1] > frames // 10
 

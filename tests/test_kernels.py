@@ -26,8 +26,8 @@ from rvqtts.synthesis import Synthesizer
 
 
 @pytest.fixture
-def measured(monkeypatch):
-    """Measured choices, starting from nothing measured in this process."""
+def unmeasured(monkeypatch):
+    """Measured choices, starting from nothing measured in this process (and an empty cache: user_cache)."""
     monkeypatch.setenv("RVQTTS_CHOICES", "measured")
     kernels._chosen.clear()
     yield
@@ -52,7 +52,7 @@ def test_every_kernel_computes_the_map_with_its_bias_over_any_number_of_rows(nam
         assert (linear(x[0, 0]) - expected[0, 0]).abs().max() < 1e-4  # one 1-D row
 
 
-def test_the_fastest_row_invariant_kernel_wins_and_a_faster_variant_one_is_passed_over(measured, monkeypatch):
+def test_the_fastest_row_invariant_kernel_wins_and_a_faster_variant_one_is_passed_over(unmeasured, monkeypatch):
     costs = {"mv+linear": 3.0, "linear": 1.0, "mv+packed": 2.0, "packed": 1.5}
     invariant = {"mv+linear": 1, "linear": None, "mv+packed": 1, "packed": 2}
     monkeypatch.setattr(kernels, "invariant_pad", lambda weight, kernel: invariant[kernel.name])
@@ -73,7 +73,7 @@ def test_the_fastest_row_invariant_kernel_wins_and_a_faster_variant_one_is_passe
     assert choice.kernel == Kernel("linear") and choice.row_invariant is False and not choice.invariant
 
 
-def test_one_row_cost_decides_then_17_rows_and_a_prompt_runs_f_linear_where_that_is_faster(measured, monkeypatch):
+def test_one_row_cost_decides_then_17_rows_and_a_prompt_runs_f_linear_where_that_is_faster(unmeasured, monkeypatch):
     """Steps are one-row calls: the fastest kernel there wins unless another is within STEP_TIE of it and
     cheaper at 17 rows; a prompt's rows go through F.linear where it measured faster at PROMPT_ROWS."""
     costs = {
@@ -99,7 +99,7 @@ def test_one_row_cost_decides_then_17_rows_and_a_prompt_runs_f_linear_where_that
     assert kernels.measure_choice((8, 8), torch.float32, "native").bulk == choice.kernel
 
 
-def test_choices_are_measured_once_then_read_from_the_users_cache(measured, monkeypatch, user_cache):
+def test_choices_are_measured_once_then_read_from_the_users_cache(unmeasured, monkeypatch, user_cache):
     shapes = [(64, 32), (96, 32)]
     first = kernels.choose_kernels(shapes, torch.float32)
     assert all(c.source == "measured" and c.row_invariant is not None for c in first.values())
@@ -121,7 +121,7 @@ def test_choices_are_measured_once_then_read_from_the_users_cache(measured, monk
         kernels.choose_kernels(shapes, torch.float32)
 
 
-def test_a_damaged_cache_is_measured_over(measured, user_cache):
+def test_a_damaged_cache_is_measured_over(unmeasured, user_cache):
     user_cache.mkdir(parents=True)
     (user_cache / "kernels.json").write_text("{not json")
     choice = kernels.choose_kernels([(16, 16)], torch.float32)[(16, 16)]
@@ -137,7 +137,7 @@ def test_fixed_choices_time_nothing(monkeypatch):
 
 
 @pytest.mark.parametrize("cheaper", ["bfloat16", "float32"])
-def test_dtype_auto_on_a_cpu_is_the_cheaper_measured_frame(measured, monkeypatch, cheaper, tiny_dir):
+def test_dtype_auto_on_a_cpu_is_the_cheaper_measured_frame(unmeasured, monkeypatch, cheaper, tiny_dir):
     from rvqtts.loading import model_config
 
     costs = {"bfloat16": 10.0, "float32": 20.0} if cheaper == "bfloat16" else {"bfloat16": 30.0, "float32": 20.0}
@@ -159,7 +159,7 @@ def test_frame_maps_count_what_one_frame_applies(released_06_dir):
     assert ("predictor", (1024, 3072), 2 * 15) in maps and ("predictor", (2048, 1024), 15) in maps
 
 
-def test_tune_shows_each_shapes_kernel_and_the_dtype_auto_picks(measured, tiny_dir, tmp_path):
+def test_tune_shows_each_shapes_kernel_and_the_dtype_auto_picks(unmeasured, tiny_dir, tmp_path):
     result, report = run_json(tmp_path / "tune.json", "tune", "--model", tiny_dir)
     assert set(report["dtypes"]) == {"bfloat16", "float32"} and report["auto"] in report["dtypes"]
     for measured_dtype in report["dtypes"].values():
@@ -175,10 +175,10 @@ def test_tune_shows_each_shapes_kernel_and_the_dtype_auto_picks(measured, tiny_d
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_measured_kernels_keep_speculative_codes_equal_to_plain_codes(measured, released_06_dir, dtype):
+def test_measured_kernels_keep_speculative_codes_equal_to_plain_codes(measured, released_06_kernels, dtype):
     """Whatever kernels the measurement picks (all row-invariant where any is: both dtypes on the CPUs
     measured so far, float32 included), every frame of a tree run equals the plain run's."""
-    synth = Synthesizer.load(released_06_dir, dtype=dtype)
+    synth = Synthesizer.load(released_06_kernels, dtype=dtype)
     speculation = Speculation(
         resolve_tree("15"), Offsets(torch.randn(3, 1024, generator=torch.Generator().manual_seed(3)) * 0.5)
     )

@@ -135,13 +135,12 @@ def test_half_precision_runs_close_to_float32(tiny_dir, dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_measured_kernels_give_every_row_the_bits_it_gets_alone_at_the_released_shapes(
-    released_06_dir, dtype, monkeypatch
+    released_06_kernels, dtype, measured
 ):
     """Whatever kernel the measurement picks for a map (rvqtts.engine.kernels), a call of any number of rows up to
     a 64-node round's 65 gives each row what a call of that row alone gives it: tree rounds compute what
     plain steps do. Where no kernel is invariant the choice says so, and the claim is not made."""
-    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
-    runner = PredictorRunner(Synthesizer.load(released_06_dir, dtype=dtype).code_predictor, 2)
+    runner = PredictorRunner(Synthesizer.load(released_06_kernels, dtype=dtype).code_predictor, 2)
     generator = torch.Generator().manual_seed(6)
     for linear in (runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[3]):
         choice = kernel_choice(tuple(linear.weight.shape), linear.weight.dtype)

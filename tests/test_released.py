@@ -87,7 +87,7 @@ def test_speculative_codes_equal_plain_codes_in_every_dtype(dims, dtype, request
     hidden = synth.hidden_size
     offsets = Offsets(torch.randn(3, hidden, generator=torch.Generator().manual_seed(3)) * 0.5)
     speculation = Speculation(resolve_tree("15"), offsets)
-    frames = 30
+    frames = 30 if dims == "0.6b" else 10  # the 1.7B's predictor is the 0.6B's behind an input projection
     plain, _ = decode_frames(synth, None, frames)
     spec, stats = decode_frames(synth, speculation, frames)
     differing = np.flatnonzero((plain != spec).any(axis=1)).tolist()
@@ -99,8 +99,8 @@ def test_speculative_codes_equal_plain_codes_in_every_dtype(dims, dtype, request
 def test_static_calls_give_the_eager_codes_at_the_released_layout(released_17):
     speculation = Speculation(resolve_tree("15"), Offsets.zeros(3, released_17.hidden_size))
     for tree in (speculation, None):
-        eager, _ = decode_frames(released_17, tree, 12)
-        emulated, _ = decode_frames(released_17, tree, 12, StaticCalls("emulated"))
+        eager, _ = decode_frames(released_17, tree, 6)  # plumbing: deep acceptance is tests/test_decode.py's
+        emulated, _ = decode_frames(released_17, tree, 6, StaticCalls("emulated"))
         assert np.array_equal(eager, emulated)
 
 

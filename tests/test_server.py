@@ -242,12 +242,11 @@ def test_serve_refuses_bad_options_before_loading(tiny_dir, tmp_path, monkeypatc
     assert result.exit_code == 2 and "pip install 'rvqtts[serve]'" in result.output
 
 
-def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tiny_dir, monkeypatch):
+def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tiny_dir, measured):
     """Requests that wait together are spoken a row each in shared calls (measured kernels, row-invariant),
     each with its own seed and text: every response is the one it gets alone."""
     from rvqtts.batch_size import rows_invariant
 
-    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
     jobs = [("One line.", 1), ("Another, longer line of text.", 2), ("Third.", 3), ("One line.", 4)]
     with running(tiny_dir, batch_size=4) as (url, engine):
         assert rows_invariant(engine.synth)

@@ -37,6 +37,7 @@ class BuildPlan:
     calibration_frames: int
     evaluation_frames: int
     offsets: TrainingConfig
+    training_frames: int | None = None  # of the calibration split, for the offsets and compared drafters (all)
 
 
 FULL = BuildPlan(
@@ -54,6 +55,7 @@ SMALL = BuildPlan(
     calibration_frames=60,
     evaluation_frames=60,
     offsets=TrainingConfig(learning_rate=1e-2, max_steps=300, eval_every=50),
+    training_frames=240,
 )
 
 
@@ -207,6 +209,8 @@ def build_standin(
         Contexts(*contexts[split], source=f"stand-in {split} split") for split in ("calibration", "evaluation")
     )
     evaluation = evaluation.take(rng.permutation(len(evaluation))[: plan.evaluation_frames])
+    if plan.training_frames is not None:
+        calibration = calibration.take(rng.permutation(len(calibration))[: plan.training_frames])
     h_eval, codes_eval = torch.from_numpy(evaluation.h_t), torch.from_numpy(evaluation.codes)
     report.update(entropy_by_position(code_predictor, talker_embedding, h_eval, codes_eval))
     report["chain_gain_bits"] = chain_gain(code_predictor, talker_embedding, h_eval, codes_eval)
