@@ -52,10 +52,15 @@ class FusedCall(torch.nn.Module):
         self.slots = len(slot_depth)
         depths = sorted(set(slot_depth) - {-1})
         self.groups = [(d, slot_depth.index(d), len(slot_depth) - slot_depth[::-1].index(d)) for d in depths]
+        # The heads a call reads: c_{index+d+1} to c_{index+d+1+K} over its depths d, one window of them.
+        self.first_head = depths[0] + 1
+        self.head_window = torch.arange(depths[-1] - depths[0] + 1 + self.depth, device=runner.device)
 
-    def head(self, code_index: torch.Tensor) -> torch.Tensor:
-        """LMH for code c_{code_index} ([V, H]), clamped to the last head past the frame's end."""
-        return self.heads[(code_index - 1).clamp(0, self.last_head)][0]
+    def window_heads(self, index: torch.Tensor) -> torch.Tensor:
+        """LMH for codes c_{index+first_head} onwards ([window, V, H]), clamped to the last head past the frame's
+        end: one gather, so that a converted graph reads the stacked heads once per call (coremltools checks each
+        reading op's constants)."""
+        return self.heads[(index + self.first_head - 1 + self.head_window).clamp(0, self.last_head)]
 
     def forward(
         self,
@@ -88,14 +93,15 @@ class FusedCall(torch.nn.Module):
         q_len = self.slots
         draws = torch.zeros(q_len, dtype=torch.long, device=hidden.device)
         ranks = torch.zeros(q_len, self.depth, self.draft_width, dtype=torch.long, device=hidden.device)
+        heads = self.window_heads(index)
         for d, start, stop in self.groups:
             rows = hidden[start:stop]
-            scores = warp_logits(rows @ self.head(index + d + 1).T, self.sampling)
+            scores = warp_logits(rows @ heads[d + 1 - self.first_head].T, self.sampling)
             if self.sampling.do_sample:
                 scores = scores + noise[start:stop]
             draws[start:stop] = scores.argmax(-1)
             for j in range(1, self.depth + 1):
-                drafted = (rows + self.offsets[j - 1]) @ self.head(index + d + 1 + j).T
+                drafted = (rows + self.offsets[j - 1]) @ heads[d + 1 + j - self.first_head].T
                 ranks[start:stop, j - 1] = torch.topk(drafted.float(), self.draft_width, dim=-1).indices
         if not self.depth:  # no drafts (the plain step): no ranks output, rather than an empty one
             return draws, torch.stack(new_k), torch.stack(new_v)
