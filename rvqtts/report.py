@@ -22,6 +22,15 @@ SUMMED = (
 )
 
 
+def titled_table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ()) -> Table:
+    """A report table: its title on the left, a rule under the header, its columns right-justified (figures)
+    but those named in `left`."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for column in columns:
+        table.add_column(column, justify="left" if column in left else "right")
+    return table
+
+
 def total_record(records: list[dict]) -> dict:
     """One record for a whole batch: counts and seconds add up; ratios are recomputed from the sums."""
     total: dict = {key: round(sum(r[key] for r in records), 3) for key in SUMMED}
@@ -150,9 +159,10 @@ def workers_table(workers: list[dict], totals: dict) -> Table:
 
 def standin_tables(report: dict) -> list[Table]:
     """The stand-in's faithfulness per position, and each drafter's codes per call per tree size."""
-    per_position = Table(title="stand-in, per position k (held-out frames)", title_justify="left", box=box.SIMPLE_HEAD)
-    for title in ("k", "sampling entropy bits", "raw entropy bits", "cross-entropy bits", "chain gain bits"):
-        per_position.add_column(title, justify="right")
+    per_position = titled_table(
+        "stand-in, per position k (held-out frames)",
+        ("k", "sampling entropy bits", "raw entropy bits", "cross-entropy bits", "chain gain bits"),
+    )
     for k in range(len(report["entropy_bits"])):
         gain = report["chain_gain_bits"][k]
         per_position.add_row(
@@ -173,14 +183,11 @@ def standin_tables(report: dict) -> list[Table]:
         rows = report.get(f"{drafter}_codes_per_call")
         if not rows:
             continue
-        per_budget = Table(
-            title=f"{drafter.replace('_', ' ')}: codes per predictor call (evaluation frames)",
-            title_justify="left",
-            box=box.SIMPLE_HEAD,
-        )
         languages = sorted(next(iter(rows.values()))["per_language"])
-        for title in ("N", "overall", "95% CI", *languages, "nodes per depth"):
-            per_budget.add_column(title, justify="right")
+        per_budget = titled_table(
+            f"{drafter.replace('_', ' ')}: codes per predictor call (evaluation frames)",
+            ("N", "overall", "95% CI", *languages, "nodes per depth"),
+        )
         for budget, row in rows.items():
             depths = [sum(len(p) == d for p in row["tree"]) for d in range(1, 4)]
             per_budget.add_row(
@@ -198,14 +205,12 @@ def standin_tables(report: dict) -> list[Table]:
 
 def drafters_table(drafters: dict) -> Table:
     """Drafters side by side: trained parameters, codes per call per N (replayed), draft top-1 by depth."""
-    table = Table(
-        title="drafters, each with its own calibrated trees: codes per predictor call (evaluation frames)",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-    )
     budgets = list(next(iter(drafters.values()))["codes_per_call"])
-    for title in ("drafter", "parameters", *(f"N={n}" for n in budgets), "top-1 by depth"):
-        table.add_column(title, justify="left" if title == "drafter" else "right")
+    table = titled_table(
+        "drafters, each with its own calibrated trees: codes per predictor call (evaluation frames)",
+        ("drafter", "parameters", *(f"N={n}" for n in budgets), "top-1 by depth"),
+        left=("drafter",),
+    )
     for name, entry in drafters.items():
         top1 = "/".join("-" if a is None else f"{a:.3f}" for a in entry["top1_by_depth"][:3])
         table.add_row(
@@ -219,11 +224,9 @@ def drafters_table(drafters: dict) -> Table:
 
 def codes_per_call_table(result: dict) -> Table:
     """`rvqtts accept`'s figures: codes per predictor call, overall and per language, with 95 % intervals."""
-    table = Table(
-        title=f"codes per predictor call, tree N = {result['tree_nodes']}", title_justify="left", box=box.SIMPLE_HEAD
+    table = titled_table(
+        f"codes per predictor call, tree N = {result['tree_nodes']}", ("frames", "language", "codes/call", "95% CI")
     )
-    for title in ("frames", "language", "codes/call", "95% CI"):
-        table.add_column(title, justify="right")
     rows = [("all", result)] + sorted(result["per_language"].items())
     for name, row in rows:
         table.add_row(str(row["frames"]), name, f"{row['codes_per_call']:.3f}", "{:.3f}-{:.3f}".format(*row["ci95"]))
@@ -233,24 +236,21 @@ def codes_per_call_table(result: dict) -> Table:
 
 def predictor_table(result: dict) -> Table:
     """`rvqtts bench predictor`: one call's median and spread per query length, against q = 1 and stock."""
-    table = Table(
-        title=f"one code-predictor call, {result['device']} {result['dtype']}, KV length "
+    table = titled_table(
+        f"one code-predictor call, {result['device']} {result['dtype']}, KV length "
         f"{result['kv_length']}, {result['threads']} threads",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
+        (
+            "q",
+            "median ms",
+            "p10-p90 ms",
+            "x q=1",
+            "x stock q=1",
+            "weights MB",
+            "read floor ms",
+            "compute floor ms",
+            "x larger floor",
+        ),
     )
-    for title in (
-        "q",
-        "median ms",
-        "p10-p90 ms",
-        "x q=1",
-        "x stock q=1",
-        "weights MB",
-        "read floor ms",
-        "compute floor ms",
-        "x larger floor",
-    ):
-        table.add_column(title, justify="right")
     for i, q in enumerate(result["q"]):
         table.add_row(
             str(q),
@@ -288,13 +288,10 @@ def predictor_table(result: dict) -> Table:
 def speedup_table(projection: dict) -> Table:
     """`rvqtts bench speedup`: codes per call, cost ratio and projected inner-loop speedup per N."""
     best = f"best N = {projection['best_N']}" if projection["best_N"] else "no N beats the plain loop"
-    table = Table(
-        title=f"projected inner-loop speedup, {projection['device']} {projection['dtype']}: {best}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
+    table = titled_table(
+        f"projected inner-loop speedup, {projection['device']} {projection['dtype']}: {best}",
+        ("N", "codes/call", "cost q=N+1 / q=1", "speedup", "vs stock"),
     )
-    for title in ("N", "codes/call", "cost q=N+1 / q=1", "speedup", "vs stock"):
-        table.add_column(title, justify="right")
     for row in projection["rows"]:
         table.add_row(
             str(row["N"]),
@@ -312,14 +309,12 @@ def speedup_table(projection: dict) -> Table:
 
 def e2e_table(result: dict) -> Table:
     """`rvqtts bench e2e`: per-frame times of stock qwen-tts, the plain loop, the default and fixed trees."""
-    table = Table(
-        title=f"end to end, {result['texts']} texts, seed {result['seed']}, fastest fixed tree: "
+    table = titled_table(
+        f"end to end, {result['texts']} texts, seed {result['seed']}, fastest fixed tree: "
         f"{result['best_fixed']}, auto: {_online_summary(result['auto'])}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
+        ("variant", "frames", "wall ms/frame", "talker", "floor", "inner loop", "floor", "decoder", "RTF"),
+        left=("variant",),
     )
-    for title in ("variant", "frames", "wall ms/frame", "talker", "floor", "inner loop", "floor", "decoder", "RTF"):
-        table.add_column(title, justify="left" if title == "variant" else "right")
     for name, total in result["totals"].items():
         table.add_row(
             name,
@@ -357,13 +352,11 @@ def dtype_table(result: dict) -> Table:
     candidate = result["dtype"] + (
         f" with {result['weights']} weights" if result.get("weights", "native") != "native" else ""
     )
-    table = Table(
-        title=f"code predictor, {candidate} vs {result['reference_dtype']}, {result['frames']} frames",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
+    table = titled_table(
+        f"code predictor, {candidate} vs {result['reference_dtype']}, {result['frames']} frames",
+        ("measure", "value"),
+        left=("measure",),
     )
-    table.add_column("measure")
-    table.add_column("value", justify="right")
     table.add_row("codes agreeing, teacher forced", f"{100 * result['teacher_forced_code_agreement']:.2f} %")
     table.add_row("frames identical, free running", f"{100 * result['free_running_frames_identical']:.1f} %")
     table.add_row(
@@ -379,13 +372,10 @@ def dtype_table(result: dict) -> Table:
 
 def decoder_table(result: dict) -> Table:
     """`rvqtts bench decoder`: the speech decoder's cost per frame by utterance length."""
-    table = Table(
-        title=f"speech decoder, {result['device']} {result['dtype']}, median of {result['repeats']}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
+    table = titled_table(
+        f"speech decoder, {result['device']} {result['dtype']}, median of {result['repeats']}",
+        ("frames", "ms", "ms/frame"),
     )
-    for title in ("frames", "ms", "ms/frame"):
-        table.add_column(title, justify="right")
     for row in result["rows"]:
         table.add_row(str(row["frames"]), f"{row['ms']:.1f}", f"{row['ms_per_frame']:.2f}")
     return table
@@ -393,13 +383,10 @@ def decoder_table(result: dict) -> Table:
 
 def talker_table(result: dict) -> Table:
     """`rvqtts bench talker`: one talker step, rvqtts's against qwen-tts's, by context length."""
-    table = Table(
-        title=f"talker step, {result['device']} {result['dtype']}, median of {result['repeats']}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
+    table = titled_table(
+        f"talker step, {result['device']} {result['dtype']}, median of {result['repeats']}",
+        ("context", "stock ms", "rvqtts ms", "rvqtts / stock", "floor ms", "rvqtts / floor"),
     )
-    for title in ("context", "stock ms", "rvqtts ms", "rvqtts / stock", "floor ms", "rvqtts / floor"):
-        table.add_column(title, justify="right")
     for row in result["rows"]:
         table.add_row(
             str(row["context"]),
@@ -420,23 +407,20 @@ def talker_table(result: dict) -> Table:
 def batch_table(result: dict) -> Table:
     """`rvqtts bench batch`: throughput and first files by batch size, rvqtts against stock qwen-tts."""
     engine = result["engine"]
-    table = Table(
-        title=f"batches of {result['lines']} lines, {engine['device']} {engine['dtype']} {engine['weights']}"
-        f", at most {result['max_frames']} frames each, median of {result['repeats']}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-    )
     stock = "stock" in result["rows"][0]
-    for title in (
-        "B",
-        "rvqtts s",
-        "audio s / s",
-        "vs B = 1",
-        "first file s",
-        "vs B = 1",
-        *(("stock s", "audio s / s", "rvqtts / stock", "first file s") if stock else ()),
-    ):
-        table.add_column(title, justify="right")
+    table = titled_table(
+        f"batches of {result['lines']} lines, {engine['device']} {engine['dtype']} {engine['weights']}"
+        f", at most {result['max_frames']} frames each, median of {result['repeats']}",
+        (
+            "B",
+            "rvqtts s",
+            "audio s / s",
+            "vs B = 1",
+            "first file s",
+            "vs B = 1",
+            *(("stock s", "audio s / s", "rvqtts / stock", "first file s") if stock else ()),
+        ),
+    )
     for row in result["rows"]:
         ours = row["rvqtts"]
         cells = [
@@ -517,9 +501,10 @@ def tune_table(result: dict) -> Table:
 
 def trees_table(online: dict) -> Table:
     """What `--tree auto` chose from (rvqtts.engine.online): per tree size, the projection and what ran."""
-    table = Table(title=f"tree size chosen online: N = {online['N']}", title_justify="left", box=box.SIMPLE_HEAD)
-    for title in ("N", "codes/call", "call ms", "projected ms/frame", "frames run", "ms/frame run"):
-        table.add_column(title, justify="right")
+    table = titled_table(
+        f"tree size chosen online: N = {online['N']}",
+        ("N", "codes/call", "call ms", "projected ms/frame", "frames run", "ms/frame run"),
+    )
     for n, row in online["projected"].items():
         table.add_row(
             n,
@@ -542,13 +527,10 @@ def trees_table(online: dict) -> Table:
 def serve_table(result: dict) -> Table:
     """`rvqtts bench serve`: a load test's latencies, throughput and the server's memory."""
     mode = "streamed" if result["stream"] else "whole"
-    table = Table(
-        title=f"{result['requests']} {mode} requests from {result['clients']} clients to {result['url']}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
+    table = titled_table(
+        f"{result['requests']} {mode} requests from {result['clients']} clients to {result['url']}",
+        ("first audio p50 s", "p95 s", "total p50 s", "p95 s", "requests / min", "server RSS MiB"),
     )
-    for title in ("first audio p50 s", "p95 s", "total p50 s", "p95 s", "requests / min", "server RSS MiB"):
-        table.add_column(title, justify="right")
     table.add_row(
         f"{result['first_audio_p50']:.3f}",
         f"{result['first_audio_p95']:.3f}",
