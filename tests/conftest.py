@@ -22,6 +22,7 @@ import torch
 from filelock import FileLock
 
 from rvqtts.engine.kernels import KERNELS_FILE
+from rvqtts.files import write_json
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tuning.tiny import build_tiny_model
 
@@ -74,7 +75,7 @@ def measured(monkeypatch, user_cache, tmp_path_factory):
     monkeypatch.setenv("RVQTTS_CHOICES", "measured")
     shared = kernels_folder(tmp_path_factory) / KERNELS_FILE
     mine = user_cache / KERNELS_FILE
-    if shared.exists():  # written whole (os.replace), so read without the lock
+    if shared.exists():  # written whole (write_json), so read without the lock
         mine.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(shared, mine)
     yield
@@ -84,9 +85,7 @@ def measured(monkeypatch, user_cache, tmp_path_factory):
             if shared.exists():
                 for machine, records in json.loads(shared.read_text())["machines"].items():
                     merged["machines"][machine] = {**records, **merged["machines"].get(machine, {})}
-            partial = shared.with_suffix(".partial")
-            partial.write_text(json.dumps(merged))
-            os.replace(partial, shared)
+            write_json(shared, merged)
 
 
 @pytest.fixture(scope="session")
