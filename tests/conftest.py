@@ -141,14 +141,16 @@ def small(small_dir):
 
 @pytest.fixture(scope="session")
 def released_06_dir(tmp_path_factory):
-    """The released 0.6B layout, shallow: real widths, heads, codec ids and speakers; two layers each."""
-    return built_once(tmp_path_factory, "released-0.6b", dims="0.6b", shallow=True)
+    """The released 0.6B layout, shallow: real widths, heads, codec ids and speakers; one layer each in the talker and
+    the code predictor (what a layer does at these widths, a second repeats: multi-layer caches are the tiny
+    checkpoints' two layers)."""
+    return built_once(tmp_path_factory, "released-0.6b", dims="0.6b", layers=1)
 
 
 @pytest.fixture(scope="session")
 def released_17_dir(tmp_path_factory):
     """The released 1.7B layout, shallow: a 2048-wide talker in front of the projected 1024-wide predictor."""
-    return built_once(tmp_path_factory, "released-1.7b", dims="1.7b", shallow=True)
+    return built_once(tmp_path_factory, "released-1.7b", dims="1.7b", layers=1)
 
 
 @pytest.fixture(scope="session")

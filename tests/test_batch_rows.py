@@ -253,9 +253,10 @@ def test_a_batched_round_gives_every_frame_the_codes_and_rounds_it_gets_alone(wh
     runner.row_attention = attention == "rows"  # gathered: per depth, as off the CPU
     groups, vocab = synth.code_predictor.config.num_code_groups, synth.code_predictor.config.vocab_size
     sampling = SamplingConfig(do_sample=which != "narrow")
-    prefixes = torch.stack([random_prefix(synth, seed=f) for f in range(5)]).to(runner.dtype)
-    noise = torch.stack([torch.from_numpy(gumbel_noise(3, f, 0, np.arange(1, groups), vocab)) for f in range(5)])
-    speculations = [speculation, speculation, None, speculation, speculation]
+    prefixes = torch.stack([random_prefix(synth, seed=f) for f in range(6)]).to(runner.dtype)
+    noise = torch.stack([torch.from_numpy(gumbel_noise(3, f, 0, np.arange(1, groups), vocab)) for f in range(6)])
+    speculations = [None if f == 3 else speculation for f in range(6)]  # (random weights at the released widths
+    # accept drafts in frames 2 and 5 of these six)
     frames = decode_frames_speculative(runner, prefixes, noise, sampling, speculations, parts.offsets)
     for f, frame in enumerate(frames):
         stats, plain = DecodeStats(), DecodeStats()

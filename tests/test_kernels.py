@@ -52,6 +52,20 @@ def test_every_kernel_computes_the_map_with_its_bias_over_any_number_of_rows(nam
         assert (linear(x[0, 0]) - expected[0, 0]).abs().max() < 1e-4  # one 1-D row
 
 
+def test_kernels_that_make_a_call_alike_share_its_timing():
+    """A one-row call through torch.mv is the same call for every mv+ kernel, and a 17-row call the same with or
+    without mv+ and padding: each is timed once, so kernels that make it alike get the same figure."""
+    found = [
+        Kernel("linear", one_row_mv=True),
+        Kernel("packed", 2, one_row_mv=True),
+        Kernel("linear"),
+        Kernel("packed"),
+    ]
+    timings = kernels.time_kernels(torch.randn(64, 32), found)
+    assert timings["mv+linear"][1] == timings["mv+packed/pad2"][1]
+    assert timings["mv+linear"][17] == timings["linear"][17] and timings["mv+packed/pad2"][17] == timings["packed"][17]
+
+
 def test_the_fastest_row_invariant_kernel_wins_and_a_faster_variant_one_is_passed_over(unmeasured, monkeypatch):
     costs = {"mv+linear": 3.0, "linear": 1.0, "mv+packed": 2.0, "packed": 1.5}
     invariant = {"mv+linear": 1, "linear": None, "mv+packed": 1, "packed": 2}
@@ -154,8 +168,10 @@ def test_dtype_auto_on_a_cpu_is_the_cheaper_measured_frame(unmeasured, monkeypat
 def test_frame_maps_count_what_one_frame_applies(released_06_dir):
     from rvqtts.loading import model_config
 
-    maps = rvqtts.engine.devices.frame_maps(model_config(released_06_dir).talker_config)
-    assert ("talker", (4096, 1024), 2) in maps and ("talker", (3072, 1024), 1) in maps  # 2 layers; codec head
+    config = model_config(released_06_dir).talker_config
+    config.num_hidden_layers, config.code_predictor_config.num_hidden_layers = 3, 2  # the released widths, deeper
+    maps = rvqtts.engine.devices.frame_maps(config)
+    assert ("talker", (4096, 1024), 3) in maps and ("talker", (3072, 1024), 1) in maps  # 3 layers; codec head
     assert ("predictor", (1024, 3072), 2 * 15) in maps and ("predictor", (2048, 1024), 15) in maps
 
 

@@ -10,7 +10,7 @@ from helpers import run_cli
 from rvqtts.engine.tree import frame_codes_per_call, grow_tree
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tuning.calibration import measure_acceptance
-from rvqtts.tuning.tiny import build_tiny_model
+from rvqtts.tuning.tiny import SHALLOW_LAYERS, build_tiny_model
 
 FRAMES = 64
 
@@ -19,7 +19,7 @@ FRAMES = 64
 def paper(tmp_path_factory):
     """The shallow variant: the same embeddings and heads as the full checkpoint, two layers that barely act."""
     folder = build_tiny_model(
-        tmp_path_factory.mktemp("models") / "paper", dims="0.6b", shallow=True, acceptance="paper"
+        tmp_path_factory.mktemp("models") / "paper", dims="0.6b", layers=SHALLOW_LAYERS, acceptance="paper"
     )
     return Synthesizer.load(folder)
 

@@ -1,4 +1,4 @@
-"""Checkpoints at the released layout (shallow: released widths, heads and ids, two layers): their
+"""Checkpoints at the released layout (shallow: released widths, heads and ids, one layer): their
 configuration, and the engine on them: speculative == plain codes in every dtype the CPU runs, the 1.7B
 projection, static-call plumbing, the instruction path and dialect speakers."""
 
@@ -48,7 +48,7 @@ def test_the_shallow_checkpoint_has_the_released_layout(dims, request):
         "num_code_groups",
     ):
         assert getattr(ours, key) == talker[key], key
-    assert ours.rope_scaling["mrope_section"] == [24, 20, 20] and ours.num_hidden_layers == 2
+    assert ours.rope_scaling["mrope_section"] == [24, 20, 20] and ours.num_hidden_layers == 1
     predictor = synth.code_predictor.config
     for key in (
         "hidden_size",
@@ -60,7 +60,7 @@ def test_the_shallow_checkpoint_has_the_released_layout(dims, request):
         "num_code_groups",
     ):
         assert getattr(predictor, key) == talker["code_predictor_config"][key], key
-    assert predictor.num_hidden_layers == 2 and config.tts_model_size == released["tts_model_size"]
+    assert predictor.num_hidden_layers == 1 and config.tts_model_size == released["tts_model_size"]
     projection = synth.code_predictor.small_to_mtp_projection
     if dims == "1.7b":
         assert tuple(projection.weight.shape) == (1024, 2048)

@@ -60,7 +60,7 @@ def make_tiny_model(
     """
     import shutil
 
-    from rvqtts.tuning.tiny import build_tiny_model
+    from rvqtts.tuning.tiny import SHALLOW_LAYERS, build_tiny_model
 
     if force and directory.is_dir():
         shutil.rmtree(directory)
@@ -71,7 +71,7 @@ def make_tiny_model(
             code_groups=code_groups,
             seed=seed,
             dims=dims,
-            shallow=shallow,
+            layers=SHALLOW_LAYERS if shallow else None,
             kind=kind,
             acceptance=acceptance,
         )

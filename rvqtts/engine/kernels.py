@@ -21,7 +21,8 @@ wins there for 17 rows at less than half the cost; oneDNN's packed kernel, twice
 never does. A prompt's prefill, whose bits no other call has to match, runs its
 many rows through F.linear where that measured faster at PROMPT_ROWS (`LinearMap.many`). The choice is
 kept per machine (CPU model, torch version, threads), dtype, weight format and shape in the user's cache
-(`kernels.json`), so the probe runs once: about a second per shape at the released dimensions.
+(`kernels.json`), so the probe runs once: 2-4 s per shape at the released 0.6B's dimensions in bfloat16 and
+1-2 s in float32 on one thread of a 2-vCPU Xeon (AMX).
 `rvqtts tune` shows the table. RVQTTS_CHOICES=fixed restores the rules used before measurement (here: one
 row through torch.mv, more through oneDNN's packed bfloat16 kernel or F.linear; rvqtts.engine.devices: the dtype
 from a CPU flag), for A/B runs and for tests whose bits must not depend on a timing.
@@ -211,9 +212,13 @@ class LinearMap:
 def rows_are_invariant(linear: LinearMap, generator: torch.Generator) -> bool:
     """Whether every row of a call of 2 to CHUNK + 1 rows gets the bits it gets in a call of its own."""
     x = torch.randn(CHUNK + 1, linear.weight.shape[1], generator=generator).to(linear.weight.dtype)
+    alone: list[torch.Tensor] = []  # each row's own call, made as the calls reach it (a variant kernel fails early)
     with torch.inference_mode():
-        alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
-        return all(torch.equal(linear(x[:q]), alone[:q]) for q in range(2, len(x) + 1))
+        for count in range(2, len(x) + 1):
+            alone += [linear(x[i : i + 1]) for i in range(len(alone), count)]
+            if not torch.equal(linear(x[:count]), torch.cat(alone)):
+                return False
+    return True
 
 
 def invariant_pad(weight: torch.Tensor, kernel: Kernel) -> int | None:
@@ -224,30 +229,46 @@ def invariant_pad(weight: torch.Tensor, kernel: Kernel) -> int | None:
     return None
 
 
+def timed_call(kernel: Kernel, count: int) -> Kernel:
+    """The kernel as it runs a call of `count` rows: candidates that run the same code for a row count share
+    one timing (a single row goes through torch.mv for every `mv+` kernel; padding acts only below it)."""
+    if count == 1 and kernel.one_row_mv:
+        return Kernel("linear", one_row_mv=True)
+    return Kernel(kernel.multi, kernel.pad if count < kernel.pad else 1)
+
+
 def time_kernels(
     weight: torch.Tensor, kernels: list[Kernel], rows: tuple[int, ...] = TIMED_ROWS
 ) -> dict[str, dict[int, float]]:
     """Milliseconds per call of each kernel at each row count: the median of passes over copies of `weight`
-    that together exceed the caches (a loop's maps are read from memory, not from cache), the kernels'
-    passes interleaved so that a busy spell on a shared machine falls on all of them alike."""
+    that together exceed the caches (a loop's maps are read from memory, not from cache), the calls' passes
+    interleaved so that a busy spell on a shared machine falls on all of them alike. A call that several
+    kernels make alike (`timed_call`) is timed once, so they differ there by nothing, not by noise."""
     copies = max(2, min(64, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
-    maps = {kernel.name: [LinearMap(weight.clone(), None, kernel) for _ in range(copies)] for kernel in kernels}
+    calls: dict[Kernel, list[int]] = {}
+    for count in rows:
+        for kernel in kernels:
+            counts = calls.setdefault(timed_call(kernel, count), [])
+            if count not in counts:
+                counts.append(count)
+    maps = {call: [LinearMap(weight.clone(), None, call) for _ in range(copies)] for call in calls}
     generator = torch.Generator().manual_seed(2)
-    passes: dict[str, dict[int, list[float]]] = {name: {count: [] for count in rows} for name in maps}
+    passes: dict[tuple[Kernel, int], list[float]] = {
+        (call, count): [] for call, counts in calls.items() for count in counts
+    }
     with torch.inference_mode():
         inputs = {count: torch.randn(count, weight.shape[1], generator=generator).to(weight.dtype) for count in rows}
         for turn in range(TIMED_PASSES + 1):  # the first turn warms up
-            for name, linears in maps.items():
-                for count, x in inputs.items():
+            for call, linears in maps.items():
+                for count in calls[call]:
+                    x = inputs[count]
                     start = time.perf_counter()
                     for linear in linears:
                         linear(x)
                     if turn:
-                        passes[name][count].append((time.perf_counter() - start) / copies)
-    return {
-        name: {count: round(statistics.median(times) * 1e3, 4) for count, times in by_rows.items()}
-        for name, by_rows in passes.items()
-    }
+                        passes[call, count].append((time.perf_counter() - start) / copies)
+    medians = {key: round(statistics.median(times) * 1e3, 4) for key, times in passes.items()}
+    return {kernel.name: {count: medians[timed_call(kernel, count), count] for count in rows} for kernel in kernels}
 
 
 @dataclass(frozen=True)

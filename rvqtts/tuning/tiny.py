@@ -50,7 +50,7 @@ KINDS = {"custom-voice": "custom_voice", "base": "base", "voice-design": "voice_
 TINY_SPEAKER_ENCODER = dict(enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16, enc_se_channels=16)
 HEAD_DIM = 16
 RELEASED = Path(__file__).parent / "released"  # the released models' configuration files, with provenance
-SHALLOW_LAYERS = 2
+SHALLOW_LAYERS = 2  # `--shallow`: layers in the talker and in the code predictor
 # qwen-tts reads generation_config.json as a plain dict of its own sampling keys; its defaults, and a short
 # generation limit (the tiny talker never ends its speech).
 GENERATION_DEFAULTS = {**QWEN_TTS_DEFAULTS, "max_new_tokens": 48}
@@ -183,15 +183,15 @@ def released_file(name: str) -> dict:
     return json.loads((RELEASED / name).read_text())
 
 
-def _released_talker(dims: str, shallow: bool) -> tuple[dict, str]:
-    """The released talker config of a model size (shallow: two layers in talker and code predictor)."""
+def _released_talker(dims: str, layers: int | None) -> tuple[dict, str]:
+    """The released talker config of a model size (with `layers`, that many in talker and code predictor)."""
     config = released_file(f"{dims}-customvoice-config.json")
     talker = config["talker_config"]
-    if shallow:
-        talker["num_hidden_layers"] = SHALLOW_LAYERS
+    if layers is not None:
+        talker["num_hidden_layers"] = layers
         predictor = talker["code_predictor_config"]
-        predictor["num_hidden_layers"] = SHALLOW_LAYERS
-        predictor["layer_types"] = predictor["layer_types"][:SHALLOW_LAYERS]
+        predictor["num_hidden_layers"] = layers
+        predictor["layer_types"] = predictor["layer_types"][:layers]
     return talker, config["tts_model_size"]
 
 
@@ -406,7 +406,7 @@ def build_tiny_model(
     predictor_hidden: int | None = None,
     predictor_layers: int = 2,
     dims: str = "tiny",
-    shallow: bool = False,
+    layers: int | None = None,
     kind: str = "custom-voice",
     acceptance: str = "none",
 ) -> Path:
@@ -416,8 +416,9 @@ def build_tiny_model(
     vocabulary), `code_groups` the codes per frame (c0 plus code_groups - 1 residual codes), and a
     `predictor_hidden` different from `talker_hidden` gives the 1.7B layout, with a projection in front
     of the code predictor. `dims="0.6b"` or `"1.7b"`: the released configuration of that model
-    (rvqtts/tuning/released/), stored in bfloat16; with `shallow`, two layers in talker and code predictor and
-    a small speech tokenizer (released widths and heads, cheap enough for tests).
+    (rvqtts/tuning/released/), stored in bfloat16; with `layers` (SHALLOW_LAYERS for `--shallow`), that many
+    layers in talker and code predictor and a small speech tokenizer (released widths and heads, cheap enough
+    for tests).
 
     `kind`: custom-voice (built-in speakers), base (voice cloning: a speaker encoder, no speakers) or
     voice-design (described voices: no speakers; released at 1.7B only). Base and VoiceDesign at the
@@ -434,8 +435,10 @@ def build_tiny_model(
         raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if kind == "voice-design" and dims == "0.6b":
         raise ValueError("VoiceDesign is released at 1.7B only: use --dims 1.7b or --dims tiny")
-    if shallow and dims == "tiny":
+    if layers is not None and dims == "tiny":
         raise ValueError("--shallow keeps the released widths: use it with --dims 0.6b or --dims 1.7b")
+    if layers is not None and layers < 1:
+        raise ValueError(f"a shallow checkpoint needs at least one layer, got {layers}")
     if acceptance not in ACCEPTANCES:
         raise ValueError(f"--acceptance must be one of {', '.join(ACCEPTANCES)}, got {acceptance!r}")
     if acceptance == "paper" and dims != "0.6b":
@@ -463,7 +466,7 @@ def build_tiny_model(
             )
             generation, dtype = GENERATION_DEFAULTS, torch.float32
         else:
-            talker, model_size = _released_talker(dims, shallow)
+            talker, model_size = _released_talker(dims, layers)
             generation, dtype = released_file("generation_config.json"), torch.bfloat16
         if kind == "voice-design":
             model_size = "1b7"  # its only released size (qwen-tts drops instructions for a 0.6B's)
@@ -475,11 +478,11 @@ def build_tiny_model(
             seed,
             dtype,
             kind,
-            small_encoder=dims == "tiny" or shallow,
+            small_encoder=dims == "tiny" or layers is not None,
             acceptance=acceptance,
         )
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        if dims == "tiny" or shallow:
+        if dims == "tiny" or layers is not None:
             speech = _tiny_speech_tokenizer_config(codebook, code_groups)
         else:
             speech = qwen_tts().core.Qwen3TTSTokenizerV2Config.from_dict(released_file("speech_tokenizer-config.json"))
