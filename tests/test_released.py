@@ -87,7 +87,10 @@ def test_speculative_codes_equal_plain_codes_in_every_dtype(dims, dtype, request
     hidden = synth.hidden_size
     offsets = Offsets(torch.randn(3, hidden, generator=torch.Generator().manual_seed(3)) * 0.5)
     speculation = Speculation(resolve_tree("15"), offsets)
-    frames = 30 if dims == "0.6b" else 10  # the 1.7B's predictor is the 0.6B's behind an input projection
+    # The 0.6B in bfloat16 runs long enough to show a rare differing frame (on AMX its rows are invariant: none may
+    # differ); elsewhere the allowance is for near-ties flipped in the last bit, and 10 frames show a broken
+    # verifier, which differs on nearly every frame (the 1.7B's predictor is the 0.6B's behind an input projection).
+    frames = 30 if (dims, dtype) == ("0.6b", "bfloat16") else 10
     plain, _ = decode_frames(synth, None, frames)
     spec, stats = decode_frames(synth, speculation, frames)
     differing = np.flatnonzero((plain != spec).any(axis=1)).tolist()

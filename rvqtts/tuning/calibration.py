@@ -2,37 +2,60 @@
 per call measured by running the engine itself.
 
 Frames come as predictor prefixes [h_t, embedding of c0] (rvqtts.tuning.contexts). Codes are sampled
-free-running by the plain inner loop, as a user's run would sample them; the hidden states h_1..h_15 of
-those codes come from one batched teacher-forced pass (rvqtts.tuning.drafts).
+free-running by the plain inner loop, and codes per call counted by the speculative one, FRAMES_PER_CALL frames
+at a time, a batch row each (rvqtts.engine.decode_rows: one call carries them all, as a batch's lines), each
+frame with the noise and tree rounds it gets alone; the hidden states h_1..h_15 of those codes come from one
+batched teacher-forced pass (rvqtts.tuning.drafts).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
 import torch
 
 from rvqtts.engine.decode import Speculation
+from rvqtts.engine.decode_rows import decode_frames_plain, decode_frames_speculative
+from rvqtts.engine.inner_loop import LoopParts
 from rvqtts.engine.offsets import Offsets, predictor_fingerprint
-from rvqtts.engine.sampling import SamplingConfig, entropy_bits, target_probs
+from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.sampling import SamplingConfig, entropy_bits, gumbel_noise, target_probs
 from rvqtts.engine.tree import Tree, grow_tree
 from rvqtts.tuning.contexts import Contexts
 from rvqtts.tuning.drafters import OffsetDrafter
 from rvqtts.tuning.drafts import DraftData, draft_logits, draft_ranks, frozen_draft_data, head_weights, top1_by_depth
 
 MAX_RANK = 16  # ranks per depth an acceptance table records; greedy trees rarely reach past rank 10
+FRAMES_PER_CALL = 32  # frames decoded together, a batch row each
+
+
+def frame_batches(
+    runner: PredictorRunner, prefixes: torch.Tensor, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The prefixes FRAMES_PER_CALL at a time with their noise [n, G-1, V], frame f keyed (seed, 0, f) as the
+    inner loop keys an utterance's frames."""
+    positions = np.arange(1, runner.code_groups)
+    for start in range(0, len(prefixes), FRAMES_PER_CALL):
+        chunk = prefixes[start : start + FRAMES_PER_CALL].to(runner.device, runner.dtype)
+        noise = [gumbel_noise(seed, 0, f, positions, runner.vocab_size) for f in range(start, start + len(chunk))]
+        yield chunk, torch.from_numpy(np.stack(noise)).to(runner.device)
 
 
 def sample_codes(
     code_predictor, prefixes: torch.Tensor, seed: int, sampling: SamplingConfig = SamplingConfig()
 ) -> np.ndarray:
-    """Free-running codes c1..c15 [n, 15] from the plain inner loop, frame f keyed (seed, 0, f)."""
-    from rvqtts.engine.inner_loop import InnerLoop
-
-    loop = InnerLoop(code_predictor, None, seed)
-    return np.array([loop.decode(p, sampling, 0, f) for f, p in enumerate(prefixes)], dtype=np.int64)
+    """Free-running codes c1..c15 [n, 15] from the plain inner loop, frame f keyed (seed, 0, f); the codes each
+    frame gets alone where the kernels keep rows invariant (elsewhere a near-tie may draw the other code)."""
+    runner = LoopParts.build(code_predictor, None, False).runner
+    codes = [
+        frame
+        for chunk, noise in frame_batches(runner, prefixes, seed)
+        for frame in decode_frames_plain(runner, chunk, noise, sampling)
+    ]
+    return np.array(codes, dtype=np.int64).reshape(len(prefixes), runner.code_groups - 1)
 
 
 def free_running_data(
@@ -101,15 +124,15 @@ def codes_per_call(
 ) -> dict:
     """Codes per predictor call of the engine's speculative loop over these frames, overall and per language,
     with a 95 % interval from the spread of per-frame calls."""
-    from rvqtts.engine.inner_loop import InnerLoop
-
-    loop = InnerLoop(code_predictor, speculation, seed)
-    calls = []
-    for f, prefix in enumerate(prefixes):
-        before = loop.stats.calls
-        loop.decode(prefix, sampling, 0, f)
-        calls.append(loop.stats.calls - before)
-    return summarize_calls(np.array(calls), languages, loop.runner.code_groups - 1)
+    parts = LoopParts.build(code_predictor, speculation, False)
+    calls = [
+        frame.calls
+        for chunk, noise in frame_batches(parts.runner, prefixes, seed)
+        for frame in decode_frames_speculative(
+            parts.runner, chunk, noise, sampling, [speculation] * len(chunk), parts.offsets
+        )
+    ]
+    return summarize_calls(np.array(calls), languages, parts.runner.code_groups - 1)
 
 
 def summarize_calls(calls: np.ndarray, languages: list[str], codes: int) -> dict:
