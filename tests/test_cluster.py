@@ -362,7 +362,11 @@ def test_a_driver_whose_ray_node_dies_stops_with_one_line_and_keeps_its_files(ti
         while not list(out.glob("*.wav")) and time.monotonic() < deadline and driver.poll() is None:
             time.sleep(0.2)
         raylets = [p for p in psutil.Process(driver.pid).children(recursive=True) if "raylet" in " ".join(p.cmdline())]
-        assert len(raylets) == 1 and driver.poll() is None
+        assert len(raylets) == 1 and driver.poll() is None, (
+            raylets,
+            driver.poll(),
+            sorted(p.name for p in out.glob("*")),
+        )
         raylets[0].kill()
         _, stderr = driver.communicate(timeout=120)
     finally:
@@ -370,7 +374,7 @@ def test_a_driver_whose_ray_node_dies_stops_with_one_line_and_keeps_its_files(ti
             driver.kill()
     assert driver.returncode == 1 and "the Ray node on this machine died" in stderr, stderr[-2000:]
     written = [p for p in out.iterdir() if p.suffix == ".wav"]
-    assert written and len(manifest(out)) == len(written)  # whole files, each with its entry
+    assert written and len(manifest(out)) == len(written), (written, manifest(out))  # whole files, each with its entry
 
 
 def test_a_worker_speaks_its_lines_together_as_each_alone(cluster, tiny_dir, measured):
