@@ -37,7 +37,7 @@ def bench_dtype(
     whose 15 codes all agree when each runs free, and the codes a free-running frame gets right before its first
     difference; with the two loops' ms per frame, timed frame by frame in turn."""
     from rvqtts.engine.inner_loop import InnerLoop, LoopParts
-    from rvqtts.engine.sampling import draw, gumbel_noise
+    from rvqtts.engine.sampling import draw, residual_noise
 
     loops = {
         "reference": InnerLoop(reference, None, seed),
@@ -58,8 +58,7 @@ def bench_dtype(
             ours, theirs = codes["candidate"], codes["reference"]
             frames_equal += ours == theirs
             before_first += next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), last)
-            noise = torch.from_numpy(gumbel_noise(seed, 0, frame, list(range(1, last + 1)), runner.vocab_size))
-            noise = noise.to(runner.device)
+            noise = residual_noise(seed, 0, frame, runner.code_groups, runner.vocab_size).to(runner.device)
             hidden = runner.prefill(prefix.to(runner.device, runner.dtype))
             for index in range(1, last + 1):  # c_index drawn by the candidate after the reference's c_<index
                 if index > 1:
@@ -92,19 +91,17 @@ def bench_fused(
     """A fused decoder (a Core ML package, or PyTorch in float16 standing in for one off macOS) against the
     float32 PyTorch engine on the same frames and noise: how many codes and whole frames agree, speculative
     and plain, the candidate's codes per call, and its milliseconds per frame both ways (interleaved)."""
-    import numpy as np
 
     from rvqtts.engine.decode import DecodeStats
     from rvqtts.engine.inner_loop import InnerLoop
-    from rvqtts.engine.sampling import gumbel_noise
+    from rvqtts.engine.sampling import residual_noise
 
     engine = InnerLoop(code_predictor, speculation, seed)
-    positions = np.arange(1, engine.code_groups)
     spec_stats, plain_stats = DecodeStats(), DecodeStats()
     same = {"spec": [0, 0], "plain": [0, 0]}  # codes, frames
     seconds = {"spec": 0.0, "plain": 0.0}
     for frame, prefix in enumerate(prefixes):
-        noise = torch.from_numpy(gumbel_noise(seed, 0, frame, positions, engine.vocab_size))
+        noise = residual_noise(seed, 0, frame, engine.code_groups, engine.vocab_size)
         reference = engine.decode(prefix, sampling, 0, frame)
         for mode, decode, stats in (
             ("spec", candidate.decode, spec_stats),

@@ -29,7 +29,7 @@ from rvqtts.engine.devices import synchronize
 from rvqtts.engine.frame_loop import draw_c0
 from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.sampling import C0Rules, SamplingConfig, gumbel_noise
+from rvqtts.engine.sampling import C0Rules, SamplingConfig, residual_noise
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.prompt import Prompt
 
@@ -154,20 +154,17 @@ class BatchFrameLoop:
                 for i, (slot, _) in enumerate(ready)
             ]
         )
-        positions = np.arange(1, self.predictor.code_groups)
-        noise = torch.from_numpy(
-            np.stack(
-                [
-                    gumbel_noise(
-                        rows[slot].work.seed,
-                        rows[slot].work.utterance,
-                        rows[slot].work.frame,
-                        positions,
-                        self.predictor.vocab_size,
-                    )
-                    for slot, _ in ready
-                ]
-            )
+        noise = torch.stack(
+            [
+                residual_noise(
+                    rows[slot].work.seed,
+                    rows[slot].work.utterance,
+                    rows[slot].work.frame,
+                    self.predictor.code_groups,
+                    self.predictor.vocab_size,
+                )
+                for slot, _ in ready
+            ]
         )
         between = time.perf_counter()
         rests = self._inner_loop(prefixes, noise.to(self.predictor.device), [rows[slot].work for slot, _ in ready])

@@ -24,7 +24,7 @@ from rvqtts.engine.fused import FusedDecoder
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
+from rvqtts.engine.sampling import SamplingConfig, residual_noise
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,7 @@ class InnerLoop:
 
     def decode(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
         """The codes c1..c_{G-1} of one frame; `prefix` is [h_t, embedding of c0], shape [2, E]."""
-        positions = np.arange(1, self.code_groups)
-        noise = torch.from_numpy(gumbel_noise(self.seed, utterance, frame, positions, self.vocab_size))
-        noise = noise.to(self.device)
+        noise = residual_noise(self.seed, utterance, frame, self.code_groups, self.vocab_size).to(self.device)
         if self.fused is not None:
             if sampling != self.fused.sampling:
                 raise ValueError(

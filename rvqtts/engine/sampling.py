@@ -156,6 +156,11 @@ def _fold(key: np.ndarray, field: np.ndarray | int) -> np.ndarray:
     return _mix(key + np.asarray(field, dtype=np.int64).astype(np.uint64) + GOLDEN)
 
 
+def residual_noise(seed: int, utterance: int, frame: int, code_groups: int, vocab: int) -> torch.Tensor:
+    """The noise a frame's residual codes c1..c_{G-1} are drawn with ([G-1, vocab], float32, on the CPU)."""
+    return torch.from_numpy(gumbel_noise(seed, utterance, frame, np.arange(1, code_groups), vocab))
+
+
 def gumbel_noise(seed: int, utterance: int, frame: int, positions: np.ndarray | list[int], vocab: int) -> np.ndarray:
     """Gumbel noise of shape [len(positions), vocab], float32, for the given key fields.
 

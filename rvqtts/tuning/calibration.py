@@ -22,7 +22,7 @@ from rvqtts.engine.decode_rows import decode_frames_plain, decode_frames_specula
 from rvqtts.engine.inner_loop import LoopParts
 from rvqtts.engine.offsets import Offsets, predictor_fingerprint
 from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.sampling import SamplingConfig, entropy_bits, gumbel_noise, target_probs
+from rvqtts.engine.sampling import SamplingConfig, entropy_bits, residual_noise, target_probs
 from rvqtts.engine.tree import Tree, grow_tree
 from rvqtts.tuning.contexts import Contexts
 from rvqtts.tuning.drafters import OffsetDrafter
@@ -37,11 +37,11 @@ def frame_batches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The prefixes FRAMES_PER_CALL at a time with their noise [n, G-1, V], frame f keyed (seed, 0, f) as the
     inner loop keys an utterance's frames."""
-    positions = np.arange(1, runner.code_groups)
     for start in range(0, len(prefixes), FRAMES_PER_CALL):
         chunk = prefixes[start : start + FRAMES_PER_CALL].to(runner.device, runner.dtype)
-        noise = [gumbel_noise(seed, 0, f, positions, runner.vocab_size) for f in range(start, start + len(chunk))]
-        yield chunk, torch.from_numpy(np.stack(noise)).to(runner.device)
+        frames = range(start, start + len(chunk))
+        noise = torch.stack([residual_noise(seed, 0, f, runner.code_groups, runner.vocab_size) for f in frames])
+        yield chunk, noise.to(runner.device)
 
 
 def sample_codes(
