@@ -11,6 +11,7 @@ Ray is an optional extra (`pip install 'rvqtts[ray]'`); this module imports it o
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections import deque
@@ -364,7 +365,7 @@ def _run(
             waiting = time.perf_counter()
             actor, record, items, sent = calls.pop(ready[0])
             try:
-                answer = ray.get(ready[0])
+                answer = _owned(ray.get(ready.pop()))
             except RayTaskError as error:  # the call itself raised
                 if items is None:
                     raise ClusterError(
@@ -413,6 +414,16 @@ def _check_this_node(ray) -> None:
             "the batch: start Ray again (or use --ray auto) and rerun the command to make the "
             "rest"
         )
+
+
+def _owned(answer):
+    """A worker's answer copied out of Ray's object store, so that the driver holds nothing of it there.
+
+    Ray hands large answers (a line's audio) back through the shared memory of the driver's node, its arrays
+    mapped rather than copied. If that node's raylet dies, Ray ends the driver's process (exit 1, no message)
+    when it frees such an array or tries to recover an answer still referenced; holding copies, and no
+    reference, the driver lives to notice its node died and say so."""
+    return copy.deepcopy(answer)
 
 
 def _loaded(record: WorkerRecord, answer: dict, ours: str, wants_instruct: bool, batch: ClusterBatch) -> None:
