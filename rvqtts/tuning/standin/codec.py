@@ -4,6 +4,9 @@ A frame is 80 ms: four 20 ms hops of a 32-band log-mel spectrum, 128 numbers, no
 Level 0 quantizes the frame, each further level the residual left by the levels above it (k-means per
 level, deterministic for a seed). Decoding sums the chosen entries; `to_audio` inverts the mel
 spectrum with Griffin-Lim, which is enough to listen to.
+
+The spectra are numpy's and torch's own: librosa's STFT gives the same bits (`frame_features` was built on
+it), but its first use in an environment compiles librosa's numba functions, about half a minute.
 """
 
 from __future__ import annotations
@@ -28,14 +31,51 @@ def _mel_basis() -> np.ndarray:
     return librosa.filters.mel(sr=SAMPLE_RATE, n_fft=N_FFT, n_mels=MELS, fmin=40.0, fmax=8000.0)
 
 
+def _hann() -> np.ndarray:
+    """The periodic Hann window of N_FFT points, float64."""
+    import scipy.signal
+
+    return scipy.signal.get_window("hann", N_FFT, fftbins=True)
+
+
+def power_spectrum(audio: np.ndarray) -> np.ndarray:
+    """|STFT|^2 [N_FFT // 2 + 1, hops] of float32 audio, each hop's frame centred on it (zero padding):
+    librosa.stft(audio, n_fft=N_FFT, hop_length=HOP, center=True)'s bits, squared."""
+    padded = np.pad(audio, N_FFT // 2)
+    frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP].T  # [N_FFT, hops]
+    spectrum = np.fft.rfft(_hann()[:, None] * frames, axis=0).astype(np.complex64)
+    return np.abs(spectrum) ** 2
+
+
 def frame_features(audio: np.ndarray) -> np.ndarray:
     """Log-mel features [frames, HOPS_PER_FRAME * MELS] of 24 kHz audio (a partial last frame is dropped)."""
-    import librosa
-
-    power = np.abs(librosa.stft(audio, n_fft=N_FFT, hop_length=HOP, center=True)) ** 2
-    mel = np.log(_mel_basis() @ power + 1e-6).T  # [hops, MELS]
+    mel = np.log(_mel_basis() @ power_spectrum(audio) + 1e-6).T  # [hops, MELS]
     frames = mel.shape[0] // HOPS_PER_FRAME
     return mel[: frames * HOPS_PER_FRAME].reshape(frames, HOPS_PER_FRAME * MELS).astype(np.float32)
+
+
+def griffin_lim(magnitude: np.ndarray, iterations: int = 32, momentum: float = 0.99, seed: int = 0) -> np.ndarray:
+    """Audio whose STFT magnitude approximates `magnitude` [N_FFT // 2 + 1, hops]: fast Griffin-Lim (Perraudin,
+    Balazs and Sondergaard 2013), from random phases (seeded)."""
+    window = torch.from_numpy(_hann())
+    target = torch.from_numpy(magnitude).double()
+    length = HOP * (target.shape[1] - 1)
+
+    def stft(audio: torch.Tensor) -> torch.Tensor:
+        return torch.stft(audio, N_FFT, HOP, window=window, center=True, pad_mode="constant", return_complex=True)
+
+    def istft(spectrum: torch.Tensor) -> torch.Tensor:
+        return torch.istft(spectrum, N_FFT, HOP, window=window, center=True, length=length)
+
+    generator = torch.Generator().manual_seed(seed)
+    phases = torch.polar(torch.ones_like(target), 2 * torch.pi * torch.rand(target.shape, generator=generator).double())
+    previous = torch.zeros_like(phases)
+    for _ in range(iterations):
+        rebuilt = stft(istft(target * phases))
+        phases = rebuilt - momentum / (1 + momentum) * previous
+        phases = phases / (phases.abs() + 1e-16)
+        previous = rebuilt
+    return istft(target * phases).float().numpy()
 
 
 def _nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -101,13 +141,11 @@ class ResidualCodec:
         return total * self.std + self.mean
 
     def to_audio(self, codes: np.ndarray) -> np.ndarray:
-        """Audio to listen to: the decoded mel spectrum inverted by Griffin-Lim."""
-        import librosa
-
-        mel = np.exp(self.decode(codes).reshape(-1, MELS).T)
-        return librosa.feature.inverse.mel_to_audio(
-            mel, sr=SAMPLE_RATE, n_fft=N_FFT, hop_length=HOP, fmin=40.0, fmax=8000.0, n_iter=32
-        ).astype(np.float32)
+        """Audio to listen to: the decoded mel spectrum to a power spectrum (least squares, clipped at 0),
+        then Griffin-Lim."""
+        mel = np.exp(self.decode(codes).reshape(-1, MELS).T)  # [MELS, hops]
+        power = np.maximum(np.linalg.pinv(_mel_basis()) @ mel, 0.0)
+        return griffin_lim(np.sqrt(power))
 
     def save(self, path: Path) -> None:
         """The codebooks are stored in float16 (half the size; decoding is for listening only)."""
