@@ -147,14 +147,14 @@ def test_a_killed_workers_line_is_made_by_another(cluster, corpus, local, tiny_d
             killed.append(result.worker.pid)
             os.kill(killed[0], signal.SIGKILL)
 
-    out = tmp_path / "out"
+    out = tmp_path / "out"  # one worker: the line it was handed next goes to the worker started in its place
     batch = synthesize_batch_on_ray(
-        read_batch(corpus), out, WorkerSpec(str(tiny_dir)), RUN, workers=2, on_done=kill_a_worker
+        read_batch(corpus), out, WorkerSpec(str(tiny_dir)), RUN, workers=1, on_done=kill_a_worker
     )
     assert killed and [r.status for r in batch.results] == ["done", "failed", "done", "done", "done"]
     assert_same_outputs(out, local)
     totals = batch.totals()
-    assert totals["workers_died"] == 1 and totals["retried_lines"] >= 1 and totals["workers"] == 3
+    assert totals["workers_died"] == 1 and totals["retried_lines"] == 1 and totals["workers"] == 2
     assert [w.pid for w in batch.workers if not w.alive] == killed
 
 
