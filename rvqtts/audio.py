@@ -1,5 +1,5 @@
 """Audio out: joining chunks with a short crossfade; WAV, FLAC or Ogg files written atomically, whole or as
-a stream; WAV or raw PCM on standard output."""
+a stream; WAV or raw PCM on standard output. Audio in: files read and resampled as qwen-tts would."""
 
 from __future__ import annotations
 
@@ -14,6 +14,29 @@ import numpy as np
 from rvqtts.files import atomic_path, write_atomically
 
 CROSSFADE_SECONDS = 0.05
+
+
+def read_mono(path: str | Path) -> tuple[np.ndarray, int]:
+    """A sound file's float32 samples, its channels averaged, and their rate: librosa.load(path, sr=None)'s
+    for a file soundfile reads (the channels' mean is taken over the same contiguous axis)."""
+    import soundfile
+
+    samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    return samples.mean(axis=1), int(rate)
+
+
+def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
+    """Mono float32 samples at `target` Hz as qwen-tts resamples them with librosa.resample's default: soxr
+    at high quality, cut or zero-padded to ceil(n * target / rate) samples. Given audio at its own rate,
+    qwen-tts does not resample: done here, it spares the first run in an environment the compilation of
+    librosa's numba functions (about 25 s) that librosa's resampling starts."""
+    if rate == target:
+        return samples
+    import soxr
+
+    length = int(np.ceil(samples.shape[0] * float(target) / rate))
+    out = soxr.resample(samples, rate, target, quality="soxr_hq")[:length]
+    return np.pad(out, (0, length - out.shape[0])).astype(samples.dtype, copy=False)
 
 
 class StreamJoiner:

@@ -2,7 +2,7 @@
 
 qwen-tts owns the encoding (`create_voice_clone_prompt`: the speaker encoder's embedding of the reference
 and, in ICL mode, the speech tokenizer's codes of it, with its transcript); rvqtts reads the reference
-(soundfile, mixed to mono; qwen-tts resamples it to 24 kHz), refuses audio that cannot clone a voice
+(soundfile, mixed to mono, resampled to 24 kHz as qwen-tts would: rvqtts.audio), refuses audio that cannot clone a voice
 (unreadable, silent, too short, NaN), and stores an encoded voice as a file so a voice is encoded once
 (`save_voice` / `load_voice`: safetensors with the embedding, the codes and string metadata).
 
@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rvqtts.audio import read_mono, resample
 from rvqtts.engine.offsets import weight_digest
 from rvqtts.files import write_atomically
 
@@ -123,10 +124,9 @@ def read_reference(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     if not path.is_file():
         raise VoiceError(f"no reference audio file {path}")
     try:
-        samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+        samples, rate = read_mono(path)
     except (RuntimeError, soundfile.LibsndfileError, OSError) as error:  # not audio, or a format it cannot read
         raise VoiceError(f"cannot read reference audio {path}: {error} (give a .wav, .flac or .ogg file)") from error
-    samples = samples.mean(axis=1)
     seconds = samples.size / rate
     if seconds < MIN_REFERENCE_SECONDS:
         raise VoiceError(
@@ -140,13 +140,16 @@ def read_reference(path: str | os.PathLike) -> tuple[np.ndarray, int]:
             f"reference audio {path} is silent (its loudest sample is below -60 dBFS): give a "
             "recording of the voice speaking"
         )
-    return samples, int(rate)
+    return samples, rate
 
 
 def encode_voice(tts: object, source: VoiceSource) -> ClonedVoice:
     """Encode reference audio with qwen-tts's `create_voice_clone_prompt` on the Base model `tts`;
     VoiceError for audio that cannot be read or encoded."""
     samples, rate = read_reference(source.ref_audio)
+    speech_rate = int(tts.model.speech_tokenizer.feature_extractor.sampling_rate)
+    if tts.model.speaker_encoder_sample_rate == speech_rate:  # both encoders take it at this rate: the same bits
+        samples, rate = resample(samples, rate, speech_rate), speech_rate
     try:
         (item,) = tts.create_voice_clone_prompt(
             ref_audio=(samples, rate), ref_text=source.ref_text, x_vector_only_mode=source.x_vector_only

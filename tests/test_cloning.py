@@ -264,3 +264,44 @@ def test_offsets_and_trees_are_made_on_a_base_model_in_a_cloned_voice(base, tmp_
         "-q",
     )
     assert made.exit_code == 0 and (tmp_path / "trees" / "reused-heads-n4.json").is_file(), made.output
+
+
+def test_audio_is_resampled_as_librosa_resamples_by_default():
+    """rvqtts.audio.resample is librosa.resample's default (soxr at high quality, cut or zero-padded to
+    ceil(n * target / rate) samples), the resampling qwen-tts applies, so a reference or a recording made
+    at any rate encodes to the bits qwen-tts gets from it (librosa itself is not called: its first use
+    compiles numba functions for half a minute)."""
+    import soxr
+
+    from rvqtts.audio import resample
+
+    rng = np.random.default_rng(4)
+    for size, rate in [(72000, 48000), (32007, 16000), (88203, 44100), (1001, 48000)]:
+        samples = (rng.standard_normal(size) * 0.1).astype(np.float32)
+        out = resample(samples, rate, 24000)
+        length = -(-size * 24000 // rate)
+        whole = soxr.resample(samples, rate, 24000, quality="soxr_hq")
+        assert out.dtype == np.float32 and out.shape == (length,)
+        assert np.array_equal(out[: len(whole)], whole[:length]) and not out[len(whole) :].any()
+    assert resample(samples, 24000, 24000) is samples
+
+
+def test_a_recording_soundfile_cannot_read_goes_to_qwen_tts_by_its_path(tmp_path, monkeypatch):
+    import rvqtts.tuning.contexts as contexts
+
+    class Tokenizer:
+        feature_extractor = type("Extractor", (), {"sampling_rate": 24000})
+
+        def encode(self, audio, sr=None):
+            self.given = (audio, sr)
+            return type("Encoded", (), {"audio_codes": [torch.zeros(2, 16, dtype=torch.long)]})
+
+    stereo = tmp_path / "a.wav"
+    soundfile.write(stereo, np.full((48000, 2), 0.25, dtype=np.float32), 48000)
+    tokenizer = Tokenizer()
+    assert contexts.speech_codes(tokenizer, stereo).shape == (2, 16)
+    samples, rate = tokenizer.given
+    assert rate == 24000 and samples.shape == (24000,) and samples.dtype == np.float32  # mixed, then resampled
+    monkeypatch.setattr(contexts, "read_mono", lambda path: (_ for _ in ()).throw(RuntimeError("unknown format")))
+    contexts.speech_codes(tokenizer, stereo)
+    assert tokenizer.given == (str(stereo), None)  # librosa.load's fallbacks (audioread) read what soundfile cannot

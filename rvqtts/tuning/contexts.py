@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from rvqtts.audio import read_mono, resample
 from rvqtts.batch import voice_for
 from rvqtts.files import write_atomically
 
@@ -173,6 +174,20 @@ class AudioPair:
     language: str | None = None
 
 
+def speech_codes(tokenizer, path: Path) -> np.ndarray:
+    """A recording's frames of codes [frames, 16] by the model's speech tokenizer: read and resampled here as
+    qwen-tts would (rvqtts.audio: the same samples, without compiling librosa's numba functions), or read
+    by qwen-tts where soundfile cannot read the file."""
+    import soundfile
+
+    rate = int(tokenizer.feature_extractor.sampling_rate)
+    try:
+        samples, file_rate = read_mono(path)
+    except (RuntimeError, soundfile.LibsndfileError, OSError):  # a format only librosa's fallbacks read
+        return tokenizer.encode(str(path)).audio_codes[0].cpu().numpy()
+    return tokenizer.encode(resample(samples, file_rate, rate), sr=rate).audio_codes[0].cpu().numpy()
+
+
 def read_audio_pairs(path: str | os.PathLike) -> list[AudioPair]:
     """A .jsonl file of {"audio": file, "text": transcript, optional "speaker", "language"}; audio paths
     are relative to the file's folder. Every line is checked before anything runs."""
@@ -225,7 +240,7 @@ def force_contexts(
     codes: list[np.ndarray] = []
     languages: list[str] = []
     for number, pair in enumerate(pairs):
-        frames = synthesizer.model.speech_tokenizer.encode(str(pair.audio)).audio_codes[0].cpu().numpy()
+        frames = speech_codes(synthesizer.model.speech_tokenizer, pair.audio)
         voice = voice_for(synthesizer, pair.speaker or speaker, pair.language or language, instruct, clone)
         spoken = voice["language"]
 
