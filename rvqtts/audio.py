@@ -16,12 +16,20 @@ from rvqtts.files import atomic_path, write_atomically
 CROSSFADE_SECONDS = 0.05
 
 
+class UnreadableAudio(Exception):
+    """A file soundfile cannot read: not audio, or a format it does not know (its message says which)."""
+
+
 def read_mono(path: str | Path) -> tuple[np.ndarray, int]:
     """A sound file's float32 samples, its channels averaged, and their rate: librosa.load(path, sr=None)'s
-    for a file soundfile reads (the channels' mean is taken over the same contiguous axis)."""
+    for a file soundfile reads (the channels' mean is taken over the same contiguous axis); UnreadableAudio
+    for one it cannot read."""
     import soundfile
 
-    samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    try:
+        samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
+    except (RuntimeError, soundfile.LibsndfileError, OSError) as error:
+        raise UnreadableAudio(str(error)) from error
     return samples.mean(axis=1), int(rate)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rvqtts.audio import read_mono, resample
+from rvqtts.audio import UnreadableAudio, read_mono, resample
 from rvqtts.engine.offsets import weight_digest
 from rvqtts.files import write_atomically
 
@@ -118,14 +118,12 @@ def encoder_fingerprint(model: torch.nn.Module) -> str:
 def read_reference(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     """Reference audio as float32 mono samples and their rate; VoiceError for a file that is missing,
     unreadable, too short, silent or not finite."""
-    import soundfile
-
     path = Path(path).expanduser()
     if not path.is_file():
         raise VoiceError(f"no reference audio file {path}")
     try:
         samples, rate = read_mono(path)
-    except (RuntimeError, soundfile.LibsndfileError, OSError) as error:  # not audio, or a format it cannot read
+    except UnreadableAudio as error:
         raise VoiceError(f"cannot read reference audio {path}: {error} (give a .wav, .flac or .ogg file)") from error
     seconds = samples.size / rate
     if seconds < MIN_REFERENCE_SECONDS:

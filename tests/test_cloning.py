@@ -288,6 +288,7 @@ def test_audio_is_resampled_as_librosa_resamples_by_default():
 
 def test_a_recording_soundfile_cannot_read_goes_to_qwen_tts_by_its_path(tmp_path, monkeypatch):
     import rvqtts.tuning.contexts as contexts
+    from rvqtts.audio import UnreadableAudio
 
     class Tokenizer:
         feature_extractor = type("Extractor", (), {"sampling_rate": 24000})
@@ -302,6 +303,10 @@ def test_a_recording_soundfile_cannot_read_goes_to_qwen_tts_by_its_path(tmp_path
     assert contexts.speech_codes(tokenizer, stereo).shape == (2, 16)
     samples, rate = tokenizer.given
     assert rate == 24000 and samples.shape == (24000,) and samples.dtype == np.float32  # mixed, then resampled
-    monkeypatch.setattr(contexts, "read_mono", lambda path: (_ for _ in ()).throw(RuntimeError("unknown format")))
+
+    def unreadable(path):
+        raise UnreadableAudio("unknown format")
+
+    monkeypatch.setattr(contexts, "read_mono", unreadable)
     contexts.speech_codes(tokenizer, stereo)
     assert tokenizer.given == (str(stereo), None)  # librosa.load's fallbacks (audioread) read what soundfile cannot

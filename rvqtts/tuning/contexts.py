@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rvqtts.audio import read_mono, resample
+from rvqtts.audio import UnreadableAudio, read_mono, resample
 from rvqtts.batch import voice_for
 from rvqtts.files import write_atomically
 
@@ -178,12 +178,10 @@ def speech_codes(tokenizer, path: Path) -> np.ndarray:
     """A recording's frames of codes [frames, 16] by the model's speech tokenizer: read and resampled here as
     qwen-tts would (rvqtts.audio: the same samples, without compiling librosa's numba functions), or read
     by qwen-tts where soundfile cannot read the file."""
-    import soundfile
-
     rate = int(tokenizer.feature_extractor.sampling_rate)
     try:
         samples, file_rate = read_mono(path)
-    except (RuntimeError, soundfile.LibsndfileError, OSError):  # a format only librosa's fallbacks read
+    except UnreadableAudio:  # a format only librosa's fallbacks read
         return tokenizer.encode(str(path)).audio_codes[0].cpu().numpy()
     return tokenizer.encode(resample(samples, file_rate, rate), sr=rate).audio_codes[0].cpu().numpy()
 
