@@ -286,8 +286,15 @@ def conclude(
 
 
 def to_do(utterances: list[Utterance], out_dir: Path, force: bool = False) -> list[Utterance]:
-    """The utterances whose output is not in `out_dir` yet (all of them with `force`)."""
-    return [item for item in utterances if force or not (out_dir / item.name).exists()]
+    """The utterances whose output is not in `out_dir` yet, or not in its manifest (all of them with `force`).
+
+    A file is written before its manifest entry, so a batch stopped between the two (killed, Ctrl-C) leaves a
+    whole file that the manifest does not list: that line is made again (the same bytes: its noise is keyed
+    by its line), so that a resumed batch's manifest lists every output, as a full run's does."""
+    if force:
+        return list(utterances)
+    listed = Manifest(out_dir).entries
+    return [item for item in utterances if item.name not in listed or not (out_dir / item.name).exists()]
 
 
 def synthesize_batch(

@@ -6,7 +6,8 @@ the manifest in line order. So the output folder only has to exist where the dri
 batch leaves whole files, and a rerun (resume) redoes only the missing ones. A line whose worker dies goes
 back to the front of the queue and a new worker takes the dead one's place.
 
-Ray is an optional extra (`pip install 'rvqtts[ray]'`); this module imports it only when a batch runs.
+Ray is an optional extra (`pip install -e '.[ray]'` in rvqtts's checkout); this module imports it only when a
+batch runs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rvqtts.batch import BatchResult, Manifest, Utterance, attempt_many, conclud
 from rvqtts.batch_size import choose_batch_size
 from rvqtts.engine.sampling import NonFiniteError
 
-INSTALL_HINT = "pip install 'rvqtts[ray]' (in a checkout: pip install -e '.[ray]')"
+INSTALL_HINT = "pip install -e '.[ray]' (from rvqtts's checkout folder; rvqtts is not on PyPI)"
 DEATHS_PER_LINE = 3  # a line whose workers died this often is reported failed rather than tried again
 START_TIMEOUT = 600.0  # seconds to wait for a first worker the cluster cannot place before giving up
 MEASURED_LINES = 64  # what a worker's `--batch-size auto` is chosen for (it speaks many lines)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -18,6 +21,17 @@ from rvqtts.tuning.contexts import Contexts
 def run_cli(*arguments: object):
     """`rvqtts ARGUMENTS...` in process; the result has exit_code and output (stderr included)."""
     return CliRunner().invoke(app, [*map(str, arguments)])
+
+
+def wait_until(predicate: Callable[[], object], seconds: float, what: str) -> object:
+    """Poll `predicate` until it is true and return its value; fail the test, saying `what` it waited for, if
+    `seconds` pass first. Every wait in the tests has such a deadline: none can hang the run."""
+    deadline = time.monotonic() + seconds
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {seconds:g} s for {what}", pytrace=False)
+        time.sleep(0.01)
+    return value
 
 
 def run_cli_json(out: Path, *arguments: object):

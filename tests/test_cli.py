@@ -89,7 +89,8 @@ def test_synth_wav_codes_and_statistics_agree(tmp_path, tiny_dir):
     assert record["spec"] is True and record["tree_nodes"] == 15 and record["seed"] == 4
     assert record["rtf"] == pytest.approx(record["wall_seconds"] / record["audio_seconds"], rel=1e-2)
     parts = record["talker_seconds"] + record["predictor_seconds"] + record["decoder_seconds"]
-    assert parts == pytest.approx(record["wall_seconds"], abs=0.01)
+    # relative, as a slower (shared) machine stretches every part alike; 3 ms for four figures rounded to the ms
+    assert parts == pytest.approx(record["wall_seconds"], rel=0.02, abs=0.003)
     assert stats["total"]["frames"] == frames and stats["total"]["utterances"] == 1
 
 

@@ -1,5 +1,6 @@
 """`rvqtts synth -f --ray` on a local Ray cluster this module starts (2 CPUs, the tiny checkpoint): the same
-files as a local run, a failing line, a worker killed mid-batch, a driver killed and resumed, no Ray."""
+files as a local run, a failing line, a worker killed in the middle of a line, a driver killed in the middle of a
+line and resumed, no Ray."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import ray
 import torch
-from faults import failing_synthesize
+from faults import FAULTS, arm, disarm, failing_synthesize, wait_for_stall
 from helpers import run_cli
 
 from rvqtts.batch import MANIFEST, read_batch
@@ -55,13 +57,14 @@ RUN = dict(
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A 2-CPU Ray cluster on this machine whose workers fail the line "Break." (tests/faults.py); yields
-    its address and the job's runtime environment (for a second driver)."""
+    """A 2-CPU Ray cluster on this machine whose workers fail the line "Break." and stall where a test armed a
+    fault (tests/faults.py); yields its address and the job's runtime environment (for a second driver)."""
     here = str(Path(__file__).parent)
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
         "RVQTTS_CACHE": str(tmp_path_factory.mktemp("worker-cache")),
         "HF_HUB_OFFLINE": "1",
+        FAULTS: str(tmp_path_factory.mktemp("faults")),
     }
     runtime_env = {"env_vars": env, "worker_process_setup_hook": "faults.break_lines"}
     ray.init(
@@ -69,6 +72,14 @@ def cluster(tmp_path_factory):
     )
     yield ray.get_runtime_context().gcs_address, runtime_env
     ray.shutdown()
+
+
+@pytest.fixture
+def faults(cluster) -> Path:
+    """The folder the workers' faults are armed in; a fault no worker took is disarmed after the test."""
+    folder = Path(cluster[1]["env_vars"][FAULTS])
+    yield folder
+    disarm(folder)
 
 
 @pytest.fixture(scope="module")
@@ -139,72 +150,79 @@ def test_a_ray_batch_writes_a_local_runs_files_and_reports_its_failing_line(clus
     assert report["cluster"]["lines"] == 4 and report["cluster"]["lines_per_second"] > 0
 
 
-def test_a_killed_workers_line_is_made_by_another(cluster, corpus, local, tiny_dir, tmp_path):
+def test_a_worker_killed_mid_line_has_the_line_made_by_another(cluster, faults, corpus, local, tiny_dir, tmp_path):
+    """The batch's one worker is SIGKILLed while it makes line 3 (stalled at its start: tests/faults.py): the line
+    goes to the worker started in its place, which makes it and the rest, the files a local run's."""
+    marker = arm(faults, "synthesize-3")
     killed = []
 
-    def kill_a_worker(result) -> None:
-        if result.status == "done" and not killed:  # its worker is shot before it gets its next line
-            killed.append(result.worker.pid)
+    def kill_the_stalled_worker() -> None:
+        try:
+            killed.append(wait_for_stall(marker))
             os.kill(killed[0], signal.SIGKILL)
+        except AssertionError as error:  # said by the test's assertion below
+            killed.append(error)
 
-    out = tmp_path / "out"  # one worker: the line it was handed next goes to the worker started in its place
-    batch = synthesize_batch_on_ray(
-        read_batch(corpus), out, WorkerSpec(str(tiny_dir)), RUN, workers=1, on_done=kill_a_worker
-    )
-    assert killed and [r.status for r in batch.results] == ["done", "failed", "done", "done", "done"]
+    killer = threading.Thread(target=kill_the_stalled_worker, daemon=True)
+    killer.start()
+    out = tmp_path / "out"
+    batch = synthesize_batch_on_ray(read_batch(corpus), out, WorkerSpec(str(tiny_dir)), RUN, workers=1)
+    killer.join(timeout=60)
+    assert killed and isinstance(killed[0], int), killed
+    assert [r.status for r in batch.results] == ["done", "failed", "done", "done", "done"]
     assert_same_outputs(out, local)
     totals = batch.totals()
     assert totals["workers_died"] == 1 and totals["retried_lines"] == 1 and totals["workers"] == 2
-    assert [w.pid for w in batch.workers if not w.alive] == killed
+    first, second = batch.workers
+    assert (first.pid, first.alive, second.alive) == (killed[0], False, True)
+    assert [r.worker for r in batch.results] == [first, first, second, second, second]  # line 3: the new worker's
 
 
 DRIVER = """
-import json, os, signal, sys
+import json, sys
 from pathlib import Path
 import ray
 from rvqtts.batch import read_batch
-from rvqtts.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
+from rvqtts.cluster import WorkerSpec, synthesize_batch_on_ray
 from rvqtts.settings import GenerationSettings
 
 address, runtime_env, corpus, out, model, frames = sys.argv[1:]
 ray.init(address=address, runtime_env=json.loads(runtime_env), log_to_driver=False)
-done = []
-
-def die_after_two(result):
-    done.append(result.status)
-    if done.count("done") == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-
 run = dict(speaker="vivian", language="auto", instruct=None, seed=0,
            settings=GenerationSettings(max_frames=int(frames)), chunk_chars=240)
-synthesize_batch_on_ray(read_batch(corpus), Path(out), WorkerSpec(model), run, workers=1, on_done=die_after_two)
+synthesize_batch_on_ray(read_batch(corpus), Path(out), WorkerSpec(model), run, workers=1)
 """
 
 
-def test_a_killed_driver_leaves_whole_files_and_a_rerun_finishes_the_batch(cluster, corpus, local, tiny_dir, tmp_path):
+def test_a_driver_killed_mid_line_leaves_whole_files_and_a_rerun_finishes_the_batch(
+    cluster, faults, corpus, local, tiny_dir, tmp_path
+):
+    """The driver (a second process on this cluster) is SIGKILLed while its worker makes line 3 (stalled at its
+    start: tests/faults.py): line 1's file and entry are there, nothing partial; a rerun makes the rest, the files
+    a local run's."""
     address, runtime_env = cluster
     out = tmp_path / "out"
-    killed = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            DRIVER,
-            address,
-            json.dumps(runtime_env),
-            str(corpus),
-            str(out),
-            str(tiny_dir),
-            str(FRAMES),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    marker = arm(faults, "synthesize-3")
+    arguments = [address, json.dumps(runtime_env), str(corpus), str(out), str(tiny_dir), str(FRAMES)]
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, *arguments], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    written = sorted(p.name for p in out.iterdir() if p.name != MANIFEST)
-    assert len(written) == 2 and len(manifest(out)) == 2  # two whole files and their entries, nothing partial
-    for name in written:
-        assert (out / name).read_bytes() == (local / name).read_bytes()
+    try:
+        worker = wait_for_stall(marker, driver, timeout=240)
+        driver.kill()
+        _, stderr = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+    try:
+        os.kill(worker, signal.SIGKILL)  # Ray ends a dead driver's workers; this one must not hold a CPU until then
+    except ProcessLookupError:
+        pass
+    assert driver.returncode == -signal.SIGKILL, stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["0001.wav", MANIFEST]  # whole files only
+    assert (out / "0001.wav").read_bytes() == (local / "0001.wav").read_bytes()
+    assert manifest(out) == manifest(local)[:1]
     resumed = run_cli(
         "synth",
         "-f",
@@ -220,7 +238,7 @@ def test_a_killed_driver_leaves_whole_files_and_a_rerun_finishes_the_batch(clust
         "--workers",
         1,
     )
-    assert resumed.exit_code == 1 and "2 written, 2 skipped" in resumed.output, resumed.output
+    assert resumed.exit_code == 1 and "3 written, 1 skipped" in resumed.output, resumed.output
     assert_same_outputs(out, local)
 
 
@@ -264,8 +282,8 @@ def test_ray_options_are_checked_before_anything_runs(tmp_path, tiny_dir, monkey
     result = run_cli(*batch, "--ray", "auto")
     assert result.exit_code == 2
     assert result.output.strip() == (
-        "rvqtts: error: --ray needs Ray, which is not installed: pip install "
-        "'rvqtts[ray]' (in a checkout: pip install -e '.[ray]')"
+        "rvqtts: error: --ray needs Ray, which is not installed: pip install -e '.[ray]' "
+        "(from rvqtts's checkout folder; rvqtts is not on PyPI)"
     )
     assert not out.exists()
 

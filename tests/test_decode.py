@@ -7,7 +7,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from helpers import random_prefix, stock_path_logits
+from exactness import broken_walk, float32_reference, unexplained_differences
+from helpers import linear_maps_are_row_invariant, random_prefix, stock_path_logits
 from scipy.stats import chisquare
 
 import rvqtts.engine.decode
@@ -15,7 +16,7 @@ from rvqtts.engine.decode import Speculation
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.inner_loop import InnerLoop
 from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.sampling import SamplingConfig, target_probs
+from rvqtts.engine.sampling import SamplingConfig, residual_noise, target_probs
 from rvqtts.engine.tree import grow_tree
 
 # A plausible acceptance table (falling with depth and rank) to shape trees of any budget.
@@ -57,7 +58,18 @@ def test_speculative_codes_equal_plain_codes(which, budget, request):
     speculation = Speculation(grow_tree(TABLE, budget), random_offsets(synth.hidden_size, budget))
     spec, stats = decode_many(synth, speculation, frames)
     mismatches = [f for f in range(frames) if spec[f] != plain[f]]
-    assert not mismatches, f"frames {mismatches[:10]} differ"
+    if linear_maps_are_row_invariant(synth.code_predictor, rows=budget + 1):
+        assert not mismatches, f"frames {mismatches[:10]} differ"
+    else:  # these are the fixed kernels (not measured), which need not keep rows invariant: near-ties may flip
+        prefixes = [random_prefix(synth, seed=f) for f in mismatches]
+        config = synth.code_predictor.config
+        noises = [residual_noise(11, 0, f, config.num_code_groups, config.vocab_size) for f in mismatches]
+        plain_rows, spec_rows = ([codes[f] for f in mismatches] for codes in (plain, spec))
+        reference = float32_reference(synth.code_predictor)
+        found = unexplained_differences(
+            reference, torch.float32, prefixes, noises, SamplingConfig(), plain_rows, spec_rows
+        )
+        assert not found and len(mismatches) <= frames // 20, f"frames {mismatches[:10]} differ: {found}"
     assert stats.calls < 15 * frames and stats.accepted_per_depth[0] > 0
     if which == "narrow":  # the parity must have been tested on accepted drafts, deep ones included
         assert stats.accepted_per_depth[0] > frames and stats.accepted_per_depth[1] > frames // 10
@@ -107,17 +119,6 @@ def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     observed = np.append(counts[big], counts[~big & (probs > 0)].sum())
     expected = np.append(expected[big], expected[~big & (probs > 0)].sum())
     return chisquare(observed, expected).pvalue
-
-
-def broken_walk(children, node_codes, draws, slot_index, last_index):
-    """A plausible bug: when the draw hits any drafted child, descend into the first (rank 0) child."""
-    accepted, u = [], 0
-    while slot_index[u] < last_index:
-        if not any(node_codes[c] == draws[u] for _, c in children[u]):
-            return accepted, draws[u]
-        u = children[u][0][1]
-        accepted.append(u)
-    return accepted, None
 
 
 def speculative_histogram(synth, frames: int, sampling) -> tuple[np.ndarray, np.ndarray]:

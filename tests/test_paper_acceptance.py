@@ -5,23 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from exactness import paper_offsets
 from helpers import run_cli
 
 from rvqtts.engine.tree import frame_codes_per_call, grow_tree
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tuning.calibration import measure_acceptance
-from rvqtts.tuning.tiny import SHALLOW_LAYERS, build_tiny_model
 
 FRAMES = 64
 
 
 @pytest.fixture(scope="module")
-def paper(tmp_path_factory):
+def paper(paper_dir):
     """The shallow variant: the same embeddings and heads as the full checkpoint, two layers that barely act."""
-    folder = build_tiny_model(
-        tmp_path_factory.mktemp("models") / "paper", dims="0.6b", layers=SHALLOW_LAYERS, acceptance="paper"
-    )
-    return Synthesizer.load(folder)
+    return Synthesizer.load(paper_dir)
 
 
 def codes_per_call_at_32(synth: Synthesizer, offsets: torch.Tensor) -> tuple[float, list[float]]:
@@ -54,11 +51,7 @@ def test_reused_heads_accept_like_the_papers_where_random_weights_do_not(reused_
 def test_an_offset_per_depth_recovers_the_deeper_drafts(paper, reused_heads):
     """The offset that moves a state one position on (the drift between consecutive positions' normed
     inputs, which train-offsets approaches) lifts codes per call towards the paper's offsets (2.47)."""
-    tables = paper.code_predictor.model.codec_embedding
-    with torch.no_grad():
-        first, last = (paper.code_predictor.model.norm(t.weight).float().mean(0) for t in (tables[0], tables[-1]))
-    step = (last - first) / (len(tables) - 1)
-    shifted, top1 = codes_per_call_at_32(paper, torch.stack([step * j for j in (1, 2, 3)]))
+    shifted, top1 = codes_per_call_at_32(paper, paper_offsets(paper).vectors)
     assert shifted > reused_heads[0] + 0.5 and shifted > 2.2
     assert min(top1) > 0.4
 

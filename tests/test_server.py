@@ -7,7 +7,6 @@ import io
 import socket
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -17,15 +16,19 @@ import openai
 import pytest
 import soundfile
 import uvicorn
-from helpers import run_cli
+from helpers import run_cli, wait_until
 
 from rvqtts.audio import audio_bytes
-from rvqtts.server import ServerOptions, SpeechEngine, create_app
+from rvqtts.server import STREAM_FRAMES, ServerOptions, SpeechEngine, create_app
 from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer, prepare_inner_loop
 
 FRAMES = 12  # max_frames: short utterances keep the module fast
 KEY = "test-key"
+WAIT = 60  # seconds any one wait here may take before its test fails saying what it waited for
+# Each test here takes under 20 s on two vCPUs (the first also builds the tiny checkpoint; the batching one times
+# kernels): a hung server fails its own test long before the run's 15 minutes (pyproject.toml).
+pytestmark = pytest.mark.timeout(300)
 
 
 @contextmanager
@@ -40,8 +43,8 @@ def running(model_dir, **options):
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.01)
+    wait_until(lambda: server.started or not thread.is_alive(), WAIT, "uvicorn to start listening")
+    assert server.started, "uvicorn stopped before it started: its log says why"
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
     finally:
@@ -59,6 +62,32 @@ def served(tiny_dir):
 @pytest.fixture(scope="module")
 def client(served):
     return openai.OpenAI(base_url=served[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+class Gate:
+    """Holds the engine inside its next synthesis (`method` of its Synthesizer, patched on the instance) until the
+    test opens the gate: once `entered` is set, the engine thread is provably busy and every later request waits
+    in its queue. A held engine is let go after WAIT seconds whatever happens, so a failing test cannot hang it."""
+
+    def __init__(self, engine: SpeechEngine, monkeypatch, method: str = "synthesize"):
+        self.entered, self.opened = threading.Event(), threading.Event()
+        original = getattr(engine.synth, method)
+
+        def held(*args, **kwargs):
+            self.entered.set()
+            self.opened.wait(WAIT)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(engine.synth, method, held)
+
+    def wait_entered(self, what: str) -> None:
+        wait_until(self.entered.is_set, WAIT, f"{what} to reach the engine")
+
+
+def settled(engine: SpeechEngine) -> None:
+    """Wait until the engine has counted the requests it answered: a client can read its response before the engine
+    thread updates its counts."""
+    wait_until(lambda: not engine.busy and not engine.health()["queued"], WAIT, "the engine to finish its requests")
 
 
 def speak(client, text: str, seed: int = 0, **fields) -> bytes:
@@ -80,21 +109,49 @@ def test_a_response_is_the_file_rvqtts_synth_writes(client, tiny_dir, tmp_path):
     assert speak(client, text, seed=4, voice="ryan") != (tmp_path / "synth.wav").read_bytes()  # the seed counts
 
 
-def test_streamed_audio_arrives_in_pieces_as_it_is_made(client):
+def test_streamed_audio_arrives_in_pieces_as_it_is_made(client, served, monkeypatch):
+    """The engine is held after the stream's first piece (its first 4 frames) until the client has read audio
+    samples: they can only have come before the rest of the utterance was made. A server that sent the body at the
+    end would time out here; how TCP cuts the bytes into reads does not matter."""
     text = "A streamed sentence."
     whole, _ = soundfile.read(io.BytesIO(speak(client, text, seed=1)), dtype="int16")
-    pieces = []
+    _, engine = served
+    first_made, opened = threading.Event(), threading.Event()
+    made: list[int] = []  # the samples of each piece the engine's stream made, in order
+    stream = engine.synth.stream
+
+    def held_stream(*args, **kwargs):
+        for chunk in stream(*args, **kwargs):
+            made.append(chunk.size)
+            hold = chunk.size and not first_made.is_set()
+            if hold:
+                first_made.set()
+            yield chunk  # the engine sends it on, then asks for the next
+            if hold:
+                opened.wait(WAIT)
+
+    monkeypatch.setattr(engine.synth, "stream", held_stream)
     request = dict(model="tiny", voice="vivian", input=text, response_format="wav")
-    with client.audio.speech.with_streaming_response.create(
-        **request, extra_body={"seed": 1, "max_frames": FRAMES, "stream": True}
-    ) as response:
-        assert response.headers["content-type"] == "audio/wav" and "content-length" not in response.headers
-        pieces = list(response.iter_bytes())
-    data = b"".join(pieces)
-    assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff" and data[40:44] == b"\xff\xff\xff\xff"
-    samples = np.frombuffer(data[44:], dtype="<i2")
+    received = b""
+    try:
+        with client.with_options(timeout=WAIT).audio.speech.with_streaming_response.create(
+            **request, extra_body={"seed": 1, "max_frames": FRAMES, "stream": True}
+        ) as response:
+            assert response.headers["content-type"] == "audio/wav" and "content-length" not in response.headers
+            reads = response.iter_bytes()
+            while len(received) <= 44:  # the header, then samples of the first piece
+                received += next(reads)
+            assert first_made.is_set() and sum(map(bool, made)) == 1, f"the engine was not held: it made {made}"
+            opened.set()
+            received += b"".join(reads)
+    finally:
+        opened.set()
+    assert received[:4] == b"RIFF" and received[4:8] == b"\xff\xff\xff\xff"
+    assert received[40:44] == b"\xff\xff\xff\xff"
+    samples = np.frombuffer(received[44:], dtype="<i2")
     assert samples.shape == whole.shape and np.abs(samples.astype(int) - whole).max() <= 1
-    assert len(pieces) >= FRAMES // 4  # a piece every 4 frames, not one body at the end
+    # a piece every 4 frames: pieces after the first were made only once the client had the first's samples
+    assert len([size for size in made if size]) >= FRAMES // STREAM_FRAMES, made
 
 
 def test_bad_requests_get_openai_errors_saying_what_to_send(served):
@@ -162,6 +219,7 @@ def test_concurrent_clients_each_get_the_audio_of_their_seed(served, tiny):
     for share, bodies in zip(shares, answers):
         for job, body in zip(share, bodies):
             assert body == expected[job], job
+    settled(engine)
     assert engine.counts["served"] - served_before == 16 and engine.counts["failed"] == 0
 
 
@@ -174,28 +232,41 @@ def test_a_client_gone_mid_stream_stops_its_request_while_others_stream(served, 
             assert response.status_code == 200
             next(response.iter_bytes())  # the header and first samples, then the client hangs up
         reference = speak(client, "Still here.", seed=2)  # waits behind the stopped request, then runs
-        deadline = time.monotonic() + 30
-        while engine.counts["cancelled"] == cancelled and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(
+            lambda: engine.counts["cancelled"] > cancelled, WAIT, "the engine to stop the request of a client gone"
+        )
     assert engine.counts["cancelled"] == cancelled + 1
     assert speak(client, "Still here.", seed=2) == reference  # the engine is whole after a stop
 
 
-def test_a_flood_gets_503_with_retry_after_and_the_server_keeps_serving(tiny_dir):
+def test_a_flood_gets_503_with_retry_after_and_the_server_keeps_serving(tiny_dir, monkeypatch):
+    """With the engine held on one request and a second in its queue of 1, each of 10 concurrent requests is
+    refused at once; once the engine is let go, both held requests are answered and the server serves on."""
     body = {"input": "Flood.", "voice": "vivian", "max_frames": FRAMES}
     with running(tiny_dir, queue_size=1) as (url, engine):
 
-        def post(_: int) -> httpx.Response:
-            return httpx.post(url + "/v1/audio/speech", json=body, timeout=120)
+        def post(_: int, timeout: float = WAIT) -> httpx.Response | None:
+            try:
+                return httpx.post(url + "/v1/audio/speech", json=body, timeout=timeout)
+            except httpx.TimeoutException:  # queued although the queue was full: the engine is held
+                return None
 
+        gate = Gate(engine, monkeypatch)
         with ThreadPoolExecutor(12) as pool:
-            responses = list(pool.map(post, range(12)))
-        statuses = sorted(r.status_code for r in responses)
-        busy = [r for r in responses if r.status_code == 503]
-        assert set(statuses) == {200, 503} and statuses.count(200) >= 2, statuses
-        assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "server_busy" for r in busy)
-        assert len({r.content for r in responses if r.status_code == 200}) == 1  # all the same seed's audio
-        assert post(0).status_code == 200 and engine.counts["refused_busy"] == len(busy)
+            try:
+                held = [pool.submit(post, 0)]
+                gate.wait_entered("the first request")
+                held.append(pool.submit(post, 0))
+                wait_until(lambda: engine.health()["queued"] == 1, WAIT, "a second request to fill the queue of 1")
+                flood = list(pool.map(lambda n: post(n, timeout=10), range(10)))
+            finally:
+                gate.opened.set()
+            answered = [future.result() for future in held]
+        assert all(r is not None and r.status_code == 503 for r in flood), [r and r.status_code for r in flood]
+        assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "server_busy" for r in flood)
+        assert [r.status_code for r in answered] == [200, 200], [r.text for r in answered]
+        assert answered[0].content == answered[1].content  # the same seed's audio
+        assert post(0).content == answered[0].content and engine.counts["refused_busy"] == len(flood)
 
 
 def test_a_base_model_speaks_the_voice_files_of_its_folder_and_nothing_else(base_dir, tmp_path):
@@ -239,10 +310,10 @@ def test_serve_refuses_bad_options_before_loading(tiny_dir, tmp_path, monkeypatc
         assert result.exit_code == 2 and message in result.output, (arguments, result.output)
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the extra were not installed
     result = run_cli("serve", "--model", tiny_dir)
-    assert result.exit_code == 2 and "pip install 'rvqtts[serve]'" in result.output
+    assert result.exit_code == 2 and "pip install -e '.[serve]'" in result.output
 
 
-def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tiny_dir, measured):
+def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tiny_dir, measured, monkeypatch):
     """Requests that wait together are spoken a row each in shared calls (measured kernels, row-invariant),
     each with its own seed and text: every response is the one it gets alone."""
     from rvqtts.batch_size import rows_invariant
@@ -258,11 +329,29 @@ def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tin
             return response.content
 
         alone = [post(job) for job in jobs]  # one client: each request alone in the engine
+        settled(engine)
         assert engine.counts["batched"] == 0
+        groups: list[int] = []  # how many lines each of the engine's synthesize_many calls spoke together
+        speak_many = engine.synth.synthesize_many
+
+        def counted(lines, **options):
+            groups.append(len(lines))
+            return speak_many(lines, **options)
+
+        monkeypatch.setattr(engine.synth, "synthesize_many", counted)
+        gate = Gate(engine, monkeypatch)  # the holder's synthesis waits until all the others are queued
         with ThreadPoolExecutor(5) as pool:
-            holder = pool.submit(post, ("Hold the engine.", 9), 40)  # the others queue behind it
-            while not engine.busy:
-                time.sleep(0.01)
-            together = list(pool.map(post, jobs))
+            try:
+                holder = pool.submit(post, ("Hold the engine.", 9))
+                gate.wait_entered("the holder request")
+                waiting = [pool.submit(post, job) for job in jobs]
+                wait_until(
+                    lambda: engine.health()["queued"] == len(jobs), WAIT, "4 requests to queue behind the holder"
+                )
+            finally:
+                gate.opened.set()
+            together = [future.result() for future in waiting]
             holder.result()
-        assert together == alone and engine.counts["batched"] >= 2
+        settled(engine)
+        assert together == alone
+        assert groups == [len(jobs)] and engine.counts["batched"] == len(jobs)  # all 4 in one batch

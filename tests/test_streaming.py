@@ -54,7 +54,9 @@ def test_a_stream_has_the_codes_and_audio_of_offline_synthesis_chunk_after_chunk
     record = result.record()
     assert record["stream_frames"] == 4 and 0 < record["first_audio_seconds"] < record["wall_seconds"]
     # first audio comes after the prompt's prefill, four frames and one decoder chunk, and nothing else
-    assert sum(record["first_audio_split"].values()) == pytest.approx(record["first_audio_seconds"], abs=0.01)
+    # relative, as a slower (shared) machine stretches every part alike; 3 ms for four figures rounded to the ms
+    split = sum(record["first_audio_split"].values())
+    assert split == pytest.approx(record["first_audio_seconds"], rel=0.02, abs=0.003)
     assert 0 < record["prefill_seconds"] == record["first_audio_split"]["prefill"]
     assert offline.record()["first_audio_seconds"] >= record["first_audio_seconds"]
 
@@ -107,25 +109,20 @@ def test_synth_stream_to_stdout_writes_a_wav_of_unknown_length(tmp_path, tiny_di
 
 
 def test_synth_stream_to_a_file_writes_it_whole(tmp_path, tiny_dir):
-    out = tmp_path / "streamed.flac"
-    result = run_cli(
-        "synth",
-        "Hello there.",
-        "--model",
-        tiny_dir,
-        "--max-frames",
-        "6",
-        "-q",
-        "--stream",
-        "--stream-frames",
-        "1",
-        "-o",
-        out,
-    )
+    streamed_dir, whole_dir = tmp_path / "streamed", tmp_path / "whole"
+    streamed_dir.mkdir()
+    options = ("--model", tiny_dir, "--max-frames", "6", "-q", "--seed", "2", "--dtype", "float32")
+    out = streamed_dir / "streamed.flac"
+    result = run_cli("synth", "Hello there.", *options, "--stream", "--stream-frames", "1", "-o", out)
     assert result.exit_code == 0, result.output
-    audio, rate = soundfile.read(out)
-    assert rate == 24000 and audio.shape == (6 * 1920,)
-    assert [p.name for p in tmp_path.iterdir()] == ["streamed.flac"]  # no partial file left behind
+    assert [p.name for p in streamed_dir.iterdir()] == ["streamed.flac"]  # no partial file left behind
+    whole = run_cli("synth", "Hello there.", *options, "-o", whole_dir / "whole.flac")
+    assert whole.exit_code == 0, whole.output
+    audio, rate = soundfile.read(out, dtype="int16")
+    reference, _ = soundfile.read(whole_dir / "whole.flac", dtype="int16")
+    assert soundfile.info(out).format == "FLAC" and rate == 24000 and audio.shape == reference.shape == (6 * 1920,)
+    # the samples of the whole run, up to the streamed decoder's float rounding (one step of 16 bits at most)
+    assert np.abs(reference).max() > 1000 and np.abs(audio.astype(int) - reference).max() <= 1
 
 
 @pytest.mark.parametrize(
@@ -144,6 +141,8 @@ def test_bad_stream_options_fail_before_the_model_loads(tmp_path, arguments, mes
 
 @pytest.mark.skipif(shutil.which("sox") is None, reason="sox is not installed")
 def test_sox_reads_the_streamed_wav_from_a_pipe(tiny_dir):
+    """The README's `rvqtts synth --stream -o - ... | play -t wav -`: sox (installed by the test command) reads the
+    stream from a pipe; rvqtts runs from this interpreter (`python -m rvqtts.cli`), whatever PATH holds."""
     command = [
         sys.executable,
         "-m",
@@ -160,7 +159,11 @@ def test_sox_reads_the_streamed_wav_from_a_pipe(tiny_dir):
         "-",
     ]
     synth = subprocess.Popen(command, stdout=subprocess.PIPE)
-    stat = subprocess.run(["sox", "-t", "wav", "-", "-n", "stat"], stdin=synth.stdout, capture_output=True, text=True)
-    synth.stdout.close()
-    assert synth.wait() == 0 and stat.returncode == 0
+    try:
+        sox = [shutil.which("sox"), "-t", "wav", "-", "-n", "stat"]
+        stat = subprocess.run(sox, stdin=synth.stdout, capture_output=True, text=True, timeout=300)
+        synth.stdout.close()
+        assert synth.wait(timeout=60) == 0 and stat.returncode == 0, stat.stderr
+    finally:
+        synth.kill()  # a no-op once it has ended
     assert "Samples read:             15360" in stat.stderr  # 8 frames of 1920 samples

@@ -180,3 +180,18 @@ def test_the_manifest_keeps_line_order_and_earlier_runs_entries(tmp_path):
         (2, "0002.wav", "ryan", 2),
         (3, "0003.wav", "ryan", 3),
     ]
+
+
+def test_a_batch_redoes_an_output_its_manifest_does_not_list(tmp_path):
+    """A file whose manifest entry was never written (the batch was stopped between the two: tests/test_faults.py)
+    is made again, so that a resumed batch's manifest lists every output; a listed file is skipped."""
+    from rvqtts.batch import to_do
+
+    items = [Utterance(line, f"line {line}", f"{line:04d}.wav") for line in (1, 2, 3)]
+    for item in items[:2]:
+        (tmp_path / item.name).write_bytes(b"whole")
+    Manifest(tmp_path).add(items[0], Rendered(b"", None, {}, {}))
+    Manifest(tmp_path).add(items[2], Rendered(b"", None, {}, {}))  # an entry whose file is gone
+    assert [item.line for item in to_do(items, tmp_path)] == [2, 3]
+    assert [item.line for item in to_do(items, tmp_path / "new")] == [1, 2, 3]
+    assert to_do(items, tmp_path, force=True) == items

@@ -24,6 +24,19 @@ def _on_done(progress, task, file: Path, quiet: bool):
     return done
 
 
+INTERRUPTED = 130  # a shell's code for a process ended by Ctrl-C (128 + SIGINT)
+
+
+def _interrupted(written: int, out_dir: Path) -> typer.Exit:
+    """Ctrl-C during a batch: say what is there (only whole files: each is written atomically) and how to go on."""
+    typer.echo(
+        f"rvqtts: interrupted: {written} files written to {out_dir}, each whole; run the same command again to "
+        "make the rest",
+        err=True,
+    )
+    return typer.Exit(INTERRUPTED)
+
+
 def _report(results, out_dir: Path, stats_json: Optional[Path], quiet: bool, cluster=None) -> None:
     """The made lines' table and total, the counts, --stats-json; exit 1 when a line failed."""
     from rvqtts.report import total_record, workers_table
@@ -59,19 +72,29 @@ def run_here(
 ) -> None:
     from rvqtts.batch import synthesize_batch
 
+    written = []
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {file.name}", total=len(utterances))
-        results = synthesize_batch(
-            synthesizer,
-            utterances,
-            out_dir,
-            **run,
-            force=force,
-            codes_dir=codes_out,
-            on_done=_on_done(progress, task, file, quiet),
-            batch_size=batch_size,
-            on_notice=lambda notice: say(notice, quiet),
-        )
+        report = _on_done(progress, task, file, quiet)
+
+        def done(result) -> None:
+            written.append(result.status == "done")
+            report(result)
+
+        try:
+            results = synthesize_batch(
+                synthesizer,
+                utterances,
+                out_dir,
+                **run,
+                force=force,
+                codes_dir=codes_out,
+                on_done=done,
+                batch_size=batch_size,
+                on_notice=lambda notice: say(notice, quiet),
+            )
+        except KeyboardInterrupt:
+            raise _interrupted(sum(written), out_dir) from None
     _report(results, out_dir, stats_json, quiet)
 
 
@@ -128,6 +151,8 @@ def run_on_ray(
                 on_start=lambda lines: progress.update(task, total=lines),
                 on_done=done,
             )
+        except KeyboardInterrupt:
+            raise _interrupted(sum(written), out_dir) from None
         except ClusterError as error:
             if not any(written):
                 fail(str(error))

@@ -138,7 +138,10 @@ def bench_speedup_command(
         try:
             plot_speedup(projection, source, plot)
         except ImportError:
-            fail("--plot needs matplotlib: pip install 'rvqtts[bench]' (or pip install matplotlib)")
+            fail(
+                "--plot needs matplotlib: pip install -e '.[bench]' from rvqtts's checkout folder "
+                "(or pip install matplotlib)"
+            )
     if json_out:
         write_json(json_out, projection)
     if save:

@@ -22,11 +22,16 @@ MODEL_HELP = (
     "Hub id or local folder of a Qwen3-TTS 12 Hz model: CustomVoice, Base (a cloned voice) or VoiceDesign "
     "(rvqtts voices says which)."
 )
-DEVICE_HELP = "auto (cuda, then mps, then cpu), cpu, cuda or mps."
+DEVICE_HELP = (
+    "auto (cuda, then mps, then cpu), cpu, cuda or mps. cuda and mps have not been validated (rvqtts prints a "
+    "notice that says so when it runs on them); --device cpu chooses the CPU."
+)
 DTYPE_HELP = (
     "auto (bfloat16 on cuda, float16 on mps; on a CPU the cheaper of bfloat16 and float32 for one frame's linear "
     "maps, measured once; with RVQTTS_CHOICES=fixed, bfloat16 where the CPU multiplies it natively, else float32), "
-    "float32, bfloat16 or float16."
+    "float32, bfloat16 or float16. On CPUs without AVX-512 BF16 or AMX pass float32: on a 2-vCPU AVX2-only "
+    "AMD EPYC auto picked bfloat16, and qwen-tts's speech decoder then ran 31x slower than in float32 (10 "
+    "frames: 31.1 s against 0.99 s; random weights at the 0.6B dimensions; docs/benchmarks.md)."
 )
 TREE_HELP = (
     "Draft tree: auto (the tree size decided online from this model's "
@@ -136,10 +141,10 @@ def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], obje
 def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, weights: str = "native"):
     """The model on the chosen device and dtype (fails with one line on a bad model, device or dtype, the
     model checked from its config before the weights load; says which dtype `auto` chose on a CPU, and
-    why)."""
+    why, and that a GPU has not been validated)."""
     import torch
 
-    from rvqtts.engine.devices import frame_maps, pick_dtype
+    from rvqtts.engine.devices import frame_maps, pick_dtype, unvalidated_notice
     from rvqtts.engine.kernels import choose_kernels, measured_choices
     from rvqtts.loading import ModelLoadError, model_config
     from rvqtts.synthesis import Synthesizer
@@ -150,6 +155,8 @@ def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, w
     except ModelLoadError as error:
         fail(str(error))
     chosen = resolve_device(device)
+    if notice := unvalidated_notice(chosen):
+        say(notice, quiet)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

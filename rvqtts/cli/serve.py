@@ -57,9 +57,11 @@ def serve(
 ) -> None:
     """Serve the OpenAI audio API (POST /v1/audio/speech) on one model loaded once.
 
-    Install the server's packages first: pip install 'rvqtts[serve]'. Requests are taken in the order they
-    came; whole ones waiting together share calls (--batch-size), streamed ones are spoken alone; a response
-    equals rvqtts synth's file for the same text, voice and seed.
+    Install the server's packages first: pip install -e '.[serve]' in rvqtts's checkout. Requests are taken in
+    the order they came; whole ones waiting together share calls (--batch-size), streamed ones are spoken alone.
+    A whole (not streamed) response is, byte for byte, rvqtts synth's file for the same text, voice, seed and
+    options; a streamed one has the same length and its samples are that file's up to float rounding (at most
+    one 16-bit step apart in the tests; text chunks of up to 300 frames, as synth --stream).
     """
     from rvqtts.engine.offsets import OffsetsFileError
     from rvqtts.engine.tree import TreeFileError
@@ -76,8 +78,8 @@ def serve(
         import uvicorn  # noqa: F401
     except ImportError:
         fail(
-            "rvqtts serve needs its web packages: pip install 'rvqtts[serve]' "
-            "(in a checkout: pip install -e '.[serve]')"
+            "rvqtts serve needs its web packages: pip install -e '.[serve]' "
+            "(from rvqtts's checkout folder; rvqtts is not on PyPI)"
         )
     try:
         kind = model_voices(model).kind

@@ -103,7 +103,7 @@ def synth(
     ray: Optional[str] = typer.Option(
         None,
         "--ray",
-        help="Batch on a Ray cluster (pip install 'rvqtts[ray]'): "
+        help="Batch on a Ray cluster (pip install -e '.[ray]' in rvqtts's checkout): "
         "auto ($RAY_ADDRESS, or the cluster `ray start` made "
         "here, else a new one on this machine) or the "
         "cluster's address (HOST:PORT). "
@@ -199,9 +199,10 @@ def synth(
     ),
     seed: int = typer.Option(
         0,
-        help="Same seed, same codes, same audio, speculative or not: by construction in "
-        "bfloat16 where the CPU's kernels are row-invariant, as measured in float32 "
-        "(README: Same seed, same codes).",
+        help="Same seed, same codes, speculative or not, on the same model, dtype, device, "
+        "thread count and kernel choices, wherever the chosen kernels are row-invariant "
+        "(rvqtts tune); the same WAV also needs the speech decoder's bits, which depend "
+        "on the thread count (README: Same seed, same codes).",
     ),
     spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
     tree: str = typer.Option(

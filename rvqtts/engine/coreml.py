@@ -68,7 +68,9 @@ def coremltools():
     try:
         import coremltools as ct
     except ImportError as error:
-        raise CoreMLError("coremltools is not installed: pip install 'rvqtts[coreml]'") from error
+        raise CoreMLError(
+            "coremltools is not installed: pip install -e '.[coreml]' (from rvqtts's checkout folder)"
+        ) from error
     return ct
 
 

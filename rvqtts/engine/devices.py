@@ -64,6 +64,19 @@ def pick_device(device: str = "auto") -> str:
     return "cpu"
 
 
+def unvalidated_notice(device: str) -> str | None:
+    """What a run on a device rvqtts has never run on should say (None on the CPU): CUDA's graphs and MPS's
+    float16 are tested only emulated on a CPU, so their speed and exactness are unknown."""
+    kind = device.split(":")[0]
+    if kind == "cpu":
+        return None
+    name = {"cuda": "CUDA (graphs on by default)", "mps": "MPS (float16 by default)"}.get(kind, kind)
+    return (
+        f"{name} has not been validated: speed and same-seed codes there are unmeasured; "
+        "--device cpu runs the tested CPU path"
+    )
+
+
 def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
     """The CPU flag that says this CPU multiplies bfloat16 natively, or None (also off Linux, where
     /proc/cpuinfo does not exist)."""
