@@ -65,6 +65,7 @@ class WorkerSpec:
     gpus: float = 0.0
     voices: tuple = ()
     batch_size: int | None = 1  # lines a worker speaks together (None: measured on its machine, `--batch-size auto`)
+    decoder_dtype: str = "auto"  # the speech decoder's (rvqtts.decoder_dtype: auto is measured on the worker's machine)
 
 
 class SynthesisWorker:
@@ -80,6 +81,7 @@ class SynthesisWorker:
         import ray
         import torch
 
+        from rvqtts.decoder_dtype import pick_decoder_dtype
         from rvqtts.engine.devices import pick_device, pick_dtype
         from rvqtts.loading import model_config
         from rvqtts.synthesis import Synthesizer, prepare_inner_loop
@@ -91,6 +93,9 @@ class SynthesisWorker:
         )
         dtype, _ = pick_dtype(spec.dtype, device, model_config(spec.model).talker_config, spec.weights)
         self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights)
+        decoder, _ = pick_decoder_dtype(spec.decoder_dtype, spec.dtype, dtype, device, spec.model)
+        if decoder != self.synth.decoder_dtype:
+            self.synth.use_decoder_dtype(decoder)
         notice = prepare_inner_loop(self.synth, spec.spec, spec.tree, spec.offsets, spec.cuda_graphs)
         for source in spec.voices:
             self.synth.voice_of(source)
@@ -100,6 +105,7 @@ class SynthesisWorker:
             "pid": os.getpid(),
             "device": device,
             "dtype": dtype,
+            "decoder_dtype": decoder,
             "threads": torch.get_num_threads(),
             "rvqtts": version("rvqtts"),
             "torch": torch.__version__,

@@ -104,6 +104,18 @@ def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float3
     return tts
 
 
+def load_speech_tokenizer(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
+    """The checkpoint's speech tokenizer (its `speech_tokenizer` folder) alone, in `dtype`, loaded as qwen-tts loads it
+    with the model: for a decoder in a dtype of its own, from the stored weights (rvqtts.decoder_dtype)."""
+    import torch
+
+    folder = Path(resolve_model(model)) / "speech_tokenizer"
+    try:
+        return qwen_tts().Qwen3TTSTokenizer.from_pretrained(str(folder), device_map=device, dtype=getattr(torch, dtype))
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ModelLoadError(f"cannot load the speech tokenizer of {model} from {folder}: {error}") from error
+
+
 @dataclass(frozen=True)
 class ModelVoices:
     """What a checkpoint's config says about its voices: its kind, built-in speakers and languages."""

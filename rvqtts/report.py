@@ -495,7 +495,8 @@ def tune_table(result: dict) -> Table:
         if result.get("native") is None
         else f"rvqtts's native kernels do not run here ({result['native']})"
     )
-    table.caption = f"one frame's linear maps: {costs}{picked}; kept in {result['cache']}; {native}"
+    decoder = f"; {result['decoder_reason']}" if result.get("decoder_reason") else ""
+    table.caption = f"one frame's linear maps: {costs}{picked}{decoder}; kept in {result['cache']}; {native}"
     return table if "trees" not in result else Group(table, trees_table(result["trees"]))
 
 

@@ -45,7 +45,7 @@ from rvqtts.engine.sampling import C0Rules, NonFiniteError
 from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.engine.tree import best_budget, platform_key, resolve_tree
-from rvqtts.loading import ModelVoices, load_tts
+from rvqtts.loading import DTYPES, ModelVoices, load_speech_tokenizer, load_tts
 from rvqtts.prompt import Prompt, capture_prompt
 from rvqtts.settings import GenerationSettings, Line, ResolvedSampling, Synthesis
 from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_budget
@@ -98,6 +98,7 @@ class Synthesizer:
             sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else [],
             sorted(tts.get_supported_languages() or []),
         )
+        self.source: str | None = None  # the checkpoint it was loaded from (Synthesizer.load)
         self._cloned: dict[VoiceSource, ClonedVoice] = {}  # each source encoded (or read) once
         self._primed = PrimedVoices()  # the streaming decoder after each ICL voice's reference
         # Base models: which speaker encoder made a cloned voice (its embedding means nothing to another).
@@ -114,10 +115,33 @@ class Synthesizer:
         dtype: str = "float32",
         speculation: Speculation | None = None,
         weights: str = "native",
+        decoder_dtype: str | None = None,
     ) -> "Synthesizer":
-        """Load a checkpoint (hub id or local folder) the ordinary qwen-tts way."""
+        """Load a checkpoint (hub id or local folder) the ordinary qwen-tts way; the speech tokenizer in
+        `decoder_dtype` where given (rvqtts.decoder_dtype), else in `dtype`."""
         check_weights(weights, torch.device(device))
-        return cls(load_tts(model, device, dtype), speculation, weights)
+        synth = cls(load_tts(model, device, dtype), speculation, weights)
+        synth.source = str(model)
+        if decoder_dtype not in (None, dtype):
+            synth.use_decoder_dtype(decoder_dtype)
+        return synth
+
+    @property
+    def decoder_dtype(self) -> str:
+        """The dtype qwen-tts's speech tokenizer (its decoder, and the encoder cloning uses) runs in."""
+        return str(self.model.speech_tokenizer.model.dtype).removeprefix("torch.")
+
+    def use_decoder_dtype(self, dtype: str) -> None:
+        """Run the speech tokenizer in `dtype`, apart from the loops' (rvqtts.decoder_dtype: its cost per dtype is
+        its own): loaded again from the checkpoint in that dtype (its stored weights, not a copy the loops' dtype
+        rounded); voices primed by the old one are primed again."""
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown decoder dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.source is None:
+            raise ValueError("the speech decoder's dtype is set on a Synthesizer made by Synthesizer.load")
+        device = str(self.talker.codec_head.weight.device)
+        self.model.load_speech_tokenizer(load_speech_tokenizer(self.source, device, dtype))
+        self._primed = PrimedVoices()
 
     @property
     def hidden_size(self) -> int:
@@ -259,6 +283,7 @@ class Synthesizer:
         return {
             "device": str(weight.device),
             "dtype": str(weight.dtype).removeprefix("torch."),
+            "decoder_dtype": self.decoder_dtype,
             "weights": self.weights,
             "torch": torch.__version__,
             "cpu": cpu_model() if weight.device.type == "cpu" else None,

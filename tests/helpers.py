@@ -17,6 +17,18 @@ from rvqtts.synthesis import Synthesizer
 from rvqtts.tuning.calibration import sample_codes
 from rvqtts.tuning.contexts import Contexts
 
+# A record's timing fields: what two runs of the same line may differ in.
+TIMINGS = {
+    "wall_seconds",
+    "talker_seconds",
+    "predictor_seconds",
+    "decoder_seconds",
+    "prefill_seconds",
+    "first_audio_seconds",
+    "first_audio_split",
+    "rtf",
+}
+
 
 def run_cli(*arguments: object):
     """`rvqtts ARGUMENTS...` in process; the result has exit_code and output (stderr included)."""

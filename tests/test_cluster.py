@@ -19,7 +19,7 @@ import pytest
 import ray
 import torch
 from faults import FAULTS, arm, disarm, failing_synthesize, wait_for_stall
-from helpers import run_cli
+from helpers import TIMINGS, run_cli
 
 from rvqtts.batch import MANIFEST, read_batch
 from rvqtts.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
@@ -35,16 +35,6 @@ LINES = [
 ]
 OUTPUTS = ["0001.wav", "0003.wav", "0005.wav", "four.flac"]  # line 2 fails, everywhere
 FRAMES = 12  # --max-frames: short lines keep the module fast
-TIMINGS = {
-    "wall_seconds",
-    "talker_seconds",
-    "predictor_seconds",
-    "decoder_seconds",
-    "prefill_seconds",
-    "first_audio_seconds",
-    "first_audio_split",
-    "rtf",
-}
 RUN = dict(
     speaker="vivian",
     language="auto",

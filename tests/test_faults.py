@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from faults import FAULTS, PARTIAL, Zygote, arm, output_name, stalling_write_bytes, wait_for_stall
-from helpers import run_cli
+from helpers import TIMINGS, run_cli
 
 from rvqtts.batch import MANIFEST
 from rvqtts.files import atomic_path, write_atomically, write_json
@@ -28,16 +28,6 @@ TESTS = Path(__file__).parent
 LINES = ["One.", "Two.", "Three."]
 OUTPUTS = ["0001.wav", "0002.wav", "0003.wav"]
 FRAMES = 6  # --max-frames: a line takes a fraction of a second
-TIMINGS = {
-    "wall_seconds",
-    "talker_seconds",
-    "predictor_seconds",
-    "decoder_seconds",
-    "prefill_seconds",
-    "first_audio_seconds",
-    "first_audio_split",
-    "rtf",
-}
 OLD, NEW = b"old whole contents\n", bytes(range(256)) * 64
 
 

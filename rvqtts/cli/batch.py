@@ -11,10 +11,12 @@ import typer
 from rvqtts.cli.common import fail, progress_bar, say, show_stats, stderr_console, write_stats
 
 
-def _on_done(progress, task, file: Path, quiet: bool):
-    """Advance the bar, and name a failed line (always) and a line's warnings (unless quiet)."""
+def _on_done(progress, task, file: Path, quiet: bool, written: list[bool]):
+    """Advance the bar, count the files written (in `written`, for an interrupted batch's message), and name a failed
+    line (always) and a line's warnings (unless quiet)."""
 
     def done(result) -> None:
+        written.append(result.status == "done")
         progress.advance(task)
         if result.status == "failed":
             typer.echo(f"rvqtts: {file}:{result.utterance.line}: failed: {result.error}", err=True)
@@ -72,15 +74,10 @@ def run_here(
 ) -> None:
     from rvqtts.batch import synthesize_batch
 
-    written = []
+    written: list[bool] = []
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {file.name}", total=len(utterances))
-        report = _on_done(progress, task, file, quiet)
-
-        def done(result) -> None:
-            written.append(result.status == "done")
-            report(result)
-
+        done = _on_done(progress, task, file, quiet, written)
         try:
             results = synthesize_batch(
                 synthesizer,
@@ -129,15 +126,10 @@ def run_on_ray(
             f"--cpus-per-worker {threads} gives a local run's bytes (docs/cluster.md)",
             quiet,
         )
-    written = []
+    written: list[bool] = []
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {file.name} on Ray", total=None)
-        report = _on_done(progress, task, file, quiet)
-
-        def done(result) -> None:
-            written.append(result.status == "done")
-            report(result)
-
+        done = _on_done(progress, task, file, quiet, written)
         try:
             batch = synthesize_batch_on_ray(
                 utterances,

@@ -28,10 +28,13 @@ DEVICE_HELP = (
 )
 DTYPE_HELP = (
     "auto (bfloat16 on cuda, float16 on mps; on a CPU the cheaper of bfloat16 and float32 for one frame's linear "
-    "maps, measured once; with RVQTTS_CHOICES=fixed, bfloat16 where the CPU multiplies it natively, else float32), "
-    "float32, bfloat16 or float16. On CPUs without AVX-512 BF16 or AMX pass float32: on a 2-vCPU AVX2-only "
-    "AMD EPYC auto picked bfloat16, and qwen-tts's speech decoder then ran 31x slower than in float32 (10 "
-    "frames: 31.1 s against 0.99 s; random weights at the 0.6B dimensions; docs/benchmarks.md)."
+    "maps, measured once; with RVQTTS_CHOICES=fixed, bfloat16 where the CPU multiplies it natively, else float32; "
+    "the speech decoder's own, --decoder-dtype), float32, bfloat16 or float16 (for every component)."
+)
+DECODER_DTYPE_HELP = (
+    "The speech decoder's dtype: auto (--dtype's where it is given; under --dtype auto on a CPU the cheaper of "
+    "float32 and bfloat16 for a frame of decoding, measured once per machine and decoder: without AVX-512 BF16 or "
+    "AMX its bfloat16 ran 15-36x slower), float32, bfloat16 or float16."
 )
 TREE_HELP = (
     "Draft tree: auto (the tree size decided online from this model's "
@@ -138,18 +141,22 @@ def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], obje
         stderr_console().print(table(result))
 
 
-def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, weights: str = "native"):
-    """The model on the chosen device and dtype (fails with one line on a bad model, device or dtype, the
-    model checked from its config before the weights load; says which dtype `auto` chose on a CPU, and
-    why, and that a GPU has not been validated)."""
+def load_synthesizer(
+    model: str, device: str, dtype: str, quiet: bool = False, weights: str = "native", decoder_dtype: str = "auto"
+):
+    """The model on the chosen device and dtype, its speech decoder in its own (fails with one line on a bad
+    model, device or dtype, the model checked from its config before the weights load; says which dtypes `auto`
+    chose on a CPU, and why, and that a GPU has not been validated)."""
     import torch
 
+    from rvqtts.decoder_dtype import pick_decoder_dtype
     from rvqtts.engine.devices import frame_maps, pick_dtype, unvalidated_notice
     from rvqtts.engine.kernels import choose_kernels, measured_choices
     from rvqtts.loading import ModelLoadError, model_config
     from rvqtts.synthesis import Synthesizer
 
     check_dtype(dtype)
+    check_dtype(decoder_dtype, "--decoder-dtype")
     try:
         talker_config = model_config(model).talker_config  # the checkpoint's kind checked with it
     except ModelLoadError as error:
@@ -164,22 +171,32 @@ def load_synthesizer(model: str, device: str, dtype: str, quiet: bool = False, w
     def progress(line: str) -> None:
         say(line, quiet)
 
-    dtype, reason = pick_dtype(dtype, chosen, talker_config, weights, progress)
+    loops_dtype, reason = pick_dtype(dtype, chosen, talker_config, weights, progress)
     if reason:
         say(reason, quiet)
     if chosen == "cpu" and measured_choices():  # measured now, not inside the first utterance's timings
-        choose_kernels([shape for _, shape, _ in frame_maps(talker_config)], getattr(torch, dtype), weights, progress)
+        shapes = [shape for _, shape, _ in frame_maps(talker_config)]
+        choose_kernels(shapes, getattr(torch, loops_dtype), weights, progress)
     try:
-        return Synthesizer.load(model, device=chosen, dtype=dtype, weights=weights)
+        synthesizer = Synthesizer.load(model, device=chosen, dtype=loops_dtype, weights=weights)
     except (ModelLoadError, ValueError) as error:
         fail(str(error))
+    try:  # after the load: a hub model's files are here now
+        decoder, reason = pick_decoder_dtype(decoder_dtype, dtype, loops_dtype, chosen, model, progress)
+        if reason:
+            say(reason, quiet)
+        if decoder != synthesizer.decoder_dtype:
+            synthesizer.use_decoder_dtype(decoder)
+    except (ModelLoadError, ValueError) as error:
+        fail(str(error))
+    return synthesizer
 
 
-def check_dtype(dtype: str) -> None:
+def check_dtype(dtype: str, option: str = "--dtype") -> None:
     from rvqtts.loading import DTYPES
 
     if dtype not in ("auto", *DTYPES):
-        fail(f"unknown --dtype {dtype!r}: choose auto, {', '.join(DTYPES)}")
+        fail(f"unknown {option} {dtype!r}: choose auto, {', '.join(DTYPES)}")
 
 
 def resolve_device(device: str) -> str:

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from rvqtts.cli.common import (
+    DECODER_DTYPE_HELP,
     DEFAULT_MODEL,
     DEVICE_HELP,
     DTYPE_HELP,
@@ -40,6 +41,7 @@ def serve(
     ),
     device: str = typer.Option("auto", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    decoder_dtype: str = typer.Option("auto", help=DECODER_DTYPE_HELP),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
     spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
     tree: str = typer.Option("auto", help=TREE_HELP),
@@ -97,7 +99,7 @@ def serve(
     from rvqtts.synthesis import prepare_inner_loop
 
     rows = batch_rows(batch_size)
-    synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
+    synthesizer = load_synthesizer(model, device, dtype, quiet, weights, decoder_dtype)
     try:
         notice = prepare_inner_loop(synthesizer, spec, tree, offsets)
     except (TreeFileError, OffsetsFileError, ValueError) as error:

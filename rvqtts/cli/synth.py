@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from rvqtts.cli.common import (
+    DECODER_DTYPE_HELP,
     DEFAULT_MODEL,
     DEVICE_HELP,
     DTYPE_HELP,
@@ -125,6 +126,7 @@ def synth(
         "auto",
         help=DTYPE_HELP,
     ),
+    decoder_dtype: str = typer.Option("auto", help=DECODER_DTYPE_HELP),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
     speaker: Optional[str] = typer.Option(
         None,
@@ -304,6 +306,7 @@ def synth(
             workers,
             cpus_per_worker,
             gpus_per_worker,
+            decoder_dtype,
         )
     if file is not None:
         if text is not None:
@@ -384,7 +387,7 @@ def synth(
     if ray is None:  # the model is loaded here; on Ray each worker loads its own
         from rvqtts.synthesis import INSTRUCT_IGNORED, prepare_inner_loop  # qwen-tts: after the checks above
 
-        synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
+        synthesizer = load_synthesizer(model, device, dtype, quiet, weights, decoder_dtype)
         device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
         try:
             notice = prepare_inner_loop(synthesizer, spec, tree, offsets, cuda_graphs, device_type)
@@ -505,6 +508,7 @@ def _ray_worker_spec(
     workers: Optional[int],
     cpus: Optional[float],
     gpus: Optional[float],
+    decoder_dtype: str = "auto",
 ):
     """What each Ray worker loads, checked here as far as it can be: the workers' machines resolve the
     device and read the model, tree and offsets (local paths go to them absolute: a worker starts in a
@@ -529,6 +533,7 @@ def _ray_worker_spec(
     if device == "cuda" and gpus == 0:
         fail("--device cuda on Ray needs GPUs for the workers: add --gpus-per-worker (e.g. 1)")
     check_dtype(dtype)
+    check_dtype(decoder_dtype, "--decoder-dtype")
     if weights not in WEIGHTS:
         fail(f"unknown --weights {weights!r}: choose {' or '.join(WEIGHTS)}")
     if tree != "auto" and not tree.isdigit() and not Path(tree).expanduser().is_file():
@@ -554,6 +559,7 @@ def _ray_worker_spec(
         cuda_graphs,
         cpus,
         gpus,
+        decoder_dtype=decoder_dtype,
     )
 
 

@@ -68,17 +68,25 @@ def tune(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """Measure this CPU's kernel for every linear map shape of the model's frame (row invariance, then cost
-    at 1 and 17 rows; the fastest invariant one runs) and the dtype `--dtype auto` picks from them; with
-    --texts, also the tree size `--tree auto` chooses on them.
+    at 1 and 17 rows; the fastest invariant one runs), the dtype `--dtype auto` picks from them and the speech
+    decoder's (a frame decoded in each dtype); with --texts, also the tree size `--tree auto` chooses on them.
 
     Measured once per machine (CPU model, torch, threads) and kept in the user's cache; every command
     reads it from there, so this only shows it (or, with --again, measures anew).
     """
     import torch
 
+    from rvqtts.decoder_dtype import pick_decoder_dtype
     from rvqtts.engine import native
     from rvqtts.engine.devices import frame_map_ms, frame_maps, pick_dtype
-    from rvqtts.engine.kernels import choose_kernels, fixed_kernel, forget_choices, kernels_path, machine_key
+    from rvqtts.engine.kernels import (
+        choose_kernels,
+        fixed_kernel,
+        forget_choices,
+        forget_records,
+        kernels_path,
+        machine_key,
+    )
     from rvqtts.engine.quantize import WEIGHTS
     from rvqtts.loading import ModelLoadError, model_config
     from rvqtts.report import tune_table
@@ -122,6 +130,13 @@ def tune(
         }
     if dtype == "auto":
         result["auto"], result["reason"] = pick_dtype("auto", "cpu", talker_config, weights)
+        if again:
+            forget_records("decoder/")
+        try:
+            decoder = pick_decoder_dtype("auto", "auto", result["auto"], "cpu", model, progress)
+        except ModelLoadError as error:
+            fail(str(error))
+        result["decoder_dtype"], result["decoder_reason"] = decoder
     if texts is not None:
         result["trees"] = _tune_trees(
             model, result.get("auto", dtype), weights, texts, offsets, speaker, max_frames, seed, quiet

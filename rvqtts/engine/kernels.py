@@ -379,26 +379,33 @@ def choose_kernels(
     so processes starting together measure once) and saved."""
     machine = machine_key()
     keys = {shape: shape_key(shape, dtype, weights) for shape in dict.fromkeys(shapes)}
-    missing = [shape for shape, key in keys.items() if (machine, key) not in _chosen]
+    missing = {key: shape for shape, key in keys.items() if (machine, key) not in _chosen}
     if missing:
-        with _cache_lock():
-            stored = _read_cache().get(machine, {})
-            measured = {}
-            for shape in missing:
-                if keys[shape] in stored:
-                    _chosen[machine, keys[shape]] = KernelChoice.from_record(stored[keys[shape]])
-                    continue
-                if progress:
-                    progress(
-                        f"measuring this CPU's kernels for {shape[0]} x {shape[1]} {keys[shape].split('/')[0]} "
-                        f"maps (once)"
-                    )
-                choice = measure_choice(shape, dtype, weights)
-                _chosen[machine, keys[shape]] = choice
-                measured[keys[shape]] = {**choice.record(), "measured": _now()}
-            if measured:
-                _save_cache(machine, measured)
+        fresh: dict[str, KernelChoice] = {}
+
+        def measure(key: str) -> dict:
+            shape = missing[key]
+            if progress:
+                progress(f"measuring this CPU's kernels for {shape[0]} x {shape[1]} {key.split('/')[0]} maps (once)")
+            fresh[key] = measure_choice(shape, dtype, weights)
+            return fresh[key].record()
+
+        for key, record in cached_records(list(missing), measure).items():
+            _chosen[machine, key] = fresh.get(key) or KernelChoice.from_record(record)
     return {shape: _chosen[machine, key] for shape, key in keys.items()}
+
+
+def cached_records(keys: list[str], measure: Callable[[str], dict]) -> dict[str, dict]:
+    """This machine's records of `keys` in the cache file, each one missing measured (`measure(key)`) and saved, under
+    the cache's lock (so processes starting together measure once): kernel choices, and the speech decoder's cost per
+    dtype (rvqtts.decoder_dtype)."""
+    machine = machine_key()
+    with _cache_lock():
+        stored = _read_cache().get(machine, {})
+        measured = {key: {**measure(key), "measured": _now()} for key in keys if key not in stored}
+        if measured:
+            _save_cache(machine, measured)
+    return {key: measured.get(key) or stored[key] for key in keys}
 
 
 def forget_choices(dtype: torch.dtype | None = None, weights: str | None = None) -> None:
@@ -408,6 +415,13 @@ def forget_choices(dtype: torch.dtype | None = None, weights: str | None = None)
     machine = machine_key()
     for key in [k for k in _chosen if k[0] == machine and k[1].startswith(prefix)]:
         del _chosen[key]
+    forget_records(prefix)
+
+
+def forget_records(prefix: str) -> None:
+    """Drop this machine's records whose keys start with `prefix` from the cache file (measured anew when next
+    asked for)."""
+    machine = machine_key()
     with _cache_lock():
         machines = _read_cache()
         kept = {k: v for k, v in machines.get(machine, {}).items() if not k.startswith(prefix)}

@@ -1,0 +1,88 @@
+"""The speech decoder's dtype, chosen apart from the loops': qwen-tts's decoder is convolutions and a small
+transformer whose cost in each dtype has nothing to do with the loops' linear maps. On a 2-vCPU AVX2-only AMD EPYC
+its bfloat16 ran 31x slower than its float32 (docs/benchmarks.md) while the loops ran faster in bfloat16, so one
+dtype for all made the default there 5x slower than `--dtype float32`.
+
+`--dtype` forces every component; `--decoder-dtype` forces the decoder alone. Under `--dtype auto` on a CPU the
+decoder's dtype is measured: a few frames decoded in float32 and in bfloat16, once per machine and decoder shape,
+kept in the kernels cache (rvqtts.engine.kernels) like the kernel choices."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rvqtts.engine.kernels import cached_records, kernels_path, measured_choices
+from rvqtts.loading import load_speech_tokenizer, resolve_model
+
+DECODER_DTYPES = ("float32", "bfloat16")  # what a CPU decoder is measured in
+# Frames each of a measurement's two passes decodes (after a one-frame warm-up): 5 frames per dtype, 0.3-0.5 s in
+# either dtype on a 2-vCPU Zen 4 EPYC, 11 s in bfloat16 capped at AVX2 (2.1 s a frame there; docs/benchmarks.md).
+MEASURED_FRAMES = 2
+TIE = 1.05  # a dtype within 5 % of the cheaper counts as tied; a tie goes to float32 (the decoder's stored bits)
+
+
+def decoder_shape_key(model: str) -> str:
+    """What a checkpoint's decoder costs depend on: its configuration (not its weights), hashed."""
+    folder = Path(resolve_model(model)) / "speech_tokenizer"
+    config = json.loads((folder / "config.json").read_text()).get("decoder_config", {})
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@torch.inference_mode()
+def decoder_frame_ms(speech_tokenizer: object, dtype: str, frames: int = MEASURED_FRAMES) -> float:
+    """Milliseconds per frame of qwen-tts's decoder in `dtype` on this CPU (a copy of the decoder, fixed codes): the
+    better of two passes over `frames` frames, after a one-frame warm-up (first-call allocations and kernel
+    selection)."""
+    decoder = copy.deepcopy(speech_tokenizer.model.decoder).to(getattr(torch, dtype))
+    groups = speech_tokenizer.model.config.decoder_config.num_quantizers
+    codes = torch.randint(0, 1024, (1, groups, frames), generator=torch.Generator().manual_seed(0))
+    decoder(codes[..., :1])
+    passes = []
+    for _ in range(2):
+        started = time.perf_counter()
+        decoder(codes)
+        passes.append(time.perf_counter() - started)
+    return min(passes) * 1e3 / frames
+
+
+def pick_decoder_dtype(
+    decoder_dtype: str,
+    dtype: str,
+    loops_dtype: str,
+    device: str,
+    model: str,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[str, str | None]:
+    """The decoder's dtype and, where it was chosen here, why. `decoder_dtype` (--decoder-dtype) forces it;
+    else a forced `dtype` (--dtype) holds for the decoder too; else, on a CPU whose choices are measured, the
+    cheaper of float32 and bfloat16 for a frame of `model`'s decoder (a tie to float32); elsewhere the loops'."""
+    if decoder_dtype != "auto":
+        return decoder_dtype, None
+    if dtype != "auto" or device.split(":")[0] != "cpu" or not measured_choices():
+        return loops_dtype, None
+    shape = decoder_shape_key(model)
+    stored: list = []  # the tokenizer, loaded (in float32) only if a cost must be measured
+
+    def measure(key: str) -> dict:
+        name = key.rpartition("/")[2]
+        if progress:
+            progress(f"measuring the speech decoder in {name} on this CPU (once)")
+        if not stored:
+            stored.append(load_speech_tokenizer(model, "cpu", "float32"))
+        return {"ms_per_frame": round(decoder_frame_ms(stored[0], name), 3)}
+
+    records = cached_records([f"decoder/{shape}/{name}" for name in DECODER_DTYPES], measure)
+    costs = {name: records[f"decoder/{shape}/{name}"]["ms_per_frame"] for name in DECODER_DTYPES}
+    chosen = "bfloat16" if costs["bfloat16"] * TIE < costs["float32"] else "float32"
+    other = "bfloat16" if chosen == "float32" else "float32"
+    return chosen, (
+        f"speech decoder in {chosen}: a frame takes {costs[chosen]:.1f} ms in {chosen} against {costs[other]:.1f} ms "
+        f"in {other} on this CPU (measured once, kept in {kernels_path()}); --decoder-dtype {other} overrides"
+    )
