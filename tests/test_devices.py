@@ -7,6 +7,7 @@ import torch
 from helpers import run_cli
 
 from rvqtts.engine.devices import pick_device, unvalidated_notice
+from rvqtts.engine.kernels import machine_key
 from rvqtts.synthesis import Synthesizer
 
 
@@ -34,3 +35,45 @@ def test_a_run_on_an_unvalidated_device_says_so_and_how_to_choose_the_cpu(tiny_d
     assert "--device cpu runs the tested CPU path" in result.output
     plain = run_cli("synth", "Hi.", "--model", tiny_dir, "-o", tmp_path / "out.wav", "--device", "cpu")
     assert "has not been validated" not in plain.output
+
+
+@pytest.fixture
+def capped(monkeypatch):
+    """Run a test with $RVQTTS_ISA set (`capped("avx2")`), native kernels loaded anew for it and after it."""
+    from rvqtts.engine import native
+
+    def cap(value: str) -> None:
+        monkeypatch.setenv("RVQTTS_ISA", value)
+        native._load.cache_clear()
+
+    yield cap
+    monkeypatch.delenv("RVQTTS_ISA", raising=False)
+    native._load.cache_clear()
+
+
+def test_rvqtts_isa_avx2_makes_an_avx512_cpu_play_an_avx2_one(capped, monkeypatch):
+    """The cap hides AVX-512 and AMX from every choice rvqtts makes by the CPU's flags: no native kernel (with the
+    reason), no bfloat16 instruction for the fixed dtype rule; `avx512` hides AMX alone."""
+    from rvqtts.engine import native
+    from rvqtts.engine.devices import native_bf16_flag
+
+    flags = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}
+    cpuinfo = "flags\t\t: " + " ".join(sorted(flags)) + "\n"
+    capped("avx2")
+    assert native.capped_flags(flags) == {"avx2", "fma"} and native_bf16_flag(cpuinfo) is None
+    assert "(capped at avx2 by RVQTTS_ISA)" in native.unavailable() or "x86-64" in native.unavailable()
+    assert not native.supports((1024, 1024), torch.bfloat16)
+    capped("avx512")
+    assert native.capped_flags(flags) == flags - {"amx_tile", "amx_bf16"} and native_bf16_flag(cpuinfo) == "avx512_bf16"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert machine_key().endswith(" threads | RVQTTS_ISA=avx512 | ATEN_CPU_CAPABILITY=avx2")  # measured apart
+
+
+def test_an_unknown_rvqtts_isa_says_what_to_set(capped, tiny_dir, tmp_path):
+    from rvqtts.engine import native
+
+    capped("sse2")
+    assert native.unavailable() == "RVQTTS_ISA='sse2': choose avx2 or avx512, or unset it for what the CPU has"
+    result = run_cli("synth", "Hi.", "--model", tiny_dir, "-o", tmp_path / "out.wav")
+    assert result.exit_code == 2 and "RVQTTS_ISA='sse2': choose avx2 or avx512" in result.output
+    assert not (tmp_path / "out.wav").exists()

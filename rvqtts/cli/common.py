@@ -152,11 +152,16 @@ def load_synthesizer(
     from rvqtts.decoder_dtype import pick_decoder_dtype
     from rvqtts.engine.devices import frame_maps, pick_dtype, unvalidated_notice
     from rvqtts.engine.kernels import choose_kernels, measured_choices
+    from rvqtts.engine.native import isa_cap
     from rvqtts.loading import ModelLoadError, model_config
     from rvqtts.synthesis import Synthesizer
 
     check_dtype(dtype)
     check_dtype(decoder_dtype, "--decoder-dtype")
+    try:
+        isa_cap()
+    except ValueError as error:
+        fail(str(error))
     try:
         talker_config = model_config(model).talker_config  # the checkpoint's kind checked with it
     except ModelLoadError as error:

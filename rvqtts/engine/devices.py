@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from rvqtts.engine.kernels import choose_kernels, kernels_path, measured_choices
+from rvqtts.engine.native import capped_flags
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of x86 CPUs that multiply bf16
 
@@ -79,7 +80,7 @@ def unvalidated_notice(device: str) -> str | None:
 
 def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
     """The CPU flag that says this CPU multiplies bfloat16 natively, or None (also off Linux, where
-    /proc/cpuinfo does not exist)."""
+    /proc/cpuinfo does not exist, and above $RVQTTS_ISA's cap: rvqtts.engine.native)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text() if sys.platform.startswith("linux") else ""
@@ -90,7 +91,7 @@ def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[-1].split())
             break
-    return next((flag for flag in NATIVE_BF16_FLAGS if flag in flags), None)
+    return next((flag for flag in NATIVE_BF16_FLAGS if flag in capped_flags(flags)), None)
 
 
 def frame_maps(talker_config: object) -> list[tuple[str, tuple[int, int], int]]:

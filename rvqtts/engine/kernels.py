@@ -326,9 +326,14 @@ def measure_choice(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> 
     return KernelChoice(kernel, bool(invariant), timings, tuple(invariant), "measured", bulk)
 
 
+ISA_CAP_VARIABLES = ("RVQTTS_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # caps that change what runs
+
+
 def machine_key() -> str:
-    """What a kernel choice holds for: the CPU model, torch's version and its thread count."""
-    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    """What a kernel choice holds for: the CPU model, torch's version and its thread count, and any instruction-set
+    cap in force (rvqtts.engine.native, torch's and oneDNN's: a capped machine measures its own choices)."""
+    caps = "".join(f" | {name}={os.environ[name]}" for name in ISA_CAP_VARIABLES if os.environ.get(name))
+    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads{caps}"
 
 
 @functools.cache

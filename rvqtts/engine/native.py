@@ -27,6 +27,10 @@ The source is compiled once per machine with the system's C++ compiler (`$CXX`, 
 clang++) into the user's cache and loaded with ctypes; its OpenMP threads are torch's own (the library
 links the libgomp torch has loaded). Where the CPU lacks the instructions or no compiler works, nothing
 here runs: `unavailable()` says why.
+
+`RVQTTS_ISA=avx2` (or `avx512`) caps the instruction sets rvqtts counts as present, so that an AVX-512 machine
+plays an AVX2 laptop (with torch's and oneDNN's own caps, `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`):
+`avx2` leaves no native kernel, `avx512` no AMX tile kernel, and the fixed dtype rule sees no bfloat16 instruction.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 KINDS = {"bf16dot": 0, "int8dot": 1, "bf16amx": 2, "int8amx": 3}  # the library's kernel numbers
 AMX_FLAGS = ("amx_tile", "amx_bf16")
+ISA_VARIABLE = "RVQTTS_ISA"
+ISA_CAPS = {"avx2": ("avx512", "amx"), "avx512": ("amx",)}  # each cap and the flag prefixes it hides
 AMX_CHUNK = 32  # inputs per tile multiply: an AMX map's input count must be a multiple
 
 
@@ -303,15 +309,35 @@ def _address(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def isa_cap() -> str | None:
+    """The instruction set $RVQTTS_ISA caps rvqtts at (None: what the CPU has); a value it does not know is an
+    error that says what to set."""
+    cap = os.environ.get(ISA_VARIABLE, "").strip().lower() or None
+    if cap is not None and cap not in ISA_CAPS:
+        raise ValueError(f"{ISA_VARIABLE}={cap!r}: choose {' or '.join(ISA_CAPS)}, or unset it for what the CPU has")
+    return cap
+
+
+def capped_flags(flags: set[str]) -> set[str]:
+    """The CPU flags rvqtts may use: all of `flags`, less those above $RVQTTS_ISA's cap."""
+    hidden = ISA_CAPS.get(isa_cap(), ())
+    return {flag for flag in flags if not flag.startswith(hidden)} if hidden else set(flags)
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
     """The built library, or None and why not, and why its AMX kernels cannot run or None (once per
     process: a process must ask Linux for AMX's tile data before its first tile instruction)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"the CPU is {platform.machine()}, not x86-64", None
+    try:
+        isa_cap()
+    except ValueError as error:
+        return None, str(error), None
     missing = [flag for flag in CPU_FLAGS if flag not in _cpu_flags()]
     if missing:
-        return None, f"the CPU lacks {', '.join(missing)}", None
+        capped = f" (capped at {isa_cap()} by {ISA_VARIABLE})" if isa_cap() else ""
+        return None, f"the CPU lacks {', '.join(missing)}{capped}", None
     try:
         library = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError) as error:
@@ -371,17 +397,19 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
         function.restype = None
     amx_missing = [flag for flag in AMX_FLAGS if flag not in _cpu_flags()]
     if amx_missing:
-        return library, None, f"the CPU lacks {', '.join(amx_missing)}"
+        capped = f" (capped at {isa_cap()} by {ISA_VARIABLE})" if isa_cap() else ""
+        return library, None, f"the CPU lacks {', '.join(amx_missing)}{capped}"
     if library.rvqtts_amx_permit() != 0:
         return library, None, "Linux did not grant AMX tile data to this process (arch_prctl ARCH_REQ_XCOMP_PERM)"
     return library, None, None
 
 
 def _cpu_flags() -> set[str]:
+    """This CPU's flags (/proc/cpuinfo), as far as $RVQTTS_ISA lets rvqtts use them."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.partition(":")[2].split())
+                return capped_flags(set(line.partition(":")[2].split()))
     return set()
 
 
