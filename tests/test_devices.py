@@ -77,3 +77,22 @@ def test_an_unknown_rvqtts_isa_says_what_to_set(capped, tiny_dir, tmp_path):
     result = run_cli("synth", "Hi.", "--model", tiny_dir, "-o", tmp_path / "out.wav")
     assert result.exit_code == 2 and "RVQTTS_ISA='sse2': choose avx2 or avx512" in result.output
     assert not (tmp_path / "out.wav").exists()
+
+
+def test_a_cpu_that_is_not_x86_64_takes_torchs_kernels_without_a_build(capped, monkeypatch):
+    """ARM (Apple silicon, Graviton): no native build is attempted, the reason says why, and every map shape gets
+    torch's kernels by the same measurement."""
+    import platform
+
+    from rvqtts.engine import native
+
+    def no_build() -> None:
+        raise AssertionError("a native build was attempted on a CPU that is not x86-64")
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(native, "_build", no_build)
+    native._load.cache_clear()
+    assert native.unavailable() == "the CPU is aarch64, not x86-64" and native.amx_unavailable() is not None
+    assert not native.supports((1024, 1024), torch.bfloat16) and not native.supports(
+        (1024, 1024), torch.bfloat16, "int8dot"
+    )
