@@ -25,7 +25,9 @@ DECODER_DTYPES = ("float32", "bfloat16")  # what a CPU decoder is measured in
 # Frames each of a measurement's two passes decodes (after a one-frame warm-up): 5 frames per dtype, 0.3-0.5 s in
 # either dtype on a 2-vCPU Zen 4 EPYC, 11 s in bfloat16 capped at AVX2 (2.1 s a frame there; docs/benchmarks.md).
 MEASURED_FRAMES = 2
-TIE = 1.05  # a dtype within 5 % of the cheaper counts as tied; a tie goes to float32 (the decoder's stored bits)
+# A dtype within 5 % of the cheaper counts as tied; a tie goes to the one whose samples do not depend on the thread
+# count (Ray workers then write a local run's bytes), then to float32 (the decoder's stored bits).
+TIE = 1.05
 
 
 def decoder_shape_key(model: str) -> str:
@@ -35,14 +37,19 @@ def decoder_shape_key(model: str) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _decoder_and_codes(speech_tokenizer: object, dtype: str, frames: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A copy of qwen-tts's decoder in `dtype`, and fixed codes [1, quantizers, frames] to decode."""
+    decoder = copy.deepcopy(speech_tokenizer.model.decoder).to(getattr(torch, dtype))
+    groups = speech_tokenizer.model.config.decoder_config.num_quantizers
+    return decoder, torch.randint(0, 1024, (1, groups, frames), generator=torch.Generator().manual_seed(0))
+
+
 @torch.inference_mode()
 def decoder_frame_ms(speech_tokenizer: object, dtype: str, frames: int = MEASURED_FRAMES) -> float:
     """Milliseconds per frame of qwen-tts's decoder in `dtype` on this CPU (a copy of the decoder, fixed codes): the
     better of two passes over `frames` frames, after a one-frame warm-up (first-call allocations and kernel
     selection)."""
-    decoder = copy.deepcopy(speech_tokenizer.model.decoder).to(getattr(torch, dtype))
-    groups = speech_tokenizer.model.config.decoder_config.num_quantizers
-    codes = torch.randint(0, 1024, (1, groups, frames), generator=torch.Generator().manual_seed(0))
+    decoder, codes = _decoder_and_codes(speech_tokenizer, dtype, frames)
     decoder(codes[..., :1])
     passes = []
     for _ in range(2):
@@ -50,6 +57,23 @@ def decoder_frame_ms(speech_tokenizer: object, dtype: str, frames: int = MEASURE
         decoder(codes)
         passes.append(time.perf_counter() - started)
     return min(passes) * 1e3 / frames
+
+
+@torch.inference_mode()
+def decoder_thread_invariant(speech_tokenizer: object, dtype: str, frames: int = MEASURED_FRAMES) -> bool:
+    """Whether the decoder in `dtype` makes the same samples on this process's thread count as on another (one
+    thread, or two where this process runs one): where it does, a Ray worker writes a local run's bytes whatever
+    threads it was given (docs/cluster.md)."""
+    decoder, codes = _decoder_and_codes(speech_tokenizer, dtype, frames)
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (threads, 2 if threads == 1 else 1):
+            torch.set_num_threads(count)
+            outputs.append(decoder(codes))
+    finally:
+        torch.set_num_threads(threads)
+    return torch.equal(*outputs)
 
 
 def pick_decoder_dtype(
@@ -62,7 +86,7 @@ def pick_decoder_dtype(
 ) -> tuple[str, str | None]:
     """The decoder's dtype and, where it was chosen here, why. `decoder_dtype` (--decoder-dtype) forces it;
     else a forced `dtype` (--dtype) holds for the decoder too; else, on a CPU whose choices are measured, the
-    cheaper of float32 and bfloat16 for a frame of `model`'s decoder (a tie to float32); elsewhere the loops'."""
+    cheaper of float32 and bfloat16 for a frame of `model`'s decoder (TIE); elsewhere the loops'."""
     if decoder_dtype != "auto":
         return decoder_dtype, None
     if dtype != "auto" or device.split(":")[0] != "cpu" or not measured_choices():
@@ -76,13 +100,23 @@ def pick_decoder_dtype(
             progress(f"measuring the speech decoder in {name} on this CPU (once)")
         if not stored:
             stored.append(load_speech_tokenizer(model, "cpu", "float32"))
-        return {"ms_per_frame": round(decoder_frame_ms(stored[0], name), 3)}
+        return {
+            "ms_per_frame": round(decoder_frame_ms(stored[0], name), 3),
+            "thread_invariant": decoder_thread_invariant(stored[0], name),
+        }
 
     records = cached_records([f"decoder/{shape}/{name}" for name in DECODER_DTYPES], measure)
     costs = {name: records[f"decoder/{shape}/{name}"]["ms_per_frame"] for name in DECODER_DTYPES}
-    chosen = "bfloat16" if costs["bfloat16"] * TIE < costs["float32"] else "float32"
+    invariant = {name: records[f"decoder/{shape}/{name}"].get("thread_invariant") for name in DECODER_DTYPES}
+    tied = [name for name in DECODER_DTYPES if costs[name] <= min(costs.values()) * TIE]
+    chosen = min(tied, key=lambda name: (invariant[name] is not True, name != "float32"))
     other = "bfloat16" if chosen == "float32" else "float32"
+    threads = {
+        True: "; its samples do not depend on the thread count",
+        False: "; its samples depend on the thread count",
+    }
     return chosen, (
         f"speech decoder in {chosen}: a frame takes {costs[chosen]:.1f} ms in {chosen} against {costs[other]:.1f} ms "
-        f"in {other} on this CPU (measured once, kept in {kernels_path()}); --decoder-dtype {other} overrides"
+        f"in {other} on this CPU{threads.get(invariant[chosen], '')} (measured once, kept in {kernels_path()}); "
+        f"--decoder-dtype {other} overrides"
     )

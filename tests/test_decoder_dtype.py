@@ -17,8 +17,9 @@ from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer
 
 
-def priced(monkeypatch, costs: dict[str, float]) -> list[str]:
-    """decoder_frame_ms answering `costs` per dtype; the dtypes it was asked for, in order."""
+def priced(monkeypatch, costs: dict[str, float], invariant: dict[str, bool] | None = None) -> list[str]:
+    """decoder_frame_ms answering `costs` per dtype, decoder_thread_invariant `invariant` (default: neither dtype);
+    the dtypes timed, in order."""
     asked: list[str] = []
 
     def frame_ms(speech_tokenizer, dtype: str, frames: int = 2) -> float:
@@ -26,6 +27,7 @@ def priced(monkeypatch, costs: dict[str, float]) -> list[str]:
         return costs[dtype]
 
     monkeypatch.setattr(decoder_dtype, "decoder_frame_ms", frame_ms)
+    monkeypatch.setattr(decoder_dtype, "decoder_thread_invariant", lambda _, dtype: (invariant or {}).get(dtype, False))
     return asked
 
 
@@ -49,34 +51,49 @@ def test_a_forced_dtype_or_an_unmeasured_device_measures_nothing(
 
 
 @pytest.mark.parametrize(
-    "costs, expected",
+    "costs, invariant, expected",
     [
-        ({"float32": 33.0, "bfloat16": 1020.0}, "float32"),  # the AVX2-only EPYC's ratio (31x)
-        ({"float32": 30.0, "bfloat16": 20.0}, "bfloat16"),
-        ({"float32": 30.0, "bfloat16": 29.0}, "float32"),  # within 5 %: float32, the decoder's stored bits
+        ({"float32": 33.0, "bfloat16": 1020.0}, {}, "float32"),  # the AVX2-only EPYC's ratio (31x)
+        ({"float32": 30.0, "bfloat16": 20.0}, {"float32": True}, "bfloat16"),  # invariance decides ties only
+        ({"float32": 30.0, "bfloat16": 29.0}, {}, "float32"),  # within 5 %: float32, the decoder's stored bits
+        ({"float32": 29.0, "bfloat16": 30.0}, {"bfloat16": True}, "bfloat16"),  # a tie: thread-invariant samples
     ],
 )
-def test_auto_on_a_cpu_takes_the_cheaper_dtype_measured_once(tiny_dir, monkeypatch, costs, expected):
+def test_auto_on_a_cpu_takes_the_cheaper_dtype_measured_once(tiny_dir, monkeypatch, costs, invariant, expected):
     monkeypatch.setenv("RVQTTS_CHOICES", "measured")
-    asked = priced(monkeypatch, costs)
+    asked = priced(monkeypatch, costs, invariant)
     lines: list[str] = []
     chosen, reason = pick_decoder_dtype("auto", "auto", "bfloat16", "cpu", str(tiny_dir), lines.append)
     assert chosen == expected and asked == ["float32", "bfloat16"]
     other = "bfloat16" if expected == "float32" else "float32"
     assert f"speech decoder in {expected}" in reason and f"--decoder-dtype {other} overrides" in reason
     assert f"{costs[expected]:.1f} ms in {expected} against {costs[other]:.1f} ms in {other}" in reason
+    depends = "do not depend" if invariant.get(expected) else "depend"
+    assert f"on this CPU; its samples {depends} on the thread count (measured once" in reason
     assert lines == [f"measuring the speech decoder in {name} on this CPU (once)" for name in ("float32", "bfloat16")]
     again = pick_decoder_dtype("auto", "auto", "bfloat16", "cpu", str(tiny_dir))
     assert again == (chosen, reason) and asked == ["float32", "bfloat16"]  # read from the cache, not measured
 
 
-def test_a_frame_of_decoding_is_timed_on_a_copy(tiny):
+def test_a_frame_of_decoding_is_timed_and_probed_across_thread_counts_on_a_copy(tiny, monkeypatch):
     parameter = next(tiny.model.speech_tokenizer.model.decoder.parameters())
-    before = parameter.dtype
+    before, threads = parameter.dtype, torch.get_num_threads()
     for name in ("float32", "bfloat16"):
         ms = decoder_dtype.decoder_frame_ms(tiny.model.speech_tokenizer, name, frames=2)
         assert math.isfinite(ms) and ms > 0
+        assert decoder_dtype.decoder_thread_invariant(tiny.model.speech_tokenizer, name) in (True, False)
     assert next(tiny.model.speech_tokenizer.model.decoder.parameters()).dtype == before
+    assert torch.get_num_threads() == threads
+    seen = []  # a decoder whose samples follow the thread count is caught
+    original = type(tiny.model.speech_tokenizer.model.decoder).forward
+
+    def by_threads(self, codes):
+        seen.append(torch.get_num_threads())
+        return original(self, codes) + torch.get_num_threads()
+
+    monkeypatch.setattr(type(tiny.model.speech_tokenizer.model.decoder), "forward", by_threads)
+    assert decoder_dtype.decoder_thread_invariant(tiny.model.speech_tokenizer, "float32") is False
+    assert len(set(seen)) == 2 and torch.get_num_threads() == threads
 
 
 def test_the_loops_and_the_decoder_run_in_their_own_dtypes(released_06_dir):
