@@ -94,8 +94,7 @@ class SynthesisWorker:
         dtype, _ = pick_dtype(spec.dtype, device, model_config(spec.model).talker_config, spec.weights)
         self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights)
         decoder, _ = pick_decoder_dtype(spec.decoder_dtype, spec.dtype, dtype, device, spec.model)
-        if decoder != self.synth.decoder_dtype:
-            self.synth.use_decoder_dtype(decoder)
+        self.synth.use_decoder_dtype(decoder)
         notice = prepare_inner_loop(self.synth, spec.spec, spec.tree, spec.offsets, spec.cuda_graphs)
         for source in spec.voices:
             self.synth.voice_of(source)

@@ -122,7 +122,7 @@ class Synthesizer:
         check_weights(weights, torch.device(device))
         synth = cls(load_tts(model, device, dtype), speculation, weights)
         synth.source = str(model)
-        if decoder_dtype not in (None, dtype):
+        if decoder_dtype is not None:
             synth.use_decoder_dtype(decoder_dtype)
         return synth
 
@@ -134,9 +134,11 @@ class Synthesizer:
     def use_decoder_dtype(self, dtype: str) -> None:
         """Run the speech tokenizer in `dtype`, apart from the loops' (rvqtts.decoder_dtype: its cost per dtype is
         its own): loaded again from the checkpoint in that dtype (its stored weights, not a copy the loops' dtype
-        rounded); voices primed by the old one are primed again."""
+        rounded); voices primed by the old one are primed again. Nothing to do where it already runs in `dtype`."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown decoder dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        if dtype == self.decoder_dtype:
+            return
         if self.source is None:
             raise ValueError("the speech decoder's dtype is set on a Synthesizer made by Synthesizer.load")
         device = str(self.talker.codec_head.weight.device)

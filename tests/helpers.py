@@ -63,17 +63,33 @@ def random_prefix(synth: Synthesizer, seed: int) -> torch.Tensor:
         return torch.cat([h_t, talker.get_input_embeddings()(c0)])
 
 
+DECODE_SEED = 7  # the seed of decode_frames' noise (utterance 0, frame f)
+
+
+def frame_prefixes(synth: Synthesizer, frames: int) -> list[torch.Tensor]:
+    """decode_frames' frame contexts: random_prefix(seed = f) in the code predictor's dtype."""
+    dtype = synth.code_predictor.lm_head[0].weight.dtype
+    return [random_prefix(synth, seed=f).to(dtype) for f in range(frames)]
+
+
+def frame_noises(synth: Synthesizer, frames: int) -> list[torch.Tensor]:
+    """The noise decode_frames draws frame f's codes with (its InnerLoop's, seed DECODE_SEED)."""
+    from rvqtts.engine.sampling import residual_noise
+
+    config = synth.code_predictor.config
+    return [residual_noise(DECODE_SEED, 0, f, config.num_code_groups, config.vocab_size) for f in range(frames)]
+
+
 def decode_frames(synth: Synthesizer, speculation, frames: int, calls=None) -> tuple[np.ndarray, object]:
-    """The inner loop's codes [frames, G-1] over random prefixes (seed 7) and its statistics; `calls`
+    """The inner loop's codes [frames, G-1] over `frame_prefixes` with SamplingConfig() and its statistics; `calls`
     replaces its static calls (e.g. emulated CUDA graphs)."""
     from rvqtts.engine.inner_loop import InnerLoop
     from rvqtts.engine.sampling import SamplingConfig
 
-    loop = InnerLoop(synth.code_predictor, speculation, seed=7)
+    loop = InnerLoop(synth.code_predictor, speculation, seed=DECODE_SEED)
     if calls is not None:
         loop.calls = calls
-    dtype = synth.code_predictor.lm_head[0].weight.dtype
-    codes = [loop.decode(random_prefix(synth, seed=f).to(dtype), SamplingConfig(), 0, f) for f in range(frames)]
+    codes = [loop.decode(prefix, SamplingConfig(), 0, f) for f, prefix in enumerate(frame_prefixes(synth, frames))]
     return np.array(codes), loop.stats
 
 

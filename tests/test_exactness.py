@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from exactness import broken_walk, first_difference, float32_reference, paper_offsets, unexplained_differences
-from helpers import decode_frames, linear_maps_are_row_invariant, random_prefix
+from helpers import decode_frames, frame_noises, frame_prefixes, linear_maps_are_row_invariant
 
 import rvqtts.engine.decode
 from rvqtts.audio import audio_bytes
@@ -36,14 +36,6 @@ def load(paper_dir, dtype: str) -> tuple[Synthesizer, Speculation]:
     return synth, Speculation(resolve_tree(TREE), paper_offsets(synth))
 
 
-def frame_inputs(synth: Synthesizer, frames: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The prefixes and noise `helpers.decode_frames` decodes frame f with (and SamplingConfig())."""
-    dtype = synth.code_predictor.lm_head[0].weight.dtype
-    config = synth.code_predictor.config
-    prefixes = [random_prefix(synth, seed=f).to(dtype) for f in range(frames)]
-    return prefixes, [residual_noise(7, 0, f, config.num_code_groups, config.vocab_size) for f in range(frames)]
-
-
 def assert_drafts_land(stats) -> None:
     assert stats.codes_per_call > 1.8, f"{stats.codes_per_call:.2f} codes per call: the drafts must land"
     assert min(stats.accepted_per_depth[:3]) > 0, f"accepted per depth {stats.accepted_per_depth}: every depth"
@@ -54,10 +46,8 @@ def inner_loop_differences(synth: Synthesizer, speculation: Speculation, frames:
     there were any differences at all, and the speculative run's statistics."""
     plain, _ = decode_frames(synth, None, frames)
     spec, stats = decode_frames(synth, speculation, frames)
-    prefixes, noises = frame_inputs(synth, frames)
-    dtype = synth.code_predictor.lm_head[0].weight.dtype
-    reference = float32_reference(synth.code_predictor)
-    found = unexplained_differences(reference, dtype, prefixes, noises, SamplingConfig(), plain, spec)
+    prefixes, noises = frame_prefixes(synth, frames), frame_noises(synth, frames)
+    found = unexplained_differences(synth.code_predictor, prefixes, noises, SamplingConfig(), plain, spec)
     return found, not np.array_equal(plain, spec), stats
 
 

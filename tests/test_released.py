@@ -9,13 +9,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from exactness import float32_reference, unexplained_differences
-from helpers import decode_frames, linear_maps_are_row_invariant, random_prefix
+from exactness import unexplained_differences
+from helpers import decode_frames, frame_noises, frame_prefixes, linear_maps_are_row_invariant
 
 from rvqtts.engine.decode import Speculation
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.sampling import SamplingConfig, residual_noise
+from rvqtts.engine.sampling import SamplingConfig
 from rvqtts.engine.tree import resolve_tree
 from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer
@@ -94,13 +94,8 @@ def test_speculative_codes_equal_plain_codes_in_every_dtype(dims, dtype, request
     frames = 30 if (dims, dtype) == ("0.6b", "bfloat16") else 10
     plain, _ = decode_frames(synth, None, frames)
     spec, stats = decode_frames(synth, speculation, frames)
-    model_dtype = getattr(torch, dtype)
-    prefixes = [random_prefix(synth, seed=f).to(model_dtype) for f in range(frames)]
-    config = synth.code_predictor.config
-    noises = [residual_noise(7, 0, f, config.num_code_groups, config.vocab_size) for f in range(frames)]
-    reference = float32_reference(synth.code_predictor)
-    sampling = SamplingConfig()
-    assert not unexplained_differences(reference, model_dtype, prefixes, noises, sampling, plain, spec), dtype
+    prefixes, noises = frame_prefixes(synth, frames), frame_noises(synth, frames)
+    assert not unexplained_differences(synth.code_predictor, prefixes, noises, SamplingConfig(), plain, spec), dtype
     if linear_maps_are_row_invariant(synth.code_predictor, rows=16):  # q = 16 rows
         assert np.array_equal(plain, spec), f"{dtype}: the kernels are row-invariant, yet codes differ"
     assert stats.accepted_per_depth[0] > 0 and stats.calls < 15 * frames  # drafts were accepted

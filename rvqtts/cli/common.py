@@ -190,8 +190,7 @@ def load_synthesizer(
         decoder, reason = pick_decoder_dtype(decoder_dtype, dtype, loops_dtype, chosen, model, progress)
         if reason:
             say(reason, quiet)
-        if decoder != synthesizer.decoder_dtype:
-            synthesizer.use_decoder_dtype(decoder)
+        synthesizer.use_decoder_dtype(decoder)
     except (ModelLoadError, ValueError) as error:
         fail(str(error))
     return synthesizer
