@@ -22,8 +22,9 @@ from rvqtts.engine.kernels import cached_records, kernels_path, measured_choices
 from rvqtts.loading import load_speech_tokenizer, resolve_model
 
 DECODER_DTYPES = ("float32", "bfloat16")  # what a CPU decoder is measured in
-# Frames each of a measurement's two passes decodes (after a one-frame warm-up): 5 frames per dtype, 0.3-0.5 s in
-# either dtype on a 2-vCPU Zen 4 EPYC, 11 s in bfloat16 capped at AVX2 (2.1 s a frame there; docs/benchmarks.md).
+# Frames each pass decodes: per dtype a one-frame warm-up, two timed passes and two for the thread-count probe, 9
+# frames (the whole choice took 10.6 s on a 2-vCPU Zen 4 EPYC, 24.7 s capped at AVX2, where a bfloat16 frame took
+# about 2 s; docs/usage.md).
 MEASURED_FRAMES = 2
 # A dtype within 5 % of the cheaper counts as tied; a tie goes to the one whose samples do not depend on the thread
 # count (Ray workers then write a local run's bytes), then to float32 (the decoder's stored bits).

@@ -33,8 +33,8 @@ DTYPE_HELP = (
 )
 DECODER_DTYPE_HELP = (
     "The speech decoder's dtype: auto (--dtype's where it is given; under --dtype auto on a CPU the cheaper of "
-    "float32 and bfloat16 for a frame of decoding, measured once per machine and decoder: without AVX-512 BF16 or "
-    "AMX its bfloat16 ran 15-36x slower), float32, bfloat16 or float16."
+    "float32 and bfloat16 for a frame of decoding, measured once per machine and decoder: its bfloat16 ran 31x "
+    "slower on an AVX2-only AMD EPYC, 14-36x on a Zen 4 capped at AVX2), float32, bfloat16 or float16."
 )
 TREE_HELP = (
     "Draft tree: auto (the tree size decided online from this model's "
