@@ -52,8 +52,9 @@ def capped(monkeypatch):
 
 
 def test_rvqtts_isa_avx2_makes_an_avx512_cpu_play_an_avx2_one(capped, monkeypatch):
-    """The cap hides AVX-512 and AMX from every choice rvqtts makes by the CPU's flags: no native kernel (with the
-    reason), no bfloat16 instruction for the fixed dtype rule; `avx512` hides AMX alone."""
+    """The cap hides AVX-512 and AMX from every choice rvqtts makes by the CPU's flags: the native library's AVX2 build
+    (its AVX2 kernels, no AVX-512 one), no bfloat16 instruction for the fixed dtype rule; `avx512` hides AMX alone;
+    `none` every native kernel, with the reason."""
     from rvqtts.engine import native
     from rvqtts.engine.devices import native_bf16_flag
 
@@ -61,8 +62,14 @@ def test_rvqtts_isa_avx2_makes_an_avx512_cpu_play_an_avx2_one(capped, monkeypatc
     cpuinfo = "flags\t\t: " + " ".join(sorted(flags)) + "\n"
     capped("avx2")
     assert native.capped_flags(flags) == {"avx2", "fma"} and native_bf16_flag(cpuinfo) is None
-    assert "(capped at avx2 by RVQTTS_ISA)" in native.unavailable() or "x86-64" in native.unavailable()
-    assert not native.supports((1024, 1024), torch.bfloat16)
+    if native.unavailable() is None:
+        assert native.level() == "avx2" and native.supports((1024, 1024), torch.bfloat16, "bf16avx2")
+        assert "(capped at avx2 by RVQTTS_ISA)" in native.amx_unavailable()
+    assert not native.supports((1024, 1024), torch.bfloat16, "bf16dot")
+    capped("none")
+    assert native.capped_flags(flags) == set() and native.level() is None
+    assert "(capped at none by RVQTTS_ISA)" in native.unavailable() or "x86-64" in native.unavailable()
+    assert not native.supports((1024, 1024), torch.bfloat16, "bf16avx2")
     capped("avx512")
     assert native.capped_flags(flags) == flags - {"amx_tile", "amx_bf16"} and native_bf16_flag(cpuinfo) == "avx512_bf16"
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
@@ -74,10 +81,19 @@ def test_an_unknown_rvqtts_isa_says_what_to_set(capped, tiny_dir, tmp_path):
     from rvqtts.engine import native
 
     capped("sse2")
-    assert native.unavailable() == "RVQTTS_ISA='sse2': choose avx2 or avx512, or unset it for what the CPU has"
+    assert native.unavailable() == "RVQTTS_ISA='sse2': choose avx2 or avx512 or none, or unset it for what the CPU has"
     result = run_cli("synth", "Hi.", "--model", tiny_dir, "-o", tmp_path / "out.wav")
-    assert result.exit_code == 2 and "RVQTTS_ISA='sse2': choose avx2 or avx512" in result.output
+    assert result.exit_code == 2 and "RVQTTS_ISA='sse2': choose avx2 or avx512 or none" in result.output
     assert not (tmp_path / "out.wav").exists()
+
+
+def test_a_cpu_without_avx2_runs_torchs_kernels_and_says_so(capped, tiny_dir, tmp_path):
+    capped("none")
+    result = run_cli("synth", "Hi.", "--model", tiny_dir, "--max-frames", "4", "-o", tmp_path / "out.wav")
+    assert result.exit_code == 0, result.output
+    assert "native CPU kernels do not run here (the CPU " in result.output
+    assert "lacks avx2, fma (capped at none by RVQTTS_ISA)" in result.output or "not x86-64" in result.output
+    assert (tmp_path / "out.wav").exists()
 
 
 def test_a_cpu_that_is_not_x86_64_takes_torchs_kernels_without_a_build(capped, monkeypatch):
@@ -87,13 +103,11 @@ def test_a_cpu_that_is_not_x86_64_takes_torchs_kernels_without_a_build(capped, m
 
     from rvqtts.engine import native
 
-    def no_build() -> None:
+    def no_build(*_) -> None:
         raise AssertionError("a native build was attempted on a CPU that is not x86-64")
 
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     monkeypatch.setattr(native, "_build", no_build)
     native._load.cache_clear()
     assert native.unavailable() == "the CPU is aarch64, not x86-64" and native.amx_unavailable() is not None
-    assert not native.supports((1024, 1024), torch.bfloat16) and not native.supports(
-        (1024, 1024), torch.bfloat16, "int8dot"
-    )
+    assert not any(native.supports((1024, 1024), torch.bfloat16, kind) for kind in native.KINDS)

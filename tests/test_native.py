@@ -27,12 +27,16 @@ from rvqtts.synthesis import Synthesizer
 needs_kernel = pytest.mark.skipif(
     native.unavailable() is not None, reason=f"rvqtts's kernel does not run here: {native.unavailable()}"
 )
+needs_avx512 = pytest.mark.skipif(
+    native.level() != "avx512", reason=f"rvqtts's AVX-512 kernels are not built here (level {native.level()})"
+)
 needs_amx = pytest.mark.skipif(
     native.amx_unavailable() is not None, reason=f"rvqtts's AMX kernels do not run here: {native.amx_unavailable()}"
 )
-# Each of the library's kernels, those on AMX tiles skipped on CPUs without them.
-BF16_KERNELS = ["bf16dot", pytest.param("bf16amx", marks=needs_amx)]
-INT8_KERNELS = ["int8dot", pytest.param("int8amx", marks=needs_amx)]
+# Each of the library's kernels: the AVX2 ones run on every x86-64 CI machine (the AVX-512 build has them too),
+# the AVX-512 and AMX ones where the CPU has them.
+BF16_KERNELS = [pytest.param("bf16dot", marks=needs_avx512), pytest.param("bf16amx", marks=needs_amx), "bf16avx2"]
+INT8_KERNELS = [pytest.param("int8dot", marks=needs_avx512), pytest.param("int8amx", marks=needs_amx), "int8avx2"]
 # 80 outputs: one group of four 16-channel blocks and one single block; 96 inputs: 48 pairs (torch's own
 # int8 kernel, compared below, fails on some odd widths).
 SHAPE = (80, 96)
@@ -100,11 +104,14 @@ def test_every_row_gets_its_own_bits_whatever_the_rows_and_threads_of_the_call(n
 @needs_kernel
 def test_the_kernel_is_a_candidate_for_the_shapes_and_dtype_it_runs():
     cpu = torch.device("cpu")
-    assert Kernel("bf16dot") in candidates(cpu, torch.bfloat16, "native", (1024, 3072))
-    assert Kernel("int8dot") in candidates(cpu, torch.bfloat16, "int8", (1024, 3072))
-    assert Kernel("bf16dot") not in candidates(cpu, torch.float32, "native", (1024, 3072))
-    assert Kernel("bf16dot") not in candidates(cpu, torch.bfloat16, "native", (1000, 3072))  # not 16 a block
-    linear = LinearMap(torch.zeros(32, 64, dtype=torch.bfloat16), None, Kernel("int8dot"))
+    dot, int8 = ("bf16dot", "int8dot") if native.level() == "avx512" else ("bf16avx2", "int8avx2")
+    assert Kernel(dot) in candidates(cpu, torch.bfloat16, "native", (1024, 3072))
+    assert Kernel(int8) in candidates(cpu, torch.bfloat16, "int8", (1024, 3072))
+    assert Kernel(dot) not in candidates(cpu, torch.float32, "native", (1024, 3072))
+    assert Kernel(dot) not in candidates(cpu, torch.bfloat16, "native", (1000, 3072))  # not 16 a block
+    if native.level() == "avx512":  # built there for the tests, but never a candidate (4x the instructions)
+        assert Kernel("bf16avx2") not in candidates(cpu, torch.bfloat16, "native", (1024, 3072))
+    linear = LinearMap(torch.zeros(32, 64, dtype=torch.bfloat16), None, Kernel(int8))
     assert sum(t.numel() * t.element_size() for t in linear.reads()) == 32 * 64 + 32 * 4  # int8 and scales
 
 
@@ -127,7 +134,64 @@ def test_a_machine_that_cannot_build_it_says_why_and_offers_the_other_kernels(tm
     reason, names = result.stdout.strip().splitlines()
     assert reason.startswith("the CPU") or "could not build native.cpp" in reason
     assert "bf16dot" not in names and "packed" in names or not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert "bf16avx2" not in names
     assert not list(tmp_path.glob("build/*.so"))  # nothing half-built is left to load
+
+
+def _native_outputs(path: str) -> None:
+    """What the library built here computes for fixed inputs (maps by the AVX2 kernels, every row-wise step),
+    saved to `path`."""
+    generator = torch.Generator().manual_seed(6)
+    weight = _sample(generator, *SHAPE)
+    x = _sample(generator, 17, SHAPE[1]) * 3
+    outputs = {
+        f"{name}/{rows}": LinearMap(weight, None, Kernel(name))(x[:rows])
+        for name in ("bf16avx2", "int8avx2")
+        for rows in (1, 2, 3, 5, 17)
+    }
+    norm = _sample(generator, SHAPE[1])
+    outputs["rms_norm"] = native.rms_norm(x, norm, 1e-6)
+    outputs["silu_times_up"] = native.silu_times_up(x)
+    k_cache, v_cache, q = _sample(generator, 2, 40, 32), _sample(generator, 2, 40, 32), _sample(generator, 4, 7, 32)
+    outputs["attend"] = native.attend(q, k_cache, v_cache, 30)
+    cos, sin = _sample(generator, 5, 32), _sample(generator, 5, 32)
+    qkv = _sample(generator, 5, 8 * 32)
+    outputs["queries"] = native.attention_inputs(
+        qkv, 4, 2, norm[:32], norm[32:64], cos, sin, 1e-6, k_cache, v_cache, slice(3, 8)
+    )
+    outputs["keys"], outputs["values"] = k_cache, v_cache
+    torch.save({key: value.clone() for key, value in outputs.items()}, path)
+
+
+@needs_kernel
+def test_an_avx512_machine_capped_at_avx2_builds_and_runs_the_avx2_library_and_its_bits(tmp_path):
+    """RVQTTS_ISA=avx2 loads the AVX2 build, which offers its FMA kernels; its maps and row-wise steps give the
+    bits this process's library gives (the AVX-512 build's copies of the AVX2 kernels where this CPU has AVX-512);
+    RVQTTS_ISA=none leaves torch's kernels and says why."""
+    script = (
+        "import sys, torch; sys.path.insert(0, 'tests'); from test_native import _native_outputs; "
+        "from rvqtts.engine import kernels, native; print(native.level()); "
+        "print(' '.join(k.name for k in kernels.candidates(torch.device('cpu'), torch.bfloat16, 'native', (64, 64)))); "
+        "_native_outputs(sys.argv[1])"
+    )
+    env = {**os.environ, "RVQTTS_ISA": "avx2"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "avx2.pt")], capture_output=True, text=True, env=env, check=True
+    )
+    built, names = result.stdout.strip().splitlines()
+    assert built == "avx2" and "bf16avx2" in names.split() and "bf16dot" not in names.split()
+    _native_outputs(str(tmp_path / "here.pt"))
+    theirs, ours = torch.load(tmp_path / "avx2.pt"), torch.load(tmp_path / "here.pt")
+    assert theirs.keys() == ours.keys()
+    assert [key for key in ours if not torch.equal(theirs[key], ours[key])] == []
+    none = subprocess.run(
+        [sys.executable, "-c", "from rvqtts.engine import native; print(native.unavailable())"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "RVQTTS_ISA": "none"},
+        check=True,
+    )
+    assert "lacks avx2, fma (capped at none by RVQTTS_ISA)" in none.stdout
 
 
 @needs_kernel
@@ -194,10 +258,10 @@ def test_attention_over_the_cache_is_float32_attention_of_the_visible_slots_quer
     assert torch.equal(first[:, :1], native.attend(q[:, :1], k_cache, v_cache, 1))
 
 
-@pytest.fixture(params=["dot", pytest.param("amx", marks=needs_amx)])
+@pytest.fixture(params=[pytest.param("dot", marks=needs_avx512), pytest.param("amx", marks=needs_amx), "avx2"])
 def own_kernel(monkeypatch, request):
-    """Every CPU map runs one of the library's kernels (bfloat16 or 8-bit; AVX512 dot products or AMX
-    tiles), whatever this machine would measure."""
+    """Every CPU map runs one of the library's kernels (bfloat16 or 8-bit; AVX512 dot products, AMX tiles or
+    AVX2 FMA), whatever this machine would measure."""
 
     def choice(shape, dtype, weights="native", device=torch.device("cpu")):
         name = ("int8" if weights == "int8" else "bf16") + request.param

@@ -146,13 +146,14 @@ def load_synthesizer(
 ):
     """The model on the chosen device and dtype, its speech decoder in its own (fails with one line on a bad
     model, device or dtype, the model checked from its config before the weights load; says which dtypes `auto`
-    chose on a CPU, and why, and that a GPU has not been validated)."""
+    chose on a CPU, and why, that rvqtts's native kernels cannot run where they cannot, and that a GPU has not been
+    validated)."""
     import torch
 
     from rvqtts.decoder_dtype import pick_decoder_dtype
     from rvqtts.engine.devices import frame_maps, pick_dtype, unvalidated_notice
     from rvqtts.engine.kernels import choose_kernels, measured_choices
-    from rvqtts.engine.native import isa_cap
+    from rvqtts.engine.native import isa_cap, unavailable
     from rvqtts.loading import ModelLoadError, model_config
     from rvqtts.synthesis import Synthesizer
 
@@ -169,6 +170,8 @@ def load_synthesizer(
     chosen = resolve_device(device)
     if notice := unvalidated_notice(chosen):
         say(notice, quiet)
+    if chosen == "cpu" and (why := unavailable()):
+        say(f"rvqtts's native CPU kernels do not run here ({why}); torch's run instead, slower", quiet)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

@@ -58,8 +58,9 @@ COLD_BYTES = 96 << 20  # weight copies cycled through when timing: more than the
 TIMED_PASSES = 7
 KERNELS_FILE = "kernels.json"
 KERNELS_FORMAT = "rvqtts-kernels"
-# 2: rvqtts's own kernel among the candidates; 3: the prompt kernel; 4: its AMX kernels (older choices measured anew)
-KERNELS_VERSION = 4
+# 2: rvqtts's own kernel among the candidates; 3: the prompt kernel; 4: its AMX kernels; 5: its AVX2 kernels (older
+# choices measured anew)
+KERNELS_VERSION = 5
 CHOICES_VARIABLE = "RVQTTS_CHOICES"  # "measured" (the default) or "fixed": the rules used before measurement
 
 
@@ -67,8 +68,8 @@ CHOICES_VARIABLE = "RVQTTS_CHOICES"  # "measured" (the default) or "fixed": the 
 class Kernel:
     """How a map applies rows: `multi` ("linear" for F.linear, "packed" for oneDNN's kernel over weights
     reordered once, "int8" for torch's int8 kernel over 8-bit weights, "bf16dot" and "int8dot" for
-    rvqtts's own AVX512-BF16 kernel over bfloat16 or 8-bit weights and "bf16amx" and "int8amx" for its
-    AMX one, rvqtts.engine.native) in calls of at most CHUNK rows,
+    rvqtts's own AVX512-BF16 kernel over bfloat16 or 8-bit weights, "bf16amx" and "int8amx" for its
+    AMX one and "bf16avx2" and "int8avx2" for its AVX2 one, rvqtts.engine.native) in calls of at most CHUNK rows,
     each padded with zero rows to at least `pad`; a call of one row through torch.mv where `one_row_mv`."""
 
     multi: str
@@ -101,11 +102,7 @@ def candidates(
     first (`fixed_kernel`)."""
     if device.type != "cpu":
         return [Kernel("linear")]
-    own = [
-        name
-        for name in (("int8dot", "int8amx") if weights == "int8" else ("bf16dot", "bf16amx"))
-        if shape is not None and native.supports(shape, dtype, name)
-    ]
+    own = [name for name in native.map_kernels(weights) if shape is not None and native.supports(shape, dtype, name)]
     if weights == "int8":
         return [Kernel("int8")] + [Kernel(name) for name in own]
     packed = packing_available(dtype)
@@ -161,12 +158,12 @@ class LinearMap:
                 scales = scales.to(weight.dtype)
                 self.operands = [qweight, scales]
                 self.apply = lambda rows: self._biased(torch._weight_int8pack_mm(rows, qweight, scales))
-            elif kernel.multi in ("int8dot", "int8amx"):
+            elif kernel.multi in native.KINDS and kernel.multi.startswith("int8"):
                 qweight, scales = quantize_rows(weight)
                 packed, scales = native.pack(qweight), scales.to(weight.dtype).float()  # the same scales
                 self.operands = [packed, scales]
                 self.apply = lambda rows: self._biased(native.apply(kernel.multi, rows, packed, scales))
-            elif kernel.multi in ("bf16dot", "bf16amx"):
+            elif kernel.multi in native.KINDS:
                 packed = native.pack(weight)
                 self.operands = [packed]
                 self.apply = lambda rows: self._biased(native.apply(kernel.multi, rows, packed))
@@ -179,7 +176,7 @@ class LinearMap:
 
     def reads(self) -> list[torch.Tensor]:
         """The tensors a call reads (a packed copy holds the weight's bytes in another order)."""
-        if self.kernel.multi in ("packed", "bf16dot", "bf16amx"):
+        if self.kernel.multi == "packed" or self.kernel.multi in native.KINDS and self.kernel.multi.startswith("bf16"):
             return [self.weight] + ([] if self.bias is None else [self.bias])
         return self.operands + ([] if self.bias is None else [self.bias])
 

@@ -1,15 +1,20 @@
-// rvqtts's native CPU kernels, for CPUs with AVX512-BF16; built and loaded by rvqtts/engine/native.py. A few
-// bfloat16 rows x [M, K] through a linear map W [N, K] held as bfloat16 or as int8 with a float scale per
-// output channel (W8A16), chosen per map shape by measurement (rvqtts/engine/kernels.py); and a decoder layer's
-// row-wise steps (RMSNorm, q/k norms with RoPE, attention over the cache, SiLU times up), alone or with
-// the maps as one whole layer.
+// rvqtts's native CPU kernels, built and loaded by rvqtts/engine/native.py once per machine at one of two
+// instruction-set levels: AVX2 + FMA (every x86-64 CPU of the last ten years) and AVX512-BF16 (with AMX tiles
+// where the CPU has them). A few bfloat16 rows x [M, K] through a linear map W [N, K] held as bfloat16 or as
+// int8 with a float scale per output channel (W8A16), chosen per map shape by measurement
+// (rvqtts/engine/kernels.py); and a decoder layer's row-wise steps (RMSNorm, q/k norms with RoPE, attention
+// over the cache, SiLU times up), alone or with the maps as one whole layer.
 //
 // Map weights are packed once as [N/16][K/2][16][2]: one 64-byte vector (32 bytes for int8) per block of
 // 16 output channels and pair of inputs, the operand layout of VDPBF16PS. A tile keeps CB blocks x RB
 // rows of float accumulators in registers and streams its blocks' weights once per pass over its rows.
+// The AVX2 kernel reads the same packed weights, widening each 32-byte half (8 channels x 2 inputs) to two
+// float32 vectors in registers (bfloat16 by a shift and a mask, int8 by sign extension), and multiplies
+// them with FMA: half of float32's bytes read for bfloat16 weights, a quarter for int8.
 //
-// Every output is one fixed sequence: acc = 0; for each input pair, acc = dpbf16(acc, x pair, w pair);
-// then (int8) acc * scale; then rounding to bfloat16. Threads split the output channels, never the
+// Every output is one fixed sequence: acc = 0; for each input pair, acc = dpbf16(acc, x pair, w pair) (AVX2:
+// acc = fma(w even, x even, acc), then fma(w odd, x odd, acc)); then (int8) acc * scale; then rounding to
+// bfloat16. Threads split the output channels, never the
 // inputs, so a row's bits do not depend on how many rows share the call, which tile it fell in, or
 // the thread count: a tree round's rows equal plain steps bit for bit. The row-wise steps compute each
 // row (and each query) alone, so they keep that.
@@ -27,6 +32,13 @@ constexpr int kAheadBytes = 1024;  // how far ahead of the loads each block's we
 constexpr int kGroup = 4;    // blocks per tile where they divide the channels (else single blocks)
 constexpr int kRows = 6;     // rows per tile at most: kGroup x kRows accumulators fit the 32 registers
 
+// Asks for the cache line kAheadBytes past block-pair `index`'s weights, ahead of their loads.
+template <bool Int8>
+inline void prefetch(const void* packed, int64_t index) {
+    _mm_prefetch(reinterpret_cast<const char*>(packed) + index * (Int8 ? 32 : 64) + kAheadBytes, _MM_HINT_T0);
+}
+
+#if defined(__AVX512BF16__)
 template <bool Int8>
 inline __m512bh load_pair(const void* packed, int64_t index) {
     if constexpr (Int8) {
@@ -37,11 +49,6 @@ inline __m512bh load_pair(const void* packed, int64_t index) {
     } else {
         return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const __m512i*>(packed) + index);
     }
-}
-
-template <bool Int8>
-inline void prefetch(const void* packed, int64_t index) {
-    _mm_prefetch(reinterpret_cast<const char*>(packed) + index * (Int8 ? 32 : 64) + kAheadBytes, _MM_HINT_T0);
 }
 
 template <int CB, int RB, bool Int8>
@@ -105,6 +112,7 @@ void matmul(const uint16_t* x, int64_t M, int64_t K, const void* packed, const f
             blocks<1, Int8>(x, M, K, packed, scales, groups * kGroup + (u - groups), N, y);
     }
 }
+#endif  // __AVX512BF16__
 
 inline float to_float(uint16_t bits) {
     uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -168,28 +176,58 @@ void attend_one(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
     for (int64_t e = 0; e < d; ++e) out[e] = to_bf16(sum[e] / total);
 }
 
-// e^x for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative
-// error about 2e-7), scaled by 2^n.
-inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+// e^x by lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error about
+// 2e-7), scaled by 2^n; x clamped to [-87, 88] (2^n stays a normal float). The same operations lane by lane
+// at either width, so both builds' SiLU agree.
+#if defined(__AVX512BF16__)
+constexpr int kLanes = 16;
+using Floats = __m512;
+inline Floats exp_lanes(Floats x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const Floats n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    Floats r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
+    Floats p = _mm512_set1_ps(1.0f / 720);
     for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
     return _mm512_scalef_ps(p, n);
 }
+inline Floats widen_lanes(const uint16_t* bits) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits))), 16));
+}
+inline Floats silu_lanes(Floats g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+inline void store_lanes(float* out, Floats v) { _mm512_storeu_ps(out, v); }
+#else
+constexpr int kLanes = 8;
+using Floats = __m256;
+inline Floats exp_lanes(Floats x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const Floats n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    Floats r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    Floats p = _mm256_set1_ps(1.0f / 720);
+    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));  // exactly p * 2^n, as scalef gives it
+}
+inline Floats widen_lanes(const uint16_t* bits) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits))), 16));
+}
+inline Floats silu_lanes(Floats g) {
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_lanes(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+inline void store_lanes(float* out, Floats v) { _mm256_storeu_ps(out, v); }
+#endif
 
 // bf16(bf16(silu(gate)) * up) over a row's gate and up halves [2 n] into out [n], as torch's bfloat16
 // SiLU then product round.
 inline void silu_times_up(const uint16_t* gate_up, int64_t n, uint16_t* out) {
     int64_t i = 0;
-    for (; i + kBlock <= n; i += kBlock) {
-        const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate_up + i))), 16));
-        alignas(64) float silu[kBlock];
-        _mm512_store_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-        for (int l = 0; l < kBlock; ++l) out[i + l] = to_bf16(to_float(to_bf16(silu[l])) * to_float(gate_up[n + i + l]));
+    for (; i + kLanes <= n; i += kLanes) {
+        float silu[kLanes];
+        store_lanes(silu, silu_lanes(widen_lanes(gate_up + i)));
+        for (int l = 0; l < kLanes; ++l) out[i + l] = to_bf16(to_float(to_bf16(silu[l])) * to_float(gate_up[n + i + l]));
     }
     for (; i < n; ++i) {
         const float g = to_float(gate_up[i]);
@@ -202,7 +240,114 @@ inline void add_into(uint16_t* x, const uint16_t* delta, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] = to_bf16(to_float(x[i]) + to_float(delta[i]));
 }
 
+// The maps with AVX2 + FMA: the packed weights widened to float32 in registers, the rows widened once per call.
+constexpr int kFmaRows = 4;  // rows per tile at most: 8 accumulators, 4 weight vectors and 2 inputs of 16 registers
 
+// Block-pair `index`'s channels 8 half .. 8 half + 7 as two float32 vectors: their weights for the pair's even
+// and odd input.
+template <bool Int8>
+inline __attribute__((always_inline)) void widen_pair(const void* packed, int64_t index, int half, __m256& even,
+                                                      __m256& odd) {
+    if constexpr (Int8) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(packed) + index * 32) + half);
+        const __m256i pairs = _mm256_cvtepi16_epi32(bytes);  // (odd << 8 | even) sign-extended, a lane per channel
+        even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 24), 24));
+        odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 8));
+    } else {
+        const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(packed) + index * 32) + half);
+        even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+        odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    }
+}
+
+// Eight floats rounded to bfloat16 as `to_bf16` rounds them.
+inline __m128i to_bf16_lanes(__m256 value) {
+    const __m256i bits = _mm256_castps_si256(value), high = _mm256_srli_epi32(bits, 16);
+    const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+template <int CB, int RB, bool Int8>
+inline __attribute__((always_inline)) void fma_tile(const float* x, int64_t K, const void* packed, const float* scales,
+                                                    int64_t block, int64_t N, uint16_t* y) {
+    const int64_t pairs = K / 2;
+    __m256 acc[RB][2 * CB];
+    for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < 2 * CB; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        for (int c = 0; c < CB; ++c) {
+            const int64_t index = (block + c) * pairs + p;
+            prefetch<Int8>(packed, index);
+            __m256 even[2], odd[2];
+            widen_pair<Int8>(packed, index, 0, even[0], odd[0]);
+            widen_pair<Int8>(packed, index, 1, even[1], odd[1]);
+            for (int r = 0; r < RB; ++r) {
+                const __m256 xe = _mm256_broadcast_ss(x + r * K + 2 * p), xo = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
+                for (int h = 0; h < 2; ++h) {
+                    acc[r][2 * c + h] = _mm256_fmadd_ps(even[h], xe, acc[r][2 * c + h]);
+                    acc[r][2 * c + h] = _mm256_fmadd_ps(odd[h], xo, acc[r][2 * c + h]);
+                }
+            }
+        }
+    }
+    for (int c = 0; c < 2 * CB; ++c) {
+        const int64_t channel = block * kBlock + c * 8;
+        const __m256 scale = Int8 ? _mm256_loadu_ps(scales + channel) : _mm256_set1_ps(1.0f);
+        for (int r = 0; r < RB; ++r) {
+            const __m256 out = Int8 ? _mm256_mul_ps(acc[r][c], scale) : acc[r][c];
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * N + channel), to_bf16_lanes(out));
+        }
+    }
+}
+
+// `count` blocks from `block` on for `rows` rows: one row four blocks a tile, two rows two, more one.
+template <bool Int8>
+void fma_blocks(const float* x, int rows, int64_t K, const void* packed, const float* scales, int64_t block,
+                int count, int64_t N, uint16_t* y) {
+    for (int64_t b = block; b < block + count;) {
+        if (rows == 1 && b + 4 <= block + count) {
+            fma_tile<4, 1, Int8>(x, K, packed, scales, b, N, y), b += 4;
+        } else if (rows == 2 && b + 2 <= block + count) {
+            fma_tile<2, 2, Int8>(x, K, packed, scales, b, N, y), b += 2;
+        } else {
+            switch (rows) {
+                case 1: fma_tile<1, 1, Int8>(x, K, packed, scales, b, N, y); break;
+                case 2: fma_tile<1, 2, Int8>(x, K, packed, scales, b, N, y); break;
+                case 3: fma_tile<1, 3, Int8>(x, K, packed, scales, b, N, y); break;
+                default: fma_tile<1, kFmaRows, Int8>(x, K, packed, scales, b, N, y); break;
+            }
+            b += 1;
+        }
+    }
+}
+
+// y [M, N] = x [M, K] through packed weights with AVX2 + FMA, in passes of at most kFmaRows rows of equal size;
+// threads split the output channels in groups of kGroup blocks, as `matmul` does.
+template <bool Int8>
+void fma_matmul(const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales, int64_t N,
+                uint16_t* y) {
+    thread_local std::vector<float> wide;
+    wide.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) wide[i] = to_float(x[i]);
+    const float* rows_in = wide.data();
+    const int64_t total = N / kBlock, groups = total / kGroup, units = groups + total % kGroup;
+    const int64_t passes = (M + kFmaRows - 1) / kFmaRows, per_pass = (M + passes - 1) / passes;
+    #pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+        const int64_t block = u < groups ? u * kGroup : groups * kGroup + (u - groups);
+        const int count = u < groups ? kGroup : 1;
+        for (int64_t r = 0; r < M; r += per_pass) {
+            const int rows = static_cast<int>(M - r < per_pass ? M - r : per_pass);
+            fma_blocks<Int8>(rows_in + r * K, rows, K, packed, scales, block, count, N, y + r * N);
+        }
+    }
+}
+
+
+#if defined(__AVX512BF16__)
 // The same maps on AMX tiles (Intel Xeons from Sapphire Rapids on), for calls of many rows: a tile
 // multiply takes 16 rows at the cost of one, so a call of 16 rows reads its weights once and costs
 // about what one row does (AVX512-BF16 spends a VDPBF16PS per row and block). Each output is again one
@@ -326,14 +471,22 @@ __attribute__((target("amx-tile"))) void amx_matmul(const uint16_t* x, int64_t M
     }
 }
 
-// A map by kernel: 0 bf16dot, 1 int8dot, 2 AMX over bfloat16 weights, 3 AMX over int8 weights.
+#endif  // __AVX512BF16__
+
+// A map by kernel: 0 bf16dot, 1 int8dot, 2 AMX over bfloat16 weights, 3 AMX over int8 weights (those four in the
+// AVX512-BF16 build only), 4 AVX2 over bfloat16 weights, 5 AVX2 over int8 weights.
 inline void apply_map(int kind, const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales,
                       int64_t N, uint16_t* y) {
     switch (kind) {
+#if defined(__AVX512BF16__)
         case 0: matmul<false>(x, M, K, packed, nullptr, N, y); break;
         case 1: matmul<true>(x, M, K, packed, scales, N, y); break;
         case 2: amx_matmul<false>(x, M, K, packed, nullptr, N, y); break;
-        default: amx_matmul<true>(x, M, K, packed, scales, N, y); break;
+        case 3: amx_matmul<true>(x, M, K, packed, scales, N, y); break;
+#endif
+        case 4: fma_matmul<false>(x, M, K, packed, nullptr, N, y); break;
+        case 5: fma_matmul<true>(x, M, K, packed, scales, N, y); break;
+        default: break;  // a kernel not built at this level (native.py never asks for one)
     }
 }
 

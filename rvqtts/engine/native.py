@@ -1,5 +1,5 @@
-"""rvqtts's native CPU kernels, for CPUs with AVX512-BF16 (no AMX needed): a few rows through a linear
-map, and the row-wise steps of a layer that torch runs as dozens of small operations.
+"""rvqtts's native CPU kernels, for x86-64 CPUs with AVX2 and FMA (AVX512-BF16 and AMX where the CPU has them): a
+few rows through a linear map, and the row-wise steps of a layer that torch runs as dozens of small operations.
 
 Without AMX, oneDNN's kernels ran a 17-row bfloat16 call at about half of this CPU's measured peak and
 one row below what a pass over the weights reads (docs/benchmarks.md); `native.cpp` streams each
@@ -14,6 +14,13 @@ tiles (`bf16amx`, `int8amx`): one tile multiply takes up to 16 rows, so 16 rows 
 does, which is what tree rounds and batches need (docs/benchmarks.md). Its sums run in another order
 than the dot kernel's (chunks of 32 inputs), again the same for every row count.
 
+Most laptops and desktops have neither (Intel's since 2021, AMD's before Zen 4): there torch's bfloat16 maps cost
+1.9-2.7x float32's for a few rows (docs/benchmarks.md), so the library is also built at the AVX2 level (`LEVELS`),
+with `bf16avx2` and `int8avx2`: the same packed weights widened to float32 in registers and multiplied with FMA,
+reading half of float32's bytes (a quarter for int8), and the row-wise steps below compiled for AVX2. A CPU
+with AVX512-BF16 gets the AVX-512 build (whose VDPBF16PS does an FMA kernel's work in a quarter of the
+instructions) and is not offered the AVX2 kernels.
+
 A predictor step spent about a third of its time in torch's per-operation overhead around the maps
 (RMSNorm is eight operations, a layer's q/k norms and RoPE about thirty): `rms_norm` and
 `attention_inputs` do those in one call each, rounding where qwen-tts's bfloat16 operations round (only
@@ -23,14 +30,15 @@ scores, softmax and weighted values in float32 (qwen-tts's eager attention round
 bfloat16 first) over the slots it sees. All of them work row by row, query by query, so they keep rows
 invariant too.
 
-The source is compiled once per machine with the system's C++ compiler (`$CXX`, else g++, c++ or
+The source is compiled once per machine and level with the system's C++ compiler (`$CXX`, else g++, c++ or
 clang++) into the user's cache and loaded with ctypes; its OpenMP threads are torch's own (the library
-links the libgomp torch has loaded). Where the CPU lacks the instructions or no compiler works, nothing
-here runs: `unavailable()` says why.
+links the libgomp torch has loaded). Where the CPU lacks even AVX2 and FMA (or is not x86-64), or no
+compiler works, nothing here runs and torch's kernels do: `unavailable()` says why.
 
 `RVQTTS_ISA=avx2` (or `avx512`) caps the instruction sets rvqtts counts as present, so that an AVX-512 machine
 plays an AVX2 laptop (with torch's and oneDNN's own caps, `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`):
-`avx2` leaves no native kernel, `avx512` no AMX tile kernel, and the fixed dtype rule sees no bfloat16 instruction.
+`avx2` loads the AVX2 build, `avx512` leaves no AMX tile kernel, `none` no native kernel (a CPU without AVX2), and the
+fixed dtype rule sees no bfloat16 instruction under any of them.
 """
 
 from __future__ import annotations
@@ -51,32 +59,31 @@ import torch
 from rvqtts.files import cache_dir
 
 SOURCE = Path(__file__).with_name("native.cpp")
-FLAGS = (
-    "-O3",
-    "-std=c++17",
-    "-shared",
-    "-fPIC",
-    "-fopenmp",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-mfma",
-)
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+# The levels the library is built at, best first: the CPU flags each needs, its compiler flags and the map kernels
+# it builds (the AVX-512 build has the AVX2 ones too, so that every machine with AVX-512 tests them).
+LEVELS = {
+    "avx512": (
+        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+        ("bf16dot", "int8dot", "bf16amx", "int8amx", "bf16avx2", "int8avx2"),
+    ),
+    "avx2": (("avx2", "fma"), ("-mavx2", "-mfma"), ("bf16avx2", "int8avx2")),
+}
 BLOCK = 16  # output channels per vector: a map's output count must be a multiple
 MAX_HEAD_DIM = 1024  # attention_inputs' scratch row
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
-KINDS = {"bf16dot": 0, "int8dot": 1, "bf16amx": 2, "int8amx": 3}  # the library's kernel numbers
+KINDS = {"bf16dot": 0, "int8dot": 1, "bf16amx": 2, "int8amx": 3, "bf16avx2": 4, "int8avx2": 5}  # the library's numbers
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 ISA_VARIABLE = "RVQTTS_ISA"
-ISA_CAPS = {"avx2": ("avx512", "amx"), "avx512": ("amx",)}  # each cap and the flag prefixes it hides
+# Each cap and the CPU flag prefixes it hides ("none": no native kernel at all, as on a CPU without AVX2).
+ISA_CAPS = {"avx2": ("avx512", "amx"), "avx512": ("amx",), "none": ("avx", "fma", "amx")}
 AMX_CHUNK = 32  # inputs per tile multiply: an AMX map's input count must be a multiple
 
 
-def supports(shape: tuple[int, int], dtype: torch.dtype, kind: str = "bf16dot") -> bool:
+def supports(shape: tuple[int, int], dtype: torch.dtype, kind: str) -> bool:
     """Whether a map of this [out, in] shape and activation dtype can run here by kernel `kind`."""
     out_features, in_features = shape
     amx = kind.endswith("amx")
@@ -84,13 +91,35 @@ def supports(shape: tuple[int, int], dtype: torch.dtype, kind: str = "bf16dot") 
         dtype == torch.bfloat16
         and out_features % BLOCK == 0
         and in_features % (AMX_CHUNK if amx else 2) == 0
+        and kind in built_kernels()
         and (amx_unavailable() if amx else unavailable()) is None
     )
+
+
+def map_kernels(weights: str) -> tuple[str, ...]:
+    """The library's map kernels a map of `weights` ("int8" or the model's own) may choose from here: those of the
+    level built (none where the library does not run), the AVX2 ones only at the AVX2 level (above it, VDPBF16PS
+    does their work in a quarter of the instructions)."""
+    return tuple(
+        name
+        for name in built_kernels()
+        if name.startswith("int8") == (weights == "int8") and (level() == "avx2" or name not in LEVELS["avx2"][2])
+    )
+
+
+def built_kernels() -> tuple[str, ...]:
+    """The map kernels the library here has (none where it does not run)."""
+    return LEVELS[level()][2] if level() else ()
 
 
 def unavailable() -> str | None:
     """Why the kernel cannot run on this machine, or None where it can."""
     return _load()[1]
+
+
+def level() -> str | None:
+    """The instruction-set level the library is built at here (a key of `LEVELS`), or None where it does not run."""
+    return _load()[3]
 
 
 def amx_unavailable() -> str | None:
@@ -113,6 +142,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def apply(kind: str, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
     """rows [M, in] bfloat16 (contiguous) through packed weights by kernel `kind` (`KINDS`; the int8 ones
     with float32 scales [out]): [M, out] bfloat16."""
+    if kind not in built_kernels():
+        raise ValueError(f"rvqtts's {kind} kernel is not built here (level {level()}: {unavailable() or 'built'})")
     out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK)
     _load()[0].rvqtts_map(
         KINDS[kind],
@@ -225,7 +256,7 @@ def layer_maps(maps: list) -> tuple | None:
     """A layer's q|k|v, output, gate|up and down maps (rvqtts.engine.kernels.LinearMap) as `layer` takes them, or
     None where they do not all run this library's kernel in one weight format, without biases."""
     kinds = {linear.kernel.multi for linear in maps}
-    if len(kinds) != 1 or not kinds <= KINDS.keys() or any(linear.bias is not None for linear in maps):
+    if len(kinds) != 1 or not kinds <= set(built_kernels()) or any(linear.bias is not None for linear in maps):
         return None
     kind = kinds.pop()
     int8 = kind.startswith("int8")
@@ -325,23 +356,25 @@ def capped_flags(flags: set[str]) -> set[str]:
 
 
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
-    """The built library, or None and why not, and why its AMX kernels cannot run or None (once per
+def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, str | None]:
+    """The built library, or None and why not; why its AMX kernels cannot run, or None; and its level (once per
     process: a process must ask Linux for AMX's tile data before its first tile instruction)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"the CPU is {platform.machine()}, not x86-64", None
+        return None, f"the CPU is {platform.machine()}, not x86-64", None, None
     try:
         isa_cap()
     except ValueError as error:
-        return None, str(error), None
-    missing = [flag for flag in CPU_FLAGS if flag not in _cpu_flags()]
-    if missing:
+        return None, str(error), None, None
+    flags = _cpu_flags()
+    built = next((name for name, (needs, _, _) in LEVELS.items() if all(flag in flags for flag in needs)), None)
+    if built is None:
         capped = f" (capped at {isa_cap()} by {ISA_VARIABLE})" if isa_cap() else ""
-        return None, f"the CPU lacks {', '.join(missing)}{capped}", None
+        missing = [flag for flag in LEVELS["avx2"][0] if flag not in flags]
+        return None, f"the CPU lacks {', '.join(missing)}{capped}: torch's kernels run instead", None, None
     try:
-        library = ctypes.CDLL(str(_build()))
+        library = ctypes.CDLL(str(_build(built)))
     except (OSError, RuntimeError) as error:
-        return None, str(error), None
+        return None, str(error), None, None
     library.rvqtts_map.argtypes = [ctypes.c_int, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER]
     library.rvqtts_amx_permit.restype = ctypes.c_int
     library.rvqtts_rms_norm.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, ctypes.c_float, _POINTER]
@@ -395,13 +428,18 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
         library.rvqtts_layer,
     ):
         function.restype = None
-    amx_missing = [flag for flag in AMX_FLAGS if flag not in _cpu_flags()]
-    if amx_missing:
+    amx_missing = [flag for flag in AMX_FLAGS if flag not in flags]
+    if built != "avx512" or amx_missing:
         capped = f" (capped at {isa_cap()} by {ISA_VARIABLE})" if isa_cap() else ""
-        return library, None, f"the CPU lacks {', '.join(amx_missing)}{capped}"
+        return library, None, f"the CPU lacks {', '.join(amx_missing or ['avx512_bf16'])}{capped}", built
     if library.rvqtts_amx_permit() != 0:
-        return library, None, "Linux did not grant AMX tile data to this process (arch_prctl ARCH_REQ_XCOMP_PERM)"
-    return library, None, None
+        return (
+            library,
+            None,
+            "Linux did not grant AMX tile data to this process (arch_prctl ARCH_REQ_XCOMP_PERM)",
+            built,
+        )
+    return library, None, None, built
 
 
 def _cpu_flags() -> set[str]:
@@ -413,14 +451,16 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build() -> Path:
-    """The compiled library in the cache, built now if this source and compiler have not been built."""
+def _build(at: str) -> Path:
+    """The library compiled at level `at` in the cache, built now if this source, level and compiler have not
+    been built."""
     compiler = os.environ.get("CXX") or next(filter(None, map(shutil.which, ("g++", "c++", "clang++"))), None)
     if not compiler:
         raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
+    flags = (*FLAGS, *LEVELS[at][1])
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / "build" / f"native-{digest}.so"
+    digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
+    target = cache_dir() / "build" / f"native-{at}-{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -428,7 +468,7 @@ def _build() -> Path:
         built = Path(scratch) / target.name
         try:
             result = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
+                [compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
             )
         except (OSError, subprocess.TimeoutExpired) as error:
             raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {error}") from error
