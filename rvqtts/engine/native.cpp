@@ -23,6 +23,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <utility>
 #include <vector>
 
 namespace {
@@ -129,14 +130,133 @@ inline uint16_t to_bf16(float value) {
     return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-// A dot product of bfloat16 vectors in float32: 16 fixed lanes, then lane by lane.
-inline float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
-    float lanes[kBlock] = {0};
-    int64_t i = 0;
-    for (; i + kBlock <= n; i += kBlock)
-        for (int l = 0; l < kBlock; ++l) lanes[l] += to_float(a[i + l]) * to_float(b[i + l]);
+// Sixteen float lanes, the unit of the row-wise steps: one AVX-512 register, or two AVX2 ones. Every operation is
+// the same IEEE operation lane by lane at either width (and the scalar tails are compiled without contraction), so
+// both builds compute the same bits, and each row's bits do not depend on the others in a call.
+constexpr int kLanes = 16;
+#if defined(__AVX512BF16__)
+struct Lanes {
+    __m512 v;
+};
+inline Lanes splat(float x) { return {_mm512_set1_ps(x)}; }
+inline Lanes load_floats(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store_floats(float* p, Lanes a) { _mm512_storeu_ps(p, a.v); }
+inline Lanes load_bf16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+}
+inline Lanes operator+(Lanes a, Lanes b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Lanes operator-(Lanes a, Lanes b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Lanes operator*(Lanes a, Lanes b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Lanes operator/(Lanes a, Lanes b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Lanes fma(Lanes a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Lanes negate(Lanes a) {
+    return {_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(INT32_MIN)))};
+}
+inline Lanes clamp(Lanes a, float low, float high) {
+    return {_mm512_max_ps(_mm512_min_ps(a.v, _mm512_set1_ps(high)), _mm512_set1_ps(low))};
+}
+inline Lanes nearest_integer(Lanes a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT)}; }
+// 2^n for integral n in [-126, 127], exactly.
+inline Lanes power_of_two(Lanes n) {
+    const __m512i exponent = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(exponent, 23))};
+}
+// Each lane's bfloat16 rounding as `to_bf16` gives it: its 16 high bits, the rest zero.
+inline __m512i rounded_bits(Lanes a) {
+    const __m512i bits = _mm512_castps_si512(a.v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), odd);
+    const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
+    const __m512i chosen = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), up, quiet);
+    return _mm512_and_si512(chosen, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+inline Lanes round_bf16(Lanes a) { return {_mm512_castsi512_ps(rounded_bits(a))}; }
+inline void store_bf16(uint16_t* p, Lanes a) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded_bits(a), 16)));
+}
+#else
+struct Lanes {
+    __m256 low, high;
+};
+inline Lanes splat(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Lanes load_floats(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store_floats(float* p, Lanes a) { _mm256_storeu_ps(p, a.low), _mm256_storeu_ps(p + 8, a.high); }
+inline __m256 widen8(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline Lanes load_bf16(const uint16_t* p) { return {widen8(p), widen8(p + 8)}; }
+inline Lanes operator+(Lanes a, Lanes b) { return {_mm256_add_ps(a.low, b.low), _mm256_add_ps(a.high, b.high)}; }
+inline Lanes operator-(Lanes a, Lanes b) { return {_mm256_sub_ps(a.low, b.low), _mm256_sub_ps(a.high, b.high)}; }
+inline Lanes operator*(Lanes a, Lanes b) { return {_mm256_mul_ps(a.low, b.low), _mm256_mul_ps(a.high, b.high)}; }
+inline Lanes operator/(Lanes a, Lanes b) { return {_mm256_div_ps(a.low, b.low), _mm256_div_ps(a.high, b.high)}; }
+inline Lanes fma(Lanes a, Lanes b, Lanes c) {
+    return {_mm256_fmadd_ps(a.low, b.low, c.low), _mm256_fmadd_ps(a.high, b.high, c.high)};
+}
+inline Lanes negate(Lanes a) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    return {_mm256_xor_ps(a.low, sign), _mm256_xor_ps(a.high, sign)};
+}
+inline Lanes clamp(Lanes a, float low, float high) {
+    const __m256 lo = _mm256_set1_ps(low), hi = _mm256_set1_ps(high);
+    return {_mm256_max_ps(_mm256_min_ps(a.low, hi), lo), _mm256_max_ps(_mm256_min_ps(a.high, hi), lo)};
+}
+inline Lanes nearest_integer(Lanes a) {
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_round_ps(a.low, kNearest), _mm256_round_ps(a.high, kNearest)};
+}
+inline __m256 power_of_two8(__m256 n) {
+    const __m256i exponent = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(exponent, 23));
+}
+inline Lanes power_of_two(Lanes n) { return {power_of_two8(n.low), power_of_two8(n.high)}; }
+inline __m256i rounded_bits8(__m256 a) {
+    const __m256i bits = _mm256_castps_si256(a);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd);
+    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+    const __m256i chosen = _mm256_blendv_epi8(up, quiet, _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+    return _mm256_and_si256(chosen, _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+inline Lanes round_bf16(Lanes a) {
+    return {_mm256_castsi256_ps(rounded_bits8(a.low)), _mm256_castsi256_ps(rounded_bits8(a.high))};
+}
+inline void store_bf16(uint16_t* p, Lanes a) {
+    for (const auto& [half, out] : {std::pair{a.low, p}, std::pair{a.high, p + 8}}) {
+        const __m256i bits = _mm256_srli_epi32(rounded_bits8(half), 16);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                         _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+    }
+}
+#endif
+
+// The sum of the lanes, in lane order.
+inline float sum_lanes(Lanes a) {
+    float lanes[kLanes];
+    store_floats(lanes, a);
     float sum = 0;
-    for (int l = 0; l < kBlock; ++l) sum += lanes[l];
+    for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+    return sum;
+}
+
+// e^x: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error about 2e-7), scaled
+// by 2^n; x clamped to [-87, 88], where 2^n is a normal float.
+inline Lanes exp_lanes(Lanes x) {
+    x = clamp(x, -87.0f, 88.0f);
+    const Lanes n = nearest_integer(x * splat(1.44269504f));
+    const Lanes r = fma(negate(n), splat(1.42860677e-6f), fma(negate(n), splat(0.693145752f), x));
+    Lanes p = splat(1.0f / 720);
+    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = fma(p, r, splat(c));
+    return p * power_of_two(n);
+}
+
+// A dot product of bfloat16 vectors in float32: 16 lanes of fused multiply-adds, their sum, then the tail.
+inline float dot(const uint16_t* a, const uint16_t* b, int64_t n) {
+    Lanes acc = splat(0.0f);
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) acc = fma(load_bf16(a + i), load_bf16(b + i), acc);
+    float sum = sum_lanes(acc);
     for (; i < n; ++i) sum += to_float(a[i]) * to_float(b[i]);
     return sum;
 }
@@ -149,7 +269,10 @@ inline float inverse_rms(const uint16_t* x, int64_t n, float eps) {
 // qwen-tts's RMSNorm of one row, rounded where its bfloat16 operations round: weight * bf16(x * r).
 inline void norm_row(const uint16_t* x, int64_t n, const uint16_t* weight, float eps, uint16_t* out) {
     const float r = inverse_rms(x, n, eps);
-    for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(to_float(weight[i]) * to_float(to_bf16(to_float(x[i]) * r)));
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes)
+        store_bf16(out + i, load_bf16(weight + i) * round_bf16(load_bf16(x + i) * splat(r)));
+    for (; i < n; ++i) out[i] = to_bf16(to_float(weight[i]) * to_float(to_bf16(to_float(x[i]) * r)));
 }
 
 // One query head's attention over its KV head's slots: scores and softmax in float32, the values'
@@ -171,63 +294,23 @@ void attend_one(const uint16_t* q, const uint16_t* keys, const uint16_t* values,
         const float weight = __builtin_expf(scores[j] - top);
         total += weight;
         const uint16_t* value = values + slot(j) * d;
-        for (int64_t e = 0; e < d; ++e) sum[e] += weight * to_float(value[e]);
+        int64_t e = 0;
+        for (; e + kLanes <= d; e += kLanes) store_floats(sum + e, fma(splat(weight), load_bf16(value + e), load_floats(sum + e)));
+        for (; e < d; ++e) sum[e] += weight * to_float(value[e]);
     }
-    for (int64_t e = 0; e < d; ++e) out[e] = to_bf16(sum[e] / total);
+    int64_t e = 0;
+    for (; e + kLanes <= d; e += kLanes) store_bf16(out + e, load_floats(sum + e) / splat(total));
+    for (; e < d; ++e) out[e] = to_bf16(sum[e] / total);
 }
-
-// e^x by lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error about
-// 2e-7), scaled by 2^n; x clamped to [-87, 88] (2^n stays a normal float). The same operations lane by lane
-// at either width, so both builds' SiLU agree.
-#if defined(__AVX512BF16__)
-constexpr int kLanes = 16;
-using Floats = __m512;
-inline Floats exp_lanes(Floats x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const Floats n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    Floats r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    Floats p = _mm512_set1_ps(1.0f / 720);
-    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    return _mm512_scalef_ps(p, n);
-}
-inline Floats widen_lanes(const uint16_t* bits) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits))), 16));
-}
-inline Floats silu_lanes(Floats g) {
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-}
-inline void store_lanes(float* out, Floats v) { _mm512_storeu_ps(out, v); }
-#else
-constexpr int kLanes = 8;
-using Floats = __m256;
-inline Floats exp_lanes(Floats x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-    const Floats n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    Floats r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    Floats p = _mm256_set1_ps(1.0f / 720);
-    for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));  // exactly p * 2^n, as scalef gives it
-}
-inline Floats widen_lanes(const uint16_t* bits) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits))), 16));
-}
-inline Floats silu_lanes(Floats g) {
-    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_lanes(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-}
-inline void store_lanes(float* out, Floats v) { _mm256_storeu_ps(out, v); }
-#endif
 
 // bf16(bf16(silu(gate)) * up) over a row's gate and up halves [2 n] into out [n], as torch's bfloat16
 // SiLU then product round.
 inline void silu_times_up(const uint16_t* gate_up, int64_t n, uint16_t* out) {
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
-        float silu[kLanes];
-        store_lanes(silu, silu_lanes(widen_lanes(gate_up + i)));
-        for (int l = 0; l < kLanes; ++l) out[i + l] = to_bf16(to_float(to_bf16(silu[l])) * to_float(gate_up[n + i + l]));
+        const Lanes g = load_bf16(gate_up + i);
+        const Lanes silu = g / (splat(1.0f) + exp_lanes(splat(0.0f) - g));
+        store_bf16(out + i, round_bf16(silu) * load_bf16(gate_up + n + i));
     }
     for (; i < n; ++i) {
         const float g = to_float(gate_up[i]);
@@ -237,7 +320,9 @@ inline void silu_times_up(const uint16_t* gate_up, int64_t n, uint16_t* out) {
 
 // x += delta, rounded to bfloat16 (a residual).
 inline void add_into(uint16_t* x, const uint16_t* delta, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) x[i] = to_bf16(to_float(x[i]) + to_float(delta[i]));
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) store_bf16(x + i, load_bf16(x + i) + load_bf16(delta + i));
+    for (; i < n; ++i) x[i] = to_bf16(to_float(x[i]) + to_float(delta[i]));
 }
 
 // The maps with AVX2 + FMA: the packed weights widened to float32 in registers, the rows widened once per call.
@@ -549,7 +634,15 @@ void rvqtts_attention_inputs(const uint16_t* qkv, int64_t rows, int64_t heads, i
             const bool query = h < heads;
             norm_row(row + h * d, d, query ? q_weight : k_weight, eps, normed);
             uint16_t* out = query ? q + (h * rows + r) * d : k_cache + ((h - heads) * length + slot) * d;
-            for (int64_t e = 0; e < d; ++e) {
+            int64_t e = 0;
+            if (half % kLanes == 0) {
+                for (; e < d; e += kLanes) {
+                    const Lanes rotated = e < half ? negate(load_bf16(normed + e + half)) : load_bf16(normed + e - half);
+                    store_bf16(out + e, round_bf16(load_bf16(normed + e) * load_bf16(c + e))
+                                            + round_bf16(rotated * load_bf16(s + e)));
+                }
+            }
+            for (; e < d; ++e) {
                 const float rotated = e < half ? -to_float(normed[e + half]) : to_float(normed[e - half]);
                 out[e] = to_bf16(to_float(to_bf16(to_float(normed[e]) * to_float(c[e])))
                                  + to_float(to_bf16(rotated * to_float(s[e]))));

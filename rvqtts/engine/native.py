@@ -59,7 +59,9 @@ import torch
 from rvqtts.files import cache_dir
 
 SOURCE = Path(__file__).with_name("native.cpp")
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+# No contraction: a multiply then an add stay two roundings wherever they are written, so both levels' builds compute
+# the same bits (fused multiply-adds are written out where wanted).
+FLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")
 # The levels the library is built at, best first: the CPU flags each needs, its compiler flags and the map kernels
 # it builds (the AVX-512 build has the AVX2 ones too, so that every machine with AVX-512 tests them).
 LEVELS = {
