@@ -90,7 +90,26 @@ def test_the_choice_follows_what_rounds_cost(narrow):
     dear, online = online_loop(narrow, {q: float(q) for q in (1, 4, 5, 9, 17, 33)})
     for f in range(24):
         dear.decode(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
-    assert online.budget == 0 and set(online.frames_by_budget) == {0} and online.probes == 3
+    assert online.budget == 0 and set(online.frames_by_budget) == {0} and 1 <= online.probes < 3
+
+
+def test_probes_are_spaced_so_that_they_cost_at_most_their_share(narrow):
+    """Where a probe's chain of K + 1 rows costs a step, probes run at PROBE_EVERY; where it costs its rows, a
+    probe frame costs more than the plain frame it replaces, and probes are spaced so that they add at most
+    PROBE_SHARE to the plain loop's time at the acceptance counted."""
+    from rvqtts.engine.tree import frame_codes_per_call
+
+    loop, online = online_loop(narrow, {q: 1.0 for q in (1, 4, 5, 9, 17, 33)})
+    loop.decode(random_prefix(narrow, seed=0), SamplingConfig(), 0, 0)
+    assert online.probe_every() == online_module.PROBE_EVERY
+    loop, online = online_loop(narrow, {q: float(q) for q in (1, 4, 5, 9, 17, 33)})
+    loop.decode(random_prefix(narrow, seed=0), SamplingConfig(), 0, 0)
+    every = online.probe_every()
+    per_call = frame_codes_per_call(online.counts.table(), online_module.probe_tree(3), 15)
+    probe_frame, plain_frame = 15 / per_call * 4, 15  # in steps: the chain's calls cost 4 steps each
+    assert every > online_module.PROBE_EVERY
+    assert (probe_frame - plain_frame) / every <= online_module.PROBE_SHARE * plain_frame
+    assert (probe_frame - plain_frame) / (every - 1) > online_module.PROBE_SHARE * plain_frame  # no wider than needed
 
 
 def test_what_a_run_learns_is_where_the_next_one_starts(narrow, user_cache):

@@ -9,9 +9,10 @@ frame to the next. What it rests on:
   the frame's codes are known, the rank of each committed code among the drafts made from each round's
   root is counted per depth (`AcceptanceCounts`: the per-depth, per-rank table `rvqtts calibrate`
   measures offline). While the plain loop runs, one frame in PROBE_EVERY (SETTLED_PROBE_EVERY once
-  SETTLED_ROOTS roots are counted) is run as a chain of K drafts (a call of K + 1 rows, which on a CPU
-  costs little more than a step) so that the counts keep coming. A batch (rows > 1) probes one row's frame
-  in SETTLED_PROBE_EVERY steps from the start.
+  SETTLED_ROOTS roots are counted) is run as a chain of K drafts (a call of K + 1 rows) so that the counts keep
+  coming. Where a call of K + 1 rows costs more than its codes repay (with AVX2 kernels 4 rows cost 1.4x a step,
+  docs/benchmarks.md), probes are spaced further, so that they add at most PROBE_SHARE to the plain loop's time
+  (`probe_every`). A batch (rows > 1) probes one row's frame in SETTLED_PROBE_EVERY steps from the start.
 - Costs: one call of q = N + 1 rows for each candidate budget, timed once per machine, dtype, weights and
   predictor shape (`call_costs`, kept in the user's cache).
 - The choice: for every budget a greedy tree grown from the counts (rvqtts.engine.tree.grow_tree) and its
@@ -25,6 +26,7 @@ from the shipped prior table weighted as PRIOR_ROUNDS rounds; what a run learns 
 from __future__ import annotations
 
 import hashlib
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ BUDGETS = (4, 8, 16, 32)  # tree sizes the online choice weighs against the plai
 PROBE_EVERY = 8  # while the plain loop runs, one frame in this many drafts a chain to count acceptance
 SETTLED_ROOTS = 512  # once this many roots are counted (the prior's included), probes thin out to
 SETTLED_PROBE_EVERY = 32  # one frame in this many
+PROBE_SHARE = 0.02  # the most probing may add to the plain loop's time, at the acceptance counted so far
 DECIDE_EVERY = 8  # frames between choices
 SWITCH_MARGIN = 1.03  # a new choice must project this much faster than the one running
 REGROW_EVERY = 64  # frames after which the running size's tree is grown again from the counts
@@ -312,13 +315,24 @@ class OnlineSpeculation:
             return self.speculation(self.budget), False
         if self.fixed:
             return None, False
-        # A batch's probe puts K + 1 rows beside its B plain ones: it probes at the settled pace from the start.
-        every = PROBE_EVERY if self.observed() < SETTLED_ROOTS and self.rows == 1 else SETTLED_PROBE_EVERY
-        if step % every == 0:
+        if step % self.probe_every() == 0:
             if self._probe is None:
                 self._probe = Speculation(probe_tree(self.depth), self.offsets)
             return self._probe, True
         return None, False
+
+    def probe_every(self) -> int:
+        """Frames between probes: PROBE_EVERY, SETTLED_PROBE_EVERY once SETTLED_ROOTS roots are counted (and in a
+        batch, whose probe puts K + 1 rows beside its B plain ones), or more where a probe frame costs more than a
+        plain one (its K + 1 rows dearer than the codes per call they win repay), so that probing adds at most
+        PROBE_SHARE to the plain loop's time."""
+        every = PROBE_EVERY if self.observed() < SETTLED_ROOTS and self.rows == 1 else SETTLED_PROBE_EVERY
+        chain = self.depth + 1
+        if self.rows > 1 or chain not in self.costs:
+            return every
+        per_call = frame_codes_per_call(self.counts.table(), probe_tree(self.depth), self.codes_per_frame)
+        extra = self.codes_per_frame * (self.costs[chain] / self.costs[1] / per_call - 1)  # steps a probe adds
+        return max(every, math.ceil(extra / (PROBE_SHARE * self.codes_per_frame)))
 
     def observe(
         self, codes: list[int], drafted: list[tuple[int, list[list[int]]]], probe: bool, milliseconds: float
