@@ -357,7 +357,7 @@ inline __m128i to_bf16_lanes(__m256 value) {
 
 template <int CB, int RB, bool Int8>
 inline __attribute__((always_inline)) void fma_tile(const float* x, int64_t K, const void* packed, const float* scales,
-                                                    int64_t block, int64_t N, uint16_t* y) {
+                                                    int64_t block, int64_t N, uint16_t* y, int64_t next) {
     const int64_t pairs = K / 2;
     __m256 acc[RB][2 * CB];
     for (int r = 0; r < RB; ++r)
@@ -365,7 +365,10 @@ inline __attribute__((always_inline)) void fma_tile(const float* x, int64_t K, c
     for (int64_t p = 0; p < pairs; ++p) {
         for (int c = 0; c < CB; ++c) {
             const int64_t index = (block + c) * pairs + p;
-            prefetch<Int8>(packed, index);
+            if (next)  // a later pass over blocks in cache: the next unit's weights, so that memory keeps streaming
+                _mm_prefetch(static_cast<const char*>(packed) + (index + next * pairs) * (Int8 ? 32 : 64), _MM_HINT_T1);
+            else
+                prefetch<Int8>(packed, index);
             __m256 even[2], odd[2];
             widen_pair<Int8>(packed, index, 0, even[0], odd[0]);
             widen_pair<Int8>(packed, index, 1, even[1], odd[1]);
@@ -388,21 +391,23 @@ inline __attribute__((always_inline)) void fma_tile(const float* x, int64_t K, c
     }
 }
 
-// `count` blocks from `block` on for `rows` rows: one row four blocks a tile, two rows two, more one.
+// `count` blocks from `block` on for `rows` rows: one row four blocks a tile, two rows two, more one. `next`: in a
+// pass after a call's first, whose blocks are in cache, how many blocks on the next unit starts, whose weights are
+// prefetched then (else memory would idle through those passes: 5 rows cost 1.9x one row, now 1.3-1.6x).
 template <bool Int8>
 void fma_blocks(const float* x, int rows, int64_t K, const void* packed, const float* scales, int64_t block,
-                int count, int64_t N, uint16_t* y) {
+                int count, int64_t N, uint16_t* y, int64_t next) {
     for (int64_t b = block; b < block + count;) {
         if (rows == 1 && b + 4 <= block + count) {
-            fma_tile<4, 1, Int8>(x, K, packed, scales, b, N, y), b += 4;
+            fma_tile<4, 1, Int8>(x, K, packed, scales, b, N, y, next), b += 4;
         } else if (rows == 2 && b + 2 <= block + count) {
-            fma_tile<2, 2, Int8>(x, K, packed, scales, b, N, y), b += 2;
+            fma_tile<2, 2, Int8>(x, K, packed, scales, b, N, y, next), b += 2;
         } else {
             switch (rows) {
-                case 1: fma_tile<1, 1, Int8>(x, K, packed, scales, b, N, y); break;
-                case 2: fma_tile<1, 2, Int8>(x, K, packed, scales, b, N, y); break;
-                case 3: fma_tile<1, 3, Int8>(x, K, packed, scales, b, N, y); break;
-                default: fma_tile<1, kFmaRows, Int8>(x, K, packed, scales, b, N, y); break;
+                case 1: fma_tile<1, 1, Int8>(x, K, packed, scales, b, N, y, next); break;
+                case 2: fma_tile<1, 2, Int8>(x, K, packed, scales, b, N, y, next); break;
+                case 3: fma_tile<1, 3, Int8>(x, K, packed, scales, b, N, y, next); break;
+                default: fma_tile<1, kFmaRows, Int8>(x, K, packed, scales, b, N, y, next); break;
             }
             b += 1;
         }
@@ -410,7 +415,7 @@ void fma_blocks(const float* x, int rows, int64_t K, const void* packed, const f
 }
 
 // y [M, N] = x [M, K] through packed weights with AVX2 + FMA, in passes of at most kFmaRows rows of equal size;
-// threads split the output channels in groups of kGroup blocks, as `matmul` does.
+// threads split the output channels in groups of kGroup blocks (units), as `matmul` does.
 template <bool Int8>
 void fma_matmul(const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales, int64_t N,
                 uint16_t* y) {
@@ -426,7 +431,7 @@ void fma_matmul(const uint16_t* x, int64_t M, int64_t K, const void* packed, con
         const int count = u < groups ? kGroup : 1;
         for (int64_t r = 0; r < M; r += per_pass) {
             const int rows = static_cast<int>(M - r < per_pass ? M - r : per_pass);
-            fma_blocks<Int8>(rows_in + r * K, rows, K, packed, scales, block, count, N, y + r * N);
+            fma_blocks<Int8>(rows_in + r * K, rows, K, packed, scales, block, count, N, y + r * N, r ? count : 0);
         }
     }
 }
