@@ -453,6 +453,12 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+@functools.cache
+def source_digest() -> str:
+    """A short digest of the library's source: measurements that depend on its kernels' speed name it."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
+
+
 def _build(at: str) -> Path:
     """The library compiled at level `at` in the cache, built now if this source, level and compiler have not
     been built."""

@@ -39,6 +39,7 @@ from rvqtts.engine.decode_rows import FrameRounds, round_rows, steps_call
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.kernels import kernels_used, machine_key
+from rvqtts.engine.native import source_digest
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import SamplingConfig
@@ -123,9 +124,10 @@ def probe_tree(depth: int) -> Tree:
 
 def predictor_key(runner: PredictorRunner) -> str:
     """What a call's cost depends on besides the machine: dtype, weight format, the predictor's shape, how
-    its rounds attend (rvqtts.engine.attention) and how much runs natively (rvqtts.engine.native)."""
+    its rounds attend (rvqtts.engine.attention), how much runs natively and which build of the native library
+    (rvqtts.engine.native: a new version's kernels cost otherwise, so its costs are measured anew)."""
     attention = "rows" if runner.row_attention else "gathered"
-    native = f"/native-{runner.native_mode}" if runner.native_mode else ""
+    native = f"/native-{runner.native_mode}-{source_digest()}" if runner.native_mode else ""
     return (
         f"{str(runner.dtype).removeprefix('torch.')}/{runner.weights}/{runner.hidden_size}x"
         f"{len(runner.layers)}x{runner.vocab_size}/{attention}{native}"
