@@ -491,7 +491,7 @@ def tune_table(result: dict) -> Table:
     costs = ", ".join(f"{measured['frame_map_ms']:.1f} ms in {name}" for name, measured in result["dtypes"].items())
     picked = f"; --dtype auto picks {result['auto']}" if "auto" in result else ""
     native = (
-        "rvqtts's native kernels run here"
+        f"rvqtts's native kernels run here (built for {result.get('native_level')})"
         if result.get("native") is None
         else f"rvqtts's native kernels do not run here ({result['native']})"
     )

@@ -188,6 +188,7 @@ def test_tune_shows_each_shapes_kernel_and_the_dtype_auto_picks(unmeasured, tiny
     assert report["decoder_dtype"] in ("float32", "bfloat16")  # measured apart (tests/test_decoder_dtype.py)
     assert f"speech decoder in {report['decoder_dtype']}: a frame takes" in words
     assert report["native"] == rvqtts.engine.native.unavailable()  # None where they run, else why not
+    assert report["native_level"] == rvqtts.engine.native.level()  # avx2 or avx512 where they run
     bad = run("tune", "--model", tiny_dir, "--dtype", "float16")
     assert bad.exit_code == 2 and "rvqtts tune measures CPU kernels" in bad.output
 

@@ -112,6 +112,7 @@ def tune(
         "cache": str(kernels_path()),
         "weights": weights,
         "native": native.unavailable(),
+        "native_level": native.level(),
         "dtypes": {},
     }
     for name in names:
