@@ -138,6 +138,15 @@ def test_a_machine_that_cannot_build_it_says_why_and_offers_the_other_kernels(tm
     assert not list(tmp_path.glob("build/*.so"))  # nothing half-built is left to load
 
 
+def test_a_kernel_that_cannot_run_here_is_refused_with_the_reason_not_run():
+    """A kernel this level does not build, or whose instructions this CPU lacks (AMX), raises instead of running
+    (an illegal instruction would kill the process)."""
+    rows, packed = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 16, 16, 2, dtype=torch.bfloat16)
+    for kind in ["no-such-kernel", *(kind for kind in native.KINDS if not native.runs(kind))]:
+        with pytest.raises(ValueError, match=f"rvqtts's {kind} kernel does not run here"):
+            native.apply(kind, rows, packed)
+
+
 def _native_outputs(path: str) -> None:
     """What the library built here computes for fixed inputs (maps by the AVX2 kernels, every row-wise step),
     saved to `path`."""

@@ -35,8 +35,8 @@ clang++) into the user's cache and loaded with ctypes; its OpenMP threads are to
 links the libgomp torch has loaded). Where the CPU lacks even AVX2 and FMA (or is not x86-64), or no
 compiler works, nothing here runs and torch's kernels do: `unavailable()` says why.
 
-`RVQTTS_ISA=avx2` (or `avx512`) caps the instruction sets rvqtts counts as present, so that an AVX-512 machine
-plays an AVX2 laptop (with torch's and oneDNN's own caps, `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`):
+`RVQTTS_ISA=avx2` (or `avx512`, or `none`) caps the instruction sets rvqtts counts as present, so that an AVX-512
+machine plays an AVX2 laptop (with torch's and oneDNN's own caps, `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`):
 `avx2` loads the AVX2 build, `avx512` leaves no AMX tile kernel, `none` no native kernel (a CPU without AVX2), and the
 fixed dtype rule sees no bfloat16 instruction under any of them.
 """
@@ -88,14 +88,17 @@ AMX_CHUNK = 32  # inputs per tile multiply: an AMX map's input count must be a m
 def supports(shape: tuple[int, int], dtype: torch.dtype, kind: str) -> bool:
     """Whether a map of this [out, in] shape and activation dtype can run here by kernel `kind`."""
     out_features, in_features = shape
-    amx = kind.endswith("amx")
     return (
         dtype == torch.bfloat16
         and out_features % BLOCK == 0
-        and in_features % (AMX_CHUNK if amx else 2) == 0
-        and kind in built_kernels()
-        and (amx_unavailable() if amx else unavailable()) is None
+        and in_features % (AMX_CHUNK if kind.endswith("amx") else 2) == 0
+        and runs(kind)
     )
+
+
+def runs(kind: str) -> bool:
+    """Whether kernel `kind` runs here: built at this level, and the CPU (and Linux) let its instructions run."""
+    return kind in built_kernels() and (amx_unavailable() if kind.endswith("amx") else unavailable()) is None
 
 
 def map_kernels(weights: str) -> tuple[str, ...]:
@@ -144,8 +147,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def apply(kind: str, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
     """rows [M, in] bfloat16 (contiguous) through packed weights by kernel `kind` (`KINDS`; the int8 ones
     with float32 scales [out]): [M, out] bfloat16."""
-    if kind not in built_kernels():
-        raise ValueError(f"rvqtts's {kind} kernel is not built here (level {level()}: {unavailable() or 'built'})")
+    if not runs(kind):
+        why = unavailable() or (amx_unavailable() if kind.endswith("amx") else None) or f"built for {level()}"
+        raise ValueError(f"rvqtts's {kind} kernel does not run here ({why})")
     out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK)
     _load()[0].rvqtts_map(
         KINDS[kind],
@@ -258,7 +262,7 @@ def layer_maps(maps: list) -> tuple | None:
     """A layer's q|k|v, output, gate|up and down maps (rvqtts.engine.kernels.LinearMap) as `layer` takes them, or
     None where they do not all run this library's kernel in one weight format, without biases."""
     kinds = {linear.kernel.multi for linear in maps}
-    if len(kinds) != 1 or not kinds <= set(built_kernels()) or any(linear.bias is not None for linear in maps):
+    if len(kinds) != 1 or not all(map(runs, kinds)) or any(linear.bias is not None for linear in maps):
         return None
     kind = kinds.pop()
     int8 = kind.startswith("int8")
