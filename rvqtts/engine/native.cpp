@@ -23,7 +23,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <utility>
 #include <vector>
 
 namespace {
@@ -130,6 +129,22 @@ inline uint16_t to_bf16(float value) {
     return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// Eight floats' bfloat16 roundings as `to_bf16` gives them: each lane's 16 high bits, the rest zero (AVX2: both builds).
+inline __m256i rounded_bits8(__m256 a) {
+    const __m256i bits = _mm256_castps_si256(a);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd);
+    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+    const __m256i chosen = _mm256_blendv_epi8(up, quiet, _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+    return _mm256_and_si256(chosen, _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+
+// Eight floats rounded to bfloat16 as `to_bf16` rounds them, packed.
+inline __m128i to_bf16_lanes(__m256 value) {
+    const __m256i bits = _mm256_srli_epi32(rounded_bits8(value), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+}
+
 // Sixteen float lanes, the unit of the row-wise steps: one AVX-512 register, or two AVX2 ones. Every operation is
 // the same IEEE operation lane by lane at either width (and the scalar tails are compiled without contraction), so
 // both builds compute the same bits, and each row's bits do not depend on the others in a call.
@@ -211,23 +226,12 @@ inline __m256 power_of_two8(__m256 n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(exponent, 23));
 }
 inline Lanes power_of_two(Lanes n) { return {power_of_two8(n.low), power_of_two8(n.high)}; }
-inline __m256i rounded_bits8(__m256 a) {
-    const __m256i bits = _mm256_castps_si256(a);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i up = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd);
-    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
-    const __m256i chosen = _mm256_blendv_epi8(up, quiet, _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
-    return _mm256_and_si256(chosen, _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
-}
 inline Lanes round_bf16(Lanes a) {
     return {_mm256_castsi256_ps(rounded_bits8(a.low)), _mm256_castsi256_ps(rounded_bits8(a.high))};
 }
 inline void store_bf16(uint16_t* p, Lanes a) {
-    for (const auto& [half, out] : {std::pair{a.low, p}, std::pair{a.high, p + 8}}) {
-        const __m256i bits = _mm256_srli_epi32(rounded_bits8(half), 16);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
-                         _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
-    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_lanes(a.low));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), to_bf16_lanes(a.high));
 }
 #endif
 
@@ -343,16 +347,6 @@ inline __attribute__((always_inline)) void widen_pair(const void* packed, int64_
         even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
         odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
     }
-}
-
-// Eight floats rounded to bfloat16 as `to_bf16` rounds them.
-inline __m128i to_bf16_lanes(__m256 value) {
-    const __m256i bits = _mm256_castps_si256(value), high = _mm256_srli_epi32(bits, 16);
-    const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), odd), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
-    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
-    return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
 }
 
 template <int CB, int RB, bool Int8>
