@@ -53,6 +53,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -62,15 +63,24 @@ SOURCE = Path(__file__).with_name("native.cpp")
 # No contraction: a multiply then an add stay two roundings wherever they are written, so both levels' builds compute
 # the same bits (fused multiply-adds are written out where wanted).
 FLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")
-# The levels the library is built at, best first: the CPU flags each needs, its compiler flags and the map kernels
-# it builds (the AVX-512 build has the AVX2 ones too, so that every machine with AVX-512 tests them).
+
+
+class Level(NamedTuple):
+    """A level the library is built at: the CPU flags it needs, its compiler flags and the map kernels it builds."""
+
+    cpu_flags: tuple[str, ...]
+    compiler_flags: tuple[str, ...]
+    kernels: tuple[str, ...]
+
+
+# The levels, best first (the AVX-512 build has the AVX2 kernels too, so that every machine with AVX-512 tests them).
 LEVELS = {
-    "avx512": (
+    "avx512": Level(
         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
         ("bf16dot", "int8dot", "bf16amx", "int8amx", "bf16avx2", "int8avx2"),
     ),
-    "avx2": (("avx2", "fma"), ("-mavx2", "-mfma"), ("bf16avx2", "int8avx2")),
+    "avx2": Level(("avx2", "fma"), ("-mavx2", "-mfma"), ("bf16avx2", "int8avx2")),
 }
 BLOCK = 16  # output channels per vector: a map's output count must be a multiple
 MAX_HEAD_DIM = 1024  # attention_inputs' scratch row
@@ -108,13 +118,13 @@ def map_kernels(weights: str) -> tuple[str, ...]:
     return tuple(
         name
         for name in built_kernels()
-        if name.startswith("int8") == (weights == "int8") and (level() == "avx2" or name not in LEVELS["avx2"][2])
+        if name.startswith("int8") == (weights == "int8") and (level() == "avx2" or name not in LEVELS["avx2"].kernels)
     )
 
 
 def built_kernels() -> tuple[str, ...]:
     """The map kernels the library here has (none where it does not run)."""
-    return LEVELS[level()][2] if level() else ()
+    return LEVELS[level()].kernels if level() else ()
 
 
 def unavailable() -> str | None:
@@ -372,10 +382,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, str | None]:
     except ValueError as error:
         return None, str(error), None, None
     flags = _cpu_flags()
-    built = next((name for name, (needs, _, _) in LEVELS.items() if all(flag in flags for flag in needs)), None)
+    built = next((name for name, at in LEVELS.items() if all(flag in flags for flag in at.cpu_flags)), None)
     if built is None:
         capped = f" (capped at {isa_cap()} by {ISA_VARIABLE})" if isa_cap() else ""
-        missing = [flag for flag in LEVELS["avx2"][0] if flag not in flags]
+        missing = [flag for flag in LEVELS["avx2"].cpu_flags if flag not in flags]
         return None, f"the CPU lacks {', '.join(missing)}{capped}: torch's kernels run instead", None, None
     try:
         library = ctypes.CDLL(str(_build(built)))
@@ -469,7 +479,7 @@ def _build(at: str) -> Path:
     compiler = os.environ.get("CXX") or next(filter(None, map(shutil.which, ("g++", "c++", "clang++"))), None)
     if not compiler:
         raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
-    flags = (*FLAGS, *LEVELS[at][1])
+    flags = (*FLAGS, *LEVELS[at].compiler_flags)
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     target = cache_dir() / "build" / f"native-{at}-{digest}.so"
