@@ -3,40 +3,53 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 
 from rvqtts.cli.common import fail, progress_bar, say, show_stats, stderr_console, write_stats
 
-
-def _on_done(progress, task, file: Path, quiet: bool, written: list[bool]):
-    """Advance the bar, count the files written (in `written`, for an interrupted batch's message), and name a failed
-    line (always) and a line's warnings (unless quiet)."""
-
-    def done(result) -> None:
-        written.append(result.status == "done")
-        progress.advance(task)
-        if result.status == "failed":
-            typer.echo(f"rvqtts: {file}:{result.utterance.line}: failed: {result.error}", err=True)
-        for warning in (result.record or {}).get("warnings", []):
-            say(f"warning: {result.utterance.name}: {warning}", quiet)
-
-    return done
-
-
 INTERRUPTED = 130  # a shell's code for a process ended by Ctrl-C (128 + SIGINT)
 
 
-def _interrupted(written: int, out_dir: Path) -> typer.Exit:
-    """Ctrl-C during a batch: say what is there (only whole files: each is written atomically) and how to go on."""
-    typer.echo(
-        f"rvqtts: interrupted: {written} files written to {out_dir}, each whole; run the same command again to "
-        "make the rest",
-        err=True,
-    )
-    return typer.Exit(INTERRUPTED)
+class _LineProgress:
+    """A batch's bar as its lines end (`done`): it advances, counts the files written (for an interrupted batch's
+    message), and names a failed line (always) and a line's warnings (unless quiet)."""
+
+    def __init__(self, progress, task, file: Path, quiet: bool):
+        self.progress, self.task, self.file, self.quiet = progress, task, file, quiet
+        self.written = 0
+
+    def done(self, result) -> None:
+        self.written += result.status == "done"
+        self.progress.advance(self.task)
+        if result.status == "failed":
+            typer.echo(f"rvqtts: {self.file}:{result.utterance.line}: failed: {result.error}", err=True)
+        for warning in (result.record or {}).get("warnings", []):
+            say(f"warning: {result.utterance.name}: {warning}", self.quiet)
+
+    def lines(self, total: int) -> None:
+        """The bar's total, once it is known (a Ray batch learns it when its workers start)."""
+        self.progress.update(self.task, total=total)
+
+
+@contextlib.contextmanager
+def _batch_progress(title: str, total: int | None, file: Path, out_dir: Path, quiet: bool) -> Iterator[_LineProgress]:
+    """A batch's bar, its lines reported as they end; Ctrl-C inside says what is there (only whole files: each is
+    written atomically) and how to go on, and exits INTERRUPTED."""
+    with progress_bar(quiet) as progress:
+        lines = _LineProgress(progress, progress.add_task(title, total=total), file, quiet)
+        try:
+            yield lines
+        except KeyboardInterrupt:
+            typer.echo(
+                f"rvqtts: interrupted: {lines.written} files written to {out_dir}, each whole; run the same command "
+                "again to make the rest",
+                err=True,
+            )
+            raise typer.Exit(INTERRUPTED) from None
 
 
 def _report(results, out_dir: Path, stats_json: Optional[Path], quiet: bool, cluster=None) -> None:
@@ -74,24 +87,18 @@ def run_here(
 ) -> None:
     from rvqtts.batch import synthesize_batch
 
-    written: list[bool] = []
-    with progress_bar(quiet) as progress:
-        task = progress.add_task(f"synthesizing {file.name}", total=len(utterances))
-        done = _on_done(progress, task, file, quiet, written)
-        try:
-            results = synthesize_batch(
-                synthesizer,
-                utterances,
-                out_dir,
-                **run,
-                force=force,
-                codes_dir=codes_out,
-                on_done=done,
-                batch_size=batch_size,
-                on_notice=lambda notice: say(notice, quiet),
-            )
-        except KeyboardInterrupt:
-            raise _interrupted(sum(written), out_dir) from None
+    with _batch_progress(f"synthesizing {file.name}", len(utterances), file, out_dir, quiet) as lines:
+        results = synthesize_batch(
+            synthesizer,
+            utterances,
+            out_dir,
+            **run,
+            force=force,
+            codes_dir=codes_out,
+            on_done=lines.done,
+            batch_size=batch_size,
+            on_notice=lambda notice: say(notice, quiet),
+        )
     _report(results, out_dir, stats_json, quiet)
 
 
@@ -126,10 +133,7 @@ def run_on_ray(
             f"--cpus-per-worker {threads} gives a local run's bytes (docs/cluster.md)",
             quiet,
         )
-    written: list[bool] = []
-    with progress_bar(quiet) as progress:
-        task = progress.add_task(f"synthesizing {file.name} on Ray", total=None)
-        done = _on_done(progress, task, file, quiet, written)
+    with _batch_progress(f"synthesizing {file.name} on Ray", None, file, out_dir, quiet) as lines:
         try:
             batch = synthesize_batch_on_ray(
                 utterances,
@@ -140,16 +144,14 @@ def run_on_ray(
                 workers=workers,
                 force=force,
                 codes_dir=codes_out,
-                on_start=lambda lines: progress.update(task, total=lines),
-                on_done=done,
+                on_start=lines.lines,
+                on_done=lines.done,
             )
-        except KeyboardInterrupt:
-            raise _interrupted(sum(written), out_dir) from None
         except ClusterError as error:
-            if not any(written):
+            if not lines.written:
                 fail(str(error))
             typer.echo(
-                f"rvqtts: error: {error} ({sum(written)} files were written to {out_dir}; a rerun resumes)", err=True
+                f"rvqtts: error: {error} ({lines.written} files were written to {out_dir}; a rerun resumes)", err=True
             )
             raise typer.Exit(1)
     for notice in batch.notices:
