@@ -59,8 +59,8 @@ TIMED_PASSES = 7
 KERNELS_FILE = "kernels.json"
 KERNELS_FORMAT = "rvqtts-kernels"
 # 2: rvqtts's own kernel among the candidates; 3: the prompt kernel; 4: its AMX kernels; 5: its AVX2 kernels (older
-# choices measured anew)
-KERNELS_VERSION = 5
+# choices measured anew); 6: the AVX2 int8 kernel's even and odd sums
+KERNELS_VERSION = 6
 CHOICES_VARIABLE = "RVQTTS_CHOICES"  # "measured" (the default) or "fixed": the rules used before measurement
 
 

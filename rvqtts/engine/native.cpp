@@ -8,13 +8,13 @@
 // Map weights are packed once as [N/16][K/2][16][2]: one 64-byte vector (32 bytes for int8) per block of
 // 16 output channels and pair of inputs, the operand layout of VDPBF16PS. A tile keeps CB blocks x RB
 // rows of float accumulators in registers and streams its blocks' weights once per pass over its rows.
-// The AVX2 kernel reads the same packed weights, widening each 32-byte half (8 channels x 2 inputs) to two
-// float32 vectors in registers (bfloat16 by a shift and a mask, int8 by sign extension), and multiplies
-// them with FMA: half of float32's bytes read for bfloat16 weights, a quarter for int8.
+// The AVX2 kernels read the same packed weights, widening them to float32 vectors in registers (bfloat16 by a
+// shift and a mask, int8 by sign extension), and multiply them with FMA: half of float32's bytes read for
+// bfloat16 weights, a quarter for int8.
 //
-// Every output is one fixed sequence: acc = 0; for each input pair, acc = dpbf16(acc, x pair, w pair) (AVX2:
-// acc = fma(w even, x even, acc), then fma(w odd, x odd, acc)); then (int8) acc * scale; then rounding to
-// bfloat16. Threads split the output channels, never the
+// Every output is one fixed sequence: acc = 0; for each input pair, acc = dpbf16(acc, x pair, w pair) (AVX2
+// bfloat16: acc = fma(w even, x even, acc), then fma(w odd, x odd, acc); AVX2 int8: an even and an odd sum, each
+// by FMA over the pairs, added at the end); then (int8) acc * scale; then rounding to bfloat16. Threads split the output channels, never the
 // inputs, so a row's bits do not depend on how many rows share the call, which tile it fell in, or
 // the thread count: a tree round's rows equal plain steps bit for bit. The row-wise steps compute each
 // row (and each query) alone, so they keep that.
@@ -330,28 +330,41 @@ inline void add_into(uint16_t* x, const uint16_t* delta, int64_t n) {
 }
 
 // The maps with AVX2 + FMA: the packed weights widened to float32 in registers, the rows widened once per call.
-constexpr int kFmaRows = 4;  // rows per tile at most: 8 accumulators, 4 weight vectors and 2 inputs of 16 registers
+constexpr int kFmaRows = 4;   // bfloat16: rows per tile at most: 8 accumulators, 4 weight vectors and 2 inputs of 16
+constexpr int kInt8Rows = 3;  // int8: rows per tile at most: 12 accumulators, a weight vector and 3 input pairs
 
-// Block-pair `index`'s channels 8 half .. 8 half + 7 as two float32 vectors: their weights for the pair's even
-// and odd input.
-template <bool Int8>
+// bfloat16: block-pair `index`'s channels 8 half .. 8 half + 7 as two float32 vectors (a shift and a mask): their
+// weights for the pair's even and odd input.
 inline __attribute__((always_inline)) void widen_pair(const void* packed, int64_t index, int half, __m256& even,
                                                       __m256& odd) {
-    if constexpr (Int8) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(packed) + index * 32) + half);
-        const __m256i pairs = _mm256_cvtepi16_epi32(bytes);  // (odd << 8 | even) sign-extended, a lane per channel
-        even = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(pairs, 24), 24));
-        odd = _mm256_cvtepi32_ps(_mm256_srai_epi32(pairs, 8));
-    } else {
-        const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(packed) + index * 32) + half);
-        even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-        odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-    }
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(packed) + index * 32) + half);
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
-template <int CB, int RB, bool Int8>
-inline __attribute__((always_inline)) void fma_tile(const float* x, int64_t K, const void* packed, const float* scales,
-                                                    int64_t block, int64_t N, uint16_t* y, int64_t next) {
+// int8: block-pair `index`'s quarter q (channels 4q .. 4q + 3, both inputs) sign-extended straight into float lanes
+// [channel even, channel odd, ...]: one widening per 8 weights, a third fewer instructions than splitting even from odd.
+inline __attribute__((always_inline)) __m256 widen_quarter(const void* packed, int64_t index, int q) {
+    const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(packed) + index * 32 + 8 * q));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+}
+
+// The pass's prefetch for block-pair `index`: the next unit's weights where this pass's are in cache (`next`), else
+// (if `Ahead`) this block's own kAheadBytes ahead. A bfloat16 tile of one row goes without the latter: its loop is
+// bound by instructions, so the prefetch cost it 5 % (Zen 4), where it saved 15-20 % at 3 rows and 10-20 % for int8.
+template <bool Int8, bool Ahead>
+inline __attribute__((always_inline)) void prefetch_pass(const void* packed, int64_t index, int64_t pairs,
+                                                         int64_t next) {
+    if (next)
+        _mm_prefetch(static_cast<const char*>(packed) + (index + next * pairs) * (Int8 ? 32 : 64), _MM_HINT_T1);
+    else if constexpr (Ahead)
+        prefetch<Int8>(packed, index);
+}
+
+// bfloat16, CB blocks x RB rows: each output acc = fma(w even, x even, acc), then fma(w odd, x odd, acc), per pair.
+template <int CB, int RB>
+inline __attribute__((always_inline)) void bf16_tile(const float* x, int64_t K, const void* packed, int64_t block,
+                                                     int64_t N, uint16_t* y, int64_t next) {
     const int64_t pairs = K / 2;
     __m256 acc[RB][2 * CB];
     for (int r = 0; r < RB; ++r)
@@ -359,13 +372,10 @@ inline __attribute__((always_inline)) void fma_tile(const float* x, int64_t K, c
     for (int64_t p = 0; p < pairs; ++p) {
         for (int c = 0; c < CB; ++c) {
             const int64_t index = (block + c) * pairs + p;
-            if (next)  // a later pass over blocks in cache: the next unit's weights, so that memory keeps streaming
-                _mm_prefetch(static_cast<const char*>(packed) + (index + next * pairs) * (Int8 ? 32 : 64), _MM_HINT_T1);
-            else
-                prefetch<Int8>(packed, index);
+            prefetch_pass<false, (RB > 1)>(packed, index, pairs, next);
             __m256 even[2], odd[2];
-            widen_pair<Int8>(packed, index, 0, even[0], odd[0]);
-            widen_pair<Int8>(packed, index, 1, even[1], odd[1]);
+            widen_pair(packed, index, 0, even[0], odd[0]);
+            widen_pair(packed, index, 1, even[1], odd[1]);
             for (int r = 0; r < RB; ++r) {
                 const __m256 xe = _mm256_broadcast_ss(x + r * K + 2 * p), xo = _mm256_broadcast_ss(x + r * K + 2 * p + 1);
                 for (int h = 0; h < 2; ++h) {
@@ -375,41 +385,80 @@ inline __attribute__((always_inline)) void fma_tile(const float* x, int64_t K, c
             }
         }
     }
-    for (int c = 0; c < 2 * CB; ++c) {
+    for (int c = 0; c < 2 * CB; ++c)
+        for (int r = 0; r < RB; ++r)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * N + block * kBlock + c * 8), to_bf16_lanes(acc[r][c]));
+}
+
+// int8, CB blocks x RB rows: each output keeps an even and an odd sum (lanes of the quarters times the row's input
+// pair broadcast as [x even, x odd, ...]), added at the end, then times its scale.
+template <int CB, int RB>
+inline __attribute__((always_inline)) void int8_tile(const float* x, int64_t K, const void* packed, const float* scales,
+                                                     int64_t block, int64_t N, uint16_t* y, int64_t next) {
+    const int64_t pairs = K / 2;
+    __m256 acc[RB][4 * CB];
+    for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < 4 * CB; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+        for (int c = 0; c < CB; ++c) {
+            const int64_t index = (block + c) * pairs + p;
+            prefetch_pass<true, true>(packed, index, pairs, next);
+            for (int q = 0; q < 4; ++q) {
+                const __m256 w = widen_quarter(packed, index, q);
+                for (int r = 0; r < RB; ++r) {
+                    const __m256 pair = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x + r * K + 2 * p)));
+                    acc[r][4 * c + q] = _mm256_fmadd_ps(w, pair, acc[r][4 * c + q]);
+                }
+            }
+        }
+    }
+    for (int c = 0; c < 2 * CB; ++c) {  // 8 channels each: [0 1 4 5 | 2 3 6 7] of two quarters' sums, put in order
         const int64_t channel = block * kBlock + c * 8;
-        const __m256 scale = Int8 ? _mm256_loadu_ps(scales + channel) : _mm256_set1_ps(1.0f);
+        const __m256 scale = _mm256_loadu_ps(scales + channel);
         for (int r = 0; r < RB; ++r) {
-            const __m256 out = Int8 ? _mm256_mul_ps(acc[r][c], scale) : acc[r][c];
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * N + channel), to_bf16_lanes(out));
+            const __m256 sums = _mm256_hadd_ps(acc[r][2 * c], acc[r][2 * c + 1]);
+            const __m256 ordered = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(sums), 0xd8));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * N + channel), to_bf16_lanes(_mm256_mul_ps(ordered, scale)));
         }
     }
 }
 
-// `count` blocks from `block` on for `rows` rows: one row four blocks a tile, two rows two, more one. `next`: in a
-// pass after a call's first, whose blocks are in cache, how many blocks on the next unit starts, whose weights are
-// prefetched then (else memory would idle through those passes: 5 rows cost 1.9x one row, now 1.3-1.6x).
+// One tile of either kind (the int8 one with its scales).
+template <int CB, int RB, bool Int8>
+inline __attribute__((always_inline)) void fma_tile(const float* x, int64_t K, const void* packed, const float* scales,
+                                                    int64_t block, int64_t N, uint16_t* y, int64_t next) {
+    if constexpr (Int8)
+        int8_tile<CB, RB>(x, K, packed, scales, block, N, y, next);
+    else
+        bf16_tile<CB, RB>(x, K, packed, block, N, y, next);
+}
+
+// `count` blocks from `block` on for `rows` rows: bfloat16 one row four blocks a tile, two rows two, more one; int8
+// one row two blocks a tile, more one. `next`: in a pass after a call's first, whose blocks are in cache, how many
+// blocks on the next unit starts, whose weights are prefetched then (else memory would idle through those passes: 5
+// rows cost 1.9x one row, now 1.3-1.6x).
 template <bool Int8>
 void fma_blocks(const float* x, int rows, int64_t K, const void* packed, const float* scales, int64_t block,
                 int count, int64_t N, uint16_t* y, int64_t next) {
     for (int64_t b = block; b < block + count;) {
-        if (rows == 1 && b + 4 <= block + count) {
-            fma_tile<4, 1, Int8>(x, K, packed, scales, b, N, y, next), b += 4;
-        } else if (rows == 2 && b + 2 <= block + count) {
+        if (rows == 1 && b + (Int8 ? 2 : 4) <= block + count) {
+            fma_tile<Int8 ? 2 : 4, 1, Int8>(x, K, packed, scales, b, N, y, next), b += Int8 ? 2 : 4;
+        } else if (!Int8 && rows == 2 && b + 2 <= block + count) {
             fma_tile<2, 2, Int8>(x, K, packed, scales, b, N, y, next), b += 2;
         } else {
             switch (rows) {
                 case 1: fma_tile<1, 1, Int8>(x, K, packed, scales, b, N, y, next); break;
                 case 2: fma_tile<1, 2, Int8>(x, K, packed, scales, b, N, y, next); break;
                 case 3: fma_tile<1, 3, Int8>(x, K, packed, scales, b, N, y, next); break;
-                default: fma_tile<1, kFmaRows, Int8>(x, K, packed, scales, b, N, y, next); break;
+                default: fma_tile<1, Int8 ? kInt8Rows : kFmaRows, Int8>(x, K, packed, scales, b, N, y, next); break;
             }
             b += 1;
         }
     }
 }
 
-// y [M, N] = x [M, K] through packed weights with AVX2 + FMA, in passes of at most kFmaRows rows of equal size;
-// threads split the output channels in groups of kGroup blocks (units), as `matmul` does.
+// y [M, N] = x [M, K] through packed weights with AVX2 + FMA, in passes of at most kFmaRows (int8: kInt8Rows) rows of
+// equal size; threads split the output channels in groups of kGroup blocks (units), as `matmul` does.
 template <bool Int8>
 void fma_matmul(const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales, int64_t N,
                 uint16_t* y) {
@@ -418,7 +467,7 @@ void fma_matmul(const uint16_t* x, int64_t M, int64_t K, const void* packed, con
     for (int64_t i = 0; i < M * K; ++i) wide[i] = to_float(x[i]);
     const float* rows_in = wide.data();
     const int64_t total = N / kBlock, groups = total / kGroup, units = groups + total % kGroup;
-    const int64_t passes = (M + kFmaRows - 1) / kFmaRows, per_pass = (M + passes - 1) / passes;
+    const int64_t most = Int8 ? kInt8Rows : kFmaRows, passes = (M + most - 1) / most, per_pass = (M + passes - 1) / passes;
     #pragma omp parallel for schedule(static)
     for (int64_t u = 0; u < units; ++u) {
         const int64_t block = u < groups ? u * kGroup : groups * kGroup + (u - groups);
