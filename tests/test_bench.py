@@ -97,6 +97,22 @@ def test_bench_predictor_sets_each_call_beside_a_pass_over_its_weights(predictor
     assert "x larger floor" in console.export_text()
 
 
+def test_the_compute_floor_takes_the_faster_of_the_dtype_and_float32_on_a_cpu(monkeypatch):
+    """A kernel may widen bfloat16 to float32 in registers (the AVX2 ones do), and torch's capped bfloat16
+    product runs far below the FMA peak: on a CPU the peak is the faster of the two products; on a GPU the
+    dtype's own."""
+    import torch
+
+    from rvqtts.bench import floor
+
+    rates = {torch.bfloat16: 0.2, torch.float32: 80.0}
+    monkeypatch.setattr(floor, "_dense_multiply_adds_per_ms", lambda dtype, device, size, repeats: rates[dtype])
+    assert floor.peak_multiply_adds_per_ms(torch.bfloat16, torch.device("cpu")) == 80.0
+    assert floor.peak_multiply_adds_per_ms(torch.bfloat16, torch.device("cuda")) == 0.2
+    rates[torch.bfloat16] = 300.0
+    assert floor.peak_multiply_adds_per_ms(torch.bfloat16, torch.device("cpu")) == 300.0
+
+
 def test_projection_arithmetic():
     predictor = {
         "q": [1, 5, 9, 33],

@@ -54,8 +54,15 @@ def multiply_adds(tensors: list[torch.Tensor]) -> int:
 
 def peak_multiply_adds_per_ms(dtype: torch.dtype, device: torch.device, size: int = 2048, repeats: int = 5) -> float:
     """The compute side of the floor: multiply-adds per millisecond a dense square matrix product of
-    `size` reaches in `dtype` on this device (the best of `repeats`, after one warm-up). With the read
-    pass it bounds a call from below twice: q rows through W weights cost at least q * W / this."""
+    `size` reaches on this device (the best of `repeats`, after one warm-up), in `dtype` or, on a CPU, in
+    float32 where that is faster: a kernel may widen `dtype` to float32 in registers (rvqtts's AVX2 ones do),
+    and torch's bfloat16 product on a CPU without AVX512-BF16 runs far below the FMA units' peak. With the
+    read pass it bounds a call from below twice: q rows through W weights cost at least q * W / this."""
+    candidates = (dtype, torch.float32) if device.type == "cpu" and dtype != torch.float32 else (dtype,)
+    return max(_dense_multiply_adds_per_ms(candidate, device, size, repeats) for candidate in candidates)
+
+
+def _dense_multiply_adds_per_ms(dtype: torch.dtype, device: torch.device, size: int, repeats: int) -> float:
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
     best = float("inf")
