@@ -521,6 +521,10 @@ def trees_table(online: dict) -> Table:
     table.caption = (
         f"acceptance counted over {online['roots_counted']} roots (ranks 0-3), {acceptance}; "
         f"{online['probe_frames']} probe frames; call costs: {online['call_costs']}"
+        + "".join(
+            f"; in this run's frames, a call of {q} rows {ms:.2f} ms"
+            for q, ms in online.get("call_ms_in_frames", {}).items()
+        )
     )
     return table
 

@@ -52,7 +52,7 @@ def test_committed_ranks_read_each_depths_draft_list():
 def online_loop(synth, costs: dict[int, float], seed: int = 11) -> tuple[InnerLoop, OnlineSpeculation]:
     offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.5)
     online = OnlineSpeculation(offsets, predictor_fingerprint(synth.code_predictor))
-    online.costs, online.costs_source = dict(costs), "given"
+    online.costs, online.costs_source, online.learn_costs = dict(costs), "given", False
     parts = LoopParts.build(synth.code_predictor, online, False)
     return InnerLoop(synth.code_predictor, online, seed, parts=parts), online
 
@@ -91,6 +91,53 @@ def test_the_choice_follows_what_rounds_cost(narrow):
     for f in range(24):
         dear.decode(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
     assert online.budget == 0 and set(online.frames_by_budget) == {0} and 1 <= online.probes < 3
+
+
+MEASURED = {1: 1.0, 4: 1.1, 5: 1.2, 9: 1.5, 17: 2.0, 33: 3.0}  # call costs at the start: rounds cost about a step
+GOOD_DRAFTS = [[0.7, 0.1] + [0.0] * (OBSERVED_RANKS - 2)] * 3  # acceptance at which such rounds pay
+
+
+def timed_choice(learn: bool, milliseconds_per_call: dict[int, float], frames: int) -> OnlineSpeculation:
+    """The choice after `frames` frames, each timed as its calls cost at `milliseconds_per_call` (plain frames
+    15 steps; probe and tree frames 6 calls of the round's rows: the prefill and 5 rounds, as the projection
+    counts them), from MEASURED costs and GOOD_DRAFTS
+    counted over so many roots that the frames do not move them."""
+    online = OnlineSpeculation(Offsets(torch.zeros(3, 8)), "model", learn_costs=learn)
+    online.costs, online.counts, online.budget = dict(MEASURED), AcceptanceCounts.from_table(GOOD_DRAFTS, 3, 1e6), 0
+    codes = list(range(15))
+    rounds = [(i, [[codes[i + d]] * OBSERVED_RANKS for d in range(min(3, 14 - i))]) for i in (1, 4, 7, 10, 13)]
+    for _ in range(frames):
+        speculation, probe = online.frame_speculation()
+        if speculation is None:
+            online.observe(codes, [], False, 15 * milliseconds_per_call[1])
+        else:
+            q = online.depth + 1 if probe else online.budget + 1
+            online.observe(codes, rounds, probe, 6 * milliseconds_per_call[q])
+    return online
+
+
+def test_call_costs_are_learned_from_the_frames_timed():
+    """Rounds timed at the start at about a step's cost, but at 3x that in the frames that run them: the choice
+    tries trees, learns what they cost there and returns to the plain loop (each size tried at most once);
+    not learning, it keeps a tree."""
+    dear = {1: 1.0, **{q: 3 * ms for q, ms in MEASURED.items() if q > 1}}
+    assert timed_choice(False, dear, 96).budget > 0
+    online = timed_choice(True, dear, 96)
+    assert online.budget == 0 and len(online.decisions) <= 1 + len(online.budgets)
+    assert online.call_ms(1) == pytest.approx(1.0) and online.call_ms(4) == pytest.approx(3.3)
+    assert all(online.call_ms(q) == pytest.approx(3 * MEASURED[q]) for q in MEASURED if q > 1)
+    record = online.record()
+    assert record["call_ms"]["5"] == 1.2 and record["call_ms_in_frames"]["4"] == 3.3
+    assert record["projected"]["4"]["call_ms"] == pytest.approx(3.6)
+
+
+def test_a_size_not_run_yet_is_priced_as_the_nearest_size_that_ran():
+    """Frames that cost twice their measured calls, plain and probe alike: a size not run is priced at twice its
+    measured cost, so the measured ratios still decide (a tree, as at the start)."""
+    online = timed_choice(True, {q: 2 * ms for q, ms in MEASURED.items()}, 5 * online_module.PROBE_EVERY)
+    assert online.budget > 0 and online.decisions[0]["frame"] == online_module.DECIDE_EVERY
+    for q in MEASURED:
+        assert online.call_ms(q) == pytest.approx(2 * MEASURED[q])
 
 
 def test_probes_are_spaced_so_that_they_cost_at_most_their_share(narrow):

@@ -14,7 +14,10 @@ frame to the next. What it rests on:
   docs/benchmarks.md), probes are spaced further, so that they add at most PROBE_SHARE to the plain loop's time
   (`probe_every`). A batch (rows > 1) probes one row's frame in SETTLED_PROBE_EVERY steps from the start.
 - Costs: one call of q = N + 1 rows for each candidate budget, timed once per machine, dtype, weights and
-  predictor shape (`call_costs`, kept in the user's cache).
+  predictor shape (`call_costs`, kept in the user's cache); then learned from the frames the run times (a
+  line's frames, `OnlineSpeculation.call_ms`): a call of q rows, once LEARN_FRAMES frames have run it, costs
+  what it cost there, and a q not run yet its timing scaled as the nearest q that has run (a step timed alone
+  cost 0.73x a step inside frames, a 5-row round 0.94x, on one AVX2 run, docs/benchmarks.md).
 - The choice: for every budget a greedy tree grown from the counts (rvqtts.engine.tree.grow_tree) and its
   projected codes per millisecond (codes per call over a whole frame / the call's cost); the plain loop
   at one code per step. Made again every DECIDE_EVERY frames; a change must promise SWITCH_MARGIN more.
@@ -54,6 +57,7 @@ PROBE_SHARE = 0.02  # the most probing may add to the plain loop's time, at the 
 DECIDE_EVERY = 8  # frames between choices
 SWITCH_MARGIN = 1.03  # a new choice must project this much faster than the one running
 REGROW_EVERY = 64  # frames after which the running size's tree is grown again from the counts
+LEARN_FRAMES = 4  # frames a call size must have run before their timing replaces its measured cost
 PRIOR_ROUNDS = 32  # how many rounds' worth the starting table counts for
 COSTS_FILE = "call-costs.json"
 LEARNED_FILE = "acceptance-online.json"
@@ -246,6 +250,8 @@ class OnlineSpeculation:
     steps: int = 0  # calls of frame_speculation: frames, or a batch's frame steps of `rows` frames each
     frames_by_budget: dict[int, int] = field(default_factory=dict)
     ms_by_budget: dict[int, float] = field(default_factory=dict)
+    learn_costs: bool = True  # learn call costs from the frames timed (False: `costs` stay as given)
+    in_frames: dict[int, list[float]] = field(default_factory=dict)  # q -> [ms, calls, frames] in this run's frames
     probes: int = 0
     decisions: list[dict] = field(default_factory=list)
     fixed: str | None = None  # why the tree size is not chosen online here (None: it is)
@@ -333,7 +339,7 @@ class OnlineSpeculation:
         if self.rows > 1 or chain not in self.costs:
             return every
         per_call = frame_codes_per_call(self.counts.table(), probe_tree(self.depth), self.codes_per_frame)
-        extra = self.codes_per_frame * (self.costs[chain] / self.costs[1] / per_call - 1)  # steps a probe adds
+        extra = self.codes_per_frame * (self.call_ms(chain) / self.call_ms(1) / per_call - 1)  # steps a probe adds
         return max(every, math.ceil(extra / (PROBE_SHARE * self.codes_per_frame)))
 
     def observe(
@@ -347,21 +353,38 @@ class OnlineSpeculation:
         self.probes += probe
         self.frames_by_budget[self.budget] = self.frames_by_budget.get(self.budget, 0) + 1
         self.ms_by_budget[self.budget] = self.ms_by_budget.get(self.budget, 0.0) + milliseconds
+        if self.learn_costs and self.rows == 1:  # a batch's frames share calls: no one call size to credit
+            q = self.depth + 1 if probe else self.budget + 1
+            totals = self.in_frames.setdefault(q, [0.0, 0, 0])
+            totals[0] += milliseconds
+            totals[1] += 1 + len(drafted) if drafted else self.codes_per_frame  # the prefill, then rounds or steps
+            totals[2] += 1
         if self.frames_seen % DECIDE_EVERY == 0 and not self.fixed:
             self.decide()
             self.save()
+
+    def call_ms(self, q: int) -> float:
+        """What a call of q rows costs: its mean over this run's frames once LEARN_FRAMES have run it (they price
+        what the start-up timing misses: caches the talker's step left cold, the host's load), else its measured
+        cost scaled as the nearest q with frames enough was (so measured ratios hold until frames say otherwise)."""
+        ran = {p: ms / calls for p, (ms, calls, frames) in self.in_frames.items() if frames >= LEARN_FRAMES}
+        if q in ran:
+            return ran[q]
+        near = min((p for p in ran if p in self.costs), key=lambda p: (abs(p - q), p), default=None)
+        return self.costs[q] * ran[near] / self.costs[near] if near else self.costs[q]
 
     def projection(self) -> dict[int, dict]:
         """Per budget (0: the plain loop): codes per call over a frame under the current counts, the call's
         cost, codes per millisecond and the inner loop's projected time per frame."""
         table = self.counts.table()
-        rows = {0: {"codes_per_call": 1.0, "call_ms": self.costs[1], "codes_per_ms": 1.0 / self.costs[1]}}
+        step = self.call_ms(1)
+        rows = {0: {"codes_per_call": 1.0, "call_ms": step, "codes_per_ms": 1.0 / step}}
         for n in (n for n in self.budgets if n + 1 in self.costs):  # the timed ones (call_costs' bound)
             codes = frame_codes_per_call(table, grow_tree(table, n), self.codes_per_frame)
             rows[n] = {
                 "codes_per_call": round(codes, 4),
-                "call_ms": self.costs[n + 1],
-                "codes_per_ms": codes / self.costs[n + 1],
+                "call_ms": self.call_ms(n + 1),
+                "codes_per_ms": codes / self.call_ms(n + 1),
             }
         for row in rows.values():
             row["inner_loop_ms_per_frame"] = self.codes_per_frame / row["codes_per_ms"]
@@ -419,6 +442,9 @@ class OnlineSpeculation:
             "acceptance": [[round(a, 4) for a in row] for row in self.counts.table()] if self.counts else None,
             "call_ms": {str(q): ms for q, ms in sorted(self.costs.items())},
             "call_costs": self.costs_source,
+            "call_ms_in_frames": {
+                str(q): round(ms / calls, 4) for q, (ms, calls, frames) in sorted(self.in_frames.items())
+            },
             "projected": {str(n): {k: round(v, 4) for k, v in row.items()} for n, row in rows.items()},
             "decisions": self.decisions[-20:],
         }
