@@ -16,8 +16,8 @@ frame to the next. What it rests on:
 - Costs: one call of q = N + 1 rows for each candidate budget, timed once per machine, dtype, weights and
   predictor shape (`call_costs`, kept in the user's cache); then learned from the frames the run times (a
   line's frames, `OnlineSpeculation.call_ms`): a call of q rows, once LEARN_FRAMES frames have run it, costs
-  what it cost there, and a q not run yet its timing scaled as the nearest q that has run (a step timed alone
-  cost 0.73x a step inside frames, a 5-row round 0.94x, on one AVX2 run, docs/benchmarks.md).
+  what it cost there, and a q not run yet its timing scaled as the nearest q that has run (in the AVX2 regime a
+  step timed at the start cost 0.73x to 1.23x what steps cost inside the same run's frames, docs/benchmarks.md).
 - The choice: for every budget a greedy tree grown from the counts (rvqtts.engine.tree.grow_tree) and its
   projected codes per millisecond (codes per call over a whole frame / the call's cost); the plain loop
   at one code per step. Made again every DECIDE_EVERY frames; a change must promise SWITCH_MARGIN more.
