@@ -91,7 +91,8 @@ class SynthesisWorker:
         device = pick_device(
             "cuda" if spec.device == "auto" and spec.gpus > 0 else "cpu" if spec.device == "auto" else spec.device
         )
-        dtype, _ = pick_dtype(spec.dtype, device, model_config(spec.model).talker_config, spec.weights)
+        talker_config = model_config(spec.model).talker_config
+        dtype, _ = pick_dtype(spec.dtype, device, talker_config, spec.weights, rows=spec.batch_size or 1)
         self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights)
         decoder, _ = pick_decoder_dtype(spec.decoder_dtype, spec.dtype, dtype, device, spec.model)
         self.synth.use_decoder_dtype(decoder)

@@ -158,11 +158,34 @@ def test_dtype_auto_on_a_cpu_is_the_cheaper_measured_frame(unmeasured, monkeypat
     monkeypatch.setattr(
         rvqtts.engine.devices,
         "frame_map_ms",
-        lambda config, dtype, weights, progress: costs[str(dtype).removeprefix("torch.")],
+        lambda config, dtype, weights, progress, rows: costs[str(dtype).removeprefix("torch.")],
     )
     dtype, reason = rvqtts.engine.devices.pick_dtype("auto", "cpu", model_config(tiny_dir).talker_config)
     assert dtype == cheaper and f"{costs[cheaper]:.1f} ms in {cheaper}" in reason and "--dtype" in reason
     assert rvqtts.engine.devices.pick_dtype("float32", "cpu", None) == ("float32", None)
+
+
+def test_dtype_auto_prices_a_batchs_rows(unmeasured, monkeypatch, tiny_dir):
+    """bfloat16 cheaper at one row and dearer at 17 (torch's kernels without native bfloat16): one line a call
+    runs bfloat16, 8 lines float32, each map priced straight between its 1- and 17-row timings."""
+    from rvqtts.engine.kernels import KernelChoice
+    from rvqtts.loading import model_config
+
+    timed = {torch.bfloat16: {1: 1.0, 17: 41.0}, torch.float32: {1: 2.0, 17: 10.0}}
+
+    def choose(shapes, dtype, weights, progress):
+        return {
+            shape: KernelChoice(Kernel("linear"), True, {"linear": timed[dtype]}, ("linear",), "cache")
+            for shape in shapes
+        }
+
+    monkeypatch.setattr(rvqtts.engine.devices, "choose_kernels", choose)
+    config = model_config(tiny_dir).talker_config
+    maps = sum(count for _, _, count in rvqtts.engine.devices.frame_maps(config))
+    assert rvqtts.engine.devices.frame_map_ms(config, torch.bfloat16, rows=8) == pytest.approx(maps * (1 + 40 * 7 / 16))
+    assert rvqtts.engine.devices.pick_dtype("auto", "cpu", config)[0] == "bfloat16"
+    dtype, reason = rvqtts.engine.devices.pick_dtype("auto", "cpu", config, rows=8)
+    assert dtype == "float32" and "for 8 lines a call" in reason
 
 
 def test_frame_maps_count_what_one_frame_applies(released_06_dir):

@@ -28,7 +28,8 @@ DEVICE_HELP = (
 )
 DTYPE_HELP = (
     "auto (bfloat16 on cuda, float16 on mps; on a CPU the cheaper of bfloat16 and float32 for one frame's linear "
-    "maps, measured once; with RVQTTS_CHOICES=fixed, bfloat16 where the CPU multiplies it natively, else float32; "
+    "maps at the lines a call carries (--batch-size N), measured once; with RVQTTS_CHOICES=fixed, bfloat16 where "
+    "the CPU multiplies it natively, else float32; "
     "the speech decoder's own, --decoder-dtype), float32, bfloat16 or float16 (for every component)."
 )
 DECODER_DTYPE_HELP = (
@@ -142,12 +143,18 @@ def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], obje
 
 
 def load_synthesizer(
-    model: str, device: str, dtype: str, quiet: bool = False, weights: str = "native", decoder_dtype: str = "auto"
+    model: str,
+    device: str,
+    dtype: str,
+    quiet: bool = False,
+    weights: str = "native",
+    decoder_dtype: str = "auto",
+    rows: int = 1,
 ):
     """The model on the chosen device and dtype, its speech decoder in its own (fails with one line on a bad
     model, device or dtype, the model checked from its config before the weights load; says which dtypes `auto`
     chose on a CPU, and why, that rvqtts's native kernels cannot run where they cannot, and that a GPU has not been
-    validated)."""
+    validated). `rows`: the lines a call will carry (a batch's), at which `auto` prices the loops' dtypes."""
     import torch
 
     from rvqtts.decoder_dtype import pick_decoder_dtype
@@ -179,7 +186,7 @@ def load_synthesizer(
     def progress(line: str) -> None:
         say(line, quiet)
 
-    loops_dtype, reason = pick_dtype(dtype, chosen, talker_config, weights, progress)
+    loops_dtype, reason = pick_dtype(dtype, chosen, talker_config, weights, progress, rows)
     if reason:
         say(reason, quiet)
     if chosen == "cpu" and measured_choices():  # measured now, not inside the first utterance's timings

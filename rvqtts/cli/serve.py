@@ -99,7 +99,7 @@ def serve(
     from rvqtts.synthesis import prepare_inner_loop
 
     rows = batch_rows(batch_size)
-    synthesizer = load_synthesizer(model, device, dtype, quiet, weights, decoder_dtype)
+    synthesizer = load_synthesizer(model, device, dtype, quiet, weights, decoder_dtype, rows or 1)
     try:
         notice = prepare_inner_loop(synthesizer, spec, tree, offsets)
     except (TreeFileError, OffsetsFileError, ValueError) as error:

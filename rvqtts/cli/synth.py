@@ -387,7 +387,8 @@ def synth(
     if ray is None:  # the model is loaded here; on Ray each worker loads its own
         from rvqtts.synthesis import INSTRUCT_IGNORED, prepare_inner_loop  # qwen-tts: after the checks above
 
-        synthesizer = load_synthesizer(model, device, dtype, quiet, weights, decoder_dtype)
+        lines = (rows or 1) if file is not None else 1  # --batch-size auto: measured after the load, priced at 1
+        synthesizer = load_synthesizer(model, device, dtype, quiet, weights, decoder_dtype, lines)
         device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
         try:
             notice = prepare_inner_loop(synthesizer, spec, tree, offsets, cuda_graphs, device_type)

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from rvqtts.engine.kernels import choose_kernels, kernels_path, measured_choices
+from rvqtts.engine.kernels import TIMED_ROWS, KernelChoice, choose_kernels, kernels_path, measured_choices
 from rvqtts.engine.native import capped_flags
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of x86 CPUs that multiply bf16
@@ -121,13 +121,26 @@ def frame_maps(talker_config: object) -> list[tuple[str, tuple[int, int], int]]:
 
 
 def frame_map_ms(
-    talker_config: object, dtype: torch.dtype, weights: str = "native", progress: Callable[[str], None] | None = None
+    talker_config: object,
+    dtype: torch.dtype,
+    weights: str = "native",
+    progress: Callable[[str], None] | None = None,
+    rows: int = 1,
 ) -> float:
-    """Milliseconds one frame spends in its linear maps on this CPU, each map one row through the kernel
-    measured fastest for its shape (rvqtts.engine.kernels; measured once, then read from the user's cache)."""
+    """Milliseconds one frame step spends in its linear maps on this CPU, each map `rows` rows (a batch's lines
+    share every call) through the kernel measured fastest for its shape (rvqtts.engine.kernels; measured once,
+    then read from the user's cache)."""
     maps = frame_maps(talker_config)
     choices = choose_kernels([shape for _, shape, _ in maps], dtype, weights, progress)
-    return sum(count * choices[shape].timings[choices[shape].kernel.name][1] for _, shape, count in maps)
+    return sum(count * map_call_ms(choices[shape], rows) for _, shape, count in maps)
+
+
+def map_call_ms(choice: KernelChoice, rows: int) -> float:
+    """One call of `rows` rows through the chosen kernel: its timings at 1 and 17 rows (`TIMED_ROWS`), straight
+    between them and on past 17 (a kernel's cost grows about linearly in rows once its weights are read)."""
+    low, high = TIMED_ROWS
+    timings = choice.timings[choice.kernel.name]
+    return timings[low] + (timings[high] - timings[low]) * (rows - low) / (high - low)
 
 
 def pick_dtype(
@@ -136,9 +149,11 @@ def pick_dtype(
     talker_config: object | None = None,
     weights: str = "native",
     progress: Callable[[str], None] | None = None,
+    rows: int = 1,
 ) -> tuple[str, str | None]:
     """The dtype for `auto` on this device, and why (None when the user chose it or nothing needs saying).
-    On a CPU, the cheaper of bfloat16 and float32 for one frame's maps at `talker_config`'s shapes."""
+    On a CPU, the cheaper of bfloat16 and float32 for one frame's maps at `talker_config`'s shapes, each call
+    `rows` rows (a batch's lines: torch's bfloat16 kernels can win at one row and lose at many)."""
     if dtype != "auto":
         return dtype, None
     kind = device.split(":")[0]
@@ -152,12 +167,14 @@ def pick_dtype(
             return "bfloat16", f"bfloat16: this CPU multiplies bfloat16 natively ({flag}); --dtype float32 overrides"
         return "float32", None
     costs = {
-        name: frame_map_ms(talker_config, getattr(torch, name), weights, progress) for name in ("bfloat16", "float32")
+        name: frame_map_ms(talker_config, getattr(torch, name), weights, progress, rows)
+        for name in ("bfloat16", "float32")
     }
     chosen = min(costs, key=costs.get)
     other = "float32" if chosen == "bfloat16" else "bfloat16"
+    lines = f" for {rows} lines a call" if rows > 1 else ""
     return chosen, (
-        f"{chosen}: one frame's linear maps take {costs[chosen]:.1f} ms in {chosen} against "
+        f"{chosen}: one frame's linear maps{lines} take {costs[chosen]:.1f} ms in {chosen} against "
         f"{costs[other]:.1f} ms in {other} on this CPU (measured once, kept in {kernels_path()}); "
         f"--dtype {other} overrides"
     )
