@@ -140,6 +140,31 @@ def test_a_size_not_run_yet_is_priced_as_the_nearest_size_that_ran():
         assert online.call_ms(q) == pytest.approx(2 * MEASURED[q])
 
 
+def test_probes_thin_out_where_trees_are_far_from_paying():
+    """Drafts that are rarely right, at rounds that cost their rows: once enough roots are counted the best tree
+    projects under FAR of the plain loop's speed, and probes run one frame in FAR_PROBE_EVERY; drafts right often
+    enough to come near paying keep the probes where their share puts them."""
+    rare = [[0.05, 0.02] + [0.0] * (OBSERVED_RANKS - 2)] * 3
+    online = OnlineSpeculation(Offsets(torch.zeros(3, 8)), "model", learn_costs=False)
+    online.costs, online.budget = {1: 1.0, 4: 1.2, 5: 2.0, 9: 3.0, 17: 5.0, 33: 9.0}, 0  # a cheap probe chain
+    online.counts = AcceptanceCounts.from_table(rare, 3, online_module.FAR_ROOTS - 1)
+    online.decide()
+    assert not online.far and online.probe_every() < online_module.FAR_PROBE_EVERY  # too few roots yet
+    online.counts = AcceptanceCounts.from_table(rare, 3, online_module.FAR_ROOTS)
+    online.decide()
+    assert (
+        online.far
+        and online.probe_every() == online_module.FAR_PROBE_EVERY
+        and online.record()["trees_far_from_paying"]
+    )
+    near = timed_choice(False, MEASURED, 1)
+    near.costs = {q: 1.3 * ms for q, ms in MEASURED.items()} | {1: 1.0}
+    near.decide()
+    assert (
+        not near.far and near.projection()[4]["codes_per_ms"] > online_module.FAR * near.projection()[0]["codes_per_ms"]
+    )
+
+
 def test_probes_are_spaced_so_that_they_cost_at_most_their_share(narrow):
     """Where a probe's chain of K + 1 rows costs a step, probes run at PROBE_EVERY; where it costs its rows, a
     probe frame costs more than the plain frame it replaces, and probes are spaced so that they add at most
@@ -222,7 +247,8 @@ def test_a_default_run_chooses_online_and_says_what_it_did(tiny_dir, tmp_path):
     record = json.loads(stats.read_text())["utterances"][0]
     online = record["online"]
     assert sum(online["frames_by_N"].values()) == record["frames"] and online["probe_frames"] >= 1
-    assert set(online["projected"]) == {"0", "4", "8", "16", "32"} and online["call_ms"]["1"] > 0
+    # sizes whose calls cost K + 1 steps or more are not timed (call_costs' bound): which ones depends on the load
+    assert {"0"} < set(online["projected"]) <= {"0", "4", "8", "16", "32"} and online["call_ms"]["1"] > 0
     assert record["spec"] is True and record["predictor_codes"] == 15 * record["frames"]
     plain = run(
         "synth",

@@ -12,7 +12,10 @@ frame to the next. What it rests on:
   SETTLED_ROOTS roots are counted) is run as a chain of K drafts (a call of K + 1 rows) so that the counts keep
   coming. Where a call of K + 1 rows costs more than its codes repay (with AVX2 kernels 4 rows cost 1.4x a step,
   docs/benchmarks.md), probes are spaced further, so that they add at most PROBE_SHARE to the plain loop's time
-  (`probe_every`). A batch (rows > 1) probes one row's frame in SETTLED_PROBE_EVERY steps from the start.
+  (`probe_every`). Where even the best tree projects at most FAR of the plain loop's speed (once FAR_ROOTS roots
+  are counted), a tree is far from paying and probes run one frame in FAR_PROBE_EVERY: they are there to notice
+  acceptance changing, and it would have to change a lot. A batch (rows > 1) probes one row's frame in
+  SETTLED_PROBE_EVERY steps from the start.
 - Costs: one call of q = N + 1 rows for each candidate budget, timed once per machine, dtype, weights and
   predictor shape (`call_costs`, kept in the user's cache); then learned from the frames the run times (a
   line's frames, `OnlineSpeculation.call_ms`): a call of q rows, once LEARN_FRAMES frames have run it, costs
@@ -54,6 +57,9 @@ PROBE_EVERY = 8  # while the plain loop runs, one frame in this many drafts a ch
 SETTLED_ROOTS = 512  # once this many roots are counted (the prior's included), probes thin out to
 SETTLED_PROBE_EVERY = 32  # one frame in this many
 PROBE_SHARE = 0.02  # the most probing may add to the plain loop's time, at the acceptance counted so far
+FAR = 0.8  # the best tree projected at most this share of the plain loop's speed: far from paying
+FAR_ROOTS = 128  # roots counted (the prior's included) before a tree is called far
+FAR_PROBE_EVERY = 128  # frames between probes while the trees are far from paying
 DECIDE_EVERY = 8  # frames between choices
 SWITCH_MARGIN = 1.03  # a new choice must project this much faster than the one running
 REGROW_EVERY = 64  # frames after which the running size's tree is grown again from the counts
@@ -253,6 +259,7 @@ class OnlineSpeculation:
     learn_costs: bool = True  # learn call costs from the frames timed (False: `costs` stay as given)
     in_frames: dict[int, list[float]] = field(default_factory=dict)  # q -> [ms, calls, frames] in this run's frames
     probes: int = 0
+    far: bool = False  # the best tree far from paying at the last choice (probes thinned to FAR_PROBE_EVERY)
     decisions: list[dict] = field(default_factory=list)
     fixed: str | None = None  # why the tree size is not chosen online here (None: it is)
     _trees: dict[int, Speculation] = field(default_factory=dict, repr=False)
@@ -331,10 +338,13 @@ class OnlineSpeculation:
 
     def probe_every(self) -> int:
         """Frames between probes: PROBE_EVERY, SETTLED_PROBE_EVERY once SETTLED_ROOTS roots are counted (and in a
-        batch, whose probe puts K + 1 rows beside its B plain ones), or more where a probe frame costs more than a
+        batch, whose probe puts K + 1 rows beside its B plain ones), FAR_PROBE_EVERY while the trees are far from
+        paying (`decide`), or more where a probe frame costs more than a
         plain one (its K + 1 rows dearer than the codes per call they win repay), so that probing adds at most
         PROBE_SHARE to the plain loop's time."""
         every = PROBE_EVERY if self.observed() < SETTLED_ROOTS and self.rows == 1 else SETTLED_PROBE_EVERY
+        if self.far and self.rows == 1:
+            every = FAR_PROBE_EVERY
         chain = self.depth + 1
         if self.rows > 1 or chain not in self.costs:
             return every
@@ -392,6 +402,8 @@ class OnlineSpeculation:
 
     def decide(self) -> None:
         rows = self.projection()
+        trees = [row["codes_per_ms"] for n, row in rows.items() if n > 0]
+        self.far = self.observed() >= FAR_ROOTS and bool(trees) and max(trees) <= FAR * rows[0]["codes_per_ms"]
         best = max(rows, key=lambda n: rows[n]["codes_per_ms"])
         current = rows.get(self.budget, rows[0])
         if best != self.budget and rows[best]["codes_per_ms"] > SWITCH_MARGIN * current["codes_per_ms"]:
@@ -438,6 +450,7 @@ class OnlineSpeculation:
             "frames_by_N": {str(n): f for n, f in sorted(own.items()) if f},
             "inner_loop_ms_per_frame_by_N": realized,
             "probe_frames": self.probes,
+            "trees_far_from_paying": self.far,
             "roots_counted": self.observed(),
             "acceptance": [[round(a, 4) for a in row] for row in self.counts.table()] if self.counts else None,
             "call_ms": {str(q): ms for q, ms in sorted(self.costs.items())},
