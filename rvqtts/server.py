@@ -16,7 +16,6 @@ import asyncio
 import hmac
 import logging
 import math
-import os
 import threading
 import time
 from collections import deque
@@ -29,6 +28,7 @@ import numpy as np
 from rvqtts.audio import AUDIO_FORMATS, audio_bytes, pcm16, wav_header
 from rvqtts.cloning import ClonedVoice, VoiceSource
 from rvqtts.engine.sampling import NonFiniteError
+from rvqtts.memory import memory_record
 from rvqtts.settings import GenerationSettings, Line
 
 RESPONSE_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
@@ -113,15 +113,6 @@ class Job:
             self.cancelled.set()
 
 
-def resident_mib() -> float | None:
-    """This process's resident memory in MiB (Linux; None elsewhere), for /health and load tests."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
-
-
 def voice_files(folder: Path | None) -> dict[str, Path]:
     """The voice files a request may name: `NAME.safetensors` directly in `folder` (a link out of it is
     not one). A request's voice is only ever looked up here, never joined to a path."""
@@ -180,7 +171,7 @@ class SpeechEngine:
             "queued": len(self._waiting),
             "batch_size": self.options.batch_size,
             **self.counts,
-            "rss_mib": resident_mib(),
+            **memory_record(),
         }
 
     def close(self) -> None:

@@ -92,6 +92,8 @@ def test_synth_wav_codes_and_statistics_agree(tmp_path, tiny_dir):
     # relative, as a slower (shared) machine stretches every part alike; 3 ms for four figures rounded to the ms
     assert parts == pytest.approx(record["wall_seconds"], rel=0.02, abs=0.003)
     assert stats["total"]["frames"] == frames and stats["total"]["utterances"] == 1
+    # the process's memory: a run that loaded torch and a model holds well over 100 MiB, and never more than its peak
+    assert stats["memory"]["peak_rss_mib"] >= stats["memory"]["rss_mib"] > 100
 
 
 def test_same_seed_same_wav_and_no_spec_gives_the_same_codes(tmp_path, tiny_dir):

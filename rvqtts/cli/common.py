@@ -124,12 +124,14 @@ def show_stats(rows: list[tuple[str, dict]], quiet: bool) -> None:
 
 
 def write_stats(path: Optional[Path], entries: list[dict], **extra: object) -> None:
-    """`rvqtts synth --stats-json`: per-utterance records, their total, and `extra` sections."""
+    """`rvqtts synth --stats-json`: per-utterance records, their total, `extra` sections, and the process's memory
+    (resident now and at its peak; on a Ray run, the driver's)."""
     from rvqtts.files import write_json
+    from rvqtts.memory import memory_record
     from rvqtts.report import total_record
 
     if path is not None:
-        write_json(path, {"utterances": entries, "total": total_record(entries), **extra})
+        write_json(path, {"utterances": entries, "total": total_record(entries), **extra, "memory": memory_record()})
 
 
 def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], object], quiet: bool) -> None:

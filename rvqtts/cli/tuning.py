@@ -89,6 +89,7 @@ def tune(
     )
     from rvqtts.engine.quantize import WEIGHTS
     from rvqtts.loading import ModelLoadError, model_config
+    from rvqtts.memory import memory_record
     from rvqtts.report import tune_table
 
     if dtype not in ("auto", "float32", "bfloat16"):
@@ -142,6 +143,7 @@ def tune(
         result["trees"] = _tune_trees(
             model, result.get("auto", dtype), weights, texts, offsets, speaker, max_frames, seed, quiet
         )
+    result["memory"] = memory_record()  # this process's peak: the measurements' (and --texts' synthesis)
     publish(result, json_out, tune_table, quiet)
 
 
