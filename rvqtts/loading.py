@@ -101,7 +101,30 @@ def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float3
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"cannot load {model} as a Qwen3-TTS checkpoint: {error}") from error
     _check_kind(model, tts.model.tts_model_type, tts.model.tokenizer_type)
+    unpin_checkpoint(tts.model.speech_tokenizer.model)
     return tts
+
+
+SMALL_TENSOR = 4096  # elements: a tensor this small is copied off a memory-mapped checkpoint (`unpin_checkpoint`)
+
+
+def unpin_checkpoint(module) -> None:
+    """Copy `module`'s small tensors (flags and scalars) into memory of their own. Loading keeps tensors in their
+    stored dtype as views of the memory-mapped checkpoint; where the weights were converted (a float32 speech
+    tokenizer loaded in bfloat16), 32 one-element float32 buffers of its encoder's codebooks alone kept the whole
+    file mapped, its 650 MiB resident (0.6B dimensions). Weights left as views stay views: their file is their
+    memory."""
+    import torch
+
+    for submodule in module.modules():
+        for tensors in (submodule._parameters, submodule._buffers):
+            for name, tensor in list(tensors.items()):
+                if tensor is None or tensor.numel() > SMALL_TENSOR:
+                    continue
+                copy = tensor.detach().clone()  # a new tensor: `.data =` left the file mapped
+                if isinstance(tensor, torch.nn.Parameter):
+                    copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+                tensors[name] = copy
 
 
 def load_speech_tokenizer(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
@@ -111,9 +134,13 @@ def load_speech_tokenizer(model: str | os.PathLike, device: str = "cpu", dtype: 
 
     folder = Path(resolve_model(model)) / "speech_tokenizer"
     try:
-        return qwen_tts().Qwen3TTSTokenizer.from_pretrained(str(folder), device_map=device, dtype=getattr(torch, dtype))
+        tokenizer = qwen_tts().Qwen3TTSTokenizer.from_pretrained(
+            str(folder), device_map=device, dtype=getattr(torch, dtype)
+        )
     except (OSError, ValueError, TypeError, KeyError) as error:
         raise ModelLoadError(f"cannot load the speech tokenizer of {model} from {folder}: {error}") from error
+    unpin_checkpoint(tokenizer.model)
+    return tokenizer
 
 
 @dataclass(frozen=True)

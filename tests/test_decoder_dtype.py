@@ -13,6 +13,7 @@ from helpers import run_cli
 
 import rvqtts.decoder_dtype as decoder_dtype
 from rvqtts.decoder_dtype import pick_decoder_dtype
+from rvqtts.loading import unpin_checkpoint
 from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer
 
@@ -126,3 +127,32 @@ def test_synth_takes_decoder_dtype_and_says_what_ran(tiny_dir, tmp_path):
     refused = run_cli(*common, "--decoder-dtype", "int8", "-o", tmp_path / "b.wav")
     assert refused.exit_code == 2 and "unknown --decoder-dtype 'int8': choose auto, " in refused.output
     assert not (tmp_path / "b.wav").exists()
+
+
+def test_a_converted_speech_tokenizer_leaves_its_checkpoint_file_unmapped(tiny_dir):
+    """Loaded in bfloat16 from its float32 file, no tensor stays a view of that file (one-element buffers of the
+    encoder's codebooks kept the whole file mapped and resident, rvqtts.loading.unpin_checkpoint): in a fresh
+    process (this one's fixtures hold the file), its mappings are gone once the load is done. Linux's maps."""
+    import subprocess
+    import sys
+
+    script = (
+        "import gc\n"
+        "import rvqtts.synthesis\n"
+        "from rvqtts.loading import load_speech_tokenizer\n"
+        f"tokenizer = load_speech_tokenizer({str(tiny_dir)!r}, dtype='bfloat16')\n"
+        "gc.collect()\n"
+        "print(sum('speech_tokenizer/model.safetensors' in line for line in open('/proc/self/maps')))\n"
+    )
+    assert subprocess.check_output([sys.executable, "-c", script], text=True).split()[-1] == "0"
+
+
+def test_unpinning_copies_small_tensors_and_leaves_weights_as_they_are():
+    module = torch.nn.Linear(128, 64)
+    flat = torch.zeros(64 * 128 + 1)  # one storage, as a memory-mapped file is: the weight and a flag view it
+    module.weight = torch.nn.Parameter(flat[: 64 * 128].view(64, 128))
+    module.register_buffer("initialized", flat[-1:])
+    unpin_checkpoint(module)
+    shared = flat.untyped_storage().data_ptr()
+    assert module.weight.untyped_storage().data_ptr() == shared and isinstance(module.weight, torch.nn.Parameter)
+    assert module.initialized.untyped_storage().data_ptr() != shared and module.bias.requires_grad
