@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from rvqtts.engine import native
 from rvqtts.engine.quantize import quantize_rows
 from rvqtts.files import cache_dir, write_json
+from rvqtts.memory import drop_file_pages
 
 CHUNK = 32  # rows per kernel call: a longer call goes in chunks, so invariance up to CHUNK + 1 rows covers all
 PADS = (1, 2, 4, 8)  # zero-row paddings tried, smallest first, until a kernel's rows are invariant
@@ -170,6 +171,8 @@ class LinearMap:
             else:
                 self.operands = [weight]
                 self.apply = lambda rows: F.linear(rows, weight, bias)
+        if self.operands[0] is not weight and not kernel.one_row_mv and self.bulk == kernel:
+            drop_file_pages([weight])  # no call reads it: its checkpoint pages, if any, need not stay resident
 
     def _biased(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.bias is None else out + self.bias

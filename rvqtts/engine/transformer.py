@@ -16,6 +16,7 @@ from rvqtts.engine import native
 from rvqtts.engine.attention import attend_rows
 from rvqtts.engine.kernels import LinearMap, make_map, module_map
 from rvqtts.engine.quantize import check_weights
+from rvqtts.memory import drop_file_pages
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -25,18 +26,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _stacked(*maps: torch.nn.Linear, weights: str = "native") -> LinearMap:
     """One linear map computing `maps` side by side. The maps' own parameters become views of the stacked
-    tensors (same values), so the model's weights are held once, not twice."""
+    tensors (same values), so the model's weights are held once, not twice (the checkpoint file's pages the copy
+    read are dropped, rvqtts.memory.drop_file_pages)."""
     stacked = []
     for name in ("weight", "bias"):
         if getattr(maps[0], name) is None:
             stacked.append(None)
             continue
-        joined = torch.cat([getattr(m, name).detach() for m in maps])
+        parts = [getattr(m, name).detach() for m in maps]
+        joined = torch.cat(parts)
         start = 0
         for m in maps:
             part = getattr(m, name)
             part.data = joined[start : start + part.shape[0]]
             start += part.shape[0]
+        drop_file_pages(parts)
         stacked.append(joined)
     return make_map(stacked[0], stacked[1], weights)
 

@@ -1,0 +1,68 @@
+"""rvqtts.memory: the resident memory the stats report, and checkpoint pages dropped once the engine has its copies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rvqtts.memory import drop_file_pages
+
+PAGE = 4096
+
+
+def resident_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of `path` (Linux's smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5 and ":" not in line.split()[0]:
+            inside = line.split()[-1] == str(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_peak_resident_memory_counts_what_a_process_touched_at_once():
+    """300 MiB written then freed: the peak grows by it and stays; what is resident now falls back. In a child of
+    this (large) test process, so that a peak carried over from the parent's fork would show."""
+    script = (
+        "from rvqtts.memory import memory_record as m\n"
+        "before = m()\n"
+        "block = bytearray(b'x') * (300 << 20)\n"
+        "during = m()\n"
+        "del block\n"
+        "after = m()\n"
+        "print(during['peak_rss_mib'] - before['peak_rss_mib'], after['peak_rss_mib'] - during['peak_rss_mib'],"
+        " during['rss_mib'] - after['rss_mib'])\n"
+    )
+    grown, kept, freed = map(float, subprocess.check_output([sys.executable, "-c", script], text=True).split())
+    assert grown >= 290 and kept == pytest.approx(0, abs=1) and freed >= 290  # the counters settle in pages
+
+
+def test_a_checkpoints_pages_are_dropped_and_read_again_from_the_file(tmp_path):
+    """A tensor viewing a memory-mapped file (copy-on-write, as safetensors maps a checkpoint): its pages, all read,
+    are resident; dropped, they are not, and the tensor still reads the file's values. A heap tensor is left alone."""
+    path = tmp_path / "weights.bin"
+    values = np.arange(64 * PAGE, dtype=np.float32)
+    values.tofile(path)
+    tensor = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c"))
+    assert float(tensor.sum()) == float(values.sum()) and resident_kib(path) >= 60 * PAGE * 4 // 1024
+    assert drop_file_pages([tensor]) >= 60 * PAGE * 4
+    assert resident_kib(path) < 8 * PAGE * 4 // 1024
+    assert torch.equal(tensor, torch.from_numpy(values))
+    assert drop_file_pages([torch.from_numpy(values.copy())]) == 0
+
+
+def test_a_tensor_with_a_page_written_since_keeps_its_pages(tmp_path):
+    """A page copied on write holds bytes the file does not: dropping it would lose them, so the tensor is left."""
+    path = tmp_path / "weights.bin"
+    np.zeros(16 * PAGE, dtype=np.float32).tofile(path)
+    tensor = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="c"))
+    tensor[5 * PAGE] = 7.0
+    float(tensor.sum())  # every page read
+    assert drop_file_pages([tensor]) == 0 and float(tensor[5 * PAGE]) == 7.0
+    assert drop_file_pages([tensor[8 * PAGE :]]) > 0 and float(tensor.sum()) == 7.0  # the part without it may go
