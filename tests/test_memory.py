@@ -66,3 +66,30 @@ def test_a_tensor_with_a_page_written_since_keeps_its_pages(tmp_path):
     float(tensor.sum())  # every page read
     assert drop_file_pages([tensor]) == 0 and float(tensor[5 * PAGE]) == 7.0
     assert drop_file_pages([tensor[8 * PAGE :]]) > 0 and float(tensor.sum()) == 7.0  # the part without it may go
+
+
+@pytest.mark.parametrize("kernel", ["packed", "linear"])
+def test_a_stacked_map_keeps_one_copy_of_its_weights(monkeypatch, kernel):
+    """q|k|v stacked into one map: where its kernel reads only its packed copy, no stacked copy is kept (the map
+    stacks its parts again when asked) and the modules keep their own tensors; where a call reads the stacked
+    weight (F.linear), the modules' parameters become views of it. The map computes the same either way."""
+    from rvqtts.engine import kernels
+    from rvqtts.engine.transformer import _stacked
+
+    monkeypatch.setattr(
+        kernels, "kernel_choice", lambda *args: kernels.KernelChoice(kernels.Kernel(kernel), True, {}, (), "fixed")
+    )
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(32, 16, bias=False) for _ in range(3)]
+    before = [part.weight.detach().clone() for part in parts]
+    storages = [part.weight.untyped_storage().data_ptr() for part in parts]
+    linear = _stacked(*parts)
+    rows = torch.randn(2, 32)
+    assert torch.allclose(linear(rows), rows @ torch.cat(before).T, atol=1e-5)
+    assert torch.equal(linear.weight, torch.cat(before))
+    assert all(torch.equal(part.weight, weight) for part, weight in zip(parts, before))
+    kept = [part.weight.untyped_storage().data_ptr() for part in parts]
+    if kernel == "packed":
+        assert linear._weight is None and kept == storages  # the modules' own tensors, no stacked copy
+    else:
+        assert linear.reads_weight and set(kept) == {linear.weight.untyped_storage().data_ptr()}

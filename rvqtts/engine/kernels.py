@@ -143,7 +143,7 @@ class LinearMap:
         row_invariant: bool | None = None,
         bulk: Kernel | None = None,
     ):
-        self.weight, self.bias, self.kernel = weight, bias, kernel
+        self._weight, self._parts, self.bias, self.kernel = weight, None, bias, kernel
         self.row_invariant = row_invariant  # as measured for the kernel at this shape (None: not probed)
         # A prompt's rows at once (`many`): F.linear over the module's weight where that was measured faster
         # at PROMPT_ROWS, else the kernel's own calls. No other call's bits need to match a prefill's.
@@ -171,8 +171,25 @@ class LinearMap:
             else:
                 self.operands = [weight]
                 self.apply = lambda rows: F.linear(rows, weight, bias)
-        if self.operands[0] is not weight and not kernel.one_row_mv and self.bulk == kernel:
+        if not self.reads_weight:
             drop_file_pages([weight])  # no call reads it: its checkpoint pages, if any, need not stay resident
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The map's weight [out, in]: its own tensor, or its parts stacked again (`keep_parts`) when asked for."""
+        return torch.cat(self._parts) if self._weight is None else self._weight
+
+    @property
+    def reads_weight(self) -> bool:
+        """Whether a call on the CPU reads `weight` itself (F.linear, torch.mv, a prompt's F.linear), not a copy."""
+        return self.operands[0] is self._weight or self.kernel.one_row_mv or self.bulk != self.kernel
+
+    def keep_parts(self, parts: list[torch.Tensor]) -> None:
+        """Hold the weight as `parts` (the tensors it stacks, rows in order) where no call reads it: the stacked copy
+        goes (1.8 GiB of q|k|v and gate|up at 1.7B), and `weight` stacks them again for the few that ask (the off-CPU
+        path, tracing)."""
+        if not self.reads_weight:
+            self._weight, self._parts = None, parts
 
     def _biased(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.bias is None else out + self.bias
@@ -180,7 +197,7 @@ class LinearMap:
     def reads(self) -> list[torch.Tensor]:
         """The tensors a call reads (a packed copy holds the weight's bytes in another order)."""
         if self.kernel.multi == "packed" or self.kernel.multi in native.KINDS and self.kernel.multi.startswith("bf16"):
-            return [self.weight] + ([] if self.bias is None else [self.bias])
+            return (self._parts or [self._weight]) + ([] if self.bias is None else [self.bias])
         return self.operands + ([] if self.bias is None else [self.bias])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

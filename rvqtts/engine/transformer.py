@@ -25,24 +25,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _stacked(*maps: torch.nn.Linear, weights: str = "native") -> LinearMap:
-    """One linear map computing `maps` side by side. The maps' own parameters become views of the stacked
-    tensors (same values), so the model's weights are held once, not twice (the checkpoint file's pages the copy
-    read are dropped, rvqtts.memory.drop_file_pages)."""
-    stacked = []
-    for name in ("weight", "bias"):
-        if getattr(maps[0], name) is None:
-            stacked.append(None)
-            continue
-        parts = [getattr(m, name).detach() for m in maps]
-        joined = torch.cat(parts)
+    """One linear map computing `maps` side by side, the model's weights held once: where a call reads the stacked
+    weight, the maps' own parameters become views of it (same values); where its kernel reads only a packed or
+    8-bit copy, the stacked copy goes and the map keeps the parts (`LinearMap.keep_parts`). Either way the
+    checkpoint file's pages the copies read are dropped (rvqtts.memory.drop_file_pages)."""
+    held = {name: [getattr(m, name) for m in maps] for name in ("weight", "bias")}
+    parts = {name: None if tensors[0] is None else [t.detach() for t in tensors] for name, tensors in held.items()}
+    joined = {name: None if tensors is None else torch.cat(tensors) for name, tensors in parts.items()}
+    linear = make_map(joined["weight"], joined["bias"], weights)
+    for name in ("weight", "bias") if linear.reads_weight else ("bias",):
         start = 0
-        for m in maps:
-            part = getattr(m, name)
-            part.data = joined[start : start + part.shape[0]]
-            start += part.shape[0]
-        drop_file_pages(parts)
-        stacked.append(joined)
-    return make_map(stacked[0], stacked[1], weights)
+        for tensor in held[name] if joined[name] is not None else ():
+            tensor.data = joined[name][start : start + tensor.shape[0]]
+            start += tensor.shape[0]
+    linear.keep_parts(parts["weight"])
+    drop_file_pages(parts["weight"])  # the checkpoint's tensors (views of its file, where loaded as stored)
+    return linear
 
 
 class CachedDecoder:
