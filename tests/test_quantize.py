@@ -162,3 +162,16 @@ def test_bench_dtype_compares_int8_weights_with_the_dtypes_own(tiny_dir, tmp_pat
     # 8-bit weights change a draw now and then; a broken comparison would agree on about 1 code in 50.
     assert 0.8 < report["teacher_forced_code_agreement"] < 1
     assert "float32 with int8 weights vs float32" in result.output
+
+
+def test_rows_quantized_in_blocks_equal_the_whole_matrix_at_once():
+    """quantize_rows works QUANTIZED_ROWS rows at a time (its float32 temporaries stay small): each row alone, so
+    the int8 weights and scales are those of the whole matrix at once."""
+    from rvqtts.engine.quantize import QUANTIZED_ROWS, quantize_rows
+
+    weight = torch.randn(2 * QUANTIZED_ROWS + 37, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    values = weight.float()
+    scales = values.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    expected = torch.round(values / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    quantized, got = quantize_rows(weight)
+    assert torch.equal(quantized, expected) and torch.equal(got, scales) and quantized.is_contiguous()
