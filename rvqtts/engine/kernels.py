@@ -48,7 +48,6 @@ import torch.nn.functional as F
 from rvqtts.engine import native
 from rvqtts.engine.quantize import quantize_rows
 from rvqtts.files import cache_dir, write_json
-from rvqtts.memory import drop_file_pages
 
 CHUNK = 32  # rows per kernel call: a longer call goes in chunks, so invariance up to CHUNK + 1 rows covers all
 PADS = (1, 2, 4, 8)  # zero-row paddings tried, smallest first, until a kernel's rows are invariant
@@ -171,8 +170,6 @@ class LinearMap:
             else:
                 self.operands = [weight]
                 self.apply = lambda rows: F.linear(rows, weight, bias)
-        if not self.reads_weight:
-            drop_file_pages([weight])  # no call reads it: its checkpoint pages, if any, need not stay resident
 
     @property
     def weight(self) -> torch.Tensor:
@@ -183,6 +180,11 @@ class LinearMap:
     def reads_weight(self) -> bool:
         """Whether a call on the CPU reads `weight` itself (F.linear, torch.mv, a prompt's F.linear), not a copy."""
         return self.operands[0] is self._weight or self.kernel.one_row_mv or self.bulk != self.kernel
+
+    def unread(self) -> list[torch.Tensor]:
+        """The weight tensors no call on the CPU reads (a packed or 8-bit copy serves them): their checkpoint pages,
+        if any, need not stay resident (rvqtts.memory.drop_file_pages, once per runner)."""
+        return [] if self.reads_weight else self._parts or [self._weight]
 
     def keep_parts(self, parts: list[torch.Tensor]) -> None:
         """Hold the weight as `parts` (the tensors it stacks, rows in order) where no call reads it: the stacked copy

@@ -390,12 +390,8 @@ class OnlineSpeculation:
         step = self.call_ms(1)
         rows = {0: {"codes_per_call": 1.0, "call_ms": step, "codes_per_ms": 1.0 / step}}
         for n in (n for n in self.budgets if n + 1 in self.costs):  # the timed ones (call_costs' bound)
-            codes = frame_codes_per_call(table, grow_tree(table, n), self.codes_per_frame)
-            rows[n] = {
-                "codes_per_call": round(codes, 4),
-                "call_ms": self.call_ms(n + 1),
-                "codes_per_ms": codes / self.call_ms(n + 1),
-            }
+            codes, call_ms = frame_codes_per_call(table, grow_tree(table, n), self.codes_per_frame), self.call_ms(n + 1)
+            rows[n] = {"codes_per_call": round(codes, 4), "call_ms": call_ms, "codes_per_ms": codes / call_ms}
         for row in rows.values():
             row["inner_loop_ms_per_frame"] = self.codes_per_frame / row["codes_per_ms"]
         return rows

@@ -17,6 +17,7 @@ import torch
 from rvqtts.engine.attention import attention_width, row_attention_exact
 from rvqtts.engine.kernels import LinearMap, make_map, module_map
 from rvqtts.engine.transformer import CachedDecoder
+from rvqtts.memory import drop_file_pages
 
 
 class PredictorRunner(CachedDecoder):
@@ -48,6 +49,8 @@ class PredictorRunner(CachedDecoder):
         linear = isinstance(projection, torch.nn.Linear)
         self.project = make_map(projection.weight, None, weights) if linear else projection
         self.project_bias = projection.bias if linear else None
+        maps = self.heads + ([self.project] if linear else [])
+        drop_file_pages([tensor for linear_map in maps for tensor in linear_map.unread()])
         self.code_groups = config.num_code_groups
         self.vocab_size = config.vocab_size
         # Positions never exceed the frame length plus the deepest draft: a small table serves them all.

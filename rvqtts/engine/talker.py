@@ -19,6 +19,7 @@ import torch
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.kernels import module_map
 from rvqtts.engine.transformer import CachedDecoder
+from rvqtts.memory import drop_file_pages
 
 CAPACITY_STEP = 256  # the cache grows in these many slots; CUDA graphs attend over spans rounded to it
 
@@ -48,6 +49,7 @@ class TalkerRunner(CachedDecoder):
             talker.model.layers, talker.model.norm, talker.config, capacity, weight.device, weight.dtype, weights
         )
         self.vocab_size = talker.config.vocab_size
+        drop_file_pages(self.head.unread())
 
     def allocate(self, max_len: int, rows: int | None = None) -> None:
         """Caches and RoPE tables for `max_len` positions per batch row, keeping what the old caches hold

@@ -27,8 +27,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _stacked(*maps: torch.nn.Linear, weights: str = "native") -> LinearMap:
     """One linear map computing `maps` side by side, the model's weights held once: where a call reads the stacked
     weight, the maps' own parameters become views of it (same values); where its kernel reads only a packed or
-    8-bit copy, the stacked copy goes and the map keeps the parts (`LinearMap.keep_parts`). Either way the
-    checkpoint file's pages the copies read are dropped (rvqtts.memory.drop_file_pages)."""
+    8-bit copy, the stacked copy goes and the map keeps the parts (`LinearMap.keep_parts`: their checkpoint pages are
+    the decoder's to drop, with every map's, `LinearMap.unread`)."""
     held = {name: [getattr(m, name) for m in maps] for name in ("weight", "bias")}
     parts = {name: None if tensors[0] is None else [t.detach() for t in tensors] for name, tensors in held.items()}
     joined = {name: None if tensors is None else torch.cat(tensors) for name, tensors in parts.items()}
@@ -38,8 +38,9 @@ def _stacked(*maps: torch.nn.Linear, weights: str = "native") -> LinearMap:
         for tensor in held[name] if joined[name] is not None else ():
             tensor.data = joined[name][start : start + tensor.shape[0]]
             start += tensor.shape[0]
+    if linear.reads_weight:  # the modules now view the stacked copy: the parts' checkpoint pages go here, while known
+        drop_file_pages(parts["weight"])
     linear.keep_parts(parts["weight"])
-    drop_file_pages(parts["weight"])  # the checkpoint's tensors (views of its file, where loaded as stored)
     return linear
 
 
@@ -67,13 +68,17 @@ class CachedDecoder:
         # One matrix product for q, k and v, and one for the MLP's gate and up maps: fewer, larger kernels
         # (on a 2-core CPU in bf16 this cut the linear maps' time by about a tenth; docs/benchmarks.md).
         # Each map's kernel is the one measured fastest for its shape on this machine (rvqtts.engine.kernels).
-        self.qkv = [
-            _stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, weights=weights)
-            for layer in layers
-        ]
-        self.gate_up = [_stacked(layer.mlp.gate_proj, layer.mlp.up_proj, weights=weights) for layer in layers]
-        self.out = [module_map(layer.self_attn.o_proj, weights) for layer in layers]
-        self.down = [module_map(layer.mlp.down_proj, weights) for layer in layers]
+        self.qkv, self.out, self.gate_up, self.down = [], [], [], []
+        for layer in layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            self.qkv.append(_stacked(attention.q_proj, attention.k_proj, attention.v_proj, weights=weights))
+            self.out.append(module_map(attention.o_proj, weights))
+            self.gate_up.append(_stacked(mlp.gate_proj, mlp.up_proj, weights=weights))
+            self.down.append(module_map(mlp.down_proj, weights))
+            # The checkpoint's pages this layer's maps hold copies of, dropped a layer at a time: so the peak holds
+            # one layer's pages, not the model's (a drop per map cost 1 s a load at 0.6B; per layer 0.1-0.2 s).
+            layer_maps = (self.qkv[-1], self.out[-1], self.gate_up[-1], self.down[-1])
+            drop_file_pages([tensor for linear in layer_maps for tensor in linear.unread()])
         self.q_width = self.n_heads * self.head_dim
         self.kv_width = self.n_kv_heads * self.head_dim
         # Norms, RoPE and attention in one native call each where they run (rvqtts.engine.native): bfloat16 on a
