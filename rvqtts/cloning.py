@@ -252,6 +252,6 @@ class PrimedVoices(dict):
         if clone not in self:
             if len(self) >= PRIMED_VOICES:  # a batch of many voices: drop the oldest
                 del self[next(iter(self))]
-            decoder.push(clone.codes)
+            decoder.decode(clone.codes)
             self[clone] = decoder.snapshot()
         decoder.restore(self[clone])

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from rvqtts.engine.kernels import cached_records, kernels_path, measured_choices
+from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.loading import load_speech_tokenizer, resolve_model
 
 DECODER_DTYPES = ("float32", "bfloat16")  # what a CPU decoder is measured in
@@ -29,33 +30,38 @@ MEASURED_FRAMES = 2
 # A dtype within 5 % of the cheaper counts as tied; a tie goes to the one whose samples do not depend on the thread
 # count (Ray workers then write a local run's bytes), then to float32 (the decoder's stored bits).
 TIE = 1.05
+# How rvqtts runs the decoder (rvqtts.engine.streaming); a new way is measured anew.
+RUNNER = "pieces-1"
 
 
 def decoder_shape_key(model: str) -> str:
-    """What a checkpoint's decoder costs depend on: its configuration (not its weights), hashed."""
+    """What a checkpoint's decoder costs depend on: its configuration (not its weights) and how rvqtts runs it
+    (RUNNER), hashed."""
     folder = Path(resolve_model(model)) / "speech_tokenizer"
     config = json.loads((folder / "config.json").read_text()).get("decoder_config", {})
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([config, RUNNER], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _decoder_and_codes(speech_tokenizer: object, dtype: str, frames: int) -> tuple[torch.nn.Module, torch.Tensor]:
-    """A copy of qwen-tts's decoder in `dtype`, and fixed codes [1, quantizers, frames] to decode."""
+def _decoder_and_codes(speech_tokenizer: object, dtype: str, frames: int) -> tuple[Callable, torch.Tensor]:
+    """The decode of a copy of qwen-tts's decoder in `dtype` (as rvqtts runs it, rvqtts.engine.streaming), and
+    fixed codes [frames, quantizers] to decode."""
     decoder = copy.deepcopy(speech_tokenizer.model.decoder).to(getattr(torch, dtype))
     groups = speech_tokenizer.model.config.decoder_config.num_quantizers
-    return decoder, torch.randint(0, 1024, (1, groups, frames), generator=torch.Generator().manual_seed(0))
+    codes = torch.randint(0, 1024, (frames, groups), generator=torch.Generator().manual_seed(0))
+    return lambda part: StreamingDecoder(decoder).decode(part), codes
 
 
 @torch.inference_mode()
 def decoder_frame_ms(speech_tokenizer: object, dtype: str, frames: int = MEASURED_FRAMES) -> float:
-    """Milliseconds per frame of qwen-tts's decoder in `dtype` on this CPU (a copy of the decoder, fixed codes): the
+    """Milliseconds per frame of qwen-tts's decoder in `dtype` as rvqtts runs it on this CPU (a copy, fixed codes): the
     better of two passes over `frames` frames, after a one-frame warm-up (first-call allocations and kernel
     selection)."""
-    decoder, codes = _decoder_and_codes(speech_tokenizer, dtype, frames)
-    decoder(codes[..., :1])
+    decode, codes = _decoder_and_codes(speech_tokenizer, dtype, frames)
+    decode(codes[:1])
     passes = []
     for _ in range(2):
         started = time.perf_counter()
-        decoder(codes)
+        decode(codes)
         passes.append(time.perf_counter() - started)
     return min(passes) * 1e3 / frames
 
@@ -65,13 +71,13 @@ def decoder_thread_invariant(speech_tokenizer: object, dtype: str, frames: int =
     """Whether the decoder in `dtype` makes the same samples on this process's thread count as on another (one
     thread, or two where this process runs one): where it does, a Ray worker writes a local run's bytes whatever
     threads it was given (docs/cluster.md)."""
-    decoder, codes = _decoder_and_codes(speech_tokenizer, dtype, frames)
+    decode, codes = _decoder_and_codes(speech_tokenizer, dtype, frames)
     threads = torch.get_num_threads()
     outputs = []
     try:
         for count in (threads, 2 if threads == 1 else 1):
             torch.set_num_threads(count)
-            outputs.append(decoder(codes))
+            outputs.append(torch.from_numpy(decode(codes)))
     finally:
         torch.set_num_threads(threads)
     return torch.equal(*outputs)

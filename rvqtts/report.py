@@ -371,13 +371,19 @@ def dtype_table(result: dict) -> Table:
 
 
 def decoder_table(result: dict) -> Table:
-    """`rvqtts bench decoder`: the speech decoder's cost per frame by utterance length."""
+    """`rvqtts bench decoder`: the speech decoder's cost per frame by utterance length, qwen-tts's and rvqtts's."""
     table = titled_table(
-        f"speech decoder, {result['device']} {result['dtype']}, median of {result['repeats']}",
-        ("frames", "ms", "ms/frame"),
+        f"speech decoder, {result['device']} {result['dtype']}, median of {result['repeats']}, ms per frame",
+        ("frames", "stock", "rvqtts", "rvqtts / stock", f"streamed by {result['stream_frames']}"),
     )
     for row in result["rows"]:
-        table.add_row(str(row["frames"]), f"{row['ms']:.1f}", f"{row['ms_per_frame']:.2f}")
+        table.add_row(
+            str(row["frames"]),
+            f"{row['stock_ms_per_frame']:.2f}",
+            f"{row['rvqtts_ms_per_frame']:.2f}",
+            f"{row['ratio']:.3f}",
+            f"{row['streamed_ms_per_frame']:.2f}",
+        )
     return table
 
 

@@ -322,22 +322,17 @@ class Synthesizer:
         return FrameLoop(runner, inner, rules, sampling.talker, sampling.predictor, seed, utterance)
 
     def decode(self, codes: np.ndarray, clone: ClonedVoice | None = None) -> np.ndarray:
-        """The waveform of frame codes [frames, G], all at once: by qwen-tts's speech decoder, or, for a
-        voice cloned in ICL mode, as the continuation of its reference. qwen-tts decodes the reference's
-        codes in front of every text chunk's and cuts a proportion of the samples (which can land a
-        sample off the frame boundary); rvqtts continues the streaming decoder from its state after the
-        reference, decoded once per voice: exactly the frames' samples, without decoding the reference
-        again for every chunk, and qwen-tts's audio up to float rounding where reference and chunk are
-        at most 300 frames together (past that qwen-tts re-decodes windows with 25 frames of context, an
-        approximation of the one pass rvqtts computes)."""
-        if clone is not None and clone.icl:
-            decoder = StreamingDecoder(self.model.speech_tokenizer)
-            self._primed.start(decoder, clone)
-            # in pieces of at most 300 frames, as qwen-tts's decode goes: exact, and memory stays bounded
-            return np.concatenate([decoder.push(codes[start : start + 300]) for start in range(0, len(codes), 300)])
-        device = self.talker.codec_head.weight.device
-        wavs, _ = self.model.speech_tokenizer.decode([{"audio_codes": torch.from_numpy(codes).to(device)}])
-        return wavs[0]
+        """The waveform of frame codes [frames, G], all at once: qwen-tts's speech decoder run by rvqtts in
+        pieces (rvqtts.engine.streaming: the same audio up to float rounding, faster, and its memory bounded
+        whatever the length), or, for a voice cloned in ICL mode, as the continuation of its reference.
+        qwen-tts decodes the reference's codes in front of every text chunk's and cuts a proportion of the
+        samples (which can land a sample off the frame boundary); rvqtts continues the decoder from its state
+        after the reference, decoded once per voice: exactly the frames' samples, without decoding the
+        reference again for every chunk. Past 300 frames qwen-tts re-decodes windows with 25 frames of
+        context, an approximation of the one pass rvqtts computes."""
+        decoder = StreamingDecoder(self.model.speech_tokenizer.model.decoder)
+        self._primed.start(decoder, clone)
+        return decoder.decode(codes)
 
     def stream(
         self,
@@ -655,7 +650,7 @@ class Synthesizer:
         online = self.speculation if isinstance(self.speculation, OnlineSpeculation) else None
         frames_before = dict(online.frames_by_budget) if online else {}
         joiner = StreamJoiner(self.sample_rate)
-        decoder = StreamingDecoder(self.model.speech_tokenizer) if stream_frames else None
+        decoder = StreamingDecoder(self.model.speech_tokenizer.model.decoder) if stream_frames else None
         seconds = {"decoder": 0.0, "first_audio": None, "prompts": 0.0}
         started = time.perf_counter()
         spoken: list[np.ndarray] = []

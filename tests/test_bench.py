@@ -285,7 +285,7 @@ def test_bench_e2e_refuses_repeated_tree_sizes(tiny_dir, tmp_path):
     assert result.exit_code == 2 and "must differ in size" in result.output
 
 
-def test_bench_decoder_times_each_length(tiny_dir, tmp_path):
+def test_bench_decoder_times_each_length_each_way(tiny_dir, tmp_path):
     result, report = run_json(
         tmp_path / "decoder.json",
         "bench",
@@ -296,15 +296,19 @@ def test_bench_decoder_times_each_length(tiny_dir, tmp_path):
         "4,12",
         "--repeats",
         "1",
+        "--stream-frames",
+        "3",
         "--dtype",
         "float32",
     )
     assert [row["frames"] for row in report["rows"]] == [4, 12] and report["dtype"] == "float32"
-    assert all(
-        row["ms"] > 0 and row["ms_per_frame"] == pytest.approx(row["ms"] / row["frames"], abs=0.05)
-        for row in report["rows"]
-    )
-    assert "ms/frame" in result.output
+    assert report["stream_frames"] == 3
+    for row in report["rows"]:
+        for way in ("stock", "rvqtts", "streamed"):
+            assert row[f"{way}_ms"] > 0
+            assert row[f"{way}_ms_per_frame"] == pytest.approx(row[f"{way}_ms"] / row["frames"], abs=0.05)
+        assert row["ratio"] == pytest.approx(row["rvqtts_ms"] / row["stock_ms"], rel=0.01)
+    assert "rvqtts / stock" in result.output and "streamed by 3" in result.output
 
 
 def test_bench_talker_times_both_steps_at_each_context(tiny_dir, tmp_path):

@@ -13,6 +13,7 @@ from helpers import run_cli
 
 import rvqtts.decoder_dtype as decoder_dtype
 from rvqtts.decoder_dtype import pick_decoder_dtype
+from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.loading import unpin_checkpoint
 from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer
@@ -86,13 +87,13 @@ def test_a_frame_of_decoding_is_timed_and_probed_across_thread_counts_on_a_copy(
     assert next(tiny.model.speech_tokenizer.model.decoder.parameters()).dtype == before
     assert torch.get_num_threads() == threads
     seen = []  # a decoder whose samples follow the thread count is caught
-    original = type(tiny.model.speech_tokenizer.model.decoder).forward
+    original = StreamingDecoder.push
 
     def by_threads(self, codes):
         seen.append(torch.get_num_threads())
         return original(self, codes) + torch.get_num_threads()
 
-    monkeypatch.setattr(type(tiny.model.speech_tokenizer.model.decoder), "forward", by_threads)
+    monkeypatch.setattr(StreamingDecoder, "push", by_threads)
     assert decoder_dtype.decoder_thread_invariant(tiny.model.speech_tokenizer, "float32") is False
     assert len(set(seen)) == 2 and torch.get_num_threads() == threads
 

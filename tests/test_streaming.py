@@ -27,8 +27,8 @@ LONG = "The first sentence is here. A second one follows it. And a third ends th
 def test_streaming_decoder_equals_qwen_tts_decode(tiny, step):
     # 151 frames: past the decoder's sliding window of 72, so its cache drops keys as the offline mask does
     codes = torch.randint(0, 2048, (151, 16), generator=torch.Generator().manual_seed(step))
-    offline = tiny.decode(codes.numpy())
-    decoder = StreamingDecoder(tiny.model.speech_tokenizer)
+    offline = tiny.model.speech_tokenizer.decode([{"audio_codes": codes}])[0][0]  # qwen-tts's one pass
+    decoder = StreamingDecoder(tiny.model.speech_tokenizer.model.decoder)
     pieces = [decoder.push(codes[i : i + step]) for i in range(0, len(codes), step)]
     assert all(p.size == min(step, len(codes) - i * step) * 1920 for i, p in enumerate(pieces))
     streamed = np.concatenate(pieces)
@@ -36,6 +36,60 @@ def test_streaming_decoder_equals_qwen_tts_decode(tiny, step):
     assert np.abs(streamed - offline).max() <= BOUND
     decoder.reset()  # a new utterance starts from silence, as the offline decode does
     assert np.abs(decoder.push(codes[:5]) - offline[: 5 * 1920]).max() <= BOUND
+    whole = tiny.decode(codes.numpy())  # rvqtts's offline decode: in pieces of PIECE_FRAMES
+    assert whole.shape == offline.shape and np.abs(whole - offline).max() <= BOUND
+    assert tiny.decode(codes[:0].numpy()).shape == (0,)
+
+
+def _conv_parts() -> dict:
+    """qwen-tts's decoder parts at shapes that take each of the streaming decoder's ways: one product over the
+    taps (a weight larger than its input, or a kernel of one step), tap by tap (one output channel), torch's
+    convolution (dilated; depthwise), and transposed convolutions of kernel s and 2s."""
+    from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as parts
+
+    torch.manual_seed(0)  # the modules' initial weights
+    causal, transposed = parts.Qwen3TTSTokenizerV2CausalConvNet, parts.Qwen3TTSTokenizerV2CausalTransConvNet
+    return {
+        "product": (causal(64, 48, 7), 64),
+        "kernel 1": (causal(24, 24, 1), 24),
+        "one output": (causal(16, 1, 7), 16),
+        "torch, dilated": (causal(8, 4, 7, dilation=3), 8),
+        "depthwise": (causal(8, 8, 7, groups=8), 8),
+        "transposed k = s": (transposed(32, 16, 4, 4), 32),
+        "transposed k = 2s": (transposed(32, 16, 8, 4), 32),
+    }
+
+
+CONV_WAYS = ("product", "kernel 1", "one output", "torch, dilated", "depthwise", "transposed k = s", "transposed k = 2s")
+
+
+@pytest.mark.parametrize("name", CONV_WAYS)
+def test_each_way_the_decoder_runs_a_convolution_equals_qwen_tts_module(tiny, name):
+    parts = _conv_parts()
+    assert set(parts) == set(CONV_WAYS)
+    module, channels = parts[name]
+    x = torch.randn(1, channels, 40, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        whole = module(x)
+        decoder = StreamingDecoder(tiny.model.speech_tokenizer.model.decoder)
+        pieces = torch.cat([decoder._run(module, x[..., start : start + size]) for start, size in ((0, 1), (1, 3), (4, 36))], -1)
+    assert pieces.shape == whole.shape
+    torch.testing.assert_close(pieces, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decoders_snake_in_one_buffer_has_qwen_tts_bits(tiny, dtype):
+    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import SnakeBeta
+
+    snake = SnakeBeta(16).to(dtype)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        snake.alpha.copy_(torch.randn(16, generator=generator))
+        snake.beta.copy_(torch.randn(16, generator=generator))
+    x = torch.randn(1, 16, 300, generator=generator).to(dtype)
+    with torch.inference_mode():
+        ours = StreamingDecoder(tiny.model.speech_tokenizer.model.decoder)._run(snake, x)
+        assert torch.equal(ours, snake(x)) and not torch.equal(ours, x)
 
 
 def test_a_stream_has_the_codes_and_audio_of_offline_synthesis_chunk_after_chunk(tiny):

@@ -1,4 +1,5 @@
-"""`rvqtts bench decoder`: the speech decoder's cost per frame as an utterance grows."""
+"""`rvqtts bench decoder`: the speech decoder's cost per frame as an utterance grows, qwen-tts's `decode()`
+beside rvqtts's (rvqtts.engine.streaming) offline and streamed."""
 
 from __future__ import annotations
 
@@ -8,35 +9,49 @@ from functools import partial
 import torch
 
 from rvqtts.bench.harness import interleaved_ms
+from rvqtts.engine.streaming import StreamingDecoder
 
 
-def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int = 0) -> dict:
-    """What the speech decoder costs per frame as an utterance grows: qwen-tts's `decode()` on random
-    codes of each length (its cost does not depend on the codes), the lengths interleaved. Past 300
-    frames qwen-tts decodes in chunks of 300 with 25 frames of left context."""
+def _streamed(decoder: torch.nn.Module, codes: torch.Tensor, frames: int) -> None:
+    """An utterance's codes pushed `frames` at a time, as `--stream --stream-frames` decodes them."""
+    streaming = StreamingDecoder(decoder)
+    for start in range(0, len(codes), frames):
+        streaming.push(codes[start : start + frames])
+
+
+def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int = 0, stream_frames: int = 4) -> dict:
+    """What the speech decoder costs per frame as an utterance grows, on random codes of each length (its cost
+    does not depend on the codes), every length and way interleaved: qwen-tts's `decode()` (past 300 frames in
+    chunks of 300 with 25 frames of left context), rvqtts's offline decode (pieces of PIECE_FRAMES) and its
+    streaming decoder pushed `stream_frames` frames at a time."""
     tokenizer = tts.model.speech_tokenizer
+    decoder = tokenizer.model.decoder
     device = next(tokenizer.model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     groups = tts.model.config.talker_config.num_code_groups
     vocab = tts.model.config.talker_config.code_predictor_config.vocab_size
-    items = {
-        n: [{"audio_codes": torch.randint(0, vocab, (n, groups), generator=generator).to(device)}] for n in lengths
+    codes = {n: torch.randint(0, vocab, (n, groups), generator=generator).to(device) for n in lengths}
+    ways = {
+        "stock": lambda n: partial(tokenizer.decode, [{"audio_codes": codes[n]}]),
+        "rvqtts": lambda n: partial(StreamingDecoder(decoder).decode, codes[n]),
+        "streamed": lambda n: partial(_streamed, decoder, codes[n], stream_frames),
     }
     with torch.inference_mode():
         times = interleaved_ms(
-            {f"f{n}": partial(tokenizer.decode, items[n]) for n in lengths}, device, warmup=1, repeats=repeats
+            {f"{way}/{n}": call(n) for n in lengths for way, call in ways.items()}, device, warmup=1, repeats=repeats
         )
-    rows = [
-        {
-            "frames": n,
-            "ms": round(statistics.median(times[f"f{n}"]), 1),
-            "ms_per_frame": round(statistics.median(times[f"f{n}"]) / n, 2),
-        }
-        for n in lengths
-    ]
+    rows = []
+    for n in lengths:
+        row: dict = {"frames": n}
+        for way in ways:
+            ms = statistics.median(times[f"{way}/{n}"])
+            row[f"{way}_ms"], row[f"{way}_ms_per_frame"] = round(ms, 1), round(ms / n, 2)
+        row["ratio"] = round(row["rvqtts_ms"] / row["stock_ms"], 3)
+        rows.append(row)
     return {
         "rows": rows,
         "repeats": repeats,
+        "stream_frames": stream_frames,
         "device": str(device),
         "dtype": str(next(tokenizer.model.parameters()).dtype).removeprefix("torch."),
     }

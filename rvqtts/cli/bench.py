@@ -363,16 +363,20 @@ def bench_decoder_command(
         "50,300,301,600", help="Utterance lengths in frames (qwen-tts decodes in chunks of 300 past 300)."
     ),
     repeats: int = typer.Option(3, help="Timed repetitions per length (after one warm-up)."),
+    stream_frames: int = typer.Option(4, help="Frames per push of the streamed column (as synth --stream-frames)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
-    """The speech decoder's cost per frame over utterances of growing length (random codes)."""
+    """The speech decoder's cost per frame over utterances of growing length (random codes): qwen-tts's decode()
+    beside rvqtts's, offline and streamed."""
     from rvqtts.bench.decoder import bench_decoder
     from rvqtts.report import decoder_table
 
     lengths = list_of_ints(frames, "--frames")
+    if stream_frames < 1:
+        fail(f"--stream-frames must be at least 1, got {stream_frames}")
     _model_bench(
         model,
         device,
@@ -380,7 +384,7 @@ def bench_decoder_command(
         repeats,
         json_out,
         quiet,
-        lambda synthesizer: bench_decoder(synthesizer.tts, lengths, repeats),
+        lambda synthesizer: bench_decoder(synthesizer.tts, lengths, repeats, stream_frames=stream_frames),
         decoder_table,
     )
 

@@ -1,4 +1,5 @@
-"""The 12 Hz speech decoder run a few frames at a time, its state carried from one call to the next.
+"""The 12 Hz speech decoder run by rvqtts a few frames at a time, its state carried from one call to the next;
+a whole utterance is decoded the same way, in pieces of PIECE_FRAMES frames.
 
 qwen-tts decodes a whole utterance at once. Its decoder is causal throughout: causal convolutions
 (zero left padding), transposed convolutions whose overlap only reaches forward, a transformer with
@@ -6,12 +7,22 @@ sliding-window attention of 72 frames, and pointwise layers. So it can run incre
 approximated: each causal convolution keeps its last inputs (where the offline pass has zeros before
 the start), each transposed convolution keeps the inputs its overlap needs and emits only the samples
 that are complete, and the transformer keeps its KV cache (qwen-tts's own module, called with a Hugging
-Face cache). The waveform equals the offline decode of the same codes up to float rounding (a test
+Face cache). The waveform equals qwen-tts's offline decode of the same codes up to float rounding (a test
 bounds it); qwen-tts's offline decode is one pass up to 300 frames, and past that it re-decodes windows
 with 25 frames of left context, which is itself an approximation of the one pass this class computes.
 
-The weights are qwen-tts's; this file walks its modules in their own order, as the runners do for the
-talker and the code predictor.
+Why rvqtts runs the decoder's arithmetic itself (the weights stay qwen-tts's modules', walked in their own
+order, as the runners do for the talker and the code predictor):
+- Bounded working set: qwen-tts's one pass holds activations of the whole utterance (at 96 channels and
+  24 kHz, 29 MB a tensor for 3 s of audio, 230 MB for 30 s), every tensor past glibc's mmap threshold, so
+  each op page-faults fresh memory. In pieces of PIECE_FRAMES frames the tensors stay a few MB.
+- Convolutions by their shapes: torch runs a small convolution (under 20,480 input elements) with a slow
+  reference kernel, and a larger one through oneDNN, which reorders the whole weight on every call: the
+  low-rate layers (1,024-1,536 channels, weights of 17-75 MB) cost far more than their bytes. Where a
+  convolution's weight outweighs its input, it runs here as one matrix product over the input's taps;
+  elsewhere (the high-rate layers, whose weights are small) through torch's convolution. A transposed
+  convolution is always one product (input by the weight as stored) and an overlap-add of its taps.
+- SnakeBeta (x + sin^2(alpha x) / beta) in one buffer: qwen-tts's form allocates four tensors a call.
 """
 
 from __future__ import annotations
@@ -20,15 +31,22 @@ import copy
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+# Frames a whole utterance is decoded by at a time (Synthesizer.decode): the tensors of a piece stay a few MB
+# (at 25 frames, 96 channels x 48,000 samples: 18 MB in float32), the pieces cost what one pass costs
+# (docs/benchmarks.md "The speech decoder run by rvqtts").
+PIECE_FRAMES = 25
 
 
 class StreamingDecoder:
     """Codes in, waveform out, `push` after `push`: the samples of exactly the frames pushed so far."""
 
-    def __init__(self, speech_tokenizer: object):
-        self.decoder = speech_tokenizer.model.decoder
-        self.samples_per_frame = int(self.decoder.total_upsample)
-        self.sample_rate = int(speech_tokenizer.model.get_output_sample_rate())
+    def __init__(self, decoder: torch.nn.Module):
+        """`decoder`: qwen-tts's 12 Hz speech decoder module (`speech_tokenizer.model.decoder`)."""
+        self.decoder = decoder
+        self.samples_per_frame = int(decoder.total_upsample)
+        self.snakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -75,6 +93,12 @@ class StreamingDecoder:
         self.frames += count
         return hidden.clamp(min=-1, max=1)[0, 0].float().cpu().numpy()
 
+    def decode(self, codes: torch.Tensor | np.ndarray) -> np.ndarray:
+        """The waveform of a whole utterance's codes [frames, quantizers] after what was pushed before, in
+        pieces of PIECE_FRAMES frames."""
+        pieces = [self.push(codes[start : start + PIECE_FRAMES]) for start in range(0, len(codes), PIECE_FRAMES)]
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+
     def _run(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """One of the decoder's modules over the new time steps x [1, channels, t]: the stateful ones
         (recognised by their parts) with their state, pointwise ones (activations) as they are."""
@@ -87,18 +111,31 @@ class StreamingDecoder:
             y = module.pwconv2(module.act(module.pwconv1(module.norm(y))))
             return x + (module.gamma * y).permute(0, 2, 1)
         if hasattr(module, "conv1"):  # a residual unit
-            y = self._causal(module.conv1, module.act1(x))
-            return x + self._causal(module.conv2, module.act2(y))
+            y = self._causal(module.conv1, self._snake(module.act1, x))
+            return self._causal(module.conv2, self._snake(module.act2, y)).add_(x)
         if hasattr(module, "block"):  # a decoder block: its modules in order
             for part in module.block:
                 x = self._run(part, x)
             return x
         if hasattr(module, "alpha") and hasattr(module, "beta"):  # SnakeBeta: pointwise in time
-            return module(x)
+            return self._snake(module, x)
         raise ValueError(
             f"the streaming decoder does not know {type(module).__name__}: it may not be pointwise in "
             f"time, so it cannot run incrementally (decode offline, without --stream)"
         )
+
+    def _snake(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """qwen-tts's SnakeBeta, x + (1 / (exp(beta) + eps)) * sin(x exp(alpha))^2, in one new buffer: the same
+        operations in the same dtype, so the same bits (pow(s, 2) is s * s)."""
+        factors = self.snakes.get(id(module))
+        if factors is None:
+            alpha = torch.exp(module.alpha.detach()[None, :, None])
+            inverse = 1.0 / (torch.exp(module.beta.detach()[None, :, None]) + module.no_div_by_zero)
+            factors = self.snakes[id(module)] = (alpha, inverse)
+        y = x * factors[0]
+        y.sin_()
+        y.mul_(y)
+        return y.mul_(factors[1]).add_(x)
 
     def _carried(self, module: torch.nn.Module, x: torch.Tensor, keep: int) -> torch.Tensor:
         """x with the module's last `keep` inputs in front (zeros before the first push), keeping the new
@@ -113,17 +150,43 @@ class StreamingDecoder:
         return joined
 
     def _causal(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A causal convolution (stride 1): the offline pass pads `padding` zeros on the left."""
+        """A causal convolution (stride 1): the offline pass pads `padding` zeros on the left. Run by its shape
+        (module docstring): as one product over the input's taps where the weight outweighs the input or the
+        kernel is one step; tap by tap for a single output channel; else torch's convolution."""
         if module.stride != 1:
             raise ValueError("the streaming decoder handles stride-1 causal convolutions only")
-        return module.conv(self._carried(module, x, module.padding))
+        conv = module.conv
+        joined = self._carried(module, x, module.padding)[0]  # [channels_in, steps + padding]
+        taps, dilation, steps = conv.kernel_size[0], conv.dilation[0], x.shape[-1]
+        if conv.groups != 1:
+            return conv(joined[None])
+        if taps == 1 or conv.weight.numel() > joined.numel():
+            columns = joined if taps == 1 else torch.stack([joined[:, k * dilation :][:, :steps] for k in range(taps)], 1)
+            return torch.addmm(conv.bias[:, None], conv.weight.view(conv.out_channels, -1), columns.view(-1, steps))[None]
+        if conv.out_channels == 1:
+            output = conv.bias[:, None].expand(1, steps).clone()
+            for k in range(taps):
+                output.addmm_(conv.weight[:, :, k], joined[:, k * dilation :][:, :steps])
+            return output[None]
+        return conv(joined[None])
 
     def _transposed(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A transposed convolution with kernel k and stride s: an output sample depends on the inputs
-        within ceil(k / s) of it, so `ceil(k / s) - 1` previous inputs come in front, and only the
-        samples of the new inputs' strides are emitted (the rest are the previous call's, or wait for
-        the next input, as the offline pass trims them at the end)."""
-        kernel, stride = module.conv.kernel_size[0], module.conv.stride[0]
-        keep = -(-kernel // stride) - 1
-        y = module.conv(self._carried(module, x, keep))
-        return y[..., keep * stride : (keep + x.shape[-1]) * stride]
+        """A transposed convolution with kernel k = m s and stride s (qwen-tts's are k = s and 2s): input t adds
+        its k taps to samples t s .. t s + k - 1, so the s samples of input t are complete once the inputs
+        up to t are in. One product gives every input's taps; each sample sums its m taps from the m last
+        inputs (m - 1 carried from the previous push), and only the samples of the new inputs are emitted
+        (the rest wait for the next input, as the offline pass trims them at the end)."""
+        conv = module.conv
+        kernel, stride = conv.kernel_size[0], conv.stride[0]
+        if kernel % stride:
+            raise ValueError("the streaming decoder handles transposed convolutions whose kernel is a multiple of the stride")
+        reach = kernel // stride
+        joined = self._carried(module, x, reach - 1)[0]  # [channels_in, t + reach - 1]
+        steps = x.shape[-1]
+        outputs = conv.out_channels
+        taps = (joined.T @ conv.weight.view(conv.in_channels, -1)).view(-1, outputs, reach, stride)
+        samples = taps[reach - 1 :, :, 0]
+        for back in range(1, reach):  # tap group `back` of the input `back` steps earlier
+            samples = samples + taps[reach - 1 - back : reach - 1 - back + steps, :, back]
+        samples = samples + conv.bias[:, None]  # [t, channels_out, stride]
+        return samples.permute(1, 0, 2).reshape(1, outputs, steps * stride)
