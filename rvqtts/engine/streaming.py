@@ -146,7 +146,7 @@ class StreamingDecoder:
         if previous is None:
             previous = x.new_zeros(*x.shape[:-1], keep)
         joined = torch.cat([previous, x], dim=-1)
-        self.state[id(module)] = joined[..., -keep:]
+        self.state[id(module)] = joined[..., -keep:].clone()  # a view would keep all of `joined` until the next push
         return joined
 
     def _causal(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -185,8 +185,7 @@ class StreamingDecoder:
         steps = x.shape[-1]
         outputs = conv.out_channels
         taps = (joined.T @ conv.weight.view(conv.in_channels, -1)).view(-1, outputs, reach, stride)
-        samples = taps[reach - 1 :, :, 0]
+        samples = taps[reach - 1 :, :, 0] + conv.bias[:, None]  # [t, channels_out, stride]
         for back in range(1, reach):  # tap group `back` of the input `back` steps earlier
-            samples = samples + taps[reach - 1 - back : reach - 1 - back + steps, :, back]
-        samples = samples + conv.bias[:, None]  # [t, channels_out, stride]
+            samples.add_(taps[reach - 1 - back : reach - 1 - back + steps, :, back])
         return samples.permute(1, 0, 2).reshape(1, outputs, steps * stride)
