@@ -182,10 +182,10 @@ class StreamingDecoder:
             raise ValueError("the streaming decoder handles transposed convolutions whose kernel is a multiple of the stride")
         reach = kernel // stride
         joined = self._carried(module, x, reach - 1)[0]  # [channels_in, t + reach - 1]
-        steps = x.shape[-1]
-        outputs = conv.out_channels
-        taps = (joined.T @ conv.weight.view(conv.in_channels, -1)).view(-1, outputs, reach, stride)
-        samples = taps[reach - 1 :, :, 0] + conv.bias[:, None]  # [t, channels_out, stride]
+        steps, outputs = x.shape[-1], conv.out_channels
+        # [channels_out, reach, stride, t + reach - 1]: time innermost, so the adds below run over long rows
+        taps = (conv.weight.view(conv.in_channels, -1).T @ joined).view(outputs, reach, stride, -1)
+        samples = taps[:, 0, :, reach - 1 :] + conv.bias[:, None, None]  # [channels_out, stride, t]
         for back in range(1, reach):  # tap group `back` of the input `back` steps earlier
-            samples.add_(taps[reach - 1 - back : reach - 1 - back + steps, :, back])
-        return samples.permute(1, 0, 2).reshape(1, outputs, steps * stride)
+            samples.add_(taps[:, back, :, reach - 1 - back : reach - 1 - back + steps])
+        return samples.transpose(1, 2).reshape(1, outputs, steps * stride)
