@@ -19,6 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -242,6 +243,14 @@ class PrimedVoices(dict):
     """The streaming decoder's state after each ICL voice's reference codes (voice -> state), so that every
     text chunk in that voice continues its reference (as qwen-tts's offline decode does) without decoding
     the reference again; the PRIMED_VOICES most recent voices are kept."""
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The tensors the kept states hold (carried inputs, the decoder transformer's keys and values)."""
+        for state, cache, _ in self.values():
+            yield from state.values()
+            for layer in getattr(cache, "layers", []):
+                kept = (getattr(layer, name, None) for name in ("keys", "values"))
+                yield from (tensor for tensor in kept if isinstance(tensor, torch.Tensor))
 
     def start(self, decoder: object, clone: ClonedVoice | None) -> None:
         """Reset the streaming decoder (rvqtts.engine.streaming) for a text chunk; for a voice cloned in ICL

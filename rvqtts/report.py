@@ -540,7 +540,7 @@ def serve_table(result: dict) -> Table:
     mode = "streamed" if result["stream"] else "whole"
     table = titled_table(
         f"{result['requests']} {mode} requests from {result['clients']} clients to {result['url']}",
-        ("first audio p50 s", "p95 s", "total p50 s", "p95 s", "requests / min", "server RSS MiB"),
+        ("first audio p50 s", "p95 s", "total p50 s", "p95 s", "requests / min", "server RSS MiB", "its caches MiB"),
     )
     table.add_row(
         f"{result['first_audio_p50']:.3f}",
@@ -549,5 +549,6 @@ def serve_table(result: dict) -> Table:
         f"{result['total_p95']:.3f}",
         f"{result['requests_per_minute']:.1f}",
         f"{result['server_rss_mib_before']} -> {result['server_rss_mib_after']}",
+        f"{result['server_caches_mib_before']} -> {result['server_caches_mib_after']}",
     )
     return table

@@ -172,6 +172,8 @@ class SpeechEngine:
             "batch_size": self.options.batch_size,
             **self.counts,
             **memory_record(),
+            # what the engine keeps between requests and grows by use, inside rss_mib (the rest is the loaded model)
+            "caches_mib": self.synth.cache_mib(),
         }
 
     def close(self) -> None:

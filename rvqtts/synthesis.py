@@ -46,6 +46,7 @@ from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.engine.tree import best_budget, platform_key, resolve_tree
 from rvqtts.loading import DTYPES, ModelVoices, load_speech_tokenizer, load_tts
+from rvqtts.memory import tensors_mib
 from rvqtts.prompt import Prompt, capture_prompt
 from rvqtts.settings import GenerationSettings, Line, ResolvedSampling, Synthesis
 from rvqtts.text import FRAMES_PER_SECOND, MAX_CHUNK_WEIGHT, chunk_text, frame_budget
@@ -130,6 +131,20 @@ class Synthesizer:
     def decoder_dtype(self) -> str:
         """The dtype qwen-tts's speech tokenizer (its decoder, and the encoder cloning uses) runs in."""
         return str(self.model.speech_tokenizer.model.dtype).removeprefix("torch.")
+
+    def cache_mib(self) -> dict[str, float]:
+        """MiB held by what is kept between utterances and grows by use (the server's /health reports it): the
+        talker's and the inner loop's KV caches, a batch's code predictor cache, the cloned voices, and the speech
+        decoder's state after each ICL voice's reference."""
+        inner = self._parts.runner if self._parts is not None else None
+        runners = {"talker_kv": self._talker, "predictor_kv": inner, "batch_predictor_kv": self._batch_runner}
+        caches = {
+            name: tensors_mib([getattr(runner, "k_cache", None), getattr(runner, "v_cache", None)])
+            for name, runner in runners.items()
+        }
+        caches["cloned_voices"] = tensors_mib(t for voice in self._cloned.values() for t in (voice.embedding, voice.codes))
+        caches["primed_voices"] = tensors_mib(self._primed.tensors())
+        return caches
 
     def use_decoder_dtype(self, dtype: str) -> None:
         """Run the speech tokenizer in `dtype`, apart from the loops' (rvqtts.decoder_dtype: its cost per dtype is

@@ -93,3 +93,21 @@ def test_a_stacked_map_keeps_one_copy_of_its_weights(monkeypatch, kernel):
         assert linear._weight is None and kept == storages  # the modules' own tensors, no stacked copy
     else:
         assert linear.reads_weight and set(kept) == {linear.weight.untyped_storage().data_ptr()}
+
+
+def test_the_caches_a_synthesizer_keeps_are_reported_as_they_grow(tiny_dir):
+    from rvqtts.memory import tensors_mib
+    from rvqtts.settings import GenerationSettings
+    from rvqtts.synthesis import Synthesizer
+
+    synth = Synthesizer.load(tiny_dir)
+    names = {"talker_kv", "predictor_kv", "batch_predictor_kv", "cloned_voices", "primed_voices"}
+    assert synth.cache_mib() == dict.fromkeys(names, 0.0)  # nothing is kept before the first utterance
+    synth.synthesize("Hello there.", settings=GenerationSettings(max_frames=4))
+    caches = synth.cache_mib()
+    talker, predictor = synth.talker_runner(), synth.inner_parts().runner
+    assert caches["talker_kv"] == tensors_mib([talker.k_cache, talker.v_cache]) > 0
+    assert caches["predictor_kv"] == tensors_mib([predictor.k_cache, predictor.v_cache]) > 0
+    assert caches["batch_predictor_kv"] == caches["cloned_voices"] == caches["primed_voices"] == 0.0
+    talker.reserve(talker.max_len + 1)  # a longer utterance grows the talker's cache: the report follows
+    assert synth.cache_mib()["talker_kv"] > caches["talker_kv"]

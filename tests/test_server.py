@@ -189,6 +189,8 @@ def test_bad_requests_get_openai_errors_saying_what_to_send(served):
         assert httpx.get(url + "/v1/voices", headers=wrong).status_code == 401
     health = httpx.get(url + "/health").json()  # open: for a load balancer
     assert health["status"] == "ok" and health["peak_rss_mib"] >= health["rss_mib"] > 100
+    caches = health["caches_mib"]  # requests were served: the loops' caches are held
+    assert caches["talker_kv"] > 0 and caches["predictor_kv"] > 0 and sum(caches.values()) < health["rss_mib"]
 
 
 def test_concurrent_clients_each_get_the_audio_of_their_seed(served, tiny):
@@ -356,3 +358,16 @@ def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tin
         settled(engine)
         assert together == alone
         assert groups == [len(jobs)] and engine.counts["batched"] == len(jobs)  # all 4 in one batch
+
+
+def test_the_load_test_reports_latencies_and_the_servers_memory_and_caches(served):
+    from rvqtts.bench.serve import load_test
+    from rvqtts.report import serve_table
+
+    url, _ = served
+    texts = ["A short line.", "Another one."]
+    result = load_test(url, texts, requests=3, clients=2, api_key=KEY, fields={"voice": "vivian", "max_frames": 4})
+    assert result["requests"] == 3 and result["requests_per_minute"] > 0
+    assert 0 < result["first_audio_p50"] <= result["total_p50"] <= result["total_p95"]
+    assert result["server_rss_mib_after"] > result["server_caches_mib_after"] > 0  # the loops' caches are held
+    assert "its caches MiB" in str(serve_table(result).columns[-1].header)

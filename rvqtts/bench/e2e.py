@@ -42,6 +42,7 @@ def bench_e2e(
     rvqtts.cloning.ClonedVoice, for all). Frame counts differ between variants (sampled codes decide where
     speech ends), so times are compared per frame."""
     from rvqtts.engine.online import OnlineSpeculation
+    from rvqtts.memory import memory_record
     from rvqtts.settings import GenerationSettings
     from rvqtts.synthesis import Synthesizer
 
@@ -109,6 +110,10 @@ def bench_e2e(
         "floor_ms": floor_ms,
         "weight_format": weight_format,
         "auto": online.record() if isinstance(online, OnlineSpeculation) else {"N": online.tree.nodes if online else 0},
+        # the variants share one loaded model in one process, so the peak is theirs together (`synth --stats-json`
+        # gives one variant's alone); what each variant's engine keeps beside it is its caches
+        "memory": memory_record()
+        | {"caches_mib": {name: round(sum(synth.cache_mib().values()), 3) for name, synth in synthesizers.items()}},
     }
 
 

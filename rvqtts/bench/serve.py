@@ -31,7 +31,7 @@ def load_test(
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    memory_before = httpx.get(f"{url}/health", timeout=30).json().get("rss_mib")
+    before = httpx.get(f"{url}/health", timeout=30).json()
 
     def one(http: httpx.Client, number: int) -> dict:
         body = {"input": texts[number % len(texts)], "seed": number, "stream": stream, **(fields or {})}
@@ -54,7 +54,7 @@ def load_test(
     with ThreadPoolExecutor(clients) as pool:
         done = [r for rs in pool.map(client, [list(range(c, requests, clients)) for c in range(clients)]) for r in rs]
     wall = time.perf_counter() - started
-    memory_after = httpx.get(f"{url}/health", timeout=30).json().get("rss_mib")
+    after = httpx.get(f"{url}/health", timeout=30).json()
     firsts, totals = [r["first_audio_seconds"] for r in done], [r["seconds"] for r in done]
     return {
         "url": url,
@@ -67,6 +67,9 @@ def load_test(
         "first_audio_p95": round(percentile(firsts, 0.95), 3),
         "total_p50": round(statistics.median(totals), 3),
         "total_p95": round(percentile(totals, 0.95), 3),
-        "server_rss_mib_before": memory_before,
-        "server_rss_mib_after": memory_after,
+        "server_rss_mib_before": before.get("rss_mib"),
+        "server_rss_mib_after": after.get("rss_mib"),
+        # what the server reports it keeps between requests (its KV caches, voices), inside its resident memory
+        "server_caches_mib_before": round(sum(before.get("caches_mib", {}).values()), 3),
+        "server_caches_mib_after": round(sum(after.get("caches_mib", {}).values()), 3),
     }
