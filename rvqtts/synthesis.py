@@ -102,6 +102,7 @@ class Synthesizer:
         self.source: str | None = None  # the checkpoint it was loaded from (Synthesizer.load)
         self._cloned: dict[VoiceSource, ClonedVoice] = {}  # each source encoded (or read) once
         self._primed = PrimedVoices()  # the streaming decoder after each ICL voice's reference
+        self._encoding: object | None = None  # a speech tokenizer with its encoder, where the model's was released
         # Base models: which speaker encoder made a cloned voice (its embedding means nothing to another).
         self.encoder_fingerprint = encoder_fingerprint(self.model) if self.kind == "base" else None
         self.sample_rate = int(self.model.speech_tokenizer.model.get_output_sample_rate())
@@ -125,7 +126,26 @@ class Synthesizer:
         synth.source = str(model)
         if decoder_dtype is not None:
             synth.use_decoder_dtype(decoder_dtype)
+        synth.release_unused_encoder()
         return synth
+
+    def release_unused_encoder(self) -> None:
+        """Let go of the speech tokenizer's encoder where only a Base model's cloning would run it: synthesis of
+        the other kinds never does, and in a dtype other than its file's float32 it is a copy (39M weights and 17M
+        buffers, 112 MB in bfloat16 at 0.6B). `encoding_tokenizer` loads it again when audio must be encoded
+        (offsets trained from recordings). Only a Synthesizer made by `load` knows where to load it from."""
+        tokenizer = self.model.speech_tokenizer.model
+        if self.kind != "base" and self.source is not None and getattr(tokenizer, "encoder", None) is not None:
+            tokenizer.encoder = None
+
+    def encoding_tokenizer(self) -> object:
+        """A speech tokenizer that can encode audio: the model's, or (its encoder released) one loaded again."""
+        if getattr(self.model.speech_tokenizer.model, "encoder", None) is not None:
+            return self.model.speech_tokenizer
+        if self._encoding is None:
+            device = str(self.talker.codec_head.weight.device)
+            self._encoding = load_speech_tokenizer(self.source, device, self.decoder_dtype)
+        return self._encoding
 
     @property
     def decoder_dtype(self) -> str:
@@ -159,6 +179,7 @@ class Synthesizer:
         device = str(self.talker.codec_head.weight.device)
         self.model.load_speech_tokenizer(load_speech_tokenizer(self.source, device, dtype))
         self._primed = PrimedVoices()
+        self.release_unused_encoder()
 
     @property
     def hidden_size(self) -> int:

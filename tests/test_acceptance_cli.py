@@ -323,7 +323,7 @@ def test_train_offsets_from_recordings(tmp_path, tiny, tiny_dir):
     assert trained.exit_code == 0, trained.output
     frames = load_contexts(recorded)
     samples, rate = soundfile.read(tmp_path / "a.wav", dtype="float32")  # what qwen-tts's librosa.load reads
-    encoded = tiny.model.speech_tokenizer.encode(samples, sr=rate).audio_codes[0].numpy()
+    encoded = tiny.encoding_tokenizer().encode(samples, sr=rate).audio_codes[0].numpy()
     assert np.array_equal(frames.codes, encoded) and "teacher-forced: 1 recordings" in frames.source
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"audio": "missing.wav", "text": "Hi."}\n')

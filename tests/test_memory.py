@@ -111,3 +111,18 @@ def test_the_caches_a_synthesizer_keeps_are_reported_as_they_grow(tiny_dir):
     assert caches["batch_predictor_kv"] == caches["cloned_voices"] == caches["primed_voices"] == 0.0
     talker.reserve(talker.max_len + 1)  # a longer utterance grows the talker's cache: the report follows
     assert synth.cache_mib()["talker_kv"] > caches["talker_kv"]
+
+
+def test_only_a_model_that_clones_keeps_its_speech_encoder(tiny_dir, base_dir):
+    from rvqtts.synthesis import Synthesizer
+
+    synth = Synthesizer.load(tiny_dir)  # CustomVoice: synthesis never encodes audio
+    assert synth.model.speech_tokenizer.model.encoder is None
+    tokenizer = synth.encoding_tokenizer()  # loaded again where audio must be encoded (offsets from recordings)
+    assert tokenizer.model.encoder is not None and synth.encoding_tokenizer() is tokenizer
+    noise = np.random.default_rng(0).standard_normal(24000).astype(np.float32) * 0.1
+    codes = tokenizer.encode(noise, sr=24000).audio_codes[0]
+    assert codes.shape == (13, 16)  # 12.5 frames a second, rounded up
+    cloning = Synthesizer.load(base_dir)
+    assert cloning.model.speech_tokenizer.model.encoder is not None
+    assert cloning.encoding_tokenizer() is cloning.model.speech_tokenizer

@@ -238,7 +238,7 @@ def force_contexts(
     codes: list[np.ndarray] = []
     languages: list[str] = []
     for number, pair in enumerate(pairs):
-        frames = speech_codes(synthesizer.model.speech_tokenizer, pair.audio)
+        frames = speech_codes(synthesizer.encoding_tokenizer(), pair.audio)
         voice = voice_for(synthesizer, pair.speaker or speaker, pair.language or language, instruct, clone)
         spoken = voice["language"]
 
