@@ -162,7 +162,8 @@ class Synthesizer:
             name: tensors_mib([getattr(runner, "k_cache", None), getattr(runner, "v_cache", None)])
             for name, runner in runners.items()
         }
-        caches["cloned_voices"] = tensors_mib(t for voice in self._cloned.values() for t in (voice.embedding, voice.codes))
+        voices = self._cloned.values()
+        caches["cloned_voices"] = tensors_mib(t for voice in voices for t in (voice.embedding, voice.codes))
         caches["primed_voices"] = tensors_mib(self._primed.tensors())
         return caches
 

@@ -60,7 +60,15 @@ def _conv_parts() -> dict:
     }
 
 
-CONV_WAYS = ("product", "kernel 1", "one output", "torch, dilated", "depthwise", "transposed k = s", "transposed k = 2s")
+CONV_WAYS = (
+    "product",
+    "kernel 1",
+    "one output",
+    "torch, dilated",
+    "depthwise",
+    "transposed k = s",
+    "transposed k = 2s",
+)
 
 
 @pytest.mark.parametrize("name", CONV_WAYS)
@@ -72,7 +80,8 @@ def test_each_way_the_decoder_runs_a_convolution_equals_qwen_tts_module(tiny, na
     with torch.inference_mode():
         whole = module(x)
         decoder = StreamingDecoder(tiny.model.speech_tokenizer.model.decoder)
-        pieces = torch.cat([decoder._run(module, x[..., start : start + size]) for start, size in ((0, 1), (1, 3), (4, 36))], -1)
+        cuts = ((0, 1), (1, 3), (4, 36))
+        pieces = torch.cat([decoder._run(module, x[..., start : start + size]) for start, size in cuts], -1)
     assert pieces.shape == whole.shape
     torch.testing.assert_close(pieces, whole, rtol=1e-5, atol=1e-5)
 

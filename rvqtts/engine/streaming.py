@@ -31,7 +31,6 @@ import copy
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 # Frames a whole utterance is decoded by at a time (Synthesizer.decode): the tensors of a piece stay a few MB
 # (at 25 frames, 96 channels x 48,000 samples: 18 MB in float32), the pieces cost what one pass costs
@@ -161,8 +160,10 @@ class StreamingDecoder:
         if conv.groups != 1:
             return conv(joined[None])
         if taps == 1 or conv.weight.numel() > joined.numel():
-            columns = joined if taps == 1 else torch.stack([joined[:, k * dilation :][:, :steps] for k in range(taps)], 1)
-            return torch.addmm(conv.bias[:, None], conv.weight.view(conv.out_channels, -1), columns.view(-1, steps))[None]
+            shifted = [joined[:, k * dilation :][:, :steps] for k in range(taps)]
+            columns = joined if taps == 1 else torch.stack(shifted, 1)  # [channels_in, taps, steps]
+            weight = conv.weight.view(conv.out_channels, -1)
+            return torch.addmm(conv.bias[:, None], weight, columns.view(-1, steps))[None]
         if conv.out_channels == 1:
             output = conv.bias[:, None].expand(1, steps).clone()
             for k in range(taps):
@@ -179,7 +180,9 @@ class StreamingDecoder:
         conv = module.conv
         kernel, stride = conv.kernel_size[0], conv.stride[0]
         if kernel % stride:
-            raise ValueError("the streaming decoder handles transposed convolutions whose kernel is a multiple of the stride")
+            raise ValueError(
+                "the streaming decoder handles transposed convolutions of a kernel a multiple of the stride"
+            )
         reach = kernel // stride
         joined = self._carried(module, x, reach - 1)[0]  # [channels_in, t + reach - 1]
         steps, outputs = x.shape[-1], conv.out_channels
