@@ -19,9 +19,10 @@ order, as the runners do for the talker and the code predictor):
 - Convolutions by their shapes: torch runs a small convolution (under 20,480 input elements) with a slow
   reference kernel, and a larger one through oneDNN, which reorders the whole weight on every call: the
   low-rate layers (1,024-1,536 channels, weights of 17-75 MB) cost far more than their bytes. Where a
-  convolution's weight outweighs its input, it runs here as one matrix product over the input's taps;
-  elsewhere (the high-rate layers, whose weights are small) through torch's convolution. A transposed
-  convolution is always one product (input by the weight as stored) and an overlap-add of its taps.
+  convolution's weight outweighs its input, or its kernel is one step, it runs here as one matrix product over
+  the input's taps; with one output channel (the last layer), tap by tap; elsewhere (the high-rate layers, whose
+  weights are small) through torch's convolution. A transposed convolution is always one product (the input by
+  the weight as stored) and an overlap-add of its taps.
 - SnakeBeta (x + sin^2(alpha x) / beta) in one buffer: qwen-tts's form allocates four tensors a call.
 """
 
@@ -33,8 +34,8 @@ import numpy as np
 import torch
 
 # Frames a whole utterance is decoded by at a time (Synthesizer.decode): the tensors of a piece stay a few MB
-# (at 25 frames, 96 channels x 48,000 samples: 18 MB in float32), the pieces cost what one pass costs
-# (docs/benchmarks.md "The speech decoder run by rvqtts").
+# (at 25 frames, 96 channels x 48,000 samples: 18 MB in float32), and pieces of 25 and 40 frames cost the same per
+# frame, less than qwen-tts's one pass (docs/benchmarks.md "The speech decoder run by rvqtts").
 PIECE_FRAMES = 25
 
 
