@@ -12,13 +12,6 @@ from rvqtts.bench.harness import interleaved_ms
 from rvqtts.engine.streaming import StreamingDecoder
 
 
-def _streamed(decoder: torch.nn.Module, codes: torch.Tensor, frames: int) -> None:
-    """An utterance's codes pushed `frames` at a time, as `--stream --stream-frames` decodes them."""
-    streaming = StreamingDecoder(decoder)
-    for start in range(0, len(codes), frames):
-        streaming.push(codes[start : start + frames])
-
-
 def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int = 0, stream_frames: int = 4) -> dict:
     """What the speech decoder costs per frame as an utterance grows, on random codes of each length (its cost
     does not depend on the codes), every length and way interleaved: qwen-tts's `decode()` (past 300 frames in
@@ -34,7 +27,7 @@ def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int =
     ways = {
         "stock": lambda n: partial(tokenizer.decode, [{"audio_codes": codes[n]}]),
         "rvqtts": lambda n: partial(StreamingDecoder(decoder).decode, codes[n]),
-        "streamed": lambda n: partial(_streamed, decoder, codes[n], stream_frames),
+        "streamed": lambda n: partial(StreamingDecoder(decoder).decode, codes[n], stream_frames),
     }
     with torch.inference_mode():
         times = interleaved_ms(

@@ -93,10 +93,10 @@ class StreamingDecoder:
         self.frames += count
         return hidden.clamp(min=-1, max=1)[0, 0].float().cpu().numpy()
 
-    def decode(self, codes: torch.Tensor | np.ndarray) -> np.ndarray:
-        """The waveform of a whole utterance's codes [frames, quantizers] after what was pushed before, in
-        pieces of PIECE_FRAMES frames."""
-        pieces = [self.push(codes[start : start + PIECE_FRAMES]) for start in range(0, len(codes), PIECE_FRAMES)]
+    def decode(self, codes: torch.Tensor | np.ndarray, piece: int = PIECE_FRAMES) -> np.ndarray:
+        """The waveform of a whole utterance's codes [frames, quantizers] after what was pushed before, pushed
+        `piece` frames at a time."""
+        pieces = [self.push(codes[start : start + piece]) for start in range(0, len(codes), piece)]
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
 
     def _run(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -160,15 +160,15 @@ class StreamingDecoder:
         taps, dilation, steps = conv.kernel_size[0], conv.dilation[0], x.shape[-1]
         if conv.groups != 1:
             return conv(joined[None])
+        shifted = [joined[:, k * dilation :][:, :steps] for k in range(taps)]  # each tap's inputs (views)
         if taps == 1 or conv.weight.numel() > joined.numel():
-            shifted = [joined[:, k * dilation :][:, :steps] for k in range(taps)]
-            columns = joined if taps == 1 else torch.stack(shifted, 1)  # [channels_in, taps, steps]
+            columns = shifted[0] if taps == 1 else torch.stack(shifted, 1)  # [channels_in, taps, steps]
             weight = conv.weight.view(conv.out_channels, -1)
-            return torch.addmm(conv.bias[:, None], weight, columns.view(-1, steps))[None]
+            return torch.addmm(conv.bias[:, None], weight, columns.reshape(-1, steps))[None]
         if conv.out_channels == 1:
             output = conv.bias[:, None].expand(1, steps).clone()
             for k in range(taps):
-                output.addmm_(conv.weight[:, :, k], joined[:, k * dilation :][:, :steps])
+                output.addmm_(conv.weight[:, :, k], shifted[k])
             return output[None]
         return conv(joined[None])
 
