@@ -44,7 +44,8 @@ def test_streaming_decoder_equals_qwen_tts_decode(tiny, step):
 def _conv_parts() -> dict:
     """qwen-tts's decoder parts at shapes that take each of the streaming decoder's ways: one product over the
     taps (a weight larger than its input, or a kernel of one step), tap by tap (one output channel), torch's
-    convolution (dilated; depthwise), and transposed convolutions of kernel s and 2s."""
+    convolution (dilated; depthwise), and transposed convolutions of kernel s and 2s, their product either way round
+    (the input's transpose by the weight for few steps, the weight's transpose by the input for many)."""
     from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as parts
 
     torch.manual_seed(0)  # the modules' initial weights
@@ -57,6 +58,8 @@ def _conv_parts() -> dict:
         "depthwise": (causal(8, 8, 7, groups=8), 8),
         "transposed k = s": (transposed(32, 16, 4, 4), 32),
         "transposed k = 2s": (transposed(32, 16, 8, 4), 32),
+        # a weight smaller than a long piece's input: that piece's product is laid out the other way round
+        "transposed k = 2s, few channels": (transposed(8, 4, 8, 4), 8),
     }
 
 
@@ -68,6 +71,7 @@ CONV_WAYS = (
     "depthwise",
     "transposed k = s",
     "transposed k = 2s",
+    "transposed k = 2s, few channels",
 )
 
 
