@@ -31,9 +31,14 @@ def titled_table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = (
     return table
 
 
-def total_record(records: list[dict]) -> dict:
-    """One record for a whole batch: counts and seconds add up; ratios are recomputed from the sums."""
+def total_record(records: list[dict], wall_seconds: float | None = None) -> dict:
+    """One record for a whole batch: counts and seconds add up; ratios are recomputed from the sums. Lines that
+    share calls (a batch of rows) overlap in time, so the sum of their walls is not the batch's: `wall_seconds`,
+    the batch's own (measured around it), is then its wall, its RTF's and its throughput's, and the lines' sum
+    stays as `lines_wall_seconds`."""
     total: dict = {key: round(sum(r[key] for r in records), 3) for key in SUMMED}
+    if wall_seconds is not None:
+        total["lines_wall_seconds"], total["wall_seconds"] = total["wall_seconds"], round(wall_seconds, 3)
     depth = max((len(r["accepted_per_depth"]) for r in records), default=0)
     total["accepted_per_depth"] = [
         sum(r["accepted_per_depth"][d] for r in records if d < len(r["accepted_per_depth"])) for d in range(depth)
@@ -41,6 +46,8 @@ def total_record(records: list[dict]) -> dict:
     calls = total["predictor_calls"]
     total["codes_per_call"] = round(total["predictor_codes"] / calls, 4) if calls else 0.0
     total["rtf"] = round(total["wall_seconds"] / total["audio_seconds"], 4) if total["audio_seconds"] else None
+    wall = total["wall_seconds"]
+    total["audio_seconds_per_wall_second"] = round(total["audio_seconds"] / wall, 4) if wall else None
     total["utterances"] = len(records)
     for key in ("spec", "tree_nodes", "weights", "seed"):
         values = {r[key] for r in records}
@@ -105,6 +112,12 @@ def stats_table(rows: list[tuple[str, dict]]) -> Table:
     engines = {json.dumps(r.get("engine"), sort_keys=True) for _, r in rows if r.get("engine")}
     if len(engines) == 1:
         caption += f"; {_engine_summary(json.loads(engines.pop()))}"
+    totals = [r for name, r in rows if name == "total" and "lines_wall_seconds" in r]
+    if totals:
+        caption += (
+            f"; total wall: the batch's own ({totals[0]['audio_seconds_per_wall_second']:.2f} audio s per wall s; "
+            f"lines that share calls overlap, their walls add up to {totals[0]['lines_wall_seconds']:.2f} s)"
+        )
     table.caption = caption + "; calls = predictor calls; RTF = compute seconds / audio seconds"
     return table
 

@@ -4,6 +4,7 @@ utterance's codes and audio the ones it gets alone, rows refilled as utterances 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -128,8 +129,14 @@ def test_a_batch_file_writes_the_files_of_a_one_line_run_and_resumes(tiny_dir, t
     lines.write_text("".join(text + "\n" for text in TEXTS))
     common = ["synth", "-f", lines, "--model", tiny_dir, "--max-frames", 12, "-q"]
     one = run_cli(*common, "--out-dir", tmp_path / "one", "--batch-size", 1)
-    many = run_cli(*common, "--out-dir", tmp_path / "many", "--batch-size", 3)
+    began = time.perf_counter()
+    many = run_cli(*common, "--out-dir", tmp_path / "many", "--batch-size", 3, "--stats-json", tmp_path / "s.json")
+    elapsed = time.perf_counter() - began
     assert one.exit_code == many.exit_code == 0, many.output
+    # three lines at once overlap: the total is the batch's own wall, not the sum of theirs
+    total = json.loads((tmp_path / "s.json").read_text())["total"]
+    assert total["wall_seconds"] <= elapsed < total["lines_wall_seconds"]
+    assert total["rtf"] == pytest.approx(total["wall_seconds"] / total["audio_seconds"], rel=1e-3)
     written = sorted(p.name for p in (tmp_path / "one").glob("*.wav"))
     assert len(written) == 5 and written == sorted(p.name for p in (tmp_path / "many").glob("*.wav"))
     for name in written:

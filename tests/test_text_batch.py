@@ -151,6 +151,12 @@ def test_total_record_adds_counts_and_recomputes_ratios():
     assert total["codes_per_call"] == 2.0 and total["rtf"] == pytest.approx(6.0 / 3.2, abs=1e-4)
     assert total["accepted_per_depth"] == [80, 5] and total["warnings"] == 1 and total["utterances"] == 2
     assert total["spec"] is True and total["tree_nodes"] == 16 and total["weights"] == "int8"
+    assert total["wall_seconds"] == 6.0 and "lines_wall_seconds" not in total
+    # lines that shared calls overlapped: the batch's own wall is its wall, RTF and throughput
+    batch = total_record(records, wall_seconds=2.5)
+    assert batch["wall_seconds"] == 2.5 and batch["lines_wall_seconds"] == 6.0
+    assert batch["rtf"] == pytest.approx(2.5 / 3.2, abs=1e-4)
+    assert batch["audio_seconds_per_wall_second"] == pytest.approx(3.2 / 2.5, abs=1e-4)
 
 
 def test_atomic_files_get_ordinary_permissions(tmp_path):

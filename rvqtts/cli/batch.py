@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -52,17 +53,19 @@ def _batch_progress(title: str, total: int | None, file: Path, out_dir: Path, qu
             raise typer.Exit(INTERRUPTED) from None
 
 
-def _report(results, out_dir: Path, stats_json: Optional[Path], quiet: bool, cluster=None) -> None:
-    """The made lines' table and total, the counts, --stats-json; exit 1 when a line failed."""
+def _report(results, out_dir: Path, stats_json: Optional[Path], quiet: bool, wall: float, cluster=None) -> None:
+    """The made lines' table and total (its wall the batch's own, `wall` seconds: lines that share calls overlap),
+    the counts, --stats-json; exit 1 when a line failed."""
     from rvqtts.report import total_record, workers_table
 
     made = [(r.utterance.name, r.record) for r in results if r.status == "done"]
     skipped = sum(r.status == "skipped" for r in results)
     failed = sum(r.status == "failed" for r in results)
     extra = {} if cluster is None else {"cluster": cluster.totals(), "workers": [w.summary() for w in cluster.workers]}
-    write_stats(stats_json, [{"name": name, **record} for name, record in made], **extra)
+    total = total_record([record for _, record in made], wall)
+    write_stats(stats_json, [{"name": name, **record} for name, record in made], total, **extra)
     if made:
-        show_stats(made + ([("total", total_record([r for _, r in made]))] if len(made) > 1 else []), quiet)
+        show_stats(made + ([("total", total)] if len(made) > 1 else []), quiet)
     if cluster is not None and cluster.workers and not quiet:
         stderr_console().print(workers_table(extra["workers"], extra["cluster"]))
     say(
@@ -87,6 +90,7 @@ def run_here(
 ) -> None:
     from rvqtts.batch import synthesize_batch
 
+    began = time.perf_counter()
     with _batch_progress(f"synthesizing {file.name}", len(utterances), file, out_dir, quiet) as lines:
         results = synthesize_batch(
             synthesizer,
@@ -99,7 +103,7 @@ def run_here(
             batch_size=batch_size,
             on_notice=lambda notice: say(notice, quiet),
         )
-    _report(results, out_dir, stats_json, quiet)
+    _report(results, out_dir, stats_json, quiet, time.perf_counter() - began)
 
 
 def run_on_ray(
@@ -156,4 +160,4 @@ def run_on_ray(
             raise typer.Exit(1)
     for notice in batch.notices:
         say(notice, quiet and not notice.startswith("warning"))
-    _report(batch.results, out_dir, stats_json, quiet, cluster=batch)
+    _report(batch.results, out_dir, stats_json, quiet, batch.wall_seconds, cluster=batch)

@@ -123,15 +123,16 @@ def show_stats(rows: list[tuple[str, dict]], quiet: bool) -> None:
         stderr_console().print(stats_table(rows))
 
 
-def write_stats(path: Optional[Path], entries: list[dict], **extra: object) -> None:
-    """`rvqtts synth --stats-json`: per-utterance records, their total, `extra` sections, and the process's memory
-    (resident now and at its peak; on a Ray run, the driver's)."""
+def write_stats(path: Optional[Path], entries: list[dict], total: dict | None = None, **extra: object) -> None:
+    """`rvqtts synth --stats-json`: per-utterance records, their total (`total`, else their sums), `extra`
+    sections, and the process's memory (resident now and at its peak; on a Ray run, the driver's)."""
     from rvqtts.files import write_json
     from rvqtts.memory import memory_record
     from rvqtts.report import total_record
 
     if path is not None:
-        write_json(path, {"utterances": entries, "total": total_record(entries), **extra, "memory": memory_record()})
+        total = total or total_record(entries)
+        write_json(path, {"utterances": entries, "total": total, **extra, "memory": memory_record()})
 
 
 def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], object], quiet: bool) -> None:
