@@ -30,11 +30,10 @@ from rvqtts.engine.devices import synchronize
 from rvqtts.engine.kernels import kernels_used, machine_key, measured_choices
 from rvqtts.engine.online import predictor_key
 from rvqtts.engine.sampling import SamplingConfig
-from rvqtts.files import cache_dir, read_records, write_json
+from rvqtts.store import BATCH_SIZES
 
 CANDIDATES = (1, 2, 4, 8)  # more rows: every line waits longer for its first file (docs/benchmarks.md)
 WITHIN = 1.10  # the smallest B whose frame costs at most this much more than the cheapest
-BATCH_FILE = "batch-sizes.json"
 CONTEXT = 128  # the talker position timed: a prompt and a few seconds of speech
 DECODED_FRAMES = 16
 MEMORY_SHARE = 0.5  # of the memory available, what a batch's caches may take
@@ -96,18 +95,17 @@ def choose_batch_size(synth, lines: int, progress: Callable[[str], None] | None 
             "the kernels here are not known to keep rows invariant (off the CPU they are not checked): one "
             "line at a time keeps each line's one-line bits"
         )
-    path = cache_dir() / BATCH_FILE
+    path = BATCH_SIZES.path
     machine, key = batch_key(synth)
-    stored = read_records(path).get(machine, {}).get(key)
+    stored = BATCH_SIZES.read().get(machine, {}).get(key)
     if stored:
         costs, source = {int(b): float(ms) for b, ms in stored.items()}, f"measured before, {path}"
     else:
         if progress:
             progress("measuring batch sizes on this machine (once)")
         costs, source = frame_costs(synth), f"measured now, kept in {path}"
-        records = read_records(path)
-        records.setdefault(machine, {})[key] = {str(b): ms for b, ms in sorted(costs.items())}
-        write_json(path, records)
+        with BATCH_SIZES.update() as records:
+            records.setdefault(machine, {})[key] = {str(b): ms for b, ms in sorted(costs.items())}
     best = min(costs.values())
     chosen = min(b for b, ms in costs.items() if ms <= WITHIN * best)
     shown = ", ".join(f"{b}: {ms:.1f}" for b, ms in sorted(costs.items()))

@@ -6,7 +6,6 @@ modules start first, so that the two workers end together; checkpoints are built
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -21,8 +20,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from rvqtts.engine.kernels import KERNELS_FILE
-from rvqtts.files import write_json
+from rvqtts.store import KERNELS
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tuning.tiny import SHALLOW_LAYERS, build_tiny_model
 
@@ -73,19 +71,19 @@ def measured(monkeypatch, user_cache, tmp_path_factory):
     with what the run has measured so far (as a user's second run reads their own cache) and what it measures is
     handed on. (The measurement itself is tested from an empty cache in tests/test_kernels.py.)"""
     monkeypatch.setenv("RVQTTS_CHOICES", "measured")
-    shared = kernels_folder(tmp_path_factory) / KERNELS_FILE
-    mine = user_cache / KERNELS_FILE
+    folder = kernels_folder(tmp_path_factory)
+    shared, mine = folder / KERNELS.file, KERNELS.path
     if shared.exists():  # written whole (write_json), so read without the lock
         mine.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(shared, mine)
     yield
-    if mine.exists():
-        with FileLock(shared.with_suffix(".lock")):  # the lock rvqtts.engine.kernels takes to write the file
-            merged = json.loads(mine.read_text())
-            if shared.exists():
-                for machine, records in json.loads(shared.read_text())["machines"].items():
-                    merged["machines"][machine] = {**records, **merged["machines"].get(machine, {})}
-            write_json(shared, merged)
+    measured_here = KERNELS.read()
+    if measured_here:
+        with monkeypatch.context() as patch:  # merged into the run's store under rvqtts's own lock
+            patch.setenv("RVQTTS_CACHE", str(folder))
+            with KERNELS.update() as machines:
+                for machine, records in measured_here.items():
+                    machines[machine] = {**machines.get(machine, {}), **records}
 
 
 @pytest.fixture(scope="session")

@@ -193,7 +193,7 @@ def test_auto_takes_the_smallest_size_within_a_tenth_of_the_cheapest_measured_on
     assert batch_size.choose_batch_size(tiny, 16)[0] == 4  # 51 <= 1.1 x 47; 60 is not
     monkeypatch.setattr(batch_size, "frame_costs", lambda synth: pytest.fail("measured again"))
     chosen, source = batch_size.choose_batch_size(tiny, 3)
-    assert chosen == 3 and "measured before" in source and (user_cache / batch_size.BATCH_FILE).is_file()
+    assert chosen == 3 and "measured before" in source and (user_cache / "batch-sizes.json").is_file()
     monkeypatch.setenv("RVQTTS_CHOICES", "fixed")
     assert batch_size.choose_batch_size(tiny, 16) == (1, "RVQTTS_CHOICES=fixed (no measurement)")
 

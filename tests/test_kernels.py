@@ -118,7 +118,7 @@ def test_choices_are_measured_once_then_read_from_the_users_cache(unmeasured, mo
     first = kernels.choose_kernels(shapes, torch.float32)
     assert all(c.source == "measured" and c.row_invariant is not None for c in first.values())
     stored = json.loads((user_cache / "kernels.json").read_text())
-    assert set(stored["machines"][kernels.machine_key()]) == {"float32/native/64x32", "float32/native/96x32"}
+    assert set(stored["records"][kernels.machine_key()]) == {"float32/native/64x32", "float32/native/96x32"}
     kernels._chosen.clear()  # a new process: the file answers, nothing is timed
 
     def no_measuring(*args):
@@ -130,7 +130,7 @@ def test_choices_are_measured_once_then_read_from_the_users_cache(unmeasured, mo
     assert all(c.source == "cache" for c in again.values())
     # forget_choices (tune --again) drops them, in the file too.
     kernels.forget_choices(torch.float32, "native")
-    assert not json.loads((user_cache / "kernels.json").read_text())["machines"][kernels.machine_key()]
+    assert not json.loads((user_cache / "kernels.json").read_text())["records"][kernels.machine_key()]
     with pytest.raises(AssertionError, match="measured again"):
         kernels.choose_kernels(shapes, torch.float32)
 

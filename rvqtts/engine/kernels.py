@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import platform
 import statistics
@@ -40,14 +39,14 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from rvqtts.engine import native
 from rvqtts.engine.quantize import quantize_rows
-from rvqtts.files import cache_dir, write_json
+from rvqtts.store import KERNELS
 
 CHUNK = 32  # rows per kernel call: a longer call goes in chunks, so invariance up to CHUNK + 1 rows covers all
 PADS = (1, 2, 4, 8)  # zero-row paddings tried, smallest first, until a kernel's rows are invariant
@@ -56,11 +55,6 @@ STEP_TIE = 1.20  # one-row costs within this factor of the fastest are in the ru
 PROMPT_ROWS = 64  # rows of a prompt's prefill, where the kernel of many rows is timed (`KernelChoice.bulk`)
 COLD_BYTES = 96 << 20  # weight copies cycled through when timing: more than the last-level cache holds
 TIMED_PASSES = 7
-KERNELS_FILE = "kernels.json"
-KERNELS_FORMAT = "rvqtts-kernels"
-# 2: rvqtts's own kernel among the candidates; 3: the prompt kernel; 4: its AMX kernels; 5: its AVX2 kernels (older
-# choices measured anew); 6: the AVX2 int8 kernel's even and odd sums
-KERNELS_VERSION = 6
 CHOICES_VARIABLE = "RVQTTS_CHOICES"  # "measured" (the default) or "fixed": the rules used before measurement
 
 
@@ -420,16 +414,15 @@ def choose_kernels(
 
 
 def cached_records(keys: list[str], measure: Callable[[str], dict]) -> dict[str, dict]:
-    """This machine's records of `keys` in the cache file, each one missing measured (`measure(key)`) and saved, under
-    the cache's lock (so processes starting together measure once): kernel choices, and the speech decoder's cost per
-    dtype (rvqtts.decoder_dtype)."""
-    machine = machine_key()
-    with _cache_lock():
-        stored = _read_cache().get(machine, {})
-        measured = {key: {**measure(key), "measured": _now()} for key in keys if key not in stored}
-        if measured:
-            _save_cache(machine, measured)
-    return {key: measured.get(key) or stored[key] for key in keys}
+    """This machine's records of `keys` in the kernels' store, each one missing measured (`measure(key)`) and saved,
+    under the measurements' lock (so processes starting together measure once): kernel choices, and the speech
+    decoder's cost per dtype (rvqtts.decoder_dtype)."""
+    with KERNELS.update() as machines:
+        stored = machines.setdefault(machine_key(), {})
+        for key in keys:
+            if key not in stored:
+                stored[key] = {**measure(key), "measured": _now()}
+        return {key: stored[key] for key in keys}
 
 
 def forget_choices(dtype: torch.dtype | None = None, weights: str | None = None) -> None:
@@ -443,65 +436,16 @@ def forget_choices(dtype: torch.dtype | None = None, weights: str | None = None)
 
 
 def forget_records(prefix: str) -> None:
-    """Drop this machine's records whose keys start with `prefix` from the cache file (measured anew when next
+    """Drop this machine's records whose keys start with `prefix` from the kernels' store (measured anew when next
     asked for)."""
-    machine = machine_key()
-    with _cache_lock():
-        machines = _read_cache()
-        kept = {k: v for k, v in machines.get(machine, {}).items() if not k.startswith(prefix)}
-        if machine in machines and kept != machines[machine]:
-            machines[machine] = kept
-            write_json(kernels_path(), {"format": KERNELS_FORMAT, "version": KERNELS_VERSION, "machines": machines})
+    with KERNELS.update() as machines:
+        if machine_key() in machines:
+            stored = machines[machine_key()]
+            machines[machine_key()] = {k: v for k, v in stored.items() if not k.startswith(prefix)}
 
 
 def kernels_path() -> Path:
-    return cache_dir() / KERNELS_FILE
-
-
-def _read_cache() -> dict:
-    """The cache's records by machine; a missing or malformed file counts as empty (measured again)."""
-    try:
-        data = json.loads(kernels_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    if (
-        not isinstance(data, dict)
-        or data.get("format") != KERNELS_FORMAT
-        or data.get("version") != KERNELS_VERSION
-        or not isinstance(data.get("machines"), dict)
-    ):
-        return {}
-    return {machine: records for machine, records in data["machines"].items() if isinstance(records, dict)}
-
-
-def _save_cache(machine: str, records: dict) -> None:
-    machines = _read_cache()
-    machines[machine] = {**machines.get(machine, {}), **records}
-    write_json(kernels_path(), {"format": KERNELS_FORMAT, "version": KERNELS_VERSION, "machines": machines})
-
-
-@contextlib.contextmanager
-def _cache_lock() -> Iterator[None]:
-    """An exclusive lock beside the cache file (where the platform has fcntl), so that processes starting
-    together (Ray workers, a batch of commands) measure once and read the same choices."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    path = kernels_path().with_suffix(".lock")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a")
-    except OSError:  # an unwritable cache: measure without a lock (and the save will fail loudly)
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return KERNELS.path
 
 
 def _now() -> str:

@@ -50,7 +50,7 @@ from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import SamplingConfig
 from rvqtts.engine.tree import SHIPPED_TREES, Tree, frame_codes_per_call, grow_tree, load_acceptance
-from rvqtts.files import cache_dir, read_records, write_json
+from rvqtts.store import ACCEPTANCE, CALL_COSTS
 
 BUDGETS = (4, 8, 16, 32)  # tree sizes the online choice weighs against the plain loop
 PROBE_EVERY = 8  # while the plain loop runs, one frame in this many drafts a chain to count acceptance
@@ -65,8 +65,6 @@ SWITCH_MARGIN = 1.03  # a new choice must project this much faster than the one 
 REGROW_EVERY = 64  # frames after which the running size's tree is grown again from the counts
 LEARN_FRAMES = 4  # frames a call size must have run before their timing replaces its measured cost
 PRIOR_ROUNDS = 32  # how many rounds' worth the starting table counts for
-COSTS_FILE = "call-costs.json"
-LEARNED_FILE = "acceptance-online.json"
 
 
 @dataclass
@@ -211,10 +209,9 @@ def call_costs(
     measured shortest first, each beside a plain step; with `bound`, once one costs `bound` steps or more
     the longer ones are left out (they cost more still: no tree that can accept at most `bound` codes a
     call can pay there), so the result may hold fewer lengths than asked for."""
-    path = cache_dir() / COSTS_FILE
     machine = machine_key() if runner.device.type == "cpu" else str(runner.device)
     key = predictor_key(runner) + (f"/rows-{rows}" if rows > 1 else "")
-    stored = read_records(path).get(machine, {}).get(key, {})
+    stored = CALL_COSTS.read().get(machine, {}).get(key, {})
     known = {int(q): float(ms) for q, ms in stored.items()}
     measured = False
     for q in sorted(set(queries) | {1}):
@@ -224,9 +221,9 @@ def call_costs(
             known.update(measure_call_costs(runner, [1, q], rows=rows))
             measured = True
     if measured:
-        records = read_records(path)
-        records.setdefault(machine, {})[key] = {str(q): ms for q, ms in sorted(known.items())}
-        write_json(path, records)
+        with CALL_COSTS.update() as records:
+            records.setdefault(machine, {})[key] = {str(q): ms for q, ms in sorted(known.items())}
+    path = CALL_COSTS.path
     source = f"measured now (kept in {path})" if measured else f"{path} (measured before)"
     return {q: known[q] for q in queries if q in known}, source
 
@@ -298,7 +295,7 @@ class OnlineSpeculation:
         key = drafter_key(self.fingerprint, self.offsets, sampling)
         if self.counts is None or key != self._learned_key:
             self._learned_key = key
-            stored = None if self.fixed else read_records(cache_dir() / LEARNED_FILE).get(key)
+            stored = None if self.fixed else ACCEPTANCE.read().get(key)
             if isinstance(stored, dict) and "reached" in stored:
                 self.counts = AcceptanceCounts(stored["reached"], stored["hits"])
             else:
@@ -422,10 +419,8 @@ class OnlineSpeculation:
         """Keep the counts for this model and drafter in the user's cache: the next run starts from them."""
         if self.counts is None or not self._learned_key:
             return
-        path = cache_dir() / LEARNED_FILE
-        records = read_records(path)
-        records[self._learned_key] = self.counts.record()
-        write_json(path, records)
+        with ACCEPTANCE.update() as records:
+            records[self._learned_key] = self.counts.record()
 
     def frames_since(self, before: dict[int, int]) -> dict[int, int]:
         """Frames run at each tree size since `before` (an earlier copy of frames_by_budget)."""

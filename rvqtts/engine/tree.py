@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from rvqtts.files import cache_dir, read_json, read_records, write_atomically, write_json
+from rvqtts.files import read_json, read_records, write_atomically, write_json
+from rvqtts.store import BEST_TREES
 
 TREE_FORMAT = "rvqtts-tree"
 Path_ = tuple[int, ...]
@@ -282,7 +283,9 @@ def load_acceptance(path: str | os.PathLike) -> dict:
 
 
 SHIPPED_TREES = Path(__file__).resolve().parents[2] / "trees"
-BEST_BUDGETS = "best-n.json"  # {"cpu/bfloat16": {"N": ..., "source": ...}, "cpu/bfloat16/<fingerprint>": ...}
+# best-n.json, the user's (rvqtts.store.BEST_TREES) and the one shipped in trees/: {"cpu/bfloat16": {"N": ...,
+# "source": ...}, "cpu/bfloat16/<fingerprint>": ...}
+SHIPPED_BEST = SHIPPED_TREES / BEST_TREES.file
 FALLBACK_BUDGET = 16  # a tree size to run when one is needed and nothing was measured
 # Unmeasured platforms: accelerators run a 17-query call in about the time of one query; a CPU does not.
 UNMEASURED_BUDGET = {"cpu": 0}
@@ -303,7 +306,7 @@ def best_budget(platform: str, fingerprint: str | None = None) -> tuple[int, str
     own measurements (`rvqtts bench speedup --save`) win over the ones shipped in trees/. Unmeasured:
     no speculation on CPUs, 16 elsewhere. N = 0 means the plain loop (speculation does not pay)."""
     keys = ([f"{platform}/{fingerprint}"] if fingerprint else []) + [platform]
-    records = [(path, read_records(path)) for path in (cache_dir() / BEST_BUDGETS, SHIPPED_TREES / BEST_BUDGETS)]
+    records = [(BEST_TREES.path, BEST_TREES.read()), (SHIPPED_BEST, read_records(SHIPPED_BEST))]
     for key in keys:
         for path, data in records:
             entry = data.get(key)
@@ -315,17 +318,14 @@ def best_budget(platform: str, fingerprint: str | None = None) -> tuple[int, str
 def save_best_budget(platform: str, budget: int, source: str, fingerprint: str | None = None) -> Path:
     """Record the measured best tree size (0: no speculation) for this platform, and for one model when
     the acceptance came from it, in the user's cache; returns the file."""
-    path = cache_dir() / BEST_BUDGETS
-    records = read_records(path)
-    key = platform + (f"/{fingerprint}" if fingerprint else "")
-    records[key] = {"N": budget, "source": source}
-    write_json(path, records)
-    return path
+    with BEST_TREES.update() as records:
+        records[platform + (f"/{fingerprint}" if fingerprint else "")] = {"N": budget, "source": source}
+    return BEST_TREES.path
 
 
 def shipped_tree_files() -> list[Path]:
     return sorted(
-        p for p in SHIPPED_TREES.glob("*.json") if not p.name.endswith(ACCEPTANCE_SUFFIX) and p.name != BEST_BUDGETS
+        p for p in SHIPPED_TREES.glob("*.json") if not p.name.endswith(ACCEPTANCE_SUFFIX) and p.name != BEST_TREES.file
     )
 
 

@@ -1,0 +1,111 @@
+"""The measurements rvqtts keeps per user and machine: every choice that depends on the machine is measured on it
+once and kept in the user's cache (rvqtts.files.cache_dir), one JSON file per kind of measurement:
+
+- `KERNELS`: each map shape's kernel and the speech decoder's cost per dtype, by machine (rvqtts.engine.kernels,
+  rvqtts.decoder_dtype); versioned, so that a change to the kernels measures them anew;
+- `CALL_COSTS`: predictor calls of each query length and row count, by machine (rvqtts.engine.online);
+- `ACCEPTANCE`: the acceptance the online choice counted, by model, drafter and sampling (rvqtts.engine.online);
+- `BATCH_SIZES`: a frame's cost at each batch size, by machine and model (rvqtts.batch_size);
+- `BEST_TREES`: the best tree size `rvqtts bench speedup --save` measured, by platform (rvqtts.engine.tree).
+
+All are read by `Measurements.read` (a missing, damaged or other-version file reads as empty: measured anew) and
+changed only inside `Measurements.update`, which holds one lock for them all while it reads, lets the caller
+change the records and writes them back whole: processes starting together (Ray workers, a batch of commands)
+measure once and never lose one another's records, and a reader never sees half a file. (Native builds and Core ML
+packages are files of their own, each written atomically by name: rvqtts.engine.native, rvqtts.engine.coreml.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from rvqtts.files import cache_dir, read_records, write_json
+
+LOCK_FILE = "measurements.lock"
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """One file of measurements in the user's cache: a JSON object of records (versioned: wrapped with its format
+    and version, and read as empty under another version)."""
+
+    file: str
+    version: int | None = None
+
+    @property
+    def path(self) -> Path:
+        return cache_dir() / self.file
+
+    @property
+    def format(self) -> str:
+        return "rvqtts-" + self.file.removesuffix(".json")
+
+    def read(self) -> dict:
+        """The records; empty where the file is missing, damaged or of another version (measured anew)."""
+        data = read_records(self.path)
+        if self.version is None:
+            return data
+        records = data.get("records")
+        valid = data.get("format") == self.format and data.get("version") == self.version
+        return records if valid and isinstance(records, dict) else {}
+
+    @contextlib.contextmanager
+    def update(self) -> Iterator[dict]:
+        """The records, read under the measurements' lock for the caller to change in place, then written back
+        whole if they changed (nothing written if the block raises)."""
+        with measurements_lock():
+            records = self.read()
+            before = copy.deepcopy(records)
+            yield records
+            if records != before:
+                document = (
+                    records
+                    if self.version is None
+                    else {
+                        "format": self.format,
+                        "version": self.version,
+                        "records": records,
+                    }
+                )
+                write_json(self.path, document)
+
+
+@contextlib.contextmanager
+def measurements_lock() -> Iterator[None]:
+    """An exclusive lock beside the measurements (where the platform has fcntl), held while one process reads,
+    measures and writes them."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path = lock_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError:  # an unwritable cache: measure without a lock (and the write will fail loudly)
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def lock_path() -> Path:
+    return cache_dir() / LOCK_FILE
+
+
+# 2: rvqtts's own kernel among the candidates; 3: the prompt kernel; 4: its AMX kernels; 5: its AVX2 kernels (older
+# choices measured anew); 6: the AVX2 int8 kernel's even and odd sums; 7: kept in one store (rvqtts.store)
+KERNELS = Measurements("kernels.json", version=7)
+CALL_COSTS = Measurements("call-costs.json")
+ACCEPTANCE = Measurements("acceptance-online.json")
+BATCH_SIZES = Measurements("batch-sizes.json")
+BEST_TREES = Measurements("best-n.json")
