@@ -11,7 +11,7 @@ from exactness import broken_walk, unexplained_differences
 from helpers import linear_maps_are_row_invariant, random_prefix, stock_path_logits
 from scipy.stats import chisquare
 
-import rvqtts.engine.decode
+import rvqtts.engine.decode_rows
 from rvqtts.engine.decode import Speculation
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.inner_loop import InnerLoop
@@ -74,10 +74,10 @@ def test_speculative_codes_equal_plain_codes(which, budget, request):
 
 def test_codes_per_call_is_counted_from_real_calls(narrow, monkeypatch):
     calls = []
-    original = rvqtts.engine.predictor.PredictorRunner.forward
+    original = rvqtts.engine.predictor.PredictorRunner.forward_rows
     monkeypatch.setattr(
         rvqtts.engine.predictor.PredictorRunner,
-        "forward",
+        "forward_rows",
         lambda self, *args, **kwargs: calls.append(1) or original(self, *args, **kwargs),
     )
     speculation = Speculation(grow_tree(TABLE, 16), random_offsets(narrow.hidden_size, 0))
@@ -145,7 +145,7 @@ def test_speculative_frames_follow_the_exact_joint_distribution(small):
 
 
 def test_the_distribution_test_catches_a_broken_verifier(small, monkeypatch):
-    monkeypatch.setattr(rvqtts.engine.decode, "walk_tree", broken_walk)
+    monkeypatch.setattr(rvqtts.engine.decode_rows, "walk_tree", broken_walk)
     counts, probs = speculative_histogram(small, FRAMES, SAMPLING)
     assert chi_square_pvalue(counts, probs) < 1e-6
     # The statistic itself has the power, not only the support check: frames inside the support alone fail too.
@@ -167,8 +167,11 @@ def test_static_calls_give_the_eager_codes(narrow):
         ]
         assert static == eager
         kinds = {key[0] for key in loop.calls.entries}
-        assert kinds == ({"prefill", "step"} if spec is None else {"prefill", "round"})
-        indices = sorted(key[1] for key in loop.calls.entries if key[0] != "prefill")
+        assert kinds == ({"prefill", "step"} if spec is None else {"prefill", "rounds"})
+        # a step's key holds its code index; a round's its layout's: (slots, attention, ((row, index, tree),))
+        indices = sorted(
+            key[1] if spec is None else key[1][2][0][1] for key in loop.calls.entries if key[0] != "prefill"
+        )
         if spec is None:
             assert indices == list(range(1, 15))  # one step per code index
         else:

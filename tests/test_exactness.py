@@ -13,7 +13,7 @@ import torch
 from exactness import broken_walk, first_difference, float32_reference, paper_offsets, unexplained_differences
 from helpers import decode_frames, frame_noises, frame_prefixes, linear_maps_are_row_invariant
 
-import rvqtts.engine.decode
+import rvqtts.engine.decode_rows
 from rvqtts.audio import audio_bytes
 from rvqtts.batch_size import rows_invariant
 from rvqtts.engine.decode import Speculation
@@ -157,7 +157,7 @@ def test_a_planted_broken_verifier_fails_every_comparison(paper_dir, released_06
     broken_walk): the frame comparison finds differences beyond near-ties in most frames, and the utterance
     comparison finds one at its first differing frame."""
     synth, speculation = load(paper_dir, "bfloat16")
-    monkeypatch.setattr(rvqtts.engine.decode, "walk_tree", broken_walk)
+    monkeypatch.setattr(rvqtts.engine.decode_rows, "walk_tree", broken_walk)
     unexplained, _, _ = inner_loop_differences(synth, speculation, FRAMES["bfloat16"])
     assert len(unexplained) >= FRAMES["bfloat16"] // 2, unexplained
     spec, spec_frames = spoken(synth, speculation)

@@ -53,12 +53,13 @@ def test_prefill_and_steps_match_stock_cached_forward(which, request):
 
 
 @pytest.mark.parametrize("which", ["tiny", "released_17"])
-@pytest.mark.parametrize("attention", ["mask", "groups"])
+@pytest.mark.parametrize("attention", ["rows", "groups"])
 @pytest.mark.parametrize("committed", [1, 6])
 @torch.no_grad()
 def test_tree_call_matches_stock_forward_on_every_path(which, attention, committed, request):
-    """A tree call at any depth of the frame, with a tree mask or with per-row slots (as the engine runs
-    it): each node's logits equal the stock forward over its own path."""
+    """A tree call at any depth of the frame, each query over its slots in position order (row attention, as
+    the engine runs it on a CPU) or gathered per depth (elsewhere): each node's logits equal the stock forward
+    over its own path."""
     tiny = request.getfixturevalue(which)
     code_predictor = tiny.code_predictor
     tree = Tree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)))
@@ -83,14 +84,11 @@ def test_tree_call_matches_stock_forward_on_every_path(which, attention, committ
             for i, d in enumerate(buffers.depth)
         ]
     )
-    if attention == "mask":
-        mask = torch.zeros(q, runner.max_len, dtype=torch.bool)
-        mask[:, :length] = True
-        mask[:, length : length + q] = buffers.ancestor_mask
-        out = runner.forward(embeds, committed + 1 + buffers.depth, length, mask)
-    else:
-        groups = RoundPlan.build(tree, runner.device).attention_groups(length)
-        out = runner.forward(embeds, committed + 1 + buffers.depth, length, groups=groups)
+    plan = RoundPlan.build(tree, runner.device)
+    runner.row_attention = attention == "rows"
+    slots = {"rows": plan.row_slots(length, runner.width)} if attention == "rows" else {}
+    attend = slots or {"groups": plan.attention_groups(length)}
+    out = runner.forward_rows(embeds, committed + 1 + buffers.depth, length + torch.arange(q), attend)
     for slot in range(q):
         path = []
         node = slot

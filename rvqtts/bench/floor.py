@@ -104,7 +104,5 @@ def talker_weights(runner: object) -> list[torch.Tensor]:
 
 def round_heads(plan: object, index: int, last: int) -> list[int]:
     """The LM heads a verify round rooted at c_index reads: one per drafted depth, one per scored depth."""
-    from rvqtts.engine.decode import scored_slices
-
     drafted = range(index + 1, index + len(plan.draft_ranks) + 1)
-    return [*drafted, *(index + d + 1 for d, _ in scored_slices(plan, index, last))]
+    return [*drafted, *(index + d + 1 for d in range(len(plan.depth_slices)) if index + d < last)]

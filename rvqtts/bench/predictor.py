@@ -18,8 +18,11 @@ from rvqtts.bench.floor import (
     round_heads,
 )
 from rvqtts.bench.harness import KV_LENGTH, interleaved_ms, quantile, talker_width, timing_tree
-from rvqtts.engine.decode import RoundPlan, round_call, step_call
+from rvqtts.engine.decode import Speculation
+from rvqtts.engine.decode_rows import decode_frames_plain
 from rvqtts.engine.graphs import StaticCalls
+from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.online import rows_call
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import SamplingConfig
 
@@ -50,8 +53,6 @@ def _frame_loops(
 ) -> dict:
     """One frame's whole inner loop (15 codes, sampled with qwen-tts's defaults): qwen-tts's HF
     `generate()` as its talker calls it, and rvqtts's plain loop on the same prefix."""
-    from rvqtts.engine.decode import DecodeStats, decode_frame_plain
-
     groups = code_predictor.config.num_code_groups
     prefix = torch.randn(1, 2, talker_width(code_predictor), device=device, dtype=dtype)
     runner = PredictorRunner(code_predictor, groups, weight_format)
@@ -73,7 +74,7 @@ def _frame_loops(
     static = StaticCalls.for_device(device)
     return {
         "stock_frame": stock,
-        "plain_frame": lambda: decode_frame_plain(runner, prefix[0], noise, sampling, DecodeStats(), static),
+        "plain_frame": lambda: decode_frames_plain(runner, prefix, noise[None], sampling, static),
     }
 
 
@@ -97,23 +98,17 @@ def bench_predictor(
     runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + max(queries), weight_format)
     offsets = torch.zeros(depth, runner.hidden_size, device=device, dtype=dtype)
     hidden = torch.randn(runner.hidden_size, device=device, dtype=dtype)
-    code = torch.tensor([5], device=device)
     noise = torch.zeros(runner.code_groups - 1, runner.vocab_size, device=device)
     sampling = SamplingConfig()
     index = KV_LENGTH - 1  # the call's root is c_index, after KV_LENGTH committed slots
     static = StaticCalls.for_device(device)
+    trees = {q: Speculation(timing_tree(q - 1), Offsets(offsets.float().cpu())) for q in queries if q > 1}
+    plans = {q: tree.plan(tree.tree.depth, device) for q, tree in trees.items()}
 
-    def plain() -> None:
-        static("step", partial(step_call, runner, index, sampling), code, noise)
+    def call(q: int) -> Callable[[], object]:  # a plain step (q = 1) or a round, as frames make them
+        return partial(rows_call, runner, 1, index, trees.get(q), offsets, hidden, noise, sampling, static)
 
-    plans = {q: RoundPlan.build(timing_tree(q - 1), device) for q in queries if q > 1}
-
-    def tree_round(q: int) -> Callable[[], object]:
-        return lambda: static(
-            ("round", q), partial(round_call, runner, plans[q], offsets, index, sampling), hidden, code, noise
-        )
-
-    calls = {f"q{q}": plain if q == 1 else tree_round(q) for q in queries}
+    calls = {f"q{q}": call(q) for q in queries}
     last = runner.code_groups - 1
     weights_read = {
         q: predictor_weights(runner, [index + 1] if q == 1 else round_heads(plans[q], index, last)) for q in queries

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from rvqtts.engine.decode import DecodeStats, Speculation
-from rvqtts.engine.decode_rows import decode_frames_plain, decode_frames_speculative
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.frame_loop import draw_c0
+from rvqtts.engine.inner_loop import count_frame, inner_frames
 from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import C0Rules, SamplingConfig, residual_noise
@@ -202,37 +202,17 @@ class BatchFrameLoop:
                 rows[slot].work.talker_calls += 1
 
     def _inner_loop(self, prefixes: torch.Tensor, noise: torch.Tensor, works: list[Work]) -> list[list[int]]:
-        """c1.. of every ready row's frame in shared calls: plain, or by tree rounds where the speculation
-        runs a tree now (chosen online for this batch's rows, rvqtts.engine.online: its probe, a draft chain that
-        keeps acceptance counted, runs on one row's frame while the others step plain); counted per
+        """c1.. of every ready row's frame in shared calls (rvqtts.engine.inner_loop.inner_frames), counted per
         utterance."""
         online = self.speculation if isinstance(self.speculation, OnlineSpeculation) else None
         if online is not None:
-            online.start(self.predictor, self.predictor_sampling)
-            speculation, probe = online.frame_speculation()
+            online.start(self.predictor, self.predictor_sampling)  # the budget this frame runs at, set
             for work in works:
                 work.frames_by_budget[online.budget] = work.frames_by_budget.get(online.budget, 0) + 1
-        else:
-            speculation, probe = self.speculation, False
-        started = time.perf_counter()
-        if speculation is None:
-            rests = decode_frames_plain(self.predictor, prefixes, noise, self.predictor_sampling)
-            rounds = [None] * len(rests)
-        else:
-            speculations = [speculation] + [None if probe else speculation] * (len(works) - 1)
-            rounds = decode_frames_speculative(
-                self.predictor, prefixes, noise, self.predictor_sampling, speculations, self.offsets
-            )
-            rests = [frame.codes for frame in rounds]
-        synchronize(self.predictor.device)
-        share = (time.perf_counter() - started) * 1e3 / len(works)
-        for work, rest, frame in zip(works, rests, rounds):
-            for accepted in frame.accepted if frame else ():
-                work.stats.count_accepted(accepted)
-            work.stats.count_frame(frame.calls if frame else len(rest), len(rest))
-            if online is not None:
-                online.observe(rest, frame.drafted if frame else [], bool(frame and frame.drafted) and probe, share)
-        return rests
+        frames = inner_frames(self.predictor, prefixes, noise, self.predictor_sampling, self.speculation, self.offsets)
+        for work, frame in zip(works, frames):
+            count_frame(work.stats, frame)
+        return [frame.codes for frame in frames]
 
     def _end_chunk(self, rows: list[_Row | None], slot: int, cut: bool) -> Iterator[ChunkDone | WorkDone | WorkFailed]:
         row = rows[slot]

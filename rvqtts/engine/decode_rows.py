@@ -1,49 +1,99 @@
-"""The inner loop of several frames at once (a batch's, rvqtts.engine.batch_frames): frame r in the runner's batch
-row r (its own KV region), every call carrying all the frames still decoding. Plain: one call per code for
-all of them. Speculative: each frame runs its own tree rounds (rvqtts.engine.decode) and one call carries every
-frame's round: B x (N + 1) rows, each frame at its own root index (acceptance differs, so the frames fall
-out of step), its drafts scored by the heads of its own positions, its draws with its own noise. A frame
-without a tree takes plain steps in the same calls (one row each: how a batch probes acceptance on one
-frame while the others run plain). Each frame gets the codes it gets alone: its rows go through the
-same row-invariant kernels and attend to its own slots only, and the codes are the target's draws
-whatever the drafts were.
+"""The inner loop: codes c1..c_{G-1} of n frames at once (one frame: n = 1), frame r in the runner's batch row r
+(its own KV region), every call carrying all the frames still decoding.
+
+Plain: a 2-token prefill, then one call per code for all the frames, as qwen-tts does for one. Speculative: the
+prefill gives c1 and h_1; each frame then runs tree rounds, and one call carries every frame's round, B x (N + 1)
+rows: its root (the code sampled last) and its nodes, the drafts LMH_{n+j}(h_n + b_j) arranged as the sparse tree,
+each frame at its own root index (acceptance differs, so the frames fall out of step), scored by the heads of its
+own positions and drawn with its own noise. The same call verifies every tree and gives the hidden states that draft
+the next round. Verification walks each tree with the target's own draws: draw y at a node; if a child holds y,
+accept it and go on; otherwise y is the round's last code. Every code is drawn with the noise of its own position,
+so the output is the plain loop's, code for code, and follows the target distribution exactly. A frame without a
+tree takes plain steps in the same calls (one row each: how a batch probes acceptance on one frame while the others
+run plain). Each frame gets the codes it gets alone: its rows go through row-invariant kernels and attend to its own
+slots only.
+
+Every call is a function of tensors whose shapes its key fixes (the prefill and a step by the code index and the
+frame count, a round by each frame's row, root index and tree), so `calls` may replay it from a CUDA graph
+(rvqtts.engine.graphs); a round's host-side layout (which rows draft, embed, attend to and score what) is built once
+per key (`RoundsLayout`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 
 import torch
 
-from rvqtts.engine.decode import OBSERVED_RANKS, RoundPlan, Speculation, walk_tree
+from rvqtts.engine.decode import EAGER, OBSERVED_RANKS, RoundPlan, Speculation
+from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import NonFiniteError, SamplingConfig, draw_checked
 from rvqtts.engine.tree import Tree
 
+LAYOUTS_KEPT = 512  # round layouts kept per runner (the least recently used go)
+
+
+def walk_tree(
+    children: list[list[tuple[int, int]]],
+    node_rank_codes: list[int],
+    draws: list[int],
+    slot_index: list[int],
+    last_index: int,
+) -> tuple[list[int], int | None]:
+    """Verify one round on the host. Returns the accepted node slots and the round's last code.
+
+    At slot u the target drew `draws[u]`; if a child of u holds that code it is accepted and the walk
+    continues there, else the draw is emitted and the round ends. A node that holds the frame's last
+    code (`slot_index[u] == last_index`) ends the frame, with no further draw (None).
+    """
+    accepted: list[int] = []
+    u = 0
+    while slot_index[u] < last_index:
+        y = draws[u]
+        child = next((c for _, c in children[u] if node_rank_codes[c] == y), None)
+        if child is None:
+            return accepted, y
+        accepted.append(child)
+        u = child
+    return accepted, None
+
+
+def prefill_call(
+    runner: PredictorRunner, sampling: SamplingConfig, prefixes: torch.Tensor, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The frames' first call: h_1 [n, H] from [h_t, embedding of c0] ([n, 2, E]), c1 [n] drawn from it, and
+    whether the logits were finite. Every call returns that flag; the frames read it back with their codes."""
+    hidden = runner.prefill_rows(prefixes)
+    return hidden, *draw_checked(runner.logits(hidden, 1), noise[:, 0], sampling)
+
 
 def steps_call(
-    runner: PredictorRunner, codes: torch.Tensor, index: int, noise: torch.Tensor, sampling: SamplingConfig
+    runner: PredictorRunner, index: int, sampling: SamplingConfig, codes: torch.Tensor, noise: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One plain step of n frames: feed c_index of frame r (`codes` [n]) in batch row r and draw each one's
-    c_{index+1} with its noise row (`noise` [n, V]); with the finite flag."""
-    return draw_checked(runner.logits(runner.step_rows(codes, index), index + 1), noise, sampling)
+    c_{index+1} with its noise (`noise` [n, G-1, V]); with the finite flag."""
+    return draw_checked(runner.logits(runner.step_rows(codes, index), index + 1), noise[:, index], sampling)
 
 
 @torch.inference_mode()
 def decode_frames_plain(
-    runner: PredictorRunner, prefixes: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig
+    runner: PredictorRunner,
+    prefixes: torch.Tensor,
+    noise: torch.Tensor,
+    sampling: SamplingConfig,
+    calls: StaticCalls = EAGER,
 ) -> list[list[int]]:
-    """c1..c_{G-1} of n frames at once (frame r in the runner's batch row r), one call per code for all of
-    them: `prefixes` [n, 2, E], `noise` [n, G-1, V]. Each frame gets the codes `decode_frame_plain` gives
-    it alone (its rows through the same kernels, its attention over its own slots)."""
-    last = runner.code_groups - 1
-    code, finite = draw_checked(runner.logits(runner.prefill_rows(prefixes), 1), noise[:, 0], sampling)
-    codes, flags = [code], [finite]
+    """c1..c_{G-1} of n frames, one call per code for all of them: `prefixes` [n, 2, E], `noise` [n, G-1, V]
+    (row m-1 draws c_m). Codes stay on the device until the frames are done (one read back)."""
+    last, n = runner.code_groups - 1, prefixes.shape[0]
+    _, code, finite = calls(("prefill", n, sampling), partial(prefill_call, runner, sampling), prefixes, noise)
+    codes, flags = [code.clone()], [finite.clone()]  # outputs of a static call are overwritten when it runs again
     for index in range(1, last):
-        code, finite = steps_call(runner, code, index, noise[:, index], sampling)
-        codes.append(code)
-        flags.append(finite)
+        code, finite = calls(("step", index, n, sampling), partial(steps_call, runner, index, sampling), code, noise)
+        codes.append(code.clone())
+        flags.append(finite.clone())
     if not bool(torch.stack(flags).all()):
         raise NonFiniteError("code predictor", runner.dtype)
     return torch.stack(codes, dim=1).tolist()
@@ -51,14 +101,14 @@ def decode_frames_plain(
 
 @dataclass
 class FrameRounds:
-    """One frame's rounds in a batch (by its speculation's tree; None: plain steps): its codes, calls (the
-    shared prefill included), the depth each tree round accepted, and each one's root index and ranked
-    drafts (what online acceptance counts)."""
+    """One frame's rounds (by its speculation's tree; None: plain steps): its codes, calls (the prefill
+    included), the depth each tree round accepted, and each one's root index and ranked drafts (what online
+    acceptance counts)."""
 
     row: int
     index: int  # the root code's index
     root: int | None  # None once the frame is done
-    hidden: torch.Tensor  # h_index, which drafts the next round
+    hidden: torch.Tensor | None  # h_index, which drafts the next round (None: plain steps' frames)
     speculation: Speculation | None = None
     codes: list[int] = field(default_factory=list)
     calls: int = 1
@@ -68,7 +118,7 @@ class FrameRounds:
 
 @cache
 def plain_plan(device: torch.device) -> RoundPlan:
-    """A round of the root alone: a plain step inside a batch's round call."""
+    """A round of the root alone: a plain step inside a round call."""
     return RoundPlan.build(Tree((), source="the root alone: a plain step"), device)
 
 
@@ -79,132 +129,191 @@ def frame_plan(frame: FrameRounds, last: int, device: torch.device) -> RoundPlan
     return frame.speculation.plan(min(frame.speculation.tree.depth, last - frame.index), device)
 
 
-def heads_by_position(
-    runner: PredictorRunner, hidden: torch.Tensor, positions: list[int]
-) -> list[tuple[list[int], torch.Tensor]]:
-    """Scores of rows `hidden` [n, H], row i by the head of code `positions[i]`: one call per head over all
-    the rows it scores (each head's weights read once). Returns (row indices, their logits [k, V]) by head."""
-    scored = []
-    for position in sorted(set(positions)):
-        rows = [i for i, p in enumerate(positions) if p == position]
-        scored.append((rows, runner.logits(hidden[torch.tensor(rows, device=hidden.device)], position)))
-    return scored
-
-
-def draft_rows(
-    runner: PredictorRunner, frames: list[FrameRounds], offsets: torch.Tensor, depths: list[int], width: int
-) -> list[torch.Tensor]:
-    """Ranked drafts [depth_r, width] of every frame: the top ranks of LMH_{index+j}(h_index + b_j), each
-    head called once over every frame it drafts for."""
-    inputs, positions, owners = [], [], []
-    for f, (frame, depth) in enumerate(zip(frames, depths)):
-        for j in range(1, depth + 1):
-            inputs.append(frame.hidden + offsets[j - 1])
-            positions.append(frame.index + j)
-            owners.append((f, j - 1))
-    ranked = [torch.empty(depth, width, dtype=torch.long, device=runner.device) for depth in depths]
-    if not inputs:
-        return ranked
-    for rows, scores in heads_by_position(runner, torch.stack(inputs), positions):
-        top = torch.topk(scores.float(), width).indices
-        for i, row in enumerate(rows):
-            f, j = owners[row]
-            ranked[f][j] = top[i]
-    return ranked
-
-
-@dataclass
-class RowsRound:
-    """One call's model work for the frames in it: per frame its round plan and ranked drafts, the node
-    codes [sum q] (each frame's root first), hidden states [sum q, H], the target's draws at the scored
-    slots (frame by frame, slot order) and whether their logits were finite."""
+@dataclass(frozen=True)
+class RoundsLayout:
+    """What one round call over some frames does, fixed by each frame's row, root index and plan. Rows that one
+    LM head scores go through it together (each head's weights read once), in head order: the drafts' inputs
+    (frame `draft_frames`'s hidden state plus offset `draft_offsets`; head by head over `draft_heads`: position and
+    slice), ranked in that order; the query's codes gathered by `node_source` from [roots, ranked drafts] and
+    embedded by the table of each code's position (`embedding`: table and query slice), its positions, where its
+    keys go and what each query attends to; the scored query rows (`scored_rows`, head by head over `score_heads`)
+    and each one's noise (`noise_frames`, `noise_codes`), drawn in one draw. Per frame, on the host: where its
+    query starts (`query_starts`), which draw each of its slots got (`draws_of`), which ranked rows are its drafts
+    (`drafts_of`) and its cache region (`regions`). Built once per key; every tensor on the runner's device."""
 
     plans: list[RoundPlan]
-    ranked: list[torch.Tensor]
-    node_codes: torch.Tensor
-    out: torch.Tensor
-    draws: torch.Tensor
-    finite: list[torch.Tensor]
+    width: int
+    draft_frames: torch.Tensor
+    draft_offsets: torch.Tensor
+    draft_heads: list[tuple[int, slice]]
+    node_source: torch.Tensor
+    embedding: list[tuple[int, slice]]
+    positions: torch.Tensor
+    write: torch.Tensor
+    attention: dict
+    scored_rows: torch.Tensor
+    score_heads: list[tuple[int, slice]]
+    noise_frames: torch.Tensor
+    noise_codes: torch.Tensor
+    query_starts: list[int]
+    draws_of: list[list[int]]
+    drafts_of: list[list[int]]
+    regions: list[int]
+
+    @classmethod
+    def build(cls, runner: PredictorRunner, rows: list[int], indices: list[int], plans: list[RoundPlan]):
+        last, device = runner.code_groups - 1, runner.device
+        bases = runner.row_bases(max(rows) + 1).tolist()
+        regions = [bases[row] for row in rows]
+        width = min(max([OBSERVED_RANKS, *(rank for p in plans for rank in p.draft_ranks)]), runner.vocab_size)
+        drafts: dict[int, list[tuple[int, int, int, int]]] = {}  # head position: (frame, offset, frame, depth)
+        scores: dict[int, list[tuple[int, int, int, int, int]]] = {}  # head: (query row, noise row, code, frame, slot)
+        embedding, query_starts, query = [], [], 0
+        for f, (row, index, plan) in enumerate(zip(rows, indices, plans)):
+            query_starts.append(query)
+            for j in range(1, len(plan.draft_ranks) + 1):
+                drafts.setdefault(index + j, []).append((f, j - 1))
+            for d, s in enumerate(plan.depth_slices):
+                embedding.append((index + d - 1, slice(query + s.start, query + s.stop)))
+                if index + d < last:  # a slot whose code is not the frame's last scores the next one
+                    for u in range(s.start, s.stop):
+                        scores.setdefault(index + d + 1, []).append((query + u, row, index + d, f, u))
+            query += plan.tree.nodes + 1
+        draft_order = [entry for _, entries in sorted(drafts.items()) for entry in entries]
+        drafts_of = [[draft_order.index((f, j)) for j in range(len(p.draft_ranks))] for f, p in enumerate(plans)]
+        node_source = []
+        for f, plan in enumerate(plans):
+            node_source.append(f)
+            for depth, rank in zip(plan.slot_depth[1:].tolist(), plan.node_rank.tolist()):
+                node_source.append(len(plans) + drafts_of[f][depth - 1] * width + rank)
+        score_order = [entry for _, entries in sorted(scores.items()) for entry in entries]
+        draws_of = [[0] * (p.tree.nodes + 1) for p in plans]
+        for i, (*_, f, u) in enumerate(score_order):
+            draws_of[f][u] = i
+        attention = {"rows": [], "groups": []}
+        for index, plan, region, start in zip(indices, plans, regions, query_starts):
+            if runner.row_attention:
+                slots, visible = plan.row_slots(index + 1, runner.width)
+                attention["rows"].append((region + slots, visible))
+            else:
+                attention["groups"].extend(
+                    (slice(start + s.start, start + s.stop), region + keys)
+                    for s, keys in plan.attention_groups(index + 1)
+                )
+        rows_attention = attention["rows"]
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, device=device, dtype=torch.long)
+
+        return cls(
+            plans=plans,
+            width=width,
+            draft_frames=tensor([f for f, _ in draft_order]),
+            draft_offsets=tensor([j for _, j in draft_order]),
+            draft_heads=head_slices(drafts),
+            node_source=tensor(node_source),
+            embedding=embedding,
+            positions=torch.cat([index + 1 + plan.slot_depth for index, plan in zip(indices, plans)]),
+            write=torch.cat(
+                [
+                    region + index + 1 + torch.arange(plan.tree.nodes + 1, device=device)
+                    for index, plan, region in zip(indices, plans, regions)
+                ]
+            ),
+            attention=(
+                {"rows": (torch.cat([r[0] for r in rows_attention]), torch.cat([r[1] for r in rows_attention]))}
+                if runner.row_attention
+                else {"groups": attention["groups"]}
+            ),
+            scored_rows=tensor([entry[0] for entry in score_order]),
+            score_heads=head_slices(scores),
+            noise_frames=tensor([entry[1] for entry in score_order]),
+            noise_codes=tensor([entry[2] for entry in score_order]),
+            query_starts=query_starts,
+            draws_of=draws_of,
+            drafts_of=drafts_of,
+            regions=regions,
+        )
 
 
-def round_rows(
-    runner: PredictorRunner,
-    frames: list[FrameRounds],
-    bases: list[int],
-    offsets: torch.Tensor,
-    noise: torch.Tensor,
-    sampling: SamplingConfig,
-) -> RowsRound:
-    """Every frame's round in one call: drafts, node embeddings at each frame's own positions, the
-    forward pass over all their rows (each frame's KV written to and read from its region at `bases`),
-    and the draws at every slot whose code is not its frame's last."""
+def head_slices(by_head: dict[int, list]) -> list[tuple[int, slice]]:
+    """Each head's position and its rows' slice, the rows laid out head by head in position order."""
+    slices, start = [], 0
+    for position, entries in sorted(by_head.items()):
+        slices.append((position, slice(start, start + len(entries))))
+        start += len(entries)
+    return slices
+
+
+def rounds_layout(runner: PredictorRunner, frames: list[FrameRounds]) -> tuple[tuple, RoundsLayout]:
+    """The layout of a round call over `frames` and its key, from the runner's recent layouts where it is there."""
     last, device = runner.code_groups - 1, runner.device
     plans = [frame_plan(f, last, device) for f in frames]
-    width = min(max([OBSERVED_RANKS, *(rank for p in plans for rank in p.draft_ranks)]), runner.vocab_size)
-    ranked = draft_rows(runner, frames, offsets, [len(p.draft_ranks) for p in plans], width)
-    node_codes, embeds, positions, write, slots, visible, groups = [], [], [], [], [], [], []
-    scored_rows, scored_positions, noise_rows = [], [], []
-    start = 0
-    for frame, plan, drafts in zip(frames, plans, ranked):
-        codes = torch.tensor([frame.root], device=device)
-        if plan.tree.nodes:
-            codes = torch.cat([codes, drafts[plan.slot_depth[1:] - 1, plan.node_rank]])
-        node_codes.append(codes)
-        embeds.append(runner.embed_codes(codes, frame.index, plan.depth_slices))
-        positions.append(frame.index + 1 + plan.slot_depth)
-        length, region = frame.index + 1, bases[frame.row]
-        write.append(region + length + torch.arange(len(codes), device=device))
-        if runner.row_attention:
-            index, seen = plan.row_slots(length, runner.width)
-            slots.append(region + index)
-            visible.append(seen)
-        else:
-            groups.extend(
-                (slice(start + s.start, start + s.stop), region + keys) for s, keys in plan.attention_groups(length)
-            )
-        for d, s in enumerate(plan.depth_slices):
-            if frame.index + d < last:  # a slot whose code is not the frame's last scores the next one
-                scored_rows.extend(range(start + s.start, start + s.stop))
-                scored_positions.extend([frame.index + d + 1] * (s.stop - s.start))
-                noise_rows.extend([(frame.row, frame.index + d)] * (s.stop - s.start))
-        start += len(codes)
-    attention = {"rows": (torch.cat(slots), torch.cat(visible))} if runner.row_attention else {"groups": groups}
-    out = runner.forward_rows(torch.cat(embeds), torch.cat(positions), torch.cat(write), attention)
-    scored = out[torch.tensor(scored_rows, device=device)]
-    draws = torch.empty(len(scored_rows), dtype=torch.long, device=device)
-    finite = []
-    for rows, logits in heads_by_position(runner, scored, scored_positions):
-        which = [noise_rows[i] for i in rows]
-        picked = noise[[r for r, _ in which], [m for _, m in which]]
-        draws[torch.tensor(rows, device=device)], flag = draw_checked(logits, picked, sampling)
-        finite.append(flag)
-    return RowsRound(plans, ranked, torch.cat(node_codes), out, draws, finite)
+    key = (runner.max_len, runner.row_attention, tuple((f.row, f.index, p.tree.paths) for f, p in zip(frames, plans)))
+    kept = runner.round_layouts
+    if key in kept:
+        kept.move_to_end(key)
+    else:
+        kept[key] = RoundsLayout.build(runner, [f.row for f in frames], [f.index for f in frames], plans)
+        if len(kept) > LAYOUTS_KEPT:
+            kept.popitem(last=False)
+    return key, kept[key]
 
 
-def commit_rounds(runner: PredictorRunner, frames: list[FrameRounds], bases: list[int], done: RowsRound) -> None:
-    """Walk every frame's tree with its draws (rvqtts.engine.decode.walk_tree), keep its accepted nodes' KV and
-    move it to its next root, or to its end."""
+def rounds_call(
+    runner: PredictorRunner,
+    layout: RoundsLayout,
+    offsets: torch.Tensor,
+    sampling: SamplingConfig,
+    hidden: torch.Tensor,
+    roots: torch.Tensor,
+    noise: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """Every frame's round in one call, by `layout`: ranked drafts of each frame from its `hidden` row (h_index),
+    its root (`roots`) and nodes embedded at its own positions, the forward pass over all their rows (each frame's
+    KV written to and read from its region), and the target's draws at every slot whose code is not its frame's
+    last, with their noise ([frames, G-1, V]). Returns node codes [sum q], hidden states [sum q, H], the draws (in
+    the layout's order), whether the logits were finite, and the ranked drafts [drafts, width]."""
+    ranked = torch.empty(0, layout.width, dtype=torch.long, device=roots.device)  # plain steps draft nothing
+    if layout.draft_heads:
+        drafts = hidden[layout.draft_frames] + offsets[layout.draft_offsets]
+        scores = torch.cat([runner.logits(drafts[rows], position) for position, rows in layout.draft_heads])
+        ranked = torch.topk(scores.float(), layout.width).indices
+    node_codes = torch.cat([roots, ranked.flatten()])[layout.node_source]
+    embeds = torch.cat([runner.embeddings[table](node_codes[rows]) for table, rows in layout.embedding])
+    out = runner.forward_rows(embeds, layout.positions, layout.write, layout.attention)
+    scored = out[layout.scored_rows]
+    logits = torch.cat([runner.logits(scored[rows], position) for position, rows in layout.score_heads])
+    draws, finite = draw_checked(logits, noise[layout.noise_frames, layout.noise_codes], sampling)
+    return node_codes, out, draws, finite, ranked
+
+
+def commit_rounds(
+    runner: PredictorRunner, frames: list[FrameRounds], layout: RoundsLayout, results: tuple[torch.Tensor, ...]
+) -> None:
+    """Walk every frame's tree with its draws (`walk_tree`), keep its accepted nodes' KV and move it to its next
+    root, or to its end."""
     last = runner.code_groups - 1
-    host_codes, host_draws = done.node_codes.tolist(), done.draws.tolist()
-    start = drawn = 0
-    for frame, plan, drafts in zip(frames, done.plans, done.ranked):
-        q = plan.tree.nodes + 1
+    node_codes, out, draws, _, ranked = results
+    host_codes, host_draws = node_codes.tolist(), draws.tolist()
+    host_ranked = ranked.tolist() if any(f.speculation is not None for f in frames) else []
+    for f, (frame, plan) in enumerate(zip(frames, layout.plans)):
+        start, q = layout.query_starts[f], plan.tree.nodes + 1
         codes = host_codes[start : start + q]
         slot_index = [frame.index + d for d, s in enumerate(plan.depth_slices) for _ in range(s.start, s.stop)]
-        accepted, final = walk_tree(plan.tree.buffers.children, codes, host_draws[drawn:], slot_index, last)
+        frame_draws = [host_draws[i] for i in layout.draws_of[f]]
+        accepted, final = walk_tree(plan.tree.buffers.children, codes, frame_draws, slot_index, last)
         if plan.tree.nodes:
-            frame.drafted.append((frame.index, drafts.tolist()))
+            frame.drafted.append((frame.index, [host_ranked[i] for i in layout.drafts_of[f]]))
             frame.accepted.append(len(accepted))
         frame.calls += 1
         frame.codes.append(codes[0])
         frame.codes.extend(codes[u] for u in accepted)
-        committed = bases[frame.row] + frame.index + 1
+        committed = layout.regions[f] + frame.index + 1
         runner.keep([committed + u for u in accepted], committed + 1)
         end = accepted[-1] if accepted else 0
-        frame.hidden = done.out[start + end]
+        frame.hidden = out[start + end]  # read by the next round (another key, so another static call) before any rerun
         frame.index, frame.root = (slot_index[end] + 1, final) if final is not None else (last, None)
-        drawn += sum(s.stop - s.start for s in plan.depth_slices if slot_index[s.start] < last)
-        start += q
 
 
 @torch.inference_mode()
@@ -215,25 +324,25 @@ def decode_frames_speculative(
     sampling: SamplingConfig,
     speculations: list[Speculation | None],
     offsets: torch.Tensor,
+    calls: StaticCalls = EAGER,
 ) -> list[FrameRounds]:
     """c1..c_{G-1} of n frames, frame r by the tree rounds of `speculations[r]` (None: plain steps), every
     frame's round in one call (see the module's docstring). `prefixes` [n, 2, E], `noise` [n, G-1, V],
     `offsets` the speculations' [K, hidden] on the runner's device and dtype. Returns each frame's
-    rounds; its codes are `decode_frame_plain`'s."""
-    last = runner.code_groups - 1
+    rounds; its codes are `decode_frames_plain`'s."""
+    last, n = runner.code_groups - 1, prefixes.shape[0]
     nodes = max(s.tree.nodes if s else 0 for s in speculations)
     if runner.max_len < runner.code_groups + nodes + 1:
         raise ValueError(
             f"the runner's rows hold {runner.max_len} slots, too few for rounds of {nodes} nodes: "
             f"build it for this speculation (LoopParts.build)"
         )
-    hidden = runner.prefill_rows(prefixes)
-    first, finite = draw_checked(runner.logits(hidden, 1), noise[:, 0], sampling)
+    hidden, first, finite = calls(("prefill", n, sampling), partial(prefill_call, runner, sampling), prefixes, noise)
     frames = [
-        FrameRounds(r, 1, code, hidden[r], speculation)
+        FrameRounds(r, 1, code, hidden[r].clone(), speculation)
         for r, (code, speculation) in enumerate(zip(first.tolist(), speculations))
     ]
-    bases, flags = runner.row_bases(len(frames)).tolist(), [finite]
+    flags = [finite.clone()]
     while True:
         for frame in frames:
             if frame.index == last and frame.root is not None:  # the root is the frame's last code
@@ -242,9 +351,18 @@ def decode_frames_speculative(
         active = [f for f in frames if f.root is not None]
         if not active:
             break
-        done = round_rows(runner, active, bases, offsets, noise, sampling)
-        flags.extend(done.finite)
-        commit_rounds(runner, active, bases, done)
+        key, layout = rounds_layout(runner, active)
+        results = calls(
+            ("rounds", key, sampling),
+            partial(rounds_call, runner, layout, offsets, sampling),
+            torch.stack([f.hidden for f in active]),
+            torch.tensor([f.root for f in active], device=runner.device),
+            noise,
+        )
+        flags.append(results[3].clone())
+        if not bool(flags[-1]):
+            break
+        commit_rounds(runner, active, layout, results)
     if not bool(torch.stack(flags).all()):
         raise NonFiniteError("code predictor", runner.dtype)
     return frames

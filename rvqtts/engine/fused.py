@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rvqtts.engine.decode import DecodeStats, walk_tree
+from rvqtts.engine.decode import DecodeStats
+from rvqtts.engine.decode_rows import walk_tree
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import SamplingConfig, warp_logits
 from rvqtts.engine.tree import Tree

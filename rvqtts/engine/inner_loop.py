@@ -11,14 +11,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rvqtts.engine.decode import (
-    DEFAULT_DEPTH,
-    EAGER,
-    DecodeStats,
-    Speculation,
-    decode_frame_plain,
-    decode_frame_speculative,
-)
+from rvqtts.engine.decode import DEFAULT_DEPTH, EAGER, DecodeStats, Speculation
+from rvqtts.engine.decode_rows import FrameRounds, decode_frames_plain, decode_frames_speculative
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.fused import FusedDecoder
 from rvqtts.engine.graphs import StaticCalls
@@ -109,34 +103,56 @@ class InnerLoop:
                 )
             decode = self.fused.decode if self.speculation else self.fused.decode_plain
             codes = decode(prefix, noise, self.stats)
-        elif isinstance(self.speculation, OnlineSpeculation):
-            codes = self.decode_online(prefix, noise, sampling)
-        elif self.speculation is None:
-            codes = decode_frame_plain(self.runner, prefix, noise, sampling, self.stats, self.calls)
         else:
-            codes = decode_frame_speculative(
-                self.runner, prefix, noise, sampling, self.speculation, self.offsets, self.stats, self.calls
+            (done,) = inner_frames(
+                self.runner, prefix[None], noise[None], sampling, self.speculation, self.offsets, self.calls
             )
+            count_frame(self.stats, done)
+            codes = done.codes
         if self.on_frame:
             self.on_frame(prefix, codes)
         return codes
 
-    def decode_online(self, prefix: torch.Tensor, noise: torch.Tensor, sampling: SamplingConfig) -> list[int]:
-        """A frame with the tree size the online choice (rvqtts.engine.online) makes now; it learns from the frame."""
-        online = self.speculation
-        online.start(self.runner, sampling)
+
+def inner_frames(
+    runner: PredictorRunner,
+    prefixes: torch.Tensor,
+    noise: torch.Tensor,
+    sampling: SamplingConfig,
+    speculation: Speculation | OnlineSpeculation | None,
+    offsets: torch.Tensor | None,
+    calls: StaticCalls = EAGER,
+) -> list[FrameRounds]:
+    """c1..c_{G-1} of n frames (`prefixes` [n, 2, E], `noise` [n, G-1, V]) in shared calls: plain, by a fixed
+    tree, or by the tree size the online choice (rvqtts.engine.online) makes now, which learns from these frames
+    (its probe, a draft chain that keeps acceptance counted, runs on the first frame while the others step
+    plain)."""
+    online = speculation if isinstance(speculation, OnlineSpeculation) else None
+    probe = False
+    if online is not None:
+        online.start(runner, sampling)
         speculation, probe = online.frame_speculation()
-        drafted: list = []
-        started = time.perf_counter()
-        if speculation is None:
-            codes = decode_frame_plain(self.runner, prefix, noise, sampling, self.stats, self.calls)
-        else:
-            codes = decode_frame_speculative(
-                self.runner, prefix, noise, sampling, speculation, self.offsets, self.stats, self.calls, drafted
-            )
-        synchronize(self.device)
-        online.observe(codes, drafted, probe, (time.perf_counter() - started) * 1e3)
-        return codes
+    started = time.perf_counter()
+    if speculation is None:
+        last = runner.code_groups - 1
+        rests = decode_frames_plain(runner, prefixes, noise, sampling, calls)
+        frames = [FrameRounds(r, last, None, None, codes=rest, calls=len(rest)) for r, rest in enumerate(rests)]
+    else:
+        trees = [speculation] + [None if probe else speculation] * (prefixes.shape[0] - 1)
+        frames = decode_frames_speculative(runner, prefixes, noise, sampling, trees, offsets, calls)
+    synchronize(runner.device)
+    if online is not None:
+        share = (time.perf_counter() - started) * 1e3 / len(frames)
+        for frame in frames:
+            online.observe(frame.codes, frame.drafted, probe and bool(frame.drafted), share)
+    return frames
+
+
+def count_frame(stats: DecodeStats, frame: FrameRounds) -> None:
+    """A frame's calls, codes and accepted depths, into `stats`."""
+    for accepted in frame.accepted:
+        stats.count_accepted(accepted)
+    stats.count_frame(frame.calls, len(frame.codes))
 
 
 class ForcedLoop(InnerLoop):

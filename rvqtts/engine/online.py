@@ -40,8 +40,8 @@ from functools import partial
 
 import torch
 
-from rvqtts.engine.decode import OBSERVED_RANKS, RoundPlan, Speculation, round_call, step_call
-from rvqtts.engine.decode_rows import FrameRounds, round_rows, steps_call
+from rvqtts.engine.decode import OBSERVED_RANKS, Speculation
+from rvqtts.engine.decode_rows import FrameRounds, rounds_call, rounds_layout, steps_call
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.kernels import kernels_used, machine_key
@@ -151,21 +151,13 @@ def measure_call_costs(
     device, depth = runner.device, 3
     offsets = torch.zeros(depth, runner.hidden_size, device=device, dtype=runner.dtype)
     hidden = torch.randn(runner.hidden_size, device=device, dtype=runner.dtype)
-    code = torch.tensor([5], device=device)
     noise = torch.zeros(runner.code_groups - 1, runner.vocab_size, device=device)
     sampling, index, static = SamplingConfig(), 7, StaticCalls.for_device(device)
     prior = load_acceptance(SHIPPED_TREES / "prior-acceptance.json")["acceptance"]
 
     def call(q: int):
-        if rows > 1:
-            speculation = Speculation(grow_tree(prior, q - 1), Offsets(offsets.float().cpu())) if q > 1 else None
-            return partial(rows_call, runner, rows, index, speculation, offsets, hidden, noise, sampling)
-        if q == 1:
-            return partial(static, ("cost", 1), partial(step_call, runner, index, sampling), code, noise)
-        plan = RoundPlan.build(grow_tree(prior, q - 1), device)
-        return partial(
-            static, ("cost", q), partial(round_call, runner, plan, offsets, index, sampling), hidden, code, noise
-        )
+        speculation = Speculation(grow_tree(prior, q - 1), Offsets(offsets.float().cpu())) if q > 1 else None
+        return partial(rows_call, runner, rows, index, speculation, offsets, hidden, noise, sampling, static)
 
     calls = {q: call(q) for q in queries}
     times: dict[int, list[float]] = {q: [] for q in queries}
@@ -190,15 +182,23 @@ def rows_call(
     hidden: torch.Tensor,
     noise: torch.Tensor,
     sampling: SamplingConfig,
+    calls: StaticCalls,
 ) -> None:
     """One call of `rows` frames at code `index`: a plain step of each (no speculation), or each one's
-    round of the speculation's tree (rvqtts.engine.decode_rows.round_rows)."""
+    round of the speculation's tree (rvqtts.engine.decode_rows.rounds_call), through `calls` as frames make it."""
     codes = torch.full((rows,), 5, device=runner.device)
+    noise = noise[None].expand(rows, -1, -1)
     if speculation is None:
-        steps_call(runner, codes, index, noise[None, index].expand(rows, -1), sampling)
+        calls(("cost", index, rows, sampling), partial(steps_call, runner, index, sampling), codes, noise)
         return
-    frames = [FrameRounds(r, index, 5, hidden, speculation) for r in range(rows)]
-    round_rows(runner, frames, runner.row_bases(rows).tolist(), offsets, noise[None].expand(rows, -1, -1), sampling)
+    key, layout = rounds_layout(runner, [FrameRounds(r, index, 5, hidden, speculation) for r in range(rows)])
+    calls(
+        ("cost", key, sampling),
+        partial(rounds_call, runner, layout, offsets, sampling),
+        hidden.expand(rows, -1),
+        codes,
+        noise,
+    )
 
 
 def call_costs(

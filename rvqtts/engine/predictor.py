@@ -12,6 +12,8 @@ The normed output at position m is h_m, and `lm_head[m - 1](h_m)` scores c_m.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from rvqtts.engine.attention import attention_width, row_attention_exact
@@ -59,32 +61,8 @@ class PredictorRunner(CachedDecoder):
         cos, sin = code_predictor.model.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0], sin[0]
         self.causal = torch.ones(max_len, max_len, device=self.device, dtype=torch.bool).tril()
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
-        start: int,
-        mask: torch.Tensor | None = None,
-        groups: list[tuple[slice, torch.Tensor]] | None = None,
-        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Run `embeds` [q, E] at `positions` [q], writing their KV to slots start..start+q-1.
-
-        `mask` [q, max_len] says which cache slots each query attends to (after this call's writes);
-        `groups` instead gives, for slices of the queries, the slots [n, L] each query attends to in
-        order (a tree round: rvqtts.engine.decode.RoundPlan.attention_groups); `rows`, for row attention, each
-        query's `width` slots (None: the first `width`) and which it sees (RoundPlan.row_slots); with none,
-        every query sees every slot up to its own writes (a single query, as in plain steps).
-        Returns the final-normed hidden states [q, hidden], the input of the LM heads.
-        """
-        end = start + embeds.shape[0]  # attention reads only the slots written so far
-        x = self.project_input(embeds)
-        cos, sin = self.cos[positions][None], self.sin[positions][None]
-        if rows is not None:
-            return self.run_layers(x, cos, sin, slice(start, end), self.width, rows=rows)
-        return self.run_layers(x, cos, sin, slice(start, end), end, None if mask is None else mask[:, :end], groups)
+        self.round_layouts: OrderedDict = OrderedDict()  # recent round calls' layouts (rvqtts.engine.decode_rows)
+        self.step_layouts: dict = {}  # plain steps' (`step_layout`)
 
     def project_input(self, embeds: torch.Tensor) -> torch.Tensor:
         """Embeddings [q, E] to the layers' width (the module's projection, bias added after the map)."""
@@ -92,20 +70,13 @@ class PredictorRunner(CachedDecoder):
         return x if self.project_bias is None else x + self.project_bias
 
     def prefill(self, prefix: torch.Tensor) -> torch.Tensor:
-        """The frame's first call: [h_t, embedding of c0] at positions 0 and 1. Returns h_1."""
-        positions = torch.arange(2, device=self.device)
-        if self.row_attention:
-            return self.forward(prefix, positions, 0, rows=(None, self.causal[:2, : self.width]))[-1]
-        return self.forward(prefix, positions, 0, self.causal[:2])[-1]
+        """One frame's first call: [h_t, embedding of c0] at positions 0 and 1 of batch row 0. Returns h_1."""
+        return self.prefill_rows(prefix[None])[0]
 
     def step(self, code: torch.Tensor, index: int) -> torch.Tensor:
-        """One plain step: code c_index (a 1-element tensor) at position index + 1. Returns h_{index+1}."""
-        slot = index + 1
-        embed = self.embeddings[index - 1](code.view(1))
-        positions = torch.full((1,), slot, device=self.device, dtype=torch.long)
-        if self.row_attention:
-            return self.forward(embed, positions, slot, rows=(None, self.causal[slot : slot + 1, : self.width]))[0]
-        return self.forward(embed, positions, slot, None)[0]
+        """One frame's plain step in batch row 0: code c_index (a 1-element tensor) at position index + 1.
+        Returns h_{index+1}."""
+        return self.step_rows(code.view(1), index)[0]
 
     def prefill_rows(self, prefixes: torch.Tensor) -> torch.Tensor:
         """The first call of n frames at once, frame r in batch row r: prefixes [n, 2, E] ([h_t, embedding
@@ -132,20 +103,24 @@ class PredictorRunner(CachedDecoder):
 
     def step_rows(self, codes: torch.Tensor, index: int) -> torch.Tensor:
         """One plain step of n frames at once: code c_index of frame r ([n]) in batch row r. Returns each
-        frame's h_{index+1} [n, hidden], the bits `step` gives each alone."""
-        n, slot = codes.shape[0], index + 1
-        base = self.row_bases(n)
-        positions = torch.full((n,), slot, device=self.device, dtype=torch.long)
-        if self.row_attention:
-            slots = base[:, None] + torch.arange(self.width, device=self.device)
-            attention = {"rows": (slots, self.causal[slot : slot + 1, : self.width].expand(n, -1))}
-        else:
-            attention = {
-                "groups": [
-                    (slice(r, r + 1), (base[r] + torch.arange(slot + 1, device=self.device))[None]) for r in range(n)
-                ]
-            }
-        return self.forward_rows(self.embeddings[index - 1](codes), positions, base + slot, attention)
+        frame's h_{index+1} [n, hidden], the bits a step of the frame alone gives (rows are invariant)."""
+        positions, write, attention = self.step_layout(codes.shape[0], index)
+        return self.forward_rows(self.embeddings[index - 1](codes), positions, write, attention)
+
+    def step_layout(self, n: int, index: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """A step's positions, cache writes and attention for n frames at code `index` (built once per shape)."""
+        key = (n, index, self.max_len, self.row_attention)
+        if key not in self.step_layouts:
+            slot, base = index + 1, self.row_bases(n)
+            positions = torch.full((n,), slot, device=self.device, dtype=torch.long)
+            if self.row_attention:
+                slots = base[:, None] + torch.arange(self.width, device=self.device)
+                attention = {"rows": (slots, self.causal[slot : slot + 1, : self.width].expand(n, -1))}
+            else:
+                reads = [(base[r] + torch.arange(slot + 1, device=self.device))[None] for r in range(n)]
+                attention = {"groups": [(slice(r, r + 1), keys) for r, keys in enumerate(reads)]}
+            self.step_layouts[key] = (positions, base + slot, attention)
+        return self.step_layouts[key]
 
     def row_bases(self, rows: int) -> torch.Tensor:
         """The first cache slot of each of `rows` batch rows, the cache grown to hold them."""
@@ -161,21 +136,9 @@ class PredictorRunner(CachedDecoder):
         x = self.project_input(embeds)
         return self.run_layers(x, self.cos[positions][None], self.sin[positions][None], write, self.width, **attention)
 
-    def round_attention(self, plan: object, length: int) -> dict:
-        """How a tree round of `plan` (rvqtts.engine.decode.RoundPlan) over `length` committed slots attends:
-        with row attention, each query's slots over the width, else per depth its gathered slots."""
-        if self.row_attention:
-            return {"rows": plan.row_slots(length, self.width)}
-        return {"groups": plan.attention_groups(length)}
-
     def linear_maps(self) -> list[LinearMap]:
         """Every linear map a call may apply: the layers', the LM heads and the input projection's."""
         return self.layer_maps() + self.heads + ([self.project] if isinstance(self.project, LinearMap) else [])
-
-    def embed_codes(self, codes: torch.Tensor, first_index: int, depth_slices: list[slice]) -> torch.Tensor:
-        """Embed a round's query: the codes in `depth_slices[d]` are c_{first_index + d}."""
-        parts = [self.embeddings[first_index + d - 1](codes[s]) for d, s in enumerate(depth_slices)]
-        return torch.cat(parts)
 
     def logits(self, hidden: torch.Tensor, index: int) -> torch.Tensor:
         """Scores of code c_index from hidden states [..., hidden] (the head LMH_index)."""
