@@ -25,10 +25,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rvqtts.engine.decode_rows import decode_frames_plain
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.kernels import kernels_used, machine_key, measured_choices
 from rvqtts.engine.online import predictor_key
+from rvqtts.engine.rounds import plain_frames
 from rvqtts.engine.sampling import SamplingConfig
 from rvqtts.store import BATCH_SIZES
 
@@ -59,7 +59,7 @@ def frame_costs(synth, candidates: tuple[int, ...] = CANDIDATES, repeats: int = 
                 synchronize(device)
                 started = time.perf_counter()
                 talker.step_rows(inputs[:b], [CONTEXT] * b, list(range(b)))
-                decode_frames_plain(runner, prefixes[:b], noise[:b], SamplingConfig())
+                plain_frames(runner, prefixes[:b], noise[:b], SamplingConfig())
                 synchronize(device)
                 if turn:
                     times[b].append((time.perf_counter() - started) * 1e3 / b)

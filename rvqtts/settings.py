@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rvqtts.cloning import ClonedVoice
-from rvqtts.engine.decode import DecodeStats
 from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.speculation import LoopStats
 
 QWEN_TTS_DEFAULTS = dict(
     do_sample=True,
@@ -124,7 +124,7 @@ class Synthesis:
     audio: np.ndarray
     sample_rate: int
     codes: np.ndarray
-    stats: DecodeStats
+    stats: LoopStats
     seconds: dict[str, float]
     talker_calls: int
     chunks: int

@@ -31,7 +31,6 @@ from rvqtts.cloning import (
     load_voice,
 )
 from rvqtts.engine.batch_frames import BatchFrameLoop, ChunkDone, Work, WorkFailed
-from rvqtts.engine.decode import DEFAULT_DEPTH, Speculation
 from rvqtts.engine.frame_loop import FrameLoop
 from rvqtts.engine.fused import FusedDecoder
 from rvqtts.engine.graphs import StaticCalls
@@ -42,6 +41,7 @@ from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.quantize import check_weights
 from rvqtts.engine.sampling import C0Rules, NonFiniteError
+from rvqtts.engine.speculation import DEFAULT_DEPTH, Speculation
 from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.engine.tree import best_budget, platform_key, resolve_tree

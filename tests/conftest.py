@@ -174,7 +174,7 @@ def released_17(released_17_dir):
 SLOW_MODULES = (
     "test_cluster",  # 186
     "test_coreml",  # 107
-    "test_decode",  # 73
+    "test_inner_loop",  # 73
     "test_kernels",  # 59
     "test_released",  # 58
     "test_exactness",  # new, 2026-12-04: about 60

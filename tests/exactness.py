@@ -45,7 +45,7 @@ def float32_reference(code_predictor: torch.nn.Module) -> torch.nn.Module:
 
 
 def broken_walk(children, node_codes, draws, slot_index, last_index):
-    """A planted fault in the verifier (rvqtts.engine.decode.walk_tree): when the draw hits any drafted child,
+    """A planted fault in the verifier (rvqtts.engine.speculation.walk_tree): when the draw hits any drafted child,
     descend into the first (rank 0) child."""
     accepted, u = [], 0
     while slot_index[u] < last_index:

@@ -13,8 +13,8 @@ from helpers import decode_frames
 import rvqtts.engine.attention as attention
 import rvqtts.engine.predictor as predictor_module
 from rvqtts.engine.attention import MAX_TREE_NODES, attend_rows, attention_width, rows_exact
-from rvqtts.engine.decode import Speculation
 from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import Tree, resolve_tree
 
 HEADS, KV_HEADS, HEAD_DIM, WIDTH = 4, 2, 16, 12

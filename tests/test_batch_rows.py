@@ -13,12 +13,12 @@ import torch
 import rvqtts.engine.online as online_module
 from rvqtts import batch_size
 from rvqtts.engine import talker as talker_module
-from rvqtts.engine.decode import Speculation
-from rvqtts.engine.decode_rows import decode_frames_plain, decode_frames_speculative
 from rvqtts.engine.inner_loop import LoopParts
 from rvqtts.engine.offsets import Offsets, predictor_fingerprint
 from rvqtts.engine.online import OnlineSpeculation
+from rvqtts.engine.rounds import plain_frames, speculative_frames
 from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.engine.tree import resolve_tree
 from rvqtts.settings import GenerationSettings, Line
@@ -264,14 +264,14 @@ def test_a_batched_round_gives_every_frame_the_codes_and_rounds_it_gets_alone(wh
     noise = torch.stack([torch.from_numpy(gumbel_noise(3, f, 0, np.arange(1, groups), vocab)) for f in range(6)])
     speculations = [None if f == 3 else speculation for f in range(6)]  # (random weights at the released widths
     # accept drafts in frames 2 and 5 of these six)
-    frames = decode_frames_speculative(runner, prefixes, noise, sampling, speculations, parts.offsets)
+    frames = speculative_frames(runner, prefixes, noise, sampling, speculations, parts.offsets)
     for f, frame in enumerate(frames):
         one = slice(f, f + 1)  # the frame alone, in row 0
-        assert [frame.codes] == decode_frames_plain(runner, prefixes[one], noise[one], sampling)
+        assert [frame.codes] == plain_frames(runner, prefixes[one], noise[one], sampling)
         if speculations[f] is None:
             assert frame.calls == groups - 1 and not frame.accepted and not frame.drafted
             continue
-        (alone,) = decode_frames_speculative(runner, prefixes[one], noise[one], sampling, [speculation], parts.offsets)
+        (alone,) = speculative_frames(runner, prefixes[one], noise[one], sampling, [speculation], parts.offsets)
         assert frame.codes == alone.codes and frame.calls == alone.calls and frame.accepted == alone.accepted
     assert len({frame.calls for frame in frames}) > 2 and min(frame.calls for frame in frames) < groups - 1
 

@@ -30,11 +30,11 @@ from rvqtts.engine.coreml import (
     read_package,
     trace_calls,
 )
-from rvqtts.engine.decode import DecodeStats, Speculation
 from rvqtts.engine.fused import FusedCalls, FusedDecoder
 from rvqtts.engine.inner_loop import InnerLoop
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
+from rvqtts.engine.speculation import LoopStats, Speculation
 from rvqtts.engine.tree import resolve_tree
 from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer
@@ -68,7 +68,7 @@ def codes_agreement(
     same = total = 0
     for frame in range(frames):
         prefix = random_prefix(synth, seed=frame)
-        ours = decoder.decode(prefix, frame_noise(frame, synth.code_predictor.config.vocab_size), DecodeStats())
+        ours = decoder.decode(prefix, frame_noise(frame, synth.code_predictor.config.vocab_size), LoopStats())
         theirs = engine.decode(prefix, sampling, 0, frame)
         same += sum(a == b for a, b in zip(ours, theirs))
         total += len(theirs)
@@ -117,7 +117,7 @@ def test_the_traced_graphs_give_the_engines_codes(which, request):
     decoder = FusedDecoder(traced, speculation.tree, sampling)
     engine = InnerLoop(synth.code_predictor, speculation, seed=3)
     plain = InnerLoop(synth.code_predictor, None, seed=3)
-    stats, plain_stats = DecodeStats(), DecodeStats()
+    stats, plain_stats = LoopStats(), LoopStats()
     vocab = synth.code_predictor.config.vocab_size
     frames = 8 if which == "released_17" else 24  # the wide layout's frames cost the most and prove the same
     for frame in range(frames):

@@ -13,11 +13,11 @@ import torch
 from exactness import broken_walk, first_difference, float32_reference, paper_offsets, unexplained_differences
 from helpers import decode_frames, frame_noises, frame_prefixes, linear_maps_are_row_invariant
 
-import rvqtts.engine.decode_rows
+import rvqtts.engine.rounds
 from rvqtts.audio import audio_bytes
 from rvqtts.batch_size import rows_invariant
-from rvqtts.engine.decode import Speculation
 from rvqtts.engine.sampling import SamplingConfig, residual_noise
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import resolve_tree
 from rvqtts.settings import GenerationSettings, Line
 from rvqtts.synthesis import Synthesizer
@@ -153,11 +153,11 @@ def test_a_batch_of_speculative_lines_writes_each_lines_plain_wav(paper_dir, rel
 
 
 def test_a_planted_broken_verifier_fails_every_comparison(paper_dir, released_06_kernels, measured, monkeypatch):
-    """The verifier accepting a drafted child that does not hold the target's draw (tests/test_decode.py's
+    """The verifier accepting a drafted child that does not hold the target's draw (tests/test_inner_loop.py's
     broken_walk): the frame comparison finds differences beyond near-ties in most frames, and the utterance
     comparison finds one at its first differing frame."""
     synth, speculation = load(paper_dir, "bfloat16")
-    monkeypatch.setattr(rvqtts.engine.decode_rows, "walk_tree", broken_walk)
+    monkeypatch.setattr(rvqtts.engine.rounds, "walk_tree", broken_walk)
     unexplained, _, _ = inner_loop_differences(synth, speculation, FRAMES["bfloat16"])
     assert len(unexplained) >= FRAMES["bfloat16"] // 2, unexplained
     spec, spec_frames = spoken(synth, speculation)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from helpers import random_prefix
 
-from rvqtts.engine.decode import DecodeStats, Speculation
 from rvqtts.engine.fused import FusedDecoder
 from rvqtts.engine.inner_loop import InnerLoop
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
+from rvqtts.engine.speculation import LoopStats, Speculation
 from rvqtts.engine.tree import grow_tree
 from rvqtts.synthesis import Synthesizer
 
@@ -31,7 +31,7 @@ def test_fused_rounds_give_the_engines_codes(which, request):
     offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(16)) * 0.5)
     loop = InnerLoop(synth.code_predictor, Speculation(tree, offsets), seed=11)
     fused = FusedDecoder.pytorch(PredictorRunner(synth.code_predictor, 16), tree, offsets.vectors, SamplingConfig())
-    stats = DecodeStats()
+    stats = LoopStats()
     for frame in range(40):
         prefix = random_prefix(synth, seed=frame)
         noise = torch.from_numpy(gumbel_noise(11, 0, frame, np.arange(1, 16), loop.runner.vocab_size))
@@ -39,7 +39,7 @@ def test_fused_rounds_give_the_engines_codes(which, request):
         assert codes == loop.decode(prefix, SamplingConfig(), 0, frame), f"frame {frame}"
     assert stats == loop.stats  # the same calls, codes, rounds and acceptance depths
     plain = InnerLoop(synth.code_predictor, None, seed=11)
-    plain_stats = DecodeStats()
+    plain_stats = LoopStats()
     for frame in range(10):  # the plain q = 1 step Core ML runs for --no-spec
         prefix = random_prefix(synth, seed=frame)
         noise = torch.from_numpy(gumbel_noise(11, 0, frame, np.arange(1, 16), loop.runner.vocab_size))

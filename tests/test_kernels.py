@@ -17,9 +17,9 @@ import rvqtts.engine.devices
 import rvqtts.engine.kernels as kernels
 import rvqtts.engine.native
 from rvqtts.engine.attention import row_attention_exact
-from rvqtts.engine.decode import Speculation
 from rvqtts.engine.kernels import Kernel, LinearMap
 from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import resolve_tree
 from rvqtts.report import _engine_summary
 from rvqtts.synthesis import Synthesizer

@@ -16,11 +16,11 @@ from helpers import decode_frames
 
 import rvqtts.engine.kernels as kernels
 from rvqtts.engine import native
-from rvqtts.engine.decode import Speculation
 from rvqtts.engine.kernels import Kernel, KernelChoice, LinearMap, candidates, rows_are_invariant
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.quantize import quantize_rows
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import resolve_tree
 from rvqtts.synthesis import Synthesizer
 

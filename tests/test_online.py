@@ -13,11 +13,11 @@ from helpers import random_prefix
 from helpers import run_cli as run
 
 import rvqtts.engine.online as online_module
-from rvqtts.engine.decode import OBSERVED_RANKS
 from rvqtts.engine.inner_loop import InnerLoop, LoopParts
 from rvqtts.engine.offsets import Offsets, predictor_fingerprint
 from rvqtts.engine.online import AcceptanceCounts, OnlineSpeculation, committed_ranks
 from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.speculation import OBSERVED_RANKS
 from rvqtts.engine.tree import resolve_tree
 from rvqtts.tuning.calibration import acceptance_table
 

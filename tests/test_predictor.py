@@ -6,9 +6,9 @@ import pytest
 import torch
 from helpers import random_prefix, stock_path_logits
 
-from rvqtts.engine.decode import RoundPlan
 from rvqtts.engine.kernels import kernel_choice
 from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.speculation import RoundPlan
 from rvqtts.engine.tree import Tree
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tuning.tiny import build_tiny_model

@@ -12,13 +12,13 @@ from helpers import random_prefix
 from helpers import run_cli as run
 from helpers import run_cli_json as run_json
 
-from rvqtts.engine.decode import Speculation
 from rvqtts.engine.inner_loop import InnerLoop, LoopParts
 from rvqtts.engine.kernels import Kernel, LinearMap
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.quantize import check_weights, quantize_rows
 from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import resolve_tree
 from rvqtts.synthesis import Synthesizer
 

@@ -12,10 +12,10 @@ import torch
 from exactness import unexplained_differences
 from helpers import decode_frames, frame_noises, frame_prefixes, linear_maps_are_row_invariant
 
-from rvqtts.engine.decode import Speculation
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import resolve_tree
 from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer
@@ -104,7 +104,7 @@ def test_speculative_codes_equal_plain_codes_in_every_dtype(dims, dtype, request
 def test_static_calls_give_the_eager_codes_at_the_released_layout(released_17):
     speculation = Speculation(resolve_tree("15"), Offsets.zeros(3, released_17.hidden_size))
     for tree in (speculation, None):
-        eager, _ = decode_frames(released_17, tree, 6)  # plumbing: deep acceptance is tests/test_decode.py's
+        eager, _ = decode_frames(released_17, tree, 6)  # plumbing: deep acceptance is tests/test_inner_loop.py's
         emulated, _ = decode_frames(released_17, tree, 6, StaticCalls("emulated"))
         assert np.array_equal(eager, emulated)
 

@@ -12,10 +12,10 @@ import pytest
 from typer.testing import CliRunner
 
 from rvqtts.cli import app
-from rvqtts.engine.decode import Speculation
 from rvqtts.engine.inner_loop import InnerLoop
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import load_acceptance, load_tree, resolve_tree
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tuning.contexts import load_contexts

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rvqtts.engine.decode import Speculation
 from rvqtts.engine.offsets import Offsets
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import resolve_tree
 
 TEXT = "Hello world. This is a test."

@@ -12,10 +12,10 @@ import pytest
 import torch
 from helpers import random_contexts
 
-from rvqtts.engine.decode import Speculation
 from rvqtts.engine.inner_loop import InnerLoop
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import grow_tree
 from rvqtts.tuning.calibration import replay_calls
 from rvqtts.tuning.drafters import OffsetDrafter

@@ -92,12 +92,12 @@ def bench_fused(
     float32 PyTorch engine on the same frames and noise: how many codes and whole frames agree, speculative
     and plain, the candidate's codes per call, and its milliseconds per frame both ways (interleaved)."""
 
-    from rvqtts.engine.decode import DecodeStats
     from rvqtts.engine.inner_loop import InnerLoop
     from rvqtts.engine.sampling import residual_noise
+    from rvqtts.engine.speculation import LoopStats
 
     engine = InnerLoop(code_predictor, speculation, seed)
-    spec_stats, plain_stats = DecodeStats(), DecodeStats()
+    spec_stats, plain_stats = LoopStats(), LoopStats()
     same = {"spec": [0, 0], "plain": [0, 0]}  # codes, frames
     seconds = {"spec": 0.0, "plain": 0.0}
     for frame, prefix in enumerate(prefixes):

@@ -18,13 +18,13 @@ from rvqtts.bench.floor import (
     round_heads,
 )
 from rvqtts.bench.harness import KV_LENGTH, interleaved_ms, quantile, talker_width, timing_tree
-from rvqtts.engine.decode import Speculation
-from rvqtts.engine.decode_rows import decode_frames_plain
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.online import rows_call
 from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.rounds import plain_frames
 from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.speculation import Speculation
 
 
 def _stock_step(code_predictor: torch.nn.Module, device: torch.device, dtype: torch.dtype):
@@ -74,7 +74,7 @@ def _frame_loops(
     static = StaticCalls.for_device(device)
     return {
         "stock_frame": stock,
-        "plain_frame": lambda: decode_frames_plain(runner, prefix, noise[None], sampling, static),
+        "plain_frame": lambda: plain_frames(runner, prefix, noise[None], sampling, static),
     }
 
 

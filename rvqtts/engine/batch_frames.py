@@ -4,7 +4,7 @@ row per utterance, and a row whose utterance ends takes the next one (continuous
 On a CPU a call of either loop costs about what reading its weights costs, whatever its few rows, so
 B utterances in one call cost little more than one (docs/benchmarks.md). Each utterance keeps its own
 talker cache region (rvqtts.engine.talker), positions, text stream, c0 history and end; all rows' frames share
-the inner loop's calls, plain or by tree rounds (rvqtts.engine.decode_rows). Every code is drawn
+the inner loop's calls, plain or by tree rounds (rvqtts.engine.rounds). Every code is drawn
 with the noise of its own (seed, utterance, frame, position), and every row's arithmetic is the one it
 gets alone (row-invariant kernels, attention over its own slots), so an utterance's codes are the ones
 a one-utterance run gives it (rvqtts.engine.frame_loop), wherever its rows are then.
@@ -23,13 +23,13 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from rvqtts.engine.decode import DecodeStats, Speculation
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.frame_loop import draw_c0
 from rvqtts.engine.inner_loop import count_frame, inner_frames
 from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import C0Rules, SamplingConfig, residual_noise
+from rvqtts.engine.speculation import LoopStats, Speculation
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.prompt import Prompt
 
@@ -46,7 +46,7 @@ class Work:
     tag: object = None  # the caller's handle
     frame: int = 0  # frames spoken so far, across chunks
     talker_calls: int = 0
-    stats: DecodeStats = field(default_factory=DecodeStats)
+    stats: LoopStats = field(default_factory=LoopStats)
     frames_by_budget: dict[int, int] = field(default_factory=dict)  # its frames by the online tree size
     seconds: dict = field(default_factory=lambda: {"talker": 0.0, "predictor": 0.0, "prefill": 0.0})
 

@@ -33,11 +33,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rvqtts.engine.decode import Speculation
 from rvqtts.engine.fused import FusedCalls, FusedDecoder
 from rvqtts.engine.offsets import predictor_fingerprint
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import Tree
 from rvqtts.files import cache_dir
 

@@ -8,7 +8,7 @@ top-m draft ranks for the K codes after it (LMH_{m+1+j}(h + b_j)), so the next r
 from this call and no separate draft step runs; and the slots' new keys and values, which the host
 writes into its cache for the root and the accepted nodes only.
 
-Unlike the eager round (rvqtts.engine.decode), the tree is never cut near the frame's end: slots past c15
+Unlike the eager round (rvqtts.engine.speculation), the tree is never cut near the frame's end: slots past c15
 compute clamped nonsense that nothing attends to and the walk never reaches, so one graph serves a
 whole frame. Attention reads [cache; new slots] through the mask, so the graph has no dynamic writes.
 """
@@ -21,10 +21,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rvqtts.engine.decode import DecodeStats
-from rvqtts.engine.decode_rows import walk_tree
 from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.rounds import walk_tree
 from rvqtts.engine.sampling import SamplingConfig, warp_logits
+from rvqtts.engine.speculation import LoopStats
 from rvqtts.engine.tree import Tree
 
 MASKED = -3e4  # additive mask value for hidden slots; representable in float16
@@ -176,7 +176,7 @@ class FusedCalls:
 
 class FusedDecoder:
     """Frames decoded by fused calls with the host walking integers (same noise, same codes and counts
-    as rvqtts.engine.decode's loops): the prefill and round calls for speculative frames, the prefill and the
+    as rvqtts.engine.speculation's loops): the prefill and round calls for speculative frames, the prefill and the
     q = 1 step for plain ones (`decode_plain`). `sampling` is what the calls were built for."""
 
     def __init__(self, calls: FusedCalls, tree: Tree, sampling: SamplingConfig):
@@ -226,7 +226,7 @@ class FusedDecoder:
         return int(draws[1]), ranks[1].tolist()
 
     @torch.inference_mode()
-    def decode(self, prefix: torch.Tensor, noise: torch.Tensor, stats: DecodeStats) -> list[int]:
+    def decode(self, prefix: torch.Tensor, noise: torch.Tensor, stats: LoopStats) -> list[int]:
         """c1..c_{G-1} of one frame from [h_t, embedding of c0] and the frame's noise [G-1, V]."""
         last = self.code_groups - 1
         root, drafts = self.start(prefix, noise)
@@ -262,7 +262,7 @@ class FusedDecoder:
         return codes
 
     @torch.inference_mode()
-    def decode_plain(self, prefix: torch.Tensor, noise: torch.Tensor, stats: DecodeStats) -> list[int]:
+    def decode_plain(self, prefix: torch.Tensor, noise: torch.Tensor, stats: LoopStats) -> list[int]:
         """c1..c_{G-1} of one frame with one call per code (`--no-spec`)."""
         last = self.code_groups - 1
         codes = [self.start(prefix, noise)[0]]

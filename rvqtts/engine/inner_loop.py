@@ -11,14 +11,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rvqtts.engine.decode import DEFAULT_DEPTH, EAGER, DecodeStats, Speculation
-from rvqtts.engine.decode_rows import FrameRounds, decode_frames_plain, decode_frames_speculative
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.fused import FusedDecoder
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.rounds import FrameRounds, plain_frames, speculative_frames
 from rvqtts.engine.sampling import SamplingConfig, residual_noise
+from rvqtts.engine.speculation import DEFAULT_DEPTH, EAGER, LoopStats, Speculation
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class InnerLoop:
         self.vocab_size = code_predictor.config.vocab_size
         self.device = self.fused.device if self.fused else self.runner.device
         # One entry per draft depth K, also when nothing is accepted (or nothing is drafted: --no-spec).
-        self.stats = DecodeStats(accepted_per_depth=[0] * (speculation.offsets.depth if speculation else DEFAULT_DEPTH))
+        self.stats = LoopStats(accepted_per_depth=[0] * (speculation.offsets.depth if speculation else DEFAULT_DEPTH))
 
     def decode(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
         """The codes c1..c_{G-1} of one frame; `prefix` is [h_t, embedding of c0], shape [2, E]."""
@@ -135,11 +135,11 @@ def inner_frames(
     started = time.perf_counter()
     if speculation is None:
         last = runner.code_groups - 1
-        rests = decode_frames_plain(runner, prefixes, noise, sampling, calls)
+        rests = plain_frames(runner, prefixes, noise, sampling, calls)
         frames = [FrameRounds(r, last, None, None, codes=rest, calls=len(rest)) for r, rest in enumerate(rests)]
     else:
         trees = [speculation] + [None if probe else speculation] * (prefixes.shape[0] - 1)
-        frames = decode_frames_speculative(runner, prefixes, noise, sampling, trees, offsets, calls)
+        frames = speculative_frames(runner, prefixes, noise, sampling, trees, offsets, calls)
     synchronize(runner.device)
     if online is not None:
         share = (time.perf_counter() - started) * 1e3 / len(frames)
@@ -148,7 +148,7 @@ def inner_frames(
     return frames
 
 
-def count_frame(stats: DecodeStats, frame: FrameRounds) -> None:
+def count_frame(stats: LoopStats, frame: FrameRounds) -> None:
     """A frame's calls, codes and accepted depths, into `stats`."""
     for accepted in frame.accepted:
         stats.count_accepted(accepted)

@@ -5,7 +5,7 @@ Every code is drawn with noise keyed by its position, so the tree size changes t
 codes (wherever the linear kernels are row-invariant, rvqtts.engine.kernels): the choice can change from one
 frame to the next. What it rests on:
 
-- Acceptance: every round drafts at least OBSERVED_RANKS ranks per depth (rvqtts.engine.decode.draft), and once
+- Acceptance: every round drafts at least OBSERVED_RANKS ranks per depth (rvqtts.engine.speculation.draft), and once
   the frame's codes are known, the rank of each committed code among the drafts made from each round's
   root is counted per depth (`AcceptanceCounts`: the per-depth, per-rank table `rvqtts calibrate`
   measures offline). While the plain loop runs, one frame in PROBE_EVERY (SETTLED_PROBE_EVERY once
@@ -40,15 +40,15 @@ from functools import partial
 
 import torch
 
-from rvqtts.engine.decode import OBSERVED_RANKS, Speculation
-from rvqtts.engine.decode_rows import FrameRounds, rounds_call, rounds_layout, steps_call
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.kernels import kernels_used, machine_key
 from rvqtts.engine.native import source_digest
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.rounds import FrameRounds, rounds_call, rounds_layout, steps_call
 from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.speculation import OBSERVED_RANKS, Speculation
 from rvqtts.engine.tree import SHIPPED_TREES, Tree, frame_codes_per_call, grow_tree, load_acceptance
 from rvqtts.store import ACCEPTANCE, CALL_COSTS
 
@@ -146,7 +146,7 @@ def measure_call_costs(
     runner: PredictorRunner, queries: list[int], repeats: int = 9, rows: int = 1
 ) -> dict[int, float]:
     """Milliseconds of one predictor call per query length q (1: a plain step; q > 1: a round of a q - 1
-    node tree) for each of `rows` frames (a batch's: rvqtts.engine.decode_rows), mid-frame, the lengths taking
+    node tree) for each of `rows` frames (a batch's: rvqtts.engine.rounds), mid-frame, the lengths taking
     turns; median of `repeats` after a warm-up."""
     device, depth = runner.device, 3
     offsets = torch.zeros(depth, runner.hidden_size, device=device, dtype=runner.dtype)
@@ -185,7 +185,7 @@ def rows_call(
     calls: StaticCalls,
 ) -> None:
     """One call of `rows` frames at code `index`: a plain step of each (no speculation), or each one's
-    round of the speculation's tree (rvqtts.engine.decode_rows.rounds_call), through `calls` as frames make it."""
+    round of the speculation's tree (rvqtts.engine.rounds.rounds_call), through `calls` as frames make it."""
     codes = torch.full((rows,), 5, device=runner.device)
     noise = noise[None].expand(rows, -1, -1)
     if speculation is None:

@@ -61,7 +61,7 @@ class PredictorRunner(CachedDecoder):
         cos, sin = code_predictor.model.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0], sin[0]
         self.causal = torch.ones(max_len, max_len, device=self.device, dtype=torch.bool).tril()
-        self.round_layouts: OrderedDict = OrderedDict()  # recent round calls' layouts (rvqtts.engine.decode_rows)
+        self.round_layouts: OrderedDict = OrderedDict()  # recent round calls' layouts (rvqtts.engine.rounds)
         self.step_layouts: dict = {}  # plain steps' (`step_layout`)
 
     def project_input(self, embeds: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ per call measured by running the engine itself.
 
 Frames come as predictor prefixes [h_t, embedding of c0] (rvqtts.tuning.contexts). Codes are sampled
 free-running by the plain inner loop, and codes per call counted by the speculative one, FRAMES_PER_CALL frames
-at a time, a batch row each (rvqtts.engine.decode_rows: one call carries them all, as a batch's lines), each
+at a time, a batch row each (rvqtts.engine.rounds: one call carries them all, as a batch's lines), each
 frame with the noise and tree rounds it gets alone; the hidden states h_1..h_15 of those codes come from one
 batched teacher-forced pass (rvqtts.tuning.drafts).
 """
@@ -17,12 +17,12 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from rvqtts.engine.decode import Speculation
-from rvqtts.engine.decode_rows import decode_frames_plain, decode_frames_speculative
 from rvqtts.engine.inner_loop import LoopParts
 from rvqtts.engine.offsets import Offsets, predictor_fingerprint
 from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.rounds import plain_frames, speculative_frames
 from rvqtts.engine.sampling import SamplingConfig, entropy_bits, residual_noise, target_probs
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import Tree, grow_tree
 from rvqtts.tuning.contexts import Contexts
 from rvqtts.tuning.drafters import OffsetDrafter
@@ -53,7 +53,7 @@ def sample_codes(
     codes = [
         frame
         for chunk, noise in frame_batches(runner, prefixes, seed)
-        for frame in decode_frames_plain(runner, chunk, noise, sampling)
+        for frame in plain_frames(runner, chunk, noise, sampling)
     ]
     return np.array(codes, dtype=np.int64).reshape(len(prefixes), runner.code_groups - 1)
 
@@ -128,9 +128,7 @@ def codes_per_call(
     calls = [
         frame.calls
         for chunk, noise in frame_batches(parts.runner, prefixes, seed)
-        for frame in decode_frames_speculative(
-            parts.runner, chunk, noise, sampling, [speculation] * len(chunk), parts.offsets
-        )
+        for frame in speculative_frames(parts.runner, chunk, noise, sampling, [speculation] * len(chunk), parts.offsets)
     ]
     return summarize_calls(np.array(calls), languages, parts.runner.code_groups - 1)
 

@@ -102,8 +102,8 @@ def build_standin(
     """Run the whole pipeline into `out` and return the report (also written to out/report.json).
 
     `steps` overrides the plan's training steps (more on a GPU, to train to convergence)."""
-    from rvqtts.engine.decode import Speculation
     from rvqtts.engine.offsets import Offsets, save_offsets
+    from rvqtts.engine.speculation import Speculation
     from rvqtts.engine.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
     from rvqtts.synthesis import Synthesizer
     from rvqtts.tuning.calibration import calibrate_trees, codes_per_call

@@ -26,10 +26,10 @@ from functools import cache, partial
 
 import torch
 
-from rvqtts.engine.decode import EAGER, OBSERVED_RANKS, RoundPlan, Speculation
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import NonFiniteError, SamplingConfig, draw_checked
+from rvqtts.engine.speculation import EAGER, OBSERVED_RANKS, RoundPlan, Speculation
 from rvqtts.engine.tree import Tree
 
 LAYOUTS_KEPT = 512  # round layouts kept per runner (the least recently used go)
@@ -78,7 +78,7 @@ def steps_call(
 
 
 @torch.inference_mode()
-def decode_frames_plain(
+def plain_frames(
     runner: PredictorRunner,
     prefixes: torch.Tensor,
     noise: torch.Tensor,
@@ -317,7 +317,7 @@ def commit_rounds(
 
 
 @torch.inference_mode()
-def decode_frames_speculative(
+def speculative_frames(
     runner: PredictorRunner,
     prefixes: torch.Tensor,
     noise: torch.Tensor,
@@ -329,7 +329,7 @@ def decode_frames_speculative(
     """c1..c_{G-1} of n frames, frame r by the tree rounds of `speculations[r]` (None: plain steps), every
     frame's round in one call (see the module's docstring). `prefixes` [n, 2, E], `noise` [n, G-1, V],
     `offsets` the speculations' [K, hidden] on the runner's device and dtype. Returns each frame's
-    rounds; its codes are `decode_frames_plain`'s."""
+    rounds; its codes are `plain_frames`'s."""
     last, n = runner.code_groups - 1, prefixes.shape[0]
     nodes = max(s.tree.nodes if s else 0 for s in speculations)
     if runner.max_len < runner.code_groups + nodes + 1:

@@ -11,12 +11,12 @@ from exactness import broken_walk, unexplained_differences
 from helpers import linear_maps_are_row_invariant, random_prefix, stock_path_logits
 from scipy.stats import chisquare
 
-import rvqtts.engine.decode_rows
-from rvqtts.engine.decode import Speculation
+import rvqtts.engine.rounds
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.inner_loop import InnerLoop
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.sampling import SamplingConfig, residual_noise, target_probs
+from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import grow_tree
 
 # A plausible acceptance table (falling with depth and rank) to shape trees of any budget.
@@ -145,7 +145,7 @@ def test_speculative_frames_follow_the_exact_joint_distribution(small):
 
 
 def test_the_distribution_test_catches_a_broken_verifier(small, monkeypatch):
-    monkeypatch.setattr(rvqtts.engine.decode_rows, "walk_tree", broken_walk)
+    monkeypatch.setattr(rvqtts.engine.rounds, "walk_tree", broken_walk)
     counts, probs = speculative_histogram(small, FRAMES, SAMPLING)
     assert chi_square_pvalue(counts, probs) < 1e-6
     # The statistic itself has the power, not only the support check: frames inside the support alone fail too.

@@ -1,6 +1,6 @@
-"""What the inner loop (rvqtts.engine.decode_rows) runs by: a tree and its offsets (`Speculation`), each tree cut to
+"""What the inner loop (rvqtts.engine.rounds) runs by: a tree and its offsets (`Speculation`), each tree cut to
 the codes a frame has left as a round's plan (`RoundPlan`: query slots by depth, the drafts it needs, attention
-over the committed slots and the round's own), and the counts users see (`DecodeStats`)."""
+over the committed slots and the round's own), and the counts users see (`LoopStats`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ DEFAULT_DEPTH = 3  # K, the paper's draft depth
 
 
 @dataclass
-class DecodeStats:
+class LoopStats:
     """Counts over frames: predictor calls, residual codes, and verify rounds that accepted depth d."""
 
     frames: int = 0
