@@ -1,7 +1,7 @@
 """`--batch-size auto`: how many utterances a batch speaks together, chosen by measurement on this machine
 and model, and bounded by memory.
 
-A batch frame is one talker step and G - 1 predictor calls for all its rows (rvqtts.engine.batch_frames), and the
+A batch frame is one talker step and G - 1 predictor calls for all its rows (rvqtts.engine.frame_loop), and the
 speech decoder's work for each line apart. Per candidate B this times those calls with B rows and the
 decoder over a few frames, and takes the cost of one frame of one line: (talker step + inner loop) / B +
 the decoder's per frame. Rows are nearly free while the calls read their weights (a CPU's bandwidth, a

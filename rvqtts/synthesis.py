@@ -30,18 +30,17 @@ from rvqtts.cloning import (
     encoder_fingerprint,
     load_voice,
 )
-from rvqtts.engine.batch_frames import BatchFrameLoop, ChunkDone, Work, WorkFailed
-from rvqtts.engine.frame_loop import FrameLoop
+from rvqtts.engine.frame_loop import ChunkDone, FrameDone, FrameLoop, Work, WorkFailed
 from rvqtts.engine.fused import FusedDecoder
 from rvqtts.engine.graphs import StaticCalls
-from rvqtts.engine.inner_loop import ForcedLoop, InnerLoop, LoopParts
+from rvqtts.engine.inner_loop import LoopParts
 from rvqtts.engine.kernels import cpu_model, kernels_used, measured_choices
 from rvqtts.engine.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
 from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.quantize import check_weights
 from rvqtts.engine.sampling import C0Rules, NonFiniteError
-from rvqtts.engine.speculation import DEFAULT_DEPTH, Speculation
+from rvqtts.engine.speculation import DEFAULT_DEPTH, EAGER, LoopStats, Speculation
 from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.engine.tree import best_budget, platform_key, resolve_tree
@@ -348,15 +347,20 @@ class Synthesizer:
             parts = self._parts = LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs, self.weights)
         return parts
 
-    def frame_loop(
-        self, sampling: ResolvedSampling, seed: int, utterance: int, inner: InnerLoop | None = None
-    ) -> FrameLoop:
-        """A frame loop for one utterance over the kept runners (`inner`: another inner loop, e.g. forced)."""
-        runner = self.talker_runner()
+    def frame_loop(self, sampling: ResolvedSampling, rows: int = 1) -> FrameLoop:
+        """The frame loop over the kept runners: one utterance's (the inner loop's parts and static calls), or
+        `rows` at a time (the batch's runner and speculation, eagerly)."""
+        talker = self.talker_runner()
         config = self.talker.config
-        rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, runner.device)
-        inner = inner or InnerLoop(self.code_predictor, self.speculation, seed, parts=self.inner_parts())
-        return FrameLoop(runner, inner, rules, sampling.talker, sampling.predictor, seed, utterance)
+        rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, talker.device)
+        if rows == 1:
+            parts = self.inner_parts()
+            return FrameLoop(
+                talker, parts, rules, sampling.talker, sampling.predictor, 1, self.speculation, parts.calls
+            )
+        speculation = self.batch_speculation(rows)
+        parts = LoopParts(speculation, False, self.batch_runner(), None, EAGER, weights=self.weights)
+        return FrameLoop(talker, parts, rules, sampling.talker, sampling.predictor, rows, speculation)
 
     def decode(self, codes: np.ndarray, clone: ClonedVoice | None = None) -> np.ndarray:
         """The waveform of frame codes [frames, G], all at once: qwen-tts's speech decoder run by rvqtts in
@@ -451,7 +455,7 @@ class Synthesizer:
         on_notice: Callable[[str], None] | None = None,
     ) -> Iterator[tuple[int, Synthesis | Exception]]:
         """Synthesize several utterances, up to `batch_size` of them in every call of both loops
-        (rvqtts.engine.batch_frames), each starting as soon as a row is free. Yields (index in `lines`, its
+        (rvqtts.engine.frame_loop), each starting as soon as a row is free. Yields (index in `lines`, its
         Synthesis) as each one ends, or (index, the exception) for one that failed (a voice the model
         does not speak, an empty text); a model that produced NaN or inf (NonFiniteError) stops it all.
         A line's noise is keyed by its `seed` (else `seed`) and its `utterance` (else its index).
@@ -493,7 +497,7 @@ class Synthesizer:
             return
         talker, runner = self.talker_runner(), self.batch_runner()
         try:
-            yield from self._batched(lines, settings, chunk_chars, rows, talker, runner)
+            yield from self._batched(lines, settings, chunk_chars, rows)
         finally:  # a batch's rows are let go: a later one-line run grows from one row
             talker.allocate(talker.max_len, 1)
             runner.allocate(runner.max_len, 1)
@@ -529,16 +533,12 @@ class Synthesizer:
         settings: GenerationSettings,
         chunk_chars: float | None,
         rows: int,
-        talker: TalkerRunner,
-        runner: PredictorRunner,
     ) -> Iterator[tuple[int, Synthesis | Exception]]:
-        """`synthesize_many` `rows` lines at a time (rvqtts.engine.batch_frames), each line's chunks decoded as they
+        """`synthesize_many` `rows` lines at a time (rvqtts.engine.frame_loop), each line's chunks decoded as they
         end; a line whose voice, text or decoding fails, fails alone."""
         sampling = self.sampling(settings)
-        config = self.talker.config
-        rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, talker.device)
-        speculation = self.batch_speculation(rows)
-        loop = BatchFrameLoop(talker, runner, rules, sampling.talker, sampling.predictor, rows, speculation)
+        loop = self.frame_loop(sampling, rows)
+        speculation = loop.speculation
         spoken: dict[int, _Spoken] = {}
         failed: set[int] = set()
 
@@ -559,7 +559,7 @@ class Synthesizer:
         works = (Work(line.seed, line.utterance, chunks(index), tag=index) for index, line in enumerate(lines))
         for event in loop.run(works):
             index = event.work.tag
-            if index in failed:  # its decoding failed: the rest of its chunks are not heard
+            if index in failed or isinstance(event, FrameDone):  # heard chunk by chunk; a failed one's not at all
                 continue
             if isinstance(event, WorkFailed):
                 del spoken[index]
@@ -682,18 +682,35 @@ class Synthesizer:
         speaker = self.check_voice(speaker, language, instruct, clone)
         pieces = text_pieces(text, chunk_chars)
         sampling = self.sampling(settings)
-        loop = self.frame_loop(sampling, seed, utterance)
-        loop.inner.on_frame = on_frame
+        loop = self.frame_loop(sampling)
         online = self.speculation if isinstance(self.speculation, OnlineSpeculation) else None
         frames_before = dict(online.frames_by_budget) if online else {}
         joiner = StreamJoiner(self.sample_rate)
         decoder = StreamingDecoder(self.model.speech_tokenizer.model.decoder) if stream_frames else None
         seconds = {"decoder": 0.0, "first_audio": None, "prompts": 0.0}
         started = time.perf_counter()
+
+        def chunks() -> Iterator[tuple[Prompt, int]]:
+            """Each text chunk's prompt and frame budget, the streaming decoder primed for it."""
+            for piece in pieces:
+                begun = time.perf_counter()
+                if decoder:
+                    self._primed.start(decoder, clone)
+                    seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
+                begun = time.perf_counter()
+                prompt = self.prompt(piece, speaker, language, instruct, clone)
+                seconds["prompts"] += time.perf_counter() - begun
+                seconds.setdefault("prompt", seconds["prompts"])  # the first chunk's, before any audio
+                yield prompt, self.frame_budget(piece, settings)
+
+        depth = self.speculation.offsets.depth if self.speculation else DEFAULT_DEPTH
+        work = Work(seed, utterance, chunks(), on_frame=on_frame, stats=LoopStats(accepted_per_depth=[0] * depth))
         spoken: list[np.ndarray] = []
         warnings: list[str] = []
+        pending: list[np.ndarray] = []  # frames not decoded yet
+        first, chunks_done = True, 0  # whether the next samples start a text chunk; chunks spoken
 
-        def audio_of(codes: list[np.ndarray], first: bool) -> np.ndarray:
+        def audio_of(codes: list[np.ndarray]) -> np.ndarray:
             """Decode `codes`, join them to what came before, and time both; the samples ready to play."""
             begun = time.perf_counter()
             samples = decoder.push(np.stack(codes)) if decoder else self.decode(np.stack(codes), clone)
@@ -701,54 +718,46 @@ class Synthesizer:
             seconds["decoder"] += time.perf_counter() - begun
             if ready.size and seconds["first_audio"] is None:
                 seconds["first_audio"] = time.perf_counter() - started
-                frames_seconds = loop.seconds["talker"] + loop.seconds["predictor"] - loop.first_prefill
+                frames_seconds = work.seconds["talker"] + work.seconds["predictor"] - work.seconds["prefill"]
                 seconds["first_audio_split"] = {
-                    "prefill": round(seconds["prompt"] + loop.first_prefill, 3),
+                    "prefill": round(seconds["prompt"] + work.seconds["prefill"], 3),
                     "frames": round(frames_seconds, 3),
                     "decoder": round(seconds["decoder"], 3),
                 }
             return ready
 
-        for index, piece in enumerate(pieces):
-            budget = self.frame_budget(piece, settings)
-            frames: list[np.ndarray] = []
-            pending = 0  # frames not decoded yet
-            begun = time.perf_counter()
-            if decoder:
-                self._primed.start(decoder, clone)
-                seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
-            begun = time.perf_counter()
-            prompt = self.prompt(piece, speaker, language, instruct, clone)
-            seconds["prompts"] += time.perf_counter() - begun
-            seconds.setdefault("prompt", seconds["prompts"])  # the first chunk's, before any audio
-            for codes in loop.run(prompt, budget):
-                frames.append(codes)
-                pending += 1
-                if decoder and pending == stream_frames:
-                    yield audio_of(frames[-pending:], first=len(frames) == pending)
-                    pending = 0
-            if pending:
-                yield audio_of(frames[-pending:], first=len(frames) == pending)
-            spoken.extend(frames)
-            if len(frames) >= budget:
-                warnings.append(cut_warning(index + 1, len(pieces), budget, piece))
-            if on_chunk:
-                on_chunk(index + 1, len(pieces))
+        for event in loop.run([work]):
+            if isinstance(event, WorkFailed):
+                raise event.error
+            if isinstance(event, FrameDone):
+                pending.append(event.codes)
+                if decoder and len(pending) == stream_frames:
+                    yield audio_of(pending)
+                    pending, first = [], False
+            elif isinstance(event, ChunkDone):
+                if pending:
+                    yield audio_of(pending)
+                pending, first, chunks_done = [], True, chunks_done + 1
+                spoken.extend(event.frames)
+                if event.cut:
+                    warnings.append(cut_warning(chunks_done, len(pieces), event.budget, pieces[chunks_done - 1]))
+                if on_chunk:
+                    on_chunk(chunks_done, len(pieces))
         yield joiner.finish()
         seconds["wall"] = time.perf_counter() - started
         # Building prompts is talker work: it counts there (and the first one in the prefill).
         seconds.update(
-            talker=loop.seconds["talker"] + seconds["prompts"],
-            predictor=loop.seconds["predictor"],
-            prefill=seconds["prompt"] + loop.first_prefill,
+            talker=work.seconds["talker"] + seconds["prompts"],
+            predictor=work.seconds["predictor"],
+            prefill=seconds["prompt"] + work.seconds["prefill"],
         )
         return Synthesis(
             audio=joiner.audio(),
             sample_rate=self.sample_rate,
             codes=np.stack(spoken),
-            stats=loop.inner.stats,
+            stats=work.stats,
             seconds=seconds,
-            talker_calls=loop.talker_calls,
+            talker_calls=work.talker_calls,
             chunks=len(pieces),
             spec=self.speculation is not None,
             tree_nodes=tree_nodes(self.speculation),
@@ -775,14 +784,13 @@ class Synthesizer:
         (c0 read instead of drawn, c1.. returned by the inner loop), and show `on_frame` each frame's
         predictor prefix [h_t, embedding of c0] with the frame's codes c1.. ."""
         speaker = self.check_voice(speaker, language, instruct, clone)
-        loop = self.frame_loop(
-            self.sampling(GenerationSettings()), 0, 0, ForcedLoop(self.code_predictor, codes, on_frame)
-        )
         prompt = self.prompt(" ".join(text.split()), speaker, language, instruct, clone)
-        for _ in loop.run(prompt, len(codes), forced=codes):
-            pass
-        if loop.frame != len(codes):
-            raise RuntimeError(f"teacher forcing stopped after {loop.frame} of {len(codes)} frames")
+        work = Work(0, 0, iter([(prompt, len(codes))]), forced=codes, on_frame=on_frame)
+        for event in self.frame_loop(self.sampling(GenerationSettings())).run([work]):
+            if isinstance(event, WorkFailed):
+                raise event.error
+        if work.frame != len(codes):
+            raise RuntimeError(f"teacher forcing stopped after {work.frame} of {len(codes)} frames")
 
     def synthesize_stock(
         self,

@@ -1,4 +1,4 @@
-"""Batches that fill the rows (rvqtts.engine.batch_frames): several utterances in every call of both loops, each
+"""Batches that fill the rows (rvqtts.engine.frame_loop): several utterances in every call of both loops, each
 utterance's codes and audio the ones it gets alone, rows refilled as utterances end."""
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from rvqtts.engine.frame_loop import FrameDone, Work, draw_c0
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.kernels import Kernel, LinearMap
 from rvqtts.engine.sampling import C0Rules
@@ -104,13 +105,17 @@ def test_greedy_frames_equal_stock_qwen_tts(name, penalty, request):
         non_streaming_mode=True,
         **sampling.generate_kwargs(frames),
     )
-    ours = np.stack(list(tiny.frame_loop(sampling, 0, 0).run(tiny.prompt(TEXT, "vivian", "english"), frames)))
+    ours = loop_frames(tiny, sampling, tiny.prompt(TEXT, "vivian", "english"), frames)
     assert np.array_equal(stock[0].numpy(), ours)
     if penalty > 2:  # the penalty binds: without it, greedy decoding goes elsewhere
-        unpenalized = np.stack(
-            list(tiny.frame_loop(greedy(tiny, 1.0), 0, 0).run(tiny.prompt(TEXT, "vivian", "english"), frames))
-        )
+        unpenalized = loop_frames(tiny, greedy(tiny, 1.0), tiny.prompt(TEXT, "vivian", "english"), frames)
         assert not np.array_equal(unpenalized[:, 0], ours[:, 0])
+
+
+def loop_frames(synth, sampling, prompt, budget: int) -> np.ndarray:
+    """The frame codes [frames, G] the frame loop speaks for one prompt (seed 0, utterance 0)."""
+    events = synth.frame_loop(sampling).run([Work(0, 0, iter([(prompt, budget)]))])
+    return np.stack([event.codes for event in events if isinstance(event, FrameDone)])
 
 
 def hf_c0_probs(logits: torch.Tensor, history: list[int], eos: int, sampling, penalty: float) -> torch.Tensor:
@@ -154,12 +159,9 @@ def test_c0_follows_qwen_tts_distribution_with_the_repetition_penalty_active(sma
     assert np.abs(probs - unpenalized).max() > 0.1 and probs[eos] > 0.01
 
     def counts(rules: C0Rules, draws: int = 5, frames: int = 3000) -> np.ndarray:
-        loop = small.frame_loop(sampling, seed=9, utterance=0)
-        loop.rules = rules
         tally = np.zeros(runner.vocab_size)
         for frame in range(frames):
-            loop.frame = frame
-            tally[loop.draw_c0(logits, seen, draws)] += 1
+            tally[draw_c0(rules, sampling.talker, logits, seen, draws, seed=9, utterance=0, frame=frame)] += 1
         return tally
 
     vocab = runner.vocab_size

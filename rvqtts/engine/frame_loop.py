@@ -1,94 +1,283 @@
-"""The frame loop: per 80 ms frame, one talker call that scores c0, then the inner loop's c1..c15.
+"""The frame loop: per 80 ms frame, one talker call that scores c0, then the inner loop's c1..c15, for B
+utterances at once (one: B = 1), every talker step and every predictor call carrying a row per utterance; a row
+whose utterance ends takes the next one (continuous batching).
 
-Every code is drawn with keyed Gumbel noise, c0 included: (seed, utterance, frame, position 0) for the
-talker's, positions 1..15 for the inner loop's. Nothing reads torch's global generator, so an utterance
-is a pure function of seed, text, voice, settings, model, dtype and device, and a batch line's output
-does not depend on the lines before it. Frames are numbered from 0 within an utterance, across its text
-chunks, so no two frames share noise.
+Every code is drawn with keyed Gumbel noise, c0 included: (seed, utterance, frame, position 0) for the talker's,
+positions 1..15 for the inner loop's. Nothing reads torch's global generator, so an utterance is a pure function of
+seed, text, voice, settings, model, dtype and device, and every row's arithmetic is the one it gets alone
+(row-invariant kernels, attention over its own slots): an utterance's codes do not depend on the lines before it or
+beside it. Frames are numbered from 0 within an utterance, across its text chunks, so no two frames share noise.
 
-The order of work is qwen-tts's: the prefill's last hidden state h and logits give c0 of frame 0; the
-inner loop turns [h, embedding of c0] into c1..c15; the frame's 16 code embeddings plus the next text
-(or pad) embedding are the next talker step's input, whose output gives the next frame's h and c0. End of
-speech (a c0) ends the utterance; at `budget` frames it is cut, without the step whose c0 would be unused.
+The order of work is qwen-tts's: the prefill's last hidden state h and logits give c0 of frame 0; the inner loop
+turns [h, embedding of c0] into c1..c15; the frame's 16 code embeddings plus the next text (or pad) embedding are
+the next talker step's input, whose output gives the next frame's h and c0. End of speech (a c0) ends a text chunk;
+at its frame budget it is cut, without the step whose c0 would be unused.
+
+On a CPU a call of either loop costs about what reading its weights costs, whatever its few rows, so B utterances
+in one call cost little more than one (docs/benchmarks.md). An utterance is a sequence of text chunks, spoken one
+after another in its row; the loop reports each frame, each chunk as it ends and each utterance as it ends or
+fails; the caller decodes audio.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from rvqtts.engine.devices import synchronize
-from rvqtts.engine.inner_loop import InnerLoop
-from rvqtts.engine.sampling import C0Rules, NonFiniteError, SamplingConfig, draw_checked, gumbel_noise
+from rvqtts.engine.graphs import StaticCalls
+from rvqtts.engine.inner_loop import LoopParts, count_frame, inner_frames
+from rvqtts.engine.online import OnlineSpeculation
+from rvqtts.engine.sampling import C0Rules, NonFiniteError, SamplingConfig, draw_checked, gumbel_noise, residual_noise
+from rvqtts.engine.speculation import EAGER, LoopStats, Speculation
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.prompt import Prompt
 
 
+@dataclass
+class Work:
+    """One utterance: its seed and number (its noise keys: rows of different seeds share calls), its chunks as
+    (prompt, frame budget) pairs made when its row reaches them (an exception there fails the utterance alone),
+    and what the loop counted. `forced` [frames, G]: teacher forcing (c0 read instead of drawn, c1.. too, one
+    chunk); `on_frame` is shown each frame's predictor prefix [h_t, embedding of c0] and codes c1.. ."""
+
+    seed: int
+    utterance: int
+    chunks: Iterator[tuple[Prompt, int]]
+    tag: object = None  # the caller's handle
+    forced: np.ndarray | None = None
+    on_frame: Callable[[torch.Tensor, list[int]], None] | None = None
+    frame: int = 0  # frames spoken so far, across chunks
+    talker_calls: int = 0
+    stats: LoopStats = field(default_factory=LoopStats)
+    frames_by_budget: dict[int, int] = field(default_factory=dict)  # its frames by the online tree size
+    seconds: dict = field(default_factory=lambda: {"talker": 0.0, "predictor": 0.0, "prefill": 0.0})
+
+
+@dataclass
+class FrameDone:
+    work: Work
+    codes: np.ndarray  # [G], c0 first
+
+
+@dataclass
+class ChunkDone:
+    work: Work
+    frames: list[np.ndarray]
+    cut: bool  # stopped at its frame budget (the model did not end its speech)
+    budget: int
+
+
+@dataclass
+class WorkDone:
+    work: Work
+
+
+@dataclass
+class WorkFailed:
+    work: Work
+    error: Exception
+
+
+@dataclass
+class _Row:
+    """A talker row at work: the chunk being spoken and the state between its frames."""
+
+    work: Work
+    prompt: Prompt
+    budget: int
+    seen: torch.Tensor  # c0 ids drawn in this chunk (the repetition penalty's history)
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    frames: list[np.ndarray] = field(default_factory=list)
+
+
 class FrameLoop:
-    """The frames of one utterance (one or more prompts, one per text chunk), and the time each loop took."""
+    """Speaks utterances `rows` at a time over one talker runner and the inner loop's parts (a code predictor
+    runner, or a Core ML package's fused calls for one row), its calls through `calls` (static calls replay the
+    shapes of one row; a batch's run eagerly)."""
 
     def __init__(
         self,
         talker: TalkerRunner,
-        inner: InnerLoop,
+        parts: LoopParts,
         rules: C0Rules,
         talker_sampling: SamplingConfig,
         predictor_sampling: SamplingConfig,
-        seed: int,
-        utterance: int,
+        rows: int = 1,
+        speculation: Speculation | OnlineSpeculation | None = None,
+        calls: StaticCalls = EAGER,
     ):
-        self.talker, self.inner, self.rules = talker, inner, rules
+        if rows < 1:
+            raise ValueError(f"a batch needs at least one row, got {rows}")
+        if parts.fused is not None and rows > 1:
+            raise ValueError("a Core ML package's fused calls carry one frame: speak its lines one at a time")
+        self.talker, self.parts, self.rules = talker, parts, rules
         self.talker_sampling, self.predictor_sampling = talker_sampling, predictor_sampling
-        self.seed, self.utterance = seed, utterance
-        self.frame = 0  # the next frame's number within the utterance
-        self.talker_calls = 0
-        self.seconds = {"talker": 0.0, "predictor": 0.0}
-        self.first_prefill: float | None = None  # seconds of the utterance's first prefill
+        self.rows, self.speculation, self.calls = rows, speculation, calls
+        self.offsets = parts.offsets
+        if parts.runner is not None and speculation is not None and self.offsets is None:
+            self.offsets = speculation.offsets.vectors.to(parts.runner.device, parts.runner.dtype)
 
-    def run(self, prompt: Prompt, budget: int, forced: np.ndarray | None = None) -> Iterator[np.ndarray]:
-        """The frame codes [G] (int64) the talker speaks for `prompt`, at most `budget` of them. With
-        `forced` [frames, G], c0 is not drawn but read from it (teacher forcing; the inner loop then
-        returns the recorded c1.. too) and the prompt ends after its frames."""
-        device = self.talker.device
+    def run(self, works: Iterable[Work]) -> Iterator[FrameDone | ChunkDone | WorkDone | WorkFailed]:
+        """Speak every utterance; report each frame, and each chunk and each utterance as it ends
+        (NonFiniteError, which every utterance would meet, stops the loop)."""
+        waiting = iter(works)
+        rows: list[_Row | None] = [None] * self.rows
+        while True:
+            for slot in range(self.rows):
+                while rows[slot] is None:
+                    work = next(waiting, None)
+                    if work is None:
+                        break
+                    yield from self._next_chunk(rows, slot, work)
+            if not any(rows):
+                return
+            yield from self._frame(rows)
+
+    def _frame(self, rows: list[_Row | None]) -> Iterator[FrameDone | ChunkDone | WorkDone | WorkFailed]:
+        """One frame of every row: c0 drawn per row, c1.. of all rows in one inner loop, then one talker
+        step for the rows that go on."""
         started = time.perf_counter()
-        limit = budget if forced is None else len(forced)
-        self.talker.reserve(prompt.length + limit)  # room for every step at once: no growth mid-utterance
-        hidden, logits = self.talker.prefill(prompt.embeds)
-        self.talker_calls += 1
-        if self.first_prefill is None:
-            synchronize(device)
-            self.first_prefill = time.perf_counter() - started
-        seen = torch.zeros(self.talker.vocab_size, dtype=torch.bool, device=device)
-        for step in range(limit):
-            c0 = self.draw_c0(logits, seen, step) if forced is None else int(forced[step, 0])
+        ready = []
+        for slot, row in enumerate(rows):
+            if row is None:
+                continue
+            work = row.work
+            if work.forced is not None:
+                c0 = int(work.forced[len(row.frames), 0])
+            else:
+                c0 = draw_c0(
+                    self.rules,
+                    self.talker_sampling,
+                    row.logits,
+                    row.seen,
+                    len(row.frames),
+                    work.seed,
+                    work.utterance,
+                    work.frame,
+                )
             if c0 == self.rules.eos_id:
-                break
-            code = torch.tensor([c0], device=device)
-            prefix = torch.cat([hidden[None], self.talker.code_embedding(code)])
-            between = time.perf_counter()
-            self.seconds["talker"] += between - started
-            rest = self.inner.decode(prefix, self.predictor_sampling, self.utterance, self.frame)
-            synchronize(device)
-            started = time.perf_counter()
-            self.seconds["predictor"] += started - between
+                yield from self._end_chunk(rows, slot, cut=False)
+            else:
+                ready.append((slot, c0))
+        if not ready:
+            return
+        device = self.talker.device
+        codes0 = torch.tensor([c0 for _, c0 in ready], device=device)
+        prefixes = torch.stack(
+            [
+                torch.cat([rows[slot].hidden[None], self.talker.code_embedding(codes0[i : i + 1])])
+                for i, (slot, _) in enumerate(ready)
+            ]
+        )
+        between = time.perf_counter()
+        rests = self._inner_loop(prefixes, [rows[slot] for slot, _ in ready])
+        synchronize(device)
+        after = time.perf_counter()
+        talker_share, predictor_share = (between - started) / len(ready), (after - between) / len(ready)
+        stepping, inputs = [], []
+        for (slot, c0), rest, prefix in zip(ready, rests, prefixes):
+            row = rows[slot]
+            row.work.seconds["talker"] += talker_share
+            row.work.seconds["predictor"] += predictor_share
+            if row.work.on_frame:
+                row.work.on_frame(prefix, rest)
             codes = np.array([c0, *rest], dtype=np.int64)
-            seen[c0] = True
-            self.frame += 1
-            self.seconds["talker"] += time.perf_counter() - started
-            yield codes
-            started = time.perf_counter()
-            if step + 1 < limit:
-                step_input = self.talker.frame_input(torch.from_numpy(codes).to(device), prompt.text_after(step))
-                hidden, logits = self.talker.step(step_input, prompt.length + step)
-                self.talker_calls += 1
-        self.seconds["talker"] += time.perf_counter() - started
+            row.frames.append(codes)
+            row.seen[c0] = True
+            row.work.frame += 1
+            yield FrameDone(row.work, codes)
+            if len(row.frames) >= row.budget:
+                yield from self._end_chunk(rows, slot, cut=True)
+            else:
+                stepping.append(slot)
+                inputs.append(
+                    self.talker.frame_input(
+                        torch.from_numpy(codes).to(device), row.prompt.text_after(len(row.frames) - 1)
+                    )
+                )
+        if stepping:
+            begun = time.perf_counter()
+            hidden, logits = self.talker.step_rows(
+                torch.cat(inputs), [rows[s].prompt.length + len(rows[s].frames) - 1 for s in stepping], stepping
+            )
+            synchronize(device)
+            spent = (time.perf_counter() - begun) / len(stepping)
+            for i, slot in enumerate(stepping):
+                rows[slot].hidden, rows[slot].logits = hidden[i], logits[i]
+                rows[slot].work.seconds["talker"] += spent
+                rows[slot].work.talker_calls += 1
 
-    def draw_c0(self, logits: torch.Tensor, seen: torch.Tensor, draws: int) -> int:
-        """c0 of the current frame (`draw_c0`)."""
-        return draw_c0(self.rules, self.talker_sampling, logits, seen, draws, self.seed, self.utterance, self.frame)
+    def _inner_loop(self, prefixes: torch.Tensor, ready: list[_Row]) -> list[list[int]]:
+        """c1.. of every ready row's frame: recorded ones under teacher forcing, a Core ML package's fused calls,
+        or the inner loop's shared calls (rvqtts.engine.inner_loop.inner_frames); counted per utterance."""
+        works = [row.work for row in ready]
+        if works[0].forced is not None:  # teacher forcing runs alone
+            return [[int(c) for c in row.work.forced[len(row.frames), 1:]] for row in ready]
+        runner, fused = self.parts.runner, self.parts.fused
+        tables = self.talker.predictor_embeddings  # c1..c_{G-1}'s: the noise's shape
+        groups, vocab = len(tables) + 1, tables[0].num_embeddings
+        noise = torch.stack([residual_noise(w.seed, w.utterance, w.frame, groups, vocab) for w in works])
+        if fused is not None:
+            if self.predictor_sampling != fused.sampling:
+                raise ValueError(
+                    f"the Core ML package samples with {fused.sampling}, but this frame asks for "
+                    f"{self.predictor_sampling}: export a package for these settings"
+                )
+            decode = fused.decode if self.speculation else fused.decode_plain
+            return [decode(prefixes[0], noise[0].to(fused.device), works[0].stats)]
+        online = self.speculation if isinstance(self.speculation, OnlineSpeculation) else None
+        if online is not None:
+            online.start(runner, self.predictor_sampling)  # the budget this frame runs at, set
+            for work in works:
+                work.frames_by_budget[online.budget] = work.frames_by_budget.get(online.budget, 0) + 1
+        frames = inner_frames(
+            runner,
+            prefixes.to(runner.device),
+            noise.to(runner.device),
+            self.predictor_sampling,
+            self.speculation,
+            self.offsets,
+            self.calls,
+        )
+        for work, frame in zip(works, frames):
+            count_frame(work.stats, frame)
+        return [frame.codes for frame in frames]
+
+    def _end_chunk(
+        self, rows: list[_Row | None], slot: int, cut: bool
+    ) -> Iterator[FrameDone | ChunkDone | WorkDone | WorkFailed]:
+        row = rows[slot]
+        rows[slot] = None
+        yield ChunkDone(row.work, row.frames, cut, row.budget)
+        yield from self._next_chunk(rows, slot, row.work)
+
+    def _next_chunk(self, rows: list[_Row | None], slot: int, work: Work) -> Iterator[WorkDone | WorkFailed]:
+        """Start the utterance's next chunk in row `slot` (its prefill), or report the utterance ended."""
+        try:
+            chunk = next(work.chunks, None)
+        except Exception as error:  # this utterance's text or voice: it fails alone
+            yield WorkFailed(work, error)
+            return
+        if chunk is None:
+            yield WorkDone(work)
+            return
+        prompt, budget = chunk
+        begun = time.perf_counter()
+        self.talker.reserve(prompt.length + budget, self.rows)  # room for every step at once
+        hidden, logits = self.talker.prefill(prompt.embeds, row=slot)
+        synchronize(self.talker.device)
+        work.talker_calls += 1
+        work.seconds["talker"] += time.perf_counter() - begun
+        if work.frame == 0:
+            work.seconds["prefill"] = time.perf_counter() - begun
+        seen = torch.zeros(self.talker.vocab_size, dtype=torch.bool, device=self.talker.device)
+        rows[slot] = _Row(work, prompt, budget, seen, hidden, logits)
 
 
 def draw_c0(

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 from rvqtts.engine.devices import synchronize
@@ -153,18 +152,3 @@ def count_frame(stats: LoopStats, frame: FrameRounds) -> None:
     for accepted in frame.accepted:
         stats.count_accepted(accepted)
     stats.count_frame(frame.calls, len(frame.codes))
-
-
-class ForcedLoop(InnerLoop):
-    """An inner loop that returns recorded codes instead of sampling them (teacher forcing)."""
-
-    def __init__(
-        self, code_predictor: torch.nn.Module, codes: np.ndarray, on_frame: Callable[[torch.Tensor, list[int]], None]
-    ):
-        super().__init__(code_predictor, None, 0, on_frame=on_frame)
-        self.codes = codes
-
-    def decode(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
-        codes = [int(c) for c in self.codes[frame, 1:]]
-        self.on_frame(prefix, codes)
-        return codes

@@ -114,7 +114,11 @@ class TalkerRunner(CachedDecoder):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame's step for several utterances in one call: input [n, hidden] at `positions` of batch
         rows `rows`. Each row attends to its own slots only, as `step` does for one utterance (the same
-        bits: rvqtts's kernels keep rows invariant), eagerly. Returns (h [n, hidden], logits [n, vocab])."""
+        bits: rvqtts's kernels keep rows invariant), eagerly; one utterance in row 0 by `step` (its static
+        calls). Returns (h [n, hidden], logits [n, vocab])."""
+        if rows == [0]:
+            hidden, logits = self.step(embeds, positions[0])
+            return hidden[None], logits[None]
         self.reserve(max(positions) + 1, max(rows) + 1)
         position = torch.tensor(positions, device=self.device)
         base = torch.tensor(rows, device=self.device) * self.max_len
