@@ -395,22 +395,9 @@ class Synthesizer:
         same codes and, up to float rounding, the same waveform."""
         if frames_per_chunk < 1:
             raise ValueError(f"frames per stream chunk must be at least 1, got {frames_per_chunk}")
+        line = Line(text, speaker, language, instruct, clone, utterance, seed)
         return AudioStream(
-            self._speak(
-                text,
-                speaker,
-                language,
-                seed,
-                utterance,
-                instruct,
-                clone,
-                settings,
-                chunk_chars,
-                frames_per_chunk,
-                on_chunk,
-                on_frame,
-            ),
-            self.sample_rate,
+            self._one(line, settings, chunk_chars, frames_per_chunk, on_chunk, on_frame), self.sample_rate
         )
 
     def synthesize(
@@ -437,10 +424,8 @@ class Synthesizer:
         progress after each chunk; `on_frame(prefix, codes)` sees every frame the inner loop decodes
         ([h_t, embedding of c0] and c1..c_{G-1}).
         """
-        run = self._speak(
-            text, speaker, language, seed, utterance, instruct, clone, settings, chunk_chars, None, on_chunk, on_frame
-        )
-        stream = AudioStream(run, self.sample_rate)
+        line = Line(text, speaker, language, instruct, clone, utterance, seed)
+        stream = AudioStream(self._one(line, settings, chunk_chars, None, on_chunk, on_frame), self.sample_rate)
         for _ in stream:
             pass
         return stream.result
@@ -477,7 +462,7 @@ class Synthesizer:
             )
             for index, line in enumerate(lines)
         ]
-        rows = min(batch_size, len(lines))
+        rows = min(batch_size, max(len(lines), 1))
         if rows > 1 and self.inner_parts().runner is not None:
             slots = max(self._row_slots(line, settings, chunk_chars) for line in lines)
             fitting = fitting_rows(self, rows, slots)
@@ -492,101 +477,52 @@ class Synthesizer:
                     "the kernels here are not known to keep rows invariant: a batched line's audio can "
                     "differ from its one-line run's in the last bits (--batch-size 1 keeps them)"
                 )
-        if rows <= 1 or self.inner_parts().runner is None:
-            yield from self._one_by_one(lines, settings, chunk_chars)
+        if rows <= 1 or self.inner_parts().runner is None:  # a Core ML package's calls carry one frame
+            for index, line in enumerate(lines):  # one after another, as `synthesize` speaks each
+                try:
+                    yield (
+                        index,
+                        self.synthesize(
+                            line.text,
+                            speaker=line.speaker,
+                            language=line.language,
+                            seed=line.seed,
+                            utterance=line.utterance,
+                            instruct=line.instruct,
+                            settings=settings,
+                            chunk_chars=chunk_chars,
+                            clone=line.clone,
+                        ),
+                    )
+                except NonFiniteError:
+                    raise
+                except Exception as error:  # this utterance's: the rest go on
+                    yield index, error
             return
-        talker, runner = self.talker_runner(), self.batch_runner()
         try:
-            yield from self._batched(lines, settings, chunk_chars, rows)
+            for index, item in self._speak(lines, settings, chunk_chars, rows):
+                if isinstance(item, (Synthesis, Exception)):
+                    yield index, item
         finally:  # a batch's rows are let go: a later one-line run grows from one row
-            talker.allocate(talker.max_len, 1)
-            runner.allocate(runner.max_len, 1)
+            for runner in (self.talker_runner(), self.batch_runner()):
+                runner.allocate(runner.max_len, 1)
 
-    def _one_by_one(
-        self, lines: list[Line], settings: GenerationSettings, chunk_chars: float | None
-    ) -> Iterator[tuple[int, Synthesis | Exception]]:
-        """`synthesize_many` one line after another (`synthesize`)."""
-        for index, line in enumerate(lines):
-            try:
-                yield (
-                    index,
-                    self.synthesize(
-                        line.text,
-                        speaker=line.speaker,
-                        language=line.language,
-                        seed=line.seed,
-                        utterance=line.utterance,
-                        instruct=line.instruct,
-                        settings=settings,
-                        chunk_chars=chunk_chars,
-                        clone=line.clone,
-                    ),
-                )
-            except NonFiniteError:
-                raise
-            except Exception as error:  # this utterance's: the rest go on
-                yield index, error
-
-    def _batched(
+    def _one(
         self,
-        lines: list[Line],
+        line: Line,
         settings: GenerationSettings,
         chunk_chars: float | None,
-        rows: int,
-    ) -> Iterator[tuple[int, Synthesis | Exception]]:
-        """`synthesize_many` `rows` lines at a time (rvqtts.engine.frame_loop), each line's chunks decoded as they
-        end; a line whose voice, text or decoding fails, fails alone."""
-        sampling = self.sampling(settings)
-        loop = self.frame_loop(sampling, rows)
-        speculation = loop.speculation
-        spoken: dict[int, _Spoken] = {}
-        failed: set[int] = set()
-
-        def chunks(index: int) -> Iterator[tuple[Prompt, int]]:
-            """The line's prompts, one per text chunk, with their frame budgets (checked when it starts)."""
-            line = lines[index]
-            state = spoken[index] = _Spoken(time.perf_counter(), StreamJoiner(self.sample_rate))
-            if not line.text.strip():
-                raise ValueError("the text is empty: give something to say")
-            speaker = self.check_voice(line.speaker, line.language, line.instruct, line.clone)
-            state.pieces = text_pieces(line.text, chunk_chars)
-            for piece in state.pieces:
-                begun = time.perf_counter()
-                prompt = self.prompt(piece, speaker, line.language, line.instruct, line.clone)
-                state.prompts += time.perf_counter() - begun
-                yield prompt, self.frame_budget(piece, settings)
-
-        works = (Work(line.seed, line.utterance, chunks(index), tag=index) for index, line in enumerate(lines))
-        for event in loop.run(works):
-            index = event.work.tag
-            if index in failed or isinstance(event, FrameDone):  # heard chunk by chunk; a failed one's not at all
-                continue
-            if isinstance(event, WorkFailed):
-                del spoken[index]
-                yield index, event.error
-            elif isinstance(event, ChunkDone):
-                state = spoken[index]
-                try:
-                    begun = time.perf_counter()
-                    state.joiner.add(self.decode(np.stack(event.frames), lines[index].clone), new_part=True)
-                    state.decoder += time.perf_counter() - begun
-                except Exception as error:  # this line's audio: it fails alone
-                    failed.add(index)
-                    del spoken[index]
-                    yield index, error
-                    continue
-                state.frames.extend(event.frames)
-                state.chunks_done += 1
-                if state.first_audio is None:
-                    state.first_audio = time.perf_counter() - state.started
-                if event.cut:
-                    state.warnings.append(
-                        cut_warning(
-                            state.chunks_done, len(state.pieces), event.budget, state.pieces[state.chunks_done - 1]
-                        )
-                    )
-            else:
-                yield index, self._batched_synthesis(event.work, spoken.pop(index), sampling, rows, speculation)
+        stream_frames: int | None,
+        on_chunk: Callable[[int, int], None] | None,
+        on_frame: Callable[[torch.Tensor, list[int]], None] | None,
+    ) -> Generator[np.ndarray, None, Synthesis]:
+        """One line's samples as `_speak` makes them ready, then its Synthesis (its failure raised)."""
+        for _, item in self._speak([line], settings, chunk_chars, 1, stream_frames, on_chunk, on_frame):
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, Synthesis):
+                return item
+            yield item
 
     def batch_runner(self) -> PredictorRunner:
         """The code predictor runner of batches (its cache grows by rows, each row with room for a tree
@@ -616,30 +552,121 @@ class Synthesizer:
         reference = len(line.clone.codes) if line.clone is not None and line.clone.icl else 0
         return max(self.frame_budget(piece, settings) + 2 * len(piece) for piece in pieces) + PROMPT_TOKENS + reference
 
-    def _batched_synthesis(
+    def _speak(
         self,
-        work: Work,
-        state: "_Spoken",
-        sampling: ResolvedSampling,
-        rows: int,
-        speculation: Speculation | OnlineSpeculation | None,
+        lines: list[Line],
+        settings: GenerationSettings,
+        chunk_chars: float | None,
+        rows: int = 1,
+        stream_frames: int | None = None,
+        on_chunk: Callable[[int, int], None] | None = None,
+        on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
+    ) -> Iterator[tuple[int, np.ndarray | Synthesis | Exception]]:
+        """Speak `lines` (each with its seed and utterance set), `rows` at a time (rvqtts.engine.frame_loop), text
+        chunk after text chunk. Yields (index in `lines`, item) as it goes: a line's samples ready to play (every
+        `stream_frames` frames, decoded incrementally by the streaming decoder, or (None) each text chunk at once,
+        `decode`), then its Synthesis; or, for a line whose voice, text or decoding fails, the exception, and no
+        more of it (a model that produced NaN or inf, NonFiniteError, stops it all)."""
+        sampling = self.sampling(settings)
+        loop = self.frame_loop(sampling, rows)
+        depth = loop.speculation.offsets.depth if loop.speculation else DEFAULT_DEPTH
+        spoken: dict[int, _Spoken] = {}
+
+        def chunks(index: int) -> Iterator[tuple[Prompt, int]]:
+            """The line's prompts, one per text chunk, with their frame budgets (its voice checked when it starts),
+            the streaming decoder primed for each."""
+            line = lines[index]
+            decoder = StreamingDecoder(self.model.speech_tokenizer.model.decoder) if stream_frames else None
+            state = spoken[index] = _Spoken(time.perf_counter(), StreamJoiner(self.sample_rate), decoder)
+            if not line.text.strip():
+                raise ValueError("the text is empty: give something to say")
+            speaker = self.check_voice(line.speaker, line.language, line.instruct, line.clone)
+            state.pieces = text_pieces(line.text, chunk_chars)
+            for piece in state.pieces:
+                begun = time.perf_counter()
+                if decoder:
+                    self._primed.start(decoder, line.clone)
+                    state.seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
+                begun = time.perf_counter()
+                prompt = self.prompt(piece, speaker, line.language, line.instruct, line.clone)
+                state.seconds["prompts"] += time.perf_counter() - begun
+                state.seconds.setdefault("prompt", state.seconds["prompts"])  # the first chunk's, before any audio
+                yield prompt, self.frame_budget(piece, settings)
+
+        def audio_of(state: _Spoken, work: Work, clone: ClonedVoice | None) -> np.ndarray:
+            """Decode the line's pending frames, join them to what came before, and time both; the samples ready
+            to play."""
+            begun = time.perf_counter()
+            codes = np.stack(state.pending)
+            samples = state.decoder.push(codes) if state.decoder else self.decode(codes, clone)
+            ready = state.joiner.add(samples, new_part=state.chunk_start)
+            state.pending, state.chunk_start = [], False
+            state.seconds["decoder"] += time.perf_counter() - begun
+            if ready.size and state.seconds["first_audio"] is None:
+                state.seconds["first_audio"] = time.perf_counter() - state.started
+                frames_seconds = work.seconds["talker"] + work.seconds["predictor"] - work.seconds["prefill"]
+                state.seconds["first_audio_split"] = {
+                    "prefill": round(state.seconds["prompt"] + work.seconds["prefill"], 3),
+                    "frames": round(frames_seconds, 3),
+                    "decoder": round(state.seconds["decoder"], 3),
+                }
+            return ready
+
+        works = (
+            Work(
+                line.seed,
+                line.utterance,
+                chunks(index),
+                tag=index,
+                on_frame=on_frame,
+                stats=LoopStats(accepted_per_depth=[0] * depth),
+            )
+            for index, line in enumerate(lines)
+        )
+        for event in loop.run(works):
+            index = event.work.tag
+            state = spoken.get(index)
+            if state is None:  # failed: the rest of its chunks are not heard
+                continue
+            try:
+                if isinstance(event, WorkFailed):
+                    raise event.error
+                if isinstance(event, FrameDone):
+                    state.pending.append(event.codes)
+                    if len(state.pending) == stream_frames:
+                        yield index, audio_of(state, event.work, lines[index].clone)
+                elif isinstance(event, ChunkDone):
+                    if state.pending:
+                        yield index, audio_of(state, event.work, lines[index].clone)
+                    state.frames.extend(event.frames)
+                    state.chunk_start, state.chunks_done = True, state.chunks_done + 1
+                    if event.cut:
+                        piece = state.pieces[state.chunks_done - 1]
+                        state.warnings.append(cut_warning(state.chunks_done, len(state.pieces), event.budget, piece))
+                    if on_chunk:
+                        on_chunk(state.chunks_done, len(state.pieces))
+                else:
+                    yield index, state.joiner.finish()
+                    yield index, self._synthesis(event.work, spoken.pop(index), sampling, loop, stream_frames)
+            except NonFiniteError:
+                raise
+            except Exception as error:  # this line's: it fails alone
+                del spoken[index]
+                yield index, error
+
+    def _synthesis(
+        self, work: Work, state: "_Spoken", sampling: ResolvedSampling, loop: FrameLoop, stream_frames: int | None
     ) -> Synthesis:
-        """The Synthesis of an utterance `synthesize_many` finished. Its loops' seconds are its shares of the
-        calls it was in; its prompts count as talker work and its first prompt in the prefill, as in
-        `synthesize`."""
-        state.joiner.finish()
-        first_prompt = state.prompts / max(state.chunks_done, 1)
-        prefill = work.seconds["prefill"] + first_prompt
-        seconds = {
-            "wall": time.perf_counter() - state.started,
-            "talker": work.seconds["talker"] + state.prompts,
-            "predictor": work.seconds["predictor"],
-            "decoder": state.decoder,
-            "prefill": prefill,
-            "first_audio": state.first_audio,
-            "prompts": state.prompts,
-            "first_audio_split": {"prefill": round(prefill, 3)},
-        }
+        """The Synthesis of a line `_speak` finished. Its loops' seconds are its shares of the calls it was in;
+        building its prompts counts as talker work, and the first one in the prefill."""
+        seconds = state.seconds
+        seconds.update(
+            wall=time.perf_counter() - state.started,
+            talker=work.seconds["talker"] + seconds["prompts"],
+            predictor=work.seconds["predictor"],
+            prefill=seconds["prompt"] + work.seconds["prefill"],
+        )
+        speculation = loop.speculation
         return Synthesis(
             audio=state.joiner.audio(),
             sample_rate=self.sample_rate,
@@ -653,121 +680,12 @@ class Synthesizer:
             seed=work.seed,
             sampling=sampling.record(),
             warnings=state.warnings,
-            weights=self.weights,
-            engine=self.engine_record(),
-            batch_rows=rows,
-            batch_row_bytes=row_bytes(self, self.talker_runner().max_len),
-            online=speculation.record(work.frames_by_budget) if isinstance(speculation, OnlineSpeculation) else None,
-        )
-
-    def _speak(
-        self,
-        text: str,
-        speaker: str | None,
-        language: str,
-        seed: int,
-        utterance: int,
-        instruct: str | None,
-        clone: ClonedVoice | None,
-        settings: GenerationSettings,
-        chunk_chars: float | None,
-        stream_frames: int | None,
-        on_chunk: Callable[[int, int], None] | None,
-        on_frame: Callable[[torch.Tensor, list[int]], None] | None,
-    ) -> Generator[np.ndarray, None, Synthesis]:
-        """The audio of one utterance, chunk of text after chunk: decoded every `stream_frames` frames by
-        the streaming decoder, or (None) each text chunk at once (`decode`); then the Synthesis."""
-        if not text.strip():
-            raise ValueError("the text is empty: give something to say")
-        speaker = self.check_voice(speaker, language, instruct, clone)
-        pieces = text_pieces(text, chunk_chars)
-        sampling = self.sampling(settings)
-        loop = self.frame_loop(sampling)
-        online = self.speculation if isinstance(self.speculation, OnlineSpeculation) else None
-        frames_before = dict(online.frames_by_budget) if online else {}
-        joiner = StreamJoiner(self.sample_rate)
-        decoder = StreamingDecoder(self.model.speech_tokenizer.model.decoder) if stream_frames else None
-        seconds = {"decoder": 0.0, "first_audio": None, "prompts": 0.0}
-        started = time.perf_counter()
-
-        def chunks() -> Iterator[tuple[Prompt, int]]:
-            """Each text chunk's prompt and frame budget, the streaming decoder primed for it."""
-            for piece in pieces:
-                begun = time.perf_counter()
-                if decoder:
-                    self._primed.start(decoder, clone)
-                    seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
-                begun = time.perf_counter()
-                prompt = self.prompt(piece, speaker, language, instruct, clone)
-                seconds["prompts"] += time.perf_counter() - begun
-                seconds.setdefault("prompt", seconds["prompts"])  # the first chunk's, before any audio
-                yield prompt, self.frame_budget(piece, settings)
-
-        depth = self.speculation.offsets.depth if self.speculation else DEFAULT_DEPTH
-        work = Work(seed, utterance, chunks(), on_frame=on_frame, stats=LoopStats(accepted_per_depth=[0] * depth))
-        spoken: list[np.ndarray] = []
-        warnings: list[str] = []
-        pending: list[np.ndarray] = []  # frames not decoded yet
-        first, chunks_done = True, 0  # whether the next samples start a text chunk; chunks spoken
-
-        def audio_of(codes: list[np.ndarray]) -> np.ndarray:
-            """Decode `codes`, join them to what came before, and time both; the samples ready to play."""
-            begun = time.perf_counter()
-            samples = decoder.push(np.stack(codes)) if decoder else self.decode(np.stack(codes), clone)
-            ready = joiner.add(samples, new_part=first)
-            seconds["decoder"] += time.perf_counter() - begun
-            if ready.size and seconds["first_audio"] is None:
-                seconds["first_audio"] = time.perf_counter() - started
-                frames_seconds = work.seconds["talker"] + work.seconds["predictor"] - work.seconds["prefill"]
-                seconds["first_audio_split"] = {
-                    "prefill": round(seconds["prompt"] + work.seconds["prefill"], 3),
-                    "frames": round(frames_seconds, 3),
-                    "decoder": round(seconds["decoder"], 3),
-                }
-            return ready
-
-        for event in loop.run([work]):
-            if isinstance(event, WorkFailed):
-                raise event.error
-            if isinstance(event, FrameDone):
-                pending.append(event.codes)
-                if decoder and len(pending) == stream_frames:
-                    yield audio_of(pending)
-                    pending, first = [], False
-            elif isinstance(event, ChunkDone):
-                if pending:
-                    yield audio_of(pending)
-                pending, first, chunks_done = [], True, chunks_done + 1
-                spoken.extend(event.frames)
-                if event.cut:
-                    warnings.append(cut_warning(chunks_done, len(pieces), event.budget, pieces[chunks_done - 1]))
-                if on_chunk:
-                    on_chunk(chunks_done, len(pieces))
-        yield joiner.finish()
-        seconds["wall"] = time.perf_counter() - started
-        # Building prompts is talker work: it counts there (and the first one in the prefill).
-        seconds.update(
-            talker=work.seconds["talker"] + seconds["prompts"],
-            predictor=work.seconds["predictor"],
-            prefill=seconds["prompt"] + work.seconds["prefill"],
-        )
-        return Synthesis(
-            audio=joiner.audio(),
-            sample_rate=self.sample_rate,
-            codes=np.stack(spoken),
-            stats=work.stats,
-            seconds=seconds,
-            talker_calls=work.talker_calls,
-            chunks=len(pieces),
-            spec=self.speculation is not None,
-            tree_nodes=tree_nodes(self.speculation),
-            seed=seed,
-            sampling=sampling.record(),
-            warnings=warnings,
             stream_frames=stream_frames,
             weights=self.weights,
             engine=self.engine_record(),
-            online=online.record(online.frames_since(frames_before)) if online else None,
+            batch_rows=loop.rows,
+            batch_row_bytes=row_bytes(self, self.talker_runner().max_len) if loop.rows > 1 else None,
+            online=speculation.record(work.frames_by_budget) if isinstance(speculation, OnlineSpeculation) else None,
         )
 
     def force(
@@ -880,17 +798,18 @@ def cut_warning(chunk: int, chunks: int, budget: int, piece: str) -> str:
 
 @dataclass
 class _Spoken:
-    """What `synthesize_many` gathers for one utterance while its chunks are spoken."""
+    """What `Synthesizer._speak` gathers for one line while its chunks are spoken."""
 
     started: float
     joiner: StreamJoiner
+    decoder: StreamingDecoder | None  # streamed: the incremental decoder
     pieces: list[str] = field(default_factory=list)
-    frames: list[np.ndarray] = field(default_factory=list)
+    frames: list[np.ndarray] = field(default_factory=list)  # spoken, chunk by chunk
+    pending: list[np.ndarray] = field(default_factory=list)  # frames not decoded yet
+    chunk_start: bool = True  # the next samples start a text chunk
     warnings: list[str] = field(default_factory=list)
     chunks_done: int = 0
-    prompts: float = 0.0
-    decoder: float = 0.0
-    first_audio: float | None = None
+    seconds: dict = field(default_factory=lambda: {"decoder": 0.0, "first_audio": None, "prompts": 0.0})
 
 
 def prepare_inner_loop(
