@@ -573,44 +573,9 @@ class Synthesizer:
         spoken: dict[int, _Spoken] = {}
 
         def chunks(index: int) -> Iterator[tuple[Prompt, int]]:
-            """The line's prompts, one per text chunk, with their frame budgets (its voice checked when it starts),
-            the streaming decoder primed for each."""
-            line = lines[index]
             decoder = StreamingDecoder(self.model.speech_tokenizer.model.decoder) if stream_frames else None
-            state = spoken[index] = _Spoken(time.perf_counter(), StreamJoiner(self.sample_rate), decoder)
-            if not line.text.strip():
-                raise ValueError("the text is empty: give something to say")
-            speaker = self.check_voice(line.speaker, line.language, line.instruct, line.clone)
-            state.pieces = text_pieces(line.text, chunk_chars)
-            for piece in state.pieces:
-                begun = time.perf_counter()
-                if decoder:
-                    self._primed.start(decoder, line.clone)
-                    state.seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
-                begun = time.perf_counter()
-                prompt = self.prompt(piece, speaker, line.language, line.instruct, line.clone)
-                state.seconds["prompts"] += time.perf_counter() - begun
-                state.seconds.setdefault("prompt", state.seconds["prompts"])  # the first chunk's, before any audio
-                yield prompt, self.frame_budget(piece, settings)
-
-        def audio_of(state: _Spoken, work: Work, clone: ClonedVoice | None) -> np.ndarray:
-            """Decode the line's pending frames, join them to what came before, and time both; the samples ready
-            to play."""
-            begun = time.perf_counter()
-            codes = np.stack(state.pending)
-            samples = state.decoder.push(codes) if state.decoder else self.decode(codes, clone)
-            ready = state.joiner.add(samples, new_part=state.chunk_start)
-            state.pending, state.chunk_start = [], False
-            state.seconds["decoder"] += time.perf_counter() - begun
-            if ready.size and state.seconds["first_audio"] is None:
-                state.seconds["first_audio"] = time.perf_counter() - state.started
-                frames_seconds = work.seconds["talker"] + work.seconds["predictor"] - work.seconds["prefill"]
-                state.seconds["first_audio_split"] = {
-                    "prefill": round(state.seconds["prompt"] + work.seconds["prefill"], 3),
-                    "frames": round(frames_seconds, 3),
-                    "decoder": round(state.seconds["decoder"], 3),
-                }
-            return ready
+            spoken[index] = _Spoken(time.perf_counter(), StreamJoiner(self.sample_rate), decoder)
+            return self._prompts(lines[index], spoken[index], settings, chunk_chars)
 
         works = (
             Work(
@@ -634,10 +599,10 @@ class Synthesizer:
                 if isinstance(event, FrameDone):
                     state.pending.append(event.codes)
                     if len(state.pending) == stream_frames:
-                        yield index, audio_of(state, event.work, lines[index].clone)
+                        yield index, self._ready_audio(state, event.work, lines[index].clone)
                 elif isinstance(event, ChunkDone):
                     if state.pending:
-                        yield index, audio_of(state, event.work, lines[index].clone)
+                        yield index, self._ready_audio(state, event.work, lines[index].clone)
                     state.frames.extend(event.frames)
                     state.chunk_start, state.chunks_done = True, state.chunks_done + 1
                     if event.cut:
@@ -653,6 +618,45 @@ class Synthesizer:
             except Exception as error:  # this line's: it fails alone
                 del spoken[index]
                 yield index, error
+
+    def _prompts(
+        self, line: Line, state: "_Spoken", settings: GenerationSettings, chunk_chars: float | None
+    ) -> Iterator[tuple[Prompt, int]]:
+        """The line's prompts, one per text chunk, with their frame budgets (its voice checked when it starts),
+        the streaming decoder primed for each."""
+        if not line.text.strip():
+            raise ValueError("the text is empty: give something to say")
+        speaker = self.check_voice(line.speaker, line.language, line.instruct, line.clone)
+        state.pieces = text_pieces(line.text, chunk_chars)
+        for piece in state.pieces:
+            begun = time.perf_counter()
+            if state.decoder:
+                self._primed.start(state.decoder, line.clone)
+                state.seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
+            begun = time.perf_counter()
+            prompt = self.prompt(piece, speaker, line.language, line.instruct, line.clone)
+            state.seconds["prompts"] += time.perf_counter() - begun
+            state.seconds.setdefault("prompt", state.seconds["prompts"])  # the first chunk's, before any audio
+            yield prompt, self.frame_budget(piece, settings)
+
+    def _ready_audio(self, state: "_Spoken", work: Work, clone: ClonedVoice | None) -> np.ndarray:
+        """Decode the line's pending frames, join them to what came before, and time both; the samples ready to
+        play."""
+        begun = time.perf_counter()
+        codes = np.stack(state.pending)
+        samples = state.decoder.push(codes) if state.decoder else self.decode(codes, clone)
+        ready = state.joiner.add(samples, new_part=state.chunk_start)
+        state.pending, state.chunk_start = [], False
+        state.seconds["decoder"] += time.perf_counter() - begun
+        if ready.size and state.seconds["first_audio"] is None:
+            state.seconds["first_audio"] = time.perf_counter() - state.started
+            frames_seconds = work.seconds["talker"] + work.seconds["predictor"] - work.seconds["prefill"]
+            state.seconds["first_audio_split"] = {
+                "prefill": round(state.seconds["prompt"] + work.seconds["prefill"], 3),
+                "frames": round(frames_seconds, 3),
+                "decoder": round(state.seconds["decoder"], 3),
+            }
+        return ready
 
     def _synthesis(
         self, work: Work, state: "_Spoken", sampling: ResolvedSampling, loop: FrameLoop, stream_frames: int | None
