@@ -40,7 +40,7 @@ from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.quantize import check_weights
 from rvqtts.engine.sampling import C0Rules, NonFiniteError
-from rvqtts.engine.speculation import DEFAULT_DEPTH, EAGER, LoopStats, Speculation
+from rvqtts.engine.speculation import DEFAULT_DEPTH, LoopStats, Speculation
 from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.engine.tree import best_budget, platform_key, resolve_tree
@@ -353,14 +353,8 @@ class Synthesizer:
         talker = self.talker_runner()
         config = self.talker.config
         rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, talker.device)
-        if rows == 1:
-            parts = self.inner_parts()
-            return FrameLoop(
-                talker, parts, rules, sampling.talker, sampling.predictor, 1, self.speculation, parts.calls
-            )
-        speculation = self.batch_speculation(rows)
-        parts = LoopParts(speculation, False, self.batch_runner(), None, EAGER, weights=self.weights)
-        return FrameLoop(talker, parts, rules, sampling.talker, sampling.predictor, rows, speculation)
+        parts = self.inner_parts() if rows == 1 else LoopParts.of(self.batch_runner(), self.batch_speculation(rows))
+        return FrameLoop(talker, parts, rules, sampling.talker, sampling.predictor, rows)
 
     def decode(self, codes: np.ndarray, clone: ClonedVoice | None = None) -> np.ndarray:
         """The waveform of frame codes [frames, G], all at once: qwen-tts's speech decoder run by rvqtts in

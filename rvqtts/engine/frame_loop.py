@@ -29,11 +29,9 @@ import numpy as np
 import torch
 
 from rvqtts.engine.devices import synchronize
-from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.inner_loop import LoopParts, count_frame, inner_frames
-from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.sampling import C0Rules, NonFiniteError, SamplingConfig, draw_checked, gumbel_noise, residual_noise
-from rvqtts.engine.speculation import EAGER, LoopStats, Speculation
+from rvqtts.engine.speculation import LoopStats
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.prompt import Prompt
 
@@ -97,9 +95,9 @@ class _Row:
 
 
 class FrameLoop:
-    """Speaks utterances `rows` at a time over one talker runner and the inner loop's parts (a code predictor
-    runner, or a Core ML package's fused calls for one row), its calls through `calls` (static calls replay the
-    shapes of one row; a batch's run eagerly)."""
+    """Speaks utterances `rows` at a time over one talker runner and the inner loop's parts: a code predictor
+    runner, the speculation and offsets and the calls it makes through (static calls replay the shapes of one row;
+    a batch's run eagerly), or a Core ML package's fused calls for one row."""
 
     def __init__(
         self,
@@ -109,8 +107,6 @@ class FrameLoop:
         talker_sampling: SamplingConfig,
         predictor_sampling: SamplingConfig,
         rows: int = 1,
-        speculation: Speculation | OnlineSpeculation | None = None,
-        calls: StaticCalls = EAGER,
     ):
         if rows < 1:
             raise ValueError(f"a batch needs at least one row, got {rows}")
@@ -118,10 +114,7 @@ class FrameLoop:
             raise ValueError("a Core ML package's fused calls carry one frame: speak its lines one at a time")
         self.talker, self.parts, self.rules = talker, parts, rules
         self.talker_sampling, self.predictor_sampling = talker_sampling, predictor_sampling
-        self.rows, self.speculation, self.calls = rows, speculation, calls
-        self.offsets = parts.offsets
-        if parts.runner is not None and speculation is not None and self.offsets is None:
-            self.offsets = speculation.offsets.vectors.to(parts.runner.device, parts.runner.dtype)
+        self.rows, self.speculation = rows, parts.speculation
 
     def run(self, works: Iterable[Work]) -> Iterator[FrameDone | ChunkDone | WorkDone | WorkFailed]:
         """Speak every utterance; report each frame, and each chunk and each utterance as it ends
@@ -231,22 +224,19 @@ class FrameLoop:
                 )
             decode = fused.decode if self.speculation else fused.decode_plain
             return [decode(prefixes[0], noise[0].to(fused.device), works[0].stats)]
-        online = self.speculation if isinstance(self.speculation, OnlineSpeculation) else None
-        if online is not None:
-            online.start(runner, self.predictor_sampling)  # the budget this frame runs at, set
-            for work in works:
-                work.frames_by_budget[online.budget] = work.frames_by_budget.get(online.budget, 0) + 1
         frames = inner_frames(
             runner,
             prefixes.to(runner.device),
             noise.to(runner.device),
             self.predictor_sampling,
             self.speculation,
-            self.offsets,
-            self.calls,
+            self.parts.offsets,
+            self.parts.calls,
         )
         for work, frame in zip(works, frames):
             count_frame(work.stats, frame)
+            if frame.budget is not None:
+                work.frames_by_budget[frame.budget] = work.frames_by_budget.get(frame.budget, 0) + 1
         return [frame.codes for frame in frames]
 
     def _end_chunk(

@@ -51,15 +51,19 @@ class LoopParts:
             else -1
         ) + 1
         runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra, weights)
+        return cls.of(runner, speculation, StaticCalls.for_device(runner.device, cuda_graphs), cuda_graphs)
+
+    @classmethod
+    def of(
+        cls,
+        runner: PredictorRunner,
+        speculation: Speculation | OnlineSpeculation | None,
+        calls: StaticCalls = EAGER,
+        cuda_graphs: bool = False,
+    ) -> "LoopParts":
+        """Parts over `runner` (its rows room enough for the speculation's rounds), the offsets on its device."""
         offsets = speculation.offsets.vectors.to(runner.device, runner.dtype) if speculation else None
-        return cls(
-            speculation,
-            cuda_graphs,
-            runner,
-            offsets,
-            StaticCalls.for_device(runner.device, cuda_graphs),
-            weights=weights,
-        )
+        return cls(speculation, cuda_graphs, runner, offsets, calls, weights=runner.weights)
 
     @classmethod
     def package(cls, decoder: FusedDecoder, speculation: Speculation | None) -> "LoopParts":
@@ -141,8 +145,9 @@ def inner_frames(
         frames = speculative_frames(runner, prefixes, noise, sampling, trees, offsets, calls)
     synchronize(runner.device)
     if online is not None:
-        share = (time.perf_counter() - started) * 1e3 / len(frames)
-        for frame in frames:
+        share, budget = (time.perf_counter() - started) * 1e3 / len(frames), online.budget
+        for frame in frames:  # the size they ran at (a choice made while observing them applies from the next)
+            frame.budget = budget
             online.observe(frame.codes, frame.drafted, probe and bool(frame.drafted), share)
     return frames
 

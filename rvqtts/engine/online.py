@@ -5,7 +5,7 @@ Every code is drawn with noise keyed by its position, so the tree size changes t
 codes (wherever the linear kernels are row-invariant, rvqtts.engine.kernels): the choice can change from one
 frame to the next. What it rests on:
 
-- Acceptance: every round drafts at least OBSERVED_RANKS ranks per depth (rvqtts.engine.speculation.draft), and once
+- Acceptance: every round drafts at least OBSERVED_RANKS ranks per depth (rvqtts.engine.rounds.rounds_call), and once
   the frame's codes are known, the rank of each committed code among the drafts made from each round's
   root is counted per depth (`AcceptanceCounts`: the per-depth, per-rank table `rvqtts calibrate`
   measures offline). While the plain loop runs, one frame in PROBE_EVERY (SETTLED_PROBE_EVERY once

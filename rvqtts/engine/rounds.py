@@ -114,6 +114,7 @@ class FrameRounds:
     calls: int = 1
     accepted: list[int] = field(default_factory=list)
     drafted: list[tuple[int, list[list[int]]]] = field(default_factory=list)
+    budget: int | None = None  # the tree size the online choice ran it at (rvqtts.engine.inner_loop.inner_frames)
 
 
 @cache
@@ -166,7 +167,7 @@ class RoundsLayout:
         bases = runner.row_bases(max(rows) + 1).tolist()
         regions = [bases[row] for row in rows]
         width = min(max([OBSERVED_RANKS, *(rank for p in plans for rank in p.draft_ranks)]), runner.vocab_size)
-        drafts: dict[int, list[tuple[int, int, int, int]]] = {}  # head position: (frame, offset, frame, depth)
+        drafts: dict[int, list[tuple[int, int]]] = {}  # head position: (frame, offset)
         scores: dict[int, list[tuple[int, int, int, int, int]]] = {}  # head: (query row, noise row, code, frame, slot)
         embedding, query_starts, query = [], [], 0
         for f, (row, index, plan) in enumerate(zip(rows, indices, plans)):
@@ -190,17 +191,22 @@ class RoundsLayout:
         draws_of = [[0] * (p.tree.nodes + 1) for p in plans]
         for i, (*_, f, u) in enumerate(score_order):
             draws_of[f][u] = i
-        attention = {"rows": [], "groups": []}
-        for index, plan, region, start in zip(indices, plans, regions, query_starts):
-            if runner.row_attention:
-                slots, visible = plan.row_slots(index + 1, runner.width)
-                attention["rows"].append((region + slots, visible))
-            else:
-                attention["groups"].extend(
-                    (slice(start + s.start, start + s.stop), region + keys)
-                    for s, keys in plan.attention_groups(index + 1)
+        if runner.row_attention:  # each query's slots over the width, in its frame's region
+            slots = [plan.row_slots(index + 1, runner.width) for index, plan in zip(indices, plans)]
+            attention = {
+                "rows": (
+                    torch.cat([region + index for (index, _), region in zip(slots, regions)]),
+                    torch.cat([visible for _, visible in slots]),
                 )
-        rows_attention = attention["rows"]
+            }
+        else:  # per depth, its gathered slots
+            attention = {
+                "groups": [
+                    (slice(start + s.start, start + s.stop), region + keys)
+                    for index, plan, region, start in zip(indices, plans, regions, query_starts)
+                    for s, keys in plan.attention_groups(index + 1)
+                ]
+            }
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, device=device, dtype=torch.long)
@@ -220,11 +226,7 @@ class RoundsLayout:
                     for index, plan, region in zip(indices, plans, regions)
                 ]
             ),
-            attention=(
-                {"rows": (torch.cat([r[0] for r in rows_attention]), torch.cat([r[1] for r in rows_attention]))}
-                if runner.row_attention
-                else {"groups": attention["groups"]}
-            ),
+            attention=attention,
             scored_rows=tensor([entry[0] for entry in score_order]),
             score_heads=head_slices(scores),
             noise_frames=tensor([entry[1] for entry in score_order]),
