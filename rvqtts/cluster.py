@@ -16,7 +16,7 @@ import copy
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
@@ -24,6 +24,7 @@ from typing import Callable
 from rvqtts.batch import BatchResult, Manifest, Utterance, attempt_many, conclude, describe, to_do
 from rvqtts.batch_size import choose_batch_size
 from rvqtts.engine.sampling import NonFiniteError
+from rvqtts.loader import EngineChoices
 
 INSTALL_HINT = "pip install -e '.[ray]' (from rvqtts's checkout folder; rvqtts is not on PyPI)"
 DEATHS_PER_LINE = 3  # a line whose workers died this often is reported failed rather than tried again
@@ -54,18 +55,10 @@ class WorkerSpec:
     model cannot use stops the batch with one line."""
 
     model: str
-    device: str = "auto"
-    dtype: str = "auto"
-    weights: str = "native"
-    spec: bool = True
-    tree: str = "auto"
-    offsets: str | None = None
-    cuda_graphs: bool = True
+    choices: EngineChoices = EngineChoices(batch_size=1)  # batch_size None: measured on the worker's machine
     cpus: float = 1.0
     gpus: float = 0.0
     voices: tuple = ()
-    batch_size: int | None = 1  # lines a worker speaks together (None: measured on its machine, `--batch-size auto`)
-    decoder_dtype: str = "auto"  # the speech decoder's (rvqtts.decoder_dtype: auto is measured on the worker's machine)
 
 
 class SynthesisWorker:
@@ -81,35 +74,29 @@ class SynthesisWorker:
         import ray
         import torch
 
-        from rvqtts.decoder_dtype import pick_decoder_dtype
-        from rvqtts.engine.devices import pick_device, pick_dtype
-        from rvqtts.loading import model_config
-        from rvqtts.synthesis import Synthesizer, prepare_inner_loop
+        from rvqtts.synthesis import Synthesizer
 
         spec = self.spec
         torch.set_num_threads(max(1, int(spec.cpus)))  # the CPUs Ray gave this worker, not the whole node's
-        device = pick_device(
-            "cuda" if spec.device == "auto" and spec.gpus > 0 else "cpu" if spec.device == "auto" else spec.device
-        )
-        talker_config = model_config(spec.model).talker_config
-        dtype, _ = pick_dtype(spec.dtype, device, talker_config, spec.weights, rows=spec.batch_size or 1)
-        self.synth = Synthesizer.load(spec.model, device=device, dtype=dtype, weights=spec.weights)
-        decoder, _ = pick_decoder_dtype(spec.decoder_dtype, spec.dtype, dtype, device, spec.model)
-        self.synth.use_decoder_dtype(decoder)
-        notice = prepare_inner_loop(self.synth, spec.spec, spec.tree, spec.offsets, spec.cuda_graphs)
+        device = spec.choices.device
+        if device == "auto":
+            device = "cuda" if spec.gpus > 0 else "cpu"
+        notices: list[str] = []
+        self.synth = Synthesizer.load(spec.model, replace(spec.choices, device=device), notices.append)
         for source in spec.voices:
             self.synth.voice_of(source)
-        self.rows = spec.batch_size or choose_batch_size(self.synth, MEASURED_LINES)[0]
+        self.rows = spec.choices.batch_size or choose_batch_size(self.synth, MEASURED_LINES)[0]
+        weight = self.synth.talker.codec_head.weight
         return {
             "node": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
-            "device": device,
-            "dtype": dtype,
-            "decoder_dtype": decoder,
+            "device": str(weight.device),
+            "dtype": str(weight.dtype).removeprefix("torch."),
+            "decoder_dtype": self.synth.decoder_dtype,
             "threads": torch.get_num_threads(),
             "rvqtts": version("rvqtts"),
             "torch": torch.__version__,
-            "notice": notice,
+            "notices": notices,
             "instruct": self.synth.supports_instruct,
             "rows": self.rows,
         }
@@ -445,7 +432,7 @@ def _loaded(record: WorkerRecord, answer: dict, ours: str, wants_instruct: bool,
             f"worker {record.name} on {record.node} runs rvqtts {answer['rvqtts']}, this driver "
             f"{ours}: install the same version on every node (their files could differ)"
         )
-    notices = [answer["notice"]] if answer["notice"] else []
+    notices = list(answer["notices"])
     if wants_instruct and not answer["instruct"]:
         notices.append(INSTRUCT_IGNORED)
     batch.notices.extend(n for n in notices if n not in batch.notices)

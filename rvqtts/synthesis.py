@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from rvqtts.audio import StreamJoiner
-from rvqtts.batch_size import fitting_rows, row_bytes, rows_invariant
+from rvqtts.batch_size import choose_batch_size, fitting_rows, row_bytes, rows_invariant
 from rvqtts.cloning import (
     ClonedVoice,
     PrimedVoices,
@@ -34,16 +34,16 @@ from rvqtts.engine.frame_loop import ChunkDone, FrameDone, FrameLoop, Work, Work
 from rvqtts.engine.fused import FusedDecoder
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.inner_loop import LoopParts
-from rvqtts.engine.kernels import cpu_model, kernels_used, measured_choices
-from rvqtts.engine.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
+from rvqtts.engine.kernels import cpu_model, kernels_used
 from rvqtts.engine.online import OnlineSpeculation
+from rvqtts.engine.policy import tree_nodes
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.quantize import check_weights
 from rvqtts.engine.sampling import C0Rules, NonFiniteError
 from rvqtts.engine.speculation import DEFAULT_DEPTH, LoopStats, Speculation
 from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.engine.talker import TalkerRunner
-from rvqtts.engine.tree import best_budget, platform_key, resolve_tree
+from rvqtts.loader import EngineChoices, load_engine
 from rvqtts.loading import DTYPES, ModelVoices, load_speech_tokenizer, load_tts
 from rvqtts.memory import tensors_mib
 from rvqtts.prompt import Prompt, capture_prompt
@@ -89,6 +89,7 @@ class Synthesizer:
         self.weights = weights  # "int8": both loops run 8-bit weights (rvqtts.engine.quantize)
         self.cuda_graphs = True  # replay the talker's and the inner loop's calls from CUDA graphs on CUDA devices
         self.fused: FusedDecoder | None = None  # set (rvqtts.engine.coreml) to run the inner loop on a Core ML package
+        self.batch_size: int | None = None  # lines `synthesize_many` speaks together (None: measured per batch)
         self._parts: LoopParts | None = None
         self._talker: TalkerRunner | None = None
         self._batch_runner: PredictorRunner | None = None
@@ -112,14 +113,25 @@ class Synthesizer:
     def load(
         cls,
         model: str | os.PathLike,
+        choices: EngineChoices = EngineChoices(),
+        on_notice: Callable[[str], None] | None = None,
+    ) -> "Synthesizer":
+        """The engine `rvqtts synth` runs for `model` (hub id or local folder) with these choices, every `auto`
+        decided on this machine (rvqtts.loader); `on_notice` hears what the command line would tell its user."""
+        return load_engine(model, choices, on_notice)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        model: str | os.PathLike,
         device: str = "cpu",
         dtype: str = "float32",
         speculation: Speculation | None = None,
         weights: str = "native",
         decoder_dtype: str | None = None,
     ) -> "Synthesizer":
-        """Load a checkpoint (hub id or local folder) the ordinary qwen-tts way; the speech tokenizer in
-        `decoder_dtype` where given (rvqtts.decoder_dtype), else in `dtype`."""
+        """A checkpoint loaded the ordinary qwen-tts way in exactly these choices, nothing measured: the speech
+        tokenizer in `decoder_dtype` where given (rvqtts.decoder_dtype), else in `dtype`."""
         check_weights(weights, torch.device(device))
         synth = cls(load_tts(model, device, dtype), speculation, weights)
         synth.source = str(model)
@@ -430,11 +442,12 @@ class Synthesizer:
         seed: int = 0,
         settings: GenerationSettings = GenerationSettings(),
         chunk_chars: float | None = MAX_CHUNK_WEIGHT,
-        batch_size: int = 4,
+        batch_size: int | None = None,
         on_notice: Callable[[str], None] | None = None,
     ) -> Iterator[tuple[int, Synthesis | Exception]]:
         """Synthesize several utterances, up to `batch_size` of them in every call of both loops
-        (rvqtts.engine.frame_loop), each starting as soon as a row is free. Yields (index in `lines`, its
+        (rvqtts.engine.frame_loop; None: the Synthesizer's `batch_size`, else the size measured best on this
+        machine, rvqtts.batch_size), each starting as soon as a row is free. Yields (index in `lines`, its
         Synthesis) as each one ends, or (index, the exception) for one that failed (a voice the model
         does not speak, an empty text); a model that produced NaN or inf (NonFiniteError) stops it all.
         A line's noise is keyed by its `seed` (else `seed`) and its `utterance` (else its index).
@@ -446,6 +459,12 @@ class Synthesizer:
         online, the size measured to pay at these rows (`batch_speculation`); with `batch_size` 1, one line, or a Core
         ML package, the utterances run one after another as `synthesize` runs them. A batch whose caches would not fit
         in memory is cut to one that does (rvqtts.batch_size.fitting_rows), said through `on_notice`."""
+        if batch_size is None:
+            batch_size = self.batch_size
+        if batch_size is None:
+            batch_size, source = choose_batch_size(self, len(lines), on_notice)
+            if on_notice and len(lines) > 1:
+                on_notice(f"batch size {batch_size}: {source}")
         if batch_size < 1:
             raise ValueError(f"the batch size must be at least 1, got {batch_size}")
         lines = [
@@ -774,13 +793,6 @@ class Synthesizer:
         }
 
 
-def tree_nodes(speculation: Speculation | OnlineSpeculation | None) -> int:
-    """The tree size a speculation runs now: the fixed tree's, the online choice's (0: the plain loop), or 0."""
-    if isinstance(speculation, OnlineSpeculation):
-        return max(speculation.budget, 0)
-    return speculation.tree.nodes if speculation else 0
-
-
 def text_pieces(text: str, chunk_chars: float | None) -> list[str]:
     """The pieces a text is spoken in: sentence chunks of at most `chunk_chars`, or (None) the whole text."""
     return chunk_text(text, chunk_chars) if chunk_chars else [" ".join(text.split())]
@@ -808,94 +820,3 @@ class _Spoken:
     warnings: list[str] = field(default_factory=list)
     chunks_done: int = 0
     seconds: dict = field(default_factory=lambda: {"decoder": 0.0, "first_audio": None, "prompts": 0.0})
-
-
-def prepare_inner_loop(
-    synth: Synthesizer,
-    spec: bool = True,
-    tree: str | os.PathLike = "auto",
-    offsets: str | os.PathLike | None = None,
-    cuda_graphs: bool = True,
-    device_type: str | None = None,
-) -> str | None:
-    """Set up `synth`'s inner loop as `rvqtts synth` does: CUDA graphs on or off and, with `spec`, the tree
-    and offsets `choose_speculation` picks (the plain loop where `auto` finds that no tree pays). Returns
-    its notice for the user, or None; raises as choose_speculation does."""
-    synth.cuda_graphs = cuda_graphs
-    if not spec:
-        return None
-    synth.speculation, notice = choose_speculation(
-        synth.code_predictor, tree, offsets, allow_plain=True, device_type=device_type, weights=synth.weights
-    )
-    return notice
-
-
-def choose_speculation(
-    code_predictor: torch.nn.Module,
-    tree: str | os.PathLike = "auto",
-    offsets: str | os.PathLike | None = None,
-    allow_plain: bool = False,
-    device_type: str | None = None,
-    weights: str = "native",
-) -> tuple[Speculation | OnlineSpeculation | None, str | None]:
-    """The tree and offsets to draft with, and a notice for the user (or None).
-
-    `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` or a file.
-    `auto` with `allow_plain` on the torch backend is decided online (rvqtts.engine.online: an OnlineSpeculation,
-    starting from the best N recorded for this platform); otherwise it is that best N (the platform: the
-    kind of device, by default the model's (cpu, cuda, mps) or `device_type` (coreml), the dtype and the
-    `weights` format), and with `allow_plain` no speculation (None) where N = 0; with RVQTTS_CHOICES=fixed
-    that rule holds everywhere. A given offsets file is checked whatever runs. Without an offsets file,
-    shipped offsets whose fingerprint matches the model are used, else zero offsets (reused heads).
-    Raises TreeFileError / OffsetsFileError / ValueError with their messages.
-    """
-    fingerprint = predictor_fingerprint(code_predictor)
-    hidden = code_predictor.config.hidden_size
-    weight = code_predictor.lm_head[0].weight
-    platform = (
-        platform_key(device_type, "float16")
-        if device_type == "coreml"
-        else platform_key(weight.device.type, weight.dtype, weights)
-    )
-    plain = None
-    if allow_plain and str(tree) == "auto" and device_type != "coreml" and measured_choices():
-        budget, source = best_budget(platform, fingerprint)
-        drafts, notice = _drafting_offsets(offsets, hidden, fingerprint, DEFAULT_DEPTH)
-        online = OnlineSpeculation(drafts, fingerprint, start_budget=budget)
-        starting = "the plain loop" if budget == 0 else f"N = {budget}"
-        message = f"--tree auto: the tree size is chosen online, starting from {starting} ({source})"
-        return online, message + (f"; {notice}" if notice else "")
-    if allow_plain and str(tree) == "auto":
-        budget, source = best_budget(platform, fingerprint)
-        if budget == 0:
-            plain = (
-                f"plain inner loop: no tree was measured to pay for this model on {platform} ({source});"
-                f" --tree N forces speculation"
-            )
-            if offsets is None:
-                return None, plain
-    chosen = resolve_tree(tree, fingerprint, platform)
-    drafts, notice = _drafting_offsets(offsets, hidden, fingerprint, chosen.depth)
-    try:
-        speculation = Speculation(chosen, drafts)
-    except ValueError as error:
-        raise ValueError(f"tree {tree} with offsets {offsets}: {error}") from error
-    if plain:  # a given offsets file is checked, against the tree it would draft, even where it goes unused
-        return None, f"{plain}; the offsets file is not used"
-    return speculation, notice
-
-
-def _drafting_offsets(
-    offsets: str | os.PathLike | None, hidden: int, fingerprint: str, depth: int
-) -> tuple[Offsets, str | None]:
-    """The offsets file given, else shipped offsets matching the model, else zero offsets of at least
-    `depth` (reused heads, said in the notice)."""
-    if offsets is not None:
-        return load_offsets(offsets, hidden_size=hidden, fingerprint=fingerprint), None
-    drafts = shipped_offsets_for(fingerprint, hidden)
-    if drafts is not None:
-        return drafts, None
-    return (
-        Offsets.zeros(max(DEFAULT_DEPTH, depth), hidden),
-        "no shipped offsets match this model: drafting with zero offsets (reused heads)",
-    )

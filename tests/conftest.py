@@ -97,7 +97,7 @@ def released_06_kernels(released_06_dir, tmp_path_factory) -> Path:
         patch.setenv("RVQTTS_CHOICES", "measured")
         patch.setenv("RVQTTS_CACHE", str(kernels_folder(tmp_path_factory)))  # measured under rvqtts's own lock
         for dtype in ("bfloat16", "float32"):
-            synth = Synthesizer.load(released_06_dir, dtype=dtype)
+            synth = Synthesizer.from_checkpoint(released_06_dir, dtype=dtype)
             synth.talker_runner()
             InnerLoop(synth.code_predictor, None, seed=0)
     return released_06_dir
@@ -118,7 +118,7 @@ def small_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def narrow(tmp_path_factory):
     """16 code groups over a 16-entry codebook: drafts are often right, so deep acceptance paths run."""
-    return Synthesizer.load(built_once(tmp_path_factory, "narrow", codebook=16))
+    return Synthesizer.from_checkpoint(built_once(tmp_path_factory, "narrow", codebook=16))
 
 
 @pytest.fixture(scope="session")
@@ -129,12 +129,12 @@ def base_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    return Synthesizer.load(tiny_dir)
+    return Synthesizer.from_checkpoint(tiny_dir)
 
 
 @pytest.fixture(scope="session")
 def small(small_dir):
-    return Synthesizer.load(small_dir)
+    return Synthesizer.from_checkpoint(small_dir)
 
 
 @pytest.fixture(scope="session")
@@ -161,12 +161,12 @@ def paper_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def released_06(released_06_dir):
-    return Synthesizer.load(released_06_dir)
+    return Synthesizer.from_checkpoint(released_06_dir)
 
 
 @pytest.fixture(scope="session")
 def released_17(released_17_dir):
-    return Synthesizer.load(released_17_dir)
+    return Synthesizer.from_checkpoint(released_17_dir)
 
 
 # The slowest modules, slowest first (seconds on two workers, 2026-12-03): started first, so that the workers end

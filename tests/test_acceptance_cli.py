@@ -336,7 +336,7 @@ def test_synthesis_picks_up_files_made_for_the_loaded_model(
 ):
     import rvqtts.engine.offsets
     import rvqtts.engine.tree
-    from rvqtts.synthesis import choose_speculation
+    from rvqtts.engine.policy import choose_speculation
 
     shipped_offsets, shipped_trees = tmp_path / "offsets", tmp_path / "trees"
     shipped_trees.mkdir()

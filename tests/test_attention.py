@@ -74,7 +74,7 @@ def test_speculative_codes_equal_plain_codes_either_way(released_06_dir, row_att
     exact) or off: a 15-node tree's codes are the plain loop's, frame for frame."""
     from rvqtts.synthesis import Synthesizer
 
-    synth = Synthesizer.load(released_06_dir, dtype="bfloat16")
+    synth = Synthesizer.from_checkpoint(released_06_dir, dtype="bfloat16")
     config = synth.code_predictor.config
     if row_attention and not attention.row_attention_exact(config, torch.device("cpu"), torch.bfloat16):
         pytest.skip("this machine's small matrix products do not keep a query's bits alone and in a call")

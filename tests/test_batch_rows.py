@@ -53,7 +53,7 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_kern
     mid-batch, every line's codes and samples equal its one-line run's, the batch's tree rounds (every row's frame in
     one call, out of step as acceptance differs) making the calls and accepting what the line's own rounds
     do, and a line the model cannot speak fails alone."""
-    synth = Synthesizer.load(tiny_dir if dtype == "float32" else released_06_kernels, dtype=dtype)
+    synth = Synthesizer.from_checkpoint(tiny_dir if dtype == "float32" else released_06_kernels, dtype=dtype)
     synth.speculation = Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size))
     settings = GenerationSettings(max_frames=16 if dtype == "float32" else 9)  # chunks of 16 frames: lines of 1-3
     lines = [Line(text, utterance=index + 3, seed=index % 2 or None) for index, text in enumerate(TEXTS)]
@@ -152,7 +152,7 @@ def test_a_batch_file_writes_the_files_of_a_one_line_run_and_resumes(tiny_dir, t
 def test_a_line_whose_audio_fails_fails_alone_and_a_batch_that_cannot_fit_runs_line_by_line(
     tiny_dir, measured, monkeypatch
 ):
-    synth = Synthesizer.load(tiny_dir)
+    synth = Synthesizer.from_checkpoint(tiny_dir)
     settings = GenerationSettings(max_frames=6)
     lines = [Line(text) for text in TEXTS[:3]]
     alone = [synth.synthesize(text, utterance=index, settings=settings) for index, text in enumerate(TEXTS[:3])]
@@ -184,7 +184,7 @@ def test_a_line_whose_audio_fails_fails_alone_and_a_batch_that_cannot_fit_runs_l
 def test_auto_takes_the_smallest_size_within_a_tenth_of_the_cheapest_measured_once(
     tiny_dir, measured, monkeypatch, user_cache
 ):
-    tiny = Synthesizer.load(tiny_dir)  # its runners' kernels measured (and probed for invariance)
+    tiny = Synthesizer.from_checkpoint(tiny_dir)  # its runners' kernels measured (and probed for invariance)
     assert batch_size.choose_batch_size(tiny, 1)[0] == 1
     measured_costs = batch_size.frame_costs(tiny, (1, 2))
     assert set(measured_costs) == {1, 2} and all(ms > 0 for ms in measured_costs.values())
@@ -252,7 +252,7 @@ def test_a_batched_round_gives_every_frame_the_codes_and_rounds_it_gets_alone(wh
     synth = (
         request.getfixturevalue("narrow")
         if which == "narrow"
-        else Synthesizer.load(request.getfixturevalue("released_06_kernels"), dtype="bfloat16")
+        else Synthesizer.from_checkpoint(request.getfixturevalue("released_06_kernels"), dtype="bfloat16")
     )
     speculation = Speculation(resolve_tree("16"), Offsets.zeros(3, synth.hidden_size))
     parts = LoopParts.build(synth.code_predictor, speculation, False)

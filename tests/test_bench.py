@@ -13,6 +13,7 @@ from rich.console import Console
 
 from rvqtts.bench.speedup import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
 from rvqtts.engine.offsets import predictor_fingerprint
+from rvqtts.engine.policy import choose_speculation
 from rvqtts.engine.tree import (
     FALLBACK_BUDGET,
     SHIPPED_TREES,
@@ -23,7 +24,7 @@ from rvqtts.engine.tree import (
     save_best_budget,
 )
 from rvqtts.report import predictor_table
-from rvqtts.synthesis import Synthesizer, choose_speculation
+from rvqtts.synthesis import Synthesizer
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +336,7 @@ def test_bench_talker_times_both_steps_at_each_context(tiny_dir, tmp_path):
         for row in report["rows"]
     )
     assert "rvqtts / stock" in result.output and "rvqtts / floor" in result.output
-    talker = Synthesizer.load(tiny_dir).talker
+    talker = Synthesizer.from_checkpoint(tiny_dir).talker
     weights = sum(
         p.numel() for module in (talker.model.layers, talker.model.norm, talker.codec_head) for p in module.parameters()
     )

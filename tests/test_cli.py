@@ -244,7 +244,7 @@ def test_input_that_needs_no_model_is_refused_before_the_model_loads(tmp_path, t
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(Synthesizer, "load", no_load)
+    monkeypatch.setattr(Synthesizer, "from_checkpoint", no_load)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only torch, whatever this one is
     monkeypatch.setattr(torch.version, "cuda", None)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
@@ -349,7 +349,7 @@ def test_non_finite_logits_stop_with_the_dtype_and_a_suggestion(tmp_path, tiny_d
     from rvqtts.settings import GenerationSettings
 
     for part in ("talker", "predictor"):
-        synthesizer = Synthesizer.load(tiny_dir)
+        synthesizer = Synthesizer.from_checkpoint(tiny_dir)
         module = synthesizer.talker.codec_head if part == "talker" else synthesizer.code_predictor.lm_head[3]
         with torch.no_grad():
             module.weight[5, 0] = float("nan")

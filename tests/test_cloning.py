@@ -13,8 +13,9 @@ import torch
 from helpers import run_cli
 
 from rvqtts.cloning import ClonedVoice, VoiceError, VoiceSource, load_voice, save_voice
+from rvqtts.loader import EngineChoices
 from rvqtts.settings import GenerationSettings
-from rvqtts.synthesis import Synthesizer, prepare_inner_loop
+from rvqtts.synthesis import Synthesizer
 
 SETTINGS = GenerationSettings(max_frames=10)
 REF_TEXT = "Hello there, this is my voice."
@@ -26,8 +27,7 @@ def base(tmp_path_factory, base_dir):
     rng = np.random.default_rng(0)
     # 1.5 s of noise at 48 kHz in stereo: qwen-tts resamples it to 24 kHz after rvqtts mixes it to mono
     soundfile.write(root / "ref.wav", (rng.standard_normal((72000, 2)) * 0.1).astype(np.float32), 48000)
-    synth = Synthesizer.load(folder)
-    prepare_inner_loop(synth, True, "16")
+    synth = Synthesizer.load(folder, EngineChoices(dtype="float32", tree="16"))
     return folder, root / "ref.wav", synth
 
 

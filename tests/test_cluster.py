@@ -23,6 +23,7 @@ from helpers import TIMINGS, run_cli
 
 from rvqtts.batch import MANIFEST, read_batch
 from rvqtts.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
+from rvqtts.loader import EngineChoices
 from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer
 
@@ -391,7 +392,7 @@ def test_a_worker_speaks_its_lines_together_as_each_alone(cluster, tiny_dir, mea
     from rvqtts.batch import Utterance, attempt
     from rvqtts.cluster import SynthesisWorker
 
-    worker = SynthesisWorker(WorkerSpec(str(tiny_dir), batch_size=3))
+    worker = SynthesisWorker(WorkerSpec(str(tiny_dir), EngineChoices(batch_size=3)))
     assert worker.load()["rows"] == 3
     items = [Utterance(n, text, f"{n:04d}.wav") for n, text in enumerate(["One.", "A second line, longer.", "3."], 1)]
     status, answers = worker.render(items, RUN)
@@ -406,7 +407,9 @@ def test_workers_take_shares_of_lines_up_to_their_batch_size(cluster, tiny_dir, 
     lines = tmp_path / "lines.txt"
     lines.write_text("".join(f"Line {n}.\n" for n in range(1, 8)))
     out = tmp_path / "out"
-    batch = synthesize_batch_on_ray(read_batch(lines), out, WorkerSpec(str(tiny_dir), batch_size=3), RUN, workers=2)
+    batch = synthesize_batch_on_ray(
+        read_batch(lines), out, WorkerSpec(str(tiny_dir), EngineChoices(batch_size=3)), RUN, workers=2
+    )
     assert [r.status for r in batch.results] == ["done"] * 7
     assert sorted(p.name for p in out.glob("*.wav")) == [f"{n:04d}.wav" for n in range(1, 8)]
     loaded = [w for w in batch.workers if w.pid]

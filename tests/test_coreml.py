@@ -273,7 +273,7 @@ def test_synthesis_runs_its_inner_loop_on_a_package(tiny_dir, tiny_package):
     """Synthesizer.fused routes every frame to the package's calls (speculative, or the plain step without
     a speculation), and frames asking for other sampling than the package's are refused."""
     path = package_path(tiny_package)
-    synth = Synthesizer.load(tiny_dir)  # its own instance: the test sets its inner loop
+    synth = Synthesizer.from_checkpoint(tiny_dir)  # its own instance: the test sets its inner loop
     synth.speculation = exported_drafting(synth)
     settings = GenerationSettings(max_frames=12)
 

@@ -28,7 +28,7 @@ def test_a_run_on_an_unvalidated_device_says_so_and_how_to_choose_the_cpu(tiny_d
     def stop(*_: object, **__: object) -> None:
         raise ValueError("stopped before the load")
 
-    monkeypatch.setattr(Synthesizer, "load", stop)
+    monkeypatch.setattr(Synthesizer, "from_checkpoint", stop)
     result = run_cli("synth", "Hi.", "--model", tiny_dir, "-o", tmp_path / "out.wav", "--dtype", "float32")
     assert result.exit_code == 2 and "stopped before the load" in result.output
     assert "MPS (float16 by default) has not been validated" in result.output

@@ -32,7 +32,7 @@ LINES = ["The first line.", "A second, longer line of text.", "Third."]
 
 
 def load(paper_dir, dtype: str) -> tuple[Synthesizer, Speculation]:
-    synth = Synthesizer.load(paper_dir, dtype=dtype)
+    synth = Synthesizer.from_checkpoint(paper_dir, dtype=dtype)
     return synth, Speculation(resolve_tree(TREE), paper_offsets(synth))
 
 

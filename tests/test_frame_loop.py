@@ -212,7 +212,7 @@ def test_a_prompt_run_through_f_linear_prefills_what_the_step_kernels_do(release
     """Where F.linear measured faster for a prompt's many rows (`LinearMap.many`), the prefill runs every map
     through it (in bfloat16 outside the one-call native layers) and its state is the model's within
     rounding; the steps after it keep their kernels."""
-    synth = Synthesizer.load(released_06_dir, dtype=dtype)
+    synth = Synthesizer.from_checkpoint(released_06_dir, dtype=dtype)
     prompt = synth.prompt(TEXT, "vivian", "english")
     step_kernels, prompt_kernels = TalkerRunner(synth.talker), TalkerRunner(synth.talker)
     for linear in prompt_kernels.layer_maps():

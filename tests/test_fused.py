@@ -50,7 +50,7 @@ def test_fused_rounds_give_the_engines_codes(which, request):
 
 
 def test_the_fused_round_traces_to_a_static_graph(tiny_dir):
-    synth = Synthesizer.load(tiny_dir)
+    synth = Synthesizer.from_checkpoint(tiny_dir)
     synth.code_predictor.requires_grad_(False)  # traced weights become constants
     tree = grow_tree(TABLE, 8)
     decoder = FusedDecoder.pytorch(

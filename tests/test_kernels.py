@@ -220,7 +220,7 @@ def test_tune_shows_each_shapes_kernel_and_the_dtype_auto_picks(unmeasured, tiny
 def test_measured_kernels_keep_speculative_codes_equal_to_plain_codes(measured, released_06_kernels, dtype):
     """Whatever kernels the measurement picks (all row-invariant where any is: both dtypes on the CPUs
     measured so far, float32 included), every frame of a tree run equals the plain run's."""
-    synth = Synthesizer.load(released_06_kernels, dtype=dtype)
+    synth = Synthesizer.from_checkpoint(released_06_kernels, dtype=dtype)
     speculation = Speculation(
         resolve_tree("15"), Offsets(torch.randn(3, 1024, generator=torch.Generator().manual_seed(3)) * 0.5)
     )
@@ -256,7 +256,7 @@ def test_a_run_records_its_device_dtype_and_kernels(tiny_dir, tmp_path):
     layers = 2 * 4  # the tiny talker's and predictor's two layers, four maps each
     assert sum(engine["kernels"]["talker"]["maps"].values()) == layers + 1  # and the codec head
     assert sum(engine["kernels"]["predictor"]["maps"].values()) == layers + 15  # and the 15 LM heads
-    config = Synthesizer.load(tiny_dir).code_predictor.config  # what this machine's start-up check finds:
+    config = Synthesizer.from_checkpoint(tiny_dir).code_predictor.config  # what this machine's start-up check finds:
     exact = row_attention_exact(config, torch.device("cpu"), torch.float32)
     assert engine["kernels"]["predictor"]["attention"] == ("rows" if exact else "gathered")
     summary = _engine_summary(engine)

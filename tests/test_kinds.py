@@ -101,7 +101,7 @@ def test_synth_speaks_a_voice_design_models_described_voice(kinds, tmp_path):
 def test_a_voice_design_model_needs_its_instruction_in_every_command(kinds, tmp_path):
     from rvqtts.synthesis import Synthesizer
 
-    designer = Synthesizer.load(kinds["voice-design"])
+    designer = Synthesizer.from_checkpoint(kinds["voice-design"])
     assert designer.speakers == [] and designer.supports_instruct
     with pytest.raises(ValueError, match="give an instruction"):
         designer.synthesize("Hi.", settings=GenerationSettings(max_frames=2))

@@ -100,7 +100,7 @@ def test_the_caches_a_synthesizer_keeps_are_reported_as_they_grow(tiny_dir):
     from rvqtts.settings import GenerationSettings
     from rvqtts.synthesis import Synthesizer
 
-    synth = Synthesizer.load(tiny_dir)
+    synth = Synthesizer.from_checkpoint(tiny_dir)
     names = {"talker_kv", "predictor_kv", "batch_predictor_kv", "cloned_voices", "primed_voices"}
     assert synth.cache_mib() == dict.fromkeys(names, 0.0)  # nothing is kept before the first utterance
     synth.synthesize("Hello there.", settings=GenerationSettings(max_frames=4))
@@ -116,13 +116,13 @@ def test_the_caches_a_synthesizer_keeps_are_reported_as_they_grow(tiny_dir):
 def test_only_a_model_that_clones_keeps_its_speech_encoder(tiny_dir, base_dir):
     from rvqtts.synthesis import Synthesizer
 
-    synth = Synthesizer.load(tiny_dir)  # CustomVoice: synthesis never encodes audio
+    synth = Synthesizer.from_checkpoint(tiny_dir)  # CustomVoice: synthesis never encodes audio
     assert synth.model.speech_tokenizer.model.encoder is None
     tokenizer = synth.encoding_tokenizer()  # loaded again where audio must be encoded (offsets from recordings)
     assert tokenizer.model.encoder is not None and synth.encoding_tokenizer() is tokenizer
     noise = np.random.default_rng(0).standard_normal(24000).astype(np.float32) * 0.1
     codes = tokenizer.encode(noise, sr=24000).audio_codes[0]
     assert codes.shape == (13, 16)  # 12.5 frames a second, rounded up
-    cloning = Synthesizer.load(base_dir)
+    cloning = Synthesizer.from_checkpoint(base_dir)
     assert cloning.model.speech_tokenizer.model.encoder is not None
     assert cloning.encoding_tokenizer() is cloning.model.speech_tokenizer

@@ -209,7 +209,7 @@ def test_a_layers_norms_and_rope_run_natively_as_qwen_tts_rounds_them(rows, rele
     """The native q/k norms and RoPE against the module's own operations on the released predictor's
     first layer: the same bits, bar the norm's float32 sum in another order (a bfloat16 step at most);
     keys and values land in the cache slots asked for, each row as it lands alone."""
-    runner = PredictorRunner(Synthesizer.load(released_06_dir, dtype="bfloat16").code_predictor, 40)
+    runner = PredictorRunner(Synthesizer.from_checkpoint(released_06_dir, dtype="bfloat16").code_predictor, 40)
     assert runner.native_rows
     generator = torch.Generator().manual_seed(rows)
     x = _sample(generator, rows, runner.hidden_size) * 4
@@ -287,7 +287,7 @@ def test_a_whole_layer_in_one_call_gives_the_step_by_step_bits_and_the_plain_cod
     """With every map on the library's kernel a layer runs in one native call: its states and cache
     equal the step-by-step calls' bit for bit (a round's rows and a causal prefill), and a tree's codes
     are the plain loop's at the released 0.6B layout."""
-    synth = Synthesizer.load(released_06_dir, dtype="bfloat16", weights=weights)
+    synth = Synthesizer.from_checkpoint(released_06_dir, dtype="bfloat16", weights=weights)
     runner = PredictorRunner(synth.code_predictor, 40, weights)
     assert runner.native_layers is not None
     generator = torch.Generator().manual_seed(5)

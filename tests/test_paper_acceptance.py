@@ -18,7 +18,7 @@ FRAMES = 64
 @pytest.fixture(scope="module")
 def paper(paper_dir):
     """The shallow variant: the same embeddings and heads as the full checkpoint, two layers that barely act."""
-    return Synthesizer.load(paper_dir)
+    return Synthesizer.from_checkpoint(paper_dir)
 
 
 def codes_per_call_at_32(synth: Synthesizer, offsets: torch.Tensor) -> tuple[float, list[float]]:

@@ -22,7 +22,7 @@ def projected(tmp_path_factory):
     folder = build_tiny_model(
         tmp_path_factory.mktemp("models") / "projected", codebook=64, talker_hidden=96, predictor_hidden=64
     )
-    return Synthesizer.load(folder)
+    return Synthesizer.from_checkpoint(folder)
 
 
 @pytest.mark.parametrize("which", ["tiny", "projected", "released_06", "released_17"])
@@ -118,8 +118,10 @@ def test_keep_moves_accepted_entries():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @torch.no_grad()
 def test_half_precision_runs_close_to_float32(tiny_dir, dtype):
-    synth32 = Synthesizer.load(tiny_dir)
-    synth_half = Synthesizer.load(tiny_dir, dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype])
+    synth32 = Synthesizer.from_checkpoint(tiny_dir)
+    synth_half = Synthesizer.from_checkpoint(
+        tiny_dir, dtype={torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    )
     prefix = random_prefix(synth32, seed=5)
     reference = PredictorRunner(synth32.code_predictor, 16)
     expected = reference.logits(reference.prefill(prefix), 1)
@@ -138,7 +140,7 @@ def test_measured_kernels_give_every_row_the_bits_it_gets_alone_at_the_released_
     """Whatever kernel the measurement picks for a map (rvqtts.engine.kernels), a call of any number of rows up to
     a 64-node round's 65 gives each row what a call of that row alone gives it: tree rounds compute what
     plain steps do. Where no kernel is invariant the choice says so, and the claim is not made."""
-    runner = PredictorRunner(Synthesizer.load(released_06_kernels, dtype=dtype).code_predictor, 2)
+    runner = PredictorRunner(Synthesizer.from_checkpoint(released_06_kernels, dtype=dtype).code_predictor, 2)
     generator = torch.Generator().manual_seed(6)
     for linear in (runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[3]):
         choice = kernel_choice(tuple(linear.weight.shape), linear.weight.dtype)

@@ -53,7 +53,9 @@ def test_an_int8_map_applies_its_dequantized_weights_and_gives_rows_the_same_bit
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int8_maps_of_the_released_shapes_give_rows_the_same_bits_in_calls_of_up_to_65_rows(released_06_dir, dtype):
     """The claim speculation's exactness rests on, at the shapes that run (a 64-node round has 65 rows)."""
-    runner = PredictorRunner(Synthesizer.load(released_06_dir, dtype=dtype).code_predictor, 2, weights="int8")
+    runner = PredictorRunner(
+        Synthesizer.from_checkpoint(released_06_dir, dtype=dtype).code_predictor, 2, weights="int8"
+    )
     generator = torch.Generator().manual_seed(4)
     for linear in (runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[0]):
         x = torch.randn(65, linear.weight.shape[1], generator=generator).to(getattr(torch, dtype))
@@ -73,7 +75,7 @@ def test_int8_weights_are_refused_off_the_cpu_and_unknown_formats_everywhere():
 def test_speculative_codes_equal_plain_codes_within_the_quantized_model(tiny_dir, dtype):
     """torch's int8 kernel gives a row the same bits whatever the call's row count, so a tree round's
     rows are what plain steps compute: every frame agrees, in float32 too (unlike float32's own maps)."""
-    synth = Synthesizer.load(tiny_dir, dtype=dtype)
+    synth = Synthesizer.from_checkpoint(tiny_dir, dtype=dtype)
     predictor = synth.code_predictor
     offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5)
     frames = {}

@@ -85,7 +85,9 @@ def test_speculative_codes_equal_plain_codes_in_every_dtype(dims, dtype, request
     shown at its first differing code (tests/exactness.py). Random weights rarely accept a draft: deep acceptance
     at these widths is tests/test_exactness.py's."""
     folder = request.getfixturevalue(SIZES[dims] + "_dir")
-    synth = request.getfixturevalue(SIZES[dims]) if dtype == "float32" else Synthesizer.load(folder, dtype=dtype)
+    synth = (
+        request.getfixturevalue(SIZES[dims]) if dtype == "float32" else Synthesizer.from_checkpoint(folder, dtype=dtype)
+    )
     hidden = synth.hidden_size
     offsets = Offsets(torch.randn(3, hidden, generator=torch.Generator().manual_seed(3)) * 0.5)
     speculation = Speculation(resolve_tree("15"), offsets)

@@ -19,9 +19,10 @@ import uvicorn
 from helpers import run_cli, wait_until
 
 from rvqtts.audio import audio_bytes
+from rvqtts.loader import EngineChoices
 from rvqtts.server import STREAM_FRAMES, ServerOptions, SpeechEngine, create_app
 from rvqtts.settings import GenerationSettings
-from rvqtts.synthesis import Synthesizer, prepare_inner_loop
+from rvqtts.synthesis import Synthesizer
 
 FRAMES = 12  # max_frames: short utterances keep the module fast
 KEY = "test-key"
@@ -35,8 +36,7 @@ pytestmark = pytest.mark.timeout(300)
 def running(model_dir, **options):
     """A server on a free loopback port over `model_dir` in float32, set up as `rvqtts serve --dtype float32`
     sets it up; yields its base URL and engine, and stops it."""
-    synth = Synthesizer.load(model_dir, dtype="float32")
-    prepare_inner_loop(synth)  # --tree auto, as rvqtts serve and rvqtts synth run
+    synth = Synthesizer.load(model_dir, EngineChoices(dtype="float32"))
     engine = SpeechEngine(synth, ServerOptions(model_dir.name, **options))
     server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning"))
     sock = socket.socket()

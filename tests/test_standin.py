@@ -78,7 +78,7 @@ def test_the_stand_in_learned_c1_from_its_context(built):
 
 def test_the_engine_runs_on_the_stand_in_unchanged(built):
     out, _, _ = built
-    synth = Synthesizer.load(out / "model")
+    synth = Synthesizer.from_checkpoint(out / "model")
     frames = load_contexts(out / "contexts.npz", "evaluation").take(np.arange(40))
     prefixes = frames.prefixes(synth.talker.get_input_embeddings())
     plain = InnerLoop(synth.code_predictor, None, seed=3)

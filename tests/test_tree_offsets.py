@@ -215,6 +215,6 @@ def test_fingerprints_tell_models_apart_but_not_dtypes(tiny_dir, tiny, narrow):
     from rvqtts.engine.offsets import predictor_fingerprint
     from rvqtts.synthesis import Synthesizer
 
-    again = Synthesizer.load(tiny_dir, dtype="bfloat16")
+    again = Synthesizer.from_checkpoint(tiny_dir, dtype="bfloat16")
     assert predictor_fingerprint(again.code_predictor) == predictor_fingerprint(tiny.code_predictor)
     assert predictor_fingerprint(narrow.code_predictor) != predictor_fingerprint(tiny.code_predictor)

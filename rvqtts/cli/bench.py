@@ -89,7 +89,9 @@ def bench_predictor_command(
         code_predictor = random_code_predictor(dims, getattr(torch, dtype), chosen)
         source = f"random at the real {dims} dimensions"
     else:
-        code_predictor = load_synthesizer(model, device, dtype, quiet, weights).code_predictor
+        code_predictor = load_synthesizer(
+            model, quiet, device=device, dtype=dtype, weights=weights, spec=False
+        ).code_predictor
         source = model
     with progress_bar(quiet) as progress:
         task = progress.add_task("warming up and timing", total=len(queries))
@@ -202,17 +204,17 @@ def bench_e2e_command(
     from rvqtts.bench.e2e import bench_e2e, fixed_variants
     from rvqtts.cloning import VoiceSource
     from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.policy import choose_speculation
     from rvqtts.engine.tree import TreeFileError
     from rvqtts.report import e2e_table
     from rvqtts.settings import GenerationSettings
-    from rvqtts.synthesis import choose_speculation
 
     try:
         lines = [(u.text, u.speaker or speaker, u.language or language) for u in read_batch(texts)]
         settings = GenerationSettings(max_frames=max_frames)
     except (BatchFileError, ValueError) as error:
         fail(str(error))
-    synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
+    synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, weights=weights, spec=False)
     try:
         clone = None if voice is None else synthesizer.voice_of(VoiceSource(voice=voice))
         for _, line_speaker, line_language in lines:
@@ -275,7 +277,6 @@ def bench_batch_command(
     from rvqtts.bench.batch import bench_batch
     from rvqtts.report import batch_table
     from rvqtts.settings import GenerationSettings
-    from rvqtts.synthesis import prepare_inner_loop
 
     batch_sizes = list_of_ints(sizes, "--sizes")
     if min(batch_sizes) < 1 or repeats < 1:
@@ -287,10 +288,7 @@ def bench_batch_command(
         settings = GenerationSettings(max_frames=max_frames)
     except (BatchFileError, ValueError) as error:
         fail(str(error))
-    synthesizer = load_synthesizer(model, device, dtype, quiet, weights)
-    notice = prepare_inner_loop(synthesizer, spec)
-    if notice:
-        say(notice, quiet)
+    synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, weights=weights, spec=spec)
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"{len(lines)} lines x {len(batch_sizes)} sizes", total=None)
         try:
@@ -341,11 +339,11 @@ def bench_dtype_command(
         ensure_writable(json_out)
     if weights == "native":
         reference, candidate = (
-            load_synthesizer(model, device, "float32", quiet),
-            load_synthesizer(model, device, dtype, quiet),
+            load_synthesizer(model, quiet, device=device, dtype="float32", spec=False),
+            load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False),
         )
     else:  # one model: the runners hold the 8-bit weights beside the module's own
-        reference = candidate = load_synthesizer(model, device, dtype, quiet, weights)
+        reference = candidate = load_synthesizer(model, quiet, device=device, dtype=dtype, weights=weights, spec=False)
     prefixes = random_prefixes(reference.talker, frames, seed)
     with progress_bar(quiet) as progress:
         progress.add_task(f"decoding {frames} frames both ways", total=None)
@@ -434,7 +432,7 @@ def _model_bench(
         fail(f"--repeats must be at least 1, got {repeats}")
     if json_out is not None:
         ensure_writable(json_out)
-    result = measure(load_synthesizer(model, device, dtype, quiet, weights))
+    result = measure(load_synthesizer(model, quiet, device=device, dtype=dtype, weights=weights, spec=False))
     result["model"] = model
     publish(result, json_out, table, quiet)
 
@@ -467,10 +465,10 @@ def bench_coreml_command(
     from rvqtts.bench.dtype import bench_fused
     from rvqtts.engine.coreml import CoreMLError, coreml_decoder, float16_stand_in
     from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.policy import choose_speculation
     from rvqtts.engine.sampling import SamplingConfig
     from rvqtts.engine.tree import TreeFileError
     from rvqtts.report import coreml_table
-    from rvqtts.synthesis import choose_speculation
 
     check_source(texts, contexts)
     if frames < 1:
@@ -480,7 +478,7 @@ def bench_coreml_command(
         check_coreml(compute_units, precision)
     if json_out is not None:
         ensure_writable(json_out)
-    synthesizer = load_synthesizer(model, "cpu", "float32", quiet)
+    synthesizer = load_synthesizer(model, quiet, device="cpu", dtype="float32", spec=False)
     sampling = SamplingConfig()
     try:
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")

@@ -145,68 +145,24 @@ def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], obje
         stderr_console().print(table(result))
 
 
-def load_synthesizer(
-    model: str,
-    device: str,
-    dtype: str,
-    quiet: bool = False,
-    weights: str = "native",
-    decoder_dtype: str = "auto",
-    rows: int = 1,
-):
-    """The model on the chosen device and dtype, its speech decoder in its own (fails with one line on a bad
-    model, device or dtype, the model checked from its config before the weights load; says which dtypes `auto`
-    chose on a CPU, and why, that rvqtts's native kernels cannot run where they cannot, and that a GPU has not been
-    validated). `rows`: the lines a call will carry (a batch's), at which `auto` prices the loops' dtypes."""
-    import torch
-
-    from rvqtts.decoder_dtype import pick_decoder_dtype
-    from rvqtts.engine.devices import frame_maps, pick_dtype, unvalidated_notice
-    from rvqtts.engine.kernels import choose_kernels, measured_choices
-    from rvqtts.engine.native import isa_cap, unavailable
-    from rvqtts.loading import ModelLoadError, model_config
-    from rvqtts.synthesis import Synthesizer
-
-    check_dtype(dtype)
-    check_dtype(decoder_dtype, "--decoder-dtype")
-    try:
-        isa_cap()
-    except ValueError as error:
-        fail(str(error))
-    try:
-        talker_config = model_config(model).talker_config  # the checkpoint's kind checked with it
-    except ModelLoadError as error:
-        fail(str(error))
-    chosen = resolve_device(device)
-    if notice := unvalidated_notice(chosen):
-        say(notice, quiet)
-    if chosen == "cpu" and (why := unavailable()):
-        say(f"rvqtts's native CPU kernels do not run here ({why}); torch's run instead, slower", quiet)
+def load_synthesizer(model: str, quiet: bool = False, **choices):
+    """The engine `choices` (rvqtts.loader.EngineChoices, as the options name them) describe for `model`, its
+    notices said unless quiet (which dtypes `auto` chose and why, a device not validated, the tree policy); fails
+    with one line on a bad model, device, dtype, tree or offsets, the model checked from its config before the
+    weights load."""
     from transformers.utils import logging as hf_logging
 
+    from rvqtts.loader import EngineChoices
+    from rvqtts.loading import ModelLoadError
+    from rvqtts.synthesis import Synthesizer
+
+    check_dtype(choices.get("dtype", "auto"))
+    check_dtype(choices.get("decoder_dtype", "auto"), "--decoder-dtype")
     hf_logging.set_verbosity_error()
-
-    def progress(line: str) -> None:
-        say(line, quiet)
-
-    loops_dtype, reason = pick_dtype(dtype, chosen, talker_config, weights, progress, rows)
-    if reason:
-        say(reason, quiet)
-    if chosen == "cpu" and measured_choices():  # measured now, not inside the first utterance's timings
-        shapes = [shape for _, shape, _ in frame_maps(talker_config)]
-        choose_kernels(shapes, getattr(torch, loops_dtype), weights, progress)
     try:
-        synthesizer = Synthesizer.load(model, device=chosen, dtype=loops_dtype, weights=weights)
+        return Synthesizer.load(model, EngineChoices(**choices), on_notice=lambda line: say(line, quiet))
     except (ModelLoadError, ValueError) as error:
         fail(str(error))
-    try:  # after the load: a hub model's files are here now
-        decoder, reason = pick_decoder_dtype(decoder_dtype, dtype, loops_dtype, chosen, model, progress)
-        if reason:
-            say(reason, quiet)
-        synthesizer.use_decoder_dtype(decoder)
-    except (ModelLoadError, ValueError) as error:
-        fail(str(error))
-    return synthesizer
 
 
 def check_dtype(dtype: str, option: str = "--dtype") -> None:

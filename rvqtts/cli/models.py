@@ -117,9 +117,9 @@ def export_coreml(
     for `rvqtts synth --backend coreml --coreml-package`. Runs on any OS; the package runs on macOS."""
     from rvqtts.engine.coreml import CoreMLError, check_export_settings, export_package
     from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.policy import choose_speculation
     from rvqtts.engine.sampling import SamplingConfig
     from rvqtts.engine.tree import TreeFileError
-    from rvqtts.synthesis import choose_speculation
 
     try:
         sampling = SamplingConfig(temperature, top_k)
@@ -127,7 +127,7 @@ def export_coreml(
     except (CoreMLError, ValueError) as error:
         fail(str(error))
     ensure_writable(out, folder=True)
-    synthesizer = load_synthesizer(model, "cpu", "float32", quiet)
+    synthesizer = load_synthesizer(model, quiet, device="cpu", dtype="float32", spec=False)
     try:
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
         if notice:

@@ -65,8 +65,6 @@ def serve(
     options; a streamed one has the same length and its samples are that file's up to float rounding (at most
     one 16-bit step apart in the tests; text chunks of up to 300 frames, as synth --stream).
     """
-    from rvqtts.engine.offsets import OffsetsFileError
-    from rvqtts.engine.tree import TreeFileError
     from rvqtts.loading import ModelLoadError, model_voices
 
     if not 1 <= port <= 65535:
@@ -96,16 +94,20 @@ def serve(
     from rvqtts.batch_size import choose_batch_size
     from rvqtts.server import ServerOptions
     from rvqtts.server import serve as run_server
-    from rvqtts.synthesis import prepare_inner_loop
 
     rows = batch_rows(batch_size)
-    synthesizer = load_synthesizer(model, device, dtype, quiet, weights, decoder_dtype, rows or 1)
-    try:
-        notice = prepare_inner_loop(synthesizer, spec, tree, offsets)
-    except (TreeFileError, OffsetsFileError, ValueError) as error:
-        fail(str(error))
-    if notice:
-        say(notice, quiet)
+    synthesizer = load_synthesizer(
+        model,
+        quiet,
+        device=device,
+        dtype=dtype,
+        decoder_dtype=decoder_dtype,
+        weights=weights,
+        spec=spec,
+        tree=tree,
+        offsets=offsets,
+        batch_size=rows,
+    )
     if rows is None:
         rows, source = choose_batch_size(synthesizer, queue_size + 1, progress=lambda m: say(m, quiet))
         say(f"--batch-size auto: {rows} ({source})", quiet)

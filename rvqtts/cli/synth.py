@@ -265,9 +265,7 @@ def synth(
         _refuse_unknown_voice(model, speaker, language, instruct, cloned)
     from rvqtts.batch import BatchFileError, Utterance, read_batch, to_do
     from rvqtts.cloning import VoiceError, VoiceSource
-    from rvqtts.engine.offsets import OffsetsFileError
     from rvqtts.engine.sampling import NonFiniteError
-    from rvqtts.engine.tree import TreeFileError
     from rvqtts.settings import GenerationSettings
 
     try:
@@ -374,7 +372,8 @@ def synth(
     voices = sorted(({item.clone for item in making} | {clone}) - {None}, key=str)
     _check_voice_files(voices, {item.clone: f"{file}:{item.line}: " for item in reversed(making) if item.clone})
     if ray is not None:
-        worker_spec = replace(worker_spec, voices=tuple(voices), batch_size=rows)  # auto: each worker measures
+        choices = replace(worker_spec.choices, batch_size=rows)  # auto: each worker measures
+        worker_spec = replace(worker_spec, voices=tuple(voices), choices=choices)
     run = dict(
         speaker=speaker,
         language=language,
@@ -385,17 +384,22 @@ def synth(
         chunk_chars=None if no_chunk else chunk_chars,
     )
     if ray is None:  # the model is loaded here; on Ray each worker loads its own
-        from rvqtts.synthesis import INSTRUCT_IGNORED, prepare_inner_loop  # qwen-tts: after the checks above
+        from rvqtts.synthesis import INSTRUCT_IGNORED  # qwen-tts: after the checks above
 
-        lines = (rows or 1) if file is not None else 1  # --batch-size auto: measured after the load, priced at 1
-        synthesizer = load_synthesizer(model, device, dtype, quiet, weights, decoder_dtype, lines)
-        device_type = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
-        try:
-            notice = prepare_inner_loop(synthesizer, spec, tree, offsets, cuda_graphs, device_type)
-        except (TreeFileError, OffsetsFileError, ValueError) as error:
-            fail(str(error))
-        if notice:
-            say(notice, quiet)
+        synthesizer = load_synthesizer(
+            model,
+            quiet,
+            device=device,
+            dtype=dtype,
+            decoder_dtype=decoder_dtype,
+            weights=weights,
+            spec=spec,
+            tree=tree,
+            offsets=offsets,
+            cuda_graphs=cuda_graphs,
+            batch_size=rows if file is not None else None,  # auto: measured after the load, the dtype priced at 1
+            tree_device="coreml" if backend == "coreml" else None,  # whose best tree size --tree auto means
+        )
         if backend == "coreml":
             _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet)
         if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
@@ -491,7 +495,7 @@ def _save_voice_only(clone, save_voice: Path, model: str, device: str, dtype: st
     except (ModelLoadError, ValueError) as error:
         fail(str(error))
     _check_voice_files([clone])
-    synthesizer = load_synthesizer(model, device, dtype, quiet)
+    synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
     _encode_voices(synthesizer, [clone], clone, save_voice, quiet)
 
 
@@ -516,6 +520,7 @@ def _ray_worker_spec(
     folder of its own)."""
     from rvqtts.cluster import ClusterError, WorkerSpec, require_ray
     from rvqtts.engine.quantize import WEIGHTS
+    from rvqtts.loader import EngineChoices
 
     if file is None:
         fail("--ray is for batch files: give -f FILE --out-dir DIR")
@@ -549,19 +554,17 @@ def _ray_worker_spec(
     def absolute(path: str) -> str:
         return str(Path(path).expanduser().resolve()) if Path(path).expanduser().exists() else path
 
-    return WorkerSpec(
-        absolute(model),
+    choices = EngineChoices(
         device,
         dtype,
+        decoder_dtype,
         weights,
         spec,
         tree if tree == "auto" or tree.isdigit() else absolute(tree),
         None if offsets is None else absolute(str(offsets)),
         cuda_graphs,
-        cpus,
-        gpus,
-        decoder_dtype=decoder_dtype,
     )
+    return WorkerSpec(absolute(model), choices, cpus, gpus)
 
 
 def _use_coreml(
@@ -577,8 +580,8 @@ def _use_coreml(
     """Run the synthesizer's inner loop on a Core ML package (the plain step when it has no speculation)."""
     from rvqtts.engine.coreml import CoreMLError, coreml_decoder
     from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.policy import choose_speculation
     from rvqtts.engine.tree import TreeFileError
-    from rvqtts.synthesis import choose_speculation
 
     try:
         speculation = synthesizer.speculation  # None: --no-spec, whose package still holds a tree

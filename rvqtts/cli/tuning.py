@@ -160,25 +160,17 @@ def _tune_trees(
 ) -> dict:
     """`tune --texts`: the lines spoken with --tree auto on the CPU; what the online choice measured and chose."""
     from rvqtts.batch import BatchFileError, read_batch
-    from rvqtts.engine.offsets import OffsetsFileError
     from rvqtts.engine.online import OnlineSpeculation
-    from rvqtts.engine.tree import TreeFileError
     from rvqtts.settings import GenerationSettings
-    from rvqtts.synthesis import prepare_inner_loop
 
     try:
         lines = read_batch(texts)
         settings = GenerationSettings(max_frames=max_frames)
     except (BatchFileError, ValueError) as error:
         fail(str(error))
-    synthesizer = load_synthesizer(model, "cpu", dtype, quiet, weights)
-    try:
-        notice = prepare_inner_loop(synthesizer, True, "auto", offsets)
-    except (TreeFileError, OffsetsFileError, ValueError) as error:
-        fail(str(error))
+    synthesizer = load_synthesizer(model, quiet, device="cpu", dtype=dtype, weights=weights, offsets=offsets)
     if not isinstance(synthesizer.speculation, OnlineSpeculation):
         fail("rvqtts tune --texts decides the tree size online, which RVQTTS_CHOICES=fixed turns off")
-    say(notice, quiet)
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"speaking {len(lines)} lines with --tree auto", total=len(lines))
         for line in lines:
@@ -260,7 +252,7 @@ def train_offsets_command(
             raise ValueError(f"--held-out must be between 0 and 1, got {held_out}")
     except ValueError as error:
         fail(str(error))
-    synthesizer = load_synthesizer(model, device, dtype, quiet)
+    synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
     frames = recorded_frames(
         synthesizer, texts, contexts, split, speaker, language, seed, quiet, audio, instruct, voice
     )
@@ -335,7 +327,7 @@ def calibrate(
         fail(f"{', '.join(existing)} already exist: --force replaces them")
     ensure_writable(out_dir, folder=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    synthesizer = load_synthesizer(model, device, dtype, quiet)
+    synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
     drafting = drafting_offsets(synthesizer, offsets, 3)
     frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, None, instruct, voice)
     with progress_bar(quiet) as progress:
@@ -378,15 +370,15 @@ def accept(
     """Measure codes per predictor call of the speculative inner loop on these frames: overall and per
     language, with a 95 % confidence interval."""
     from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.policy import choose_speculation
     from rvqtts.engine.tree import TreeFileError
     from rvqtts.report import codes_per_call_table
-    from rvqtts.synthesis import choose_speculation
     from rvqtts.tuning.calibration import codes_per_call
 
     check_source(texts, contexts)
     if json_out is not None:
         ensure_writable(json_out)
-    synthesizer = load_synthesizer(model, device, dtype, quiet)
+    synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
     try:
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
     except (TreeFileError, OffsetsFileError, ValueError) as error:

@@ -177,7 +177,7 @@ def build_standin(
         talker_hidden=config.hidden,
         predictor_layers=config.layers,
     )
-    synth = Synthesizer.load(model_dir)
+    synth = Synthesizer.from_checkpoint(model_dir)
     code_predictor = synth.code_predictor
     talker_embedding = synth.talker.get_input_embeddings()
     encoder = ContextEncoder(config, len(LANGUAGES))
