@@ -64,7 +64,7 @@ def frame_costs(synth, candidates: tuple[int, ...] = CANDIDATES, repeats: int = 
                 if turn:
                     times[b].append((time.perf_counter() - started) * 1e3 / b)
             started = time.perf_counter()
-            synth.decode(codes)
+            synth.codec.decode(codes)
             if turn:
                 decoder.append((time.perf_counter() - started) * 1e3 / DECODED_FRAMES)
     talker.allocate(talker.max_len, 1)  # the measured rows' caches are not kept

@@ -92,7 +92,7 @@ class SynthesisWorker:
             "pid": os.getpid(),
             "device": str(weight.device),
             "dtype": str(weight.dtype).removeprefix("torch."),
-            "decoder_dtype": self.synth.decoder_dtype,
+            "decoder_dtype": self.synth.codec.dtype,
             "threads": torch.get_num_threads(),
             "rvqtts": version("rvqtts"),
             "torch": torch.__version__,

@@ -73,7 +73,7 @@ def load_engine(model: str | os.PathLike, choices: EngineChoices, on_notice: Cal
     synth = Synthesizer.from_checkpoint(model, device=device, dtype=loops_dtype, weights=choices.weights)
     decoder, reason = pick_decoder_dtype(choices.decoder_dtype, choices.dtype, loops_dtype, device, str(model), notice)
     notice(reason)
-    synth.use_decoder_dtype(decoder)
+    synth.codec.use_dtype(decoder)
     synth.cuda_graphs = choices.cuda_graphs
     synth.batch_size = choices.batch_size
     if choices.spec:

@@ -23,13 +23,13 @@ from rvqtts.audio import StreamJoiner
 from rvqtts.batch_size import choose_batch_size, fitting_rows, row_bytes, rows_invariant
 from rvqtts.cloning import (
     ClonedVoice,
-    PrimedVoices,
     VoiceError,
     VoiceSource,
     encode_voice,
     encoder_fingerprint,
     load_voice,
 )
+from rvqtts.codec import SpeechCodec
 from rvqtts.engine.frame_loop import ChunkDone, FrameDone, FrameLoop, Work, WorkFailed
 from rvqtts.engine.fused import FusedDecoder
 from rvqtts.engine.graphs import StaticCalls
@@ -44,7 +44,7 @@ from rvqtts.engine.speculation import DEFAULT_DEPTH, LoopStats, Speculation
 from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.loader import EngineChoices, load_engine
-from rvqtts.loading import DTYPES, ModelVoices, load_speech_tokenizer, load_tts
+from rvqtts.loading import ModelVoices, load_tts
 from rvqtts.memory import tensors_mib
 from rvqtts.prompt import Prompt, capture_prompt
 from rvqtts.settings import GenerationSettings, Line, ResolvedSampling, Synthesis
@@ -79,7 +79,9 @@ class Synthesizer:
     between utterances (a KV cache only grows; fused weights and captured graphs are reused).
     """
 
-    def __init__(self, tts: object, speculation: Speculation | None = None, weights: str = "native"):
+    def __init__(
+        self, tts: object, speculation: Speculation | None = None, weights: str = "native", source: str | None = None
+    ):
         self.tts = tts
         self.model = tts.model
         self.talker = self.model.talker
@@ -99,13 +101,12 @@ class Synthesizer:
             sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else [],
             sorted(tts.get_supported_languages() or []),
         )
-        self.source: str | None = None  # the checkpoint it was loaded from (Synthesizer.load)
+        self.source = source  # the checkpoint it was loaded from (None: a model handed over)
+        self.codec = SpeechCodec(self.model, source, self.kind)
         self._cloned: dict[VoiceSource, ClonedVoice] = {}  # each source encoded (or read) once
-        self._primed = PrimedVoices()  # the streaming decoder after each ICL voice's reference
-        self._encoding: object | None = None  # a speech tokenizer with its encoder, where the model's was released
         # Base models: which speaker encoder made a cloned voice (its embedding means nothing to another).
         self.encoder_fingerprint = encoder_fingerprint(self.model) if self.kind == "base" else None
-        self.sample_rate = int(self.model.speech_tokenizer.model.get_output_sample_rate())
+        self.sample_rate = self.codec.sample_rate
         # qwen-tts's generation default, in frames (N talker tokens make N - 1 frames).
         self.default_max_frames = int(tts.generate_defaults.get("max_new_tokens", 2048)) - 1
 
@@ -133,35 +134,11 @@ class Synthesizer:
         """A checkpoint loaded the ordinary qwen-tts way in exactly these choices, nothing measured: the speech
         tokenizer in `decoder_dtype` where given (rvqtts.decoder_dtype), else in `dtype`."""
         check_weights(weights, torch.device(device))
-        synth = cls(load_tts(model, device, dtype), speculation, weights)
-        synth.source = str(model)
+        synth = cls(load_tts(model, device, dtype), speculation, weights, str(model))
         if decoder_dtype is not None:
-            synth.use_decoder_dtype(decoder_dtype)
-        synth.release_unused_encoder()
+            synth.codec.use_dtype(decoder_dtype)
+        synth.codec.release_unused_encoder()
         return synth
-
-    def release_unused_encoder(self) -> None:
-        """Let go of the speech tokenizer's encoder where only a Base model's cloning would run it: synthesis of
-        the other kinds never does, and in a dtype other than its file's float32 it is a copy (39M weights and 17M
-        buffers, 112 MB in bfloat16 at 0.6B). `encoding_tokenizer` loads it again when audio must be encoded
-        (offsets trained from recordings). Only a Synthesizer made by `load` knows where to load it from."""
-        tokenizer = self.model.speech_tokenizer.model
-        if self.kind != "base" and self.source is not None and getattr(tokenizer, "encoder", None) is not None:
-            tokenizer.encoder = None
-
-    def encoding_tokenizer(self) -> object:
-        """A speech tokenizer that can encode audio: the model's, or (its encoder released) one loaded again."""
-        if getattr(self.model.speech_tokenizer.model, "encoder", None) is not None:
-            return self.model.speech_tokenizer
-        if self._encoding is None:
-            device = str(self.talker.codec_head.weight.device)
-            self._encoding = load_speech_tokenizer(self.source, device, self.decoder_dtype)
-        return self._encoding
-
-    @property
-    def decoder_dtype(self) -> str:
-        """The dtype qwen-tts's speech tokenizer (its decoder, and the encoder cloning uses) runs in."""
-        return str(self.model.speech_tokenizer.model.dtype).removeprefix("torch.")
 
     def cache_mib(self) -> dict[str, float]:
         """MiB held by what is kept between utterances and grows by use (the server's /health reports it): the
@@ -175,23 +152,8 @@ class Synthesizer:
         }
         voices = self._cloned.values()
         caches["cloned_voices"] = tensors_mib(t for voice in voices for t in (voice.embedding, voice.codes))
-        caches["primed_voices"] = tensors_mib(self._primed.tensors())
+        caches["primed_voices"] = tensors_mib(self.codec.primed.tensors())
         return caches
-
-    def use_decoder_dtype(self, dtype: str) -> None:
-        """Run the speech tokenizer in `dtype`, apart from the loops' (rvqtts.decoder_dtype: its cost per dtype is
-        its own): loaded again from the checkpoint in that dtype (its stored weights, not a copy the loops' dtype
-        rounded); voices primed by the old one are primed again. Nothing to do where it already runs in `dtype`."""
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown decoder dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-        if dtype == self.decoder_dtype:
-            return
-        if self.source is None:
-            raise ValueError("the speech decoder's dtype is set on a Synthesizer made by Synthesizer.load")
-        device = str(self.talker.codec_head.weight.device)
-        self.model.load_speech_tokenizer(load_speech_tokenizer(self.source, device, dtype))
-        self._primed = PrimedVoices()
-        self.release_unused_encoder()
 
     @property
     def hidden_size(self) -> int:
@@ -280,13 +242,14 @@ class Synthesizer:
         """The talker's prompt for one piece of text, as qwen-tts's own call for the model's kind builds
         it (`generate_custom_voice`, `generate_voice_design` or `generate_voice_clone`)."""
         return capture_prompt(
-            self.talker, lambda: self._generate(text, speaker, language, instruct, clone, max_new_tokens=2)
+            self.talker, lambda: self.generate(text, speaker, language, instruct, clone, max_new_tokens=2)
         )
 
-    def _generate(
+    def generate(
         self, text: str, speaker: str | None, language: str, instruct: str | None, clone: ClonedVoice | None, **options
     ):
-        """qwen-tts's own generation call for this model's kind (the voice checked by the caller)."""
+        """qwen-tts's own generation call for this model's kind (the voice checked by the caller): its prompt
+        builder (`prompt`), and stock qwen-tts for the benchmarks (rvqtts.bench.stock)."""
         if self.kind == "voice_design":
             return self.tts.generate_voice_design(text=text, instruct=instruct, language=language, **options)
         if self.kind == "base":
@@ -333,7 +296,7 @@ class Synthesizer:
         return {
             "device": str(weight.device),
             "dtype": str(weight.dtype).removeprefix("torch."),
-            "decoder_dtype": self.decoder_dtype,
+            "decoder_dtype": self.codec.dtype,
             "weights": self.weights,
             "torch": torch.__version__,
             "cpu": cpu_model() if weight.device.type == "cpu" else None,
@@ -367,19 +330,6 @@ class Synthesizer:
         rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, talker.device)
         parts = self.inner_parts() if rows == 1 else LoopParts.of(self.batch_runner(), self.batch_speculation(rows))
         return FrameLoop(talker, parts, rules, sampling.talker, sampling.predictor, rows)
-
-    def decode(self, codes: np.ndarray, clone: ClonedVoice | None = None) -> np.ndarray:
-        """The waveform of frame codes [frames, G], all at once: qwen-tts's speech decoder run by rvqtts in
-        pieces (rvqtts.engine.streaming: the same audio up to float rounding, faster, and its memory bounded
-        whatever the length), or, for a voice cloned in ICL mode, as the continuation of its reference.
-        qwen-tts decodes the reference's codes in front of every text chunk's and cuts a proportion of the
-        samples (which can land a sample off the frame boundary); rvqtts continues the decoder from its state
-        after the reference, decoded once per voice: exactly the frames' samples, without decoding the
-        reference again for every chunk. Past 300 frames qwen-tts re-decodes windows with 25 frames of
-        context, an approximation of the one pass rvqtts computes."""
-        decoder = StreamingDecoder(self.model.speech_tokenizer.model.decoder)
-        self._primed.start(decoder, clone)
-        return decoder.decode(codes)
 
     def stream(
         self,
@@ -586,7 +536,7 @@ class Synthesizer:
         spoken: dict[int, _Spoken] = {}
 
         def chunks(index: int) -> Iterator[tuple[Prompt, int]]:
-            decoder = StreamingDecoder(self.model.speech_tokenizer.model.decoder) if stream_frames else None
+            decoder = self.codec.streaming_decoder() if stream_frames else None
             spoken[index] = _Spoken(time.perf_counter(), StreamJoiner(self.sample_rate), decoder)
             return self._prompts(lines[index], spoken[index], settings, chunk_chars)
 
@@ -644,7 +594,7 @@ class Synthesizer:
         for piece in state.pieces:
             begun = time.perf_counter()
             if state.decoder:
-                self._primed.start(state.decoder, line.clone)
+                self.codec.start(state.decoder, line.clone)
                 state.seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
             begun = time.perf_counter()
             prompt = self.prompt(piece, speaker, line.language, line.instruct, line.clone)
@@ -657,7 +607,7 @@ class Synthesizer:
         play."""
         begun = time.perf_counter()
         codes = np.stack(state.pending)
-        samples = state.decoder.push(codes) if state.decoder else self.decode(codes, clone)
+        samples = state.decoder.push(codes) if state.decoder else self.codec.decode(codes, clone)
         ready = state.joiner.add(samples, new_part=state.chunk_start)
         state.pending, state.chunk_start = [], False
         state.seconds["decoder"] += time.perf_counter() - begun
@@ -704,93 +654,6 @@ class Synthesizer:
             batch_row_bytes=row_bytes(self, self.talker_runner().max_len) if loop.rows > 1 else None,
             online=speculation.record(work.frames_by_budget) if isinstance(speculation, OnlineSpeculation) else None,
         )
-
-    def force(
-        self,
-        text: str,
-        speaker: str | None,
-        language: str,
-        codes: np.ndarray,
-        on_frame: Callable[[torch.Tensor, list[int]], None],
-        instruct: str | None = None,
-        clone: ClonedVoice | None = None,
-    ) -> None:
-        """Teacher forcing: run the talker over `text` while it emits exactly these frame codes [frames, G]
-        (c0 read instead of drawn, c1.. returned by the inner loop), and show `on_frame` each frame's
-        predictor prefix [h_t, embedding of c0] with the frame's codes c1.. ."""
-        speaker = self.check_voice(speaker, language, instruct, clone)
-        prompt = self.prompt(" ".join(text.split()), speaker, language, instruct, clone)
-        work = Work(0, 0, iter([(prompt, len(codes))]), forced=codes, on_frame=on_frame)
-        for event in self.frame_loop(self.sampling(GenerationSettings())).run([work]):
-            if isinstance(event, WorkFailed):
-                raise event.error
-        if work.frame != len(codes):
-            raise RuntimeError(f"teacher forcing stopped after {work.frame} of {len(codes)} frames")
-
-    def synthesize_stock(
-        self,
-        text: str,
-        speaker: str | None,
-        language: str = "auto",
-        seed: int = 0,
-        settings: GenerationSettings = GenerationSettings(),
-        instruct: str | None = None,
-        clone: ClonedVoice | None = None,
-    ) -> dict:
-        """Stock qwen-tts on the same text, untouched: its own HF loops for talker and code predictor,
-        sampling with torch's generator (seeded with `seed`), then its decoder. Timed through forward
-        hooks: the talker's calls minus their transformer are the code predictor (which qwen-tts runs
-        inside the talker's forward), and what follows the last talker call is the decoder. Returns the
-        timing fields of `Synthesis.record()`."""
-        speaker = self.check_voice(speaker, language, instruct, clone)
-        clock = {"calls": 0.0, "transformer": 0.0, "last": 0.0}
-        opened: dict[str, float] = {}
-
-        def enter(name: str) -> Callable:
-            return lambda *_: opened.__setitem__(name, time.perf_counter())
-
-        def leave(name: str) -> Callable:
-            def hook(*_: object) -> None:
-                now = time.perf_counter()
-                clock[name] += now - opened[name]
-                clock["last"] = now
-
-            return hook
-
-        handles = [
-            self.talker.register_forward_pre_hook(enter("calls")),
-            self.talker.register_forward_hook(leave("calls")),
-            self.talker.model.register_forward_pre_hook(enter("transformer")),
-            self.talker.model.register_forward_hook(leave("transformer")),
-        ]
-        budget = self.frame_budget(text, settings)
-        torch.manual_seed(seed)
-        started = time.perf_counter()
-        try:
-            wavs, sample_rate = self._generate(
-                " ".join(text.split()),
-                speaker,
-                language,
-                instruct,
-                clone,
-                **self.sampling(settings).generate_kwargs(budget),
-            )
-        finally:
-            for handle in handles:
-                handle.remove()
-        ended = time.perf_counter()
-        wall, predictor, decoder = ended - started, clock["calls"] - clock["transformer"], ended - clock["last"]
-        audio_seconds = wavs[0].size / sample_rate
-        return {
-            "frames": round(audio_seconds * FRAMES_PER_SECOND),
-            "audio_seconds": round(audio_seconds, 3),
-            "wall_seconds": round(wall, 3),
-            "talker_seconds": round(wall - predictor - decoder, 3),
-            "predictor_seconds": round(predictor, 3),
-            "decoder_seconds": round(decoder, 3),
-            "first_audio_seconds": round(wall, 3),
-            "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
-        }
 
 
 def text_pieces(text: str, chunk_chars: float | None) -> list[str]:

@@ -17,7 +17,7 @@ from rvqtts.engine.sampling import SamplingConfig
 from rvqtts.engine.tree import grow_tree, load_acceptance, load_tree
 from rvqtts.settings import GenerationSettings
 from rvqtts.tuning.calibration import sampling_entropy
-from rvqtts.tuning.contexts import ContextsFileError, load_contexts, record_contexts, save_contexts
+from rvqtts.tuning.contexts import ContextsFileError, load_contexts, record_contexts, save_contexts, teacher_force
 from rvqtts.tuning.drafts import DraftData
 
 
@@ -291,7 +291,7 @@ def test_teacher_forcing_reproduces_the_talker_states_of_synthesis(tiny):
         tiny, [Utterance(1, "Hello there.", "1.wav")], "vivian", "english", seed=2, settings=settings
     )
     states = []
-    tiny.force("Hello there.", "vivian", "english", free.codes, lambda prefix, codes: states.append(prefix[0]))
+    teacher_force(tiny, "Hello there.", "vivian", "english", free.codes, lambda prefix, codes: states.append(prefix[0]))
     # Forced to emit the codes it sampled, the talker passes through the same hidden states.
     assert len(states) == len(free)
     assert np.allclose(np.stack([s.numpy() for s in states]), free.h_t, atol=1e-5)
@@ -323,7 +323,7 @@ def test_train_offsets_from_recordings(tmp_path, tiny, tiny_dir):
     assert trained.exit_code == 0, trained.output
     frames = load_contexts(recorded)
     samples, rate = soundfile.read(tmp_path / "a.wav", dtype="float32")  # what qwen-tts's librosa.load reads
-    encoded = tiny.encoding_tokenizer().encode(samples, sr=rate).audio_codes[0].numpy()
+    encoded = tiny.codec.encoding_tokenizer().encode(samples, sr=rate).audio_codes[0].numpy()
     assert np.array_equal(frames.codes, encoded) and "teacher-forced: 1 recordings" in frames.source
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"audio": "missing.wav", "text": "Hi."}\n')

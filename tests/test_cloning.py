@@ -52,15 +52,15 @@ def test_a_voice_cloned_in_icl_mode_is_spoken_exactly_as_its_references_continua
     cut = int(len(voice.codes) / len(joined) * upstream.shape[0])
     assert upstream[cut:].size in (frames * 1920, frames * 1920 + 1)
     assert np.abs(upstream[-frames * 1920 :] - spoken.audio).max() < 1e-4
-    assert not np.allclose(synth.decode(spoken.codes), spoken.audio, atol=1e-4)  # the reference matters
+    assert not np.allclose(synth.codec.decode(spoken.codes), spoken.audio, atol=1e-4)  # the reference matters
     stream = synth.stream("Hi there.", seed=3, clone=voice, settings=SETTINGS, frames_per_chunk=3)
     chunks = list(stream)
     assert np.array_equal(stream.result.codes, spoken.codes) and len(chunks) > 2
     assert np.abs(stream.result.audio - spoken.audio).max() < 1e-4  # streamed after the reference too
     again = synth.stream("Hi there.", seed=3, clone=voice, settings=SETTINGS, frames_per_chunk=3)
     list(again)  # the decoder restored after the reference, not fed it again: the same samples
-    assert voice in synth._primed and np.array_equal(again.result.audio, stream.result.audio)
-    state, cache, _ = synth._primed[voice]  # kept compactly: no view holding a whole push's activations
+    assert voice in synth.codec.primed and np.array_equal(again.result.audio, stream.result.audio)
+    state, cache, _ = synth.codec.primed[voice]  # kept compactly: no view holding a whole push's activations
     kept = [*state.values(), *(getattr(layer, name) for layer in cache.layers for name in ("keys", "values"))]
     assert sum(t.untyped_storage().nbytes() for t in kept) <= 2 * sum(t.numel() * t.element_size() for t in kept)
     text, chunked = "One two three four. Five six seven eight.", dict(chunk_chars=20, settings=SETTINGS, clone=voice)
@@ -78,7 +78,7 @@ def test_an_x_vector_only_voice_takes_the_embedding_alone(base):
     # the ICL prompt holds the reference's codes and transcript; x-vector-only only the embedding
     assert synth.prompt("Hi.", None, clone=icl).length >= synth.prompt("Hi.", None, clone=alone).length + 19
     spoken = synth.synthesize("Hi there.", clone=alone, settings=SETTINGS)
-    assert np.array_equal(spoken.audio, synth.decode(spoken.codes))
+    assert np.array_equal(spoken.audio, synth.codec.decode(spoken.codes))
     with pytest.raises(ValueError, match="a Base model speaks a cloned voice"):
         synth.synthesize("Hi there.", settings=SETTINGS)
     with pytest.raises(ValueError, match="has no built-in speakers"):

@@ -102,18 +102,20 @@ def test_the_loops_and_the_decoder_run_in_their_own_dtypes(released_06_dir):
     """The released layout, stored in bfloat16 as the released models are: its decoder in float32 beside loops in
     bfloat16 computes what a float32 load's decoder does, bit for bit."""
     synth = Synthesizer.from_checkpoint(released_06_dir, dtype="bfloat16", decoder_dtype="float32")
-    assert synth.code_predictor.lm_head[0].weight.dtype == torch.bfloat16 and synth.decoder_dtype == "float32"
+    assert synth.code_predictor.lm_head[0].weight.dtype == torch.bfloat16 and synth.codec.dtype == "float32"
     result = synth.synthesize("Hello there.", seed=2, settings=GenerationSettings(max_frames=5))
     assert result.engine["dtype"] == "bfloat16" and result.engine["decoder_dtype"] == "float32"
     assert result.audio.dtype == np.float32 and np.isfinite(result.audio).all() and result.audio.size == 5 * 1920
     float32 = Synthesizer.from_checkpoint(released_06_dir, dtype="float32")
-    assert np.array_equal(float32.decode(result.codes), synth.decode(result.codes))  # the same decoder's bits
+    assert np.array_equal(
+        float32.codec.decode(result.codes), synth.codec.decode(result.codes)
+    )  # the same decoder's bits
     with pytest.raises(ValueError, match="unknown decoder dtype 'int8'"):
-        synth.use_decoder_dtype("int8")
-    synth.use_decoder_dtype("bfloat16")  # loaded again from the checkpoint, as a bfloat16 load has it
+        synth.codec.use_dtype("int8")
+    synth.codec.use_dtype("bfloat16")  # loaded again from the checkpoint, as a bfloat16 load has it
     bfloat16 = Synthesizer.from_checkpoint(released_06_dir, dtype="bfloat16")
-    assert synth.decoder_dtype == "bfloat16"
-    assert np.array_equal(bfloat16.decode(result.codes), synth.decode(result.codes))
+    assert synth.codec.dtype == "bfloat16"
+    assert np.array_equal(bfloat16.codec.decode(result.codes), synth.codec.decode(result.codes))
 
 
 def test_synth_takes_decoder_dtype_and_says_what_ran(tiny_dir, tmp_path):

@@ -118,11 +118,11 @@ def test_only_a_model_that_clones_keeps_its_speech_encoder(tiny_dir, base_dir):
 
     synth = Synthesizer.from_checkpoint(tiny_dir)  # CustomVoice: synthesis never encodes audio
     assert synth.model.speech_tokenizer.model.encoder is None
-    tokenizer = synth.encoding_tokenizer()  # loaded again where audio must be encoded (offsets from recordings)
-    assert tokenizer.model.encoder is not None and synth.encoding_tokenizer() is tokenizer
+    tokenizer = synth.codec.encoding_tokenizer()  # loaded again where audio must be encoded (offsets from recordings)
+    assert tokenizer.model.encoder is not None and synth.codec.encoding_tokenizer() is tokenizer
     noise = np.random.default_rng(0).standard_normal(24000).astype(np.float32) * 0.1
     codes = tokenizer.encode(noise, sr=24000).audio_codes[0]
     assert codes.shape == (13, 16)  # 12.5 frames a second, rounded up
     cloning = Synthesizer.from_checkpoint(base_dir)
     assert cloning.model.speech_tokenizer.model.encoder is not None
-    assert cloning.encoding_tokenizer() is cloning.model.speech_tokenizer
+    assert cloning.codec.encoding_tokenizer() is cloning.model.speech_tokenizer

@@ -36,9 +36,9 @@ def test_streaming_decoder_equals_qwen_tts_decode(tiny, step):
     assert np.abs(streamed - offline).max() <= BOUND
     decoder.reset()  # a new utterance starts from silence, as the offline decode does
     assert np.abs(decoder.push(codes[:5]) - offline[: 5 * 1920]).max() <= BOUND
-    whole = tiny.decode(codes.numpy())  # rvqtts's offline decode: in pieces of PIECE_FRAMES
+    whole = tiny.codec.decode(codes.numpy())  # rvqtts's offline decode: in pieces of PIECE_FRAMES
     assert whole.shape == offline.shape and np.abs(whole - offline).max() <= BOUND
-    assert tiny.decode(codes[:0].numpy()).shape == (0,)
+    assert tiny.codec.decode(codes[:0].numpy()).shape == (0,)
 
 
 def _conv_parts() -> dict:

@@ -10,6 +10,7 @@ import torch
 
 from rvqtts.bench.floor import module_weights, predictor_weights, read_pass, round_heads, talker_weights
 from rvqtts.bench.harness import KV_LENGTH, interleaved_ms
+from rvqtts.bench.stock import stock_synthesis
 from rvqtts.engine.predictor import PredictorRunner
 
 TIMED_FIELDS = ("wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds")
@@ -62,8 +63,8 @@ def bench_e2e(
         order = variants[turn:] + variants[:turn]
         for name in order:
             if name == "stock":
-                record = synthesizers["plain"].synthesize_stock(
-                    text, speaker, language, seed, settings, instruct, clone
+                record = stock_synthesis(
+                    synthesizers["plain"], text, speaker, language, seed, settings, instruct, clone
                 )
             else:
                 record = (

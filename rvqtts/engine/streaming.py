@@ -33,7 +33,7 @@ import copy
 import numpy as np
 import torch
 
-# Frames a whole utterance is decoded by at a time (Synthesizer.decode): the tensors of a piece stay a few MB
+# Frames a whole utterance is decoded by at a time (SpeechCodec.decode): the tensors of a piece stay a few MB
 # (at 25 frames, 96 channels x 48,000 samples: 18 MB in float32), and pieces of 25 and 40 frames cost the same per
 # frame, less than qwen-tts's one pass (docs/benchmarks.md "The speech decoder run by rvqtts").
 PIECE_FRAMES = 25

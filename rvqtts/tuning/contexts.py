@@ -22,7 +22,10 @@ import torch
 
 from rvqtts.audio import UnreadableAudio, read_mono, resample
 from rvqtts.batch import voice_for
+from rvqtts.cloning import ClonedVoice
+from rvqtts.engine.frame_loop import Work, WorkFailed
 from rvqtts.files import write_atomically
+from rvqtts.settings import GenerationSettings
 
 FIELDS = ("h_t", "codes", "language")
 
@@ -222,6 +225,29 @@ def read_audio_pairs(path: str | os.PathLike) -> list[AudioPair]:
     return pairs
 
 
+def teacher_force(
+    synth,
+    text: str,
+    speaker: str | None,
+    language: str,
+    codes: np.ndarray,
+    on_frame: Callable[[torch.Tensor, list[int]], None],
+    instruct: str | None = None,
+    clone: ClonedVoice | None = None,
+) -> None:
+    """Teacher forcing: run `synth`'s talker over `text` while it emits exactly these frame codes [frames, G]
+    (c0 read instead of drawn, c1.. returned by the inner loop), and show `on_frame` each frame's
+    predictor prefix [h_t, embedding of c0] with the frame's codes c1.. ."""
+    speaker = synth.check_voice(speaker, language, instruct, clone)
+    prompt = synth.prompt(" ".join(text.split()), speaker, language, instruct, clone)
+    work = Work(0, 0, iter([(prompt, len(codes))]), forced=codes, on_frame=on_frame)
+    for event in synth.frame_loop(synth.sampling(GenerationSettings())).run([work]):
+        if isinstance(event, WorkFailed):
+            raise event.error
+    if work.frame != len(codes):
+        raise RuntimeError(f"teacher forcing stopped after {work.frame} of {len(codes)} frames")
+
+
 def force_contexts(
     synthesizer,
     pairs: list[AudioPair],
@@ -238,7 +264,7 @@ def force_contexts(
     codes: list[np.ndarray] = []
     languages: list[str] = []
     for number, pair in enumerate(pairs):
-        frames = speech_codes(synthesizer.encoding_tokenizer(), pair.audio)
+        frames = speech_codes(synthesizer.codec.encoding_tokenizer(), pair.audio)
         voice = voice_for(synthesizer, pair.speaker or speaker, pair.language or language, instruct, clone)
         spoken = voice["language"]
 
@@ -246,7 +272,7 @@ def force_contexts(
             h_t.append(prefix[0].float().cpu().numpy())
             languages.append(spoken)
 
-        synthesizer.force(pair.text, codes=frames, on_frame=on_frame, **voice)
+        teacher_force(synthesizer, pair.text, codes=frames, on_frame=on_frame, **voice)
         codes.append(frames)
         if on_pair:
             on_pair(number + 1, len(pairs))

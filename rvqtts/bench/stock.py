@@ -1,0 +1,79 @@
+"""Stock qwen-tts timed as `rvqtts bench e2e` compares it: its own loops and decoder, untouched, split into talker,
+code predictor and decoder time by forward hooks."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from rvqtts.cloning import ClonedVoice
+from rvqtts.settings import GenerationSettings
+from rvqtts.text import FRAMES_PER_SECOND
+
+
+def stock_synthesis(
+    synth,
+    text: str,
+    speaker: str | None,
+    language: str = "auto",
+    seed: int = 0,
+    settings: GenerationSettings = GenerationSettings(),
+    instruct: str | None = None,
+    clone: ClonedVoice | None = None,
+) -> dict:
+    """Stock qwen-tts on `synth`'s model and the same text, untouched: its own HF loops for talker and code
+    predictor, sampling with torch's generator (seeded with `seed`), then its decoder. Timed through forward
+    hooks: the talker's calls minus their transformer are the code predictor (which qwen-tts runs
+    inside the talker's forward), and what follows the last talker call is the decoder. Returns the
+    timing fields of `Synthesis.record()`."""
+    speaker = synth.check_voice(speaker, language, instruct, clone)
+    clock = {"calls": 0.0, "transformer": 0.0, "last": 0.0}
+    opened: dict[str, float] = {}
+
+    def enter(name: str) -> Callable:
+        return lambda *_: opened.__setitem__(name, time.perf_counter())
+
+    def leave(name: str) -> Callable:
+        def hook(*_: object) -> None:
+            now = time.perf_counter()
+            clock[name] += now - opened[name]
+            clock["last"] = now
+
+        return hook
+
+    handles = [
+        synth.talker.register_forward_pre_hook(enter("calls")),
+        synth.talker.register_forward_hook(leave("calls")),
+        synth.talker.model.register_forward_pre_hook(enter("transformer")),
+        synth.talker.model.register_forward_hook(leave("transformer")),
+    ]
+    budget = synth.frame_budget(text, settings)
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    try:
+        wavs, sample_rate = synth._generate(
+            " ".join(text.split()),
+            speaker,
+            language,
+            instruct,
+            clone,
+            **synth.sampling(settings).generate_kwargs(budget),
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    ended = time.perf_counter()
+    wall, predictor, decoder = ended - started, clock["calls"] - clock["transformer"], ended - clock["last"]
+    audio_seconds = wavs[0].size / sample_rate
+    return {
+        "frames": round(audio_seconds * FRAMES_PER_SECOND),
+        "audio_seconds": round(audio_seconds, 3),
+        "wall_seconds": round(wall, 3),
+        "talker_seconds": round(wall - predictor - decoder, 3),
+        "predictor_seconds": round(predictor, 3),
+        "decoder_seconds": round(decoder, 3),
+        "first_audio_seconds": round(wall, 3),
+        "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
+    }

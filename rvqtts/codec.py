@@ -1,0 +1,86 @@
+"""The speech codec: qwen-tts's 12 Hz speech tokenizer as rvqtts runs it. Its decoder turns frame codes into
+samples, in pieces or incrementally (rvqtts.engine.streaming), in a dtype of its own (rvqtts.decoder_dtype), a
+cloned ICL voice's reference decoded once per voice (rvqtts.cloning.PrimedVoices); its encoder turns audio into
+codes, and is let go where only a Base model's cloning would run it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rvqtts.cloning import ClonedVoice, PrimedVoices
+from rvqtts.engine.streaming import StreamingDecoder
+from rvqtts.loading import DTYPES, load_speech_tokenizer
+
+
+class SpeechCodec:
+    """The speech tokenizer of a loaded qwen-tts model (`model.speech_tokenizer`), loaded from `source` (a
+    checkpoint, None where unknown) and used by a model of `kind` (only a Base model encodes audio to speak)."""
+
+    def __init__(self, model: object, source: str | None, kind: str):
+        self.model = model
+        self.source = source
+        self.kind = kind
+        self.primed = PrimedVoices()  # the streaming decoder after each ICL voice's reference
+        self._encoding: object | None = None  # a speech tokenizer with its encoder, where the model's was released
+        self.sample_rate = int(model.speech_tokenizer.model.get_output_sample_rate())
+
+    @property
+    def device(self) -> str:
+        return str(self.model.talker.codec_head.weight.device)
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the speech tokenizer (its decoder, and the encoder cloning uses) runs in."""
+        return str(self.model.speech_tokenizer.model.dtype).removeprefix("torch.")
+
+    def use_dtype(self, dtype: str) -> None:
+        """Run the speech tokenizer in `dtype`, apart from the loops' (rvqtts.decoder_dtype: its cost per dtype is
+        its own): loaded again from the checkpoint in that dtype (its stored weights, not a copy the loops' dtype
+        rounded); voices primed by the old one are primed again. Nothing to do where it already runs in `dtype`."""
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown decoder dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        if dtype == self.dtype:
+            return
+        if self.source is None:
+            raise ValueError("the speech decoder's dtype is set on a Synthesizer loaded from a checkpoint")
+        self.model.load_speech_tokenizer(load_speech_tokenizer(self.source, self.device, dtype))
+        self.primed = PrimedVoices()
+        self.release_unused_encoder()
+
+    def release_unused_encoder(self) -> None:
+        """Let go of the encoder where only a Base model's cloning would run it: synthesis of the other kinds
+        never does, and in a dtype other than its file's float32 it is a copy (39M weights and 17M buffers, 112 MB
+        in bfloat16 at 0.6B). `encoding_tokenizer` loads it again when audio must be encoded (offsets trained
+        from recordings). Only a codec that knows its checkpoint can load it again."""
+        tokenizer = self.model.speech_tokenizer.model
+        if self.kind != "base" and self.source is not None and getattr(tokenizer, "encoder", None) is not None:
+            tokenizer.encoder = None
+
+    def encoding_tokenizer(self) -> object:
+        """A speech tokenizer that can encode audio: the model's, or (its encoder released) one loaded again."""
+        if getattr(self.model.speech_tokenizer.model, "encoder", None) is not None:
+            return self.model.speech_tokenizer
+        if self._encoding is None:
+            self._encoding = load_speech_tokenizer(self.source, self.device, self.dtype)
+        return self._encoding
+
+    def streaming_decoder(self) -> StreamingDecoder:
+        """An incremental decoder over the model's (rvqtts.engine.streaming); `start` it for each text chunk."""
+        return StreamingDecoder(self.model.speech_tokenizer.model.decoder)
+
+    def start(self, decoder: StreamingDecoder, clone: ClonedVoice | None) -> None:
+        """Reset `decoder` for a text chunk, continuing an ICL voice's reference (decoded once per voice)."""
+        self.primed.start(decoder, clone)
+
+    def decode(self, codes: np.ndarray, clone: ClonedVoice | None = None) -> np.ndarray:
+        """The waveform of frame codes [frames, G], all at once: qwen-tts's speech decoder run by rvqtts in
+        pieces (rvqtts.engine.streaming: the same audio up to float rounding, faster, and its memory bounded
+        whatever the length), or, for a voice cloned in ICL mode, as the continuation of its reference.
+        qwen-tts decodes the reference's codes in front of every text chunk's and cuts a proportion of the
+        samples (which can land a sample off the frame boundary); rvqtts continues the decoder from its state
+        after the reference, decoded once per voice: exactly the frames' samples, without decoding the
+        reference again for every chunk. Past 300 frames qwen-tts re-decodes windows with 25 frames of
+        context, an approximation of the one pass rvqtts computes."""
+        decoder = self.streaming_decoder()
+        self.start(decoder, clone)
+        return decoder.decode(codes)
