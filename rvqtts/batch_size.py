@@ -42,7 +42,7 @@ MEMORY_SHARE = 0.5  # of the memory available, what a batch's caches may take
 def frame_costs(synth, candidates: tuple[int, ...] = CANDIDATES, repeats: int = 3) -> dict[int, float]:
     """Milliseconds per frame of one line at each batch size: a talker step and a frame's inner loop over B
     rows, divided by B, plus the speech decoder's time per frame; medians of `repeats` after a warm-up."""
-    talker, runner = synth.talker_runner(), synth.batch_runner()
+    talker, runner = synth.runners.talker(), synth.runners.batch_runner()
     device, generator = talker.device, torch.Generator().manual_seed(0)
     rows = max(candidates)
     talker.reserve(CONTEXT + 1, rows)
@@ -76,7 +76,7 @@ def frame_costs(synth, candidates: tuple[int, ...] = CANDIDATES, repeats: int = 
 def batch_key(synth) -> tuple[str, str]:
     """What a batch size holds for: the machine (CPU model, torch, threads; or the device), and the model's
     loops as their costs depend on them (talker width and depth, the predictor's key)."""
-    talker, runner = synth.talker_runner(), synth.batch_runner()
+    talker, runner = synth.runners.talker(), synth.runners.batch_runner()
     machine = machine_key() if talker.device.type == "cpu" else str(talker.device)
     native = f"/native-{talker.native_mode}" if talker.native_mode else ""
     return machine, f"talker {talker.hidden_size}x{len(talker.layers)}{native} | predictor {predictor_key(runner)}"
@@ -86,7 +86,7 @@ def choose_batch_size(synth, lines: int, progress: Callable[[str], None] | None 
     """The batch size for `lines` lines on this machine and model, and where it came from."""
     if lines <= 1:
         return 1, "one line to make"
-    if synth.inner_parts().runner is None:
+    if synth.runners.inner_parts().runner is None:
         return 1, "the inner loop runs on a Core ML package (one line at a time)"
     if not measured_choices():
         return 1, "RVQTTS_CHOICES=fixed (no measurement)"
@@ -115,7 +115,7 @@ def choose_batch_size(synth, lines: int, progress: Callable[[str], None] | None 
 def rows_invariant(synth) -> bool:
     """Whether every linear map of both loops was measured to give each row the bits it gets alone (so a
     batched line's codes are its one-line run's)."""
-    talker, runner = synth.talker_runner(), synth.batch_runner()
+    talker, runner = synth.runners.talker(), synth.runners.batch_runner()
     return all(
         kernels_used(maps)["row_invariant"] for maps in (talker.layer_maps() + [talker.head], runner.linear_maps())
     )
@@ -124,7 +124,7 @@ def rows_invariant(synth) -> bool:
 def row_bytes(synth, slots: int) -> int:
     """Memory one batch row takes: its talker cache region of `slots` positions, and its code predictor
     cache region."""
-    talker, runner = synth.talker_runner(), synth.batch_runner()
+    talker, runner = synth.runners.talker(), synth.runners.batch_runner()
     per_slot = 2 * len(talker.layers) * talker.n_kv_heads * talker.head_dim * talker.k_cache.element_size()
     predictor = 2 * runner.k_cache[:, :, : runner.max_len].numel() * runner.k_cache.element_size()
     return per_slot * slots + predictor
@@ -144,7 +144,7 @@ def available_bytes(device: torch.device) -> int | None:
 def fitting_rows(synth, rows: int, slots: int) -> int:
     """At most `rows` rows whose caches (of `slots` talker positions each) fit in MEMORY_SHARE of the memory
     available now (as many as asked where that is unknown; at least one)."""
-    talker = synth.talker_runner()
+    talker = synth.runners.talker()
     available = available_bytes(talker.device)
     if available is None:
         return rows

@@ -239,6 +239,42 @@ def load_voice(
     return ClonedVoice(embedding.float(), codes, meta.get("ref_text") or None, theirs, meta.get("source", ""))
 
 
+class ClonedVoices(dict):
+    """The voices cloned for one loaded model (VoiceSource -> ClonedVoice), each source encoded from reference audio
+    or read from a voice file once (a batch that repeats a voice encodes it once). `fingerprint` names a Base
+    model's speaker encoder, whose embeddings mean nothing to another's."""
+
+    def __init__(self, tts: object):
+        super().__init__()
+        self.tts = tts
+        self.fingerprint = encoder_fingerprint(tts.model) if tts.model.tts_model_type == "base" else None
+
+    def of(self, source: VoiceSource) -> ClonedVoice:
+        """The cloned voice `source` names (the model's kind checked by the caller)."""
+        if source not in self:
+            talker = self.tts.model.talker
+            if source.voice is None:
+                self[source] = encode_voice(self.tts, source)
+            else:
+                groups, codebook = talker.config.num_code_groups, talker.code_predictor.config.vocab_size
+                self[source] = load_voice(source.voice, talker.config.hidden_size, self.fingerprint, groups, codebook)
+        return self[source]
+
+    def check(self, clone: ClonedVoice | None) -> None:
+        """VoiceError where `clone` was encoded by another model's speaker encoder."""
+        if clone is not None and clone.encoder_fingerprint != self.fingerprint:
+            raise VoiceError(
+                f"the voice {clone.source or ''} was encoded by another model's speaker encoder "
+                f"(fingerprint {clone.encoder_fingerprint}; this model's is {self.fingerprint}):"
+                " encode the reference again with this model"
+            )
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The tensors the voices hold (speaker embeddings, reference codes)."""
+        for voice in self.values():
+            yield from (voice.embedding, voice.codes)
+
+
 class PrimedVoices(dict):
     """The streaming decoder's state after each ICL voice's reference codes (voice -> state), so that every
     text chunk in that voice continues its reference (as qwen-tts's offline decode does) without decoding

@@ -74,7 +74,7 @@ def load_engine(model: str | os.PathLike, choices: EngineChoices, on_notice: Cal
     decoder, reason = pick_decoder_dtype(choices.decoder_dtype, choices.dtype, loops_dtype, device, str(model), notice)
     notice(reason)
     synth.codec.use_dtype(decoder)
-    synth.cuda_graphs = choices.cuda_graphs
+    synth.runners.cuda_graphs = choices.cuda_graphs
     synth.batch_size = choices.batch_size
     if choices.spec:
         synth.speculation, reason = choose_speculation(

@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from rvqtts.cloning import ClonedVoice
+
 
 @dataclass
 class Prompt:
@@ -61,3 +63,23 @@ def capture_prompt(talker: torch.nn.Module, generate: Callable[[], object]) -> P
     if embeds.shape[0] != 1 or (mask is not None and not bool(mask.all())):
         raise RuntimeError("expected the prompt of one unpadded utterance")
     return Prompt(embeds=embeds[0], trailing=inputs["trailing_text_hidden"][0], pad=inputs["tts_pad_embed"].view(-1))
+
+
+def qwen_generate(
+    synth, text: str, speaker: str | None, language: str, instruct: str | None, clone: ClonedVoice | None, **options
+):
+    """qwen-tts's own generation call for this model's kind (the voice checked by the caller): `synth`'s
+    prompt builder (Synthesizer.prompt), and stock qwen-tts for the benchmarks (rvqtts.bench.stock)."""
+    if synth.kind == "voice_design":
+        return synth.tts.generate_voice_design(text=text, instruct=instruct, language=language, **options)
+    if synth.kind == "base":
+        return synth.tts.generate_voice_clone(
+            text=text, language=language, voice_clone_prompt=[clone.prompt_item(synth.talker.device)], **options
+        )
+    return synth.tts.generate_custom_voice(
+        text=text,
+        speaker=speaker,
+        language=language,
+        instruct=instruct if synth.supports_instruct else None,
+        **options,
+    )

@@ -98,7 +98,7 @@ def released_06_kernels(released_06_dir, tmp_path_factory) -> Path:
         patch.setenv("RVQTTS_CACHE", str(kernels_folder(tmp_path_factory)))  # measured under rvqtts's own lock
         for dtype in ("bfloat16", "float32"):
             synth = Synthesizer.from_checkpoint(released_06_dir, dtype=dtype)
-            synth.talker_runner()
+            synth.runners.talker()
             InnerLoop(synth.code_predictor, None, seed=0)
     return released_06_dir
 

@@ -72,7 +72,7 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_kern
 
     monkeypatch.setattr(TalkerRunner, "allocate", counted_allocate)
     monkeypatch.setattr(talker_module, "CAPACITY_STEP", 16)  # the cache grows while other rows are mid-line
-    synth.talker_runner().allocate(16, 1)
+    synth.runners.talker().allocate(16, 1)
     batch_size = 2 if dtype == "float32" else 3
     bad = [Line("Nobody speaks this.", speaker="nobody"), Line("  ")]
     outcomes = dict(
@@ -84,7 +84,7 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_kern
     assert "nobody" in str(outcomes[0]) and "empty" in str(outcomes[len(lines) + 1])
     together = [outcomes[index + 1] for index in range(len(lines))]
     assert grown  # the cache grew while several rows were in use
-    assert synth.talker_runner().rows == 1 and synth.batch_runner().rows == 1  # the batch's rows let go
+    assert synth.runners.talker().rows == 1 and synth.runners.batch_runner().rows == 1  # the batch's rows let go
     assert max(rows) == batch_size and len(rows) < sum(len(a.codes) for a in alone) - len(lines)
     if dtype == "float32":
         assert sorted({a.chunks for a in alone}) == [1, 2, 3] and len({len(a.codes) for a in alone}) > 2
@@ -157,7 +157,7 @@ def test_a_line_whose_audio_fails_fails_alone_and_a_batch_that_cannot_fit_runs_l
     lines = [Line(text) for text in TEXTS[:3]]
     alone = [synth.synthesize(text, utterance=index, settings=settings) for index, text in enumerate(TEXTS[:3])]
     assert list(synth.synthesize_many([], settings=settings)) == []
-    decode = synth.decode
+    decode = synth.codec.decode
     calls = []
 
     def failing(codes, clone=None):
@@ -166,7 +166,7 @@ def test_a_line_whose_audio_fails_fails_alone_and_a_batch_that_cannot_fit_runs_l
             raise RuntimeError("the decoder broke")
         return decode(codes, clone)
 
-    monkeypatch.setattr(synth, "decode", failing)
+    monkeypatch.setattr(synth.codec, "decode", failing)
     outcomes = list(synth.synthesize_many(lines, settings=settings, batch_size=3))
     broken = [index for index, outcome in outcomes if isinstance(outcome, Exception)]
     assert len(broken) == 1 and "the decoder broke" in str(dict(outcomes)[broken[0]])
@@ -174,7 +174,7 @@ def test_a_line_whose_audio_fails_fails_alone_and_a_batch_that_cannot_fit_runs_l
     for index, outcome in outcomes:
         if index not in broken:
             assert np.array_equal(outcome.audio, alone[index].audio)  # utterance: the line's index
-    monkeypatch.setattr(synth, "decode", decode)
+    monkeypatch.setattr(synth.codec, "decode", decode)
     monkeypatch.setattr(batch_size, "available_bytes", lambda device: 0)
     notices = []
     one_by_one = dict(synth.synthesize_many(lines, settings=settings, batch_size=3, on_notice=notices.append))
@@ -188,7 +188,9 @@ def test_auto_takes_the_smallest_size_within_a_tenth_of_the_cheapest_measured_on
     assert batch_size.choose_batch_size(tiny, 1)[0] == 1
     measured_costs = batch_size.frame_costs(tiny, (1, 2))
     assert set(measured_costs) == {1, 2} and all(ms > 0 for ms in measured_costs.values())
-    assert tiny.talker_runner().rows == 1 and tiny.batch_runner().rows == 1  # the measured rows' caches are let go
+    assert (
+        tiny.runners.talker().rows == 1 and tiny.runners.batch_runner().rows == 1
+    )  # the measured rows' caches are let go
     monkeypatch.setattr(batch_size, "frame_costs", lambda synth: {1: 100.0, 2: 60.0, 4: 51.0, 8: 47.0})
     assert batch_size.choose_batch_size(tiny, 16)[0] == 4  # 51 <= 1.1 x 47; 60 is not
     monkeypatch.setattr(batch_size, "frame_costs", lambda synth: pytest.fail("measured again"))
@@ -290,7 +292,7 @@ def test_a_batch_chooses_its_tree_size_online_at_its_rows_and_keeps_every_lines_
     lines = [Line(text, utterance=index) for index, text in enumerate(TEXTS[:4])]
     try:
         together = dict(narrow.synthesize_many(lines, seed=4, settings=settings, batch_size=3))
-        batch_online = narrow.batch_speculation(3)
+        batch_online = narrow.runners.batch_speculation(3)
         alone = [narrow.synthesize(line.text, seed=4, utterance=line.utterance, settings=settings) for line in lines]
     finally:
         narrow.speculation = None

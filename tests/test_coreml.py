@@ -270,7 +270,7 @@ def test_synth_with_coreml_gives_the_torch_codes(tiny_dir, tmp_path):
 
 
 def test_synthesis_runs_its_inner_loop_on_a_package(tiny_dir, tiny_package):
-    """Synthesizer.fused routes every frame to the package's calls (speculative, or the plain step without
+    """Synthesizer.runners.fused routes every frame to the package's calls (speculative, or the plain step without
     a speculation), and frames asking for other sampling than the package's are refused."""
     path = package_path(tiny_package)
     synth = Synthesizer.from_checkpoint(tiny_dir)  # its own instance: the test sets its inner loop
@@ -285,7 +285,7 @@ def test_synthesis_runs_its_inner_loop_on_a_package(tiny_dir, tiny_package):
     traced, _ = trace_calls(
         synth.code_predictor, synth.speculation.tree, synth.speculation.offsets.vectors, SamplingConfig()
     )
-    synth.fused = FusedDecoder(
+    synth.runners.fused = FusedDecoder(
         package_calls(signatures, emulated_predictors(traced, signatures)), synth.speculation.tree, SamplingConfig()
     )
     spec = run(settings=settings)

@@ -114,7 +114,7 @@ def test_greedy_frames_equal_stock_qwen_tts(name, penalty, request):
 
 def loop_frames(synth, sampling, prompt, budget: int) -> np.ndarray:
     """The frame codes [frames, G] the frame loop speaks for one prompt (seed 0, utterance 0)."""
-    events = synth.frame_loop(sampling).run([Work(0, 0, iter([(prompt, budget)]))])
+    events = synth.runners.frame_loop(sampling).run([Work(0, 0, iter([(prompt, budget)]))])
     return np.stack([event.codes for event in events if isinstance(event, FrameDone)])
 
 
@@ -147,7 +147,7 @@ def test_c0_follows_qwen_tts_distribution_with_the_repetition_penalty_active(sma
     """Keyed draws of c0 over many frames against the enumerated distribution (8 codes and end of speech):
     a sampler that skips the penalty must fail the same test."""
     sampling = small.sampling(GenerationSettings(temperature=0.1, repetition_penalty=2.0, top_k=6, top_p=0.95))
-    runner = small.talker_runner()
+    runner = small.runners.talker()
     _, logits = runner.prefill(small.prompt("Hello there.", "vivian", "english").embeds)
     eos = small.talker.config.codec_eos_token_id
     favourites = logits[:8].topk(2).indices.tolist()

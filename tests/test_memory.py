@@ -105,7 +105,7 @@ def test_the_caches_a_synthesizer_keeps_are_reported_as_they_grow(tiny_dir):
     assert synth.cache_mib() == dict.fromkeys(names, 0.0)  # nothing is kept before the first utterance
     synth.synthesize("Hello there.", settings=GenerationSettings(max_frames=4))
     caches = synth.cache_mib()
-    talker, predictor = synth.talker_runner(), synth.inner_parts().runner
+    talker, predictor = synth.runners.talker(), synth.runners.inner_parts().runner
     assert caches["talker_kv"] == tensors_mib([talker.k_cache, talker.v_cache]) > 0
     assert caches["predictor_kv"] == tensors_mib([predictor.k_cache, predictor.v_cache]) > 0
     assert caches["batch_predictor_kv"] == caches["cloned_voices"] == caches["primed_voices"] == 0.0

@@ -38,9 +38,9 @@ def test_speculative_and_plain_synthesis_give_the_same_codes_and_audio(tiny):
 
 def test_seed_fixes_the_codes_and_the_stock_loop_comes_back(tiny):
     first = synthesize(tiny, None, 1)
-    parts = tiny._parts
+    parts = tiny.runners.inner_parts()
     again, other = synthesize(tiny, None, 1), synthesize(tiny, None, 2)
-    assert tiny._parts is parts  # the runner and its static calls serve every utterance of a speculation
+    assert tiny.runners.inner_parts() is parts  # the runner and its static calls serve every utterance of a speculation
     assert np.array_equal(first.codes, again.codes)
     assert not np.array_equal(first.codes[:5], other.codes[:5])
     assert "generate" not in vars(tiny.code_predictor) and not tiny.talker._forward_pre_hooks

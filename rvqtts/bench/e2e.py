@@ -52,10 +52,12 @@ def bench_e2e(
     synthesizers = {"plain": Synthesizer(tts, None, weight_format), "auto": Synthesizer(tts, default, weight_format)}
     synthesizers |= {name: Synthesizer(tts, speculation, weight_format) for name, speculation in zip(names, fixed)}
     if isinstance(default, OnlineSpeculation):  # its one-time cost measurement is not part of any line
-        default.start(synthesizers["auto"].inner_parts().runner, synthesizers["auto"].sampling(settings).predictor)
+        default.start(
+            synthesizers["auto"].runners.inner_parts().runner, synthesizers["auto"].sampling(settings).predictor
+        )
     variants = ("stock", "plain", "auto", *names)
     runs: dict[str, list[dict]] = {name: [] for name in variants}
-    talker, runner = synthesizers["plain"].talker_runner(), synthesizers["plain"].inner_parts().runner
+    talker, runner = synthesizers["plain"].runners.talker(), synthesizers["plain"].runners.inner_parts().runner
     floors = _e2e_floor_passes(talker, runner, dict(zip(names, fixed)), tts.model.talker)
     floor_times: dict[str, list[float]] = {name: [] for name in floors}
     for number, (text, speaker, language) in enumerate(lines):

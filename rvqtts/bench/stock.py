@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from rvqtts.cloning import ClonedVoice
+from rvqtts.prompt import qwen_generate
 from rvqtts.settings import GenerationSettings
 from rvqtts.text import FRAMES_PER_SECOND
 
@@ -53,7 +54,8 @@ def stock_synthesis(
     torch.manual_seed(seed)
     started = time.perf_counter()
     try:
-        wavs, sample_rate = synth._generate(
+        wavs, sample_rate = qwen_generate(
+            synth,
             " ".join(text.split()),
             speaker,
             language,

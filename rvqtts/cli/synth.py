@@ -588,7 +588,7 @@ def _use_coreml(
         if speculation is None:
             speculation, _ = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
         sampling = synthesizer.sampling(settings).predictor
-        synthesizer.fused = coreml_decoder(
+        synthesizer.runners.fused = coreml_decoder(
             synthesizer.code_predictor,
             speculation,
             sampling,

@@ -421,7 +421,7 @@ def coreml_decoder(
     report: Callable[[str], None] = lambda message: None,
 ) -> FusedDecoder:
     """The Core ML decoder for this model, tree, offsets and sampling (macOS): `package`, or the package
-    exported for them into the cache folder (exported on first use). Set it as `Synthesizer.fused`."""
+    exported for them into the cache folder (exported on first use). Set it as `Synthesizer.runners.fused`."""
     require_macos()
     key = PackageKey.build(code_predictor, speculation, sampling, precision, "macOS15")
     if package is None:

@@ -241,7 +241,7 @@ def teacher_force(
     speaker = synth.check_voice(speaker, language, instruct, clone)
     prompt = synth.prompt(" ".join(text.split()), speaker, language, instruct, clone)
     work = Work(0, 0, iter([(prompt, len(codes))]), forced=codes, on_frame=on_frame)
-    for event in synth.frame_loop(synth.sampling(GenerationSettings())).run([work]):
+    for event in synth.runners.frame_loop(synth.sampling(GenerationSettings())).run([work]):
         if isinstance(event, WorkFailed):
             raise event.error
     if work.frame != len(codes):

@@ -1,0 +1,115 @@
+"""The runners a loaded model keeps between utterances: the talker's (rvqtts.engine.talker), the inner loop's parts
+(rvqtts.engine.inner_loop) and a batch's code predictor runner, with the frame loop over them
+(rvqtts.engine.frame_loop). A KV cache only grows, and fused weights and captured graphs are reused; a runner is
+made again only where what it runs changes (the tree policy, CUDA graphs on or off, a Core ML package)."""
+
+from __future__ import annotations
+
+import torch
+
+from rvqtts.engine.frame_loop import FrameLoop
+from rvqtts.engine.fused import FusedDecoder
+from rvqtts.engine.graphs import StaticCalls
+from rvqtts.engine.inner_loop import LoopParts
+from rvqtts.engine.kernels import kernels_used
+from rvqtts.engine.online import OnlineSpeculation
+from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.sampling import C0Rules
+from rvqtts.engine.speculation import Speculation
+from rvqtts.engine.talker import TalkerRunner
+from rvqtts.memory import tensors_mib
+
+
+class Runners:
+    """The runners of one model's `talker` (qwen-tts's module, with its code predictor) in one weight format.
+    `speculation` (None: the plain loop), `cuda_graphs` and `fused` (a Core ML package's calls,
+    rvqtts.engine.coreml) say what the inner loop runs; the runners follow them on their next use."""
+
+    def __init__(self, talker: torch.nn.Module, weights: str = "native"):
+        self.talker_module = talker
+        self.code_predictor = talker.code_predictor
+        self.weights = weights  # "int8": both loops run 8-bit weights (rvqtts.engine.quantize)
+        self.speculation: Speculation | OnlineSpeculation | None = None
+        self.cuda_graphs = True  # replay the talker's and the inner loop's calls from CUDA graphs on CUDA devices
+        self.fused: FusedDecoder | None = None
+        self._talker: TalkerRunner | None = None
+        self._parts: LoopParts | None = None
+        self._batch: PredictorRunner | None = None
+
+    def talker(self) -> TalkerRunner:
+        """The talker runner, made on first use (CUDA graphs per `cuda_graphs`)."""
+        device = self.talker_module.codec_head.weight.device
+        graphs = self.cuda_graphs and device.type == "cuda"
+        if self._talker is None or (self._talker.calls.mode == "cuda") != graphs:
+            calls = StaticCalls.for_device(device, self.cuda_graphs)
+            self._talker = TalkerRunner(self.talker_module, calls=calls, weights=self.weights)
+        return self._talker
+
+    def inner_parts(self) -> LoopParts:
+        """The inner loop's parts for the current speculation and backend."""
+        parts = self._parts
+        if self.fused is not None:
+            if parts is None or parts.fused is not self.fused or parts.speculation is not self.speculation:
+                parts = self._parts = LoopParts.package(self.fused, self.speculation)
+        elif (
+            parts is None
+            or parts.fused is not None
+            or parts.speculation is not self.speculation
+            or parts.cuda_graphs != self.cuda_graphs
+        ):
+            parts = self._parts = LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs, self.weights)
+        return parts
+
+    def batch_runner(self) -> PredictorRunner:
+        """The code predictor runner of batches (its cache grows by rows, each row with room for a tree
+        round): the inner loop's where it runs eagerly; beside it where CUDA graphs read that one's cache
+        tensors."""
+        parts = self.inner_parts()
+        if parts.calls.mode == "eager":
+            return parts.runner
+        if self._batch is None or self._batch.max_len != parts.runner.max_len:
+            self._batch = PredictorRunner(self.code_predictor, parts.runner.max_len, self.weights)
+        return self._batch
+
+    def batch_speculation(self, rows: int) -> Speculation | OnlineSpeculation | None:
+        """What a batch of `rows` lines speculates with: the plain loop or a given tree as for one line; where
+        the tree size is chosen online, that choice's own for these rows (`OnlineSpeculation.for_rows`)."""
+        online = self.speculation
+        return online.for_rows(rows) if isinstance(online, OnlineSpeculation) else online
+
+    def frame_loop(self, sampling, rows: int = 1) -> FrameLoop:
+        """The frame loop of a ResolvedSampling over the kept runners: one utterance's (the inner loop's parts and
+        static calls), or `rows` at a time (the batch's runner and speculation, eagerly)."""
+        talker, config = self.talker(), self.talker_module.config
+        rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, talker.device)
+        parts = self.inner_parts() if rows == 1 else LoopParts.of(self.batch_runner(), self.batch_speculation(rows))
+        return FrameLoop(talker, parts, rules, sampling.talker, sampling.predictor, rows)
+
+    def release_rows(self) -> None:
+        """Let a batch's rows go: a later one-line run grows its caches from one row."""
+        for runner in (self.talker(), self.batch_runner()):
+            runner.allocate(runner.max_len, 1)
+
+    def kernels_record(self) -> dict:
+        """The kernels of each loop's linear maps (rvqtts.engine.kernels), how much of each runs natively
+        (rvqtts.engine.native) and how the predictor attends (rvqtts.engine.attention), of the runners made."""
+        kernels = {}
+        if self._talker is not None:
+            talker = self._talker
+            kernels["talker"] = kernels_used(talker.layer_maps() + [talker.head]) | {"native": talker.native_mode}
+        if self._parts is not None and self._parts.runner is not None:
+            runner = self._parts.runner
+            kernels["predictor"] = kernels_used(runner.linear_maps()) | {
+                "attention": "rows" if runner.row_attention else "gathered",
+                "native": runner.native_mode,
+            }
+        return kernels
+
+    def caches_mib(self) -> dict[str, float]:
+        """MiB held by the runners' KV caches: the talker's, the inner loop's and a batch's code predictor's."""
+        inner = self._parts.runner if self._parts is not None else None
+        runners = {"talker_kv": self._talker, "predictor_kv": inner, "batch_predictor_kv": self._batch}
+        return {
+            name: tensors_mib([getattr(runner, "k_cache", None), getattr(runner, "v_cache", None)])
+            for name, runner in runners.items()
+        }

@@ -1,0 +1,256 @@
+"""Speaking lines: each line's text in chunks, each chunk's prompt, the frame loop over B rows
+(rvqtts.engine.frame_loop) and the codec's audio; a line's samples ready as its frames (streamed) or chunks
+(offline) end, then its Synthesis with the statistics users see. `Synthesizer.stream`, `synthesize` and
+`synthesize_many` all speak through `speak`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Generator, Iterator
+
+import numpy as np
+import torch
+
+from rvqtts.audio import StreamJoiner
+from rvqtts.batch_size import fitting_rows, row_bytes, rows_invariant
+from rvqtts.cloning import ClonedVoice
+from rvqtts.engine.frame_loop import ChunkDone, FrameDone, FrameLoop, Work, WorkFailed
+from rvqtts.engine.online import OnlineSpeculation
+from rvqtts.engine.policy import tree_nodes
+from rvqtts.engine.sampling import NonFiniteError
+from rvqtts.engine.speculation import DEFAULT_DEPTH, LoopStats
+from rvqtts.engine.streaming import StreamingDecoder
+from rvqtts.prompt import Prompt
+from rvqtts.settings import GenerationSettings, Line, ResolvedSampling, Synthesis
+from rvqtts.text import FRAMES_PER_SECOND, chunk_text
+
+PROMPT_TOKENS = 64  # a prompt's tokens besides its text's (roles, codec tags, speaker), generously
+
+
+def speak(
+    synth,
+    lines: list[Line],
+    settings: GenerationSettings,
+    chunk_chars: float | None,
+    rows: int = 1,
+    stream_frames: int | None = None,
+    on_chunk: Callable[[int, int], None] | None = None,
+    on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
+) -> Iterator[tuple[int, np.ndarray | Synthesis | Exception]]:
+    """Speak `lines` (each with its seed and utterance set), `rows` at a time (rvqtts.engine.frame_loop), text
+    chunk after text chunk. Yields (index in `lines`, item) as it goes: a line's samples ready to play (every
+    `stream_frames` frames, decoded incrementally by the streaming decoder, or (None) each text chunk at once,
+    `decode`), then its Synthesis; or, for a line whose voice, text or decoding fails, the exception, and no
+    more of it (a model that produced NaN or inf, NonFiniteError, stops it all)."""
+    sampling = synth.sampling(settings)
+    loop = synth.runners.frame_loop(sampling, rows)
+    depth = loop.speculation.offsets.depth if loop.speculation else DEFAULT_DEPTH
+    spoken: dict[int, _Spoken] = {}
+
+    def chunks(index: int) -> Iterator[tuple[Prompt, int]]:
+        decoder = synth.codec.streaming_decoder() if stream_frames else None
+        spoken[index] = _Spoken(time.perf_counter(), StreamJoiner(synth.sample_rate), decoder)
+        return line_prompts(synth, lines[index], spoken[index], settings, chunk_chars)
+
+    works = (
+        Work(
+            line.seed,
+            line.utterance,
+            chunks(index),
+            tag=index,
+            on_frame=on_frame,
+            stats=LoopStats(accepted_per_depth=[0] * depth),
+        )
+        for index, line in enumerate(lines)
+    )
+    for event in loop.run(works):
+        index = event.work.tag
+        state = spoken.get(index)
+        if state is None:  # failed: the rest of its chunks are not heard
+            continue
+        try:
+            if isinstance(event, WorkFailed):
+                raise event.error
+            if isinstance(event, FrameDone):
+                state.pending.append(event.codes)
+                if len(state.pending) == stream_frames:
+                    yield index, ready_audio(synth, state, event.work, lines[index].clone)
+            elif isinstance(event, ChunkDone):
+                if state.pending:
+                    yield index, ready_audio(synth, state, event.work, lines[index].clone)
+                state.frames.extend(event.frames)
+                state.chunk_start, state.chunks_done = True, state.chunks_done + 1
+                if event.cut:
+                    piece = state.pieces[state.chunks_done - 1]
+                    state.warnings.append(cut_warning(state.chunks_done, len(state.pieces), event.budget, piece))
+                if on_chunk:
+                    on_chunk(state.chunks_done, len(state.pieces))
+            else:
+                yield index, state.joiner.finish()
+                yield index, finished(synth, event.work, spoken.pop(index), sampling, loop, stream_frames)
+        except NonFiniteError:
+            raise
+        except Exception as error:  # this line's: it fails alone
+            del spoken[index]
+            yield index, error
+
+
+def line_prompts(
+    synth, line: Line, state: _Spoken, settings: GenerationSettings, chunk_chars: float | None
+) -> Iterator[tuple[Prompt, int]]:
+    """The line's prompts, one per text chunk, with their frame budgets (its voice checked when it starts),
+    the streaming decoder primed for each."""
+    if not line.text.strip():
+        raise ValueError("the text is empty: give something to say")
+    speaker = synth.check_voice(line.speaker, line.language, line.instruct, line.clone)
+    state.pieces = text_pieces(line.text, chunk_chars)
+    for piece in state.pieces:
+        begun = time.perf_counter()
+        if state.decoder:
+            synth.codec.start(state.decoder, line.clone)
+            state.seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
+        begun = time.perf_counter()
+        prompt = synth.prompt(piece, speaker, line.language, line.instruct, line.clone)
+        state.seconds["prompts"] += time.perf_counter() - begun
+        state.seconds.setdefault("prompt", state.seconds["prompts"])  # the first chunk's, before any audio
+        yield prompt, synth.frame_budget(piece, settings)
+
+
+def ready_audio(synth, state: _Spoken, work: Work, clone: ClonedVoice | None) -> np.ndarray:
+    """Decode the line's pending frames, join them to what came before, and time both; the samples ready to
+    play."""
+    begun = time.perf_counter()
+    codes = np.stack(state.pending)
+    samples = state.decoder.push(codes) if state.decoder else synth.codec.decode(codes, clone)
+    ready = state.joiner.add(samples, new_part=state.chunk_start)
+    state.pending, state.chunk_start = [], False
+    state.seconds["decoder"] += time.perf_counter() - begun
+    if ready.size and state.seconds["first_audio"] is None:
+        state.seconds["first_audio"] = time.perf_counter() - state.started
+        frames_seconds = work.seconds["talker"] + work.seconds["predictor"] - work.seconds["prefill"]
+        state.seconds["first_audio_split"] = {
+            "prefill": round(state.seconds["prompt"] + work.seconds["prefill"], 3),
+            "frames": round(frames_seconds, 3),
+            "decoder": round(state.seconds["decoder"], 3),
+        }
+    return ready
+
+
+def finished(
+    synth, work: Work, state: _Spoken, sampling: ResolvedSampling, loop: FrameLoop, stream_frames: int | None
+) -> Synthesis:
+    """The Synthesis of a line `_speak` finished. Its loops' seconds are its shares of the calls it was in;
+    building its prompts counts as talker work, and the first one in the prefill."""
+    seconds = state.seconds
+    seconds.update(
+        wall=time.perf_counter() - state.started,
+        talker=work.seconds["talker"] + seconds["prompts"],
+        predictor=work.seconds["predictor"],
+        prefill=seconds["prompt"] + work.seconds["prefill"],
+    )
+    speculation = loop.speculation
+    return Synthesis(
+        audio=state.joiner.audio(),
+        sample_rate=synth.sample_rate,
+        codes=np.stack(state.frames),
+        stats=work.stats,
+        seconds=seconds,
+        talker_calls=work.talker_calls,
+        chunks=len(state.pieces),
+        spec=speculation is not None,
+        tree_nodes=tree_nodes(speculation),
+        seed=work.seed,
+        sampling=sampling.record(),
+        warnings=state.warnings,
+        stream_frames=stream_frames,
+        weights=synth.weights,
+        engine=synth.engine_record(),
+        batch_rows=loop.rows,
+        batch_row_bytes=row_bytes(synth, synth.runners.talker().max_len) if loop.rows > 1 else None,
+        online=speculation.record(work.frames_by_budget) if isinstance(speculation, OnlineSpeculation) else None,
+    )
+
+
+def one_line(
+    synth,
+    line: Line,
+    settings: GenerationSettings,
+    chunk_chars: float | None,
+    stream_frames: int | None,
+    on_chunk: Callable[[int, int], None] | None,
+    on_frame: Callable[[torch.Tensor, list[int]], None] | None,
+) -> Generator[np.ndarray, None, Synthesis]:
+    """One line's samples as `_speak` makes them ready, then its Synthesis (its failure raised)."""
+    for _, item in speak(synth, [line], settings, chunk_chars, 1, stream_frames, on_chunk, on_frame):
+        if isinstance(item, Exception):
+            raise item
+        if isinstance(item, Synthesis):
+            return item
+        yield item
+
+
+def row_slots(synth, line: Line, settings: GenerationSettings, chunk_chars: float | None) -> int:
+    """A generous count of the talker positions a line's longest chunk takes: its frame budget, two
+    prompt tokens per character and the prompt's own, and an ICL voice's reference codes."""
+    pieces = text_pieces(line.text, chunk_chars) or [line.text]
+    reference = len(line.clone.codes) if line.clone is not None and line.clone.icl else 0
+    return max(synth.frame_budget(piece, settings) + 2 * len(piece) for piece in pieces) + PROMPT_TOKENS + reference
+
+
+def batch_rows(
+    synth,
+    lines: list[Line],
+    settings: GenerationSettings,
+    chunk_chars: float | None,
+    batch_size: int,
+    on_notice: Callable[[str], None] | None,
+) -> int:
+    """The rows `lines` are spoken in: at most `batch_size`, cut to the rows whose caches fit in memory
+    (rvqtts.batch_size.fitting_rows), said through `on_notice`, as is a batch whose kernels are not known to keep
+    rows invariant."""
+    rows = min(batch_size, max(len(lines), 1))
+    if rows > 1 and synth.runners.inner_parts().runner is not None:
+        slots = max(row_slots(synth, line, settings, chunk_chars) for line in lines)
+        fitting = fitting_rows(synth, rows, slots)
+        if fitting < rows and on_notice:
+            on_notice(
+                f"a batch of {rows} rows would hold {rows * row_bytes(synth, slots) / 2**30:.1f} GiB of "
+                f"caches, more than half the memory free: speaking {fitting} at a time"
+            )
+        rows = fitting
+        if rows > 1 and on_notice and not rows_invariant(synth):
+            on_notice(
+                "the kernels here are not known to keep rows invariant: a batched line's audio can "
+                "differ from its one-line run's in the last bits (--batch-size 1 keeps them)"
+            )
+    return rows
+
+
+def text_pieces(text: str, chunk_chars: float | None) -> list[str]:
+    """The pieces a text is spoken in: sentence chunks of at most `chunk_chars`, or (None) the whole text."""
+    return chunk_text(text, chunk_chars) if chunk_chars else [" ".join(text.split())]
+
+
+def cut_warning(chunk: int, chunks: int, budget: int, piece: str) -> str:
+    """The warning of a chunk cut at its frame budget."""
+    return (
+        f"chunk {chunk} of {chunks} was cut at {budget} frames ({budget / FRAMES_PER_SECOND:.1f} s) for "
+        f"{len(piece)} characters: the model did not end its speech (text: {piece[:40]!r})"
+    )
+
+
+@dataclass
+class _Spoken:
+    """What `Synthesizer._speak` gathers for one line while its chunks are spoken."""
+
+    started: float
+    joiner: StreamJoiner
+    decoder: StreamingDecoder | None  # streamed: the incremental decoder
+    pieces: list[str] = field(default_factory=list)
+    frames: list[np.ndarray] = field(default_factory=list)  # spoken, chunk by chunk
+    pending: list[np.ndarray] = field(default_factory=list)  # frames not decoded yet
+    chunk_start: bool = True  # the next samples start a text chunk
+    warnings: list[str] = field(default_factory=list)
+    chunks_done: int = 0
+    seconds: dict = field(default_factory=lambda: {"decoder": 0.0, "first_audio": None, "prompts": 0.0})
