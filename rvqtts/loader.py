@@ -23,7 +23,7 @@ from rvqtts.loading import DTYPES, model_config
 @dataclass(frozen=True)
 class EngineChoices:
     """What a user chooses about the engine, each as `rvqtts synth`'s option of the same name; `auto` is decided
-    on this machine. ValueError for a value that is not one of the choices."""
+    on this machine. ValueError, naming the option, for a value that is not one of the choices."""
 
     device: str = "auto"  # auto (cuda, then mps, then cpu), cpu, cuda[:N] or mps
     dtype: str = "auto"  # both loops' (auto: measured on a CPU; rvqtts.engine.devices)
@@ -39,9 +39,10 @@ class EngineChoices:
     def __post_init__(self) -> None:
         for name in ("dtype", "decoder_dtype"):
             if getattr(self, name) not in ("auto", *DTYPES):
-                raise ValueError(f"unknown {name} {getattr(self, name)!r}: choose auto, {', '.join(DTYPES)}")
+                option = "--" + name.replace("_", "-")
+                raise ValueError(f"unknown {option} {getattr(self, name)!r}: choose auto, {', '.join(DTYPES)}")
         if self.weights not in WEIGHTS:
-            raise ValueError(f"unknown weights {self.weights!r}: choose {' or '.join(WEIGHTS)}")
+            raise ValueError(f"unknown --weights {self.weights!r}: choose {' or '.join(WEIGHTS)}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"the batch size must be at least 1 (or None: measured), got {self.batch_size}")
 

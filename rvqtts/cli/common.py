@@ -145,8 +145,9 @@ def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], obje
         stderr_console().print(table(result))
 
 
-def load_synthesizer(model: str, quiet: bool = False, **choices):
-    """The engine `choices` (rvqtts.loader.EngineChoices, as the options name them) describe for `model`, its
+def load_synthesizer(model: str, quiet: bool = False, *choices, **named):
+    """The engine `choices` and `named` (rvqtts.loader.EngineChoices's fields, in order or by
+    name) describe for `model`, its
     notices said unless quiet (which dtypes `auto` chose and why, a device not validated, the tree policy); fails
     with one line on a bad model, device, dtype, tree or offsets, the model checked from its config before the
     weights load."""
@@ -156,20 +157,11 @@ def load_synthesizer(model: str, quiet: bool = False, **choices):
     from rvqtts.loading import ModelLoadError
     from rvqtts.synthesis import Synthesizer
 
-    check_dtype(choices.get("dtype", "auto"))
-    check_dtype(choices.get("decoder_dtype", "auto"), "--decoder-dtype")
     hf_logging.set_verbosity_error()
     try:
-        return Synthesizer.load(model, EngineChoices(**choices), on_notice=lambda line: say(line, quiet))
+        return Synthesizer.load(model, EngineChoices(*choices, **named), on_notice=lambda line: say(line, quiet))
     except (ModelLoadError, ValueError) as error:
         fail(str(error))
-
-
-def check_dtype(dtype: str, option: str = "--dtype") -> None:
-    from rvqtts.loading import DTYPES
-
-    if dtype not in ("auto", *DTYPES):
-        fail(f"unknown {option} {dtype!r}: choose auto, {', '.join(DTYPES)}")
 
 
 def resolve_device(device: str) -> str:

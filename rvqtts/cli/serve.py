@@ -97,16 +97,7 @@ def serve(
 
     rows = batch_rows(batch_size)
     synthesizer = load_synthesizer(
-        model,
-        quiet,
-        device=device,
-        dtype=dtype,
-        decoder_dtype=decoder_dtype,
-        weights=weights,
-        spec=spec,
-        tree=tree,
-        offsets=offsets,
-        batch_size=rows,
+        model, quiet, device, dtype, decoder_dtype, weights, spec, tree, offsets, batch_size=rows
     )
     if rows is None:
         rows, source = choose_batch_size(synthesizer, queue_size + 1, progress=lambda m: say(m, quiet))

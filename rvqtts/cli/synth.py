@@ -23,7 +23,6 @@ from rvqtts.cli.common import (
     app,
     batch_rows,
     check_coreml,
-    check_dtype,
     ensure_writable,
     fail,
     load_synthesizer,
@@ -386,20 +385,10 @@ def synth(
     if ray is None:  # the model is loaded here; on Ray each worker loads its own
         from rvqtts.synthesis import INSTRUCT_IGNORED  # qwen-tts: after the checks above
 
-        synthesizer = load_synthesizer(
-            model,
-            quiet,
-            device=device,
-            dtype=dtype,
-            decoder_dtype=decoder_dtype,
-            weights=weights,
-            spec=spec,
-            tree=tree,
-            offsets=offsets,
-            cuda_graphs=cuda_graphs,
-            batch_size=rows if file is not None else None,  # auto: measured after the load, the dtype priced at 1
-            tree_device="coreml" if backend == "coreml" else None,  # whose best tree size --tree auto means
-        )
+        batch = rows if file is not None else None  # auto: measured after the load, the dtype priced at 1
+        tree_device = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
+        choices = (device, dtype, decoder_dtype, weights, spec, tree, offsets, cuda_graphs, batch, tree_device)
+        synthesizer = load_synthesizer(model, quiet, *choices)
         if backend == "coreml":
             _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet)
         if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
@@ -519,7 +508,6 @@ def _ray_worker_spec(
     device and read the model, tree and offsets (local paths go to them absolute: a worker starts in a
     folder of its own)."""
     from rvqtts.cluster import ClusterError, WorkerSpec, require_ray
-    from rvqtts.engine.quantize import WEIGHTS
     from rvqtts.loader import EngineChoices
 
     if file is None:
@@ -538,10 +526,10 @@ def _ray_worker_spec(
         )
     if device == "cuda" and gpus == 0:
         fail("--device cuda on Ray needs GPUs for the workers: add --gpus-per-worker (e.g. 1)")
-    check_dtype(dtype)
-    check_dtype(decoder_dtype, "--decoder-dtype")
-    if weights not in WEIGHTS:
-        fail(f"unknown --weights {weights!r}: choose {' or '.join(WEIGHTS)}")
+    try:
+        EngineChoices(device, dtype, decoder_dtype, weights)
+    except ValueError as error:
+        fail(str(error))
     if tree != "auto" and not tree.isdigit() and not Path(tree).expanduser().is_file():
         fail(f"--tree {tree}: no such tree file (give auto, a node budget N or a tree file)")
     if offsets is not None and not offsets.expanduser().is_file():
@@ -554,16 +542,9 @@ def _ray_worker_spec(
     def absolute(path: str) -> str:
         return str(Path(path).expanduser().resolve()) if Path(path).expanduser().exists() else path
 
-    choices = EngineChoices(
-        device,
-        dtype,
-        decoder_dtype,
-        weights,
-        spec,
-        tree if tree == "auto" or tree.isdigit() else absolute(tree),
-        None if offsets is None else absolute(str(offsets)),
-        cuda_graphs,
-    )
+    tree = tree if tree == "auto" or tree.isdigit() else absolute(tree)
+    offsets = None if offsets is None else absolute(str(offsets))
+    choices = EngineChoices(device, dtype, decoder_dtype, weights, spec, tree, offsets, cuda_graphs)
     return WorkerSpec(absolute(model), choices, cpus, gpus)
 
 
