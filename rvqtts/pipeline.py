@@ -16,7 +16,6 @@ from rvqtts.audio import StreamJoiner
 from rvqtts.batch_size import fitting_rows, row_bytes, rows_invariant
 from rvqtts.cloning import ClonedVoice
 from rvqtts.engine.frame_loop import ChunkDone, FrameDone, FrameLoop, Work, WorkFailed
-from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.policy import tree_nodes
 from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.engine.speculation import DEFAULT_DEPTH, LoopStats
@@ -168,7 +167,7 @@ def finished(
         engine=synth.engine_record(),
         batch_rows=loop.rows,
         batch_row_bytes=row_bytes(synth, synth.runners.talker().max_len) if loop.rows > 1 else None,
-        online=speculation.record(work.frames_by_budget) if isinstance(speculation, OnlineSpeculation) else None,
+        online=speculation.record(work.frames_by_budget) if speculation else None,
     )
 
 

@@ -26,11 +26,10 @@ from rvqtts.cloning import (
 )
 from rvqtts.codec import SpeechCodec
 from rvqtts.engine.kernels import cpu_model
-from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.quantize import check_weights
 from rvqtts.engine.runners import Runners
 from rvqtts.engine.sampling import NonFiniteError
-from rvqtts.engine.speculation import Speculation
+from rvqtts.engine.speculation import Speculation, TreePolicy
 from rvqtts.loader import EngineChoices, load_engine
 from rvqtts.loading import ModelVoices, load_tts
 from rvqtts.memory import tensors_mib
@@ -133,12 +132,12 @@ class Synthesizer:
         return caches
 
     @property
-    def speculation(self) -> Speculation | OnlineSpeculation | None:
+    def speculation(self) -> TreePolicy | None:
         """The tree policy the inner loop runs (None: the plain loop), kept by the runners."""
         return self.runners.speculation
 
     @speculation.setter
-    def speculation(self, speculation: Speculation | OnlineSpeculation | None) -> None:
+    def speculation(self, speculation: TreePolicy | None) -> None:
         self.runners.speculation = speculation
 
     @property

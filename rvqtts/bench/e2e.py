@@ -42,7 +42,6 @@ def bench_e2e(
     one piece (lines of (text, speaker, language); `instruct` and a Base model's `clone`, an
     rvqtts.cloning.ClonedVoice, for all). Frame counts differ between variants (sampled codes decide where
     speech ends), so times are compared per frame."""
-    from rvqtts.engine.online import OnlineSpeculation
     from rvqtts.memory import memory_record
     from rvqtts.settings import GenerationSettings
     from rvqtts.synthesis import Synthesizer
@@ -51,7 +50,7 @@ def bench_e2e(
     names = fixed_variants(fixed)
     synthesizers = {"plain": Synthesizer(tts, None, weight_format), "auto": Synthesizer(tts, default, weight_format)}
     synthesizers |= {name: Synthesizer(tts, speculation, weight_format) for name, speculation in zip(names, fixed)}
-    if isinstance(default, OnlineSpeculation):  # its one-time cost measurement is not part of any line
+    if default is not None:  # the online choice's one-time cost measurement is not part of any line
         default.start(
             synthesizers["auto"].runners.inner_parts().runner, synthesizers["auto"].sampling(settings).predictor
         )
@@ -112,7 +111,7 @@ def bench_e2e(
         "texts": len(lines),
         "floor_ms": floor_ms,
         "weight_format": weight_format,
-        "auto": online.record() if isinstance(online, OnlineSpeculation) else {"N": online.tree.nodes if online else 0},
+        "auto": (online and online.record()) or {"N": online.budget if online else 0},
         # the variants share one loaded model in one process, so the peak is theirs together (`synth --stats-json`
         # gives one variant's alone); what each variant's engine keeps beside it is its caches
         "memory": memory_record()

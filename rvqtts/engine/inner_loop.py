@@ -13,11 +13,10 @@ import torch
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.fused import FusedDecoder
 from rvqtts.engine.graphs import StaticCalls
-from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.rounds import FrameRounds, plain_frames, speculative_frames
 from rvqtts.engine.sampling import SamplingConfig, residual_noise
-from rvqtts.engine.speculation import DEFAULT_DEPTH, EAGER, LoopStats, Speculation
+from rvqtts.engine.speculation import DEFAULT_DEPTH, EAGER, LoopStats, Speculation, TreePolicy
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,7 @@ class LoopParts:
     package's calls and no runner. Reusable from one utterance to the next, since every frame writes the
     KV slots it reads, as long as the speculation stays the same."""
 
-    speculation: Speculation | OnlineSpeculation | None
+    speculation: TreePolicy | None
     cuda_graphs: bool
     runner: PredictorRunner | None
     offsets: torch.Tensor | None
@@ -39,17 +38,11 @@ class LoopParts:
     def build(
         cls,
         code_predictor: torch.nn.Module,
-        speculation: Speculation | OnlineSpeculation | None,
+        speculation: TreePolicy | None,
         cuda_graphs: bool,
         weights: str = "native",
     ) -> "LoopParts":
-        extra = (
-            speculation.max_nodes
-            if isinstance(speculation, OnlineSpeculation)
-            else speculation.tree.nodes
-            if speculation
-            else -1
-        ) + 1
+        extra = (speculation.max_nodes if speculation else -1) + 1
         runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra, weights)
         return cls.of(runner, speculation, StaticCalls.for_device(runner.device, cuda_graphs), cuda_graphs)
 
@@ -57,7 +50,7 @@ class LoopParts:
     def of(
         cls,
         runner: PredictorRunner,
-        speculation: Speculation | OnlineSpeculation | None,
+        speculation: TreePolicy | None,
         calls: StaticCalls = EAGER,
         cuda_graphs: bool = False,
     ) -> "LoopParts":
@@ -78,7 +71,7 @@ class InnerLoop:
     def __init__(
         self,
         code_predictor: torch.nn.Module,
-        speculation: Speculation | OnlineSpeculation | None,
+        speculation: TreePolicy | None,
         seed: int,
         on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
         cuda_graphs: bool = True,
@@ -122,7 +115,7 @@ def inner_frames(
     prefixes: torch.Tensor,
     noise: torch.Tensor,
     sampling: SamplingConfig,
-    speculation: Speculation | OnlineSpeculation | None,
+    speculation: TreePolicy | None,
     offsets: torch.Tensor | None,
     calls: StaticCalls = EAGER,
 ) -> list[FrameRounds]:
@@ -130,11 +123,10 @@ def inner_frames(
     tree, or by the tree size the online choice (rvqtts.engine.online) makes now, which learns from these frames
     (its probe, a draft chain that keeps acceptance counted, runs on the first frame while the others step
     plain)."""
-    online = speculation if isinstance(speculation, OnlineSpeculation) else None
-    probe = False
-    if online is not None:
-        online.start(runner, sampling)
-        speculation, probe = online.frame_speculation()
+    policy, probe = speculation, False
+    if policy is not None:
+        policy.start(runner, sampling)
+        speculation, probe = policy.frame_speculation()
     started = time.perf_counter()
     if speculation is None:
         last = runner.code_groups - 1
@@ -144,11 +136,11 @@ def inner_frames(
         trees = [speculation] + [None if probe else speculation] * (prefixes.shape[0] - 1)
         frames = speculative_frames(runner, prefixes, noise, sampling, trees, offsets, calls)
     synchronize(runner.device)
-    if online is not None:
-        share, budget = (time.perf_counter() - started) * 1e3 / len(frames), online.budget
+    if policy is not None:
+        share, budget = (time.perf_counter() - started) * 1e3 / len(frames), policy.budget
         for frame in frames:  # the size they ran at (a choice made while observing them applies from the next)
             frame.budget = budget
-            online.observe(frame.codes, frame.drafted, probe and bool(frame.drafted), share)
+            policy.observe(frame.codes, frame.drafted, probe and bool(frame.drafted), share)
     return frames
 
 

@@ -10,7 +10,7 @@ import torch
 from rvqtts.engine.kernels import measured_choices
 from rvqtts.engine.offsets import Offsets, load_offsets, predictor_fingerprint, shipped_offsets_for
 from rvqtts.engine.online import OnlineSpeculation
-from rvqtts.engine.speculation import DEFAULT_DEPTH, Speculation
+from rvqtts.engine.speculation import DEFAULT_DEPTH, Speculation, TreePolicy
 from rvqtts.engine.tree import best_budget, platform_key, resolve_tree
 
 
@@ -21,7 +21,7 @@ def choose_speculation(
     allow_plain: bool = False,
     device_type: str | None = None,
     weights: str = "native",
-) -> tuple[Speculation | OnlineSpeculation | None, str | None]:
+) -> tuple[TreePolicy | None, str | None]:
     """The tree and offsets to draft with, and a notice for the user (or None).
 
     `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` or a file.
@@ -85,8 +85,6 @@ def drafting_offsets(
     )
 
 
-def tree_nodes(speculation: Speculation | OnlineSpeculation | None) -> int:
+def tree_nodes(speculation: TreePolicy | None) -> int:
     """The tree size a speculation runs now: the fixed tree's, the online choice's (0: the plain loop), or 0."""
-    if isinstance(speculation, OnlineSpeculation):
-        return max(speculation.budget, 0)
-    return speculation.tree.nodes if speculation else 0
+    return max(speculation.budget, 0) if speculation else 0

@@ -12,10 +12,9 @@ from rvqtts.engine.fused import FusedDecoder
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.inner_loop import LoopParts
 from rvqtts.engine.kernels import kernels_used
-from rvqtts.engine.online import OnlineSpeculation
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import C0Rules
-from rvqtts.engine.speculation import Speculation
+from rvqtts.engine.speculation import TreePolicy
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.memory import tensors_mib
 
@@ -29,7 +28,7 @@ class Runners:
         self.talker_module = talker
         self.code_predictor = talker.code_predictor
         self.weights = weights  # "int8": both loops run 8-bit weights (rvqtts.engine.quantize)
-        self.speculation: Speculation | OnlineSpeculation | None = None
+        self.speculation: TreePolicy | None = None
         self.cuda_graphs = True  # replay the talker's and the inner loop's calls from CUDA graphs on CUDA devices
         self.fused: FusedDecoder | None = None
         self._talker: TalkerRunner | None = None
@@ -71,11 +70,10 @@ class Runners:
             self._batch = PredictorRunner(self.code_predictor, parts.runner.max_len, self.weights)
         return self._batch
 
-    def batch_speculation(self, rows: int) -> Speculation | OnlineSpeculation | None:
+    def batch_speculation(self, rows: int) -> TreePolicy | None:
         """What a batch of `rows` lines speculates with: the plain loop or a given tree as for one line; where
         the tree size is chosen online, that choice's own for these rows (`OnlineSpeculation.for_rows`)."""
-        online = self.speculation
-        return online.for_rows(rows) if isinstance(online, OnlineSpeculation) else online
+        return self.speculation and self.speculation.for_rows(rows)
 
     def frame_loop(self, sampling, rows: int = 1) -> FrameLoop:
         """The frame loop of a ResolvedSampling over the kept runners: one utterance's (the inner loop's parts and

@@ -5,6 +5,7 @@ over the committed slots and the round's own), and the counts users see (`LoopSt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -102,9 +103,37 @@ class RoundPlan:
         )
 
 
+class TreePolicy(Protocol):
+    """What the inner loop asks a tree policy (a fixed tree, `Speculation`, or the size chosen online,
+    rvqtts.engine.online.OnlineSpeculation; None where the run is plain) each frame, and tells it what it saw."""
+
+    offsets: Offsets  # the drafter's (runners put them on their device)
+    budget: int  # the tree size running now (0: plain frames; -1: not started)
+
+    @property
+    def max_nodes(self) -> int:
+        """The largest tree a frame may run: the room a runner's cache keeps beside a frame's codes."""
+
+    def start(self, runner: object, sampling: object) -> None:
+        """Ready for a run on this runner and sampling (what must be measured, measured now)."""
+
+    def frame_speculation(self) -> tuple["Speculation | None", bool]:
+        """What the next frame (or a batch's next frame step) runs (None: plain), and whether it is a probe."""
+
+    def observe(self, codes: list[int], drafted: list, probe: bool, milliseconds: float) -> None:
+        """A finished frame: its codes, its rounds' drafts, and its share of the inner loop's time."""
+
+    def for_rows(self, rows: int) -> "TreePolicy":
+        """The policy of batches of `rows` lines."""
+
+    def record(self, frames_by_budget: dict[int, int] | None = None) -> dict | None:
+        """What users see of the choice (`--stats-json`'s "online"; None for a fixed tree)."""
+
+
 @dataclass
 class Speculation:
-    """A tree and the offsets that draft it; round plans are cached per depth cap."""
+    """A tree and the offsets that draft it; round plans are cached per depth cap. As a tree policy, the same
+    tree every frame."""
 
     tree: Tree
     offsets: Offsets
@@ -121,6 +150,29 @@ class Speculation:
                 f"the tree is {self.tree.depth} deep but the offsets draft only "
                 f"K = {self.offsets.depth} codes ahead: use a tree of depth <= {self.offsets.depth}"
             )
+
+    @property
+    def budget(self) -> int:
+        return self.tree.nodes
+
+    @property
+    def max_nodes(self) -> int:
+        return self.tree.nodes
+
+    def start(self, runner: object, sampling: object) -> None:
+        """Nothing to measure: the tree is fixed."""
+
+    def frame_speculation(self) -> tuple["Speculation", bool]:
+        return self, False
+
+    def observe(self, codes: list[int], drafted: list, probe: bool, milliseconds: float) -> None:
+        """Nothing to learn: the tree is fixed."""
+
+    def for_rows(self, rows: int) -> "Speculation":
+        return self
+
+    def record(self, frames_by_budget: dict[int, int] | None = None) -> None:
+        return None
 
     def plan(self, cap: int, device: torch.device) -> RoundPlan:
         if cap not in self._plans:
