@@ -19,7 +19,7 @@ import numpy as np
 from rvqtts.audio import AUDIO_FORMATS
 from rvqtts.cloning import VoiceError, VoiceSource
 from rvqtts.engine.sampling import NonFiniteError
-from rvqtts.text import MAX_CHUNK_WEIGHT
+from rvqtts.settings import RunSettings
 
 FIELDS = {"text", "speaker", "language", "instruct", "out", "ref_audio", "ref_text", "x_vector_only", "voice"}
 
@@ -161,33 +161,20 @@ def voice_for(synth, speaker: str | None, language: str, instruct: str | None, s
     )
 
 
-def render(
-    synth,
-    item: Utterance,
-    *,
-    speaker: str | None,
-    language: str,
-    instruct: str | None,
-    seed: int,
-    settings,
-    clone: VoiceSource | None = None,
-    chunk_chars: float | None = MAX_CHUNK_WEIGHT,
-) -> Rendered:
+def render(synth, item: Utterance, run: RunSettings) -> Rendered:
     """Synthesize one utterance into the bytes of its output file (its voice: the line's, else the
     batch's). Every code's noise (c0's included) is keyed by the utterance's line number, so any run,
     partial, resumed or on any worker, makes the same audio for it."""
-    voice, source = line_voice(synth, item, speaker, language, instruct, clone)
+    voice, source = line_voice(synth, item, run)
     synthesis = synth.synthesize(
-        item.text, seed=seed, utterance=item.line, settings=settings, chunk_chars=chunk_chars, **voice
+        item.text, seed=run.seed, utterance=item.line, settings=run.settings, chunk_chars=run.chunk_chars, **voice
     )
     return rendered(synth, item, synthesis, voice, source)
 
 
-def line_voice(
-    synth, item: Utterance, speaker: str | None, language: str, instruct: str | None, clone: VoiceSource | None
-) -> tuple[dict, VoiceSource | None]:
+def line_voice(synth, item: Utterance, run: RunSettings) -> tuple[dict, VoiceSource | None]:
     """The voice keywords of one line (`voice_for`) and its cloned voice's source, if any."""
-    line = item.voice(speaker, language, instruct, clone)
+    line = item.voice(run.speaker, run.language, run.instruct, run.clone)
     return voice_for(synth, **line), line["source"]
 
 
@@ -210,11 +197,11 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def attempt(synth, item: Utterance, run: dict) -> tuple[str, object]:
+def attempt(synth, item: Utterance, run: RunSettings) -> tuple[str, object]:
     """("done", Rendered), or ("failed", why) for a line that failed while synthesizing. A model that
     produced NaN or inf (NonFiniteError) is raised: every line would meet it."""
     try:
-        return "done", render(synth, item, **run)
+        return "done", render(synth, item, run)
     except NonFiniteError:
         raise
     except Exception as error:  # reported per line; the batch goes on
@@ -301,17 +288,11 @@ def synthesize_batch(
     synth,
     utterances: list[Utterance],
     out_dir: Path,
+    run: RunSettings,
     *,
-    speaker: str | None,
-    language: str,
-    instruct: str | None,
-    seed: int,
-    settings,
-    clone: VoiceSource | None = None,
     force: bool = False,
     codes_dir: Path | None = None,
     on_done=None,
-    chunk_chars: float | None = MAX_CHUNK_WEIGHT,
     batch_size: int = 1,
     on_notice=None,
 ) -> list[BatchResult]:
@@ -326,15 +307,6 @@ def synthesize_batch(
     """
     manifest = Manifest(out_dir)
     pending = {item.line for item in to_do(utterances, out_dir, force)}
-    run = dict(
-        speaker=speaker,
-        language=language,
-        instruct=instruct,
-        seed=seed,
-        settings=settings,
-        clone=clone,
-        chunk_chars=chunk_chars,
-    )
     results: dict[int, BatchResult] = {}
 
     def finish(item: Utterance, result: BatchResult) -> None:
@@ -357,7 +329,7 @@ def synthesize_batch(
 
 
 def attempt_many(
-    synth, items: list[Utterance], run: dict, batch_size: int, on_notice=None
+    synth, items: list[Utterance], run: RunSettings, batch_size: int, on_notice=None
 ) -> Iterator[tuple[Utterance, tuple]]:
     """`attempt` for several lines spoken together: each line and its answer, as it ends."""
     from rvqtts.settings import Line
@@ -365,7 +337,7 @@ def attempt_many(
     voices, lines, failed = [], [], []
     for item in items:
         try:
-            voice, source = line_voice(synth, item, run["speaker"], run["language"], run["instruct"], run.get("clone"))
+            voice, source = line_voice(synth, item, run)
         except NonFiniteError:
             raise
         except Exception as error:  # this line's voice: it fails alone
@@ -374,9 +346,7 @@ def attempt_many(
         voices.append((item, voice, source))
         lines.append(Line(item.text, voice["speaker"], voice["language"], voice["instruct"], voice["clone"], item.line))
     yield from failed
-    for index, outcome in synth.synthesize_many(
-        lines, run["seed"], run["settings"], run.get("chunk_chars", MAX_CHUNK_WEIGHT), batch_size, on_notice
-    ):
+    for index, outcome in synth.synthesize_many(lines, run.seed, run.settings, run.chunk_chars, batch_size, on_notice):
         item, voice, source = voices[index]
         if isinstance(outcome, Exception):
             yield item, ("failed", describe(outcome))

@@ -25,6 +25,7 @@ from rvqtts.batch import BatchResult, Manifest, Utterance, attempt_many, conclud
 from rvqtts.batch_size import choose_batch_size
 from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.loader import EngineChoices
+from rvqtts.settings import RunSettings
 
 INSTALL_HINT = "pip install -e '.[ray]' (from rvqtts's checkout folder; rvqtts is not on PyPI)"
 DEATHS_PER_LINE = 3  # a line whose workers died this often is reported failed rather than tried again
@@ -101,7 +102,7 @@ class SynthesisWorker:
             "rows": self.rows,
         }
 
-    def render(self, items: list[Utterance], run: dict) -> tuple[str, object]:
+    def render(self, items: list[Utterance], run: RunSettings) -> tuple[str, object]:
         """("lines", [(line number, status, value)]): rvqtts.batch.attempt's answer for each line, the lines
         spoken `rows` at a time; or ("nonfinite", (model, dtype)). A line's failure is an answer, so only a
         worker in trouble raises."""
@@ -222,7 +223,7 @@ def synthesize_batch_on_ray(
     utterances: list[Utterance],
     out_dir: Path,
     spec: WorkerSpec,
-    run: dict,
+    run: RunSettings,
     *,
     address: str = "auto",
     workers: int | None = None,
@@ -233,10 +234,9 @@ def synthesize_batch_on_ray(
 ) -> ClusterBatch:
     """Synthesize the utterances whose output is missing from `out_dir` (all with `force`) on Ray workers.
 
-    `run` holds the synthesis settings as for rvqtts.batch.synthesize_batch (speaker, language, instruct,
-    seed, settings, chunk_chars). `on_start(lines)` is called once the work is known, `on_done(result)`
-    after each line. Raises ClusterError when the cluster cannot run the batch and NonFiniteError when the
-    model produced NaN or inf (every line would).
+    `run`: what every line shares, as for rvqtts.batch.synthesize_batch. `on_start(lines)` is called once the
+    work is known, `on_done(result)` after each line. Raises ClusterError when the cluster cannot run the batch
+    and NonFiniteError when the model produced NaN or inf (every line would).
     """
     ray = require_ray()
     pending = to_do(utterances, out_dir, force)
@@ -247,7 +247,7 @@ def synthesize_batch_on_ray(
     if pending:
         started = connect(address)
         try:
-            _run(ray, pending, out_dir, spec, run, workers, codes_dir, on_done, results, batch)
+            _Driver(ray, pending, out_dir, spec, run, codes_dir, on_done, results, batch).drive(workers)
         finally:
             if started:
                 ray.shutdown()
@@ -255,143 +255,141 @@ def synthesize_batch_on_ray(
     return batch
 
 
-def _run(
-    ray,
-    pending: list[Utterance],
-    out_dir: Path,
-    spec: WorkerSpec,
-    run: dict,
-    workers: int | None,
-    codes_dir: Path | None,
-    on_done,
-    results: dict[int, BatchResult],
-    batch: ClusterBatch,
-) -> None:
+class _Driver:
     """The driver's loop: keep every worker busy with its share of lines (up to its batch size), write what
     comes back, replace the dead."""
-    from ray.exceptions import ActorDiedError, RayError, RayTaskError
 
-    actor_class = ray.remote(SynthesisWorker)
-    count = _worker_count(ray, spec, workers, len(pending))
-    queue = deque(pending)
-    deaths: dict[int, int] = {}  # line -> how often its worker was lost on it
-    load_deaths = 0
-    calls: dict = {}  # ObjectRef -> (actor, its record, its lines or None for its load, when it was sent)
-    idle: list = []
-    actors: list = []  # every actor started, killed when the batch ends however it ends
-    manifest = Manifest(out_dir)
-    ours = version("rvqtts")
+    def __init__(self, ray, pending, out_dir, spec, run, codes_dir, on_done, results, batch):
+        self.ray, self.out_dir, self.spec, self.run, self.codes_dir = ray, out_dir, spec, run, codes_dir
+        self.on_done, self.results, self.batch = on_done, results, batch
+        self.actor_class = ray.remote(SynthesisWorker)
+        self.queue = deque(pending)
+        self.deaths: dict[int, int] = {}  # line -> how often its worker was lost on it
+        self.load_deaths = 0
+        self.calls: dict = {}  # ObjectRef -> (actor, its record, its lines or None for its load, when it was sent)
+        self.idle: list = []
+        self.actors: list = []  # every actor started, killed when the batch ends however it ends
+        self.manifest = Manifest(out_dir)
+        self.wants_instruct = bool(run.instruct) or any(item.instruct for item in pending)
 
-    def start_worker() -> None:
-        record = WorkerRecord(f"w{len(batch.workers) + 1}")
-        batch.workers.append(record)
-        actor = actor_class.options(num_cpus=spec.cpus, num_gpus=spec.gpus).remote(spec)
-        actors.append(actor)
-        calls[actor.load.remote()] = (actor, record, None, time.perf_counter())
+    def start_worker(self) -> None:
+        record = WorkerRecord(f"w{len(self.batch.workers) + 1}")
+        self.batch.workers.append(record)
+        actor = self.actor_class.options(num_cpus=self.spec.cpus, num_gpus=self.spec.gpus).remote(self.spec)
+        self.actors.append(actor)
+        self.calls[actor.load.remote()] = (actor, record, None, time.perf_counter())
 
-    def finish(result: BatchResult) -> None:
-        results[result.utterance.line] = result
+    def finish(self, result: BatchResult) -> None:
+        self.results[result.utterance.line] = result
         if result.status == "failed" and result.worker is not None:
             result.worker.failed += 1
-        if on_done:
-            on_done(result)
+        if self.on_done:
+            self.on_done(result)
 
-    def lose(actor, record: WorkerRecord, items: list[Utterance] | None, error: RayError) -> None:
+    def lose(self, actor, record: WorkerRecord, items: list[Utterance] | None, error) -> None:
         """A worker lost (its process or node died, or Ray gave up on it): its lines go to another."""
-        nonlocal load_deaths
+        from ray.exceptions import ActorDiedError
+
         record.alive = False
-        ray.kill(actor)  # one that is only unreachable must not keep its CPUs and GPUs
+        self.ray.kill(actor)  # one that is only unreachable must not keep its CPUs and GPUs
         if items is None:
             if isinstance(error, ActorDiedError) and error.actor_init_failed:
                 raise ClusterError(
                     f"a worker could not start on {record.node or 'its node'} (is rvqtts "
                     f"installed there?): {_first_line(error)}"
                 )
-            load_deaths += 1
-            if load_deaths >= DEATHS_PER_LINE:
+            self.load_deaths += 1
+            if self.load_deaths >= DEATHS_PER_LINE:
                 raise ClusterError(
-                    f"{load_deaths} workers died while loading the model (out of memory? see "
+                    f"{self.load_deaths} workers died while loading the model (out of memory? see "
                     f"`ray status` and the Ray logs): {_first_line(error)}"
                 )
         for item in reversed(items or []):
-            if deaths.setdefault(item.line, 0) >= DEATHS_PER_LINE - 1:
-                finish(
-                    BatchResult(
-                        item,
-                        "failed",
-                        error=f"its worker was lost {DEATHS_PER_LINE} times ({_first_line(error)})",
-                        worker=record,
-                    )
-                )
+            if self.deaths.setdefault(item.line, 0) >= DEATHS_PER_LINE - 1:
+                error_line = f"its worker was lost {DEATHS_PER_LINE} times ({_first_line(error)})"
+                self.finish(BatchResult(item, "failed", error=error_line, worker=record))
             else:
-                deaths[item.line] += 1
-                batch.retried_lines += 1
-                queue.appendleft(item)
-        if queue:
-            start_worker()
+                self.deaths[item.line] += 1
+                self.batch.retried_lines += 1
+                self.queue.appendleft(item)
+        if self.queue:
+            self.start_worker()
 
-    batch.began = waiting = time.perf_counter()  # the batch's wall time starts with its workers, after connecting
-    wants_instruct = bool(run.get("instruct")) or any(item.instruct for item in pending)
-    try:
-        for _ in range(count):
-            start_worker()
-        while True:
-            while idle and queue:
-                actor, record = idle.pop()
-                alive = sum(worker.alive for worker in batch.workers)
-                share = min(record.rows, -(-len(queue) // max(alive, 1)))  # the last lines spread over the workers
-                items = [queue.popleft() for _ in range(share)]
-                calls[actor.render.remote(items, run)] = (actor, record, items, time.perf_counter())
-            rendering = any(lines is not None for _, _, lines, _ in calls.values())
-            if not (queue or rendering):
-                break
-            serving = bool(idle) or rendering
-            ready, _ = ray.wait(list(calls), num_returns=1, timeout=HEALTH_SECONDS)
-            if not ready:  # a node that died takes its calls' answers with it: none would ever come
-                _check_this_node(ray)
-                if not serving and time.perf_counter() - waiting >= START_TIMEOUT:
-                    raise ClusterError(
-                        f"no worker loaded the model in {START_TIMEOUT:g} s: the cluster cannot "
-                        f"place a worker of {spec.cpus:g} CPUs and {spec.gpus:g} GPUs, or the "
-                        "load is stuck (see `ray status`)"
-                    )
-                continue
-            waiting = time.perf_counter()
-            actor, record, items, sent = calls.pop(ready[0])
-            try:
-                answer = _owned(ray.get(ready.pop()))
-            except RayTaskError as error:  # the call itself raised
-                if items is None:
-                    raise ClusterError(
-                        f"a worker could not load the model (or a voice of the batch): {describe(error.cause)}"
-                    ) from error
-                for item in items:
-                    finish(BatchResult(item, "failed", error=_first_line(error), worker=record))
-                idle.append((actor, record))
-                continue
-            except RayError as error:  # the worker died, its node was lost, or Ray could not run it
-                lose(actor, record, items, error)
-                continue
+    def dispatch(self) -> None:
+        """Give each idle worker its share of the lines left."""
+        while self.idle and self.queue:
+            actor, record = self.idle.pop()
+            alive = sum(worker.alive for worker in self.batch.workers)
+            share = min(record.rows, -(-len(self.queue) // max(alive, 1)))  # the last lines spread over the workers
+            items = [self.queue.popleft() for _ in range(share)]
+            self.calls[actor.render.remote(items, self.run)] = (actor, record, items, time.perf_counter())
+
+    def receive(self, ready, ours: str) -> None:
+        """A call's answer: a worker loaded, lines made (written here) or failed, or a worker lost."""
+        from ray.exceptions import RayError, RayTaskError
+
+        actor, record, items, sent = self.calls.pop(ready)
+        try:
+            answer = _owned(self.ray.get(ready))
+        except RayTaskError as error:  # the call itself raised
             if items is None:
-                _loaded(record, answer, ours, wants_instruct, batch)
-                idle.append((actor, record))
-                continue
-            status, value = answer
-            record.busy_seconds += time.perf_counter() - sent
-            if status == "nonfinite":
-                raise NonFiniteError(*value)
-            by_line = {item.line: item for item in items}
-            for line, status, made in value:
-                result = conclude(out_dir, by_line[line], status, made, manifest, codes_dir, record)
-                if result.status == "done":
-                    record.lines += 1
-                    record.audio_seconds += result.record["audio_seconds"]
-                finish(result)
-            idle.append((actor, record))
-        batch.wall_seconds = batch.elapsed()
-    finally:
-        for actor in actors:
-            ray.kill(actor)
+                raise ClusterError(
+                    f"a worker could not load the model (or a voice of the batch): {describe(error.cause)}"
+                ) from error
+            for item in items:
+                self.finish(BatchResult(item, "failed", error=_first_line(error), worker=record))
+            self.idle.append((actor, record))
+            return
+        except RayError as error:  # the worker died, its node was lost, or Ray could not run it
+            self.lose(actor, record, items, error)
+            return
+        if items is None:
+            _loaded(record, answer, ours, self.wants_instruct, self.batch)
+            self.idle.append((actor, record))
+            return
+        status, value = answer
+        record.busy_seconds += time.perf_counter() - sent
+        if status == "nonfinite":
+            raise NonFiniteError(*value)
+        by_line = {item.line: item for item in items}
+        for line, status, made in value:
+            result = conclude(self.out_dir, by_line[line], status, made, self.manifest, self.codes_dir, record)
+            if result.status == "done":
+                record.lines += 1
+                record.audio_seconds += result.record["audio_seconds"]
+            self.finish(result)
+        self.idle.append((actor, record))
+
+    def drive(self, workers: int | None) -> None:
+        """Start the workers and run the batch to its end; every actor is killed however it ends."""
+        count = _worker_count(self.ray, self.spec, workers, len(self.queue))
+        ours = version("rvqtts")
+        self.batch.began = waiting = time.perf_counter()  # the wall time starts with its workers, after connecting
+        try:
+            for _ in range(count):
+                self.start_worker()
+            while True:
+                self.dispatch()
+                rendering = any(lines is not None for _, _, lines, _ in self.calls.values())
+                if not (self.queue or rendering):
+                    break
+                serving = bool(self.idle) or rendering
+                ready, _ = self.ray.wait(list(self.calls), num_returns=1, timeout=HEALTH_SECONDS)
+                if not ready:  # a node that died takes its calls' answers with it: none would ever come
+                    _check_this_node(self.ray)
+                    if not serving and time.perf_counter() - waiting >= START_TIMEOUT:
+                        raise ClusterError(
+                            f"no worker loaded the model in {START_TIMEOUT:g} s: the cluster cannot "
+                            f"place a worker of {self.spec.cpus:g} CPUs and {self.spec.gpus:g} GPUs, or the "
+                            "load is stuck (see `ray status`)"
+                        )
+                    continue
+                waiting = time.perf_counter()
+                self.receive(ready[0], ours)
+            self.batch.wall_seconds = self.batch.elapsed()
+        finally:
+            for actor in self.actors:
+                self.ray.kill(actor)
 
 
 def _check_this_node(ray) -> None:

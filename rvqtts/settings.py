@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rvqtts.cloning import ClonedVoice
+from rvqtts.cloning import ClonedVoice, VoiceSource
 from rvqtts.engine.sampling import SamplingConfig
 from rvqtts.engine.speculation import LoopStats
+from rvqtts.text import MAX_CHUNK_WEIGHT
 
 QWEN_TTS_DEFAULTS = dict(
     do_sample=True,
@@ -188,3 +189,17 @@ class Line:
     clone: ClonedVoice | None = None
     utterance: int | None = None  # None: its index in the batch
     seed: int | None = None  # None: the batch's
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every line of a run shares (a batch file's lines, or one text): the default voice (a line's own fields
+    win, rvqtts.batch.Utterance.voice), the seed, the sampling and the text's chunking."""
+
+    speaker: str | None = None
+    language: str = "auto"
+    instruct: str | None = None
+    seed: int = 0
+    settings: GenerationSettings = GenerationSettings()
+    clone: VoiceSource | None = None  # a Base model's cloned voice, where the lines name none
+    chunk_chars: float | None = MAX_CHUNK_WEIGHT  # None: each text in one pass

@@ -24,7 +24,7 @@ from helpers import TIMINGS, run_cli
 from rvqtts.batch import MANIFEST, read_batch
 from rvqtts.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
 from rvqtts.loader import EngineChoices
-from rvqtts.settings import GenerationSettings
+from rvqtts.settings import GenerationSettings, RunSettings
 from rvqtts.synthesis import Synthesizer
 
 LINES = [
@@ -36,14 +36,7 @@ LINES = [
 ]
 OUTPUTS = ["0001.wav", "0003.wav", "0005.wav", "four.flac"]  # line 2 fails, everywhere
 FRAMES = 12  # --max-frames: short lines keep the module fast
-RUN = dict(
-    speaker="vivian",
-    language="auto",
-    instruct=None,
-    seed=0,
-    settings=GenerationSettings(max_frames=FRAMES),
-    chunk_chars=240,
-)  # what `rvqtts synth --max-frames 12` runs
+RUN = RunSettings("vivian", settings=GenerationSettings(max_frames=FRAMES))  # what `rvqtts synth --max-frames 12` runs
 
 
 @pytest.fixture(scope="module")
@@ -175,12 +168,11 @@ from pathlib import Path
 import ray
 from rvqtts.batch import read_batch
 from rvqtts.cluster import WorkerSpec, synthesize_batch_on_ray
-from rvqtts.settings import GenerationSettings
+from rvqtts.settings import GenerationSettings, RunSettings
 
 address, runtime_env, corpus, out, model, frames = sys.argv[1:]
 ray.init(address=address, runtime_env=json.loads(runtime_env), log_to_driver=False)
-run = dict(speaker="vivian", language="auto", instruct=None, seed=0,
-           settings=GenerationSettings(max_frames=int(frames)), chunk_chars=240)
+run = RunSettings("vivian", settings=GenerationSettings(max_frames=int(frames)))
 synthesize_batch_on_ray(read_batch(corpus), Path(out), WorkerSpec(model), run, workers=1)
 """
 

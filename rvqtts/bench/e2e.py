@@ -63,33 +63,8 @@ def bench_e2e(
         turn = number % len(variants)
         order = variants[turn:] + variants[:turn]
         for name in order:
-            if name == "stock":
-                record = stock_synthesis(
-                    synthesizers["plain"], text, speaker, language, seed, settings, instruct, clone
-                )
-            else:
-                record = (
-                    synthesizers[name]
-                    .synthesize(
-                        text,
-                        speaker,
-                        language,
-                        seed,
-                        settings=settings,
-                        chunk_chars=None,
-                        instruct=instruct,
-                        clone=clone,
-                    )
-                    .record()
-                )
-            runs[name].append(
-                {key: record[key] for key in ("frames", "audio_seconds", *TIMED_FIELDS, "rtf")}
-                | (
-                    {key: record[key] for key in ("codes_per_call", "predictor_calls", "talker_calls")}
-                    if name != "stock"
-                    else {}
-                )
-            )
+            voice = (speaker, language, instruct, clone)
+            runs[name].append(_variant_record(synthesizers, name, text, voice, seed, settings))
             if progress:
                 progress(number * len(order) + order.index(name) + 1, len(lines) * len(order))
         for name, values in interleaved_ms(floors, talker.device, warmup=1, repeats=3).items():
@@ -117,6 +92,21 @@ def bench_e2e(
         "memory": memory_record()
         | {"caches_mib": {name: round(sum(synth.cache_mib().values()), 3) for name, synth in synthesizers.items()}},
     }
+
+
+def _variant_record(synthesizers: dict, name: str, text: str, voice: tuple, seed: int, settings) -> dict:
+    """One variant's figures for one text in one voice (speaker, language, instruct, clone): stock qwen-tts's (on
+    the plain variant's model) or rvqtts's."""
+    speaker, language, instruct, clone = voice
+    if name == "stock":
+        record = stock_synthesis(synthesizers["plain"], text, speaker, language, seed, settings, instruct, clone)
+        return {key: record[key] for key in ("frames", "audio_seconds", *TIMED_FIELDS, "rtf")}
+    spoken = synthesizers[name].synthesize(
+        text, speaker, language, seed, settings=settings, chunk_chars=None, instruct=instruct, clone=clone
+    )
+    record = spoken.record()
+    kept = ("frames", "audio_seconds", *TIMED_FIELDS, "rtf", "codes_per_call", "predictor_calls", "talker_calls")
+    return {key: record[key] for key in kept}
 
 
 def _e2e_floor_passes(

@@ -6,11 +6,14 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import typer
 
 from rvqtts.cli.common import fail, progress_bar, say, show_stats, stderr_console, write_stats
+
+if TYPE_CHECKING:
+    from rvqtts.settings import RunSettings
 
 INTERRUPTED = 130  # a shell's code for a process ended by Ctrl-C (128 + SIGINT)
 
@@ -81,7 +84,7 @@ def run_here(
     utterances,
     out_dir: Path,
     file: Path,
-    run: dict,
+    run: RunSettings,
     force: bool,
     codes_out: Optional[Path],
     stats_json: Optional[Path],
@@ -96,7 +99,7 @@ def run_here(
             synthesizer,
             utterances,
             out_dir,
-            **run,
+            run,
             force=force,
             codes_dir=codes_out,
             on_done=lines.done,
@@ -113,7 +116,7 @@ def run_on_ray(
     utterances,
     out_dir: Path,
     file: Path,
-    run: dict,
+    run: RunSettings,
     force: bool,
     codes_out: Optional[Path],
     stats_json: Optional[Path],

@@ -3,6 +3,7 @@ statistics."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import replace
@@ -238,10 +239,80 @@ def synth(
     where the time went, the time to first audio, and RTF = compute seconds / audio seconds (below 1 is
     faster than real time).
     """
-    from rvqtts.audio import STDOUT_FORMATS, audio_format
-    from rvqtts.loading import ModelLoadError, model_voices
-
     # Everything that can be checked without the model is checked first: bad input costs no model load.
+    _check_options(backend, weights, compute_units, coreml_precision, stdout_format, stream_frames, chunk_chars)
+    if ray is None and (workers, cpus_per_worker, gpus_per_worker) != (None, None, None):
+        fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
+    if file is None:  # one text: a voice this model does not speak is refused from its config, before torch loads
+        cloned = ref_audio is not None or voice is not None or ref_text is not None or x_vector_only
+        _refuse_unknown_voice(model, speaker, language, instruct, cloned)
+    clone = _voice_source(ref_audio, ref_text, x_vector_only, voice)
+    if save_voice is not None:
+        save_voice = _checked_save_voice(save_voice, clone, ray)
+        if text is None and file is None and output is None:  # only the voice: nothing to say
+            _save_voice_only(clone, save_voice, model, device, dtype, quiet)
+            return
+    engine = (device, dtype, decoder_dtype, weights, spec, tree, offsets, cuda_graphs)
+    if ray is not None:
+        worker_spec = _ray_worker_spec(file, backend, model, engine, workers, cpus_per_worker, gpus_per_worker)
+    if file is not None:
+        if text is not None:
+            fail("give either TEXT or -f FILE, not both")
+        utterances, rows = _batch_input(file, out_dir, stream, batch_size, codes_out)
+    else:
+        utterance, rows = _one_input(text, output, batch_size, stdout_format, codes_out), None
+        utterances, output = [utterance], utterance.name
+    if stats_json is not None:
+        ensure_writable(stats_json)
+    sampling = (temperature, top_k, top_p, repetition_penalty, max_frames)
+    settings = _settings(*sampling, predictor_temperature, predictor_top_k, predictor_top_p)
+    if file is not None and not force and save_voice is None and all((out_dir / u.name).exists() for u in utterances):
+        say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
+        return
+    making, voices = _checked_voices(model, utterances, file, out_dir, force, speaker, language, instruct, clone)
+    from rvqtts.settings import RunSettings
+
+    run = RunSettings(speaker, language, instruct, seed, settings, clone, None if no_chunk else chunk_chars)
+    with _run_errors():
+        if ray is not None:
+            from rvqtts.cli.batch import run_on_ray
+
+            choices = replace(worker_spec.choices, batch_size=rows)  # auto: each worker measures
+            worker_spec = replace(worker_spec, voices=tuple(voices), choices=choices)
+            run_on_ray(worker_spec, ray, workers, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
+            return
+        # the model is loaded here; on Ray each worker loads its own
+        tree_device = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
+        synthesizer = load_synthesizer(model, quiet, *engine, rows, tree_device)  # auto: the dtype priced at 1
+        if backend == "coreml":
+            _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet)
+        _say_ignored_instruct(synthesizer, instruct, utterances)
+        _encode_voices(synthesizer, voices, clone, save_voice, quiet)
+        if file is None:
+            frames = stream_frames if stream else None
+            _synth_one(synthesizer, utterance, output, run, frames, stdout_format, codes_out, stats_json, quiet)
+        else:
+            from rvqtts.batch_size import choose_batch_size
+            from rvqtts.cli.batch import run_here
+
+            if rows is None:
+                rows, source = choose_batch_size(synthesizer, len(making), progress=lambda m: say(m, quiet))
+                say(f"--batch-size auto: {rows} ({source})", quiet)
+            run_here(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet, rows)
+
+
+def _check_options(
+    backend: str,
+    weights: str,
+    compute_units: str,
+    coreml_precision: str,
+    stdout_format: str,
+    stream_frames: int,
+    chunk_chars: float,
+) -> None:
+    """Fail with one line on an option that is wrong whatever the model."""
+    from rvqtts.audio import STDOUT_FORMATS
+
     if backend not in ("torch", "coreml"):
         fail(f"unknown --backend {backend!r}: choose torch or coreml")
     if backend == "coreml" and weights != "native":
@@ -257,104 +328,94 @@ def synth(
         fail(f"--stream-frames must be at least 1, got {stream_frames}")
     if chunk_chars < 20:
         fail(f"--chunk-chars must be at least 20, got {chunk_chars} (--no-chunk speaks the text in one pass)")
-    if ray is None and (workers, cpus_per_worker, gpus_per_worker) != (None, None, None):
-        fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
-    if file is None:  # one text: a voice this model does not speak is refused from its config, before torch loads
-        cloned = ref_audio is not None or voice is not None or ref_text is not None or x_vector_only
-        _refuse_unknown_voice(model, speaker, language, instruct, cloned)
-    from rvqtts.batch import BatchFileError, Utterance, read_batch, to_do
+
+
+def _voice_source(ref_audio: Optional[Path], ref_text: Optional[str], x_vector_only: bool, voice: Optional[Path]):
+    """The cloned voice the options name (a VoiceSource, its paths absolute as batch lines' are: Ray workers
+    start elsewhere), or None; fails with one line on a combination that names none."""
     from rvqtts.cloning import VoiceError, VoiceSource
-    from rvqtts.engine.sampling import NonFiniteError
+
+    ref_audio, voice = (None if path is None else path.expanduser().resolve() for path in (ref_audio, voice))
+    if not (ref_audio or voice or ref_text is not None or x_vector_only):
+        return None
+    try:
+        return VoiceSource(ref_audio, ref_text, x_vector_only, voice)
+    except VoiceError as error:
+        fail(str(error))
+
+
+def _checked_save_voice(save_voice: Path, clone, ray: Optional[str]) -> Path:
+    """--save-voice's file, checked writable, for a voice cloned here from reference audio."""
+    if clone is None or clone.voice is not None:
+        fail("--save-voice writes the voice cloned from --ref-audio FILE (with --ref-text or --x-vector-only)")
+    if ray is not None:
+        fail("--save-voice encodes the voice here: run it without --ray, then give the batch --voice FILE")
+    save_voice = save_voice.expanduser()
+    if save_voice.suffix != ".safetensors":
+        fail(f"{save_voice}: a voice file's name must end in .safetensors")
+    ensure_writable(save_voice)
+    return save_voice
+
+
+def _batch_input(file: Path, out_dir: Optional[Path], stream: bool, batch_size: str, codes_out: Optional[Path]):
+    """A batch file's utterances and the rows it is spoken in (None: auto), its outputs checked writable."""
+    from rvqtts.batch import BatchFileError, read_batch
+
+    if out_dir is None:
+        fail("-f needs --out-dir DIR for its audio files")
+    if stream:
+        fail("--stream is for one text; a batch writes each line's file whole")
+    rows = batch_rows(batch_size)
+    try:
+        utterances = read_batch(file)
+    except BatchFileError as error:
+        fail(str(error))
+    ensure_writable(out_dir, folder=True)
+    if codes_out is not None:
+        ensure_writable(codes_out, folder=True)
+    return utterances, rows
+
+
+def _one_input(text: Optional[str], output: Optional[str], batch_size: str, stdout_format: str, codes_out):
+    """The one utterance of a text (or standard input), its output checked writable ("-": standard output)."""
+    from rvqtts.audio import audio_format
+    from rvqtts.batch import Utterance
+
+    if batch_size not in ("auto", "1"):
+        fail("--batch-size is for batch files: give -f FILE --out-dir DIR")
+    if output is None:
+        fail("give -o FILE.wav (.flac, .ogg; or -o - for a WAV on standard output)")
+    try:
+        audio_format(output)
+    except ValueError as error:
+        fail(str(error))
+    if stdout_format != "wav" and output != "-":
+        fail("--format is for -o - (standard output); a file's suffix picks its format")
+    if output != "-":
+        ensure_writable(Path(output))
+        output = str(Path(output).expanduser())  # as checked, also where no shell expanded a "~"
+    if codes_out is not None:
+        ensure_writable(codes_out)
+    return Utterance(1, _read_text(text).strip(), output)
+
+
+def _settings(*values):
+    """GenerationSettings of the sampling options, in its fields' order; fails with one line on a bad value."""
     from rvqtts.settings import GenerationSettings
 
     try:
-        ref_audio, voice = (
-            None if path is None else path.expanduser().resolve()  # absolute, as batch lines'
-            for path in (ref_audio, voice)
-        )  # are: Ray workers start elsewhere
-        given = ref_audio or voice or ref_text is not None or x_vector_only
-        clone = VoiceSource(ref_audio, ref_text, x_vector_only, voice) if given else None
-    except VoiceError as error:
-        fail(str(error))
-    if save_voice is not None:
-        if clone is None or clone.voice is not None:
-            fail("--save-voice writes the voice cloned from --ref-audio FILE (with --ref-text or --x-vector-only)")
-        if ray is not None:
-            fail("--save-voice encodes the voice here: run it without --ray, then give the batch --voice FILE")
-        save_voice = save_voice.expanduser()
-        if save_voice.suffix != ".safetensors":
-            fail(f"{save_voice}: a voice file's name must end in .safetensors")
-        ensure_writable(save_voice)
-        if text is None and file is None and output is None:  # only the voice: nothing to say
-            _save_voice_only(clone, save_voice, model, device, dtype, quiet)
-            return
-    if ray is not None:
-        worker_spec = _ray_worker_spec(
-            file,
-            backend,
-            model,
-            device,
-            dtype,
-            weights,
-            spec,
-            tree,
-            offsets,
-            cuda_graphs,
-            workers,
-            cpus_per_worker,
-            gpus_per_worker,
-            decoder_dtype,
-        )
-    if file is not None:
-        if text is not None:
-            fail("give either TEXT or -f FILE, not both")
-        if out_dir is None:
-            fail("-f needs --out-dir DIR for its audio files")
-        if stream:
-            fail("--stream is for one text; a batch writes each line's file whole")
-        rows = batch_rows(batch_size)
-        try:
-            utterances = read_batch(file)
-        except BatchFileError as error:
-            fail(str(error))
-        ensure_writable(out_dir, folder=True)
-        if codes_out is not None:
-            ensure_writable(codes_out, folder=True)
-    else:
-        if batch_size not in ("auto", "1"):
-            fail("--batch-size is for batch files: give -f FILE --out-dir DIR")
-        if output is None:
-            fail("give -o FILE.wav (.flac, .ogg; or -o - for a WAV on standard output)")
-        try:
-            audio_format(output)
-        except ValueError as error:
-            fail(str(error))
-        if stdout_format != "wav" and output != "-":
-            fail("--format is for -o - (standard output); a file's suffix picks its format")
-        if output != "-":
-            ensure_writable(Path(output))
-            output = str(Path(output).expanduser())  # as checked, also where no shell expanded a "~"
-        if codes_out is not None:
-            ensure_writable(codes_out)
-        utterances = [Utterance(1, _read_text(text).strip(), output)]
-    if stats_json is not None:
-        ensure_writable(stats_json)
-    try:
-        settings = GenerationSettings(
-            temperature,
-            top_k,
-            top_p,
-            repetition_penalty,
-            max_frames,
-            predictor_temperature,
-            predictor_top_k,
-            predictor_top_p,
-        )
+        return GenerationSettings(*values)
     except ValueError as error:
         fail(str(error))
-    if file is not None and not force and save_voice is None and all((out_dir / u.name).exists() for u in utterances):
-        say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
-        return
+
+
+def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, speaker, language, instruct, clone):
+    """The utterances to make (a resumed batch skips the lines it has) and their cloned voices, after every
+    utterance's voice is checked against the model's config and every cloned voice's file is read (failing with one
+    line, the batch line named)."""
+    from rvqtts.batch import to_do
+    from rvqtts.loading import ModelLoadError, model_voices
+
     try:
         found = model_voices(model)
     except ModelLoadError as error:
@@ -370,55 +431,23 @@ def synth(
     making = to_do(utterances, out_dir, force) if file is not None else utterances
     voices = sorted(({item.clone for item in making} | {clone}) - {None}, key=str)
     _check_voice_files(voices, {item.clone: f"{file}:{item.line}: " for item in reversed(making) if item.clone})
-    if ray is not None:
-        choices = replace(worker_spec.choices, batch_size=rows)  # auto: each worker measures
-        worker_spec = replace(worker_spec, voices=tuple(voices), choices=choices)
-    run = dict(
-        speaker=speaker,
-        language=language,
-        instruct=instruct,
-        seed=seed,
-        settings=settings,
-        clone=clone,
-        chunk_chars=None if no_chunk else chunk_chars,
-    )
-    if ray is None:  # the model is loaded here; on Ray each worker loads its own
-        from rvqtts.synthesis import INSTRUCT_IGNORED  # qwen-tts: after the checks above
+    return making, voices
 
-        batch = rows if file is not None else None  # auto: measured after the load, the dtype priced at 1
-        tree_device = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
-        choices = (device, dtype, decoder_dtype, weights, spec, tree, offsets, cuda_graphs, batch, tree_device)
-        synthesizer = load_synthesizer(model, quiet, *choices)
-        if backend == "coreml":
-            _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet)
-        if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
-            say(INSTRUCT_IGNORED)
-        _encode_voices(synthesizer, voices, clone, save_voice, quiet)
+
+def _say_ignored_instruct(synthesizer, instruct: Optional[str], utterances: list) -> None:
+    from rvqtts.synthesis import INSTRUCT_IGNORED
+
+    if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
+        say(INSTRUCT_IGNORED)
+
+
+@contextlib.contextmanager
+def _run_errors():
+    """A model that made NaN or inf, or a reader of standard output that left, ends the run with one line."""
+    from rvqtts.engine.sampling import NonFiniteError
+
     try:
-        if ray is not None:
-            from rvqtts.cli.batch import run_on_ray
-
-            run_on_ray(worker_spec, ray, workers, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
-        elif file is None:
-            _synth_one(
-                synthesizer,
-                utterances[0],
-                output,
-                run,
-                stream_frames if stream else None,
-                stdout_format,
-                codes_out,
-                stats_json,
-                quiet,
-            )
-        else:
-            from rvqtts.batch_size import choose_batch_size
-            from rvqtts.cli.batch import run_here
-
-            if rows is None:
-                rows, source = choose_batch_size(synthesizer, len(making), progress=lambda m: say(m, quiet))
-                say(f"--batch-size auto: {rows} ({source})", quiet)
-            run_here(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet, rows)
+        yield
     except NonFiniteError as error:
         typer.echo(f"rvqtts: error: {error}", err=True)
         raise typer.Exit(1)
@@ -492,21 +521,15 @@ def _ray_worker_spec(
     file: Optional[Path],
     backend: str,
     model: str,
-    device: str,
-    dtype: str,
-    weights: str,
-    spec: bool,
-    tree: str,
-    offsets: Optional[Path],
-    cuda_graphs: bool,
+    engine: tuple,
     workers: Optional[int],
     cpus: Optional[float],
     gpus: Optional[float],
-    decoder_dtype: str = "auto",
 ):
-    """What each Ray worker loads, checked here as far as it can be: the workers' machines resolve the
-    device and read the model, tree and offsets (local paths go to them absolute: a worker starts in a
-    folder of its own)."""
+    """What each Ray worker loads (`engine`: EngineChoices's fields in order, to cuda_graphs), checked here as far as
+    it can be: the workers' machines resolve the device and read the model, tree and offsets (local paths go to
+    them absolute: a worker starts in a folder of its own)."""
+    device, dtype, decoder_dtype, weights, spec, tree, offsets, cuda_graphs = engine
     from rvqtts.cluster import ClusterError, WorkerSpec, require_ray
     from rvqtts.loader import EngineChoices
 
@@ -583,24 +606,24 @@ def _use_coreml(
 
 
 def _synth_one(
-    synthesizer, item, output, run: dict, stream_frames: Optional[int], stdout_format: str, codes_out, stats_json, quiet
+    synthesizer, item, output, run, stream_frames: Optional[int], stdout_format: str, codes_out, stats_json, quiet
 ) -> None:
     """One text to `output`: streamed every `stream_frames` frames, or (None) written whole at the end."""
     from rvqtts.audio import write_audio, write_codes, write_stream
 
     with progress_bar(quiet) as progress:
         task = progress.add_task("synthesizing", total=None)
-        run = dict(
-            run,
+        keywords = dict(
+            vars(run),
             on_chunk=lambda done, total: progress.update(task, completed=done, total=total),
-            clone=synthesizer.voice_of(run["clone"]) if run["clone"] else None,
+            clone=synthesizer.voice_of(run.clone) if run.clone else None,
         )
         if stream_frames:
-            audio = synthesizer.stream(item.text, **run, frames_per_chunk=stream_frames)
+            audio = synthesizer.stream(item.text, **keywords, frames_per_chunk=stream_frames)
             write_stream(output, audio, synthesizer.sample_rate, stdout_format)
             result = audio.result
         else:
-            result = synthesizer.synthesize(item.text, **run)
+            result = synthesizer.synthesize(item.text, **keywords)
             write_audio(output, result.audio, result.sample_rate, stdout_format)
     for warning in result.warnings:
         say(f"warning: {warning}", quiet)

@@ -391,6 +391,23 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, str | None]:
         library = ctypes.CDLL(str(_build(built)))
     except (OSError, RuntimeError) as error:
         return None, str(error), None, None
+    _declare(library)
+    amx_missing = [flag for flag in AMX_FLAGS if flag not in flags]
+    if built != "avx512" or amx_missing:
+        capped = f" (capped at {isa_cap()} by {ISA_VARIABLE})" if isa_cap() else ""
+        return library, None, f"the CPU lacks {', '.join(amx_missing or ['avx512_bf16'])}{capped}", built
+    if library.rvqtts_amx_permit() != 0:
+        return (
+            library,
+            None,
+            "Linux did not grant AMX tile data to this process (arch_prctl ARCH_REQ_XCOMP_PERM)",
+            built,
+        )
+    return library, None, None, built
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    """The library's functions' argument and result types, as native.cpp declares them."""
     library.rvqtts_map.argtypes = [ctypes.c_int, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER]
     library.rvqtts_amx_permit.restype = ctypes.c_int
     library.rvqtts_rms_norm.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, ctypes.c_float, _POINTER]
@@ -444,18 +461,6 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, str | None]:
         library.rvqtts_layer,
     ):
         function.restype = None
-    amx_missing = [flag for flag in AMX_FLAGS if flag not in flags]
-    if built != "avx512" or amx_missing:
-        capped = f" (capped at {isa_cap()} by {ISA_VARIABLE})" if isa_cap() else ""
-        return library, None, f"the CPU lacks {', '.join(amx_missing or ['avx512_bf16'])}{capped}", built
-    if library.rvqtts_amx_permit() != 0:
-        return (
-            library,
-            None,
-            "Linux did not grant AMX tile data to this process (arch_prctl ARCH_REQ_XCOMP_PERM)",
-            built,
-        )
-    return library, None, None, built
 
 
 def _cpu_flags() -> set[str]:

@@ -142,10 +142,9 @@ class CachedDecoder:
         order [q, span] (None: the first `span`) and which of them it sees [q, span]; with none, every
         query sees every slot read. Returns the final-normed hidden states [q, hidden].
 
-        Where this decoder runs its rows natively (`native_rows`, rvqtts.engine.native), norms, RoPE, attention
-        and the MLP's activation are native calls, and where every map runs the library's kernel the
-        whole layer is one call (`native_layers`): the same bits either way. A `prompt` (a prefill's many
-        rows) runs its maps by the kernel measured for many rows (`LinearMap.many`)."""
+        Where this decoder runs its rows natively (`native_rows`, rvqtts.engine.native), norms, RoPE, attention and
+        the MLP's activation are native calls, and where every map runs the library's kernel the whole layer is one
+        call (`native_layers`): the same bits. A `prompt` (a prefill's rows) runs maps by `LinearMap.many`."""
         native_rows = self.runs_natively()
         read = span if isinstance(span, slice) else slice(0, span)
         if native_rows and read.start and rows is None and groups is None:  # a region: its slots, in order

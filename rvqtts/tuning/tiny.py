@@ -397,6 +397,30 @@ def _build_speech_tokenizer(out_dir: Path, config, seed: int) -> None:
 DIMS = ("tiny", "0.6b", "1.7b")
 
 
+def _check_build_options(dims: str, kind: str, layers: int | None, acceptance: str, codebook: int, code_groups: int):
+    """ValueError, naming the option, for a combination build_tiny_model cannot build."""
+    if dims not in DIMS:
+        raise ValueError(f"--dims must be one of {', '.join(DIMS)}, got {dims!r}")
+    if kind not in KINDS:
+        raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "voice-design" and dims == "0.6b":
+        raise ValueError("VoiceDesign is released at 1.7B only: use --dims 1.7b or --dims tiny")
+    if layers is not None and dims == "tiny":
+        raise ValueError("--shallow keeps the released widths: use it with --dims 0.6b or --dims 1.7b")
+    if layers is not None and layers < 1:
+        raise ValueError(f"a shallow checkpoint needs at least one layer, got {layers}")
+    if acceptance not in ACCEPTANCES:
+        raise ValueError(f"--acceptance must be one of {', '.join(ACCEPTANCES)}, got {acceptance!r}")
+    if acceptance == "paper" and dims != "0.6b":
+        raise ValueError("--acceptance paper is tuned for the released 0.6B code predictor: use it with --dims 0.6b")
+    if dims != "tiny" and (codebook, code_groups) != (2048, 16):
+        raise ValueError("--codebook and --code-groups apply to --dims tiny; the released models have 2048 and 16")
+    if not 2 <= codebook <= 65536:
+        raise ValueError(f"--codebook must be between 2 and 65536, got {codebook}")
+    if not 2 <= code_groups <= 32:
+        raise ValueError(f"--code-groups must be between 2 and 32, got {code_groups}")
+
+
 def build_tiny_model(
     out_dir: str | os.PathLike,
     codebook: int = 2048,
@@ -429,26 +453,7 @@ def build_tiny_model(
     the paper reports for the released model (`_shape_paper_acceptance`, docs/acceptance.md); the talker's
     layers stay random.
     """
-    if dims not in DIMS:
-        raise ValueError(f"--dims must be one of {', '.join(DIMS)}, got {dims!r}")
-    if kind not in KINDS:
-        raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    if kind == "voice-design" and dims == "0.6b":
-        raise ValueError("VoiceDesign is released at 1.7B only: use --dims 1.7b or --dims tiny")
-    if layers is not None and dims == "tiny":
-        raise ValueError("--shallow keeps the released widths: use it with --dims 0.6b or --dims 1.7b")
-    if layers is not None and layers < 1:
-        raise ValueError(f"a shallow checkpoint needs at least one layer, got {layers}")
-    if acceptance not in ACCEPTANCES:
-        raise ValueError(f"--acceptance must be one of {', '.join(ACCEPTANCES)}, got {acceptance!r}")
-    if acceptance == "paper" and dims != "0.6b":
-        raise ValueError("--acceptance paper is tuned for the released 0.6B code predictor: use it with --dims 0.6b")
-    if dims != "tiny" and (codebook, code_groups) != (2048, 16):
-        raise ValueError("--codebook and --code-groups apply to --dims tiny; the released models have 2048 and 16")
-    if not 2 <= codebook <= 65536:
-        raise ValueError(f"--codebook must be between 2 and 65536, got {codebook}")
-    if not 2 <= code_groups <= 32:
-        raise ValueError(f"--code-groups must be between 2 and 32, got {code_groups}")
+    _check_build_options(dims, kind, layers, acceptance, codebook, code_groups)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(

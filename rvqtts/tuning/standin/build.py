@@ -103,17 +103,8 @@ def build_standin(
 
     `steps` overrides the plan's training steps (more on a GPU, to train to convergence)."""
     from rvqtts.engine.offsets import Offsets, save_offsets
-    from rvqtts.engine.speculation import Speculation
-    from rvqtts.engine.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
-    from rvqtts.synthesis import Synthesizer
-    from rvqtts.tuning.calibration import calibrate_trees, codes_per_call
     from rvqtts.tuning.comparison import compare_drafters
     from rvqtts.tuning.contexts import Contexts
-    from rvqtts.tuning.drafters import OffsetDrafter
-    from rvqtts.tuning.drafts import draft_ranks, frozen_draft_data, head_weights, top1_by_depth
-    from rvqtts.tuning.standin.corpus import default_sentences_dir
-    from rvqtts.tuning.standin.measure import chain_gain, entropy_by_position
-    from rvqtts.tuning.tiny import build_tiny_model
     from rvqtts.tuning.training import fit_offsets
 
     plan = SMALL if small else FULL
@@ -123,41 +114,9 @@ def build_standin(
     report: dict = {"small": small, "config": asdict(config)}
     out.mkdir(parents=True, exist_ok=True)
 
-    started = time.perf_counter()
-    recordings = build_corpus(sentences_dir or default_sentences_dir(), plan.variants, plan.sentences_per_language)
-    seconds = {}
-    for r in recordings:
-        key = f"{r.language}/{r.split}"
-        seconds[key] = seconds.get(key, 0.0) + r.audio.size / 24000
-    report["corpus"] = {
-        "seconds": {k: round(v, 1) for k, v in sorted(seconds.items())},
-        "recordings": len(recordings),
-        "build_seconds": round(time.perf_counter() - started, 1),
-    }
-    log(f"corpus: {len(recordings)} recordings, {sum(seconds.values()) / 60:.1f} min of audio")
+    recordings = _corpus(plan, sentences_dir, report, log)
 
-    started = time.perf_counter()
-    train_features = np.concatenate([frame_features(r.audio) for r in recordings if r.split == "train"])
-    # Jittered copies keep the deep codebooks from memorising the training frames' exact residuals.
-    spread = train_features.std(0)
-    jittered = [
-        train_features + rng.normal(0, config.jitter, train_features.shape) * spread for _ in range(config.copies)
-    ]
-    codec = ResidualCodec.fit(
-        np.concatenate([train_features, *jittered]).astype(np.float32), config.entries, seed=config.seed, device=device
-    )
-    codec.save(out / "codec.npz")
-    normalised = (train_features - codec.mean) / codec.std
-    _, singular, vt = np.linalg.svd(normalised - normalised.mean(0), full_matrices=False)
-    pca = vt[: config.coarse_dims].T.astype(np.float32)
-    pca_scale = (singular[: config.coarse_dims] / np.sqrt(len(normalised))).astype(np.float32)
-    report["codec"] = {
-        "entries": config.entries,
-        "levels": LEVELS,
-        "train_frames": int(len(train_features)),
-        "seconds": round(time.perf_counter() - started, 1),
-    }
-    log(f"codec: {LEVELS} x {config.entries} entries on {len(train_features)} frames ({report['codec']['seconds']} s)")
+    codec, pca, pca_scale = _codec(recordings, config, rng, device, out, report, log)
 
     data = {
         split: _split_frames(
@@ -165,6 +124,47 @@ def build_standin(
         )
         for split in ("train", "calibration", "evaluation")
     }
+
+    synth, encoder = _model(out, config, data, device, report, log)
+    code_predictor = synth.code_predictor
+    talker_embedding = synth.talker.get_input_embeddings()
+
+    contexts = _contexts(out, data, encoder)
+
+    calibration, evaluation = (
+        Contexts(*contexts[split], source=f"stand-in {split} split") for split in ("calibration", "evaluation")
+    )
+    evaluation = evaluation.take(rng.permutation(len(evaluation))[: plan.evaluation_frames])
+    if plan.training_frames is not None:
+        calibration = calibration.take(rng.permutation(len(calibration))[: plan.training_frames])
+    prefixes_eval = _measure(code_predictor, talker_embedding, evaluation, config, report)
+
+    calibration_sample = calibration.take(rng.permutation(len(calibration))[: plan.calibration_frames])
+    # Self-distilled (the model's own codes from the calibration frames): the recipe the README gives for
+    # real models, and the one acceptance is measured against; docs/acceptance.md compares the others.
+    offsets, report["offsets_training"] = fit_offsets(
+        synth, calibration, plan.offsets, self_distill=True, model_name="stand-in"
+    )
+    save_offsets(offsets, out / "offsets.safetensors")
+    for name, drafting in (("reused_heads", Offsets.zeros(3, config.hidden)), ("offsets", offsets)):
+        _trees(name, drafting, synth, calibration_sample, prefixes_eval, evaluation, config, out, report)
+    compared = compare_drafters(
+        synth, calibration, evaluation, list(BUDGETS), config.seed, plan.offsets, variants=not small, log=log
+    )
+    report["drafters"] = compared["drafters"]
+    report["comparison_frames"] = compared["frames"]
+    report["medusa_codes_per_call"] = compared["drafters"]["medusa heads"]["codes_per_call"]
+    report["drafter_parameters"] = {name: entry["parameters"] for name, entry in compared["drafters"].items()}
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    _write_sample(out, codec, recordings)
+    return report
+
+
+def _model(out: Path, config, data: dict, device: str, report: dict, log):
+    """The stand-in's checkpoint (out/model): a tiny model whose code predictor and talker embedding are trained
+    with a context encoder on the training frames; returns it loaded, and the encoder."""
+    from rvqtts.synthesis import Synthesizer
+    from rvqtts.tuning.tiny import build_tiny_model
 
     model_dir = out / "model"
     if model_dir.exists():
@@ -189,7 +189,78 @@ def build_standin(
     for module in (code_predictor, talker_embedding, encoder):
         module.to("cpu")
     _save_weights(model_dir, synth)
+    return synth, encoder
 
+
+def _measure(code_predictor, talker_embedding, evaluation, config, report: dict):
+    """How the trained model's codes behave on the evaluation frames (entropy by position, what the chain of
+    codes tells, top-1 drafts by depth, c1's accuracy), into the report; returns the frames' prefixes."""
+    from rvqtts.tuning.drafters import OffsetDrafter
+    from rvqtts.tuning.drafts import draft_ranks, frozen_draft_data, head_weights, top1_by_depth
+    from rvqtts.tuning.standin.measure import chain_gain, entropy_by_position
+
+    h_eval, codes_eval = torch.from_numpy(evaluation.h_t), torch.from_numpy(evaluation.codes)
+    report.update(entropy_by_position(code_predictor, talker_embedding, h_eval, codes_eval))
+    report["chain_gain_bits"] = chain_gain(code_predictor, talker_embedding, h_eval, codes_eval)
+    prefixes_eval = evaluation.prefixes(talker_embedding)
+    truth = frozen_draft_data(code_predictor, prefixes_eval, evaluation.codes[:, 1:])
+    ranks = draft_ranks(OffsetDrafter(3, config.hidden), head_weights(code_predictor), truth, 1)
+    report["draft_top1_by_depth"] = top1_by_depth(ranks)
+    report["c1_top1_accuracy"] = _c1_accuracy(code_predictor, talker_embedding, h_eval, codes_eval)
+    report["chance_top1_accuracy"] = round(1 / config.entries, 6)
+    return prefixes_eval
+
+
+def _corpus(plan, sentences_dir: Path | None, report: dict, log) -> list:
+    """The stand-in's recordings (its corpus, rvqtts.tuning.standin.corpus), their durations in the report."""
+    from rvqtts.tuning.standin.corpus import default_sentences_dir
+
+    started = time.perf_counter()
+    recordings = build_corpus(sentences_dir or default_sentences_dir(), plan.variants, plan.sentences_per_language)
+    seconds = {}
+    for r in recordings:
+        key = f"{r.language}/{r.split}"
+        seconds[key] = seconds.get(key, 0.0) + r.audio.size / 24000
+    report["corpus"] = {
+        "seconds": {k: round(v, 1) for k, v in sorted(seconds.items())},
+        "recordings": len(recordings),
+        "build_seconds": round(time.perf_counter() - started, 1),
+    }
+    log(f"corpus: {len(recordings)} recordings, {sum(seconds.values()) / 60:.1f} min of audio")
+    return recordings
+
+
+def _codec(recordings: list, config, rng, device: str, out: Path, report: dict, log):
+    """The residual codec fitted on the training recordings' frames (saved to out/codec.npz), and the principal
+    axes (and their scales) of its normalised frames, which the coarse context keeps."""
+    started = time.perf_counter()
+    train_features = np.concatenate([frame_features(r.audio) for r in recordings if r.split == "train"])
+    # Jittered copies keep the deep codebooks from memorising the training frames' exact residuals.
+    spread = train_features.std(0)
+    jittered = [
+        train_features + rng.normal(0, config.jitter, train_features.shape) * spread for _ in range(config.copies)
+    ]
+    codec = ResidualCodec.fit(
+        np.concatenate([train_features, *jittered]).astype(np.float32), config.entries, seed=config.seed, device=device
+    )
+    codec.save(out / "codec.npz")
+    normalised = (train_features - codec.mean) / codec.std
+    _, singular, vt = np.linalg.svd(normalised - normalised.mean(0), full_matrices=False)
+    pca = vt[: config.coarse_dims].T.astype(np.float32)
+    pca_scale = (singular[: config.coarse_dims] / np.sqrt(len(normalised))).astype(np.float32)
+    report["codec"] = {
+        "entries": config.entries,
+        "levels": LEVELS,
+        "train_frames": int(len(train_features)),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    log(f"codec: {LEVELS} x {config.entries} entries on {len(train_features)} frames ({report['codec']['seconds']} s)")
+    return codec, pca, pca_scale
+
+
+def _contexts(out: Path, data: dict, encoder) -> dict:
+    """The calibration and evaluation splits' (h_t, codes, language), h_t from the trained context encoder;
+    written to out/contexts.npz."""
     contexts = {}
     with torch.no_grad():
         for split in ("calibration", "evaluation"):
@@ -204,67 +275,43 @@ def build_standin(
             for name, value in zip(("h_t", "codes", "language"), arrays)
         },
     )
+    return contexts
 
-    calibration, evaluation = (
-        Contexts(*contexts[split], source=f"stand-in {split} split") for split in ("calibration", "evaluation")
-    )
-    evaluation = evaluation.take(rng.permutation(len(evaluation))[: plan.evaluation_frames])
-    if plan.training_frames is not None:
-        calibration = calibration.take(rng.permutation(len(calibration))[: plan.training_frames])
-    h_eval, codes_eval = torch.from_numpy(evaluation.h_t), torch.from_numpy(evaluation.codes)
-    report.update(entropy_by_position(code_predictor, talker_embedding, h_eval, codes_eval))
-    report["chain_gain_bits"] = chain_gain(code_predictor, talker_embedding, h_eval, codes_eval)
-    prefixes_eval = evaluation.prefixes(talker_embedding)
-    truth = frozen_draft_data(code_predictor, prefixes_eval, evaluation.codes[:, 1:])
-    ranks = draft_ranks(OffsetDrafter(3, config.hidden), head_weights(code_predictor), truth, 1)
-    report["draft_top1_by_depth"] = top1_by_depth(ranks)
-    report["c1_top1_accuracy"] = _c1_accuracy(code_predictor, talker_embedding, h_eval, codes_eval)
-    report["chance_top1_accuracy"] = round(1 / config.entries, 6)
 
-    calibration_sample = calibration.take(rng.permutation(len(calibration))[: plan.calibration_frames])
-    # Self-distilled (the model's own codes from the calibration frames): the recipe the README gives for
-    # real models, and the one acceptance is measured against; docs/acceptance.md compares the others.
-    offsets, report["offsets_training"] = fit_offsets(
-        synth, calibration, plan.offsets, self_distill=True, model_name="stand-in"
+def _trees(name: str, drafting, synth, calibration_sample, prefixes_eval, evaluation, config, out: Path, report: dict):
+    """Trees calibrated for one drafter (`name`: reused heads or offsets) at every budget, saved with its acceptance
+    table under out/trees, and each tree's codes per call measured on the evaluation frames."""
+    from rvqtts.engine.speculation import Speculation
+    from rvqtts.engine.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
+    from rvqtts.tuning.calibration import calibrate_trees, codes_per_call
+
+    code_predictor = synth.code_predictor
+    table, trees = calibrate_trees(
+        synth,
+        calibration_sample,
+        drafting,
+        list(BUDGETS),
+        config.seed,
+        model_name="stand-in",
+        offsets_name=name.replace("_", " "),
     )
-    save_offsets(offsets, out / "offsets.safetensors")
-    for name, drafting in (("reused_heads", Offsets.zeros(3, config.hidden)), ("offsets", offsets)):
-        table, trees = calibrate_trees(
-            synth,
-            calibration_sample,
-            drafting,
-            list(BUDGETS),
-            config.seed,
-            model_name="stand-in",
-            offsets_name=name.replace("_", " "),
+    report[f"{name}_acceptance"] = table["acceptance"]
+    report[f"{name}_codes_per_call"] = {}
+    save_acceptance(table, out / "trees" / f"stand-in-{name.replace('_', '-')}{ACCEPTANCE_SUFFIX}")
+    for budget, tree in trees.items():
+        save_tree(tree, out / "trees" / f"stand-in-{name.replace('_', '-')}-n{budget}.json")
+        measured = codes_per_call(
+            code_predictor,
+            Speculation(tree, drafting),
+            prefixes_eval,
+            list(evaluation.language),
+            seed=config.seed + 1,
         )
-        report[f"{name}_acceptance"] = table["acceptance"]
-        report[f"{name}_codes_per_call"] = {}
-        save_acceptance(table, out / "trees" / f"stand-in-{name.replace('_', '-')}{ACCEPTANCE_SUFFIX}")
-        for budget, tree in trees.items():
-            save_tree(tree, out / "trees" / f"stand-in-{name.replace('_', '-')}-n{budget}.json")
-            measured = codes_per_call(
-                code_predictor,
-                Speculation(tree, drafting),
-                prefixes_eval,
-                list(evaluation.language),
-                seed=config.seed + 1,
-            )
-            report[f"{name}_codes_per_call"][str(budget)] = {
-                **measured,
-                "tree": [list(p) for p in tree.paths],
-                "predicted_per_round": tree.expected_codes_per_call,
-            }
-    compared = compare_drafters(
-        synth, calibration, evaluation, list(BUDGETS), config.seed, plan.offsets, variants=not small, log=log
-    )
-    report["drafters"] = compared["drafters"]
-    report["comparison_frames"] = compared["frames"]
-    report["medusa_codes_per_call"] = compared["drafters"]["medusa heads"]["codes_per_call"]
-    report["drafter_parameters"] = {name: entry["parameters"] for name, entry in compared["drafters"].items()}
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    _write_sample(out, codec, recordings)
-    return report
+        report[f"{name}_codes_per_call"][str(budget)] = {
+            **measured,
+            "tree": [list(p) for p in tree.paths],
+            "predicted_per_round": tree.expected_codes_per_call,
+        }
 
 
 def _c1_accuracy(code_predictor, talker_embedding, h_t, codes) -> float:
