@@ -208,8 +208,10 @@ def batch_rows(
     """The rows `lines` are spoken in: at most `batch_size`, cut to the rows whose caches fit in memory
     (rvqtts.batch_size.fitting_rows), said through `on_notice`, as is a batch whose kernels are not known to keep
     rows invariant."""
+    if synth.runners.inner_parts().runner is None:  # a Core ML package's calls carry one frame
+        return 1
     rows = min(batch_size, max(len(lines), 1))
-    if rows > 1 and synth.runners.inner_parts().runner is not None:
+    if rows > 1:
         slots = max(row_slots(synth, line, settings, chunk_chars) for line in lines)
         fitting = fitting_rows(synth, rows, slots)
         if fitting < rows and on_notice:

@@ -28,7 +28,6 @@ from rvqtts.codec import SpeechCodec
 from rvqtts.engine.kernels import cpu_model
 from rvqtts.engine.quantize import check_weights
 from rvqtts.engine.runners import Runners
-from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.engine.speculation import Speculation, TreePolicy
 from rvqtts.loader import EngineChoices, load_engine
 from rvqtts.loading import ModelVoices, load_tts
@@ -303,9 +302,10 @@ class Synthesizer:
         settings wherever the kernels keep rows invariant (`rvqtts tune` shows them): its rows get their
         own arithmetic whatever else shares the call. A batch's inner loop runs every row's frame in
         shared calls: plain, a given tree's rounds (B x (N + 1) rows a call), or, where the tree size is chosen
-        online, the size measured to pay at these rows (`batch_speculation`); with `batch_size` 1, one line, or a Core
-        ML package, the utterances run one after another as `synthesize` runs them. A batch whose caches would not fit
-        in memory is cut to one that does (rvqtts.batch_size.fitting_rows), said through `on_notice`."""
+        online, the size measured to pay at these rows (`Runners.batch_speculation`); with `batch_size` 1, one line,
+        or a Core ML package, the utterances run one after another through the same loop. A batch whose caches
+        would not fit in memory is cut to one that does (rvqtts.batch_size.fitting_rows), said through
+        `on_notice`."""
         if batch_size is None:
             batch_size = self.batch_size
         if batch_size is None:
@@ -323,31 +323,10 @@ class Synthesizer:
             for index, line in enumerate(lines)
         ]
         rows = batch_rows(self, lines, settings, chunk_chars, batch_size, on_notice)
-        if rows <= 1 or self.runners.inner_parts().runner is None:  # a Core ML package's calls carry one frame
-            for index, line in enumerate(lines):  # one after another, as `synthesize` speaks each
-                try:
-                    yield (
-                        index,
-                        self.synthesize(
-                            line.text,
-                            speaker=line.speaker,
-                            language=line.language,
-                            seed=line.seed,
-                            utterance=line.utterance,
-                            instruct=line.instruct,
-                            settings=settings,
-                            chunk_chars=chunk_chars,
-                            clone=line.clone,
-                        ),
-                    )
-                except NonFiniteError:
-                    raise
-                except Exception as error:  # this utterance's: the rest go on
-                    yield index, error
-            return
         try:
             for index, item in speak(self, lines, settings, chunk_chars, rows):
                 if isinstance(item, (Synthesis, Exception)):
                     yield index, item
         finally:
-            self.runners.release_rows()
+            if rows > 1:  # a batch's rows are let go (one row's caches and captured graphs are kept)
+                self.runners.release_rows()

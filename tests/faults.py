@@ -1,6 +1,6 @@
 """Failures on purpose, for batch tests here, in subprocesses and in Ray workers (where a setup hook installs them).
 
-A failing line: the text BREAK raises, OVERFLOW meets NaN logits (`failing_synthesize`).
+A failing line: the text BREAK raises, OVERFLOW meets NaN logits (`failing_prompts`).
 
 A stall: a process that must be interrupted at a known point (killed, or sent SIGINT) stops there and waits. Faults
 are armed as files in the folder $RVQTTS_FAULTS names (`arm`): "synthesize-N" stalls a process as it starts to
@@ -28,22 +28,22 @@ PARTIAL = ".partial"  # rvqtts.files.atomic_path's temporary files: ".NAME.RANDO
 CUT_SHORT = 10  # bytes a stalled write has not written yet: any file cut there is damaged (a JSONL file mid-line)
 
 
-def failing_synthesize(original):
-    """Synthesizer.synthesize, except that the text BREAK raises RuntimeError("simulated failure") and
-    OVERFLOW the NonFiniteError of a talker in float16."""
+def failing_prompts(original):
+    """rvqtts.pipeline.line_prompts (where every line starts, whichever path speaks it), except that the text BREAK
+    raises RuntimeError("simulated failure") and OVERFLOW the NonFiniteError of a talker in float16."""
 
-    def synthesize(self, text, **kwargs):
+    def line_prompts(synth, line, *args):
         import torch
 
         from rvqtts.engine.sampling import NonFiniteError
 
-        if text == BREAK:
+        if line.text == BREAK:
             raise RuntimeError("simulated failure")
-        if text == OVERFLOW:
+        if line.text == OVERFLOW:
             raise NonFiniteError("talker", torch.float16)
-        return original(self, text, **kwargs)
+        yield from original(synth, line, *args)
 
-    return synthesize
+    return line_prompts
 
 
 def arm(folder: Path, fault: str, holding: str = "") -> Path:
@@ -105,15 +105,16 @@ def _stall(fault: str) -> None:
     raise RuntimeError(f"fault {fault}: stalled for {STALL_SECONDS:g} s and nobody interrupted this process")
 
 
-def stalling_synthesize(original):
-    """Synthesizer.synthesize, stalling at the start of the line an armed "synthesize-N" names."""
+def stalling_prompts(original):
+    """rvqtts.pipeline.line_prompts, stalling at the start of the line an armed "synthesize-N" names."""
 
-    def synthesize(self, text, **kwargs):
-        if _take(f"synthesize-{kwargs.get('utterance')}"):
-            _stall(f"synthesize-{kwargs.get('utterance')}")
-        return original(self, text, **kwargs)
+    def line_prompts(synth, line, *args):
+        fault = f"synthesize-{line.utterance}"
+        if _take(fault):
+            _stall(fault)
+        yield from original(synth, line, *args)
 
-    return synthesize
+    return line_prompts
 
 
 def output_name(path: Path) -> str:
@@ -139,19 +140,19 @@ def stalling_write_bytes(original):
 
 
 def install_stalls() -> None:
-    """This process's Synthesizer.synthesize and Path.write_bytes stall where a fault is armed."""
-    from rvqtts.synthesis import Synthesizer
+    """This process's lines (their prompts) and Path.write_bytes stall where a fault is armed."""
+    import rvqtts.pipeline as pipeline
 
-    Synthesizer.synthesize = stalling_synthesize(Synthesizer.synthesize)
+    pipeline.line_prompts = stalling_prompts(pipeline.line_prompts)
     Path.write_bytes = stalling_write_bytes(Path.write_bytes)
 
 
 def break_lines() -> None:
-    """A Ray worker_process_setup_hook: this process's Synthesizer fails on BREAK and stalls where armed."""
-    from rvqtts.synthesis import Synthesizer
+    """A Ray worker_process_setup_hook: this process's lines fail on BREAK and stall where armed."""
+    import rvqtts.pipeline as pipeline
 
     install_stalls()
-    Synthesizer.synthesize = failing_synthesize(Synthesizer.synthesize)
+    pipeline.line_prompts = failing_prompts(pipeline.line_prompts)
 
 
 def rvqtts_with_stalls() -> None:

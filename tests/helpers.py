@@ -89,7 +89,7 @@ def decode_frames(synth: Synthesizer, speculation, frames: int, calls=None) -> t
     loop = InnerLoop(synth.code_predictor, speculation, seed=DECODE_SEED)
     if calls is not None:
         loop.calls = calls
-    codes = [loop.decode(prefix, SamplingConfig(), 0, f) for f, prefix in enumerate(frame_prefixes(synth, frames))]
+    codes = [loop.frame(prefix, SamplingConfig(), 0, f) for f, prefix in enumerate(frame_prefixes(synth, frames))]
     return np.array(codes), loop.stats
 
 

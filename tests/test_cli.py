@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-from faults import failing_synthesize
+from faults import failing_prompts
 from typer.testing import CliRunner
 
+import rvqtts.pipeline as pipeline
 from rvqtts.cli import app
 from rvqtts.engine.offsets import Offsets, save_offsets
 from rvqtts.files import current_umask
@@ -163,7 +164,7 @@ def test_batch_writes_resumes_and_skips(tmp_path, tiny_dir):
 
 
 def test_a_failing_utterance_does_not_stop_the_batch(tmp_path, tiny_dir, monkeypatch):
-    monkeypatch.setattr(Synthesizer, "synthesize", failing_synthesize(Synthesizer.synthesize))
+    monkeypatch.setattr(pipeline, "line_prompts", failing_prompts(pipeline.line_prompts))
     batch = tmp_path / "lines.txt"
     batch.write_text("Fine.\nBreak.\nAlso fine.\n")
     result = synth("-f", batch, "--out-dir", tmp_path / "out", "--model", tiny_dir, "--max-frames", 8)

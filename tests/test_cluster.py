@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from faults import FAULTS, arm, disarm, failing_synthesize, wait_for_stall
+from faults import FAULTS, arm, disarm, failing_prompts, wait_for_stall
 from helpers import TIMINGS, run_cli
 
+import rvqtts.pipeline as pipeline
 from rvqtts.batch import MANIFEST, read_batch
 from rvqtts.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
 from rvqtts.loader import EngineChoices
 from rvqtts.settings import GenerationSettings, RunSettings
-from rvqtts.synthesis import Synthesizer
 
 LINES = [
     {"text": "One."},
@@ -81,7 +81,7 @@ def local(corpus, tiny_dir):
     torch.set_num_threads(1)
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Synthesizer, "synthesize", failing_synthesize(Synthesizer.synthesize))
+            patch.setattr(pipeline, "line_prompts", failing_prompts(pipeline.line_prompts))
             result = run_cli("synth", "-f", corpus, "--out-dir", out, "--model", tiny_dir, "--max-frames", FRAMES)
     finally:
         torch.set_num_threads(threads)

@@ -25,12 +25,12 @@ from rvqtts.engine.coreml import (
     PackageKey,
     check_package,
     export_package,
-    load_decoder,
+    load_loop,
     package_calls,
     read_package,
     trace_calls,
 )
-from rvqtts.engine.fused import FusedCalls, FusedDecoder
+from rvqtts.engine.fused import FusedCalls, FusedLoop
 from rvqtts.engine.inner_loop import InnerLoop
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
@@ -61,15 +61,15 @@ def package_path(tiny_package) -> Path:
 
 
 def codes_agreement(
-    decoder: FusedDecoder, synth, speculation: Speculation, sampling: SamplingConfig, frames: int = 24
+    loop: FusedLoop, synth, speculation: Speculation, sampling: SamplingConfig, frames: int = 24
 ) -> tuple[int, int]:
-    """Codes the decoder and the engine agree on over the same frames and noise, and codes compared."""
+    """Codes the fused loop and the engine agree on over the same frames and noise, and codes compared."""
     engine = InnerLoop(synth.code_predictor, speculation, seed=3)
     same = total = 0
     for frame in range(frames):
         prefix = random_prefix(synth, seed=frame)
-        ours = decoder.decode(prefix, frame_noise(frame, synth.code_predictor.config.vocab_size), LoopStats())
-        theirs = engine.decode(prefix, sampling, 0, frame)
+        ours = loop.frame(prefix, frame_noise(frame, synth.code_predictor.config.vocab_size), LoopStats())
+        theirs = engine.frame(prefix, sampling, 0, frame)
         same += sum(a == b for a, b in zip(ours, theirs))
         total += len(theirs)
     return same, total
@@ -114,7 +114,7 @@ def test_the_traced_graphs_give_the_engines_codes(which, request):
     speculation, sampling = random_drafting(synth), SamplingConfig()
     traced, _ = trace_calls(synth.code_predictor, speculation.tree, speculation.offsets.vectors, sampling)
     assert all(isinstance(getattr(traced, name), torch.jit.ScriptModule) for name in FUNCTIONS)
-    decoder = FusedDecoder(traced, speculation.tree, sampling)
+    decoder = FusedLoop(traced, speculation.tree, sampling)
     engine = InnerLoop(synth.code_predictor, speculation, seed=3)
     plain = InnerLoop(synth.code_predictor, None, seed=3)
     stats, plain_stats = LoopStats(), LoopStats()
@@ -122,10 +122,10 @@ def test_the_traced_graphs_give_the_engines_codes(which, request):
     frames = 8 if which == "released_17" else 24  # the wide layout's frames cost the most and prove the same
     for frame in range(frames):
         prefix = random_prefix(synth, seed=100 + frame)
-        assert decoder.decode(prefix, frame_noise(frame, vocab), stats) == engine.decode(prefix, sampling, 0, frame)
+        assert decoder.frame(prefix, frame_noise(frame, vocab), stats) == engine.frame(prefix, sampling, 0, frame)
         if frame < 6:
-            ours = decoder.decode_plain(prefix, frame_noise(frame, vocab), plain_stats)
-            assert ours == plain.decode(prefix, sampling, 0, frame)
+            ours = decoder.plain_frame(prefix, frame_noise(frame, vocab), plain_stats)
+            assert ours == plain.frame(prefix, sampling, 0, frame)
     assert stats == engine.stats and plain_stats == plain.stats
     if which == "narrow":
         assert sum(engine.stats.accepted_per_depth) > 20  # drafts from the traced graphs were accepted
@@ -163,9 +163,7 @@ def test_the_host_runs_the_package_interface(tiny, tiny_package):
         package_path(tiny_package), PackageKey.build(tiny.code_predictor, speculation, sampling, "w8a16", "macOS15")
     )
     traced, _ = trace_calls(tiny.code_predictor, speculation.tree, speculation.offsets.vectors, sampling)
-    decoder = FusedDecoder(
-        package_calls(signatures, emulated_predictors(traced, signatures)), speculation.tree, sampling
-    )
+    decoder = FusedLoop(package_calls(signatures, emulated_predictors(traced, signatures)), speculation.tree, sampling)
     assert decoder.k_cache.dtype == torch.float16
     same, total = codes_agreement(decoder, tiny, speculation, sampling)
     assert same / total >= 0.97, f"{same} of {total} codes agree"
@@ -223,14 +221,14 @@ def test_the_coreml_backend_needs_macos(tiny_dir, tmp_path):
     assert result.exit_code == 2 and "Core ML runs only on macOS" in result.output
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "a.wav").exists()
     with pytest.raises(CoreMLError, match="only on macOS"):
-        load_decoder(tmp_path, None, None, SamplingConfig())
+        load_loop(tmp_path, None, None, SamplingConfig())
 
 
 @macos
 def test_package_predictions_match_pytorch(tiny, tiny_package):
     speculation, sampling = exported_drafting(tiny), SamplingConfig()
     key = PackageKey.build(tiny.code_predictor, speculation, sampling, "fp16", "macOS15")
-    decoder = load_decoder(package_path(tiny_package), key, speculation.tree, sampling, "cpu_only")
+    decoder = load_loop(package_path(tiny_package), key, speculation.tree, sampling, "cpu_only")
     same, total = codes_agreement(decoder, tiny, speculation, sampling)
     assert same / total >= 0.95, f"{same} of {total} codes agree"
 
@@ -285,7 +283,7 @@ def test_synthesis_runs_its_inner_loop_on_a_package(tiny_dir, tiny_package):
     traced, _ = trace_calls(
         synth.code_predictor, synth.speculation.tree, synth.speculation.offsets.vectors, SamplingConfig()
     )
-    synth.runners.fused = FusedDecoder(
+    synth.runners.fused = FusedLoop(
         package_calls(signatures, emulated_predictors(traced, signatures)), synth.speculation.tree, SamplingConfig()
     )
     spec = run(settings=settings)

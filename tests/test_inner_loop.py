@@ -45,7 +45,7 @@ def plain_codes(synth, frames: int) -> list[list[int]]:
 
 def decode_many(synth, speculation, frames: int, sampling=SamplingConfig()):
     loop = InnerLoop(synth.code_predictor, speculation, seed=11)
-    codes = [loop.decode(random_prefix(synth, seed=f), sampling, utterance=0, frame=f) for f in range(frames)]
+    codes = [loop.frame(random_prefix(synth, seed=f), sampling, utterance=0, frame=f) for f in range(frames)]
     return codes, loop.stats
 
 
@@ -125,7 +125,7 @@ def speculative_histogram(synth, frames: int, sampling) -> tuple[np.ndarray, np.
     vocab = synth.code_predictor.config.vocab_size
     counts = np.zeros((vocab,) * 3, dtype=np.int64)
     for frame in range(frames):
-        c1, c2, c3 = loop.decode(prefix, sampling, utterance=0, frame=frame)
+        c1, c2, c3 = loop.frame(prefix, sampling, utterance=0, frame=frame)
         counts[c1, c2, c3] += 1
     assert loop.stats.accepted_per_depth[0] > frames // 5, "the tree must be exercised"
     return counts.ravel(), exact_joint(synth, prefix, sampling).ravel()
@@ -163,7 +163,7 @@ def test_static_calls_give_the_eager_codes(narrow):
         loop = InnerLoop(narrow.code_predictor, spec, seed=11)
         loop.calls = StaticCalls("emulated")
         static = [
-            loop.decode(random_prefix(narrow, seed=f), SamplingConfig(), utterance=0, frame=f) for f in range(frames)
+            loop.frame(random_prefix(narrow, seed=f), SamplingConfig(), utterance=0, frame=f) for f in range(frames)
         ]
         assert static == eager
         kinds = {key[0] for key in loop.calls.entries}

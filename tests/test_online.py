@@ -59,7 +59,7 @@ def online_loop(synth, costs: dict[int, float], seed: int = 11) -> tuple[InnerLo
 
 def plain_codes(synth, frames: int) -> list[list[int]]:
     loop = InnerLoop(synth.code_predictor, None, seed=11)
-    return [loop.decode(random_prefix(synth, seed=f), SamplingConfig(), 0, f) for f in range(frames)]
+    return [loop.frame(random_prefix(synth, seed=f), SamplingConfig(), 0, f) for f in range(frames)]
 
 
 @pytest.mark.parametrize("which", ["tiny", "narrow"])
@@ -69,7 +69,7 @@ def test_codes_equal_the_plain_loops_while_the_tree_size_changes_mid_run(which, 
     monkeypatch.setattr(online_module, "DECIDE_EVERY", 6)
     monkeypatch.setattr(OnlineSpeculation, "decide", lambda self: setattr(self, "budget", next(sizes)))
     loop, online = online_loop(synth, {q: 1.0 for q in (1, 4, 5, 9, 17, 33)})
-    codes = [loop.decode(random_prefix(synth, seed=f), SamplingConfig(), 0, f) for f in range(FRAMES)]
+    codes = [loop.frame(random_prefix(synth, seed=f), SamplingConfig(), 0, f) for f in range(FRAMES)]
     assert codes == plain_codes(synth, FRAMES)
     assert set(online.frames_by_budget) == {0, 4, 8, 16, 32} and online.probes >= 1
     assert loop.stats.frames == FRAMES and loop.stats.codes == 15 * FRAMES
@@ -82,14 +82,14 @@ def test_the_choice_follows_what_rounds_cost(narrow):
     once; rounds that cost their rows do not, and the plain loop stays."""
     cheap, online = online_loop(narrow, {q: 1.0 for q in (1, 4, 5, 9, 17, 33)})
     for f in range(24):
-        cheap.decode(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
+        cheap.frame(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
     assert online.budget > 0 and online.decisions and online.frames_by_budget[online.budget] > 0
     projected = online.projection()
     assert projected[online.budget]["codes_per_ms"] == max(row["codes_per_ms"] for row in projected.values())
     assert projected[32]["codes_per_call"] > 1.5  # measured on the model, not the prior
     dear, online = online_loop(narrow, {q: float(q) for q in (1, 4, 5, 9, 17, 33)})
     for f in range(24):
-        dear.decode(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
+        dear.frame(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
     assert online.budget == 0 and set(online.frames_by_budget) == {0} and 1 <= online.probes < 3
 
 
@@ -172,10 +172,10 @@ def test_probes_are_spaced_so_that_they_cost_at_most_their_share(narrow):
     from rvqtts.engine.tree import frame_codes_per_call
 
     loop, online = online_loop(narrow, {q: 1.0 for q in (1, 4, 5, 9, 17, 33)})
-    loop.decode(random_prefix(narrow, seed=0), SamplingConfig(), 0, 0)
+    loop.frame(random_prefix(narrow, seed=0), SamplingConfig(), 0, 0)
     assert online.probe_every() == online_module.PROBE_EVERY
     loop, online = online_loop(narrow, {q: float(q) for q in (1, 4, 5, 9, 17, 33)})
-    loop.decode(random_prefix(narrow, seed=0), SamplingConfig(), 0, 0)
+    loop.frame(random_prefix(narrow, seed=0), SamplingConfig(), 0, 0)
     every = online.probe_every()
     per_call = frame_codes_per_call(online.counts.table(), online_module.probe_tree(3), 15)
     probe_frame, plain_frame = 15 / per_call * 4, 15  # in steps: the chain's calls cost 4 steps each
@@ -187,12 +187,12 @@ def test_probes_are_spaced_so_that_they_cost_at_most_their_share(narrow):
 def test_what_a_run_learns_is_where_the_next_one_starts(narrow, user_cache):
     first, online = online_loop(narrow, {q: float(q) for q in (1, 4, 5, 9, 17, 33)})
     for f in range(16):
-        first.decode(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
+        first.frame(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
     learned = online.observed()
     stored = json.loads((user_cache / "acceptance-online.json").read_text())
     assert len(stored) == 1 and next(iter(stored.values()))["reached"][0] == pytest.approx(learned, abs=1)
     second, again = online_loop(narrow, {q: float(q) for q in (1, 4, 5, 9, 17, 33)})
-    second.decode(random_prefix(narrow, seed=0), SamplingConfig(), 0, 0)
+    second.frame(random_prefix(narrow, seed=0), SamplingConfig(), 0, 0)
     assert again.observed() >= learned
 
 
@@ -295,11 +295,11 @@ def test_where_kernels_are_not_known_row_invariant_the_tree_size_stays(tiny, mon
     monkeypatch.setenv("RVQTTS_CHOICES", "fixed")
     loop, online = online_loop(tiny, {q: 1.0 for q in (1, 4, 5, 9, 17, 33)})
     for f in range(17):
-        loop.decode(random_prefix(tiny, seed=f), SamplingConfig(), 0, f)
+        loop.frame(random_prefix(tiny, seed=f), SamplingConfig(), 0, f)
     assert online.fixed and online.budget == 0 and online.frames_by_budget == {0: 17} and online.probes == 0
     assert loop.stats.calls == 15 * 17
     # A recorded start size runs the shipped tree of that size, whatever earlier runs learned.
     loop, online = online_loop(tiny, {q: 1.0 for q in (1, 4, 5, 9, 16, 17, 33)})
     online.start_budget, online.budgets = 15, (4, 8, 15, 16, 32)
-    loop.decode(random_prefix(tiny, seed=0), SamplingConfig(), 0, 0)
+    loop.frame(random_prefix(tiny, seed=0), SamplingConfig(), 0, 0)
     assert online.budget == 15 and online.speculation(15).tree.paths == resolve_tree("15").paths

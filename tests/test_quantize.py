@@ -82,13 +82,13 @@ def test_speculative_codes_equal_plain_codes_within_the_quantized_model(tiny_dir
     for name, speculation in (("plain", None), ("tree", Speculation(resolve_tree("15"), offsets))):
         loop = InnerLoop(predictor, speculation, seed=7, parts=LoopParts.build(predictor, speculation, False, "int8"))
         prefixes = [random_prefix(synth, seed=f).to(getattr(torch, dtype)) for f in range(25)]
-        frames[name] = np.array([loop.decode(p, SamplingConfig(), 0, f) for f, p in enumerate(prefixes)])
+        frames[name] = np.array([loop.frame(p, SamplingConfig(), 0, f) for f, p in enumerate(prefixes)])
         if speculation:
             assert loop.stats.accepted_per_depth[0] > 0  # drafts were accepted
     native = InnerLoop(predictor, None, seed=7)
     unquantized = np.array(
         [
-            native.decode(random_prefix(synth, seed=f).to(getattr(torch, dtype)), SamplingConfig(), 0, f)
+            native.frame(random_prefix(synth, seed=f).to(getattr(torch, dtype)), SamplingConfig(), 0, f)
             for f in range(25)
         ]
     )

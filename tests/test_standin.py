@@ -84,7 +84,7 @@ def test_the_engine_runs_on_the_stand_in_unchanged(built):
     plain = InnerLoop(synth.code_predictor, None, seed=3)
     spec = InnerLoop(synth.code_predictor, Speculation(resolve_tree("16"), Offsets.zeros(3, synth.hidden_size)), seed=3)
     for frame, prefix in enumerate(prefixes):
-        assert spec.decode(prefix, SamplingConfig(), 0, frame) == plain.decode(prefix, SamplingConfig(), 0, frame)
+        assert spec.frame(prefix, SamplingConfig(), 0, frame) == plain.frame(prefix, SamplingConfig(), 0, frame)
     assert spec.stats.calls < plain.stats.calls
 
 

@@ -129,7 +129,7 @@ def test_fitted_offsets_carry_provenance_and_leave_the_codes_unchanged(small, se
     plain = InnerLoop(small.code_predictor, None, seed=5)
     trained = InnerLoop(small.code_predictor, Speculation(tree, offsets), seed=5)
     for f in range(100):
-        assert trained.decode(prefixes[f], SamplingConfig(), 0, f) == plain.decode(prefixes[f], SamplingConfig(), 0, f)
+        assert trained.frame(prefixes[f], SamplingConfig(), 0, f) == plain.frame(prefixes[f], SamplingConfig(), 0, f)
     assert trained.stats.calls < plain.stats.calls
 
 
@@ -144,7 +144,7 @@ def test_replayed_calls_equal_the_engine_calls(narrow):
     engine = []
     for f, prefix in enumerate(prefixes):
         before = loop.stats.calls
-        loop.decode(prefix, SamplingConfig(), 0, f)
+        loop.frame(prefix, SamplingConfig(), 0, f)
         engine.append(loop.stats.calls - before)
     replayed = replay_calls(ranks, tree)
     assert replayed.tolist() == engine

@@ -52,7 +52,7 @@ def bench_dtype(
             codes = {}
             for name, loop in loops.items():
                 started = time.perf_counter()
-                codes[name] = loop.decode(prefix.to(loop.runner.device, loop.runner.dtype), sampling, 0, frame)
+                codes[name] = loop.frame(prefix.to(loop.runner.device, loop.runner.dtype), sampling, 0, frame)
                 synchronize(loop.runner.device)
                 ms[name].append((time.perf_counter() - started) * 1e3)
             ours, theirs = codes["candidate"], codes["reference"]
@@ -102,13 +102,13 @@ def bench_fused(
     seconds = {"spec": 0.0, "plain": 0.0}
     for frame, prefix in enumerate(prefixes):
         noise = residual_noise(seed, 0, frame, engine.code_groups, engine.vocab_size)
-        reference = engine.decode(prefix, sampling, 0, frame)
-        for mode, decode, stats in (
-            ("spec", candidate.decode, spec_stats),
-            ("plain", candidate.decode_plain, plain_stats),
+        reference = engine.frame(prefix, sampling, 0, frame)
+        for mode, run, stats in (
+            ("spec", candidate.frame, spec_stats),
+            ("plain", candidate.plain_frame, plain_stats),
         ):
             started = time.perf_counter()
-            codes = decode(prefix, noise.to(candidate.device), stats)
+            codes = run(prefix, noise.to(candidate.device), stats)
             seconds[mode] += time.perf_counter() - started
             same[mode][0] += sum(a == b for a, b in zip(codes, reference))
             same[mode][1] += codes == reference

@@ -463,7 +463,7 @@ def bench_coreml_command(
     import sys
 
     from rvqtts.bench.dtype import bench_fused
-    from rvqtts.engine.coreml import CoreMLError, coreml_decoder, float16_stand_in
+    from rvqtts.engine.coreml import CoreMLError, coreml_loop, float16_stand_in
     from rvqtts.engine.offsets import OffsetsFileError
     from rvqtts.engine.policy import choose_speculation
     from rvqtts.engine.sampling import SamplingConfig
@@ -483,7 +483,7 @@ def bench_coreml_command(
     try:
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
         if on_mac:
-            candidate = coreml_decoder(
+            candidate = coreml_loop(
                 synthesizer.code_predictor,
                 speculation,
                 sampling,

@@ -582,7 +582,7 @@ def _use_coreml(
     quiet: bool,
 ) -> None:
     """Run the synthesizer's inner loop on a Core ML package (the plain step when it has no speculation)."""
-    from rvqtts.engine.coreml import CoreMLError, coreml_decoder
+    from rvqtts.engine.coreml import CoreMLError, coreml_loop
     from rvqtts.engine.offsets import OffsetsFileError
     from rvqtts.engine.policy import choose_speculation
     from rvqtts.engine.tree import TreeFileError
@@ -592,7 +592,7 @@ def _use_coreml(
         if speculation is None:
             speculation, _ = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
         sampling = synthesizer.sampling(settings).predictor
-        synthesizer.runners.fused = coreml_decoder(
+        synthesizer.runners.fused = coreml_loop(
             synthesizer.code_predictor,
             speculation,
             sampling,

@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rvqtts.engine.fused import FusedCalls, FusedDecoder
+from rvqtts.engine.fused import FusedCalls, FusedLoop
 from rvqtts.engine.offsets import predictor_fingerprint
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import SamplingConfig
@@ -184,13 +184,13 @@ def check_export_settings(sampling: SamplingConfig, precision: str, min_target: 
         )
 
 
-def example_inputs(decoder: FusedDecoder, function: str, embed_width: int, vocab: int) -> tuple[torch.Tensor, ...]:
+def example_inputs(loop: FusedLoop, function: str, embed_width: int, vocab: int) -> tuple[torch.Tensor, ...]:
     """Inputs of the right shapes and types for one function (values do not matter to the trace)."""
-    queries = {"prefill": 2, "round": decoder.tree.nodes + 1, "step": 1}[function]
-    block = {"prefill": decoder.causal, "round": decoder.ancestors, "step": decoder.itself}[function]
+    queries = {"prefill": 2, "round": loop.tree.nodes + 1, "step": 1}[function]
+    block = {"prefill": loop.causal, "round": loop.ancestors, "step": loop.itself}[function]
     first = torch.zeros(queries, embed_width) if function == "prefill" else torch.zeros(queries, dtype=torch.long)
-    cache = torch.zeros(decoder.calls.cache_shape)
-    return first, torch.tensor([1]), cache, cache.clone(), decoder.mask(2, block), torch.zeros(queries, vocab)
+    cache = torch.zeros(loop.calls.cache_shape)
+    return first, torch.tensor([1]), cache, cache.clone(), loop.mask(2, block), torch.zeros(queries, vocab)
 
 
 def trace_calls(
@@ -200,7 +200,7 @@ def trace_calls(
     predictor = copy.deepcopy(code_predictor).to("cpu", torch.float32).requires_grad_(False)
     runner = PredictorRunner(predictor, predictor.config.num_code_groups)
     calls = FusedCalls.modules(runner, tree, offsets.detach().to("cpu", torch.float32), sampling)
-    decoder = FusedDecoder(calls, tree, sampling)
+    decoder = FusedLoop(calls, tree, sampling)
     embed_width = predictor.get_input_embeddings()[0].weight.shape[1]
     examples = {name: example_inputs(decoder, name, embed_width, runner.vocab_size) for name in FUNCTIONS}
     with torch.no_grad():
@@ -384,10 +384,10 @@ def package_calls(signatures: dict[str, Signature], predictors: dict[str, Callab
     return FusedCalls(**functions, cache_shape=cache_shape, dtype=torch.float16, device=torch.device("cpu"))
 
 
-def load_decoder(
+def load_loop(
     path: str | Path, expected: PackageKey, tree: Tree, sampling: SamplingConfig, compute_units: str = "all"
-) -> FusedDecoder:
-    """A fused decoder running a package's functions through Core ML (macOS). The package must have been
+) -> FusedLoop:
+    """A fused loop running a package's functions through Core ML (macOS). The package must have been
     built for `expected`'s model, tree, offsets and sampling."""
     require_macos()
     if compute_units not in COMPUTE_UNITS:
@@ -398,20 +398,18 @@ def load_decoder(
     predictors = {
         name: ct.models.MLModel(str(path), compute_units=units, function_name=name).predict for name in FUNCTIONS
     }
-    return FusedDecoder(package_calls(signatures, predictors), tree, sampling)
+    return FusedLoop(package_calls(signatures, predictors), tree, sampling)
 
 
-def float16_stand_in(
-    code_predictor: torch.nn.Module, speculation: Speculation, sampling: SamplingConfig
-) -> FusedDecoder:
+def float16_stand_in(code_predictor: torch.nn.Module, speculation: Speculation, sampling: SamplingConfig) -> FusedLoop:
     """The fused calls in PyTorch float16 on the CPU: where Core ML cannot run, a proxy for how often float16
     rounding flips a draw (Core ML's kernels round differently, so only a Mac measures the package)."""
     predictor = copy.deepcopy(code_predictor).to("cpu", torch.float16)
     runner = PredictorRunner(predictor, predictor.config.num_code_groups)
-    return FusedDecoder.pytorch(runner, speculation.tree, speculation.offsets.vectors, sampling)
+    return FusedLoop.pytorch(runner, speculation.tree, speculation.offsets.vectors, sampling)
 
 
-def coreml_decoder(
+def coreml_loop(
     code_predictor: torch.nn.Module,
     speculation: Speculation,
     sampling: SamplingConfig,
@@ -419,8 +417,8 @@ def coreml_decoder(
     precision: str = "w8a16",
     compute_units: str = "all",
     report: Callable[[str], None] = lambda message: None,
-) -> FusedDecoder:
-    """The Core ML decoder for this model, tree, offsets and sampling (macOS): `package`, or the package
+) -> FusedLoop:
+    """The Core ML inner loop for this model, tree, offsets and sampling (macOS): `package`, or the package
     exported for them into the cache folder (exported on first use). Set it as `Synthesizer.runners.fused`."""
     require_macos()
     key = PackageKey.build(code_predictor, speculation, sampling, precision, "macOS15")
@@ -431,4 +429,4 @@ def coreml_decoder(
         package = exported.path
         if not exported.reused:
             report(f"exported {package} in {exported.seconds:.0f} s")
-    return load_decoder(package, key, speculation.tree, sampling, compute_units)
+    return load_loop(package, key, speculation.tree, sampling, compute_units)

@@ -222,8 +222,8 @@ class FrameLoop:
                     f"the Core ML package samples with {fused.sampling}, but this frame asks for "
                     f"{self.predictor_sampling}: export a package for these settings"
                 )
-            decode = fused.decode if self.speculation else fused.decode_plain
-            return [decode(prefixes[0], noise[0].to(fused.device), works[0].stats)]
+            run = fused.frame if self.speculation else fused.plain_frame
+            return [run(prefixes[0], noise[0].to(fused.device), works[0].stats)]
         frames = inner_frames(
             runner,
             prefixes.to(runner.device),

@@ -174,10 +174,10 @@ class FusedCalls:
         )
 
 
-class FusedDecoder:
-    """Frames decoded by fused calls with the host walking integers (same noise, same codes and counts
-    as rvqtts.engine.speculation's loops): the prefill and round calls for speculative frames, the prefill and the
-    q = 1 step for plain ones (`decode_plain`). `sampling` is what the calls were built for."""
+class FusedLoop:
+    """The inner loop over fused calls, the host walking integers (same noise, same codes and counts as
+    rvqtts.engine.rounds's loops): the prefill and round calls for speculative frames, the prefill and the
+    q = 1 step for plain ones (`plain_frame`). `sampling` is what the calls were built for."""
 
     def __init__(self, calls: FusedCalls, tree: Tree, sampling: SamplingConfig):
         self.calls, self.tree, self.sampling = calls, tree, sampling
@@ -197,8 +197,8 @@ class FusedDecoder:
     @classmethod
     def pytorch(
         cls, runner: PredictorRunner, tree: Tree, offsets: torch.Tensor, sampling: SamplingConfig
-    ) -> "FusedDecoder":
-        """A decoder over the PyTorch fused modules."""
+    ) -> "FusedLoop":
+        """A loop over the PyTorch fused modules."""
         return cls(FusedCalls.modules(runner, tree, offsets, sampling), tree, sampling)
 
     def mask(self, length: int, block: torch.Tensor) -> torch.Tensor:
@@ -226,7 +226,7 @@ class FusedDecoder:
         return int(draws[1]), ranks[1].tolist()
 
     @torch.inference_mode()
-    def decode(self, prefix: torch.Tensor, noise: torch.Tensor, stats: LoopStats) -> list[int]:
+    def frame(self, prefix: torch.Tensor, noise: torch.Tensor, stats: LoopStats) -> list[int]:
         """c1..c_{G-1} of one frame from [h_t, embedding of c0] and the frame's noise [G-1, V]."""
         last = self.code_groups - 1
         root, drafts = self.start(prefix, noise)
@@ -262,7 +262,7 @@ class FusedDecoder:
         return codes
 
     @torch.inference_mode()
-    def decode_plain(self, prefix: torch.Tensor, noise: torch.Tensor, stats: LoopStats) -> list[int]:
+    def plain_frame(self, prefix: torch.Tensor, noise: torch.Tensor, stats: LoopStats) -> list[int]:
         """c1..c_{G-1} of one frame with one call per code (`--no-spec`)."""
         last = self.code_groups - 1
         codes = [self.start(prefix, noise)[0]]

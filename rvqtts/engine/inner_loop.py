@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from rvqtts.engine.devices import synchronize
-from rvqtts.engine.fused import FusedDecoder
+from rvqtts.engine.fused import FusedLoop
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.rounds import FrameRounds, plain_frames, speculative_frames
@@ -22,7 +22,7 @@ from rvqtts.engine.speculation import DEFAULT_DEPTH, EAGER, LoopStats, Speculati
 @dataclass(frozen=True)
 class LoopParts:
     """What an inner loop runs on: the runner (KV cache, fused weights), the offsets on its device, and
-    the static calls (CUDA graphs capture these very tensors); or, for Core ML, a fused decoder over a
+    the static calls (CUDA graphs capture these very tensors); or, for Core ML, a fused loop over a
     package's calls and no runner. Reusable from one utterance to the next, since every frame writes the
     KV slots it reads, as long as the speculation stays the same."""
 
@@ -31,7 +31,7 @@ class LoopParts:
     runner: PredictorRunner | None
     offsets: torch.Tensor | None
     calls: StaticCalls
-    fused: FusedDecoder | None = None
+    fused: FusedLoop | None = None
     weights: str = "native"
 
     @classmethod
@@ -59,10 +59,10 @@ class LoopParts:
         return cls(speculation, cuda_graphs, runner, offsets, calls, weights=runner.weights)
 
     @classmethod
-    def package(cls, decoder: FusedDecoder, speculation: Speculation | None) -> "LoopParts":
+    def package(cls, loop: FusedLoop, speculation: Speculation | None) -> "LoopParts":
         """Parts whose frames run fused calls (a Core ML package's): speculative with a speculation,
         else the plain q = 1 step."""
-        return cls(speculation, False, None, None, EAGER, decoder)
+        return cls(speculation, False, None, None, EAGER, loop)
 
 
 class InnerLoop:
@@ -88,7 +88,7 @@ class InnerLoop:
         # One entry per draft depth K, also when nothing is accepted (or nothing is drafted: --no-spec).
         self.stats = LoopStats(accepted_per_depth=[0] * (speculation.offsets.depth if speculation else DEFAULT_DEPTH))
 
-    def decode(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
+    def frame(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
         """The codes c1..c_{G-1} of one frame; `prefix` is [h_t, embedding of c0], shape [2, E]."""
         noise = residual_noise(self.seed, utterance, frame, self.code_groups, self.vocab_size).to(self.device)
         if self.fused is not None:
@@ -97,8 +97,8 @@ class InnerLoop:
                     f"the Core ML package samples with {self.fused.sampling}, but this frame asks "
                     f"for {sampling}: export a package for these settings"
                 )
-            decode = self.fused.decode if self.speculation else self.fused.decode_plain
-            codes = decode(prefix, noise, self.stats)
+            run = self.fused.frame if self.speculation else self.fused.plain_frame
+            codes = run(prefix, noise, self.stats)
         else:
             (done,) = inner_frames(
                 self.runner, prefix[None], noise[None], sampling, self.speculation, self.offsets, self.calls

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rvqtts.engine.frame_loop import FrameLoop
-from rvqtts.engine.fused import FusedDecoder
+from rvqtts.engine.fused import FusedLoop
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.inner_loop import LoopParts
 from rvqtts.engine.kernels import kernels_used
@@ -30,7 +30,7 @@ class Runners:
         self.weights = weights  # "int8": both loops run 8-bit weights (rvqtts.engine.quantize)
         self.speculation: TreePolicy | None = None
         self.cuda_graphs = True  # replay the talker's and the inner loop's calls from CUDA graphs on CUDA devices
-        self.fused: FusedDecoder | None = None
+        self.fused: FusedLoop | None = None
         self._talker: TalkerRunner | None = None
         self._parts: LoopParts | None = None
         self._batch: PredictorRunner | None = None
