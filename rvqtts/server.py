@@ -124,10 +124,10 @@ def voice_files(folder: Path | None) -> dict[str, Path]:
 
 class SpeechEngine:
     """The model's one thread: it takes jobs from a bounded queue in the order they came. A streamed job is
-    spoken alone; a whole one takes the waiting whole jobs of the same sampling settings with it, up to
-    `batch_size`, and they are spoken together, a row each in every call of both loops
-    (`Synthesizer.synthesize_many`, each with its own seed: its audio is the one it gets alone where the kernels
-    keep rows invariant, which `--batch-size auto` requires)."""
+    spoken alone (its audio sent as it is made); a whole one takes the waiting whole jobs of the same sampling
+    settings with it, up to `batch_size`, and they are spoken together, a row each in every call of both loops
+    (`Synthesizer.synthesize_many` for both, each with its own seed: its audio is the one it gets alone where the
+    kernels keep rows invariant, which `--batch-size auto` requires)."""
 
     def __init__(self, synth, options: ServerOptions):
         self.synth = synth
@@ -211,10 +211,7 @@ class SpeechEngine:
                 continue
             self.busy, begun = True, time.perf_counter()
             try:
-                if len(group) == 1:
-                    self._speak_alone(group[0])
-                else:
-                    self._speak_together(group)
+                self._speak(group)
             finally:
                 self.busy = False
                 share = (time.perf_counter() - begun) / len(group)  # each request's share of the time
@@ -222,78 +219,57 @@ class SpeechEngine:
                     self._timed += 1
                     self._seconds += (share - self._seconds) / self._timed
 
-    def _speak_alone(self, job: Job) -> None:
-        try:
-            self._speak(job)
-            job.send(None)
-            self.counts["served"] += 1
-        except Cancelled:
-            self.counts["cancelled"] += 1
-        except Exception as error:  # the job's client hears of it; the engine serves on
-            self.counts["failed"] += 1
-            job.send(error)
+    def _speak(self, group: list[Job]) -> None:
+        """Jobs spoken together, a row each (`Synthesizer.synthesize_many`; one job: alone), a streamed one's audio
+        sent as it is made. A job alone whose client left stops at the next frame; one in a group runs on with it
+        (its audio unsent)."""
+        synth, first = self.synth, group[0].request
+        stream = first.stream  # a streamed job is grouped alone
 
-    def _speak_together(self, group: list[Job]) -> None:
-        """Whole jobs spoken together; a job whose client left runs on with its batch (its audio unsent)."""
-        synth = self.synth
-        lines = [
-            Line(
-                job.request.text,
-                job.request.speaker,
-                job.request.language,
-                job.request.instruct,
-                job.request.clone,
-                utterance=0,  # as a one-line run
-                seed=job.request.seed,
-            )
-            for job in group
-        ]
+        def on_frame(*_: object) -> None:
+            if len(group) == 1 and group[0].cancelled.is_set():
+                raise Cancelled
+
+        lines = [Line(job.request.text, *voice(job.request), utterance=0, seed=job.request.seed) for job in group]
+        if stream and first.response_format == "wav":
+            group[0].send(wav_header(synth.sample_rate))
         answered: set[int] = set()
         try:
             for index, outcome in synth.synthesize_many(
-                lines, settings=group[0].request.settings, chunk_chars=self.options.chunk_chars, batch_size=len(group)
+                lines,
+                settings=first.settings,
+                chunk_chars=self.options.chunk_chars,
+                batch_size=len(group),
+                stream_frames=STREAM_FRAMES if stream else None,
+                on_frame=on_frame,
             ):
                 job = group[index]
+                if isinstance(outcome, np.ndarray):
+                    if outcome.size:
+                        job.send(pcm16(outcome))
+                    continue
                 answered.add(index)
                 if isinstance(outcome, Exception):
                     self.counts["failed"] += 1
                     job.send(outcome)
                     continue
-                job.send(encode(outcome.audio, synth.sample_rate, job.request.response_format))
+                if not stream:
+                    job.send(encode(outcome.audio, synth.sample_rate, job.request.response_format))
                 job.send(None)
                 self.counts["served"] += 1
-                self.counts["batched"] += 1
+                self.counts["batched"] += len(group) > 1
+        except Cancelled:
+            self.counts["cancelled"] += 1
         except Exception as error:  # NaN or inf, which stops every row: each client hears of it
             for index, job in enumerate(group):
                 if index not in answered:
                     self.counts["failed"] += 1
                     job.send(error)
 
-    def _speak(self, job: Job) -> None:
-        request, synth = job.request, self.synth
 
-        def on_frame(*_: object) -> None:
-            if job.cancelled.is_set():
-                raise Cancelled
-
-        run = dict(
-            speaker=request.speaker,
-            language=request.language,
-            instruct=request.instruct,
-            seed=request.seed,
-            settings=request.settings,
-            chunk_chars=self.options.chunk_chars,
-            on_frame=on_frame,
-            clone=request.clone,
-        )
-        if request.stream:
-            if request.response_format == "wav":
-                job.send(wav_header(synth.sample_rate))
-            for chunk in synth.stream(request.text, **run, frames_per_chunk=STREAM_FRAMES):
-                if chunk.size:
-                    job.send(pcm16(chunk))
-        else:
-            job.send(encode(synth.synthesize(request.text, **run).audio, synth.sample_rate, request.response_format))
+def voice(request: SpeechRequest) -> tuple:
+    """A request's voice as a Line takes it: speaker, language, instruct, cloned voice."""
+    return request.speaker, request.language, request.instruct, request.clone
 
 
 def encode(audio: np.ndarray, sample_rate: int, response_format: str) -> bytes:

@@ -290,13 +290,18 @@ class Synthesizer:
         chunk_chars: float | None = MAX_CHUNK_WEIGHT,
         batch_size: int | None = None,
         on_notice: Callable[[str], None] | None = None,
-    ) -> Iterator[tuple[int, Synthesis | Exception]]:
+        stream_frames: int | None = None,
+        on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
+    ) -> Iterator[tuple[int, np.ndarray | Synthesis | Exception]]:
         """Synthesize several utterances, up to `batch_size` of them in every call of both loops
         (rvqtts.engine.frame_loop; None: the Synthesizer's `batch_size`, else the size measured best on this
         machine, rvqtts.batch_size), each starting as soon as a row is free. Yields (index in `lines`, its
         Synthesis) as each one ends, or (index, the exception) for one that failed (a voice the model
         does not speak, an empty text); a model that produced NaN or inf (NonFiniteError) stops it all.
         A line's noise is keyed by its `seed` (else `seed`) and its `utterance` (else its index).
+
+        With `stream_frames`, each line's samples come too as they are made, (index, float32 samples) every
+        `stream_frames` frames before its Synthesis (as `stream` gives them); `on_frame` sees every frame.
 
         Each utterance's codes, and so its audio, are those `synthesize` gives it with the same seed and
         settings wherever the kernels keep rows invariant (`rvqtts tune` shows them): its rows get their
@@ -324,8 +329,8 @@ class Synthesizer:
         ]
         rows = batch_rows(self, lines, settings, chunk_chars, batch_size, on_notice)
         try:
-            for index, item in speak(self, lines, settings, chunk_chars, rows):
-                if isinstance(item, (Synthesis, Exception)):
+            for index, item in speak(self, lines, settings, chunk_chars, rows, stream_frames, on_frame=on_frame):
+                if stream_frames or isinstance(item, (Synthesis, Exception)):
                     yield index, item
         finally:
             if rows > 1:  # a batch's rows are let go (one row's caches and captured graphs are kept)

@@ -69,14 +69,14 @@ class Gate:
     test opens the gate: once `entered` is set, the engine thread is provably busy and every later request waits
     in its queue. A held engine is let go after WAIT seconds whatever happens, so a failing test cannot hang it."""
 
-    def __init__(self, engine: SpeechEngine, monkeypatch, method: str = "synthesize"):
+    def __init__(self, engine: SpeechEngine, monkeypatch, method: str = "synthesize_many"):
         self.entered, self.opened = threading.Event(), threading.Event()
         original = getattr(engine.synth, method)
 
         def held(*args, **kwargs):
             self.entered.set()
             self.opened.wait(WAIT)
-            return original(*args, **kwargs)
+            yield from original(*args, **kwargs)
 
         monkeypatch.setattr(engine.synth, method, held)
 
@@ -118,19 +118,21 @@ def test_streamed_audio_arrives_in_pieces_as_it_is_made(client, served, monkeypa
     _, engine = served
     first_made, opened = threading.Event(), threading.Event()
     made: list[int] = []  # the samples of each piece the engine's stream made, in order
-    stream = engine.synth.stream
+    speak_many = engine.synth.synthesize_many
 
     def held_stream(*args, **kwargs):
-        for chunk in stream(*args, **kwargs):
-            made.append(chunk.size)
-            hold = chunk.size and not first_made.is_set()
-            if hold:
-                first_made.set()
-            yield chunk  # the engine sends it on, then asks for the next
+        for index, item in speak_many(*args, **kwargs):
+            hold = False
+            if isinstance(item, np.ndarray):
+                made.append(item.size)
+                hold = item.size and not first_made.is_set()
+                if hold:
+                    first_made.set()
+            yield index, item  # the engine sends it on, then asks for the next
             if hold:
                 opened.wait(WAIT)
 
-    monkeypatch.setattr(engine.synth, "stream", held_stream)
+    monkeypatch.setattr(engine.synth, "synthesize_many", held_stream)
     request = dict(model="tiny", voice="vivian", input=text, response_format="wav")
     received = b""
     try:
@@ -357,7 +359,7 @@ def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tin
             holder.result()
         settled(engine)
         assert together == alone
-        assert groups == [len(jobs)] and engine.counts["batched"] == len(jobs)  # all 4 in one batch
+        assert groups == [1, len(jobs)] and engine.counts["batched"] == len(jobs)  # the holder, then all 4 together
 
 
 def test_the_load_test_reports_latencies_and_the_servers_memory_and_caches(served):
