@@ -161,17 +161,6 @@ def voice_for(synth, speaker: str | None, language: str, instruct: str | None, s
     )
 
 
-def render(synth, item: Utterance, run: RunSettings) -> Rendered:
-    """Synthesize one utterance into the bytes of its output file (its voice: the line's, else the
-    batch's). Every code's noise (c0's included) is keyed by the utterance's line number, so any run,
-    partial, resumed or on any worker, makes the same audio for it."""
-    voice, source = line_voice(synth, item, run)
-    synthesis = synth.synthesize(
-        item.text, seed=run.seed, utterance=item.line, settings=run.settings, chunk_chars=run.chunk_chars, **voice
-    )
-    return rendered(synth, item, synthesis, voice, source)
-
-
 def line_voice(synth, item: Utterance, run: RunSettings) -> tuple[dict, VoiceSource | None]:
     """The voice keywords of one line (`voice_for`) and its cloned voice's source, if any."""
     line = item.voice(run.speaker, run.language, run.instruct, run.clone)
@@ -195,17 +184,6 @@ def rendered(synth, item: Utterance, synthesis, voice: dict, source: VoiceSource
 
 def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
-
-
-def attempt(synth, item: Utterance, run: RunSettings) -> tuple[str, object]:
-    """("done", Rendered), or ("failed", why) for a line that failed while synthesizing. A model that
-    produced NaN or inf (NonFiniteError) is raised: every line would meet it."""
-    try:
-        return "done", render(synth, item, run)
-    except NonFiniteError:
-        raise
-    except Exception as error:  # reported per line; the batch goes on
-        return "failed", describe(error)
 
 
 MANIFEST = "manifest.jsonl"
@@ -318,20 +296,22 @@ def synthesize_batch(
     for item in utterances:
         if item.line not in pending:
             finish(item, BatchResult(item, "skipped"))
-        elif batch_size == 1:
-            finish(item, conclude(out_dir, item, *attempt(synth, item, run), manifest, codes_dir))
         else:
             making.append(item)
     if making:
-        for item, (status, value) in attempt_many(synth, making, run, batch_size, on_notice):
+        for item, (status, value) in attempt(synth, making, run, batch_size, on_notice):
             finish(item, conclude(out_dir, item, status, value, manifest, codes_dir))
     return [results[item.line] for item in utterances]
 
 
-def attempt_many(
+def attempt(
     synth, items: list[Utterance], run: RunSettings, batch_size: int, on_notice=None
 ) -> Iterator[tuple[Utterance, tuple]]:
-    """`attempt` for several lines spoken together: each line and its answer, as it ends."""
+    """Each line and its answer as it ends, the lines spoken `batch_size` at a time (Synthesizer.synthesize_many):
+    ("done", Rendered, its output file's bytes), or ("failed", why) for a line whose voice or synthesis failed. A
+    line's voice is its own, else the run's; every code's noise (c0's included) is keyed by its line number, so any
+    run, partial, resumed or on any worker, makes the same audio for it. A model that produced NaN or inf
+    (NonFiniteError) is raised: every line would meet it."""
     from rvqtts.settings import Line
 
     voices, lines, failed = [], [], []

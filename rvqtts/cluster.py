@@ -1,6 +1,6 @@
 """Batch files on a Ray cluster: the lines go to Ray actors that each load the model once and keep it.
 
-A worker makes a line's output file in memory (rvqtts.batch.render: the same code and the same keyed noise
+A worker makes a line's output file in memory (rvqtts.batch.attempt: the same code and the same keyed noise
 as a local batch) and hands the bytes back; the driver alone writes files, each once and atomically, and
 the manifest in line order. So the output folder only has to exist where the driver runs, an interrupted
 batch leaves whole files, and a rerun (resume) redoes only the missing ones. A line whose worker dies goes
@@ -21,7 +21,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
-from rvqtts.batch import BatchResult, Manifest, Utterance, attempt_many, conclude, describe, to_do
+from rvqtts.batch import BatchResult, Manifest, Utterance, attempt, conclude, describe, to_do
 from rvqtts.batch_size import choose_batch_size
 from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.loader import EngineChoices
@@ -108,7 +108,7 @@ class SynthesisWorker:
         worker in trouble raises."""
         try:
             return "lines", [
-                (item.line, status, value) for item, (status, value) in attempt_many(self.synth, items, run, self.rows)
+                (item.line, status, value) for item, (status, value) in attempt(self.synth, items, run, self.rows)
             ]
         except NonFiniteError as error:
             return "nonfinite", (error.model, error.dtype)

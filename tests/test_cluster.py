@@ -391,7 +391,7 @@ def test_a_worker_speaks_its_lines_together_as_each_alone(cluster, tiny_dir, mea
     assert status == "lines" and [line for line, _, _ in answers] and {s for _, s, _ in answers} == {"done"}
     made = {line: value for line, _, value in answers}
     for item in items:
-        _, alone = attempt(worker.synth, item, RUN)
+        ((_, (_, alone)),) = attempt(worker.synth, [item], RUN, 1)
         assert made[item.line].audio == alone.audio and made[item.line].record["batch_rows"] == 3
 
 
