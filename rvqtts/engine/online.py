@@ -422,10 +422,6 @@ class OnlineSpeculation:
         with ACCEPTANCE.update() as records:
             records[self._learned_key] = self.counts.record()
 
-    def frames_since(self, before: dict[int, int]) -> dict[int, int]:
-        """Frames run at each tree size since `before` (an earlier copy of frames_by_budget)."""
-        return {n: frames - before.get(n, 0) for n, frames in self.frames_by_budget.items()}
-
     def record(self, frames_by_budget: dict[int, int] | None = None) -> dict:
         """What `--stats-json` shows under "online"; `frames_by_budget`: one utterance's own frames by N
         (the choice is shared by the utterances of a run: its other figures are the run's so far)."""
