@@ -11,6 +11,7 @@ from helpers import run_cli as run
 from helpers import run_cli_json as run_json
 from rich.console import Console
 
+from rvqtts.bench.predictor import predictor_table
 from rvqtts.bench.speedup import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
 from rvqtts.engine.offsets import predictor_fingerprint
 from rvqtts.engine.policy import choose_speculation
@@ -23,7 +24,6 @@ from rvqtts.engine.tree import (
     save_acceptance,
     save_best_budget,
 )
-from rvqtts.report import predictor_table
 from rvqtts.synthesis import Synthesizer
 
 

@@ -363,8 +363,7 @@ def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tin
 
 
 def test_the_load_test_reports_latencies_and_the_servers_memory_and_caches(served):
-    from rvqtts.bench.serve import load_test
-    from rvqtts.report import serve_table
+    from rvqtts.bench.serve import load_test, serve_table
 
     url, _ = served
     texts = ["A short line.", "Another one."]

@@ -8,7 +8,9 @@ import time
 from typing import Callable
 
 import torch
+from rich.table import Table
 
+from rvqtts.report import titled_table
 from rvqtts.settings import GenerationSettings, Line
 from rvqtts.synthesis import Synthesizer
 
@@ -135,3 +137,43 @@ def bench_batch(
         "rows": rows,
         "engine": synth.engine_record(),
     }
+
+
+def batch_table(result: dict) -> Table:
+    """`rvqtts bench batch`: throughput and first files by batch size, rvqtts against stock qwen-tts."""
+    engine = result["engine"]
+    stock = "stock" in result["rows"][0]
+    table = titled_table(
+        f"batches of {result['lines']} lines, {engine['device']} {engine['dtype']} {engine['weights']}"
+        f", at most {result['max_frames']} frames each, median of {result['repeats']}",
+        (
+            "B",
+            "rvqtts s",
+            "audio s / s",
+            "vs B = 1",
+            "first file s",
+            "vs B = 1",
+            *(("stock s", "audio s / s", "rvqtts / stock", "first file s") if stock else ()),
+        ),
+    )
+    for row in result["rows"]:
+        ours = row["rvqtts"]
+        cells = [
+            str(row["batch_size"]),
+            f"{ours['wall_seconds']:.2f}",
+            f"{ours['throughput']:.3f}",
+            f"{ours.get('throughput_vs_b1', float('nan')):.2f}",
+            f"{ours['first_file_seconds']:.2f}",
+            f"{ours.get('first_file_vs_b1', float('nan')):.2f}",
+        ]
+        if stock:
+            theirs = row["stock"]
+            cells += [
+                f"{theirs['wall_seconds']:.2f}",
+                f"{theirs['throughput']:.3f}",
+                f"{ours['throughput_vs_stock']:.2f}",
+                f"{theirs['first_file_seconds']:.2f}",
+            ]
+        table.add_row(*cells)
+    table.caption = "B = 1: each line alone (rvqtts synth's one-line path); stock: qwen-tts's list-of-texts call"
+    return table

@@ -7,9 +7,11 @@ import statistics
 from functools import partial
 
 import torch
+from rich.table import Table
 
 from rvqtts.bench.harness import interleaved_ms
 from rvqtts.engine.streaming import StreamingDecoder
+from rvqtts.report import titled_table
 
 
 def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int = 0, stream_frames: int = 4) -> dict:
@@ -48,3 +50,20 @@ def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int =
         "device": str(device),
         "dtype": str(next(tokenizer.model.parameters()).dtype).removeprefix("torch."),
     }
+
+
+def decoder_table(result: dict) -> Table:
+    """`rvqtts bench decoder`: the speech decoder's cost per frame by utterance length, qwen-tts's and rvqtts's."""
+    table = titled_table(
+        f"speech decoder, {result['device']} {result['dtype']}, median of {result['repeats']}, ms per frame",
+        ("frames", "stock", "rvqtts", "rvqtts / stock", f"streamed by {result['stream_frames']}"),
+    )
+    for row in result["rows"]:
+        table.add_row(
+            str(row["frames"]),
+            f"{row['stock_ms_per_frame']:.2f}",
+            f"{row['rvqtts_ms_per_frame']:.2f}",
+            f"{row['ratio']:.3f}",
+            f"{row['streamed_ms_per_frame']:.2f}",
+        )
+    return table

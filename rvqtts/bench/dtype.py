@@ -8,9 +8,11 @@ import statistics
 import time
 
 import torch
+from rich.table import Table
 
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.report import titled_table
 
 
 def random_prefixes(talker: torch.nn.Module, frames: int, seed: int = 0) -> torch.Tensor:
@@ -122,3 +124,38 @@ def bench_fused(
         **{f"{mode}_ms_per_frame": round(1e3 * seconds[mode] / frames, 3) for mode in seconds},
         "inner_loop_speedup": round(seconds["plain"] / seconds["spec"], 3) if seconds["spec"] else None,
     }
+
+
+def dtype_table(result: dict) -> Table:
+    """`rvqtts bench dtype`: a reduced dtype's codes and speed against float32 (or 8-bit weights' against
+    the dtype's own)."""
+    candidate = result["dtype"] + (
+        f" with {result['weights']} weights" if result.get("weights", "native") != "native" else ""
+    )
+    table = titled_table(
+        f"code predictor, {candidate} vs {result['reference_dtype']}, {result['frames']} frames",
+        ("measure", "value"),
+        left=("measure",),
+    )
+    table.add_row("codes agreeing, teacher forced", f"{100 * result['teacher_forced_code_agreement']:.2f} %")
+    table.add_row("frames identical, free running", f"{100 * result['free_running_frames_identical']:.1f} %")
+    table.add_row(
+        "codes before the first difference",
+        f"{result['codes_before_first_difference']:.2f} of {result['codes_per_frame']}",
+    )
+    for name, value in result["ms_per_frame"].items():
+        table.add_row(
+            f"plain loop ms/frame, {candidate if name == 'candidate' else result['reference_dtype']}", f"{value:.1f}"
+        )
+    return table
+
+
+def coreml_table(result: dict) -> Table:
+    """`rvqtts bench coreml`: a fused decoder against the float32 engine, measure by measure."""
+    table = Table(title=f"{result['candidate']} vs PyTorch float32, N = {result['tree_nodes']}", min_width=64)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in result.items():
+        if name not in ("model", "candidate", "frames_source"):
+            table.add_row(name, str(value))
+    return table

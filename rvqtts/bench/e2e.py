@@ -7,11 +7,13 @@ import statistics
 from typing import Callable
 
 import torch
+from rich.table import Table
 
 from rvqtts.bench.floor import module_weights, predictor_weights, read_pass, round_heads, talker_weights
 from rvqtts.bench.harness import KV_LENGTH, interleaved_ms
 from rvqtts.bench.stock import stock_synthesis
 from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.report import titled_table
 
 TIMED_FIELDS = ("wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds")
 
@@ -184,3 +186,42 @@ def _e2e_ratios(totals: dict, fixed: list[str], best: str) -> dict:
         for slow, fast in pairs
         for part in ("wall", "predictor", "talker")
     }
+
+
+def e2e_table(result: dict) -> Table:
+    """`rvqtts bench e2e`: per-frame times of stock qwen-tts, the plain loop, the default and fixed trees."""
+    table = titled_table(
+        f"end to end, {result['texts']} texts, seed {result['seed']}, fastest fixed tree: "
+        f"{result['best_fixed']}, auto: {_online_summary(result['auto'])}",
+        ("variant", "frames", "wall ms/frame", "talker", "floor", "inner loop", "floor", "decoder", "RTF"),
+        left=("variant",),
+    )
+    for name, total in result["totals"].items():
+        table.add_row(
+            name,
+            str(total["frames"]),
+            *(
+                "-" if total[key] is None else f"{total[key]:.1f}"
+                for key in (
+                    "wall_ms_per_frame",
+                    "talker_ms_per_frame",
+                    "talker_floor_ms_per_frame",
+                    "predictor_ms_per_frame",
+                    "predictor_floor_ms_per_frame",
+                    "decoder_ms_per_frame",
+                )
+            ),
+            f"{total['rtf'] or 0:.3f}",
+        )
+    table.caption = (
+        "; ".join(f"{name}: {ratio}x" for name, ratio in result["ratios"].items())
+        + "; floor: read passes over the weights of the calls made, timed in the same run"
+    )
+    return table
+
+
+def _online_summary(auto: dict) -> str:
+    """What `--tree auto` ran: frames per tree size where it chose online, else its one tree size."""
+    if "frames_by_N" not in auto:
+        return f"N = {auto['N']}"
+    return "frames by N " + ", ".join(f"{n}: {frames}" for n, frames in auto["frames_by_N"].items())

@@ -8,6 +8,10 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from rich.table import Table
+
+from rvqtts.report import titled_table
+
 WAV_HEADER_BYTES = 44  # a streamed WAV's header comes first; audio is what follows it
 
 
@@ -73,3 +77,22 @@ def load_test(
         "server_caches_mib_before": round(sum(before.get("caches_mib", {}).values()), 3),
         "server_caches_mib_after": round(sum(after.get("caches_mib", {}).values()), 3),
     }
+
+
+def serve_table(result: dict) -> Table:
+    """`rvqtts bench serve`: a load test's latencies, throughput and the server's memory."""
+    mode = "streamed" if result["stream"] else "whole"
+    table = titled_table(
+        f"{result['requests']} {mode} requests from {result['clients']} clients to {result['url']}",
+        ("first audio p50 s", "p95 s", "total p50 s", "p95 s", "requests / min", "server RSS MiB", "its caches MiB"),
+    )
+    table.add_row(
+        f"{result['first_audio_p50']:.3f}",
+        f"{result['first_audio_p95']:.3f}",
+        f"{result['total_p50']:.3f}",
+        f"{result['total_p95']:.3f}",
+        f"{result['requests_per_minute']:.1f}",
+        f"{result['server_rss_mib_before']} -> {result['server_rss_mib_after']}",
+        f"{result['server_caches_mib_before']} -> {result['server_caches_mib_after']}",
+    )
+    return table

@@ -6,9 +6,11 @@ import statistics
 from functools import partial
 
 import torch
+from rich.table import Table
 
 from rvqtts.bench.floor import megabytes, multiply_adds, peak_multiply_adds_per_ms, read_pass, talker_weights
 from rvqtts.bench.harness import interleaved_ms
+from rvqtts.report import titled_table
 
 
 def bench_talker(
@@ -79,3 +81,26 @@ def bench_talker(
         "compute_floor_ms": round(multiply_adds(weights) / peak, 6),  # one row through every weight
         "peak_gmac_per_s": round(peak / 1e6, 1),
     }
+
+
+def talker_table(result: dict) -> Table:
+    """`rvqtts bench talker`: one talker step, rvqtts's against qwen-tts's, by context length."""
+    table = titled_table(
+        f"talker step, {result['device']} {result['dtype']}, median of {result['repeats']}",
+        ("context", "stock ms", "rvqtts ms", "rvqtts / stock", "floor ms", "rvqtts / floor"),
+    )
+    for row in result["rows"]:
+        table.add_row(
+            str(row["context"]),
+            f"{row['stock_ms']:.2f}",
+            f"{row['rvqtts_ms']:.2f}",
+            f"{row['ratio']:.3f}",
+            f"{row['floor_ms']:.2f}",
+            f"{row['ratio_to_floor']:.3f}",
+        )
+    table.caption = (
+        f"floor: one pass reading the step's {result['weights_mb']:.0f} MB of weights, timed in the "
+        f"same run; its one row's multiply-adds at this device's peak (a timed dense product): "
+        f"{result['compute_floor_ms']:.2f} ms"
+    )
+    return table

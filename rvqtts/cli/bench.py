@@ -63,9 +63,8 @@ def bench_predictor_command(
     """Median and spread of one predictor call per query length (a verify round for q > 1, KV length 8, after warm-up),
     with qwen-tts's own q = 1 forward timed in the same run, interleaved."""
     from rvqtts.bench.harness import PREDICTOR_DIMS, random_code_predictor
-    from rvqtts.bench.predictor import bench_predictor
+    from rvqtts.bench.predictor import bench_predictor, predictor_table
     from rvqtts.loading import DTYPES
-    from rvqtts.report import predictor_table
 
     queries = list_of_ints(q, "--q")
     if 1 not in queries:
@@ -121,10 +120,9 @@ def bench_speedup_command(
 ) -> None:
     """Projected inner-loop speedup per N = codes per call at N / (cost of a q = N + 1 call / cost of a
     q = 1 call), and the best N."""
-    from rvqtts.bench.speedup import codes_per_call_by_budget, plot_speedup, project_speedup
+    from rvqtts.bench.speedup import codes_per_call_by_budget, plot_speedup, project_speedup, speedup_table
     from rvqtts.engine.tree import AcceptanceFileError, load_acceptance, platform_key, save_best_budget
     from rvqtts.files import read_json, write_json
-    from rvqtts.report import speedup_table
 
     try:
         measured = read_json(predictor, "predictor bench", ValueError)
@@ -201,12 +199,11 @@ def bench_e2e_command(
     decoder time per frame, RTF, and the ratios between them (the auto runs against the fixed tree whose
     inner loop was fastest)."""
     from rvqtts.batch import BatchFileError, read_batch
-    from rvqtts.bench.e2e import bench_e2e, fixed_variants
+    from rvqtts.bench.e2e import bench_e2e, e2e_table, fixed_variants
     from rvqtts.cloning import VoiceSource
     from rvqtts.engine.offsets import OffsetsFileError
     from rvqtts.engine.policy import choose_speculation
     from rvqtts.engine.tree import TreeFileError
-    from rvqtts.report import e2e_table
     from rvqtts.settings import GenerationSettings
 
     try:
@@ -274,8 +271,7 @@ def bench_batch_command(
     --batch-size B` against stock qwen-tts's list-of-texts call at the same B, on the same lines, taking
     turns."""
     from rvqtts.batch import BatchFileError, read_batch
-    from rvqtts.bench.batch import bench_batch
-    from rvqtts.report import batch_table
+    from rvqtts.bench.batch import batch_table, bench_batch
     from rvqtts.settings import GenerationSettings
 
     batch_sizes = list_of_ints(sizes, "--sizes")
@@ -328,8 +324,7 @@ def bench_dtype_command(
     """The code predictor in a reduced dtype against float32, or with 8-bit weights against its own, on the
     same frames and noise: how often the change alters a code (teacher forcing), frames that stay identical,
     and both plain loops' ms per frame."""
-    from rvqtts.bench.dtype import bench_dtype, random_prefixes
-    from rvqtts.report import dtype_table
+    from rvqtts.bench.dtype import bench_dtype, dtype_table, random_prefixes
 
     if weights == "native" and dtype not in ("bfloat16", "float16"):
         fail(f"--dtype must be bfloat16 or float16 (the reference is float32), got {dtype!r}")
@@ -369,8 +364,7 @@ def bench_decoder_command(
 ) -> None:
     """The speech decoder's cost per frame over utterances of growing length (random codes): qwen-tts's decode()
     beside rvqtts's, offline and streamed."""
-    from rvqtts.bench.decoder import bench_decoder
-    from rvqtts.report import decoder_table
+    from rvqtts.bench.decoder import bench_decoder, decoder_table
 
     lengths = list_of_ints(frames, "--frames")
     if stream_frames < 1:
@@ -399,8 +393,7 @@ def bench_talker_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """One talker step, rvqtts's static-cache runner against qwen-tts's talker forward, by context length."""
-    from rvqtts.bench.talker import bench_talker
-    from rvqtts.report import talker_table
+    from rvqtts.bench.talker import bench_talker, talker_table
 
     lengths = list_of_ints(contexts, "--contexts")
     _model_bench(
@@ -462,13 +455,12 @@ def bench_coreml_command(
     package (a proxy for float16 rounding, not a Core ML measurement)."""
     import sys
 
-    from rvqtts.bench.dtype import bench_fused
+    from rvqtts.bench.dtype import bench_fused, coreml_table
     from rvqtts.engine.coreml import CoreMLError, coreml_loop, float16_stand_in
     from rvqtts.engine.offsets import OffsetsFileError
     from rvqtts.engine.policy import choose_speculation
     from rvqtts.engine.sampling import SamplingConfig
     from rvqtts.engine.tree import TreeFileError
-    from rvqtts.report import coreml_table
 
     check_source(texts, contexts)
     if frames < 1:
@@ -530,8 +522,7 @@ def bench_serve_command(
     import httpx
 
     from rvqtts.batch import BatchFileError, read_batch
-    from rvqtts.bench.serve import load_test
-    from rvqtts.report import serve_table
+    from rvqtts.bench.serve import load_test, serve_table
 
     if requests < 1 or clients < 1:
         fail("--requests and --clients must be at least 1")
