@@ -91,6 +91,11 @@ class SpeechRequest:
     response_format: str
     stream: bool
 
+    def line(self) -> Line:
+        """The request as a line of `Synthesizer.synthesize_many`: spoken as a one-line run (utterance 0) with its
+        own seed, so its audio is `rvqtts synth`'s."""
+        return Line(self.text, self.speaker, self.language, self.instruct, self.clone, utterance=0, seed=self.seed)
+
 
 class Cancelled(Exception):
     """The client went away: its request stops at the next frame."""
@@ -230,7 +235,7 @@ class SpeechEngine:
             if len(group) == 1 and group[0].cancelled.is_set():
                 raise Cancelled
 
-        lines = [Line(job.request.text, *voice(job.request), utterance=0, seed=job.request.seed) for job in group]
+        lines = [job.request.line() for job in group]
         if stream and first.response_format == "wav":
             group[0].send(wav_header(synth.sample_rate))
         answered: set[int] = set()
@@ -265,11 +270,6 @@ class SpeechEngine:
                 if index not in answered:
                     self.counts["failed"] += 1
                     job.send(error)
-
-
-def voice(request: SpeechRequest) -> tuple:
-    """A request's voice as a Line takes it: speaker, language, instruct, cloned voice."""
-    return request.speaker, request.language, request.instruct, request.clone
 
 
 def encode(audio: np.ndarray, sample_rate: int, response_format: str) -> bytes:
