@@ -87,13 +87,13 @@ class SynthesisWorker:
         for source in spec.voices:
             self.synth.voice_of(source)
         self.rows = spec.choices.batch_size or choose_batch_size(self.synth, MEASURED_LINES)[0]
-        weight = self.synth.talker.codec_head.weight
+        engine = self.synth.engine_record()
         return {
             "node": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
-            "device": str(weight.device),
-            "dtype": str(weight.dtype).removeprefix("torch."),
-            "decoder_dtype": self.synth.codec.dtype,
+            "device": engine["device"],
+            "dtype": engine["dtype"],
+            "decoder_dtype": engine["decoder_dtype"],
             "threads": torch.get_num_threads(),
             "rvqtts": version("rvqtts"),
             "torch": torch.__version__,

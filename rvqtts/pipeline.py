@@ -139,7 +139,7 @@ def ready_audio(synth, state: _Spoken, work: Work, clone: ClonedVoice | None) ->
 def finished(
     synth, work: Work, state: _Spoken, sampling: ResolvedSampling, loop: FrameLoop, stream_frames: int | None
 ) -> Synthesis:
-    """The Synthesis of a line `_speak` finished. Its loops' seconds are its shares of the calls it was in;
+    """The Synthesis of a line `speak` finished. Its loops' seconds are its shares of the calls it was in;
     building its prompts counts as talker work, and the first one in the prefill."""
     seconds = state.seconds
     seconds.update(
@@ -180,7 +180,7 @@ def one_line(
     on_chunk: Callable[[int, int], None] | None,
     on_frame: Callable[[torch.Tensor, list[int]], None] | None,
 ) -> Generator[np.ndarray, None, Synthesis]:
-    """One line's samples as `_speak` makes them ready, then its Synthesis (its failure raised)."""
+    """One line's samples as `speak` makes them ready, then its Synthesis (its failure raised)."""
     for _, item in speak(synth, [line], settings, chunk_chars, 1, stream_frames, on_chunk, on_frame):
         if isinstance(item, Exception):
             raise item
@@ -243,7 +243,7 @@ def cut_warning(chunk: int, chunks: int, budget: int, piece: str) -> str:
 
 @dataclass
 class _Spoken:
-    """What `Synthesizer._speak` gathers for one line while its chunks are spoken."""
+    """What `speak` gathers for one line while its chunks are spoken."""
 
     started: float
     joiner: StreamJoiner

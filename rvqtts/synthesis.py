@@ -38,7 +38,6 @@ from rvqtts.settings import GenerationSettings, Line, ResolvedSampling, Synthesi
 from rvqtts.text import MAX_CHUNK_WEIGHT, frame_budget
 
 STREAM_FRAMES = 4  # frames per streamed audio chunk: 320 ms, the Qwen3-TTS report's packet
-PROMPT_TOKENS = 64  # a prompt's tokens besides its text's (roles, codec tags, speaker), generously
 INSTRUCT_IGNORED = (
     "warning: this model does not support --instruct (the 0.6B CustomVoice and the Base models take none); ignoring it"
 )
@@ -84,8 +83,7 @@ class Synthesizer:
             sorted(tts.get_supported_speakers() or []) if self.kind == "custom_voice" else [],
             sorted(tts.get_supported_languages() or []),
         )
-        self.source = source  # the checkpoint it was loaded from (None: a model handed over)
-        self.codec = SpeechCodec(self.model, source, self.kind)
+        self.codec = SpeechCodec(self.model, source, self.kind)  # `source`: the checkpoint (None: a model handed over)
         self.cloned = ClonedVoices(tts)  # each source encoded (or read) once
         self.sample_rate = self.codec.sample_rate
         # qwen-tts's generation default, in frames (N talker tokens make N - 1 frames).
