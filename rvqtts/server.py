@@ -30,9 +30,9 @@ from rvqtts.cloning import ClonedVoice, VoiceSource
 from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.memory import memory_record
 from rvqtts.settings import GenerationSettings, Line
+from rvqtts.synthesis import STREAM_FRAMES  # frames per streamed chunk, as `rvqtts synth --stream` (320 ms)
 
 RESPONSE_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
-STREAM_FRAMES = 4  # frames per streamed chunk, as `rvqtts synth --stream` (320 ms)
 SAMPLING_FIELDS = (
     "temperature",
     "top_k",
