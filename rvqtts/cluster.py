@@ -16,7 +16,7 @@ import copy
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
@@ -132,20 +132,9 @@ class WorkerRecord:
     alive: bool = True
 
     def summary(self) -> dict:
-        return {
-            "worker": self.name,
-            "node": self.node,
-            "pid": self.pid,
-            "device": self.device,
-            "dtype": self.dtype,
-            "threads": self.threads,
-            "rows": self.rows,
-            "lines": self.lines,
-            "failed": self.failed,
-            "audio_seconds": round(self.audio_seconds, 3),
-            "busy_seconds": round(self.busy_seconds, 3),
-            "died": not self.alive,
-        }
+        record = {"worker": self.name, **asdict(self), "died": not self.alive}
+        del record["name"], record["alive"]
+        return record | {key: round(record[key], 3) for key in ("audio_seconds", "busy_seconds")}
 
 
 @dataclass
@@ -192,7 +181,7 @@ def connect(address: str) -> bool:
     try:
         ray.init(address=None if address == "auto" else address, logging_level=logging.ERROR, log_to_driver=False)
     except Exception as error:  # Ray raises ConnectionError, RuntimeError, ValueError or a bare Exception
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        first = _first_line(error)
         hint = "see `ray status`" if address == "auto" else "check it with `ray status --address` there"
         raise ClusterError(
             f"cannot reach a Ray cluster at {address!r}: {first} ({hint}; `ray start --head` starts one)"

@@ -16,8 +16,8 @@ from rvqtts.engine.devices import frame_maps, pick_device, pick_dtype, unvalidat
 from rvqtts.engine.kernels import choose_kernels, measured_choices
 from rvqtts.engine.native import isa_cap, unavailable
 from rvqtts.engine.policy import choose_speculation
-from rvqtts.engine.quantize import WEIGHTS
-from rvqtts.loading import DTYPES, model_config
+from rvqtts.engine.quantize import WEIGHTS, check_weights
+from rvqtts.loading import DTYPES, load_tts, model_config
 
 
 @dataclass(frozen=True)
@@ -71,20 +71,22 @@ def load_engine(model: str | os.PathLike, choices: EngineChoices, on_notice: Cal
     if device == "cpu" and measured_choices():
         shapes = [shape for _, shape, _ in frame_maps(talker_config)]
         choose_kernels(shapes, getattr(torch, loops_dtype), choices.weights, notice)
-    synth = Synthesizer.from_checkpoint(model, device=device, dtype=loops_dtype, weights=choices.weights)
+    check_weights(choices.weights, torch.device(device))
+    tts = load_tts(model, device, loops_dtype)
     decoder, reason = pick_decoder_dtype(choices.decoder_dtype, choices.dtype, loops_dtype, device, str(model), notice)
     notice(reason)
-    synth.codec.use_dtype(decoder)
-    synth.runners.cuda_graphs = choices.cuda_graphs
-    synth.batch_size = choices.batch_size
+    speculation = None
     if choices.spec:
-        synth.speculation, reason = choose_speculation(
-            synth.code_predictor,
+        speculation, reason = choose_speculation(
+            tts.model.talker.code_predictor,
             choices.tree,
             choices.offsets,
             allow_plain=True,
             device_type=choices.tree_device,
-            weights=synth.weights,
+            weights=choices.weights,
         )
         notice(reason)
+    synth = Synthesizer(tts, speculation, choices.weights, str(model), choices.cuda_graphs, choices.batch_size)
+    synth.codec.use_dtype(decoder)
+    synth.codec.release_unused_encoder()
     return synth

@@ -18,7 +18,7 @@ from rvqtts.cloning import ClonedVoice
 from rvqtts.engine.frame_loop import ChunkDone, FrameDone, FrameLoop, Work, WorkFailed
 from rvqtts.engine.policy import tree_nodes
 from rvqtts.engine.sampling import NonFiniteError
-from rvqtts.engine.speculation import DEFAULT_DEPTH, LoopStats
+from rvqtts.engine.speculation import DEFAULT_DEPTH
 from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.prompt import Prompt
 from rvqtts.settings import GenerationSettings, Line, ResolvedSampling, Synthesis
@@ -45,28 +45,18 @@ def speak(
     sampling = synth.sampling(settings)
     loop = synth.runners.frame_loop(sampling, rows)
     depth = loop.speculation.offsets.depth if loop.speculation else DEFAULT_DEPTH
-    spoken: dict[int, _Spoken] = {}
 
-    def chunks(index: int) -> Iterator[tuple[Prompt, int]]:
-        decoder = synth.codec.streaming_decoder() if stream_frames else None
-        spoken[index] = _Spoken(time.perf_counter(), StreamJoiner(synth.sample_rate), decoder)
-        return line_prompts(synth, lines[index], spoken[index], settings, chunk_chars)
+    def spoken(index: int, line: Line) -> _Spoken:  # made as its row takes it: its clock starts there
+        state = _Spoken(line.seed, line.utterance, iter(()), on_frame=on_frame, index=index)
+        state.stats.accepted_per_depth = [0] * depth
+        state.joiner = StreamJoiner(synth.sample_rate)
+        state.decoder = synth.codec.streaming_decoder() if stream_frames else None
+        state.chunks = line_prompts(synth, line, state, settings, chunk_chars)
+        return state
 
-    works = (
-        Work(
-            line.seed,
-            line.utterance,
-            chunks(index),
-            tag=index,
-            on_frame=on_frame,
-            stats=LoopStats(accepted_per_depth=[0] * depth),
-        )
-        for index, line in enumerate(lines)
-    )
-    for event in loop.run(works):
-        index = event.work.tag
-        state = spoken.get(index)
-        if state is None:  # failed: the rest of its chunks are not heard
+    for event in loop.run(spoken(index, line) for index, line in enumerate(lines)):
+        state = event.work
+        if state.failed:  # the rest of its chunks are not heard
             continue
         try:
             if isinstance(event, WorkFailed):
@@ -74,25 +64,29 @@ def speak(
             if isinstance(event, FrameDone):
                 state.pending.append(event.codes)
                 if len(state.pending) == stream_frames:
-                    yield index, ready_audio(synth, state, event.work, lines[index].clone)
+                    yield state.index, ready_audio(synth, state, lines[state.index].clone)
             elif isinstance(event, ChunkDone):
                 if state.pending:
-                    yield index, ready_audio(synth, state, event.work, lines[index].clone)
+                    yield state.index, ready_audio(synth, state, lines[state.index].clone)
                 state.frames.extend(event.frames)
                 state.chunk_start, state.chunks_done = True, state.chunks_done + 1
                 if event.cut:
-                    piece = state.pieces[state.chunks_done - 1]
-                    state.warnings.append(cut_warning(state.chunks_done, len(state.pieces), event.budget, piece))
+                    piece, budget = state.pieces[state.chunks_done - 1], event.budget
+                    state.warnings.append(
+                        f"chunk {state.chunks_done} of {len(state.pieces)} was cut at {budget} frames "
+                        f"({budget / FRAMES_PER_SECOND:.1f} s) for {len(piece)} characters: the model did not end "
+                        f"its speech (text: {piece[:40]!r})"
+                    )
                 if on_chunk:
                     on_chunk(state.chunks_done, len(state.pieces))
             else:
-                yield index, state.joiner.finish()
-                yield index, finished(synth, event.work, spoken.pop(index), sampling, loop, stream_frames)
+                yield state.index, state.joiner.finish()
+                yield state.index, finished(synth, state, sampling, loop, stream_frames)
         except NonFiniteError:
             raise
         except Exception as error:  # this line's: it fails alone
-            del spoken[index]
-            yield index, error
+            state.failed = True
+            yield state.index, error
 
 
 def line_prompts(
@@ -116,7 +110,7 @@ def line_prompts(
         yield prompt, synth.frame_budget(piece, settings)
 
 
-def ready_audio(synth, state: _Spoken, work: Work, clone: ClonedVoice | None) -> np.ndarray:
+def ready_audio(synth, state: _Spoken, clone: ClonedVoice | None) -> np.ndarray:
     """Decode the line's pending frames, join them to what came before, and time both; the samples ready to
     play."""
     begun = time.perf_counter()
@@ -127,9 +121,10 @@ def ready_audio(synth, state: _Spoken, work: Work, clone: ClonedVoice | None) ->
     state.seconds["decoder"] += time.perf_counter() - begun
     if ready.size and state.seconds["first_audio"] is None:
         state.seconds["first_audio"] = time.perf_counter() - state.started
-        frames_seconds = work.seconds["talker"] + work.seconds["predictor"] - work.seconds["prefill"]
-        state.seconds["first_audio_split"] = {
-            "prefill": round(state.seconds["prompt"] + work.seconds["prefill"], 3),
+        seconds = state.seconds
+        frames_seconds = seconds["talker"] + seconds["predictor"] - seconds["prefill"]
+        seconds["first_audio_split"] = {
+            "prefill": round(seconds["prompt"] + seconds["prefill"], 3),
             "frames": round(frames_seconds, 3),
             "decoder": round(state.seconds["decoder"], 3),
         }
@@ -137,29 +132,28 @@ def ready_audio(synth, state: _Spoken, work: Work, clone: ClonedVoice | None) ->
 
 
 def finished(
-    synth, work: Work, state: _Spoken, sampling: ResolvedSampling, loop: FrameLoop, stream_frames: int | None
+    synth, state: _Spoken, sampling: ResolvedSampling, loop: FrameLoop, stream_frames: int | None
 ) -> Synthesis:
     """The Synthesis of a line `speak` finished. Its loops' seconds are its shares of the calls it was in;
     building its prompts counts as talker work, and the first one in the prefill."""
     seconds = state.seconds
     seconds.update(
         wall=time.perf_counter() - state.started,
-        talker=work.seconds["talker"] + seconds["prompts"],
-        predictor=work.seconds["predictor"],
-        prefill=seconds["prompt"] + work.seconds["prefill"],
+        talker=seconds["talker"] + seconds["prompts"],
+        prefill=seconds["prompt"] + seconds["prefill"],
     )
     speculation = loop.speculation
     return Synthesis(
         audio=state.joiner.audio(),
         sample_rate=synth.sample_rate,
         codes=np.stack(state.frames),
-        stats=work.stats,
+        stats=state.stats,
         seconds=seconds,
-        talker_calls=work.talker_calls,
+        talker_calls=state.talker_calls,
         chunks=len(state.pieces),
         spec=speculation is not None,
         tree_nodes=tree_nodes(speculation),
-        seed=work.seed,
+        seed=state.seed,
         sampling=sampling.record(),
         warnings=state.warnings,
         stream_frames=stream_frames,
@@ -167,7 +161,7 @@ def finished(
         engine=synth.engine_record(),
         batch_rows=loop.rows,
         batch_row_bytes=row_bytes(synth, synth.runners.talker().max_len) if loop.rows > 1 else None,
-        online=speculation.record(work.frames_by_budget) if speculation else None,
+        online=speculation.record(state.frames_by_budget) if speculation else None,
     )
 
 
@@ -233,25 +227,22 @@ def text_pieces(text: str, chunk_chars: float | None) -> list[str]:
     return chunk_text(text, chunk_chars) if chunk_chars else [" ".join(text.split())]
 
 
-def cut_warning(chunk: int, chunks: int, budget: int, piece: str) -> str:
-    """The warning of a chunk cut at its frame budget."""
-    return (
-        f"chunk {chunk} of {chunks} was cut at {budget} frames ({budget / FRAMES_PER_SECOND:.1f} s) for "
-        f"{len(piece)} characters: the model did not end its speech (text: {piece[:40]!r})"
-    )
-
-
 @dataclass
-class _Spoken:
-    """What `speak` gathers for one line while its chunks are spoken."""
+class _Spoken(Work):
+    """A line as `speak` speaks it: the frame loop's utterance (rvqtts.engine.frame_loop.Work) and what the pipeline
+    gathers for it while its chunks are spoken."""
 
-    started: float
-    joiner: StreamJoiner
-    decoder: StreamingDecoder | None  # streamed: the incremental decoder
+    index: int = 0  # in `speak`'s lines
+    started: float = field(default_factory=time.perf_counter)
+    joiner: StreamJoiner | None = None
+    decoder: StreamingDecoder | None = None  # streamed: the incremental decoder
     pieces: list[str] = field(default_factory=list)
     frames: list[np.ndarray] = field(default_factory=list)  # spoken, chunk by chunk
     pending: list[np.ndarray] = field(default_factory=list)  # frames not decoded yet
     chunk_start: bool = True  # the next samples start a text chunk
     warnings: list[str] = field(default_factory=list)
     chunks_done: int = 0
-    seconds: dict = field(default_factory=lambda: {"decoder": 0.0, "first_audio": None, "prompts": 0.0})
+    failed: bool = False  # the rest of its events are not heard
+    seconds: dict = field(
+        default_factory=lambda: dict(talker=0.0, predictor=0.0, prefill=0.0, decoder=0.0, first_audio=None, prompts=0.0)
+    )

@@ -32,6 +32,16 @@ def titled_table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = (
     return table
 
 
+def figures_table(title: str, columns: tuple[str, ...], cells: tuple[str, ...], rows, caption=None) -> Table:
+    """A titled table of one row per record in `rows`, each column's cell its format string in `cells` filled from
+    the record (e.g. "{ratio:.3f}")."""
+    table = titled_table(title, columns)
+    for row in rows:
+        table.add_row(*(cell.format(**row) for cell in cells))
+    table.caption = caption
+    return table
+
+
 def total_record(records: list[dict], wall_seconds: float | None = None) -> dict:
     """One record for a whole batch: counts and seconds add up; ratios are recomputed from the sums. Lines that
     share calls (a batch of rows) overlap in time, so the sum of their walls is not the batch's: `wall_seconds`,
@@ -238,14 +248,14 @@ def drafters_table(drafters: dict) -> Table:
 
 def codes_per_call_table(result: dict) -> Table:
     """`rvqtts accept`'s figures: codes per predictor call, overall and per language, with 95 % intervals."""
-    table = titled_table(
-        f"codes per predictor call, tree N = {result['tree_nodes']}", ("frames", "language", "codes/call", "95% CI")
+    languages = [{**row, "language": name} for name, row in sorted(result["per_language"].items())]
+    return figures_table(
+        f"codes per predictor call, tree N = {result['tree_nodes']}",
+        ("frames", "language", "codes/call", "95% CI"),
+        ("{frames}", "{language}", "{codes_per_call:.3f}", "{ci95[0]:.3f}-{ci95[1]:.3f}"),
+        [{**result, "language": "all"}, *languages],
+        f"offsets: {result['offsets']}; frames: {result['frames_source']}",
     )
-    rows = [("all", result)] + sorted(result["per_language"].items())
-    for name, row in rows:
-        table.add_row(str(row["frames"]), name, f"{row['codes_per_call']:.3f}", "{:.3f}-{:.3f}".format(*row["ci95"]))
-    table.caption = f"offsets: {result['offsets']}; frames: {result['frames_source']}"
-    return table
 
 
 def tune_table(result: dict) -> Table:

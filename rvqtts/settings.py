@@ -3,7 +3,7 @@ generation config and qwen-tts's defaults), one line of a batch, and the record 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -42,16 +42,9 @@ class GenerationSettings:
     predictor_top_p: float | None = None
 
     def __post_init__(self) -> None:
-        # The same checks as the sampler's, with their messages, on whatever was given.
-        for temperature, top_k, top_p in (
-            (self.temperature, self.top_k, self.top_p),
-            (self.predictor_temperature, self.predictor_top_k, self.predictor_top_p),
-        ):
-            SamplingConfig(
-                0.9 if temperature is None else temperature,
-                50 if top_k is None else top_k,
-                1.0 if top_p is None else top_p,
-            )
+        for prefix in ("", "predictor_"):  # the sampler's checks, with their messages, on whatever was given
+            given = {key: getattr(self, prefix + key) for key in ("temperature", "top_k", "top_p")}
+            SamplingConfig(**{key: value for key, value in given.items() if value is not None})
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise ValueError(f"repetition penalty must be positive, got {self.repetition_penalty}")
         if self.max_frames is not None and self.max_frames < 1:
@@ -106,15 +99,9 @@ class ResolvedSampling:
 
     def record(self) -> dict:
         """What `--stats-json` shows under "sampling"."""
-
-        def loop(config: SamplingConfig) -> dict:
-            return dict(
-                temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, do_sample=config.do_sample
-            )
-
         return {
-            "talker": {**loop(self.talker), "repetition_penalty": self.repetition_penalty},
-            "predictor": loop(self.predictor),
+            "talker": {**asdict(self.talker), "repetition_penalty": self.repetition_penalty},
+            "predictor": asdict(self.predictor),
         }
 
 

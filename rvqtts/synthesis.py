@@ -10,6 +10,7 @@ short crossfade (rvqtts.audio).
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -19,16 +20,13 @@ import numpy as np
 import torch
 
 from rvqtts.batch_size import choose_batch_size
-from rvqtts.cloning import (
-    ClonedVoice,
-    ClonedVoices,
-    VoiceSource,
-)
+from rvqtts.cloning import ClonedVoice, ClonedVoices, VoiceSource
 from rvqtts.codec import SpeechCodec
+from rvqtts.engine.fused import FusedLoop
 from rvqtts.engine.kernels import cpu_model
 from rvqtts.engine.quantize import check_weights
 from rvqtts.engine.runners import Runners
-from rvqtts.engine.speculation import Speculation, TreePolicy
+from rvqtts.engine.speculation import TreePolicy
 from rvqtts.loader import EngineChoices, load_engine
 from rvqtts.loading import ModelVoices, load_tts
 from rvqtts.memory import tensors_mib
@@ -66,7 +64,13 @@ class Synthesizer:
     """
 
     def __init__(
-        self, tts: object, speculation: Speculation | None = None, weights: str = "native", source: str | None = None
+        self,
+        tts: object,
+        speculation: TreePolicy | None = None,
+        weights: str = "native",
+        source: str | None = None,
+        cuda_graphs: bool = True,
+        batch_size: int | None = None,
     ):
         self.tts = tts
         self.model = tts.model
@@ -74,9 +78,8 @@ class Synthesizer:
         self.code_predictor = self.talker.code_predictor
         check_weights(weights, self.talker.codec_head.weight.device)
         self.weights = weights  # "int8": both loops run 8-bit weights (rvqtts.engine.quantize)
-        self.runners = Runners(self.talker, weights)  # and what the inner loop runs (tree policy, graphs, Core ML)
-        self.runners.speculation = speculation
-        self.batch_size: int | None = None  # lines `synthesize_many` speaks together (None: measured per batch)
+        self.runners = Runners(self.talker, weights, speculation, cuda_graphs)  # and what the inner loop runs
+        self.batch_size = batch_size  # lines `synthesize_many` speaks together (None: measured per batch)
         # Only CustomVoice models have built-in speakers (the others' voices are cloned or described).
         self.voices = ModelVoices(
             self.kind,
@@ -88,6 +91,15 @@ class Synthesizer:
         self.sample_rate = self.codec.sample_rate
         # qwen-tts's generation default, in frames (N talker tokens make N - 1 frames).
         self.default_max_frames = int(tts.generate_defaults.get("max_new_tokens", 2048)) - 1
+
+    def using(self, speculation: TreePolicy | None = None, fused: FusedLoop | None = None) -> "Synthesizer":
+        """This model with another inner loop: `speculation` (None: the plain loop), or a Core ML package's `fused`
+        calls (rvqtts.engine.coreml.coreml_loop). It shares this one's weights, codec, voices and talker runner (so
+        the two are not for use at once), and has its own inner loop's runner."""
+        other = copy.copy(self)
+        runners = self.runners
+        other.runners = Runners(self.talker, self.weights, speculation, runners.cuda_graphs, fused, runners.talker())
+        return other
 
     @classmethod
     def load(
@@ -106,7 +118,7 @@ class Synthesizer:
         model: str | os.PathLike,
         device: str = "cpu",
         dtype: str = "float32",
-        speculation: Speculation | None = None,
+        speculation: TreePolicy | None = None,
         weights: str = "native",
         decoder_dtype: str | None = None,
     ) -> "Synthesizer":
@@ -130,12 +142,8 @@ class Synthesizer:
 
     @property
     def speculation(self) -> TreePolicy | None:
-        """The tree policy the inner loop runs (None: the plain loop), kept by the runners."""
+        """The tree policy the inner loop runs (None: the plain loop)."""
         return self.runners.speculation
-
-    @speculation.setter
-    def speculation(self, speculation: TreePolicy | None) -> None:
-        self.runners.speculation = speculation
 
     @property
     def hidden_size(self) -> int:

@@ -54,7 +54,7 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_kern
     one call, out of step as acceptance differs) making the calls and accepting what the line's own rounds
     do, and a line the model cannot speak fails alone."""
     synth = Synthesizer.from_checkpoint(tiny_dir if dtype == "float32" else released_06_kernels, dtype=dtype)
-    synth.speculation = Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size))
+    synth = synth.using(Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size)))
     settings = GenerationSettings(max_frames=16 if dtype == "float32" else 9)  # chunks of 16 frames: lines of 1-3
     lines = [Line(text, utterance=index + 3, seed=index % 2 or None) for index, text in enumerate(TEXTS)]
     alone = [  # seeds 5 (the batch's) and 1 (the line's own) share the batch's calls
@@ -284,23 +284,20 @@ def test_a_batch_chooses_its_tree_size_online_at_its_rows_and_keeps_every_lines_
     """Where the tree size is chosen online, a batch has a choice of its own whose call costs are measured at
     its rows; the size changing mid-batch (forced here) changes no line's codes."""
     offsets = Offsets(torch.randn(3, narrow.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.5)
-    narrow.speculation = OnlineSpeculation(offsets, predictor_fingerprint(narrow.code_predictor))
+    online = narrow.using(OnlineSpeculation(offsets, predictor_fingerprint(narrow.code_predictor)))
     sizes = iter([4, 0, 16, 32, 8] * 20)
     monkeypatch.setattr(online_module, "DECIDE_EVERY", 6)
     monkeypatch.setattr(OnlineSpeculation, "decide", lambda self: setattr(self, "budget", next(sizes)))
     settings = GenerationSettings(max_frames=12)
     lines = [Line(text, utterance=index) for index, text in enumerate(TEXTS[:4])]
-    try:
-        together = dict(narrow.synthesize_many(lines, seed=4, settings=settings, batch_size=3))
-        batch_online = narrow.runners.batch_speculation(3)
-        alone = [narrow.synthesize(line.text, seed=4, utterance=line.utterance, settings=settings) for line in lines]
-    finally:
-        narrow.speculation = None
+    together = dict(online.synthesize_many(lines, seed=4, settings=settings, batch_size=3))
+    batch_online = online.runners.batch_speculation(3)
+    alone = [online.synthesize(line.text, seed=4, utterance=line.utterance, settings=settings) for line in lines]
     for index, one in enumerate(alone):
         assert np.array_equal(together[index].codes, one.codes), index
         for made in (one, together[index]):  # each line's own frames by tree size, not the run's so far
             assert sum(made.record()["online"]["frames_by_N"].values()) == len(made.codes), index
-    assert batch_online.rows == 3 and batch_online is not narrow.speculation
+    assert batch_online.rows == 3 and batch_online is not online.speculation
     assert len(batch_online.frames_by_budget) >= 3 and together[0].record()["online"]["rows"] == 3
     costs = json.loads((user_cache / "call-costs.json").read_text())
     assert any(key.endswith("/rows-3") for machine in costs.values() for key in machine)

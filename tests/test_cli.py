@@ -183,7 +183,8 @@ def test_voices_lists_speakers_and_languages(tiny_dir):
     ]
 
 
-def test_bad_input_exits_2_with_its_message_and_writes_nothing(tmp_path, tiny_dir):
+def test_bad_input_exits_2_with_its_message_and_writes_nothing(tmp_path, tiny_dir, monkeypatch):
+    monkeypatch.setattr("rvqtts.cli.synth.check_coreml", lambda *settings: None)  # as if on a Mac with coremltools
     bad_tree = tmp_path / "tree.json"
     bad_tree.write_text('{"format": "rvqtts-tree", "depth": 3, "nodes": 1, "paths": [[0, 0]]}')
     shallow, wide = tmp_path / "k2.safetensors", tmp_path / "wide.safetensors"
@@ -210,6 +211,10 @@ def test_bad_input_exits_2_with_its_message_and_writes_nothing(tmp_path, tiny_di
         ),
         (
             ["Hi", *model, "-o", single, "--offsets", shallow],
+            "the tree is 3 deep but the offsets draft only K = 2 codes",
+        ),
+        (  # --no-spec: the Core ML package's tree is chosen after the model loads
+            ["Hi", *model, "-o", single, "--backend", "coreml", "--no-spec", "--tree", "8", "--offsets", shallow],
             "the tree is 3 deep but the offsets draft only K = 2 codes",
         ),
         (["Hi", *model, "-o", a_file / "out.wav"], "is a file, not a folder"),

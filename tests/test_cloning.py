@@ -37,11 +37,7 @@ def test_a_voice_cloned_in_icl_mode_is_spoken_exactly_as_its_references_continua
     assert voice.icl and tuple(voice.codes.shape) == (19, 16) and voice.embedding.shape == (64,)
     assert synth.clone_voice(ref, REF_TEXT) is voice  # a source is encoded once
     spoken = synth.synthesize("Hi there.", seed=3, clone=voice, settings=SETTINGS)
-    speculation, synth.speculation = synth.speculation, None
-    try:
-        plain = synth.synthesize("Hi there.", seed=3, clone=voice, settings=SETTINGS)
-    finally:
-        synth.speculation = speculation
+    plain = synth.using(None).synthesize("Hi there.", seed=3, clone=voice, settings=SETTINGS)
     assert np.array_equal(spoken.codes, plain.codes)  # same seed, same codes, speculative or not
     frames = len(spoken.codes)
     assert spoken.audio.size == frames * 1920

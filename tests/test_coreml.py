@@ -31,7 +31,7 @@ from rvqtts.engine.coreml import (
     trace_calls,
 )
 from rvqtts.engine.fused import FusedCalls, FusedLoop
-from rvqtts.engine.inner_loop import InnerLoop
+from rvqtts.engine.inner_loop import InnerLoop, count_frame
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
 from rvqtts.engine.speculation import LoopStats, Speculation
@@ -68,7 +68,7 @@ def codes_agreement(
     same = total = 0
     for frame in range(frames):
         prefix = random_prefix(synth, seed=frame)
-        ours = loop.frame(prefix, frame_noise(frame, synth.code_predictor.config.vocab_size), LoopStats())
+        ours = loop.frame(prefix, frame_noise(frame, synth.code_predictor.config.vocab_size)).codes
         theirs = engine.frame(prefix, sampling, 0, frame)
         same += sum(a == b for a, b in zip(ours, theirs))
         total += len(theirs)
@@ -122,10 +122,13 @@ def test_the_traced_graphs_give_the_engines_codes(which, request):
     frames = 8 if which == "released_17" else 24  # the wide layout's frames cost the most and prove the same
     for frame in range(frames):
         prefix = random_prefix(synth, seed=100 + frame)
-        assert decoder.frame(prefix, frame_noise(frame, vocab), stats) == engine.frame(prefix, sampling, 0, frame)
+        done = decoder.frame(prefix, frame_noise(frame, vocab))
+        count_frame(stats, done)
+        assert done.codes == engine.frame(prefix, sampling, 0, frame)
         if frame < 6:
-            ours = decoder.plain_frame(prefix, frame_noise(frame, vocab), plain_stats)
-            assert ours == plain.frame(prefix, sampling, 0, frame)
+            done = decoder.plain_frame(prefix, frame_noise(frame, vocab))
+            count_frame(plain_stats, done)
+            assert done.codes == plain.frame(prefix, sampling, 0, frame)
     assert stats == engine.stats and plain_stats == plain.stats
     if which == "narrow":
         assert sum(engine.stats.accepted_per_depth) > 20  # drafts from the traced graphs were accepted
@@ -268,11 +271,11 @@ def test_synth_with_coreml_gives_the_torch_codes(tiny_dir, tmp_path):
 
 
 def test_synthesis_runs_its_inner_loop_on_a_package(tiny_dir, tiny_package):
-    """Synthesizer.runners.fused routes every frame to the package's calls (speculative, or the plain step without
+    """Synthesizer.using(fused=...) routes every frame to the package's calls (speculative, or the plain step without
     a speculation), and frames asking for other sampling than the package's are refused."""
     path = package_path(tiny_package)
-    synth = Synthesizer.from_checkpoint(tiny_dir)  # its own instance: the test sets its inner loop
-    synth.speculation = exported_drafting(synth)
+    synth = Synthesizer.from_checkpoint(tiny_dir)
+    synth = synth.using(exported_drafting(synth))
     settings = GenerationSettings(max_frames=12)
 
     def run(**options):
@@ -283,17 +286,18 @@ def test_synthesis_runs_its_inner_loop_on_a_package(tiny_dir, tiny_package):
     traced, _ = trace_calls(
         synth.code_predictor, synth.speculation.tree, synth.speculation.offsets.vectors, SamplingConfig()
     )
-    synth.runners.fused = FusedLoop(
+    package = FusedLoop(
         package_calls(signatures, emulated_predictors(traced, signatures)), synth.speculation.tree, SamplingConfig()
     )
+    synth, drafting = synth.using(synth.speculation, package), synth
     spec = run(settings=settings)
     assert spec.codes.shape == reference.codes.shape and (spec.codes == reference.codes).mean() >= 0.9
     assert spec.stats.calls < spec.stats.codes  # tree rounds ran on the package
-    speculation, synth.speculation = synth.speculation, None
+    synth = drafting.using(None, package)
     plain = run(settings=settings)
     assert plain.stats.calls == plain.stats.codes == 15 * plain.codes.shape[0]
     assert (plain.codes == spec.codes).mean() >= 0.9
-    synth.speculation = speculation
+    synth = drafting.using(drafting.speculation, package)
     with pytest.raises(ValueError, match="export a package for these settings"):
         run(settings=GenerationSettings(temperature=1.3, max_frames=2))
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from helpers import run_cli
 
+from rvqtts import loader
 from rvqtts.engine.devices import pick_device, unvalidated_notice
 from rvqtts.engine.kernels import machine_key
-from rvqtts.synthesis import Synthesizer
 
 
 @pytest.mark.parametrize("present, picked", [((True, True), "cuda"), ((False, True), "mps"), ((False, False), "cpu")])
@@ -28,7 +28,7 @@ def test_a_run_on_an_unvalidated_device_says_so_and_how_to_choose_the_cpu(tiny_d
     def stop(*_: object, **__: object) -> None:
         raise ValueError("stopped before the load")
 
-    monkeypatch.setattr(Synthesizer, "from_checkpoint", stop)
+    monkeypatch.setattr(loader, "load_tts", stop)
     result = run_cli("synth", "Hi.", "--model", tiny_dir, "-o", tmp_path / "out.wav", "--dtype", "float32")
     assert result.exit_code == 2 and "stopped before the load" in result.output
     assert "MPS (float16 by default) has not been validated" in result.output

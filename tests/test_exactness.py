@@ -67,15 +67,12 @@ def spoken(synth: Synthesizer, speculation: Speculation | None, stream: bool = F
     """One utterance of TEXT with or without the tree: its Synthesis and every frame's (prefix, codes)."""
     frames: list[tuple[torch.Tensor, list[int]]] = []
     run = dict(seed=SEED, utterance=UTTERANCE, settings=SETTINGS, on_frame=lambda p, c: frames.append((p.clone(), c)))
-    synth.speculation = speculation
-    try:
-        if not stream:
-            return synth.synthesize(TEXT, **run), frames
-        audio_stream = synth.stream(TEXT, **run, frames_per_chunk=1)
-        pieces = list(audio_stream)
-        return audio_stream.result, frames, np.concatenate(pieces)
-    finally:
-        synth.speculation = None
+    synth = synth.using(speculation)
+    if not stream:
+        return synth.synthesize(TEXT, **run), frames
+    audio_stream = synth.stream(TEXT, **run, frames_per_chunk=1)
+    pieces = list(audio_stream)
+    return audio_stream.result, frames, np.concatenate(pieces)
 
 
 def utterance_difference(synth: Synthesizer, frames_a: list, frames_b: list):
@@ -139,11 +136,7 @@ def test_a_batch_of_speculative_lines_writes_each_lines_plain_wav(paper_dir, rel
     if not rows_invariant(synth):
         pytest.skip("no row-invariant kernel here: a batched line is its own run only up to near-ties")
     lines = [Line(text, utterance=index) for index, text in enumerate(LINES)]
-    synth.speculation = speculation
-    try:
-        together = dict(synth.synthesize_many(lines, seed=SEED, settings=SETTINGS, batch_size=3))
-    finally:
-        synth.speculation = None
+    together = dict(synth.using(speculation).synthesize_many(lines, seed=SEED, settings=SETTINGS, batch_size=3))
     assert all(result.batch_rows == 3 for result in together.values())
     assert sum(r.stats.codes for r in together.values()) > 1.8 * sum(r.stats.calls for r in together.values())
     for index, line in enumerate(lines):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import random_prefix
 
-from rvqtts.engine.fused import FusedLoop
-from rvqtts.engine.inner_loop import InnerLoop
+from rvqtts.engine.fused import FusedCalls, FusedLoop
+from rvqtts.engine.inner_loop import InnerLoop, count_frame
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
@@ -30,20 +30,24 @@ def test_fused_rounds_give_the_engines_codes(which, request):
     tree = grow_tree(TABLE, 16)
     offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(16)) * 0.5)
     loop = InnerLoop(synth.code_predictor, Speculation(tree, offsets), seed=11)
-    fused = FusedLoop.pytorch(PredictorRunner(synth.code_predictor, 16), tree, offsets.vectors, SamplingConfig())
+    calls = FusedCalls.modules(PredictorRunner(synth.code_predictor, 16), tree, offsets.vectors, SamplingConfig())
+    fused = FusedLoop(calls, tree, SamplingConfig())
     stats = LoopStats()
     for frame in range(40):
         prefix = random_prefix(synth, seed=frame)
         noise = torch.from_numpy(gumbel_noise(11, 0, frame, np.arange(1, 16), loop.runner.vocab_size))
-        codes = fused.frame(prefix, noise, stats)
-        assert codes == loop.frame(prefix, SamplingConfig(), 0, frame), f"frame {frame}"
+        done = fused.frame(prefix, noise)
+        count_frame(stats, done)
+        assert done.codes == loop.frame(prefix, SamplingConfig(), 0, frame), f"frame {frame}"
     assert stats == loop.stats  # the same calls, codes, rounds and acceptance depths
     plain = InnerLoop(synth.code_predictor, None, seed=11)
     plain_stats = LoopStats()
     for frame in range(10):  # the plain q = 1 step Core ML runs for --no-spec
         prefix = random_prefix(synth, seed=frame)
         noise = torch.from_numpy(gumbel_noise(11, 0, frame, np.arange(1, 16), loop.runner.vocab_size))
-        assert fused.plain_frame(prefix, noise, plain_stats) == plain.frame(prefix, SamplingConfig(), 0, frame)
+        done = fused.plain_frame(prefix, noise)
+        count_frame(plain_stats, done)
+        assert done.codes == plain.frame(prefix, SamplingConfig(), 0, frame)
     assert plain_stats == plain.stats
     if which == "narrow":  # deep paths were accepted, so drafts from the fused call were walked
         assert loop.stats.accepted_per_depth[1] > 10
@@ -53,9 +57,9 @@ def test_the_fused_round_traces_to_a_static_graph(tiny_dir):
     synth = Synthesizer.from_checkpoint(tiny_dir)
     synth.code_predictor.requires_grad_(False)  # traced weights become constants
     tree = grow_tree(TABLE, 8)
-    decoder = FusedLoop.pytorch(
-        PredictorRunner(synth.code_predictor, 16), tree, torch.zeros(3, synth.hidden_size), SamplingConfig()
-    )
+    runner = PredictorRunner(synth.code_predictor, 16)
+    calls = FusedCalls.modules(runner, tree, torch.zeros(3, synth.hidden_size), SamplingConfig())
+    decoder = FusedLoop(calls, tree, SamplingConfig())
     q, generator = tree.nodes + 1, torch.Generator().manual_seed(0)
 
     def inputs(index: int):

@@ -103,31 +103,29 @@ def test_every_row_gets_its_own_bits_whatever_the_rows_and_threads_of_the_call(n
 
 @needs_kernel
 def test_the_kernel_is_a_candidate_for_the_shapes_and_dtype_it_runs():
-    cpu = torch.device("cpu")
     dot, int8 = ("bf16dot", "int8dot") if native.level() == "avx512" else ("bf16avx2", "int8avx2")
-    assert Kernel(dot) in candidates(cpu, torch.bfloat16, "native", (1024, 3072))
-    assert Kernel(int8) in candidates(cpu, torch.bfloat16, "int8", (1024, 3072))
-    assert Kernel(dot) not in candidates(cpu, torch.float32, "native", (1024, 3072))
-    assert Kernel(dot) not in candidates(cpu, torch.bfloat16, "native", (1000, 3072))  # not 16 a block
+    assert Kernel(dot) in candidates(torch.bfloat16, "native", (1024, 3072))
+    assert Kernel(int8) in candidates(torch.bfloat16, "int8", (1024, 3072))
+    assert Kernel(dot) not in candidates(torch.float32, "native", (1024, 3072))
+    assert Kernel(dot) not in candidates(torch.bfloat16, "native", (1000, 3072))  # not 16 a block
     if native.level() == "avx512":  # built there for the tests, but never a candidate (4x the instructions)
-        assert Kernel("bf16avx2") not in candidates(cpu, torch.bfloat16, "native", (1024, 3072))
+        assert Kernel("bf16avx2") not in candidates(torch.bfloat16, "native", (1024, 3072))
     linear = LinearMap(torch.zeros(32, 64, dtype=torch.bfloat16), None, Kernel(int8))
     assert sum(t.numel() * t.element_size() for t in linear.reads()) == 32 * 64 + 32 * 4  # int8 and scales
 
 
 @needs_amx
 def test_the_amx_kernels_are_candidates_where_the_inputs_fill_their_tiles():
-    cpu = torch.device("cpu")
-    assert Kernel("bf16amx") in candidates(cpu, torch.bfloat16, "native", (1024, 3072))
-    assert Kernel("int8amx") in candidates(cpu, torch.bfloat16, "int8", (1024, 3072))
-    assert Kernel("bf16amx") not in candidates(cpu, torch.bfloat16, "native", (1024, 3056))  # not 32 an input tile
-    assert Kernel("bf16dot") in candidates(cpu, torch.bfloat16, "native", (1024, 3056))
+    assert Kernel("bf16amx") in candidates(torch.bfloat16, "native", (1024, 3072))
+    assert Kernel("int8amx") in candidates(torch.bfloat16, "int8", (1024, 3072))
+    assert Kernel("bf16amx") not in candidates(torch.bfloat16, "native", (1024, 3056))  # not 32 an input tile
+    assert Kernel("bf16dot") in candidates(torch.bfloat16, "native", (1024, 3056))
 
 
 def test_a_machine_that_cannot_build_it_says_why_and_offers_the_other_kernels(tmp_path):
     script = (
         "import torch; from rvqtts.engine import kernels, native; print(native.unavailable()); "
-        "print([k.name for k in kernels.candidates(torch.device('cpu'), torch.bfloat16, 'native', (64, 64))])"
+        "print([k.name for k in kernels.candidates(torch.bfloat16, 'native', (64, 64))])"
     )
     env = {**os.environ, "CXX": "/bin/false", "RVQTTS_CACHE": str(tmp_path)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
@@ -180,7 +178,7 @@ def test_an_avx512_machine_capped_at_avx2_builds_and_runs_the_avx2_library_and_i
     script = (
         "import sys, torch; sys.path.insert(0, 'tests'); from test_native import _native_outputs; "
         "from rvqtts.engine import kernels, native; print(native.level()); "
-        "print(' '.join(k.name for k in kernels.candidates(torch.device('cpu'), torch.bfloat16, 'native', (64, 64)))); "
+        "print(' '.join(k.name for k in kernels.candidates(torch.bfloat16, 'native', (64, 64)))); "
         "_native_outputs(sys.argv[1])"
     )
     env = {**os.environ, "RVQTTS_ISA": "avx2"}

@@ -13,11 +13,10 @@ TEXT = "Hello world. This is a test."
 
 
 def synthesize(synth, speculation, seed=3):
-    synth.speculation = speculation
-    try:
-        return synth.synthesize(TEXT, speaker="ryan", language="english", seed=seed)
-    finally:
-        synth.speculation = None
+    """TEXT by `synth` (plain), or by the same model with another inner loop (`Synthesizer.using`)."""
+    return (synth.using(speculation) if speculation else synth).synthesize(
+        TEXT, speaker="ryan", language="english", seed=seed
+    )
 
 
 def test_speculative_and_plain_synthesis_give_the_same_codes_and_audio(tiny):

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from rvqtts.bench.harness import interleaved_ms
 from rvqtts.engine.streaming import StreamingDecoder
-from rvqtts.report import titled_table
+from rvqtts.report import figures_table
 
 
 def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int = 0, stream_frames: int = 4) -> dict:
@@ -54,16 +54,15 @@ def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int =
 
 def decoder_table(result: dict) -> Table:
     """`rvqtts bench decoder`: the speech decoder's cost per frame by utterance length, qwen-tts's and rvqtts's."""
-    table = titled_table(
+    return figures_table(
         f"speech decoder, {result['device']} {result['dtype']}, median of {result['repeats']}, ms per frame",
         ("frames", "stock", "rvqtts", "rvqtts / stock", f"streamed by {result['stream_frames']}"),
+        (
+            "{frames}",
+            "{stock_ms_per_frame:.2f}",
+            "{rvqtts_ms_per_frame:.2f}",
+            "{ratio:.3f}",
+            "{streamed_ms_per_frame:.2f}",
+        ),
+        result["rows"],
     )
-    for row in result["rows"]:
-        table.add_row(
-            str(row["frames"]),
-            f"{row['stock_ms_per_frame']:.2f}",
-            f"{row['rvqtts_ms_per_frame']:.2f}",
-            f"{row['ratio']:.3f}",
-            f"{row['streamed_ms_per_frame']:.2f}",
-        )
-    return table

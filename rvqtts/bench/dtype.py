@@ -94,7 +94,7 @@ def bench_fused(
     float32 PyTorch engine on the same frames and noise: how many codes and whole frames agree, speculative
     and plain, the candidate's codes per call, and its milliseconds per frame both ways (interleaved)."""
 
-    from rvqtts.engine.inner_loop import InnerLoop
+    from rvqtts.engine.inner_loop import InnerLoop, count_frame
     from rvqtts.engine.sampling import residual_noise
     from rvqtts.engine.speculation import LoopStats
 
@@ -103,18 +103,20 @@ def bench_fused(
     same = {"spec": [0, 0], "plain": [0, 0]}  # codes, frames
     seconds = {"spec": 0.0, "plain": 0.0}
     for frame, prefix in enumerate(prefixes):
-        noise = residual_noise(seed, 0, frame, engine.code_groups, engine.vocab_size)
+        noise = residual_noise(seed, 0, frame, engine.runner.code_groups, engine.runner.vocab_size)
         reference = engine.frame(prefix, sampling, 0, frame)
         for mode, run, stats in (
             ("spec", candidate.frame, spec_stats),
             ("plain", candidate.plain_frame, plain_stats),
         ):
             started = time.perf_counter()
-            codes = run(prefix, noise.to(candidate.device), stats)
+            done = run(prefix, noise.to(candidate.device))
             seconds[mode] += time.perf_counter() - started
+            count_frame(stats, done)
+            codes = done.codes
             same[mode][0] += sum(a == b for a, b in zip(codes, reference))
             same[mode][1] += codes == reference
-    frames, codes = len(prefixes), len(prefixes) * (engine.code_groups - 1)
+    frames, codes = len(prefixes), len(prefixes) * (engine.runner.code_groups - 1)
     return {
         "frames": frames,
         **{f"{mode}_code_agreement": round(same[mode][0] / codes, 5) for mode in same},

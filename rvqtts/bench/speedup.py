@@ -9,7 +9,7 @@ from rich.table import Table
 
 from rvqtts.engine.tree import frame_codes_per_call, grow_tree
 from rvqtts.files import write_atomically
-from rvqtts.report import titled_table
+from rvqtts.report import figures_table
 
 BUDGETS = (4, 7, 8, 15, 16, 31, 32, 63, 64)  # q = N + 1 of 8, 16, 32, 64 are kernel sweet spots on CPUs
 # The paper's codes per call for its offsets drafter (Figure 4, N = 16 / 32 / 64): a labelled reference,
@@ -128,20 +128,12 @@ def plot_speedup(projection: dict, acceptance_source: str, path) -> None:
 def speedup_table(projection: dict) -> Table:
     """`rvqtts bench speedup`: codes per call, cost ratio and projected inner-loop speedup per N."""
     best = f"best N = {projection['best_N']}" if projection["best_N"] else "no N beats the plain loop"
-    table = titled_table(
+    skipped = ", ".join(map(str, projection["not_measured"]))
+    return figures_table(
         f"projected inner-loop speedup, {projection['device']} {projection['dtype']}: {best}",
         ("N", "codes/call", "cost q=N+1 / q=1", "speedup", "vs stock"),
+        ("{N}", "{codes_per_call:.3f}", "{cost_ratio:.3f}", "{speedup:.3f}", "{speedup_vs_stock:.3f}"),
+        projection["rows"],
+        f"acceptance: {projection['acceptance_source']}"
+        + (f"; N = {skipped} not projected (q = N + 1 outside the bench's range)" if skipped else ""),
     )
-    for row in projection["rows"]:
-        table.add_row(
-            str(row["N"]),
-            f"{row['codes_per_call']:.3f}",
-            f"{row['cost_ratio']:.3f}",
-            f"{row['speedup']:.3f}",
-            f"{row['speedup_vs_stock']:.3f}",
-        )
-    skipped = projection["not_measured"]
-    table.caption = f"acceptance: {projection['acceptance_source']}" + (
-        f"; N = {', '.join(map(str, skipped))} not projected (q = N + 1 outside the bench's range)" if skipped else ""
-    )
-    return table

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from rvqtts.bench.floor import megabytes, multiply_adds, peak_multiply_adds_per_ms, read_pass, talker_weights
 from rvqtts.bench.harness import interleaved_ms
-from rvqtts.report import titled_table
+from rvqtts.report import figures_table
 
 
 def bench_talker(
@@ -85,22 +85,11 @@ def bench_talker(
 
 def talker_table(result: dict) -> Table:
     """`rvqtts bench talker`: one talker step, rvqtts's against qwen-tts's, by context length."""
-    table = titled_table(
+    return figures_table(
         f"talker step, {result['device']} {result['dtype']}, median of {result['repeats']}",
         ("context", "stock ms", "rvqtts ms", "rvqtts / stock", "floor ms", "rvqtts / floor"),
+        ("{context}", "{stock_ms:.2f}", "{rvqtts_ms:.2f}", "{ratio:.3f}", "{floor_ms:.2f}", "{ratio_to_floor:.3f}"),
+        result["rows"],
+        f"floor: one pass reading the step's {result['weights_mb']:.0f} MB of weights, timed in the same run; its one "
+        f"row's multiply-adds at this device's peak (a timed dense product): {result['compute_floor_ms']:.2f} ms",
     )
-    for row in result["rows"]:
-        table.add_row(
-            str(row["context"]),
-            f"{row['stock_ms']:.2f}",
-            f"{row['rvqtts_ms']:.2f}",
-            f"{row['ratio']:.3f}",
-            f"{row['floor_ms']:.2f}",
-            f"{row['ratio_to_floor']:.3f}",
-        )
-    table.caption = (
-        f"floor: one pass reading the step's {result['weights_mb']:.0f} MB of weights, timed in the "
-        f"same run; its one row's multiply-adds at this device's peak (a timed dense product): "
-        f"{result['compute_floor_ms']:.2f} ms"
-    )
-    return table

@@ -13,15 +13,14 @@ from rvqtts.cli.common import (
     WEIGHTS_HELP,
     app,
     check_coreml,
-    ensure_writable,
     fail,
+    json_option,
     list_of_ints,
     load_synthesizer,
     progress_bar,
     publish,
-    resolve_device,
+    refused,
     say,
-    stderr_console,
 )
 from rvqtts.cli.frames import (
     CONTEXTS_HELP,
@@ -33,12 +32,9 @@ from rvqtts.cli.frames import (
     recorded_frames,
 )
 
-DEFAULT_BENCH_QUERIES = (1, 2, 4, 5, 8, 9, 16, 17, 24, 32, 33, 48, 64, 65)  # N + 1 for N = 4..64 included
-
-
 bench_app = typer.Typer(
-    help="Benchmarks: predictor call cost per query length, projected speedup per tree size, "
-    "and whole synthesis against stock qwen-tts (docs/benchmarks.md).",
+    help="Benchmarks: predictor call cost per query length, projected speedup per tree size, and whole synthesis "
+    "against stock qwen-tts (docs/benchmarks.md).",
     **HELP_STYLE,
 )
 app.add_typer(bench_app, name="bench")
@@ -51,13 +47,13 @@ def bench_predictor_command(
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("bfloat16", help="float32, bfloat16 or float16."),
     q: str = typer.Option(
-        ",".join(map(str, DEFAULT_BENCH_QUERIES)),
+        "1,2,4,5,8,9,16,17,24,32,33,48,64,65",  # N + 1 for N = 4..64 included
         "--q",
         help="Query lengths (q = N + 1 for a tree of N nodes; 1 is always timed).",
     ),
     repeats: int = typer.Option(30, help="Timed repetitions per query length (after 5 warm-up rounds)."),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    json_out: Optional[Path] = json_option(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
 ) -> None:
     """Median and spread of one predictor call per query length (a verify round for q > 1, KV length 8, after warm-up),
@@ -78,13 +74,12 @@ def bench_predictor_command(
             fail(f"unknown --dims {dims!r}: choose {', '.join(PREDICTOR_DIMS)}")
         import torch
 
+        from rvqtts.engine.devices import pick_device
         from rvqtts.engine.quantize import check_weights
 
-        chosen = resolve_device(device)
-        try:
+        with refused(ValueError):  # DeviceError, and weights this device cannot run
+            chosen = pick_device(device)
             check_weights(weights, torch.device(chosen))
-        except ValueError as error:
-            fail(str(error))
         code_predictor = random_code_predictor(dims, getattr(torch, dtype), chosen)
         source = f"random at the real {dims} dimensions"
     else:
@@ -112,7 +107,7 @@ def bench_speedup_command(
         None, help="Acceptance table (`rvqtts calibrate` writes NAME-acceptance.json); default: the paper's figures."
     ),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG in the manner of the paper's Figure 4."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the projection as JSON."),
+    json_out: Optional[Path] = json_option("Write the projection as JSON."),
     save: bool = typer.Option(
         False, "--save", help="Make the best N the default tree of `rvqtts synth` on this kind of device."
     ),
@@ -121,19 +116,16 @@ def bench_speedup_command(
     """Projected inner-loop speedup per N = codes per call at N / (cost of a q = N + 1 call / cost of a
     q = 1 call), and the best N."""
     from rvqtts.bench.speedup import codes_per_call_by_budget, plot_speedup, project_speedup, speedup_table
-    from rvqtts.engine.tree import AcceptanceFileError, load_acceptance, platform_key, save_best_budget
-    from rvqtts.files import read_json, write_json
+    from rvqtts.engine.tree import load_acceptance, platform_key, save_best_budget
+    from rvqtts.files import read_json
 
-    try:
+    with refused(ValueError):  # AcceptanceFileError too
         measured = read_json(predictor, "predictor bench", ValueError)
         if not isinstance(measured, dict) or not {"q", "ratio_to_q1", "ratio_to_stock_q1", "device"} <= set(measured):
             raise ValueError(f"{predictor} is not the JSON of `rvqtts bench predictor --json`")
         table = load_acceptance(acceptance) if acceptance else None
         figures, source = codes_per_call_by_budget(table)
         projection = project_speedup(figures, measured)
-    except (ValueError, AcceptanceFileError) as error:
-        fail(str(error))
-    projection["acceptance_source"] = source
     if plot:
         try:
             plot_speedup(projection, source, plot)
@@ -142,8 +134,6 @@ def bench_speedup_command(
                 "--plot needs matplotlib: pip install -e '.[bench]' from rvqtts's checkout folder "
                 "(or pip install matplotlib)"
             )
-    if json_out:
-        write_json(json_out, projection)
     if save:
         fingerprint = table.get("model_fingerprint") if table else None  # the choice is this model's only
         platform = platform_key(projection["device"], projection["dtype"], projection["weight_format"])
@@ -157,23 +147,21 @@ def bench_speedup_command(
             else "runs the plain loop (no tree pays)"
         )
         say(f"rvqtts synth on {platform} now {choice} {scope} (recorded in {where})", quiet)
-    if not quiet:
-        stderr_console().print(speedup_table(projection))
+    publish(projection, json_out, speedup_table, quiet, acceptance_source=source)
 
 
 @bench_app.command("e2e")
 def bench_e2e_command(
     texts: Path = typer.Option(
         ...,
-        help="Text file, one utterance per line (.jsonl lines may set speaker and "
-        "language; --instruct and --voice hold for every line).",
+        help="Text file, one utterance per line (.jsonl lines may set speaker and language; --instruct and --voice "
+        "hold for every line).",
     ),
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
     tree: str = typer.Option(
         "16",
-        help="Trees of the fixed-size speculative runs, comma-separated: N or a tree "
-        "file each, e.g. 4,8,16,32 (the auto runs choose theirs online, as "
-        "`rvqtts synth` does).",
+        help="Trees of the fixed-size speculative runs, comma-separated: N or a tree file each, e.g. 4,8,16,32 (the "
+        "auto runs choose theirs online, as `rvqtts synth` does).",
     ),
     offsets: Optional[Path] = typer.Option(None, help="Offsets file; default: shipped offsets matching the model."),
     speaker: Optional[str] = typer.Option(
@@ -183,36 +171,32 @@ def bench_e2e_command(
     instruct: Optional[str] = typer.Option(None, help="Instruction of every line (VoiceDesign models need one)."),
     voice: Optional[Path] = typer.Option(
         None,
-        help="Base models: the cloned voice of every line, a voice file "
-        "(rvqtts synth --ref-audio ... --save-voice VOICE).",
+        help="Base models: the cloned voice of every line, a voice file (rvqtts synth --ref-audio ... --save-voice "
+        "VOICE).",
     ),
     seed: int = typer.Option(0, help="Seed of every run."),
     max_frames: Optional[int] = typer.Option(None, help="Most frames per utterance."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every run and the totals as JSON."),
+    json_out: Optional[Path] = json_option("Write every run and the totals as JSON."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
 ) -> None:
     """Stock qwen-tts, `rvqtts synth --no-spec`, `rvqtts synth` (auto: the tree size chosen online) and
     `rvqtts synth --tree N` for each N on the same texts and seed, interleaved: wall, inner-loop, talker and
     decoder time per frame, RTF, and the ratios between them (the auto runs against the fixed tree whose
     inner loop was fastest)."""
-    from rvqtts.batch import BatchFileError, read_batch
+    from rvqtts.batch import read_batch
     from rvqtts.bench.e2e import bench_e2e, e2e_table, fixed_variants
     from rvqtts.cloning import VoiceSource
-    from rvqtts.engine.offsets import OffsetsFileError
     from rvqtts.engine.policy import choose_speculation
-    from rvqtts.engine.tree import TreeFileError
     from rvqtts.settings import GenerationSettings
 
-    try:
+    with refused(ValueError):  # BatchFileError too
         lines = [(u.text, u.speaker or speaker, u.language or language) for u in read_batch(texts)]
         settings = GenerationSettings(max_frames=max_frames)
-    except (BatchFileError, ValueError) as error:
-        fail(str(error))
     synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, weights=weights, spec=False)
-    try:
+    with refused(ValueError):  # TreeFileError, OffsetsFileError, a voice the model does not speak
         clone = None if voice is None else synthesizer.voice_of(VoiceSource(voice=voice))
         for _, line_speaker, line_language in lines:
             synthesizer.check_voice(line_speaker, line_language, instruct, clone)
@@ -222,8 +206,6 @@ def bench_e2e_command(
         trees = [item.strip() for item in tree.split(",") if item.strip()]
         fixed = [choose_speculation(synthesizer.code_predictor, item, offsets, weights=weights)[0] for item in trees]
         fixed_variants(fixed)
-    except (TreeFileError, OffsetsFileError, ValueError) as error:
-        fail(str(error))
     if notice:
         say(notice, quiet)
     with progress_bar(quiet) as progress:
@@ -258,36 +240,32 @@ def bench_batch_command(
     spec: bool = typer.Option(
         True,
         "--spec/--no-spec",
-        help="The inner loop speculative (--tree auto: the tree size "
-        "chosen online, for each batch size at its rows) or plain.",
+        help="The inner loop speculative (--tree auto: the tree size chosen online, for each batch size at its rows) "
+        "or plain.",
     ),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    json_out: Optional[Path] = json_option(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
 ) -> None:
     """Batch throughput (audio seconds per wall second) and first files by batch size, `rvqtts synth -f
     --batch-size B` against stock qwen-tts's list-of-texts call at the same B, on the same lines, taking
     turns."""
-    from rvqtts.batch import BatchFileError, read_batch
+    from rvqtts.batch import read_batch
     from rvqtts.bench.batch import batch_table, bench_batch
     from rvqtts.settings import GenerationSettings
 
     batch_sizes = list_of_ints(sizes, "--sizes")
-    if min(batch_sizes) < 1 or repeats < 1:
-        fail("--sizes and --repeats must be at least 1")
-    if json_out is not None:
-        ensure_writable(json_out)
-    try:
+    if repeats < 1:
+        fail(f"--repeats must be at least 1, got {repeats}")
+    with refused(ValueError):  # BatchFileError too
         lines = [u.text for u in read_batch(texts)]
         settings = GenerationSettings(max_frames=max_frames)
-    except (BatchFileError, ValueError) as error:
-        fail(str(error))
     synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, weights=weights, spec=spec)
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"{len(lines)} lines x {len(batch_sizes)} sizes", total=None)
-        try:
+        with refused(ValueError):
             result = bench_batch(
                 synthesizer,
                 lines,
@@ -300,10 +278,7 @@ def bench_batch_command(
                 repeats,
                 progress=lambda done, total: progress.update(task, completed=done, total=total),
             )
-        except ValueError as error:
-            fail(str(error))
-    result["model"] = model
-    publish(result, json_out, batch_table, quiet)
+    publish(result, json_out, batch_table, quiet, model=model)
 
 
 @bench_app.command("dtype")
@@ -311,14 +286,14 @@ def bench_dtype_command(
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
     dtype: str = typer.Option(
         "bfloat16",
-        help="The dtype to compare with float32 (bfloat16 or float16), or, with "
-        "--weights int8, the dtype whose own weights are the reference.",
+        help="The dtype to compare with float32 (bfloat16 or float16), or, with --weights int8, the dtype whose own "
+        "weights are the reference.",
     ),
     weights: str = typer.Option("native", help="native, or int8: compare 8-bit weights with the dtype's own."),
     frames: int = typer.Option(100, help="Frames to decode (random contexts)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     seed: int = typer.Option(0, help="Seed of the contexts and the noise."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    json_out: Optional[Path] = json_option(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """The code predictor in a reduced dtype against float32, or with 8-bit weights against its own, on the
@@ -330,8 +305,6 @@ def bench_dtype_command(
         fail(f"--dtype must be bfloat16 or float16 (the reference is float32), got {dtype!r}")
     if frames < 1:
         fail(f"--frames must be at least 1, got {frames}")
-    if json_out is not None:
-        ensure_writable(json_out)
     if weights == "native":
         reference, candidate = (
             load_synthesizer(model, quiet, device=device, dtype="float32", spec=False),
@@ -345,8 +318,7 @@ def bench_dtype_command(
         result = bench_dtype(
             reference.code_predictor, candidate.code_predictor, prefixes, seed, candidate_weights=weights
         )
-    result["model"] = model
-    publish(result, json_out, dtype_table, quiet)
+    publish(result, json_out, dtype_table, quiet, model=model)
 
 
 @bench_app.command("decoder")
@@ -359,7 +331,7 @@ def bench_decoder_command(
     stream_frames: int = typer.Option(4, help="Frames per push of the streamed column (as synth --stream-frames)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    json_out: Optional[Path] = json_option(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """The speech decoder's cost per frame over utterances of growing length (random codes): qwen-tts's decode()
@@ -369,16 +341,11 @@ def bench_decoder_command(
     lengths = list_of_ints(frames, "--frames")
     if stream_frames < 1:
         fail(f"--stream-frames must be at least 1, got {stream_frames}")
-    _model_bench(
-        model,
-        device,
-        dtype,
-        repeats,
-        json_out,
-        quiet,
-        lambda synthesizer: bench_decoder(synthesizer.tts, lengths, repeats, stream_frames=stream_frames),
-        decoder_table,
-    )
+    if repeats < 1:
+        fail(f"--repeats must be at least 1, got {repeats}")
+    tts = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False).tts
+    result = bench_decoder(tts, lengths, repeats, stream_frames=stream_frames)
+    publish(result, json_out, decoder_table, quiet, model=model)
 
 
 @bench_app.command("talker")
@@ -389,45 +356,18 @@ def bench_talker_command(
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    json_out: Optional[Path] = json_option(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """One talker step, rvqtts's static-cache runner against qwen-tts's talker forward, by context length."""
     from rvqtts.bench.talker import bench_talker, talker_table
 
     lengths = list_of_ints(contexts, "--contexts")
-    _model_bench(
-        model,
-        device,
-        dtype,
-        repeats,
-        json_out,
-        quiet,
-        lambda synthesizer: bench_talker(synthesizer.talker, lengths, repeats, weight_format=synthesizer.weights),
-        talker_table,
-        weights,
-    )
-
-
-def _model_bench(
-    model: str,
-    device: str,
-    dtype: str,
-    repeats: int,
-    json_out: Optional[Path],
-    quiet: bool,
-    measure,
-    table,
-    weights: str = "native",
-) -> None:
-    """Check the options, load the model, measure it and publish the result (JSON and a table)."""
     if repeats < 1:
         fail(f"--repeats must be at least 1, got {repeats}")
-    if json_out is not None:
-        ensure_writable(json_out)
-    result = measure(load_synthesizer(model, quiet, device=device, dtype=dtype, weights=weights, spec=False))
-    result["model"] = model
-    publish(result, json_out, table, quiet)
+    synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, weights=weights, spec=False)
+    result = bench_talker(synthesizer.talker, lengths, repeats, weight_format=synthesizer.weights)
+    publish(result, json_out, talker_table, quiet, model=model)
 
 
 @bench_app.command("coreml")
@@ -447,7 +387,7 @@ def bench_coreml_command(
     instruct: Optional[str] = typer.Option(None, help=INSTRUCT_HELP),
     voice: Optional[Path] = typer.Option(None, help=VOICE_HELP),
     seed: int = typer.Option(0, help="Seed of the noise."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    json_out: Optional[Path] = json_option(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress or table."),
 ) -> None:
     """Core ML package against the float32 PyTorch engine on the same frames and noise: codes and frames that
@@ -456,11 +396,9 @@ def bench_coreml_command(
     import sys
 
     from rvqtts.bench.dtype import bench_fused, coreml_table
-    from rvqtts.engine.coreml import CoreMLError, coreml_loop, float16_stand_in
-    from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.coreml import coreml_loop, float16_stand_in
     from rvqtts.engine.policy import choose_speculation
     from rvqtts.engine.sampling import SamplingConfig
-    from rvqtts.engine.tree import TreeFileError
 
     check_source(texts, contexts)
     if frames < 1:
@@ -468,11 +406,9 @@ def bench_coreml_command(
     on_mac = sys.platform == "darwin"
     if on_mac:
         check_coreml(compute_units, precision)
-    if json_out is not None:
-        ensure_writable(json_out)
     synthesizer = load_synthesizer(model, quiet, device="cpu", dtype="float32", spec=False)
     sampling = SamplingConfig()
-    try:
+    with refused(ValueError):  # CoreMLError, TreeFileError, OffsetsFileError
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
         if on_mac:
             candidate = coreml_loop(
@@ -486,8 +422,6 @@ def bench_coreml_command(
             )
         else:
             candidate = float16_stand_in(synthesizer.code_predictor, speculation, sampling)
-    except (CoreMLError, TreeFileError, OffsetsFileError, ValueError) as error:
-        fail(str(error))
     if notice:
         say(notice, quiet)
     source = recorded_frames(synthesizer, texts, contexts, split, None, "auto", seed, quiet, None, instruct, voice)
@@ -495,13 +429,16 @@ def bench_coreml_command(
     with progress_bar(quiet) as progress:
         progress.add_task(f"decoding {len(prefixes)} frames three ways", total=None)
         result = bench_fused(synthesizer.code_predictor, speculation, candidate, prefixes, seed, sampling)
-    result.update(
+    publish(
+        result,
+        json_out,
+        coreml_table,
+        quiet,
         model=model,
         candidate=f"coreml {compute_units}" if on_mac else "pytorch float16 (proxy)",
         tree_nodes=speculation.tree.nodes,
         frames_source=source.source,
     )
-    publish(result, json_out, coreml_table, quiet)
 
 
 @bench_app.command("serve")
@@ -514,7 +451,7 @@ def bench_serve_command(
     voice: Optional[str] = typer.Option(None, help="Voice of every request; default: the server's first."),
     max_frames: Optional[int] = typer.Option(None, help="Most frames per chunk of every request."),
     api_key: Optional[str] = typer.Option(None, envvar="RVQTTS_API_KEY", help="The server's key, if it has one."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    json_out: Optional[Path] = json_option(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """Load-test a running `rvqtts serve` (docs/server.md): time to first audio and total time per request
@@ -526,18 +463,12 @@ def bench_serve_command(
 
     if requests < 1 or clients < 1:
         fail("--requests and --clients must be at least 1")
-    if json_out is not None:
-        ensure_writable(json_out)
-    try:
+    with refused(BatchFileError):
         lines = [u.text for u in read_batch(texts)]
-    except BatchFileError as error:
-        fail(str(error))
     url = url.rstrip("/")
-    try:
+    with refused(httpx.HTTPError, RuntimeError, KeyError, prefix=f"the load test against {url} failed: "):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         voice = voice or (httpx.get(f"{url}/v1/voices", headers=headers, timeout=30).json()["voices"] or [None])[0]
         fields = {"voice": voice, **({"max_frames": max_frames} if max_frames else {})}
         result = load_test(url, lines, requests, clients, stream, api_key, fields)
-    except (httpx.HTTPError, RuntimeError, KeyError) as error:
-        fail(f"the load test against {url} failed: {error}")
     publish(result, json_out, serve_table, quiet)

@@ -3,6 +3,7 @@ output-path checks, and loading a model on the chosen device and dtype."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,36 +20,33 @@ app = typer.Typer(
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 MODEL_HELP = (
-    "Hub id or local folder of a Qwen3-TTS 12 Hz model: CustomVoice, Base (a cloned voice) or VoiceDesign "
-    "(rvqtts voices says which)."
+    "Hub id or local folder of a Qwen3-TTS 12 Hz model: CustomVoice, Base (a cloned voice) or VoiceDesign (rvqtts "
+    "voices says which)."
 )
 DEVICE_HELP = (
-    "auto (cuda, then mps, then cpu), cpu, cuda or mps. cuda and mps have not been validated (rvqtts prints a "
-    "notice that says so when it runs on them); --device cpu chooses the CPU."
+    "auto (cuda, then mps, then cpu), cpu, cuda or mps. cuda and mps have not been validated (rvqtts prints a notice "
+    "that says so when it runs on them); --device cpu chooses the CPU."
 )
 DTYPE_HELP = (
-    "auto (bfloat16 on cuda, float16 on mps; on a CPU the cheaper of bfloat16 and float32 for one frame's linear "
-    "maps at the lines a call carries (--batch-size N), measured once; with RVQTTS_CHOICES=fixed, bfloat16 where "
-    "the CPU multiplies it natively, else float32; "
-    "the speech decoder's own, --decoder-dtype), float32, bfloat16 or float16 (for every component)."
+    "auto (bfloat16 on cuda, float16 on mps; on a CPU the cheaper of bfloat16 and float32 for one frame's linear maps "
+    "at the lines a call carries (--batch-size N), measured once; with RVQTTS_CHOICES=fixed, bfloat16 where the CPU "
+    "multiplies it natively, else float32; the speech decoder's own, --decoder-dtype), float32, bfloat16 or float16 "
+    "(for every component)."
 )
 DECODER_DTYPE_HELP = (
-    "The speech decoder's dtype: auto (--dtype's where it is given; under --dtype auto on a CPU the cheaper of "
-    "float32 and bfloat16 for a frame of decoding, measured once per machine and decoder: its bfloat16 ran 31x "
-    "slower on an AVX2-only AMD EPYC, 14-36x on a Zen 4 capped at AVX2), float32, bfloat16 or float16."
+    "The speech decoder's dtype: auto (--dtype's where it is given; under --dtype auto on a CPU the cheaper of float32 "
+    "and bfloat16 for a frame of decoding, measured once per machine and decoder: its bfloat16 ran 31x slower on an "
+    "AVX2-only AMD EPYC, 14-36x on a Zen 4 capped at AVX2), float32, bfloat16 or float16."
 )
 TREE_HELP = (
-    "Draft tree: auto (the tree size decided online from this model's "
-    "acceptance, counted as it speaks, and this machine's call costs; "
-    "0, the plain loop, where no tree pays; with --backend coreml, the "
-    "best N measured for the device), a node budget N (a shipped tree) "
-    "or a tree file."
+    "Draft tree: auto (the tree size decided online from this model's acceptance, counted as it speaks, and this "
+    "machine's call costs; 0, the plain loop, where no tree pays; with --backend coreml, the best N measured for the "
+    "device), a node budget N (a shipped tree) or a tree file."
 )
 OFFSETS_HELP = "Draft offsets file; default: shipped offsets matching the model, else zero offsets."
 WEIGHTS_HELP = (
-    "native (the dtype's own), or int8: the linear maps of both loops' layers and heads as 8-bit "
-    "weights with per-channel scales (W8A16; CPUs only; changes the model slightly, "
-    "docs/benchmarks.md)."
+    "native (the dtype's own), or int8: the linear maps of both loops' layers and heads as 8-bit weights with "
+    "per-channel scales (W8A16; CPUs only; changes the model slightly, docs/benchmarks.md)."
 )
 
 
@@ -58,31 +56,56 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+@contextlib.contextmanager
+def refused(*errors: type[Exception], prefix: str = ""):
+    """Any of `errors` raised inside ends the command as `fail(prefix + its message)` does."""
+    try:
+        yield
+    except errors as error:
+        fail(f"{prefix}{error}")
+
+
 def say(message: str, quiet: bool = False) -> None:
     if not quiet:
         typer.echo(f"rvqtts: {message}", err=True)
 
 
-def ensure_writable(path: Path, folder: bool = False) -> None:
+def ensure_writable(path: Optional[Path], folder: bool = False) -> None:
     """Fail with one line, before any model work, unless a file can be written at `path` (or, with
-    `folder`, into the folder `path`); nothing is left behind by the check."""
+    `folder`, into the folder `path`; None: nothing to check); nothing is left behind by the check."""
     from rvqtts.files import OutputPathError, check_writable
 
-    try:
-        check_writable(path, folder)
-    except OutputPathError as error:
-        fail(str(error))
+    if path is not None:
+        with refused(OutputPathError):
+            check_writable(path, folder)
+
+
+def check_new_file(path: Path, suffix: str, force: bool = False) -> None:
+    """Fail with one line unless `path` ends in `suffix`, is new (or `force`) and can be written."""
+    if path.suffix != suffix:
+        fail(f"{path}: the file name must end in {suffix}")
+    if path.exists() and not force:
+        fail(f"{path} already exists: --force replaces it")
+    ensure_writable(path)
+
+
+def json_option(help: str = "Write the figures as JSON."):
+    """`--json FILE`, checked writable (before any model work) where given."""
+
+    def checked(path: Optional[Path]) -> Optional[Path]:
+        ensure_writable(path)
+        return path
+
+    return typer.Option(None, "--json", help=help, callback=checked)
 
 
 def check_coreml(compute_units: str, precision: str) -> None:
     """Fail with one line unless Core ML can run here with these settings."""
     from rvqtts.engine.coreml import COMPUTE_UNITS, PRECISIONS, CoreMLError, coremltools, require_macos
 
-    try:
+    with refused(CoreMLError):
         require_macos()
         coremltools()
-    except CoreMLError as error:
-        fail(str(error))
     if compute_units not in COMPUTE_UNITS:
         fail(f"unknown --compute-units {compute_units!r}: choose {', '.join(COMPUTE_UNITS)}")
     if precision not in PRECISIONS:
@@ -135,10 +158,12 @@ def write_stats(path: Optional[Path], entries: list[dict], total: dict | None = 
         write_json(path, {"utterances": entries, "total": total, **extra, "memory": memory_record()})
 
 
-def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], object], quiet: bool) -> None:
-    """A command's figures: to `json_out` if given, and as `table(result)` on stderr unless quiet."""
+def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], object], quiet: bool, **fields) -> None:
+    """A command's figures with `fields` added: to `json_out` if given, and as `table(result)` on stderr unless
+    quiet."""
     from rvqtts.files import write_json
 
+    result.update(fields)
     if json_out is not None:
         write_json(json_out, result)
     if not quiet:
@@ -158,19 +183,8 @@ def load_synthesizer(model: str, quiet: bool = False, *choices, **named):
     from rvqtts.synthesis import Synthesizer
 
     hf_logging.set_verbosity_error()
-    try:
+    with refused(ModelLoadError, ValueError):
         return Synthesizer.load(model, EngineChoices(*choices, **named), on_notice=lambda line: say(line, quiet))
-    except (ModelLoadError, ValueError) as error:
-        fail(str(error))
-
-
-def resolve_device(device: str) -> str:
-    from rvqtts.engine.devices import DeviceError, pick_device
-
-    try:
-        return pick_device(device)
-    except DeviceError as error:
-        fail(str(error))
 
 
 def list_of_ints(value: str, option: str, least: int = 1) -> list[int]:

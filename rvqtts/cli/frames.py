@@ -6,17 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from rvqtts.cli.common import fail, progress_bar, say
+from rvqtts.cli.common import fail, progress_bar, refused, say
 
 TEXTS_HELP = (
-    "Texts to synthesize and record (.txt, or .jsonl with text and the voice fields of rvqtts synth -f: "
-    "speaker, language, instruct, ref_audio, ref_text, x_vector_only, voice)."
+    "Texts to synthesize and record (.txt, or .jsonl with text and the voice fields of rvqtts synth -f: speaker, "
+    "language, instruct, ref_audio, ref_text, x_vector_only, voice)."
 )
 SPEAKER_HELP = "speaker of lines that name none (CustomVoice models; default vivian)."
 INSTRUCT_HELP = "instruction of lines that name none (VoiceDesign models need one; the 1.7B CustomVoice takes a style)."
 VOICE_HELP = (
-    "on a Base model, the cloned voice of lines that name none, a voice file "
-    "(rvqtts synth --ref-audio FILE --ref-text TEXT --save-voice VOICE)."
+    "on a Base model, the cloned voice of lines that name none, a voice file (rvqtts synth --ref-audio FILE --ref-text "
+    "TEXT --save-voice VOICE)."
 )
 CONTEXTS_HELP = "Recorded frames: a contexts .npz (h_t, codes, language), as rvqtts standin build writes."
 SPLIT_HELP = "The split of a contexts file that has splits (calibration or evaluation)."
@@ -48,7 +48,7 @@ def recorded_frames(
     """Frames from a contexts file, from recordings by teacher forcing, or recorded by synthesizing a text
     file with the plain inner loop (in each line's voice, else the one given: `speaker`, `instruct`, or
     a Base model's `voice` file)."""
-    from rvqtts.batch import BatchFileError, read_batch, voice_for
+    from rvqtts.batch import read_batch, voice_for
     from rvqtts.cloning import VoiceSource
     from rvqtts.settings import GenerationSettings
     from rvqtts.tuning.contexts import (
@@ -61,18 +61,14 @@ def recorded_frames(
 
     config = synthesizer.code_predictor.config
     if contexts is not None:
-        try:
+        with refused(ContextsFileError):
             return load_contexts(contexts, split, synthesizer.talker.config.hidden_size, config.num_code_groups)
-        except ContextsFileError as error:
-            fail(str(error))
     clone = None if voice is None else VoiceSource(voice=voice)
     if audio is not None:
-        try:
+        with refused(ValueError):  # ContextsFileError too
             pairs = read_audio_pairs(audio)
             for pair in pairs:
                 voice_for(synthesizer, pair.speaker or speaker, pair.language or language, instruct, clone)
-        except (ContextsFileError, ValueError) as error:
-            fail(str(error))
         with progress_bar(quiet) as progress:
             task = progress.add_task(f"teacher forcing {audio.name}", total=len(pairs))
             frames = force_contexts(
@@ -86,15 +82,11 @@ def recorded_frames(
             )
         say(f"recorded {len(frames)} frames from {len(pairs)} recordings", quiet)
         return frames
-    try:
+    with refused(ValueError):  # BatchFileError
         utterances = read_batch(texts)
-    except BatchFileError as error:
-        fail(str(error))
     for item in utterances:
-        try:
+        with refused(ValueError, prefix=f"{texts}:{item.line}: "):
             voice_for(synthesizer, **item.voice(speaker, language, instruct, clone))
-        except ValueError as error:
-            fail(f"{texts}:{item.line}: {error}")
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"synthesizing {texts.name}", total=len(utterances))
         frames = record_contexts(
@@ -118,9 +110,7 @@ def drafting_offsets(synthesizer, offsets: Optional[Path], depth: int):
 
     if offsets is None:
         return Offsets.zeros(depth, synthesizer.hidden_size)
-    try:
+    with refused(OffsetsFileError):
         return load_offsets(
             offsets, hidden_size=synthesizer.hidden_size, fingerprint=predictor_fingerprint(synthesizer.code_predictor)
         )
-    except OffsetsFileError as error:
-        fail(str(error))

@@ -15,6 +15,7 @@ from rvqtts.cli.common import (
     ensure_writable,
     fail,
     load_synthesizer,
+    refused,
     say,
     stderr_console,
 )
@@ -25,28 +26,26 @@ def make_tiny_model(
     directory: Path = typer.Argument(..., help="Folder to create; it must not exist or be empty."),
     dims: str = typer.Option(
         "tiny",
-        help="tiny (shrunk), or 0.6b / 1.7b: the released CustomVoice model's "
-        "dimensions and layout (rvqtts/tuning/released/), stored in bfloat16.",
+        help="tiny (shrunk), or 0.6b / 1.7b: the released CustomVoice model's dimensions and layout "
+        "(rvqtts/tuning/released/), stored in bfloat16.",
     ),
     kind: str = typer.Option(
         "custom-voice",
-        help="custom-voice (built-in speakers), base (voice cloning: a "
-        "speaker encoder, no speakers) or voice-design (described "
-        "voices; 1.7B only).",
+        help="custom-voice (built-in speakers), base (voice cloning: a speaker encoder, no speakers) or voice-design "
+        "(described voices; 1.7B only).",
     ),
     shallow: bool = typer.Option(
         False,
         "--shallow",
-        help="With --dims: two talker and two code-predictor layers "
-        "and a small speech tokenizer, released widths and heads.",
+        help="With --dims: two talker and two code-predictor layers and a small speech tokenizer, released widths and "
+        "heads.",
     ),
     codebook: int = typer.Option(2048, help="--dims tiny: residual codebook size (the code predictor's vocabulary)."),
     code_groups: int = typer.Option(16, help="--dims tiny: codes per frame, c0 plus code_groups - 1 residual codes."),
     acceptance: str = typer.Option(
         "none",
-        help="none (random weights), or paper (--dims 0.6b): a code predictor "
-        "whose own weights draft about as well as the paper reports "
-        "(docs/acceptance.md).",
+        help="none (random weights), or paper (--dims 0.6b): a code predictor whose own weights draft about as well as "
+        "the paper reports (docs/acceptance.md).",
     ),
     seed: int = typer.Option(0, help="Seed of the random weights; same arguments give byte-identical files."),
     force: bool = typer.Option(False, "--force", help="Replace the folder if it already exists."),
@@ -64,7 +63,7 @@ def make_tiny_model(
 
     if force and directory.is_dir():
         shutil.rmtree(directory)
-    try:
+    with refused(ValueError, FileExistsError):
         build_tiny_model(
             directory,
             codebook=codebook,
@@ -75,8 +74,6 @@ def make_tiny_model(
             kind=kind,
             acceptance=acceptance,
         )
-    except (ValueError, FileExistsError) as error:
-        fail(str(error))
     say(f"wrote {directory}")
 
 
@@ -86,10 +83,8 @@ def voices(model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder
     only)."""
     from rvqtts.loading import KINDS, ModelLoadError, model_voices
 
-    try:
+    with refused(ModelLoadError):
         found = model_voices(model)
-    except ModelLoadError as error:
-        fail(str(error))
     name, takes = KINDS[found.kind]
     typer.echo(f"kind: {name} ({takes})")
     typer.echo("speakers: " + (", ".join(found.speakers) or "none"))
@@ -102,8 +97,8 @@ def export_coreml(
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
     tree: str = typer.Option(
         "auto",
-        help="Draft tree: auto (the best N measured for Core ML, else 16), a node "
-        "budget N (a shipped tree) or a tree file.",
+        help="Draft tree: auto (the best N measured for Core ML, else 16), a node budget N (a shipped tree) or a tree "
+        "file.",
     ),
     offsets: Optional[Path] = typer.Option(None, help=OFFSETS_HELP),
     precision: str = typer.Option("w8a16", help="w8a16 (int8 per-channel weights, float16 activations) or fp16."),
@@ -115,20 +110,16 @@ def export_coreml(
 ) -> None:
     """Export the fused inner loop (prefill, tree round, plain step) for one tree as a Core ML package,
     for `rvqtts synth --backend coreml --coreml-package`. Runs on any OS; the package runs on macOS."""
-    from rvqtts.engine.coreml import CoreMLError, check_export_settings, export_package
-    from rvqtts.engine.offsets import OffsetsFileError
+    from rvqtts.engine.coreml import check_export_settings, export_package
     from rvqtts.engine.policy import choose_speculation
     from rvqtts.engine.sampling import SamplingConfig
-    from rvqtts.engine.tree import TreeFileError
 
-    try:
+    with refused(ValueError):  # CoreMLError too
         sampling = SamplingConfig(temperature, top_k)
         check_export_settings(sampling, precision, min_target)
-    except (CoreMLError, ValueError) as error:
-        fail(str(error))
     ensure_writable(out, folder=True)
     synthesizer = load_synthesizer(model, quiet, device="cpu", dtype="float32", spec=False)
-    try:
+    with refused(ValueError):  # CoreMLError, TreeFileError, OffsetsFileError too
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
         if notice:
             say(notice, quiet)
@@ -142,8 +133,6 @@ def export_coreml(
             report=lambda message: say(message, quiet),
             force=force,
         )
-    except (CoreMLError, TreeFileError, OffsetsFileError, ValueError) as error:
-        fail(str(error))
     if exported.reused:
         say(
             f"{exported.path} is already exported for this model, tree, offsets and sampling (--force redoes it)", quiet
@@ -179,12 +168,8 @@ def standin_build(
 
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         fail(f"unknown --device {device!r}: choose cpu or cuda")
-    try:
-        report = build_standin(
-            out, small=small, device=device, sentences_dir=sentences, steps=steps, log=lambda m: say(m)
-        )
-    except CorpusError as error:
-        fail(str(error))
+    with refused(CorpusError):
+        report = build_standin(out, small=small, device=device, sentences_dir=sentences, steps=steps, log=say)
     console = stderr_console()
     for table in standin_tables(report):
         console.print(table)

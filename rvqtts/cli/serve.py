@@ -20,6 +20,7 @@ from rvqtts.cli.common import (
     batch_rows,
     fail,
     load_synthesizer,
+    refused,
     say,
 )
 
@@ -36,8 +37,8 @@ def serve(
     ),
     voices: Optional[Path] = typer.Option(
         None,
-        help="Base models: a folder of voice files (NAME.safetensors, from rvqtts synth --save-voice); a "
-        "request's voice names one. Nothing outside it is read.",
+        help="Base models: a folder of voice files (NAME.safetensors, from rvqtts synth --save-voice); a request's "
+        "voice names one. Nothing outside it is read.",
     ),
     device: str = typer.Option("auto", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
@@ -51,9 +52,9 @@ def serve(
     chunk_chars: int = typer.Option(240, help="Long input is spoken in chunks of about this many characters."),
     batch_size: str = typer.Option(
         "auto",
-        help="Whole (not streamed) requests waiting together, with the same sampling settings, spoken a row each "
-        "in every call of both loops, up to this many; auto: the size measured best on this machine and model "
-        "where the kernels keep rows invariant (each response then the one it gets alone), else 1.",
+        help="Whole (not streamed) requests waiting together, with the same sampling settings, spoken a row each in "
+        "every call of both loops, up to this many; auto: the size measured best on this machine and model where the "
+        "kernels keep rows invariant (each response then the one it gets alone), else 1.",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only."),
 ) -> None:
@@ -81,10 +82,8 @@ def serve(
             "rvqtts serve needs its web packages: pip install -e '.[serve]' "
             "(from rvqtts's checkout folder; rvqtts is not on PyPI)"
         )
-    try:
+    with refused(ModelLoadError):
         kind = model_voices(model).kind
-    except ModelLoadError as error:
-        fail(str(error))
     if voices is not None:
         voices = voices.expanduser()
         if kind != "base":

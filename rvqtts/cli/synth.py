@@ -24,10 +24,12 @@ from rvqtts.cli.common import (
     app,
     batch_rows,
     check_coreml,
+    check_new_file,
     ensure_writable,
     fail,
     load_synthesizer,
     progress_bar,
+    refused,
     say,
     show_stats,
     write_stats,
@@ -63,52 +65,40 @@ def synth(
     stream: bool = typer.Option(
         False,
         "--stream",
-        help="Write audio while it is made, every --stream-frames "
-        "frames (decoded incrementally: the audio of a run "
-        "without --stream up to float rounding, for chunks "
-        "of up to 300 frames); a file appears when it is "
-        "complete.",
+        help="Write audio while it is made, every --stream-frames frames (decoded incrementally: the audio of a run "
+        "without --stream up to float rounding, for chunks of up to 300 frames); a file appears when it is complete.",
     ),
     stream_frames: int = typer.Option(4, help="Frames per streamed chunk (12.5 frames = 1 s; 4 = 320 ms)."),
     stdout_format: str = typer.Option(
         "wav",
         "--format",
-        help="What -o - writes: wav (streamed: a WAV header of "
-        "unknown length) or raw (16-bit little-endian mono "
-        "PCM at 24 kHz).",
+        help="What -o - writes: wav (streamed: a WAV header of unknown length) or raw (16-bit little-endian mono PCM "
+        "at 24 kHz).",
     ),
     file: Optional[Path] = typer.Option(
         None,
         "-f",
         "--file",
-        help="Batch: a .txt file (one utterance per line) or a .jsonl file "
-        "(text, speaker, language, instruct, out; on Base models "
-        "ref_audio, ref_text, x_vector_only or voice).",
+        help="Batch: a .txt file (one utterance per line) or a .jsonl file (text, speaker, language, instruct, out; on "
+        "Base models ref_audio, ref_text, x_vector_only or voice).",
     ),
     out_dir: Optional[Path] = typer.Option(None, "--out-dir", help="Batch output folder (required with -f)."),
     force: bool = typer.Option(False, "--force", help="Batch: overwrite outputs that already exist."),
     batch_size: str = typer.Option(
         "auto",
         "--batch-size",
-        help="Batch: lines spoken together, a row each in every "
-        "call of both loops (a free row takes the next "
-        "line); auto: the size measured best on this "
-        "machine and model (once; on Ray, on each "
-        "worker's; 1 with RVQTTS_CHOICES=fixed). Each "
-        "line's file is the one a one-line run writes "
-        "where the kernels keep "
-        "rows invariant (rvqtts tune); a batch's inner "
-        "loop speculates as one line's does, every "
-        "row's tree round in one call.",
+        help="Batch: lines spoken together, a row each in every call of both loops (a free row takes the next line); "
+        "auto: the size measured best on this machine and model (once; on Ray, on each worker's; 1 with "
+        "RVQTTS_CHOICES=fixed). Each line's file is the one a one-line run writes where the kernels keep rows "
+        "invariant (rvqtts tune); a batch's inner loop speculates as one line's does, every row's tree round in one "
+        "call.",
     ),
     ray: Optional[str] = typer.Option(
         None,
         "--ray",
-        help="Batch on a Ray cluster (pip install -e '.[ray]' in rvqtts's checkout): "
-        "auto ($RAY_ADDRESS, or the cluster `ray start` made "
-        "here, else a new one on this machine) or the "
-        "cluster's address (HOST:PORT). "
-        "This machine writes every file (docs/cluster.md).",
+        help="Batch on a Ray cluster (pip install -e '.[ray]' in rvqtts's checkout): auto ($RAY_ADDRESS, or the "
+        "cluster `ray start` made here, else a new one on this machine) or the cluster's address (HOST:PORT). This "
+        "machine writes every file (docs/cluster.md).",
     ),
     workers: Optional[int] = typer.Option(
         None, help="--ray: workers, each loading the model once; default: as many as the cluster's CPUs (GPUs) hold."
@@ -117,26 +107,19 @@ def synth(
     gpus_per_worker: Optional[float] = typer.Option(
         None, help="--ray: GPUs per worker (fractions share one); default 0. With GPUs, --device auto is cuda."
     ),
-    model: str = typer.Option(
-        DEFAULT_MODEL,
-        help=MODEL_HELP,
-    ),
+    model: str = typer.Option(DEFAULT_MODEL, help=MODEL_HELP),
     device: str = typer.Option("auto", help=DEVICE_HELP),
-    dtype: str = typer.Option(
-        "auto",
-        help=DTYPE_HELP,
-    ),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     decoder_dtype: str = typer.Option("auto", help=DECODER_DTYPE_HELP),
     weights: str = typer.Option("native", help=WEIGHTS_HELP),
     speaker: Optional[str] = typer.Option(
         None,
-        help="Speaker of a CustomVoice model (rvqtts voices lists them); "
-        "default vivian. Base and VoiceDesign models have none.",
+        help="Speaker of a CustomVoice model (rvqtts voices lists them); default vivian. Base and VoiceDesign models "
+        "have none.",
     ),
     ref_audio: Optional[Path] = typer.Option(
         None,
-        help="Base models: reference audio of the voice to clone "
-        "(.wav, .flac, .ogg; at least 1 s), with --ref-text or "
+        help="Base models: reference audio of the voice to clone (.wav, .flac, .ogg; at least 1 s), with --ref-text or "
         "--x-vector-only.",
     ),
     ref_text: Optional[str] = typer.Option(
@@ -145,30 +128,26 @@ def synth(
     x_vector_only: bool = typer.Option(
         False,
         "--x-vector-only",
-        help="Base models: clone from the reference's "
-        "speaker embedding alone (no transcript; "
-        "its codes are not in the prompt).",
+        help="Base models: clone from the reference's speaker embedding alone (no transcript; its codes are not in the "
+        "prompt).",
     ),
     voice: Optional[Path] = typer.Option(
         None, help="Base models: a voice file written by --save-voice (the reference encoded once)."
     ),
     save_voice: Optional[Path] = typer.Option(
         None,
-        help="Write the voice cloned from --ref-audio to this file "
-        "(.safetensors) for --voice; with no text, only that.",
+        help="Write the voice cloned from --ref-audio to this file (.safetensors) for --voice; with no text, only "
+        "that.",
     ),
     language: str = typer.Option("auto", help="Language, or auto."),
     instruct: Optional[str] = typer.Option(
         None,
-        help="Style instruction (ignored, with a warning, by models "
-        "without instruction support such as the 0.6B "
-        "CustomVoice); on a VoiceDesign model, the voice "
-        "described in words (required).",
+        help="Style instruction (ignored, with a warning, by models without instruction support such as the 0.6B "
+        "CustomVoice); on a VoiceDesign model, the voice described in words (required).",
     ),
     temperature: Optional[float] = typer.Option(
         None,
-        help="Sampling temperature of both loops; default: the "
-        "model's generation_config.json (talker and code "
+        help="Sampling temperature of both loops; default: the model's generation_config.json (talker and code "
         "predictor apart), else 0.9.",
     ),
     top_k: Optional[int] = typer.Option(None, help="Top-k of both loops (0 = off); default: the model's, else 50."),
@@ -183,34 +162,28 @@ def synth(
     ),
     max_frames: Optional[int] = typer.Option(
         None,
-        help="Most frames per chunk (12.5 frames = 1 s); default: "
-        "three times what the chunk's text needs plus 2 s, within "
-        "the model's max_new_tokens.",
+        help="Most frames per chunk (12.5 frames = 1 s); default: three times what the chunk's text needs plus 2 s, "
+        "within the model's max_new_tokens.",
     ),
     chunk_chars: int = typer.Option(
         240,
-        help="Long text is spoken in chunks of about this many characters, cut "
-        "at sentence ends (ideographs and kana count 2.5).",
+        help="Long text is spoken in chunks of about this many characters, cut at sentence ends (ideographs and kana "
+        "count 2.5).",
     ),
     no_chunk: bool = typer.Option(
         False,
         "--no-chunk",
-        help="Speak the whole text in one pass, as qwen-tts does "
-        "(keeps prosody across sentences; the runaway cut "
+        help="Speak the whole text in one pass, as qwen-tts does (keeps prosody across sentences; the runaway cut "
         "still applies).",
     ),
     seed: int = typer.Option(
         0,
-        help="Same seed, same codes, speculative or not, on the same model, dtype, device, "
-        "thread count and kernel choices, wherever the chosen kernels are row-invariant "
-        "(rvqtts tune); the same WAV also needs the speech decoder's bits, which depend "
-        "on the thread count (README: Same seed, same codes).",
+        help="Same seed, same codes, speculative or not, on the same model, dtype, device, thread count and kernel "
+        "choices, wherever the chosen kernels are row-invariant (rvqtts tune); the same WAV also needs the speech "
+        "decoder's bits, which depend on the thread count (README: Same seed, same codes).",
     ),
     spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
-    tree: str = typer.Option(
-        "auto",
-        help=TREE_HELP,
-    ),
+    tree: str = typer.Option("auto", help=TREE_HELP),
     offsets: Optional[Path] = typer.Option(None, help=OFFSETS_HELP),
     backend: str = typer.Option(
         "torch", help="torch, or coreml (macOS): the inner loop runs on a Core ML package (docs/coreml.md)."
@@ -262,16 +235,16 @@ def synth(
     else:
         utterance, rows = _one_input(text, output, batch_size, stdout_format, codes_out), None
         utterances, output = [utterance], utterance.name
-    if stats_json is not None:
-        ensure_writable(stats_json)
+    ensure_writable(stats_json)
+    from rvqtts.settings import GenerationSettings, RunSettings
+
     sampling = (temperature, top_k, top_p, repetition_penalty, max_frames)
-    settings = _settings(*sampling, predictor_temperature, predictor_top_k, predictor_top_p)
+    with refused(ValueError):
+        settings = GenerationSettings(*sampling, predictor_temperature, predictor_top_k, predictor_top_p)
     if file is not None and not force and save_voice is None and all((out_dir / u.name).exists() for u in utterances):
         say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
         return
     making, voices = _checked_voices(model, utterances, file, out_dir, force, speaker, language, instruct, clone)
-    from rvqtts.settings import RunSettings
-
     run = RunSettings(speaker, language, instruct, seed, settings, clone, None if no_chunk else chunk_chars)
     with _run_errors():
         if ray is not None:
@@ -285,8 +258,13 @@ def synth(
         tree_device = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
         synthesizer = load_synthesizer(model, quiet, *engine, rows, tree_device)  # auto: the dtype priced at 1
         if backend == "coreml":
-            _use_coreml(synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet)
-        _say_ignored_instruct(synthesizer, instruct, utterances)
+            synthesizer = _on_coreml(
+                synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet
+            )
+        if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
+            from rvqtts.synthesis import INSTRUCT_IGNORED
+
+            say(INSTRUCT_IGNORED)
         _encode_voices(synthesizer, voices, clone, save_voice, quiet)
         if file is None:
             frames = stream_frames if stream else None
@@ -338,10 +316,8 @@ def _voice_source(ref_audio: Optional[Path], ref_text: Optional[str], x_vector_o
     ref_audio, voice = (None if path is None else path.expanduser().resolve() for path in (ref_audio, voice))
     if not (ref_audio or voice or ref_text is not None or x_vector_only):
         return None
-    try:
+    with refused(VoiceError):
         return VoiceSource(ref_audio, ref_text, x_vector_only, voice)
-    except VoiceError as error:
-        fail(str(error))
 
 
 def _checked_save_voice(save_voice: Path, clone, ray: Optional[str]) -> Path:
@@ -351,9 +327,7 @@ def _checked_save_voice(save_voice: Path, clone, ray: Optional[str]) -> Path:
     if ray is not None:
         fail("--save-voice encodes the voice here: run it without --ray, then give the batch --voice FILE")
     save_voice = save_voice.expanduser()
-    if save_voice.suffix != ".safetensors":
-        fail(f"{save_voice}: a voice file's name must end in .safetensors")
-    ensure_writable(save_voice)
+    check_new_file(save_voice, ".safetensors", force=True)
     return save_voice
 
 
@@ -366,13 +340,10 @@ def _batch_input(file: Path, out_dir: Optional[Path], stream: bool, batch_size: 
     if stream:
         fail("--stream is for one text; a batch writes each line's file whole")
     rows = batch_rows(batch_size)
-    try:
+    with refused(BatchFileError):
         utterances = read_batch(file)
-    except BatchFileError as error:
-        fail(str(error))
     ensure_writable(out_dir, folder=True)
-    if codes_out is not None:
-        ensure_writable(codes_out, folder=True)
+    ensure_writable(codes_out, folder=True)
     return utterances, rows
 
 
@@ -385,28 +356,15 @@ def _one_input(text: Optional[str], output: Optional[str], batch_size: str, stdo
         fail("--batch-size is for batch files: give -f FILE --out-dir DIR")
     if output is None:
         fail("give -o FILE.wav (.flac, .ogg; or -o - for a WAV on standard output)")
-    try:
+    with refused(ValueError):
         audio_format(output)
-    except ValueError as error:
-        fail(str(error))
     if stdout_format != "wav" and output != "-":
         fail("--format is for -o - (standard output); a file's suffix picks its format")
     if output != "-":
         ensure_writable(Path(output))
         output = str(Path(output).expanduser())  # as checked, also where no shell expanded a "~"
-    if codes_out is not None:
-        ensure_writable(codes_out)
+    ensure_writable(codes_out)
     return Utterance(1, _read_text(text).strip(), output)
-
-
-def _settings(*values):
-    """GenerationSettings of the sampling options, in its fields' order; fails with one line on a bad value."""
-    from rvqtts.settings import GenerationSettings
-
-    try:
-        return GenerationSettings(*values)
-    except ValueError as error:
-        fail(str(error))
 
 
 def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, speaker, language, instruct, clone):
@@ -416,10 +374,8 @@ def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, sp
     from rvqtts.batch import to_do
     from rvqtts.loading import ModelLoadError, model_voices
 
-    try:
+    with refused(ModelLoadError):
         found = model_voices(model)
-    except ModelLoadError as error:
-        fail(str(error))
     for item in utterances:
         where = f"{file}:{item.line}: " if file else ""
         line = item.voice(speaker, language, instruct, clone)
@@ -432,13 +388,6 @@ def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, sp
     voices = sorted(({item.clone for item in making} | {clone}) - {None}, key=str)
     _check_voice_files(voices, {item.clone: f"{file}:{item.line}: " for item in reversed(making) if item.clone})
     return making, voices
-
-
-def _say_ignored_instruct(synthesizer, instruct: Optional[str], utterances: list) -> None:
-    from rvqtts.synthesis import INSTRUCT_IGNORED
-
-    if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
-        say(INSTRUCT_IGNORED)
 
 
 @contextlib.contextmanager
@@ -467,10 +416,8 @@ def _refuse_unknown_voice(model: str, speaker: Optional[str], language: str, ins
         found = model_voices(model)
     except ModelLoadError:
         return
-    try:
+    with refused(ValueError):
         found.check(speaker, language, instruct, cloned=cloned)
-    except ValueError as error:
-        fail(str(error))
 
 
 def _check_voice_files(sources: list, where: dict | None = None) -> None:
@@ -480,10 +427,8 @@ def _check_voice_files(sources: list, where: dict | None = None) -> None:
     from rvqtts.cloning import VoiceError, load_voice, read_reference
 
     for source in sources:
-        try:
+        with refused(VoiceError, prefix=(where or {}).get(source, "")):
             read_reference(source.ref_audio) if source.voice is None else load_voice(source.voice)
-        except VoiceError as error:
-            fail((where or {}).get(source, "") + str(error))
 
 
 def _encode_voices(synthesizer, sources: list, clone, save_voice: Optional[Path], quiet: bool) -> None:
@@ -491,16 +436,12 @@ def _encode_voices(synthesizer, sources: list, clone, save_voice: Optional[Path]
     use fails with one line; with `save_voice`, write the voice of `clone` there."""
     from rvqtts.cloning import save_voice as write_voice
 
-    try:
+    with refused(ValueError):  # VoiceError, and a cloned voice on a model of another kind
         for source in sources:
             synthesizer.voice_of(source)
-    except ValueError as error:  # VoiceError, and a cloned voice on a model of another kind
-        fail(str(error))
     if save_voice is not None:
-        try:
+        with refused(OSError, prefix=f"cannot write {save_voice}: "):  # the disk filled or the folder changed
             write_voice(synthesizer.voice_of(clone), save_voice)
-        except OSError as error:  # the disk filled or the folder changed since it was checked
-            fail(f"cannot write {save_voice}: {error}")
         say(f"wrote the voice cloned from {clone.ref_audio} to {save_voice} (use it with --voice)", quiet)
 
 
@@ -508,10 +449,8 @@ def _save_voice_only(clone, save_voice: Path, model: str, device: str, dtype: st
     """`rvqtts synth --ref-audio F ... --save-voice V` with nothing to say: encode the voice and write it."""
     from rvqtts.loading import ModelLoadError, model_voices
 
-    try:
+    with refused(ModelLoadError, ValueError):
         model_voices(model).check(None, "auto", cloned=True)
-    except (ModelLoadError, ValueError) as error:
-        fail(str(error))
     _check_voice_files([clone])
     synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
     _encode_voices(synthesizer, [clone], clone, save_voice, quiet)
@@ -549,29 +488,24 @@ def _ray_worker_spec(
         )
     if device == "cuda" and gpus == 0:
         fail("--device cuda on Ray needs GPUs for the workers: add --gpus-per-worker (e.g. 1)")
-    try:
-        EngineChoices(device, dtype, decoder_dtype, weights)
-    except ValueError as error:
-        fail(str(error))
-    if tree != "auto" and not tree.isdigit() and not Path(tree).expanduser().is_file():
-        fail(f"--tree {tree}: no such tree file (give auto, a node budget N or a tree file)")
-    if offsets is not None and not offsets.expanduser().is_file():
-        fail(f"--offsets {offsets}: no such file")
-    try:
-        require_ray()
-    except ClusterError as error:
-        fail(str(error))
 
     def absolute(path: str) -> str:
         return str(Path(path).expanduser().resolve()) if Path(path).expanduser().exists() else path
 
     tree = tree if tree == "auto" or tree.isdigit() else absolute(tree)
     offsets = None if offsets is None else absolute(str(offsets))
-    choices = EngineChoices(device, dtype, decoder_dtype, weights, spec, tree, offsets, cuda_graphs)
+    with refused(ValueError):
+        choices = EngineChoices(device, dtype, decoder_dtype, weights, spec, tree, offsets, cuda_graphs)
+    if tree != "auto" and not tree.isdigit() and not Path(tree).is_file():
+        fail(f"--tree {tree}: no such tree file (give auto, a node budget N or a tree file)")
+    if offsets is not None and not Path(offsets).is_file():
+        fail(f"--offsets {offsets}: no such file")
+    with refused(ClusterError):
+        require_ray()
     return WorkerSpec(absolute(model), choices, cpus, gpus)
 
 
-def _use_coreml(
+def _on_coreml(
     synthesizer,
     tree: str,
     offsets: Optional[Path],
@@ -580,29 +514,19 @@ def _use_coreml(
     precision: str,
     compute_units: str,
     quiet: bool,
-) -> None:
-    """Run the synthesizer's inner loop on a Core ML package (the plain step when it has no speculation)."""
-    from rvqtts.engine.coreml import CoreMLError, coreml_loop
-    from rvqtts.engine.offsets import OffsetsFileError
+):
+    """The synthesizer with its inner loop on a Core ML package (the plain step when it has no speculation)."""
+    from rvqtts.engine.coreml import coreml_loop
     from rvqtts.engine.policy import choose_speculation
-    from rvqtts.engine.tree import TreeFileError
 
-    try:
+    with refused(ValueError):  # CoreMLError, TreeFileError, OffsetsFileError and a tree the offsets cannot draft
         speculation = synthesizer.speculation  # None: --no-spec, whose package still holds a tree
         if speculation is None:
             speculation, _ = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
         sampling = synthesizer.sampling(settings).predictor
-        synthesizer.runners.fused = coreml_loop(
-            synthesizer.code_predictor,
-            speculation,
-            sampling,
-            package,
-            precision,
-            compute_units,
-            report=lambda message: say(message, quiet),
-        )
-    except (CoreMLError, TreeFileError, OffsetsFileError) as error:
-        fail(str(error))
+        report = lambda message: say(message, quiet)  # noqa: E731
+        loop = coreml_loop(synthesizer.code_predictor, speculation, sampling, package, precision, compute_units, report)
+    return synthesizer.using(synthesizer.speculation, loop)
 
 
 def _synth_one(

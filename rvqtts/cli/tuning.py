@@ -11,12 +11,15 @@ from rvqtts.cli.common import (
     DEFAULT_MODEL,
     DEVICE_HELP,
     app,
+    check_new_file,
     ensure_writable,
     fail,
+    json_option,
     list_of_ints,
     load_synthesizer,
     progress_bar,
     publish,
+    refused,
     say,
 )
 from rvqtts.cli.frames import (
@@ -32,14 +35,6 @@ from rvqtts.cli.frames import (
 )
 
 
-def check_new_file(path: Path, force: bool, suffix: str) -> None:
-    if path.suffix != suffix:
-        fail(f"{path}: the file name must end in {suffix}")
-    if path.exists() and not force:
-        fail(f"{path} already exists: --force replaces it")
-    ensure_writable(path)
-
-
 @app.command()
 def tune(
     model: str = typer.Option(
@@ -52,19 +47,18 @@ def tune(
     again: bool = typer.Option(False, "--again", help="Measure anew, replacing what the cache holds for this machine."),
     texts: Optional[Path] = typer.Option(
         None,
-        help="Also speak these lines (.txt, or .jsonl as synth -f takes) "
-        "with --tree auto: the run measures this model's acceptance "
-        "(kept for later runs) and shows the tree sizes it chose from.",
+        help="Also speak these lines (.txt, or .jsonl as synth -f takes) with --tree auto: the run measures this "
+        "model's acceptance (kept for later runs) and shows the tree sizes it chose from.",
     ),
     offsets: Optional[Path] = typer.Option(
         None,
-        help="With --texts: the offsets to draft with (default: shipped "
-        "offsets matching the model, else zero offsets).",
+        help="With --texts: the offsets to draft with (default: shipped offsets matching the model, else zero "
+        "offsets).",
     ),
     speaker: Optional[str] = typer.Option(None, help="With --texts: " + SPEAKER_HELP),
     max_frames: Optional[int] = typer.Option(None, help="With --texts: most frames per line."),
     seed: int = typer.Option(0, help="With --texts: seed of synthesis."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    json_out: Optional[Path] = json_option(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """Measure this CPU's kernel for every linear map shape of the model's frame (row invariance, then cost
@@ -96,12 +90,8 @@ def tune(
         fail(f"unknown --dtype {dtype!r}: rvqtts tune measures CPU kernels in auto, float32 or bfloat16")
     if weights not in WEIGHTS:
         fail(f"unknown --weights {weights!r}: choose {' or '.join(WEIGHTS)}")
-    if json_out is not None:
-        ensure_writable(json_out)
-    try:
+    with refused(ModelLoadError):
         talker_config = model_config(model).talker_config
-    except ModelLoadError as error:
-        fail(str(error))
     names = ["bfloat16", "float32"] if dtype == "auto" else [dtype]
 
     def progress(line: str) -> None:
@@ -134,10 +124,8 @@ def tune(
         result["auto"], result["reason"] = pick_dtype("auto", "cpu", talker_config, weights)
         if again:
             forget_records("decoder/")
-        try:
+        with refused(ModelLoadError):
             decoder = pick_decoder_dtype("auto", "auto", result["auto"], "cpu", model, progress)
-        except ModelLoadError as error:
-            fail(str(error))
         result["decoder_dtype"], result["decoder_reason"] = decoder
     if texts is not None:
         result["trees"] = _tune_trees(
@@ -159,32 +147,22 @@ def _tune_trees(
     quiet: bool,
 ) -> dict:
     """`tune --texts`: the lines spoken with --tree auto on the CPU; what the online choice measured and chose."""
-    from rvqtts.batch import BatchFileError, read_batch
+    from rvqtts.batch import read_batch
     from rvqtts.engine.online import OnlineSpeculation
     from rvqtts.settings import GenerationSettings
 
-    try:
+    with refused(ValueError):  # BatchFileError too
         lines = read_batch(texts)
         settings = GenerationSettings(max_frames=max_frames)
-    except (BatchFileError, ValueError) as error:
-        fail(str(error))
     synthesizer = load_synthesizer(model, quiet, device="cpu", dtype=dtype, weights=weights, offsets=offsets)
     if not isinstance(synthesizer.speculation, OnlineSpeculation):
         fail("rvqtts tune --texts decides the tree size online, which RVQTTS_CHOICES=fixed turns off")
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"speaking {len(lines)} lines with --tree auto", total=len(lines))
         for line in lines:
-            try:
-                synthesizer.synthesize(
-                    line.text,
-                    line.speaker or speaker,
-                    line.language or "auto",
-                    seed,
-                    settings=settings,
-                    instruct=line.instruct,
-                )
-            except ValueError as error:
-                fail(f"{texts}: {error}")
+            with refused(ValueError, prefix=f"{texts}: "):
+                speaking = (line.text, line.speaker or speaker, line.language or "auto", seed)
+                synthesizer.synthesize(*speaking, settings=settings, instruct=line.instruct)
             progress.advance(task)
     synthesizer.speculation.save()
     return synthesizer.speculation.record()
@@ -200,9 +178,8 @@ def train_offsets_command(
     contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP + " Teacher forcing on their codes."),
     audio: Optional[Path] = typer.Option(
         None,
-        help='Recordings and transcripts: a .jsonl file of {"audio": '
-        'WAV, "text": transcript} (optional speaker, language). '
-        "Teacher forcing on the codes of the model's speech tokenizer.",
+        help='Recordings and transcripts: a .jsonl file of {"audio": WAV, "text": transcript} (optional speaker, '
+        "language). Teacher forcing on the codes of the model's speech tokenizer.",
     ),
     split: str = typer.Option("calibration", help=SPLIT_HELP),
     resample: bool = typer.Option(
@@ -241,17 +218,15 @@ def train_offsets_command(
     from rvqtts.tuning.training import TrainingConfig, fit_offsets
 
     check_source(texts, contexts, audio, audio_allowed=True)
-    check_new_file(out, force, ".safetensors")
+    check_new_file(out, ".safetensors", force)
     if save_contexts is not None:
-        check_new_file(save_contexts, force, ".npz")
-    try:
+        check_new_file(save_contexts, ".npz", force)
+    with refused(ValueError):
         config = TrainingConfig(
             depth=depth, learning_rate=learning_rate, batch=batch, max_steps=max_steps, target=target, seed=seed
         )
-        if not 0 < held_out < 1:
-            raise ValueError(f"--held-out must be between 0 and 1, got {held_out}")
-    except ValueError as error:
-        fail(str(error))
+    if not 0 < held_out < 1:
+        fail(f"--held-out must be between 0 and 1, got {held_out}")
     synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
     frames = recorded_frames(
         synthesizer, texts, contexts, split, speaker, language, seed, quiet, audio, instruct, voice
@@ -266,7 +241,7 @@ def train_offsets_command(
                 task, completed=step, description=f"training offsets (loss {train_loss:.3f}, held out {held_loss:.3f})"
             )
 
-        try:
+        with refused(ValueError):
             offsets, record = fit_offsets(
                 synthesizer,
                 frames,
@@ -276,8 +251,6 @@ def train_offsets_command(
                 model_name=model,
                 on_progress=report,
             )
-        except ValueError as error:
-            fail(str(error))
     save_offsets(offsets, out)
     say(
         f"held-out loss {record['initial_held_out_loss']:.4f} -> {record['held_out_loss']:.4f} nats "
@@ -357,7 +330,7 @@ def accept(
     texts: Optional[Path] = typer.Option(None, help=TEXTS_HELP),
     contexts: Optional[Path] = typer.Option(None, help=CONTEXTS_HELP),
     split: str = typer.Option("evaluation", help=SPLIT_HELP),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the figures as JSON."),
+    json_out: Optional[Path] = json_option(),
     speaker: Optional[str] = typer.Option(None, help="With --texts: " + SPEAKER_HELP),
     language: str = typer.Option("auto", help="With --texts: language of lines that name none."),
     instruct: Optional[str] = typer.Option(None, help="With --texts: " + INSTRUCT_HELP),
@@ -369,20 +342,14 @@ def accept(
 ) -> None:
     """Measure codes per predictor call of the speculative inner loop on these frames: overall and per
     language, with a 95 % confidence interval."""
-    from rvqtts.engine.offsets import OffsetsFileError
     from rvqtts.engine.policy import choose_speculation
-    from rvqtts.engine.tree import TreeFileError
     from rvqtts.report import codes_per_call_table
     from rvqtts.tuning.calibration import codes_per_call
 
     check_source(texts, contexts)
-    if json_out is not None:
-        ensure_writable(json_out)
     synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
-    try:
+    with refused(ValueError):  # TreeFileError, OffsetsFileError too
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
-    except (TreeFileError, OffsetsFileError, ValueError) as error:
-        fail(str(error))
     if notice:
         say(notice, quiet)
     frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, None, instruct, voice)
@@ -395,11 +362,14 @@ def accept(
             list(frames.language),
             seed,
         )
-    result.update(
+    publish(
+        result,
+        json_out,
+        codes_per_call_table,
+        quiet,
         model=model,
         tree=tree,
         tree_nodes=speculation.tree.nodes,
         offsets=str(offsets) if offsets else speculation.offsets.metadata.get("source", "shipped"),
         frames_source=frames.source,
     )
-    publish(result, json_out, codes_per_call_table, quiet)

@@ -1,17 +1,8 @@
-"""Core ML: export the fused inner loop to one .mlpackage, and run its calls on a Mac.
-
-The package is a multifunction Core ML program (macOS 15+) whose three functions are the fused calls
-of rvqtts.engine.fused, traced for one tree: `prefill` ([h_t, c0]), `round` (q = N + 1) and `step` (q = 1, for
-`--no-spec`); their weights are stored once. Sampling (temperature, top-k) is baked into the graph, which
-turns host-supplied Gumbel noise into integer draws and top-m draft ranks, so the host walks the tree with
-integers. The KV cache is a plain input, not Core ML state: a round's slots are committed only after the
-host has walked the tree, so the graph cannot know where to write; the host keeps the accepted slots of
-the returned keys and values (a few hundred kB per call at the real dimensions).
-
-The package's metadata records the model, tree, offsets and sampling it was built for; loading it for
-anything else is an error that names the difference. Export runs anywhere coremltools installs; running
-a package needs macOS.
-"""
+"""Core ML: export the fused inner loop (rvqtts.engine.fused) to one multifunction .mlpackage (`prefill`, `round` and
+`step`, their weights stored once), and run its calls on a Mac. Sampling is baked into the graph, and the package's
+metadata records the model, tree, offsets and sampling it was built for: loading it for anything else is an error
+that names the difference. The KV cache is an input, not Core ML state, since only the host's walk knows which
+slots to keep. Export runs anywhere coremltools installs; running a package needs macOS. docs/coreml.md."""
 
 from __future__ import annotations
 
@@ -193,15 +184,20 @@ def example_inputs(loop: FusedLoop, function: str, embed_width: int, vocab: int)
     return first, torch.tensor([1]), cache, cache.clone(), loop.mask(2, block), torch.zeros(queries, vocab)
 
 
+def cpu_runner(code_predictor: torch.nn.Module, dtype: torch.dtype) -> PredictorRunner:
+    """A runner over a copy of the predictor on the CPU in `dtype`, its weights constants (no gradients)."""
+    predictor = copy.deepcopy(code_predictor).to("cpu", dtype).requires_grad_(False)
+    return PredictorRunner(predictor, predictor.config.num_code_groups)
+
+
 def trace_calls(
     code_predictor: torch.nn.Module, tree: Tree, offsets: torch.Tensor, sampling: SamplingConfig
 ) -> tuple[FusedCalls, dict[str, tuple[torch.Tensor, ...]]]:
     """The traced graphs Core ML converts (float32, CPU), as a FusedCalls, with each one's example inputs."""
-    predictor = copy.deepcopy(code_predictor).to("cpu", torch.float32).requires_grad_(False)
-    runner = PredictorRunner(predictor, predictor.config.num_code_groups)
+    runner = cpu_runner(code_predictor, torch.float32)
     calls = FusedCalls.modules(runner, tree, offsets.detach().to("cpu", torch.float32), sampling)
     decoder = FusedLoop(calls, tree, sampling)
-    embed_width = predictor.get_input_embeddings()[0].weight.shape[1]
+    embed_width = runner.embeddings[0].weight.shape[1]
     examples = {name: example_inputs(decoder, name, embed_width, runner.vocab_size) for name in FUNCTIONS}
     with torch.no_grad():
         traced = {
@@ -404,9 +400,8 @@ def load_loop(
 def float16_stand_in(code_predictor: torch.nn.Module, speculation: Speculation, sampling: SamplingConfig) -> FusedLoop:
     """The fused calls in PyTorch float16 on the CPU: where Core ML cannot run, a proxy for how often float16
     rounding flips a draw (Core ML's kernels round differently, so only a Mac measures the package)."""
-    predictor = copy.deepcopy(code_predictor).to("cpu", torch.float16)
-    runner = PredictorRunner(predictor, predictor.config.num_code_groups)
-    return FusedLoop.pytorch(runner, speculation.tree, speculation.offsets.vectors, sampling)
+    tree, runner = speculation.tree, cpu_runner(code_predictor, torch.float16)
+    return FusedLoop(FusedCalls.modules(runner, tree, speculation.offsets.vectors, sampling), tree, sampling)
 
 
 def coreml_loop(
@@ -419,7 +414,7 @@ def coreml_loop(
     report: Callable[[str], None] = lambda message: None,
 ) -> FusedLoop:
     """The Core ML inner loop for this model, tree, offsets and sampling (macOS): `package`, or the package
-    exported for them into the cache folder (exported on first use). Set it as `Synthesizer.runners.fused`."""
+    exported for them into the cache folder (exported on first use). `Synthesizer.using(speculation, loop)` runs it."""
     require_macos()
     key = PackageKey.build(code_predictor, speculation, sampling, precision, "macOS15")
     if package is None:

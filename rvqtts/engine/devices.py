@@ -10,14 +10,12 @@ holds: bfloat16 where /proc/cpuinfo lists a native bfloat16 flag, else float32.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from rvqtts.engine.kernels import TIMED_ROWS, KernelChoice, choose_kernels, kernels_path, measured_choices
-from rvqtts.engine.native import capped_flags
+from rvqtts.engine.native import cpu_flags
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of x86 CPUs that multiply bf16
 
@@ -81,17 +79,7 @@ def unvalidated_notice(device: str) -> str | None:
 def native_bf16_flag(cpuinfo: str | None = None) -> str | None:
     """The CPU flag that says this CPU multiplies bfloat16 natively, or None (also off Linux, where
     /proc/cpuinfo does not exist, and above $RVQTTS_ISA's cap: rvqtts.engine.native)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text() if sys.platform.startswith("linux") else ""
-        except OSError:
-            cpuinfo = ""
-    flags = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[-1].split())
-            break
-    return next((flag for flag in NATIVE_BF16_FLAGS if flag in capped_flags(flags)), None)
+    return next((flag for flag in NATIVE_BF16_FLAGS if flag in cpu_flags(cpuinfo)), None)
 
 
 def frame_maps(talker_config: object) -> list[tuple[str, tuple[int, int], int]]:

@@ -1,23 +1,8 @@
-"""The frame loop: per 80 ms frame, one talker call that scores c0, then the inner loop's c1..c15, for B
-utterances at once (one: B = 1), every talker step and every predictor call carrying a row per utterance; a row
-whose utterance ends takes the next one (continuous batching).
-
-Every code is drawn with keyed Gumbel noise, c0 included: (seed, utterance, frame, position 0) for the talker's,
-positions 1..15 for the inner loop's. Nothing reads torch's global generator, so an utterance is a pure function of
-seed, text, voice, settings, model, dtype and device, and every row's arithmetic is the one it gets alone
-(row-invariant kernels, attention over its own slots): an utterance's codes do not depend on the lines before it or
-beside it. Frames are numbered from 0 within an utterance, across its text chunks, so no two frames share noise.
-
-The order of work is qwen-tts's: the prefill's last hidden state h and logits give c0 of frame 0; the inner loop
-turns [h, embedding of c0] into c1..c15; the frame's 16 code embeddings plus the next text (or pad) embedding are
-the next talker step's input, whose output gives the next frame's h and c0. End of speech (a c0) ends a text chunk;
-at its frame budget it is cut, without the step whose c0 would be unused.
-
-On a CPU a call of either loop costs about what reading its weights costs, whatever its few rows, so B utterances
-in one call cost little more than one (docs/benchmarks.md). An utterance is a sequence of text chunks, spoken one
-after another in its row; the loop reports each frame, each chunk as it ends and each utterance as it ends or
-fails; the caller decodes audio.
-"""
+"""The frame loop: per 80 ms frame, one talker call that scores c0, then the inner loop's c1..c15, for B utterances at
+once (one: B = 1), a row per utterance in every call; a row whose utterance ends takes the next one (continuous
+batching). Every code is drawn with keyed noise and every row computes what it computes alone, so an utterance's
+codes do not depend on the lines before it or beside it. It reports each frame, each chunk and each utterance as
+they end; the caller decodes audio. docs/engine.md, "Where it sits in qwen-tts" and "Several utterances at once"."""
 
 from __future__ import annotations
 
@@ -46,7 +31,6 @@ class Work:
     seed: int
     utterance: int
     chunks: Iterator[tuple[Prompt, int]]
-    tag: object = None  # the caller's handle
     forced: np.ndarray | None = None
     on_frame: Callable[[torch.Tensor, list[int]], None] | None = None
     frame: int = 0  # frames spoken so far, across chunks
@@ -223,16 +207,17 @@ class FrameLoop:
                     f"{self.predictor_sampling}: export a package for these settings"
                 )
             run = fused.frame if self.speculation else fused.plain_frame
-            return [run(prefixes[0], noise[0].to(fused.device), works[0].stats)]
-        frames = inner_frames(
-            runner,
-            prefixes.to(runner.device),
-            noise.to(runner.device),
-            self.predictor_sampling,
-            self.speculation,
-            self.parts.offsets,
-            self.parts.calls,
-        )
+            frames = [run(prefixes[0], noise[0].to(fused.device))]
+        else:
+            frames = inner_frames(
+                runner,
+                prefixes.to(runner.device),
+                noise.to(runner.device),
+                self.predictor_sampling,
+                self.speculation,
+                self.parts.offsets,
+                self.parts.calls,
+            )
         for work, frame in zip(works, frames):
             count_frame(work.stats, frame)
             if frame.budget is not None:

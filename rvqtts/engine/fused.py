@@ -1,17 +1,8 @@
-"""The fused speculative round: one static-shape call verifies a tree and drafts the next round.
-
-This is the form the paper runs on the Neural Engine, and the module rvqtts hands to Core ML: every
-shape is fixed by the tree, every input is a tensor, and the outputs are integers the host walks with.
-Inputs: the query's codes, the index of its root code, the committed KV cache, an additive mask, and
-one Gumbel noise row per slot. Outputs: at every slot, the target's draw of the next code and the
-top-m draft ranks for the K codes after it (LMH_{m+1+j}(h + b_j)), so the next round's tree comes
-from this call and no separate draft step runs; and the slots' new keys and values, which the host
-writes into its cache for the root and the accepted nodes only.
-
-Unlike the eager round (rvqtts.engine.speculation), the tree is never cut near the frame's end: slots past c15
-compute clamped nonsense that nothing attends to and the walk never reaches, so one graph serves a
-whole frame. Attention reads [cache; new slots] through the mask, so the graph has no dynamic writes.
-"""
+"""The fused speculative round, the paper's form for the Neural Engine and the module rvqtts hands to Core ML: one
+static-shape call verifies a tree and drafts the next round, its inputs all tensors and its outputs integers the
+host walks with (`FusedLoop`). One graph serves a whole frame: the tree is never cut near the frame's end, and
+attention reads [cache; new slots] through an additive mask, so the graph has no dynamic writes.
+docs/engine.md, "The fused round"; docs/coreml.md."""
 
 from __future__ import annotations
 
@@ -22,9 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.rounds import walk_tree
+from rvqtts.engine.rounds import FrameRounds, walk_tree
 from rvqtts.engine.sampling import SamplingConfig, warp_logits
-from rvqtts.engine.speculation import LoopStats
 from rvqtts.engine.tree import Tree
 
 MASKED = -3e4  # additive mask value for hidden slots; representable in float16
@@ -143,11 +133,9 @@ FusedFunction = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
 
 @dataclass(frozen=True)
 class FusedCalls:
-    """The three calls of a fused inner loop and the KV cache they read: one contract for the PyTorch
-    modules, their traced graphs and the functions of a Core ML package. Each takes (first input, index
-    [1], k_cache, v_cache, mask, noise) and returns (draws, ranks, new keys, new values):
-    prefill: embeds [2, E] of [h_t, c0]; round: the tree's codes [q]; step: one code [1] (`--no-spec`),
-    which drafts nothing and returns no ranks."""
+    """The three calls of a fused inner loop and the KV cache they read: one contract for the PyTorch modules, their
+    traced graphs and a Core ML package's functions (docs/coreml.md, "What is exported"). Each takes (first input, index
+    [1], k_cache, v_cache, mask, noise) and returns (draws, ranks, new keys, new values); `step` returns no ranks."""
 
     prefill: FusedFunction
     round: FusedFunction
@@ -194,13 +182,6 @@ class FusedLoop:
         self.causal = torch.where(torch.ones(2, 2, dtype=torch.bool, device=self.device).tril(), 0.0, MASKED)
         self.itself = torch.zeros(1, 1, device=self.device)
 
-    @classmethod
-    def pytorch(
-        cls, runner: PredictorRunner, tree: Tree, offsets: torch.Tensor, sampling: SamplingConfig
-    ) -> "FusedLoop":
-        """A loop over the PyTorch fused modules."""
-        return cls(FusedCalls.modules(runner, tree, offsets, sampling), tree, sampling)
-
     def mask(self, length: int, block: torch.Tensor) -> torch.Tensor:
         """[q, C + q]: the first `length` cache slots and the query's own visibility `block`."""
         q = block.shape[0]
@@ -226,12 +207,12 @@ class FusedLoop:
         return int(draws[1]), ranks[1].tolist()
 
     @torch.inference_mode()
-    def frame(self, prefix: torch.Tensor, noise: torch.Tensor, stats: LoopStats) -> list[int]:
-        """c1..c_{G-1} of one frame from [h_t, embedding of c0] and the frame's noise [G-1, V]."""
+    def frame(self, prefix: torch.Tensor, noise: torch.Tensor) -> FrameRounds:
+        """c1..c_{G-1} of one frame from [h_t, embedding of c0] and the frame's noise [G-1, V], with its calls and
+        accepted depths."""
         last = self.code_groups - 1
         root, drafts = self.start(prefix, noise)
-        index, calls = 1, 1
-        codes: list[int] = []
+        index, done = 1, FrameRounds(0, last, None, None)  # a done frame, its codes and counts filled in as they come
         while index < last:
             node_codes = [root] + [
                 drafts[d - 1][r] if index + d <= last else 0 for d, r in zip(self.slot_depth[1:], self.node_rank[1:])
@@ -246,23 +227,21 @@ class FusedLoop:
                 self.mask(index + 1, self.ancestors),
                 rows,
             )
-            calls += 1
+            done.calls += 1
             accepted, final = walk_tree(self.children, node_codes, draws.tolist(), slot_index, last)
-            stats.count_accepted(len(accepted))
-            codes.append(root)
-            codes.extend(node_codes[u] for u in accepted)
+            done.accepted.append(len(accepted))
+            done.codes += [root, *(node_codes[u] for u in accepted)]
             self.keep(new_k, new_v, [0, *accepted], index + 1)
             if final is None:
                 break
             end = accepted[-1] if accepted else 0
             root, drafts, index = final, ranks[end].tolist(), slot_index[end] + 1
         else:  # the rounds reached the frame's last code: it is the root
-            codes.append(root)
-        stats.count_frame(calls, last)
-        return codes
+            done.codes.append(root)
+        return done
 
     @torch.inference_mode()
-    def plain_frame(self, prefix: torch.Tensor, noise: torch.Tensor, stats: LoopStats) -> list[int]:
+    def plain_frame(self, prefix: torch.Tensor, noise: torch.Tensor) -> FrameRounds:
         """c1..c_{G-1} of one frame with one call per code (`--no-spec`)."""
         last = self.code_groups - 1
         codes = [self.start(prefix, noise)[0]]
@@ -277,5 +256,4 @@ class FusedLoop:
             )
             self.keep(new_k, new_v, [0], index + 1)
             codes.append(int(draws[0]))
-        stats.count_frame(last, last)
-        return codes
+        return FrameRounds(0, last, None, None, codes=codes, calls=last)

@@ -1,16 +1,9 @@
-"""Static-shape calls, replayed from CUDA graphs on CUDA devices.
-
-Within a frame, the shapes of every predictor call are fixed by where it starts: the prefill, the plain
-step at code index k, and the verify round rooted at c_k (its tree cut to the codes left, over k + 1
-committed KV slots) always have the same sizes and slices. So each call is captured once, on first use,
-as a CUDA graph, and replayed with its inputs copied into static buffers: one launch instead of a few
-hundred small kernels, which is what bounds a 1024-wide model on a GPU. The graph bakes in the sampling
-settings, so they are part of the key.
-
-A replay overwrites the outputs of the previous replay of the same call; callers read what they need
-(or copy it into the next call's inputs) before that call runs again. Mode "emulated" runs the same
-buffer discipline without a graph, so CPU tests check the plumbing that CUDA replays depend on.
-"""
+"""Static-shape calls, replayed from CUDA graphs on CUDA devices: one launch instead of the few hundred small kernels
+that bound a 1024-wide model's call on a GPU. A call's shapes are fixed by its kind and code index, so each is
+captured once, on first use, and replayed with its inputs copied into static buffers (the graph bakes in the
+sampling settings, so they are part of the key). A replay overwrites the previous replay's outputs: callers read
+them first. Mode "emulated" runs the same buffer discipline without a graph, so CPU tests check the plumbing.
+docs/engine.md, "Static shapes and CUDA graphs"."""
 
 from __future__ import annotations
 

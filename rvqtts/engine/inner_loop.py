@@ -1,12 +1,10 @@
-"""The inner loop of a frame: c1..c_{G-1} from the talker's hidden state and c0, by whichever engine the
-run chose (the plain loop, the speculative tree, or a Core ML package), with noise keyed by (seed,
-utterance, frame, position) and the counts users see."""
+"""The inner loop of a frame: c1..c_{G-1} from the talker's hidden state and c0, plain or by the speculative tree,
+with noise keyed by (seed, utterance, frame, position) and the counts users see (docs/engine.md, "One frame")."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -27,12 +25,10 @@ class LoopParts:
     KV slots it reads, as long as the speculation stays the same."""
 
     speculation: TreePolicy | None
-    cuda_graphs: bool
     runner: PredictorRunner | None
     offsets: torch.Tensor | None
     calls: StaticCalls
     fused: FusedLoop | None = None
-    weights: str = "native"
 
     @classmethod
     def build(
@@ -44,7 +40,7 @@ class LoopParts:
     ) -> "LoopParts":
         extra = (speculation.max_nodes if speculation else -1) + 1
         runner = PredictorRunner(code_predictor, code_predictor.config.num_code_groups + extra, weights)
-        return cls.of(runner, speculation, StaticCalls.for_device(runner.device, cuda_graphs), cuda_graphs)
+        return cls.of(runner, speculation, StaticCalls.for_device(runner.device, cuda_graphs))
 
     @classmethod
     def of(
@@ -52,62 +48,38 @@ class LoopParts:
         runner: PredictorRunner,
         speculation: TreePolicy | None,
         calls: StaticCalls = EAGER,
-        cuda_graphs: bool = False,
     ) -> "LoopParts":
         """Parts over `runner` (its rows room enough for the speculation's rounds), the offsets on its device."""
         offsets = speculation.offsets.vectors.to(runner.device, runner.dtype) if speculation else None
-        return cls(speculation, cuda_graphs, runner, offsets, calls, weights=runner.weights)
+        return cls(speculation, runner, offsets, calls)
 
     @classmethod
     def package(cls, loop: FusedLoop, speculation: Speculation | None) -> "LoopParts":
         """Parts whose frames run fused calls (a Core ML package's): speculative with a speculation,
         else the plain q = 1 step."""
-        return cls(speculation, False, None, None, EAGER, loop)
+        return cls(speculation, None, None, EAGER, loop)
 
 
 class InnerLoop:
-    """Produces c1..c_{G-1} for each frame the frame loop asks for, and counts what it did."""
+    """Produces c1..c_{G-1} for each frame asked for, one frame at a time on the PyTorch runner, and counts what it
+    did (the frame loop runs batches and Core ML packages)."""
 
     def __init__(
-        self,
-        code_predictor: torch.nn.Module,
-        speculation: TreePolicy | None,
-        seed: int,
-        on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
-        cuda_graphs: bool = True,
-        parts: LoopParts | None = None,
+        self, code_predictor: torch.nn.Module, speculation: TreePolicy | None, seed: int, parts: LoopParts | None = None
     ):
-        self.speculation = speculation
-        self.on_frame = on_frame
-        self.seed = seed
-        parts = parts or LoopParts.build(code_predictor, speculation, cuda_graphs)
-        self.runner, self.offsets, self.calls, self.fused = parts.runner, parts.offsets, parts.calls, parts.fused
-        self.code_groups = code_predictor.config.num_code_groups
-        self.vocab_size = code_predictor.config.vocab_size
-        self.device = self.fused.device if self.fused else self.runner.device
+        self.speculation, self.seed = speculation, seed
+        parts = parts or LoopParts.build(code_predictor, speculation, True)
+        self.runner, self.offsets, self.calls = parts.runner, parts.offsets, parts.calls
         # One entry per draft depth K, also when nothing is accepted (or nothing is drafted: --no-spec).
         self.stats = LoopStats(accepted_per_depth=[0] * (speculation.offsets.depth if speculation else DEFAULT_DEPTH))
 
     def frame(self, prefix: torch.Tensor, sampling: SamplingConfig, utterance: int, frame: int) -> list[int]:
         """The codes c1..c_{G-1} of one frame; `prefix` is [h_t, embedding of c0], shape [2, E]."""
-        noise = residual_noise(self.seed, utterance, frame, self.code_groups, self.vocab_size).to(self.device)
-        if self.fused is not None:
-            if sampling != self.fused.sampling:
-                raise ValueError(
-                    f"the Core ML package samples with {self.fused.sampling}, but this frame asks "
-                    f"for {sampling}: export a package for these settings"
-                )
-            run = self.fused.frame if self.speculation else self.fused.plain_frame
-            codes = run(prefix, noise, self.stats)
-        else:
-            (done,) = inner_frames(
-                self.runner, prefix[None], noise[None], sampling, self.speculation, self.offsets, self.calls
-            )
-            count_frame(self.stats, done)
-            codes = done.codes
-        if self.on_frame:
-            self.on_frame(prefix, codes)
-        return codes
+        runner = self.runner
+        noise = residual_noise(self.seed, utterance, frame, runner.code_groups, runner.vocab_size).to(runner.device)
+        (done,) = inner_frames(runner, prefix[None], noise[None], sampling, self.speculation, self.offsets, self.calls)
+        count_frame(self.stats, done)
+        return done.codes
 
 
 def inner_frames(

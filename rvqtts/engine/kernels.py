@@ -1,32 +1,10 @@
-"""Which of torch's kernels applies each linear map of the hot loops on this machine, chosen by measurement.
-
-Both loops are bound by reading their weights, and CPUs differ in which kernel reads them fastest for a
-row or a few: `torch.mv` ran one bfloat16 row 1.2x faster than `F.linear` on an Intel Xeon with AMX and at
-about a third of oneDNN's packed kernel's rate on an AMD EPYC without AMX (docs/benchmarks.md). So no
-kernel is fixed here: for every map shape the loops run, each candidate (`candidates`) is
-
-1. checked for row invariance: every row of a call of 2 to CHUNK + 1 rows must get the bits it gets in a
-   call of its own, with the call padded with zero rows to the kernel's `pad` where that makes it hold
-   (some kernels take another path for a single row). A tree round's rows then equal plain steps bit for
-   bit, which is what makes speculative and plain decoding give the same codes;
-2. timed at one row (a plain step) and at 17 (a 16-node tree round) over copies of the weights larger
-   than the CPU's caches, as the loops read them.
-
-Every frame's talker step and plain inner loop are one-row calls, but tree rounds and batches run
-many rows, and a kernel that costs about the same for 1 and 16 rows (rvqtts.engine.native's AMX tiles, where
-the CPU has them) makes those nearly free. So of the invariant candidates, those within STEP_TIE of the
-fastest at one row are in the running, and the cheapest at 17 rows of them wins (the fastest of all,
-flagged, where none is invariant): the AMX kernel, 8-15 % slower than bf16dot at one row on an AMX Xeon,
-wins there for 17 rows at less than half the cost; oneDNN's packed kernel, twice as slow at one row,
-never does. A prompt's prefill, whose bits no other call has to match, runs its
-many rows through F.linear where that measured faster at PROMPT_ROWS (`LinearMap.many`). The choice is
-kept per machine (CPU model, torch version, threads), dtype, weight format and shape in the user's cache
-(`kernels.json`), so the probe runs once: 2-4 s per shape at the released 0.6B's dimensions in bfloat16 and
-1-2 s in float32 on one thread of a 2-vCPU Xeon (AMX).
-`rvqtts tune` shows the table. RVQTTS_CHOICES=fixed restores the rules used before measurement (here: one
-row through torch.mv, more through oneDNN's packed bfloat16 kernel or F.linear; rvqtts.engine.devices: the dtype
-from a CPU flag), for A/B runs and for tests whose bits must not depend on a timing.
-"""
+"""Which kernel applies each linear map of the hot loops on this machine, chosen by measurement: both loops are bound
+by reading their weights, and CPUs differ in which kernel reads them fastest for a row or a few. For every map shape
+the loops run, each candidate (`candidates`) is checked for row invariance (calls of 2 to CHUNK + 1 rows, padded to
+its `pad`), which is what makes speculative and plain decoding give the same codes, and timed at one row and at 17;
+of the invariant ones within STEP_TIE of the fastest at one row, the cheapest at 17 rows wins. Kept per machine in
+the user's cache (`kernels.json`); RVQTTS_CHOICES=fixed restores the rules used before measurement.
+docs/engine.md, "Same noise, same codes" (linear maps); docs/usage.md, "Choices measured on your machine"."""
 
 from __future__ import annotations
 
@@ -89,14 +67,10 @@ def packing_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def candidates(
-    device: torch.device, dtype: torch.dtype, weights: str, shape: tuple[int, int] | None = None
-) -> list[Kernel]:
-    """The kernels that can apply a map (of `shape`, where given) here, the rule used before measurement
-    first (`fixed_kernel`)."""
-    if device.type != "cpu":
-        return [Kernel("linear")]
-    own = [name for name in native.map_kernels(weights) if shape is not None and native.supports(shape, dtype, name)]
+def candidates(dtype: torch.dtype, weights: str, shape: tuple[int, int]) -> list[Kernel]:
+    """The kernels that can apply a map of `shape` on this CPU, the rule used before measurement first
+    (`fixed_kernel`)."""
+    own = [name for name in native.map_kernels(weights) if native.supports(shape, dtype, name)]
     if weights == "int8":
         return [Kernel("int8")] + [Kernel(name) for name in own]
     packed = packing_available(dtype)
@@ -105,7 +79,7 @@ def candidates(
         found[1:1] = [Kernel("packed", one_row_mv=True)]
         found.append(Kernel("packed"))
     found += [Kernel(name) for name in own]
-    fixed = fixed_kernel(device, dtype, weights)
+    fixed = fixed_kernel(torch.device("cpu"), dtype, weights)
     return [fixed] + [k for k in found if k != fixed]
 
 
@@ -121,12 +95,10 @@ def fixed_kernel(device: torch.device, dtype: torch.dtype, weights: str) -> Kern
 
 
 class LinearMap:
-    """A linear map (weight [out, in], optional bias) applied by a chosen kernel (`Kernel`).
-
-    `weight` stays the module's own tensor, for code that reads it (Core ML export, the fused modules);
-    the calls read what the kernel needs: the weight, its oneDNN-packed copy (a second copy of its bytes),
-    or 8-bit weights with a scale per output channel in the activations' dtype (W8A16,
-    rvqtts.engine.quantize). Off the CPU, and while tracing, every call is F.linear."""
+    """A linear map (weight [out, in], optional bias) applied by a chosen `Kernel`. `weight` stays the module's own
+    tensor (the Core ML export and the fused modules read it); calls read what the kernel needs: the weight, its
+    oneDNN-packed copy (a second copy of its bytes) or 8-bit weights with a scale per output channel in the activations'
+    dtype (W8A16, rvqtts.engine.quantize). Off the CPU, and while tracing, every call is F.linear."""
 
     def __init__(
         self,
@@ -323,7 +295,7 @@ def measure_choice(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> 
     gives it), then cost: of the invariant ones, the fastest at one row (within STEP_TIE), then at 17."""
     weight = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
     kernels, invariant = [], []
-    for kernel in candidates(torch.device("cpu"), dtype, weights, shape):
+    for kernel in candidates(dtype, weights, shape):
         pad = invariant_pad(weight, kernel)
         kernels.append(replace(kernel, pad=pad or 1))
         if pad is not None:
@@ -421,7 +393,7 @@ def cached_records(keys: list[str], measure: Callable[[str], dict]) -> dict[str,
         stored = machines.setdefault(machine_key(), {})
         for key in keys:
             if key not in stored:
-                stored[key] = {**measure(key), "measured": _now()}
+                stored[key] = {**measure(key), "measured": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
         return {key: stored[key] for key in keys}
 
 
@@ -446,10 +418,6 @@ def forget_records(prefix: str) -> None:
 
 def kernels_path() -> Path:
     return KERNELS.path
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def make_map(weight: torch.Tensor, bias: torch.Tensor | None, weights: str = "native") -> LinearMap:

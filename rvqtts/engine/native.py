@@ -1,45 +1,10 @@
-"""rvqtts's native CPU kernels, for x86-64 CPUs with AVX2 and FMA (AVX512-BF16 and AMX where the CPU has them): a
-few rows through a linear map, and the row-wise steps of a layer that torch runs as dozens of small operations.
-
-Without AMX, oneDNN's kernels ran a 17-row bfloat16 call at about half of this CPU's measured peak and
-one row below what a pass over the weights reads (docs/benchmarks.md); `native.cpp` streams each
-weight once per pass over at most six rows with VDPBF16PS, for bfloat16 weights and for int8 weights
-widened to bfloat16 in registers (W8A16). Each output is one fixed sequence of operations whatever the
-call's row count or thread count, so rows are invariant by construction (and still probed, like every
-candidate, by rvqtts.engine.kernels, which picks it only where it measures fastest).
-
-That kernel spends a VDPBF16PS per row and weight vector, so past a few rows it is bound by compute:
-17 rows cost 3x one on an AMX Xeon. Where the CPU has AMX, the same packed weights also run on its
-tiles (`bf16amx`, `int8amx`): one tile multiply takes up to 16 rows, so 16 rows cost about what one
-does, which is what tree rounds and batches need (docs/benchmarks.md). Its sums run in another order
-than the dot kernel's (chunks of 32 inputs), again the same for every row count.
-
-Most laptops and desktops have neither (Intel's since 2021, AMD's before Zen 4): there torch's bfloat16 maps cost
-1.9-2.7x float32's for a few rows (docs/benchmarks.md), so the library is also built at the AVX2 level (`LEVELS`),
-with `bf16avx2` and `int8avx2`: the same packed weights widened to float32 in registers and multiplied with FMA,
-reading half of float32's bytes (a quarter for int8), and the row-wise steps below compiled for AVX2. A CPU
-with AVX512-BF16 gets the AVX-512 build (whose VDPBF16PS does an FMA kernel's work in a quarter of the
-instructions) and is not offered the AVX2 kernels.
-
-A predictor step spent about a third of its time in torch's per-operation overhead around the maps
-(RMSNorm is eight operations, a layer's q/k norms and RoPE about thirty): `rms_norm` and
-`attention_inputs` do those in one call each, rounding where qwen-tts's bfloat16 operations round (only
-the norm's float32 sum runs in another order). And torch's fused attention ran one bfloat16 query over
-a talker's 1,024 cached slots in 2 ms a layer here, 6x its float32 time: `attend` computes each query's
-scores, softmax and weighted values in float32 (qwen-tts's eager attention rounds the scores to
-bfloat16 first) over the slots it sees. All of them work row by row, query by query, so they keep rows
-invariant too.
-
-The source is compiled once per machine and level with the system's C++ compiler (`$CXX`, else g++, c++ or
-clang++) into the user's cache and loaded with ctypes; its OpenMP threads are torch's own (the library
-links the libgomp torch has loaded). Where the CPU lacks even AVX2 and FMA (or is not x86-64), or no
-compiler works, nothing here runs and torch's kernels do: `unavailable()` says why.
-
-`RVQTTS_ISA=avx2` (or `avx512`, or `none`) caps the instruction sets rvqtts counts as present, so that an AVX-512
-machine plays an AVX2 laptop (with torch's and oneDNN's own caps, `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`):
-`avx2` loads the AVX2 build, `avx512` leaves no AMX tile kernel, `none` no native kernel (a CPU without AVX2), and the
-fixed dtype rule sees no bfloat16 instruction under any of them.
-"""
+"""rvqtts's native CPU kernels (native.cpp), for x86-64 CPUs with AVX2 and FMA (AVX512-BF16 and AMX where the CPU has
+them): a few rows through a linear map with weights packed once, and the row-wise steps of a layer (RMSNorm, q/k
+norms with RoPE, attention, whole layers) that torch runs as dozens of small operations. Each output is one fixed
+sequence of operations whatever the call's rows or threads, so rows are invariant by construction (and still probed,
+like every candidate, by rvqtts.engine.kernels). The library is compiled once per machine and level into the user's
+cache and loaded with ctypes; where it cannot be, torch's kernels run and `unavailable()` says why.
+docs/engine.md, "The native library"."""
 
 from __future__ import annotations
 
@@ -381,7 +346,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, str | None]:
         isa_cap()
     except ValueError as error:
         return None, str(error), None, None
-    flags = _cpu_flags()
+    flags = cpu_flags()
     built = next((name for name, at in LEVELS.items() if all(flag in flags for flag in at.cpu_flags)), None)
     if built is None:
         capped = f" (capped at {isa_cap()} by {ISA_VARIABLE})" if isa_cap() else ""
@@ -463,13 +428,14 @@ def _declare(library: ctypes.CDLL) -> None:
         function.restype = None
 
 
-def _cpu_flags() -> set[str]:
-    """This CPU's flags (/proc/cpuinfo), as far as $RVQTTS_ISA lets rvqtts use them."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return capped_flags(set(line.partition(":")[2].split()))
-    return set()
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """This CPU's flags (/proc/cpuinfo, or the text `cpuinfo`; none off Linux), as far as $RVQTTS_ISA lets rvqtts
+    use them."""
+    if cpuinfo is None:
+        with contextlib.suppress(OSError):
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+    line = next((line for line in (cpuinfo or "").splitlines() if line.startswith("flags")), "")
+    return capped_flags(set(line.partition(":")[2].split()))
 
 
 @functools.cache

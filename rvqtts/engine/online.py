@@ -204,11 +204,10 @@ def rows_call(
 def call_costs(
     runner: PredictorRunner, queries: list[int], rows: int = 1, bound: float | None = None
 ) -> tuple[dict[int, float], str]:
-    """Call costs per query length for this runner and `rows` frames a call, measured once per machine,
-    predictor key and rows (the user's cache, call-costs.json), and where they came from. Lengths are
-    measured shortest first, each beside a plain step; with `bound`, once one costs `bound` steps or more
-    the longer ones are left out (they cost more still: no tree that can accept at most `bound` codes a
-    call can pay there), so the result may hold fewer lengths than asked for."""
+    """Call costs per query length for this runner at `rows` frames a call, and where they came from: measured once per
+    machine, predictor key and rows (call-costs.json), shortest first, each beside a plain step. With `bound`, the
+    lengths past one that costs `bound` steps are left out (no tree that accepts at most `bound` codes a call pays
+    there)."""
     machine = machine_key() if runner.device.type == "cpu" else str(runner.device)
     key = predictor_key(runner) + (f"/rows-{rows}" if rows > 1 else "")
     stored = CALL_COSTS.read().get(machine, {}).get(key, {})
@@ -334,11 +333,9 @@ class OnlineSpeculation:
         return None, False
 
     def probe_every(self) -> int:
-        """Frames between probes: PROBE_EVERY, SETTLED_PROBE_EVERY once SETTLED_ROOTS roots are counted (and in a
-        batch, whose probe puts K + 1 rows beside its B plain ones), FAR_PROBE_EVERY while the trees are far from
-        paying (`decide`), or more where a probe frame costs more than a
-        plain one (its K + 1 rows dearer than the codes per call they win repay), so that probing adds at most
-        PROBE_SHARE to the plain loop's time."""
+        """Frames between probes: PROBE_EVERY, SETTLED_PROBE_EVERY once SETTLED_ROOTS roots are counted (or in a batch),
+        FAR_PROBE_EVERY while the trees are far from paying (`decide`), or more where a probe frame costs more than a
+        plain one repays, so that probing adds at most PROBE_SHARE to the plain loop's time."""
         every = PROBE_EVERY if self.observed() < SETTLED_ROOTS and self.rows == 1 else SETTLED_PROBE_EVERY
         if self.far and self.rows == 1:
             every = FAR_PROBE_EVERY

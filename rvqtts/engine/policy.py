@@ -22,17 +22,13 @@ def choose_speculation(
     device_type: str | None = None,
     weights: str = "native",
 ) -> tuple[TreePolicy | None, str | None]:
-    """The tree and offsets to draft with, and a notice for the user (or None).
-
-    `tree` is a node budget N (a shipped tree, preferring one calibrated for this model), `auto` or a file.
-    `auto` with `allow_plain` on the torch backend is decided online (rvqtts.engine.online: an OnlineSpeculation,
-    starting from the best N recorded for this platform); otherwise it is that best N (the platform: the
-    kind of device, by default the model's (cpu, cuda, mps) or `device_type` (coreml), the dtype and the
-    `weights` format), and with `allow_plain` no speculation (None) where N = 0; with RVQTTS_CHOICES=fixed
-    that rule holds everywhere. A given offsets file is checked whatever runs. Without an offsets file,
-    shipped offsets whose fingerprint matches the model are used, else zero offsets (reused heads).
-    Raises TreeFileError / OffsetsFileError / ValueError with their messages.
-    """
+    """The tree and offsets to draft with, and a notice for the user (or None). `tree`: a node budget N (a shipped tree,
+    preferring one calibrated for this model), a file, or `auto`: decided online with `allow_plain` on the torch backend
+    (an OnlineSpeculation, rvqtts.engine.online, starting from the best N recorded for this platform), else that best N
+    (None where it is 0 and `allow_plain`), as everywhere with RVQTTS_CHOICES=fixed. The platform: `device_type`
+    (coreml) or the model's device kind, with the dtype and `weights`. Offsets: the given file (checked whatever runs),
+    else shipped ones whose fingerprint matches the model, else zeros (reused heads). Raises TreeFileError /
+    OffsetsFileError / ValueError with their messages."""
     fingerprint = predictor_fingerprint(code_predictor)
     hidden = code_predictor.config.hidden_size
     weight = code_predictor.lm_head[0].weight

@@ -1,14 +1,7 @@
-"""The code predictor (the paper's MultiCodeDecoder) run by hand: static KV cache, explicit positions,
-a boolean attention mask, no Hugging Face `generate()` and no cache objects.
-
-The weights are the loaded qwen-tts module's own; this file only owns the forward pass, so one call
-can carry a whole draft tree. Numerics follow qwen-tts: RMSNorm in float32, RoPE tables computed in
-float32 by the model's own rotary module and cast to the model dtype, attention through SDPA.
-
-Sequence layout within a frame: slot/position 0 holds the talker's hidden state h_t, 1 holds the
-talker's embedding of c0, and position m + 1 holds code c_m (embedded with `codec_embedding[m - 1]`).
-The normed output at position m is h_m, and `lm_head[m - 1](h_m)` scores c_m.
-"""
+"""The code predictor (the paper's MultiCodeDecoder) run by hand on the loaded qwen-tts module's weights: a static KV
+cache, explicit positions and attention masks, no Hugging Face `generate()` or cache objects, so that one call can
+carry a whole draft tree, or a row per frame of a batch. Its numerics follow qwen-tts's; the frame's sequence layout
+and the attention paths: docs/engine.md, "The predictor call"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
-"""8-bit weights (W8A16): the linear maps of the talker's and the code predictor's layers and their heads
-held as int8, activations in the model's dtype (the 1.7B predictor's small input projection stays as it is).
-
-On a CPU both loops are bound by reading their weights (rvqtts.bench.floor), so halving the bytes is the lever
-that arithmetic cannot give. Each output channel (a row of the weight) gets its own scale, the largest
-magnitude in the row over 127, and its weights are rounded to the nearest step: symmetric, no zero point,
-as the paper's W8A16 deployment. The maps run through torch's int8 matrix kernel (rvqtts.engine.kernels, which
-checks on each machine that it gives each row the same bits in a call of any number of rows, padding
-calls where that makes it hold; tests/test_quantize.py checks it up to 65 rows at the released map
-shapes, bfloat16 and float32), so a tree round's rows equal plain steps within the quantized model and
-speculative and plain decoding emit the same codes.
-Quantization changes the model: its codes differ from the unquantized model's now and then
-(`rvqtts bench dtype --weights int8` measures how often).
-"""
+"""8-bit weights (W8A16): the linear maps of both loops' layers and their heads held as int8 with a scale per output
+channel, activations in the model's dtype. On a CPU both loops are bound by reading their weights, so halving the
+bytes is the lever that arithmetic cannot give. The int8 kernels keep rows invariant, so within the quantized model
+speculative and plain decoding emit the same codes; the quantized model's codes differ from the unquantized one's
+now and then. docs/engine.md, "Same noise, same codes" (8-bit weights)."""
 
 from __future__ import annotations
 

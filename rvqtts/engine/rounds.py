@@ -1,23 +1,10 @@
-"""The inner loop: codes c1..c_{G-1} of n frames at once (one frame: n = 1), frame r in the runner's batch row r
-(its own KV region), every call carrying all the frames still decoding.
-
-Plain: a 2-token prefill, then one call per code for all the frames, as qwen-tts does for one. Speculative: the
-prefill gives c1 and h_1; each frame then runs tree rounds, and one call carries every frame's round, B x (N + 1)
-rows: its root (the code sampled last) and its nodes, the drafts LMH_{n+j}(h_n + b_j) arranged as the sparse tree,
-each frame at its own root index (acceptance differs, so the frames fall out of step), scored by the heads of its
-own positions and drawn with its own noise. The same call verifies every tree and gives the hidden states that draft
-the next round. Verification walks each tree with the target's own draws: draw y at a node; if a child holds y,
-accept it and go on; otherwise y is the round's last code. Every code is drawn with the noise of its own position,
-so the output is the plain loop's, code for code, and follows the target distribution exactly. A frame without a
-tree takes plain steps in the same calls (one row each: how a batch probes acceptance on one frame while the others
-run plain). Each frame gets the codes it gets alone: its rows go through row-invariant kernels and attend to its own
-slots only.
-
-Every call is a function of tensors whose shapes its key fixes (the prefill and a step by the code index and the
-frame count, a round by each frame's row, root index and tree), so `calls` may replay it from a CUDA graph
-(rvqtts.engine.graphs); a round's host-side layout (which rows draft, embed, attend to and score what) is built once
-per key (`RoundsLayout`).
-"""
+"""The inner loop: codes c1..c_{G-1} of n frames at once (one frame: n = 1), frame r in the runner's batch row r, every
+call carrying all the frames still decoding: plain steps, or tree rounds in which one call verifies every frame's
+tree (each at its own root index, with its own heads and noise) and gives the hidden states that draft its next
+round. Every code is drawn with its own position's noise and every row computes what it computes alone, so the codes
+are the plain loop's. A call's shapes are fixed by its key, so `calls` may replay it from a CUDA graph; a round's
+host-side layout is built once per key (`RoundsLayout`).
+docs/engine.md, "One frame" and "Several utterances at once"."""
 
 from __future__ import annotations
 
@@ -132,15 +119,13 @@ def frame_plan(frame: FrameRounds, last: int, device: torch.device) -> RoundPlan
 
 @dataclass(frozen=True)
 class RoundsLayout:
-    """What one round call over some frames does, fixed by each frame's row, root index and plan. Rows that one
-    LM head scores go through it together (each head's weights read once), in head order: the drafts' inputs
-    (frame `draft_frames`'s hidden state plus offset `draft_offsets`; head by head over `draft_heads`: position and
-    slice), ranked in that order; the query's codes gathered by `node_source` from [roots, ranked drafts] and
-    embedded by the table of each code's position (`embedding`: table and query slice), its positions, where its
-    keys go and what each query attends to; the scored query rows (`scored_rows`, head by head over `score_heads`)
-    and each one's noise (`noise_frames`, `noise_codes`), drawn in one draw. Per frame, on the host: where its
-    query starts (`query_starts`), which draw each of its slots got (`draws_of`), which ranked rows are its drafts
-    (`drafts_of`) and its cache region (`regions`). Built once per key; every tensor on the runner's device."""
+    """What one round call over some frames does, fixed by each frame's row, root index and plan, built once per key
+    (every tensor on the runner's device). Rows that one LM head scores or drafts from go through it together, in head
+    order, so each head's weights are read once: the drafts' inputs (`draft_*`, ranked in that order), the query's codes
+    gathered from [roots, ranked drafts] (`node_source`) and embedded by their positions' tables (`embedding`), where
+    its keys go and what each query attends to, and the scored rows with their noise (`scored_rows`, `score_heads`,
+    `noise_*`), drawn in one draw. Per frame, on the host: where its query starts, its slots' draws, its drafts' rows
+    and its cache region."""
 
     plans: list[RoundPlan]
     width: int

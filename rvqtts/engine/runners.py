@@ -1,7 +1,7 @@
 """The runners a loaded model keeps between utterances: the talker's (rvqtts.engine.talker), the inner loop's parts
 (rvqtts.engine.inner_loop) and a batch's code predictor runner, with the frame loop over them
-(rvqtts.engine.frame_loop). A KV cache only grows, and fused weights and captured graphs are reused; a runner is
-made again only where what it runs changes (the tree policy, CUDA graphs on or off, a Core ML package)."""
+(rvqtts.engine.frame_loop). Each is made on first use and kept: a KV cache only grows, and fused weights and captured
+graphs are reused. What the inner loop runs is fixed when the runners are made (`Synthesizer.using` makes others)."""
 
 from __future__ import annotations
 
@@ -20,44 +20,44 @@ from rvqtts.memory import tensors_mib
 
 
 class Runners:
-    """The runners of one model's `talker` (qwen-tts's module, with its code predictor) in one weight format.
-    `speculation` (None: the plain loop), `cuda_graphs` and `fused` (a Core ML package's calls,
-    rvqtts.engine.coreml) say what the inner loop runs; the runners follow them on their next use."""
+    """The runners of one model's `talker` (qwen-tts's module, with its code predictor) in one weight format, for one
+    inner loop: `speculation` (None: the plain loop), CUDA graphs on or off (replaying the talker's and the inner
+    loop's calls on CUDA devices), or `fused`, a Core ML package's calls (rvqtts.engine.coreml). `talker_runner`: one
+    to share (another inner loop over the same talker)."""
 
-    def __init__(self, talker: torch.nn.Module, weights: str = "native"):
+    def __init__(
+        self,
+        talker: torch.nn.Module,
+        weights: str = "native",
+        speculation: TreePolicy | None = None,
+        cuda_graphs: bool = True,
+        fused: FusedLoop | None = None,
+        talker_runner: TalkerRunner | None = None,
+    ):
         self.talker_module = talker
         self.code_predictor = talker.code_predictor
         self.weights = weights  # "int8": both loops run 8-bit weights (rvqtts.engine.quantize)
-        self.speculation: TreePolicy | None = None
-        self.cuda_graphs = True  # replay the talker's and the inner loop's calls from CUDA graphs on CUDA devices
-        self.fused: FusedLoop | None = None
-        self._talker: TalkerRunner | None = None
+        self.speculation, self.cuda_graphs, self.fused = speculation, cuda_graphs, fused
+        self._talker = talker_runner
         self._parts: LoopParts | None = None
         self._batch: PredictorRunner | None = None
 
     def talker(self) -> TalkerRunner:
-        """The talker runner, made on first use (CUDA graphs per `cuda_graphs`)."""
-        device = self.talker_module.codec_head.weight.device
-        graphs = self.cuda_graphs and device.type == "cuda"
-        if self._talker is None or (self._talker.calls.mode == "cuda") != graphs:
-            calls = StaticCalls.for_device(device, self.cuda_graphs)
+        """The talker runner."""
+        if self._talker is None:
+            calls = StaticCalls.for_device(self.talker_module.codec_head.weight.device, self.cuda_graphs)
             self._talker = TalkerRunner(self.talker_module, calls=calls, weights=self.weights)
         return self._talker
 
     def inner_parts(self) -> LoopParts:
-        """The inner loop's parts for the current speculation and backend."""
-        parts = self._parts
-        if self.fused is not None:
-            if parts is None or parts.fused is not self.fused or parts.speculation is not self.speculation:
-                parts = self._parts = LoopParts.package(self.fused, self.speculation)
-        elif (
-            parts is None
-            or parts.fused is not None
-            or parts.speculation is not self.speculation
-            or parts.cuda_graphs != self.cuda_graphs
-        ):
-            parts = self._parts = LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs, self.weights)
-        return parts
+        """The inner loop's parts: a package's fused calls, or a code predictor runner with room for the tree."""
+        if self._parts is None:
+            self._parts = (
+                LoopParts.package(self.fused, self.speculation)
+                if self.fused is not None
+                else LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs, self.weights)
+            )
+        return self._parts
 
     def batch_runner(self) -> PredictorRunner:
         """The code predictor runner of batches (its cache grows by rows, each row with room for a tree

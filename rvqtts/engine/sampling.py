@@ -1,18 +1,8 @@
-"""Sampling codes exactly as qwen-tts does, with noise that is a pure function of where the code sits.
-
-The target distribution of a code is softmax(top-p(top-k(logits / temperature))), the order and the
-semantics of Hugging Face's warpers that qwen-tts's `generate()` uses (ties at the k-th value are kept;
-top-p keeps the smallest set whose mass exceeds p, and at least one token). A draw is the Gumbel-max
-trick, argmax(warped logits + G), where G is Gumbel noise fixed by the key (seed, utterance, frame,
-position, token). Plain and speculative decoding therefore consume the same noise for the same code
-and emit the same codes, on any backend and in any call shape.
-
-Noise key layout (documented in docs/engine.md): a 64-bit stream key is made by folding the four
-fields into a SplitMix64 chain, key = mix(mix(mix(mix(TAG + seed) + utterance) + frame) + position)
-(each `+` also adds the golden-ratio increment, all arithmetic modulo 2**64), and the token's bits
-are the SplitMix64 output mix(key + (token + 1) * GOLDEN). The top 53 bits give u in (0, 1), and
-G = -log(-log(u)) is computed in float64 and rounded to float32.
-"""
+"""Sampling codes exactly as qwen-tts does, with noise that is a pure function of where the code sits: the target is
+softmax(top-p(top-k(logits / temperature))) with the semantics of Hugging Face's warpers, and a draw is the
+Gumbel-max argmax(warped logits + G), G keyed by (seed, utterance, frame, position, token). Plain and speculative
+decoding consume the same noise for the same code, so they emit the same codes on any backend and in any call
+shape. docs/engine.md, "Why it is exact" and "Same noise, same codes" (the key's layout, frozen by a test)."""
 
 from __future__ import annotations
 
@@ -96,14 +86,9 @@ def entropy_bits(probs: torch.Tensor) -> torch.Tensor:
     return -(probs * torch.log2(probs.clamp(min=1e-30))).sum(-1)
 
 
-def _noisy_scores(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    scores = warp_logits(logits, config)
-    return scores + noise if config.do_sample else scores
-
-
 def draw(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """Gumbel-max draw over the last axis: argmax(warped logits + noise); noise is ignored when greedy."""
-    return _noisy_scores(logits, noise, config).argmax(dim=-1)
+    return draw_checked(logits, noise, config)[0]
 
 
 def draw_checked(
@@ -111,7 +96,8 @@ def draw_checked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`draw`, and whether every row's logits were finite (a 0-d bool on the device, read back with the
     codes): argmax takes a NaN or +inf where a row has one, so the drawn score alone tells."""
-    scores = _noisy_scores(logits, noise, config)
+    scores = warp_logits(logits, config)
+    scores = scores + noise if config.do_sample else scores
     codes = scores.argmax(dim=-1)
     return codes, torch.isfinite(scores.gather(-1, codes.unsqueeze(-1))).all()
 

@@ -1,30 +1,8 @@
-"""The 12 Hz speech decoder run by rvqtts a few frames at a time, its state carried from one call to the next;
-a whole utterance is decoded the same way, in pieces of PIECE_FRAMES frames.
-
-qwen-tts decodes a whole utterance at once. Its decoder is causal throughout: causal convolutions
-(zero left padding), transposed convolutions whose overlap only reaches forward, a transformer with
-sliding-window attention of 72 frames, and pointwise layers. So it can run incrementally with nothing
-approximated: each causal convolution keeps its last inputs (where the offline pass has zeros before
-the start), each transposed convolution keeps the inputs its overlap needs and emits only the samples
-that are complete, and the transformer keeps its KV cache (qwen-tts's own module, called with a Hugging
-Face cache). The waveform equals qwen-tts's offline decode of the same codes up to float rounding (a test
-bounds it); qwen-tts's offline decode is one pass up to 300 frames, and past that it re-decodes windows
-with 25 frames of left context, which is itself an approximation of the one pass this class computes.
-
-Why rvqtts runs the decoder's arithmetic itself (the weights stay qwen-tts's modules', walked in their own
-order, as the runners do for the talker and the code predictor):
-- Bounded working set: qwen-tts's one pass holds activations of the whole utterance (at 96 channels and
-  24 kHz, 29 MB a tensor for 3 s of audio, 230 MB for 30 s), every tensor past glibc's mmap threshold, so
-  each op page-faults fresh memory. In pieces of PIECE_FRAMES frames the tensors stay a few MB.
-- Convolutions by their shapes: torch runs a small convolution (under 20,480 input elements) with a slow
-  reference kernel, and a larger one through oneDNN, which reorders the whole weight on every call: the
-  low-rate layers (1,024-1,536 channels, weights of 17-75 MB) cost far more than their bytes. Where a
-  convolution's weight outweighs its input, or its kernel is one step, it runs here as one matrix product over
-  the input's taps; with one output channel (the last layer), tap by tap; elsewhere (the high-rate layers, whose
-  weights are small) through torch's convolution. A transposed convolution is always one product (the input by
-  the weight as stored) and an overlap-add of its taps.
-- SnakeBeta (x + sin^2(alpha x) / beta) in one buffer: qwen-tts's form allocates four tensors a call.
-"""
+"""The 12 Hz speech decoder run by rvqtts a few frames at a time, its state carried from one call to the next; a whole
+utterance is decoded the same way, in pieces of PIECE_FRAMES frames. qwen-tts's decoder is causal throughout, so it
+runs incrementally with nothing approximated, on qwen-tts's modules and weights in their order; rvqtts computes the
+arithmetic itself to bound the working set and to run each convolution the way its shape wants.
+docs/engine.md, "Streaming"."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""The talker (the paper's CodeDecoder) run by hand: static KV cache, explicit positions, one call per frame.
-
-The weights are the loaded qwen-tts module's own; this file owns its forward pass, in the code predictor's
-style (rvqtts.engine.transformer). A synthesis is one prefill over the prompt qwen-tts builds (rvqtts.prompt),
-then one step per frame, whose input is what qwen-tts feeds back: the sum of the frame's 16 code
-embeddings (c0 through the talker's codec embedding, c1..c15 through the code predictor's) plus the next
-text embedding, or the pad embedding once the text is consumed.
-
-Positions are MRoPE's: three axes (time, height, width), each rotating its own section of the head. The
-talker only ever sees text and codec tokens of one unpadded utterance, whose three position ids are all
-equal to the token's index (qwen-tts's `get_rope_index` over a mask of ones; no rope delta), and with
-equal ids every section rotates by the same angle: the table of one axis is the table of all three.
-"""
+"""The talker (the paper's CodeDecoder) run by hand on the loaded qwen-tts module's weights, in the code predictor's
+style (rvqtts.engine.transformer): one prefill over the prompt, then one step per frame over a KV cache that grows
+as utterances need, a region per batch row. One RoPE table serves MRoPE's three axes, whose position ids are all
+equal for one unpadded utterance. docs/engine.md, "Where it sits in qwen-tts"."""
 
 from __future__ import annotations
 
@@ -32,13 +23,7 @@ class TalkerRunner(CachedDecoder):
     a tensor and the slots beyond it masked. Eagerly (CPUs), the same step attends to exactly its slots.
     """
 
-    def __init__(
-        self,
-        talker: torch.nn.Module,
-        capacity: int = CAPACITY_STEP,
-        calls: StaticCalls | None = None,
-        weights: str = "native",
-    ):
+    def __init__(self, talker: torch.nn.Module, calls: StaticCalls | None = None, weights: str = "native"):
         self.rotary = talker.model.rotary_emb
         self.head = module_map(talker.codec_head, weights)
         self.codec_embedding = talker.model.codec_embedding
@@ -46,7 +31,7 @@ class TalkerRunner(CachedDecoder):
         self.calls = calls or StaticCalls()
         weight = talker.codec_head.weight
         super().__init__(
-            talker.model.layers, talker.model.norm, talker.config, capacity, weight.device, weight.dtype, weights
+            talker.model.layers, talker.model.norm, talker.config, CAPACITY_STEP, weight.device, weight.dtype, weights
         )
         self.vocab_size = talker.config.vocab_size
         drop_file_pages(self.head.unread())

@@ -133,18 +133,14 @@ class CachedDecoder:
         rows: tuple[torch.Tensor, torch.Tensor] | None = None,
         prompt: bool = False,
     ) -> torch.Tensor:
-        """The layers over states x [q, hidden] with RoPE tables `cos`, `sin` [1, q, d]; their keys and values
-        go to the cache slots `write` (a slice, or a tensor of slot indices, which keeps shapes static), and
-        attention reads slots 0..span-1 (or the slots of `span`, a slice: one batch row's region of the
-        cache, rvqtts.engine.talker). `mask` [q, span] says which slots each query attends to; `groups`
-        instead gives, for slices of the queries, the slots [n, L] each one attends to in order; `rows`
-        instead gives them for row attention (rvqtts.engine.attention): each query's `span` slots in position
-        order [q, span] (None: the first `span`) and which of them it sees [q, span]; with none, every
-        query sees every slot read. Returns the final-normed hidden states [q, hidden].
-
-        Where this decoder runs its rows natively (`native_rows`, rvqtts.engine.native), norms, RoPE, attention and
-        the MLP's activation are native calls, and where every map runs the library's kernel the whole layer is one
-        call (`native_layers`): the same bits. A `prompt` (a prefill's rows) runs maps by `LinearMap.many`."""
+        """The layers over states x [q, hidden] (RoPE tables `cos`, `sin` [1, q, d]), writing keys and values to the
+        cache slots `write` (a slice, or slot indices, which keep shapes static) and attending to slots 0..span-1 (or
+        the region `span`, a slice: one batch row's). Which slots each query sees: `mask` [q, span]; else `groups`
+        (query slices and the slots [n, L] each of them attends to, in order); else `rows` (row attention,
+        rvqtts.engine.attention: each query's slots [q, span] in position order, None: the first `span`, and which of
+        them it sees); else all. Returns the final-normed states [q, hidden]. Run natively (`native_rows`), norms, RoPE,
+        attention and the activation are library calls, whole layers where every map runs its kernel (`native_layers`):
+        the same bits. A `prompt` (a prefill's rows) runs maps by `LinearMap.many`."""
         native_rows = self.runs_natively()
         read = span if isinstance(span, slice) else slice(0, span)
         if native_rows and read.start and rows is None and groups is None:  # a region: its slots, in order

@@ -10,6 +10,7 @@ mask, the depth (position offset) of every query slot and, for the walk, each no
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -72,20 +73,13 @@ class Tree:
 
 @dataclass(frozen=True)
 class TreeBuffers:
-    """What one round needs, for the query [root, node_1, ..., node_N] (slot 0 is the root).
+    """What one round needs, per slot of the query [root, node_1, ..., node_N] (the root's rank and parent: -1)."""
 
-    `depth[i]`: 0 for the root, else the node's depth (the position offset from the root).
-    `rank[i]`: the node's own rank at its depth (-1 for the root).
-    `parent[i]`: the parent's slot (-1 for the root).
-    `ancestor_mask[i, j]`: slot i may attend to slot j (j is i or an ancestor of i).
-    `children[i]`: (rank, child slot) pairs of slot i, for walking the tree.
-    """
-
-    depth: torch.Tensor
-    rank: list[int]
-    parent: list[int]
-    ancestor_mask: torch.Tensor
-    children: list[list[tuple[int, int]]]
+    depth: torch.Tensor  # the position offset from the root
+    rank: list[int]  # the node's rank at its depth
+    parent: list[int]  # the parent's slot
+    ancestor_mask: torch.Tensor  # [i, j]: slot i may attend to slot j (j is i or an ancestor of i)
+    children: list[list[tuple[int, int]]]  # (rank, child slot) pairs, for walking the tree
 
     @classmethod
     def from_tree(cls, tree: Tree) -> "TreeBuffers":
@@ -173,36 +167,30 @@ def save_tree(tree: Tree, path: str | os.PathLike) -> None:
     write_atomically(path, (text + "\n").encode())
 
 
-def grow_tree(acceptance: list[list[float]], budget: int, source: str = "") -> Tree:
-    """Greedy sparse tree for `budget` nodes from a per-depth, per-rank acceptance table.
+def path_value(acceptance: list[list[float]], path: Path_) -> float:
+    """The chance a round reaches and accepts the node at `path`: the product of the acceptances along it."""
+    factors = (acceptance[d][r] if d < len(acceptance) and r < len(acceptance[d]) else 0.0 for d, r in enumerate(path))
+    return math.prod(factors)
 
-    `acceptance[d][r]` is how often the rank-r draft at depth d+1 is the committed code, given that
-    the path above it was accepted. A node's value is the product of acceptances along its path (the
-    chance the round reaches and accepts it); its expected contribution to codes per call is that value.
-    Starting from the root, repeatedly add the frontier node (a root child, the next sibling rank of
-    a node, or a node's first child) of largest value. Depth is capped at len(acceptance).
-    """
+
+def grow_tree(acceptance: list[list[float]], budget: int, source: str = "") -> Tree:
+    """Greedy sparse tree of `budget` nodes from an acceptance table (`acceptance[d][r]`: how often the rank-r draft
+    at depth d+1 is committed, given its path was): from the root, add the frontier node (a root child, a node's next
+    sibling rank or first child) of largest `path_value`, its expected codes per call. Depth <= len(acceptance)."""
     if budget < 1:
         raise ValueError(f"a tree needs at least one node, got budget {budget}")
     depth_limit = len(acceptance)
-
-    def value(path: Path_) -> float:
-        result = 1.0
-        for d, r in enumerate(path):
-            result *= acceptance[d][r] if r < len(acceptance[d]) else 0.0
-        return result
-
     chosen: list[Path_] = []
     frontier = {(0,)}
     while len(chosen) < budget and frontier:
-        best = max(frontier, key=lambda p: (value(p), -len(p), [-r for r in p]))
+        best = max(frontier, key=lambda p: (path_value(acceptance, p), -len(p), [-r for r in p]))
         frontier.remove(best)
         chosen.append(best)
         if best[-1] + 1 < len(acceptance[len(best) - 1]):
             frontier.add(best[:-1] + (best[-1] + 1,))
         if len(best) < depth_limit:
             frontier.add(best + (0,))
-    expected = 1.0 + sum(value(p) for p in chosen)  # codes per verify round: y plus accepted nodes
+    expected = 1.0 + sum(path_value(acceptance, p) for p in chosen)  # codes per verify round: y plus accepted nodes
     return Tree(tuple(chosen), source=source, expected_codes_per_call=round(expected, 4), depth_limit=depth_limit)
 
 
@@ -211,14 +199,8 @@ def frame_codes_per_call(acceptance: list[list[float]], tree: Tree, codes: int =
     model of acceptance (independent rounds): the prefill counts as a call, and near the frame's end the
     tree is cut to the codes that remain, as the engine cuts it. `tree.expected_codes_per_call` is the
     per-round figure without those two effects."""
-
-    def reach(path: Path_) -> float:  # the chance a round accepts this node
-        result = 1.0
-        for d, r in enumerate(path):
-            result *= acceptance[d][r] if d < len(acceptance) and r < len(acceptance[d]) else 0.0
-        return result
-
-    at_least = [1.0] + [sum(reach(p) for p in tree.paths if len(p) == d) for d in range(1, tree.depth + 1)]
+    at_least = [sum(path_value(acceptance, p) for p in tree.paths if len(p) == d) for d in range(1, tree.depth + 1)]
+    at_least = [1.0, *at_least]
     calls_from = [0.0] * (codes + 2)  # calls_from[k]: expected calls still to make when c_k is the round's root
     for k in range(codes - 1, 0, -1):
         depth = min(tree.depth, codes - k)

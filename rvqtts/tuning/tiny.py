@@ -50,6 +50,7 @@ KINDS = {"custom-voice": "custom_voice", "base": "base", "voice-design": "voice_
 TINY_SPEAKER_ENCODER = dict(enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16, enc_se_channels=16)
 HEAD_DIM = 16
 RELEASED = Path(__file__).parent / "released"  # the released models' configuration files, with provenance
+TINY_SPEECH_TOKENIZER = Path(__file__).parent / "tiny-speech-tokenizer.json"
 SHALLOW_LAYERS = 2  # `--shallow`: layers in the talker and in the code predictor
 # qwen-tts reads generation_config.json as a plain dict of its own sampling keys; its defaults, and a short
 # generation limit (the tiny talker never ends its speech).
@@ -306,67 +307,13 @@ def _build_main_model(
 
 
 def _tiny_speech_tokenizer_config(codebook: int, code_groups: int):
-    """A shrunk speech tokenizer config (the decoder's cost and sound do not matter to tests)."""
-    core = qwen_tts().core
-    # Mimi encoder and 12 Hz decoder, shrunk; the rates are kept, so 24 kHz <-> 12.5 Hz (1920 samples/frame).
-    encoder = dict(
-        sampling_rate=24000,
-        frame_rate=12.5,
-        audio_channels=1,
-        hidden_size=32,
-        num_filters=4,
-        num_residual_layers=1,
-        upsampling_ratios=[8, 6, 5, 4],
-        kernel_size=7,
-        last_kernel_size=3,
-        residual_kernel_size=3,
-        dilation_growth_rate=2,
-        use_causal_conv=True,
-        compress=2,
-        codebook_size=codebook,
-        codebook_dim=16,
-        num_quantizers=code_groups,
-        num_semantic_quantizers=1,
-        vector_quantization_hidden_dimension=16,
-        upsample_groups=32,
-        num_hidden_layers=1,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=250,
-        max_position_embeddings=8000,
-    )
-    decoder = dict(
-        codebook_size=codebook,
-        codebook_dim=16,
-        hidden_size=32,
-        latent_dim=32,
-        head_dim=16,
-        max_position_embeddings=8000,
-        rope_theta=10000,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        sliding_window=72,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_quantizers=code_groups,
-        upsample_rates=[8, 5, 4, 3],
-        upsampling_ratios=[2, 2],
-        decoder_dim=32,
-        layer_scale_initial_scale=0.01,
-        rms_norm_eps=1e-5,
-    )
-    return core.Qwen3TTSTokenizerV2Config(
-        encoder_config=encoder,
-        decoder_config=decoder,
-        encoder_valid_num_quantizers=code_groups,
-        input_sample_rate=24000,
-        output_sample_rate=24000,
-        decode_upsample_rate=1920,
-        encode_downsample_rate=1920,
-        architectures=["Qwen3TTSTokenizerV2Model"],
-    )
+    """A shrunk speech tokenizer config (the decoder's cost and sound do not matter to tests): the Mimi encoder and
+    12 Hz decoder of tiny-speech-tokenizer.json, whose rates are the released ones (24 kHz <-> 12.5 Hz, 1920 samples
+    a frame), with this model's codebook and code groups."""
+    config = json.loads(TINY_SPEECH_TOKENIZER.read_text())
+    for part in ("encoder_config", "decoder_config"):
+        config[part].update(codebook_size=codebook, num_quantizers=code_groups)
+    return qwen_tts().core.Qwen3TTSTokenizerV2Config(**config, encoder_valid_num_quantizers=code_groups)
 
 
 def _build_speech_tokenizer(out_dir: Path, config, seed: int) -> None:
