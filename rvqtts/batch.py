@@ -19,33 +19,13 @@ import numpy as np
 from rvqtts.audio import AUDIO_FORMATS
 from rvqtts.cloning import VoiceError, VoiceSource
 from rvqtts.engine.sampling import NonFiniteError
-from rvqtts.settings import RunSettings
+from rvqtts.settings import Line, RunSettings
 
 FIELDS = {"text", "speaker", "language", "instruct", "out", "ref_audio", "ref_text", "x_vector_only", "voice"}
 
 
 class BatchFileError(ValueError):
     """A batch file that cannot be used; the message names the file and the line."""
-
-
-@dataclass(frozen=True)
-class Utterance:
-    line: int
-    text: str
-    name: str
-    speaker: str | None = None
-    language: str | None = None
-    instruct: str | None = None
-    clone: VoiceSource | None = None  # this line's cloned voice (Base models), else the batch's
-
-    def voice(self, speaker: str | None, language: str, instruct: str | None, clone: VoiceSource | None) -> dict:
-        """This line's voice, the keywords of `voice_for`: its own fields, else the run's (given here)."""
-        return dict(
-            speaker=self.speaker or speaker,
-            language=self.language or language,
-            instruct=self.instruct or instruct,
-            source=self.clone or clone,
-        )
 
 
 def _output_name(path: Path, line: int, out: object) -> str:
@@ -59,7 +39,7 @@ def _output_name(path: Path, line: int, out: object) -> str:
     return str(name) if name.suffix.lower() in AUDIO_FORMATS else f"{name}.wav"
 
 
-def _from_json(path: Path, line: int, raw: str) -> Utterance:
+def _from_json(path: Path, line: int, raw: str) -> Line:
     try:
         record = json.loads(raw)
     except json.JSONDecodeError as error:
@@ -77,14 +57,14 @@ def _from_json(path: Path, line: int, raw: str) -> Utterance:
             raise BatchFileError(f'{path}:{line}: "{key}" must be a string')
     if not isinstance(record.get("x_vector_only", False), bool):
         raise BatchFileError(f'{path}:{line}: "x_vector_only" must be true or false')
-    return Utterance(
-        line,
+    return Line(
         text.strip(),
-        _output_name(path, line, record.get("out")),
         record.get("speaker"),
         record.get("language"),
         record.get("instruct"),
         _voice_source(path, line, record),
+        utterance=line,
+        name=_output_name(path, line, record.get("out")),
     )
 
 
@@ -104,8 +84,9 @@ def _voice_source(path: Path, line: int, record: dict) -> VoiceSource | None:
         raise BatchFileError(f"{path}:{line}: {error}") from error
 
 
-def read_batch(path: str | Path) -> list[Utterance]:
-    """All utterances of a batch file, checked; raises BatchFileError on the first fault."""
+def read_batch(path: str | Path) -> list[Line]:
+    """All utterances of a batch file, each with its line number as `utterance` (its noise key) and its output's
+    `name`, checked; raises BatchFileError on the first fault."""
     path = Path(path)
     if path.suffix.lower() not in (".txt", ".jsonl"):
         raise BatchFileError(f"{path}: a batch file must end in .txt or .jsonl")
@@ -115,7 +96,7 @@ def read_batch(path: str | Path) -> list[Utterance]:
         raise BatchFileError(f"cannot read batch file {path}: {error}") from error
     jsonl = path.suffix.lower() == ".jsonl"
     utterances = [
-        _from_json(path, n, raw) if jsonl else Utterance(n, raw.strip(), f"{n:04d}.wav")
+        _from_json(path, n, raw) if jsonl else Line(raw.strip(), utterance=n, name=f"{n:04d}.wav")
         for n, raw in enumerate(lines, start=1)
         if raw.strip()
     ]
@@ -124,8 +105,8 @@ def read_batch(path: str | Path) -> list[Utterance]:
     seen: dict[str, int] = {}
     for item in utterances:
         if item.name in seen:
-            raise BatchFileError(f"{path}:{item.line}: output {item.name} is also line {seen[item.name]}'s")
-        seen[item.name] = item.line
+            raise BatchFileError(f"{path}:{item.utterance}: output {item.name} is also line {seen[item.name]}'s")
+        seen[item.name] = item.utterance
     return utterances
 
 
@@ -134,7 +115,7 @@ class BatchResult:
     """What happened to one utterance: "done", "skipped" (its file already existed) or "failed"; on a
     cluster, `worker` is the rvqtts.cluster.WorkerRecord of the worker that made it."""
 
-    utterance: Utterance
+    line: Line
     status: str
     record: dict | None = None
     error: str | None = None
@@ -152,30 +133,15 @@ class Rendered:
     record: dict
 
 
-def voice_for(synth, speaker: str | None, language: str, instruct: str | None, source: VoiceSource | None) -> dict:
-    """The voice keywords of `synth.synthesize` for one line (its fields, else the run's, given here):
-    the speaker resolved, the cloned voice encoded (once per source); ValueError saying what to give."""
-    clone = synth.voice_of(source) if source is not None else None
-    return dict(
-        speaker=synth.check_voice(speaker, language, instruct, clone), language=language, instruct=instruct, clone=clone
-    )
-
-
-def line_voice(synth, item: Utterance, run: RunSettings) -> tuple[dict, VoiceSource | None]:
-    """The voice keywords of one line (`voice_for`) and its cloned voice's source, if any."""
-    line = item.voice(run.speaker, run.language, run.instruct, run.clone)
-    return voice_for(synth, **line), line["source"]
-
-
-def rendered(synth, item: Utterance, synthesis, voice: dict, source: VoiceSource | None) -> Rendered:
-    """A made utterance as its output file's bytes, with its voice as the model heard it."""
+def rendered(synth, line: Line, synthesis, source: VoiceSource | None) -> Rendered:
+    """A made utterance (`line` as the model heard it, `Synthesizer.voiced`) as its output file's bytes."""
     from rvqtts.audio import audio_bytes, audio_format
 
-    heard = {"speaker": voice["speaker"], "language": voice["language"]}
-    if voice["instruct"] and synth.supports_instruct:
-        heard["instruct"] = voice["instruct"]
+    heard = {"speaker": line.speaker, "language": line.language}
+    if line.instruct and synth.supports_instruct:
+        heard["instruct"] = line.instruct
     return Rendered(
-        audio_bytes(synthesis.audio, synthesis.sample_rate, audio_format(item.name)),
+        audio_bytes(synthesis.audio, synthesis.sample_rate, audio_format(line.name)),
         synthesis.codes,
         {**heard, **(source.record() if source else {})},
         synthesis.record(),
@@ -204,67 +170,57 @@ class Manifest:
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue  # a damaged line of an earlier run is dropped, not fatal
 
-    def add(self, item: Utterance, rendered: Rendered) -> None:
+    def add(self, line: Line, rendered: Rendered) -> None:
         from rvqtts.files import write_atomically
 
-        self.entries[item.name] = {
-            "name": item.name,
-            "line": item.line,
-            "text": item.text,
-            **rendered.voice,
-            **rendered.record,
-        }
+        entry = {"name": line.name, "line": line.utterance, "text": line.text, **rendered.voice, **rendered.record}
+        self.entries[line.name] = entry
         ordered = sorted(self.entries.values(), key=lambda e: (e.get("line", 0), e["name"]))
         write_atomically(self.path, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in ordered).encode())
 
 
-def save(out_dir: Path, item: Utterance, rendered: Rendered, manifest: Manifest, codes_dir: Path | None = None) -> None:
-    """Write one made utterance: its codes (if asked), its audio file, then its manifest entry; each
-    atomically, so an interrupted batch leaves whole files and a rerun redoes only what is missing."""
-    from rvqtts.audio import write_codes
-    from rvqtts.files import write_atomically
-
-    if codes_dir is not None:
-        write_codes(codes_dir / Path(item.name).with_suffix(".npy"), rendered.codes)
-    write_atomically(out_dir / item.name, rendered.audio)
-    manifest.add(item, rendered)
-
-
 def conclude(
     out_dir: Path,
-    item: Utterance,
+    line: Line,
     status: str,
     value: object,
     manifest: Manifest,
     codes_dir: Path | None = None,
     worker: object | None = None,
 ) -> BatchResult:
-    """A line's result from `attempt`'s answer, made here or on a worker: a made line is written (`save`),
-    and a write that fails fails the line."""
+    """A line's result from `attempt`'s answer, made here or on a worker. A made line is written: its codes (if
+    asked), its audio file, then its manifest entry, each atomically, so an interrupted batch leaves whole files
+    and a rerun redoes only what is missing; a write that fails fails the line."""
+    from rvqtts.audio import write_codes
+    from rvqtts.files import write_atomically
+
     if status == "done":
         try:
-            save(out_dir, item, value, manifest, codes_dir)
-            return BatchResult(item, "done", value.record, worker=worker)
+            if codes_dir is not None:
+                write_codes(codes_dir / Path(line.name).with_suffix(".npy"), value.codes)
+            write_atomically(out_dir / line.name, value.audio)
+            manifest.add(line, value)
+            return BatchResult(line, "done", value.record, worker=worker)
         except Exception as error:  # a full disk, a folder made unwritable: this line fails, the rest go on
             value = describe(error)
-    return BatchResult(item, "failed", error=value, worker=worker)
+    return BatchResult(line, "failed", error=value, worker=worker)
 
 
-def to_do(utterances: list[Utterance], out_dir: Path, force: bool = False) -> list[Utterance]:
-    """The utterances whose output is not in `out_dir` yet, or not in its manifest (all of them with `force`).
+def to_do(lines: list[Line], out_dir: Path, force: bool = False) -> list[Line]:
+    """The lines whose output is not in `out_dir` yet, or not in its manifest (all of them with `force`).
 
     A file is written before its manifest entry, so a batch stopped between the two (killed, Ctrl-C) leaves a
     whole file that the manifest does not list: that line is made again (the same bytes: its noise is keyed
     by its line), so that a resumed batch's manifest lists every output, as a full run's does."""
     if force:
-        return list(utterances)
+        return list(lines)
     listed = Manifest(out_dir).entries
-    return [item for item in utterances if item.name not in listed or not (out_dir / item.name).exists()]
+    return [line for line in lines if line.name not in listed or not (out_dir / line.name).exists()]
 
 
 def synthesize_batch(
     synth,
-    utterances: list[Utterance],
+    lines: list[Line],
     out_dir: Path,
     run: RunSettings,
     *,
@@ -274,64 +230,56 @@ def synthesize_batch(
     batch_size: int = 1,
     on_notice=None,
 ) -> list[BatchResult]:
-    """Synthesize every utterance into `out_dir` here, skipping existing outputs unless `force`; with
-    `batch_size` > 1, that many lines at once (Synthesizer.synthesize_many: the same files).
+    """Synthesize every line (rvqtts.batch.read_batch's) into `out_dir` here, skipping existing outputs unless
+    `force`; with `batch_size` > 1, that many lines at once (Synthesizer.synthesize_many: the same files).
 
-    A failing utterance is reported in its result and the rest go on, except a model that produced NaN or
-    inf (NonFiniteError), which every utterance would meet: that stops the batch. `on_done(result)` is
-    called after each one, as it ends, and `on_notice(text)` with a batch cut to fit in memory. Results
-    come in line order. rvqtts.cluster runs the same on Ray
-    workers.
-    """
+    A failing line is reported in its result and the rest go on, except a model that produced NaN or inf
+    (NonFiniteError), which every line would meet: that stops the batch. `on_done(result)` is called after each
+    one, as it ends, and `on_notice(text)` with a batch cut to fit in memory. Results come in line order.
+    rvqtts.cluster runs the same on Ray workers."""
     manifest = Manifest(out_dir)
-    pending = {item.line for item in to_do(utterances, out_dir, force)}
+    making = to_do(lines, out_dir, force)
+    pending = {line.utterance for line in making}
     results: dict[int, BatchResult] = {}
 
-    def finish(item: Utterance, result: BatchResult) -> None:
-        results[item.line] = result
+    def finish(result: BatchResult) -> None:
+        results[result.line.utterance] = result
         if on_done:
             on_done(result)
 
-    making = []
-    for item in utterances:
-        if item.line not in pending:
-            finish(item, BatchResult(item, "skipped"))
-        else:
-            making.append(item)
-    if making:
-        for item, (status, value) in attempt(synth, making, run, batch_size, on_notice):
-            finish(item, conclude(out_dir, item, status, value, manifest, codes_dir))
-    return [results[item.line] for item in utterances]
+    for line in lines:
+        if line.utterance not in pending:
+            finish(BatchResult(line, "skipped"))
+    for line, (status, value) in attempt(synth, making, run, batch_size, on_notice):
+        finish(conclude(out_dir, line, status, value, manifest, codes_dir))
+    return [results[line.utterance] for line in lines]
 
 
 def attempt(
-    synth, items: list[Utterance], run: RunSettings, batch_size: int, on_notice=None
-) -> Iterator[tuple[Utterance, tuple]]:
+    synth, lines: list[Line], run: RunSettings, batch_size: int, on_notice=None
+) -> Iterator[tuple[Line, tuple]]:
     """Each line and its answer as it ends, the lines spoken `batch_size` at a time (Synthesizer.synthesize_many):
     ("done", Rendered, its output file's bytes), or ("failed", why) for a line whose voice or synthesis failed. A
     line's voice is its own, else the run's; every code's noise (c0's included) is keyed by its line number, so any
     run, partial, resumed or on any worker, makes the same audio for it. A model that produced NaN or inf
     (NonFiniteError) is raised: every line would meet it."""
-    from rvqtts.settings import Line
-
-    voices, lines, failed = [], [], []
-    for item in items:
+    voiced = []  # (the line, with the run's voice, as the model hears it)
+    for line in lines:
         try:
-            voice, source = line_voice(synth, item, run)
+            asked = line.under(run)
+            voiced.append((line, asked, synth.voiced(asked)))
         except NonFiniteError:
             raise
         except Exception as error:  # this line's voice: it fails alone
-            failed.append((item, ("failed", describe(error))))
-            continue
-        voices.append((item, voice, source))
-        lines.append(Line(item.text, voice["speaker"], voice["language"], voice["instruct"], voice["clone"], item.line))
-    yield from failed
-    for index, outcome in synth.synthesize_many(lines, run.seed, run.settings, run.chunk_chars, batch_size, on_notice):
-        item, voice, source = voices[index]
+            yield line, ("failed", describe(error))
+    heard = [spoken for _, _, spoken in voiced]
+    for index, outcome in synth.synthesize_many(heard, run.seed, run.settings, run.chunk_chars, batch_size, on_notice):
+        line, asked, spoken = voiced[index]
         if isinstance(outcome, Exception):
-            yield item, ("failed", describe(outcome))
+            yield line, ("failed", describe(outcome))
             continue
         try:
-            yield item, ("done", rendered(synth, item, outcome, voice, source))
-        except Exception as error:
-            yield item, ("failed", describe(error))
+            answer = ("done", rendered(synth, spoken, outcome, asked.clone))
+        except Exception as error:  # its output could not be made
+            answer = ("failed", describe(error))
+        yield line, answer

@@ -21,11 +21,11 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
-from rvqtts.batch import BatchResult, Manifest, Utterance, attempt, conclude, describe, to_do
+from rvqtts.batch import BatchResult, Manifest, attempt, conclude, describe, to_do
 from rvqtts.batch_size import choose_batch_size
 from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.loader import EngineChoices
-from rvqtts.settings import RunSettings
+from rvqtts.settings import Line, RunSettings
 
 INSTALL_HINT = "pip install -e '.[ray]' (from rvqtts's checkout folder; rvqtts is not on PyPI)"
 DEATHS_PER_LINE = 3  # a line whose workers died this often is reported failed rather than tried again
@@ -102,13 +102,13 @@ class SynthesisWorker:
             "rows": self.rows,
         }
 
-    def render(self, items: list[Utterance], run: RunSettings) -> tuple[str, object]:
+    def render(self, items: list[Line], run: RunSettings) -> tuple[str, object]:
         """("lines", [(line number, status, value)]): rvqtts.batch.attempt's answer for each line, the lines
         spoken `rows` at a time; or ("nonfinite", (model, dtype)). A line's failure is an answer, so only a
         worker in trouble raises."""
         try:
             return "lines", [
-                (item.line, status, value) for item, (status, value) in attempt(self.synth, items, run, self.rows)
+                (item.utterance, status, value) for item, (status, value) in attempt(self.synth, items, run, self.rows)
             ]
         except NonFiniteError as error:
             return "nonfinite", (error.model, error.dtype)
@@ -209,7 +209,7 @@ def _worker_count(ray, spec: WorkerSpec, workers: int | None, lines: int) -> int
 
 
 def synthesize_batch_on_ray(
-    utterances: list[Utterance],
+    utterances: list[Line],
     out_dir: Path,
     spec: WorkerSpec,
     run: RunSettings,
@@ -229,7 +229,7 @@ def synthesize_batch_on_ray(
     """
     ray = require_ray()
     pending = to_do(utterances, out_dir, force)
-    results = {item.line: BatchResult(item, "skipped") for item in utterances}
+    results = {item.utterance: BatchResult(item, "skipped") for item in utterances}
     batch = ClusterBatch([])
     if on_start:
         on_start(len(pending))
@@ -240,7 +240,7 @@ def synthesize_batch_on_ray(
         finally:
             if started:
                 ray.shutdown()
-    batch.results = [results[item.line] for item in utterances]
+    batch.results = [results[item.utterance] for item in utterances]
     return batch
 
 
@@ -269,13 +269,13 @@ class _Driver:
         self.calls[actor.load.remote()] = (actor, record, None, time.perf_counter())
 
     def finish(self, result: BatchResult) -> None:
-        self.results[result.utterance.line] = result
+        self.results[result.line.utterance] = result
         if result.status == "failed" and result.worker is not None:
             result.worker.failed += 1
         if self.on_done:
             self.on_done(result)
 
-    def lose(self, actor, record: WorkerRecord, items: list[Utterance] | None, error) -> None:
+    def lose(self, actor, record: WorkerRecord, items: list[Line] | None, error) -> None:
         """A worker lost (its process or node died, or Ray gave up on it): its lines go to another."""
         from ray.exceptions import ActorDiedError
 
@@ -294,11 +294,11 @@ class _Driver:
                     f"`ray status` and the Ray logs): {_first_line(error)}"
                 )
         for item in reversed(items or []):
-            if self.deaths.setdefault(item.line, 0) >= DEATHS_PER_LINE - 1:
+            if self.deaths.setdefault(item.utterance, 0) >= DEATHS_PER_LINE - 1:
                 error_line = f"its worker was lost {DEATHS_PER_LINE} times ({_first_line(error)})"
                 self.finish(BatchResult(item, "failed", error=error_line, worker=record))
             else:
-                self.deaths[item.line] += 1
+                self.deaths[item.utterance] += 1
                 self.batch.retried_lines += 1
                 self.queue.appendleft(item)
         if self.queue:
@@ -340,7 +340,7 @@ class _Driver:
         record.busy_seconds += time.perf_counter() - sent
         if status == "nonfinite":
             raise NonFiniteError(*value)
-        by_line = {item.line: item for item in items}
+        by_line = {item.utterance: item for item in items}
         for line, status, made in value:
             result = conclude(self.out_dir, by_line[line], status, made, self.manifest, self.codes_dir, record)
             if result.status == "done":

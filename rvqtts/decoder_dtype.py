@@ -18,9 +18,10 @@ from typing import Callable
 
 import torch
 
-from rvqtts.engine.kernels import cached_records, kernels_path, measured_choices
+from rvqtts.engine.kernels import cached_records, measured_choices
 from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.loading import load_speech_tokenizer, resolve_model
+from rvqtts.store import KERNELS
 
 DECODER_DTYPES = ("float32", "bfloat16")  # what a CPU decoder is measured in
 # Frames each pass decodes: per dtype a one-frame warm-up, two timed passes and two for the thread-count probe, 9
@@ -124,6 +125,6 @@ def pick_decoder_dtype(
     }
     return chosen, (
         f"speech decoder in {chosen}: a frame takes {costs[chosen]:.1f} ms in {chosen} against {costs[other]:.1f} ms "
-        f"in {other} on this CPU{threads.get(invariant[chosen], '')} (measured once, kept in {kernels_path()}); "
+        f"in {other} on this CPU{threads.get(invariant[chosen], '')} (measured once, kept in {KERNELS.path}); "
         f"--decoder-dtype {other} overrides"
     )

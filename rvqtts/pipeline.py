@@ -64,10 +64,10 @@ def speak(
             if isinstance(event, FrameDone):
                 state.pending.append(event.codes)
                 if len(state.pending) == stream_frames:
-                    yield state.index, ready_audio(synth, state, lines[state.index].clone)
+                    yield state.index, ready_audio(synth, state)
             elif isinstance(event, ChunkDone):
                 if state.pending:
-                    yield state.index, ready_audio(synth, state, lines[state.index].clone)
+                    yield state.index, ready_audio(synth, state)
                 state.frames.extend(event.frames)
                 state.chunk_start, state.chunks_done = True, state.chunks_done + 1
                 if event.cut:
@@ -96,26 +96,26 @@ def line_prompts(
     the streaming decoder primed for each."""
     if not line.text.strip():
         raise ValueError("the text is empty: give something to say")
-    speaker = synth.check_voice(line.speaker, line.language, line.instruct, line.clone)
-    state.pieces = text_pieces(line.text, chunk_chars)
+    line = synth.voiced(line)
+    state.clone, state.pieces = line.clone, text_pieces(line.text, chunk_chars)
     for piece in state.pieces:
         begun = time.perf_counter()
         if state.decoder:
             synth.codec.start(state.decoder, line.clone)
             state.seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
         begun = time.perf_counter()
-        prompt = synth.prompt(piece, speaker, line.language, line.instruct, line.clone)
+        prompt = synth.prompt(piece, line.speaker, line.language, line.instruct, line.clone)
         state.seconds["prompts"] += time.perf_counter() - begun
         state.seconds.setdefault("prompt", state.seconds["prompts"])  # the first chunk's, before any audio
         yield prompt, synth.frame_budget(piece, settings)
 
 
-def ready_audio(synth, state: _Spoken, clone: ClonedVoice | None) -> np.ndarray:
+def ready_audio(synth, state: _Spoken) -> np.ndarray:
     """Decode the line's pending frames, join them to what came before, and time both; the samples ready to
     play."""
     begun = time.perf_counter()
     codes = np.stack(state.pending)
-    samples = state.decoder.push(codes) if state.decoder else synth.codec.decode(codes, clone)
+    samples = state.decoder.push(codes) if state.decoder else synth.codec.decode(codes, state.clone)
     ready = state.joiner.add(samples, new_part=state.chunk_start)
     state.pending, state.chunk_start = [], False
     state.seconds["decoder"] += time.perf_counter() - begun
@@ -187,7 +187,7 @@ def row_slots(synth, line: Line, settings: GenerationSettings, chunk_chars: floa
     """A generous count of the talker positions a line's longest chunk takes: its frame budget, two
     prompt tokens per character and the prompt's own, and an ICL voice's reference codes."""
     pieces = text_pieces(line.text, chunk_chars) or [line.text]
-    reference = len(line.clone.codes) if line.clone is not None and line.clone.icl else 0
+    reference = len(line.clone.codes) if isinstance(line.clone, ClonedVoice) and line.clone.icl else 0
     return max(synth.frame_budget(piece, settings) + 2 * len(piece) for piece in pieces) + PROMPT_TOKENS + reference
 
 
@@ -236,6 +236,7 @@ class _Spoken(Work):
     started: float = field(default_factory=time.perf_counter)
     joiner: StreamJoiner | None = None
     decoder: StreamingDecoder | None = None  # streamed: the incremental decoder
+    clone: ClonedVoice | None = None  # its voice, encoded
     pieces: list[str] = field(default_factory=list)
     frames: list[np.ndarray] = field(default_factory=list)  # spoken, chunk by chunk
     pending: list[np.ndarray] = field(default_factory=list)  # frames not decoded yet

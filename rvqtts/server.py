@@ -19,31 +19,22 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import AsyncIterator
 
 import numpy as np
 
 from rvqtts.audio import AUDIO_FORMATS, audio_bytes, pcm16, wav_header
-from rvqtts.cloning import ClonedVoice, VoiceSource
+from rvqtts.cloning import VoiceSource
 from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.memory import memory_record
 from rvqtts.settings import GenerationSettings, Line
 from rvqtts.synthesis import STREAM_FRAMES  # frames per streamed chunk, as `rvqtts synth --stream` (320 ms)
 
 RESPONSE_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "repetition_penalty",
-    "max_frames",
-    "predictor_temperature",
-    "predictor_top_k",
-    "predictor_top_p",
-)  # GenerationSettings' fields, taken from the body as they are named there
-WHOLE_FIELDS = {"top_k", "max_frames", "predictor_top_k"}
+# GenerationSettings' fields, taken from the body as they are named there, with the numbers each takes
+SAMPLING_FIELDS = {f.name: int if f.type.startswith("int") else (int, float) for f in fields(GenerationSettings)}
 MAX_BODY_BYTES = 1 << 20
 
 
@@ -79,22 +70,13 @@ class ServerOptions:
 
 @dataclass(frozen=True)
 class SpeechRequest:
-    """One request, checked: what to say, in which voice, how to sample, and how to send it."""
+    """One request, checked: what to say and in which voice (its line: a one-line run's, utterance 0, with its own
+    seed, so its audio is `rvqtts synth`'s), how to sample, and how to send it."""
 
-    text: str
-    speaker: str | None
-    clone: ClonedVoice | None  # a Base model's voice, read from a file in --voices
-    language: str
-    instruct: str | None
-    seed: int
+    line: Line
     settings: GenerationSettings
     response_format: str
     stream: bool
-
-    def line(self) -> Line:
-        """The request as a line of `Synthesizer.synthesize_many`: spoken as a one-line run (utterance 0) with its
-        own seed, so its audio is `rvqtts synth`'s."""
-        return Line(self.text, self.speaker, self.language, self.instruct, self.clone, utterance=0, seed=self.seed)
 
 
 class Cancelled(Exception):
@@ -235,7 +217,7 @@ class SpeechEngine:
             if len(group) == 1 and group[0].cancelled.is_set():
                 raise Cancelled
 
-        lines = [job.request.line() for job in group]
+        lines = [job.request.line for job in group]
         if stream and first.response_format == "wav":
             group[0].send(wav_header(synth.sample_rate))
         answered: set[int] = set()
@@ -330,16 +312,16 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
     speaker, voice_file = _voice(body.get("voice"), synth, engine)
     values = {name: body.get(name) for name in SAMPLING_FIELDS}
     for name, value in values.items():
-        kinds = int if name in WHOLE_FIELDS else (int, float)
+        kinds = SAMPLING_FIELDS[name]
         if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
             raise SpeechError(400, f"`{name}` must be a {'whole ' if kinds is int else ''}number", name)
+    line = Line(text, speaker, language, instruct, voice_file and VoiceSource(voice=voice_file), utterance=0, seed=seed)
     try:
         settings = GenerationSettings(**values)
-        clone = None if voice_file is None else synth.voice_of(VoiceSource(voice=voice_file))  # read once
-        synth.check_voice(speaker, language, instruct, clone)
+        line = synth.voiced(line)  # a voice file read once
     except (ValueError, TypeError) as error:  # VoiceError included
         raise SpeechError(400, str(error)) from None
-    return SpeechRequest(text, speaker, clone, language, instruct, seed, settings, response_format, stream)
+    return SpeechRequest(line, settings, response_format, stream)
 
 
 def _voice(value: object, synth, engine: SpeechEngine) -> tuple[str | None, Path | None]:

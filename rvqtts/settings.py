@@ -3,7 +3,7 @@ generation config and qwen-tts's defaults), one line of a batch, and the record 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -165,23 +165,37 @@ class Synthesis:
 
 @dataclass(frozen=True)
 class Line:
-    """One utterance of `Synthesizer.synthesize_many`: what `synthesize` takes for it. `seed` and `utterance` key
-    its noise (a batch file's line number), so it is spoken the same wherever it runs and whatever shares its
+    """One utterance asked for (a batch file's line, a server request, a line of `Synthesizer.synthesize_many`):
+    what to say, in which voice, its noise keys and its output. Voice fields left None take the run's (`under`);
+    `clone` is a cloned voice's source until the model encodes it (`Synthesizer.voiced`). `seed` and `utterance`
+    key its noise (a batch file's line number), so it is spoken the same wherever it runs and whatever shares its
     calls."""
 
     text: str
     speaker: str | None = None
-    language: str = "auto"
+    language: str | None = None  # None: the run's, else auto
     instruct: str | None = None
-    clone: ClonedVoice | None = None
+    clone: ClonedVoice | VoiceSource | None = None
     utterance: int | None = None  # None: its index in the batch
     seed: int | None = None  # None: the batch's
+    name: str | None = None  # its output file, in a batch
+
+    def under(self, run: RunSettings) -> Line:
+        """This line in the run's voice and seed where it names none of its own."""
+        return replace(
+            self,
+            speaker=self.speaker or run.speaker,
+            language=self.language or run.language,
+            instruct=self.instruct or run.instruct,
+            clone=self.clone or run.clone,
+            seed=run.seed if self.seed is None else self.seed,
+        )
 
 
 @dataclass(frozen=True)
 class RunSettings:
     """What every line of a run shares (a batch file's lines, or one text): the default voice (a line's own fields
-    win, rvqtts.batch.Utterance.voice), the seed, the sampling and the text's chunking."""
+    win, Line.under), the seed, the sampling and the text's chunking."""
 
     speaker: str | None = None
     language: str = "auto"

@@ -198,6 +198,14 @@ class Synthesizer:
         on a model that is not a Base model."""
         return self.voice_of(VoiceSource(Path(ref_audio), ref_text, x_vector_only))
 
+    def voiced(self, line: Line) -> Line:
+        """`line` ready to speak: its cloned voice encoded (once per source), its language (None: auto) and its
+        speaker (None: the model's default) checked; ValueError saying what to give."""
+        clone = self.voice_of(line.clone) if isinstance(line.clone, VoiceSource) else line.clone
+        language = line.language or "auto"
+        speaker = self.check_voice(line.speaker, language, line.instruct, clone)
+        return replace(line, speaker=speaker, language=language, clone=clone)
+
     def voice_of(self, source: VoiceSource) -> ClonedVoice:
         """The cloned voice a source names, encoded from reference audio or read from a voice file, once
         per source (a batch that repeats a voice encodes it once)."""

@@ -11,11 +11,10 @@ import torch
 from helpers import random_contexts
 from helpers import run_cli as run
 
-from rvqtts.batch import Utterance
 from rvqtts.engine.offsets import load_offsets, predictor_fingerprint
 from rvqtts.engine.sampling import SamplingConfig
 from rvqtts.engine.tree import grow_tree, load_acceptance, load_tree
-from rvqtts.settings import GenerationSettings
+from rvqtts.settings import GenerationSettings, Line, RunSettings
 from rvqtts.tuning.calibration import sampling_entropy
 from rvqtts.tuning.contexts import ContextsFileError, load_contexts, record_contexts, save_contexts, teacher_force
 from rvqtts.tuning.drafts import DraftData
@@ -78,10 +77,10 @@ def test_bad_contexts_files_are_refused_with_their_fault(tmp_path, arrays, check
 
 def test_recorded_frames_are_the_synthesized_frames(tiny):
     settings = GenerationSettings(max_frames=30)
-    utterances = [Utterance(1, "Hello there.", "1.wav"), Utterance(2, "Guten Tag.", "2.wav", language="german")]
-    frames = record_contexts(tiny, utterances, "vivian", "english", seed=4, settings=settings)
+    utterances = [Line("Hello there.", utterance=1), Line("Guten Tag.", language="german", utterance=2)]
+    frames = record_contexts(tiny, utterances, RunSettings("vivian", "english", seed=4, settings=settings))
     made = [
-        tiny.synthesize(u.text, "vivian", u.language or "english", seed=4, utterance=u.line, settings=settings)
+        tiny.synthesize(u.text, "vivian", u.language or "english", seed=4, utterance=u.utterance, settings=settings)
         for u in utterances
     ]
     assert np.array_equal(frames.codes, np.concatenate([m.codes for m in made]))
@@ -287,11 +286,10 @@ def test_offsets_for_another_model_are_refused(tmp_path, tiny_dir, small_dir, sm
 
 def test_teacher_forcing_reproduces_the_talker_states_of_synthesis(tiny):
     settings = GenerationSettings(max_frames=20)
-    free = record_contexts(
-        tiny, [Utterance(1, "Hello there.", "1.wav")], "vivian", "english", seed=2, settings=settings
-    )
+    line = Line("Hello there.", "vivian", "english", utterance=1)
+    free = record_contexts(tiny, [line], RunSettings(seed=2, settings=settings))
     states = []
-    teacher_force(tiny, "Hello there.", "vivian", "english", free.codes, lambda prefix, codes: states.append(prefix[0]))
+    teacher_force(tiny, line, free.codes, lambda prefix, codes: states.append(prefix[0]))
     # Forced to emit the codes it sampled, the talker passes through the same hidden states.
     assert len(states) == len(free)
     assert np.allclose(np.stack([s.numpy() for s in states]), free.h_t, atol=1e-5)

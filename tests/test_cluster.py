@@ -25,7 +25,7 @@ import rvqtts.pipeline as pipeline
 from rvqtts.batch import MANIFEST, read_batch
 from rvqtts.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
 from rvqtts.loader import EngineChoices
-from rvqtts.settings import GenerationSettings, RunSettings
+from rvqtts.settings import GenerationSettings, Line, RunSettings
 
 LINES = [
     {"text": "One."},
@@ -381,18 +381,19 @@ def test_a_driver_whose_ray_node_dies_stops_with_one_line_and_keeps_its_files(ti
 def test_a_worker_speaks_its_lines_together_as_each_alone(cluster, tiny_dir, measured):
     """A worker given several lines speaks them `rows` at a time (measured kernels, row-invariant): each
     line's file is the one it makes alone."""
-    from rvqtts.batch import Utterance, attempt
+    from rvqtts.batch import attempt
     from rvqtts.cluster import SynthesisWorker
 
     worker = SynthesisWorker(WorkerSpec(str(tiny_dir), EngineChoices(batch_size=3)))
     assert worker.load()["rows"] == 3
-    items = [Utterance(n, text, f"{n:04d}.wav") for n, text in enumerate(["One.", "A second line, longer.", "3."], 1)]
+    texts = ["One.", "A second line, longer.", "3."]
+    items = [Line(text, utterance=n, name=f"{n:04d}.wav") for n, text in enumerate(texts, 1)]
     status, answers = worker.render(items, RUN)
     assert status == "lines" and [line for line, _, _ in answers] and {s for _, s, _ in answers} == {"done"}
     made = {line: value for line, _, value in answers}
     for item in items:
         ((_, (_, alone)),) = attempt(worker.synth, [item], RUN, 1)
-        assert made[item.line].audio == alone.audio and made[item.line].record["batch_rows"] == 3
+        assert made[item.utterance].audio == alone.audio and made[item.utterance].record["batch_rows"] == 3
 
 
 def test_workers_take_shares_of_lines_up_to_their_batch_size(cluster, tiny_dir, tmp_path):

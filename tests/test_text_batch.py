@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from rvqtts.audio import join_chunks
-from rvqtts.batch import MANIFEST, BatchFileError, Manifest, Rendered, Utterance, read_batch
+from rvqtts.batch import MANIFEST, BatchFileError, Manifest, Rendered, read_batch
 from rvqtts.report import total_record
+from rvqtts.settings import Line
 from rvqtts.text import chunk_text, frame_budget, split_sentences, text_weight
 
 
@@ -55,7 +56,7 @@ def test_batch_txt_uses_line_numbers(tmp_path):
     path = tmp_path / "lines.txt"
     path.write_text("First.\n\n  Second.  \n")
     items = read_batch(path)
-    assert [(u.line, u.text, u.name) for u in items] == [(1, "First.", "0001.wav"), (3, "Second.", "0003.wav")]
+    assert [(u.utterance, u.text, u.name) for u in items] == [(1, "First.", "0001.wav"), (3, "Second.", "0003.wav")]
 
 
 def test_batch_jsonl_fields_and_names(tmp_path):
@@ -169,8 +170,8 @@ def test_atomic_files_get_ordinary_permissions(tmp_path):
 
 
 def test_the_manifest_keeps_line_order_and_earlier_runs_entries(tmp_path):
-    def made(line: int) -> tuple[Utterance, Rendered]:
-        return Utterance(line, f"line {line}", f"{line:04d}.wav"), Rendered(
+    def made(line: int) -> tuple[Line, Rendered]:
+        return Line(f"line {line}", utterance=line, name=f"{line:04d}.wav"), Rendered(
             b"", None, {"speaker": "ryan"}, {"frames": line}
         )
 
@@ -193,11 +194,11 @@ def test_a_batch_redoes_an_output_its_manifest_does_not_list(tmp_path):
     is made again, so that a resumed batch's manifest lists every output; a listed file is skipped."""
     from rvqtts.batch import to_do
 
-    items = [Utterance(line, f"line {line}", f"{line:04d}.wav") for line in (1, 2, 3)]
+    items = [Line(f"line {line}", utterance=line, name=f"{line:04d}.wav") for line in (1, 2, 3)]
     for item in items[:2]:
         (tmp_path / item.name).write_bytes(b"whole")
     Manifest(tmp_path).add(items[0], Rendered(b"", None, {}, {}))
     Manifest(tmp_path).add(items[2], Rendered(b"", None, {}, {}))  # an entry whose file is gone
-    assert [item.line for item in to_do(items, tmp_path)] == [2, 3]
-    assert [item.line for item in to_do(items, tmp_path / "new")] == [1, 2, 3]
+    assert [item.utterance for item in to_do(items, tmp_path)] == [2, 3]
+    assert [item.utterance for item in to_do(items, tmp_path / "new")] == [1, 2, 3]
     assert to_do(items, tmp_path, force=True) == items

@@ -20,9 +20,16 @@ from rvqtts.engine.tree import grow_tree
 from rvqtts.tuning.calibration import replay_calls
 from rvqtts.tuning.drafters import OffsetDrafter
 from rvqtts.tuning.drafts import DraftData, draft_ranks, frozen_draft_data, head_weights
-from rvqtts.tuning.training import TrainingConfig, evaluate, fit_offsets, train_offsets
+from rvqtts.tuning.training import TrainingConfig, evaluate, fit_offsets, train_drafter
 
 RAW = SamplingConfig(temperature=1.0, top_k=0)  # the planted codes are drawn from the raw softmax
+
+
+def train_offsets(weights, train, held, config, sampling):
+    """Offsets [K, H] trained from zero (reused heads), and the training record (as fit_offsets trains them)."""
+    drafter = OffsetDrafter(config.depth, weights.shape[2])
+    record = train_drafter(drafter, weights, train, held, config, sampling)
+    return drafter.vectors.detach().cpu(), record
 
 
 def planted(frames: int = 4000, length: int = 6, vocab: int = 32, hidden: int = 16, seed: int = 0):

@@ -30,9 +30,9 @@ class _LineProgress:
         self.written += result.status == "done"
         self.progress.advance(self.task)
         if result.status == "failed":
-            typer.echo(f"rvqtts: {self.file}:{result.utterance.line}: failed: {result.error}", err=True)
+            typer.echo(f"rvqtts: {self.file}:{result.line.utterance}: failed: {result.error}", err=True)
         for warning in (result.record or {}).get("warnings", []):
-            say(f"warning: {result.utterance.name}: {warning}", self.quiet)
+            say(f"warning: {result.line.name}: {warning}", self.quiet)
 
     def lines(self, total: int) -> None:
         """The bar's total, once it is known (a Ray batch learns it when its workers start)."""
@@ -61,7 +61,7 @@ def _report(results, out_dir: Path, stats_json: Optional[Path], quiet: bool, wal
     the counts, --stats-json; exit 1 when a line failed."""
     from rvqtts.report import total_record, workers_table
 
-    made = [(r.utterance.name, r.record) for r in results if r.status == "done"]
+    made = [(r.line.name, r.record) for r in results if r.status == "done"]
     skipped = sum(r.status == "skipped" for r in results)
     failed = sum(r.status == "failed" for r in results)
     extra = {} if cluster is None else {"cluster": cluster.totals(), "workers": [w.summary() for w in cluster.workers]}

@@ -48,9 +48,9 @@ def recorded_frames(
     """Frames from a contexts file, from recordings by teacher forcing, or recorded by synthesizing a text
     file with the plain inner loop (in each line's voice, else the one given: `speaker`, `instruct`, or
     a Base model's `voice` file)."""
-    from rvqtts.batch import read_batch, voice_for
+    from rvqtts.batch import read_batch
     from rvqtts.cloning import VoiceSource
-    from rvqtts.settings import GenerationSettings
+    from rvqtts.settings import GenerationSettings, RunSettings
     from rvqtts.tuning.contexts import (
         ContextsFileError,
         force_contexts,
@@ -64,43 +64,21 @@ def recorded_frames(
         with refused(ContextsFileError):
             return load_contexts(contexts, split, synthesizer.talker.config.hidden_size, config.num_code_groups)
     clone = None if voice is None else VoiceSource(voice=voice)
-    if audio is not None:
-        with refused(ValueError):  # ContextsFileError too
-            pairs = read_audio_pairs(audio)
-            for pair in pairs:
-                voice_for(synthesizer, pair.speaker or speaker, pair.language or language, instruct, clone)
-        with progress_bar(quiet) as progress:
-            task = progress.add_task(f"teacher forcing {audio.name}", total=len(pairs))
-            frames = force_contexts(
-                synthesizer,
-                pairs,
-                speaker,
-                language,
-                on_pair=lambda done, total: progress.update(task, completed=done),
-                instruct=instruct,
-                clone=clone,
-            )
-        say(f"recorded {len(frames)} frames from {len(pairs)} recordings", quiet)
-        return frames
-    with refused(ValueError):  # BatchFileError
-        utterances = read_batch(texts)
-    for item in utterances:
-        with refused(ValueError, prefix=f"{texts}:{item.line}: "):
-            voice_for(synthesizer, **item.voice(speaker, language, instruct, clone))
+    run = RunSettings(speaker, language, instruct, seed, GenerationSettings(), clone)
+    source = audio if audio is not None else texts
+    with refused(ValueError):  # ContextsFileError, BatchFileError
+        pairs = read_audio_pairs(audio) if audio is not None else None
+        lines = [pair.line for pair in pairs] if pairs else read_batch(texts)
+    for line in lines:
+        with refused(ValueError, prefix=f"{source}:{line.utterance}: "):
+            synthesizer.voiced(line.under(run))
     with progress_bar(quiet) as progress:
-        task = progress.add_task(f"synthesizing {texts.name}", total=len(utterances))
-        frames = record_contexts(
-            synthesizer,
-            utterances,
-            speaker,
-            language,
-            seed,
-            GenerationSettings(),
-            on_utterance=lambda done, total: progress.update(task, completed=done),
-            instruct=instruct,
-            clone=clone,
+        task = progress.add_task(f"{'teacher forcing' if pairs else 'synthesizing'} {source.name}", total=len(lines))
+        done = lambda done, total: progress.update(task, completed=done)  # noqa: E731
+        frames = (
+            force_contexts(synthesizer, pairs, run, done) if pairs else record_contexts(synthesizer, lines, run, done)
         )
-    say(f"recorded {len(frames)} frames from {len(utterances)} texts", quiet)
+    say(f"recorded {len(frames)} frames from {len(lines)} {'recordings' if pairs else 'texts'}", quiet)
     return frames
 
 

@@ -244,8 +244,8 @@ def synth(
     if file is not None and not force and save_voice is None and all((out_dir / u.name).exists() for u in utterances):
         say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
         return
-    making, voices = _checked_voices(model, utterances, file, out_dir, force, speaker, language, instruct, clone)
     run = RunSettings(speaker, language, instruct, seed, settings, clone, None if no_chunk else chunk_chars)
+    making, voices = _checked_voices(model, utterances, file, out_dir, force, run)
     with _run_errors():
         if ray is not None:
             from rvqtts.cli.batch import run_on_ray
@@ -350,7 +350,7 @@ def _batch_input(file: Path, out_dir: Optional[Path], stream: bool, batch_size: 
 def _one_input(text: Optional[str], output: Optional[str], batch_size: str, stdout_format: str, codes_out):
     """The one utterance of a text (or standard input), its output checked writable ("-": standard output)."""
     from rvqtts.audio import audio_format
-    from rvqtts.batch import Utterance
+    from rvqtts.settings import Line
 
     if batch_size not in ("auto", "1"):
         fail("--batch-size is for batch files: give -f FILE --out-dir DIR")
@@ -364,10 +364,10 @@ def _one_input(text: Optional[str], output: Optional[str], batch_size: str, stdo
         ensure_writable(Path(output))
         output = str(Path(output).expanduser())  # as checked, also where no shell expanded a "~"
     ensure_writable(codes_out)
-    return Utterance(1, _read_text(text).strip(), output)
+    return Line(_read_text(text).strip(), name=output)
 
 
-def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, speaker, language, instruct, clone):
+def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, run):
     """The utterances to make (a resumed batch skips the lines it has) and their cloned voices, after every
     utterance's voice is checked against the model's config and every cloned voice's file is read (failing with one
     line, the batch line named)."""
@@ -377,16 +377,15 @@ def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, sp
     with refused(ModelLoadError):
         found = model_voices(model)
     for item in utterances:
-        where = f"{file}:{item.line}: " if file else ""
-        line = item.voice(speaker, language, instruct, clone)
+        line, where = item.under(run), f"{file}:{item.utterance}: " if file else ""
         try:
-            found.check(line["speaker"], line["language"], line["instruct"], cloned=line["source"] is not None)
+            found.check(line.speaker, line.language, line.instruct, cloned=line.clone is not None)
         except ValueError as error:
             fail(f"{where}{error}" + (" (or the line's fields)" if file else ""))
     # the cloned voices of the lines to make (a resumed batch does not encode the voices of lines it skips)
     making = to_do(utterances, out_dir, force) if file is not None else utterances
-    voices = sorted(({item.clone for item in making} | {clone}) - {None}, key=str)
-    _check_voice_files(voices, {item.clone: f"{file}:{item.line}: " for item in reversed(making) if item.clone})
+    voices = sorted(({item.clone for item in making} | {run.clone}) - {None}, key=str)
+    _check_voice_files(voices, {item.clone: f"{file}:{item.utterance}: " for item in reversed(making) if item.clone})
     return making, voices
 
 

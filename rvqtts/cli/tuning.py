@@ -78,13 +78,13 @@ def tune(
         fixed_kernel,
         forget_choices,
         forget_records,
-        kernels_path,
         machine_key,
     )
     from rvqtts.engine.quantize import WEIGHTS
     from rvqtts.loading import ModelLoadError, model_config
     from rvqtts.memory import memory_record
     from rvqtts.report import tune_table
+    from rvqtts.store import KERNELS
 
     if dtype not in ("auto", "float32", "bfloat16"):
         fail(f"unknown --dtype {dtype!r}: rvqtts tune measures CPU kernels in auto, float32 or bfloat16")
@@ -100,7 +100,7 @@ def tune(
     result = {
         "model": model,
         "machine": machine_key(),
-        "cache": str(kernels_path()),
+        "cache": str(KERNELS.path),
         "weights": weights,
         "native": native.unavailable(),
         "native_level": native.level(),

@@ -14,8 +14,9 @@ from typing import Callable
 
 import torch
 
-from rvqtts.engine.kernels import TIMED_ROWS, KernelChoice, choose_kernels, kernels_path, measured_choices
+from rvqtts.engine.kernels import TIMED_ROWS, choose_kernels, measured_choices
 from rvqtts.engine.native import cpu_flags
+from rvqtts.store import KERNELS
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of x86 CPUs that multiply bf16
 
@@ -37,14 +38,9 @@ def pick_device(device: str = "auto") -> str:
     if device not in ("auto", "cpu", "mps") and not device.startswith("cuda"):
         raise DeviceError(f"unknown --device {device!r}: choose auto, cpu, cuda or mps")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise DeviceError(
-            f"--device {device}: "
-            + (
-                "this torch is built without CUDA; install a CUDA build of torch, or use --device cpu"
-                if torch.version.cuda is None
-                else "no CUDA GPU is visible; use --device cpu"
-            )
-        )
+        unbuilt = "this torch is built without CUDA; install a CUDA build of torch, or"
+        why = unbuilt if torch.version.cuda is None else "no CUDA GPU is visible;"
+        raise DeviceError(f"--device {device}: {why} use --device cpu")
     if device.startswith("cuda:"):
         index = device.removeprefix("cuda:")
         if not index.isdigit() or int(index) >= torch.cuda.device_count():
@@ -117,18 +113,15 @@ def frame_map_ms(
 ) -> float:
     """Milliseconds one frame step spends in its linear maps on this CPU, each map `rows` rows (a batch's lines
     share every call) through the kernel measured fastest for its shape (rvqtts.engine.kernels; measured once,
-    then read from the user's cache)."""
-    maps = frame_maps(talker_config)
-    choices = choose_kernels([shape for _, shape, _ in maps], dtype, weights, progress)
-    return sum(count * map_call_ms(choices[shape], rows) for _, shape, count in maps)
-
-
-def map_call_ms(choice: KernelChoice, rows: int) -> float:
-    """One call of `rows` rows through the chosen kernel: its timings at 1 and 17 rows (`TIMED_ROWS`), straight
+    then read from the user's cache). A call's cost: its kernel's timings at 1 and 17 rows (`TIMED_ROWS`), straight
     between them and on past 17 (a kernel's cost grows about linearly in rows once its weights are read)."""
-    low, high = TIMED_ROWS
-    timings = choice.timings[choice.kernel.name]
-    return timings[low] + (timings[high] - timings[low]) * (rows - low) / (high - low)
+    maps, (low, high) = frame_maps(talker_config), TIMED_ROWS
+    choices = choose_kernels([shape for _, shape, _ in maps], dtype, weights, progress)
+    timings = {shape: choice.timings[choice.kernel.name] for shape, choice in choices.items()}
+    return sum(
+        count * (timings[shape][low] + (timings[shape][high] - timings[shape][low]) * (rows - low) / (high - low))
+        for _, shape, count in maps
+    )
 
 
 def pick_dtype(
@@ -163,6 +156,6 @@ def pick_dtype(
     lines = f" for {rows} lines a call" if rows > 1 else ""
     return chosen, (
         f"{chosen}: one frame's linear maps{lines} take {costs[chosen]:.1f} ms in {chosen} against "
-        f"{costs[other]:.1f} ms in {other} on this CPU (measured once, kept in {kernels_path()}); "
+        f"{costs[other]:.1f} ms in {other} on this CPU (measured once, kept in {KERNELS.path}); "
         f"--dtype {other} overrides"
     )

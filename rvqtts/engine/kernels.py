@@ -14,6 +14,7 @@ import os
 import platform
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -73,12 +74,8 @@ def candidates(dtype: torch.dtype, weights: str, shape: tuple[int, int]) -> list
     own = [name for name in native.map_kernels(weights) if native.supports(shape, dtype, name)]
     if weights == "int8":
         return [Kernel("int8")] + [Kernel(name) for name in own]
-    packed = packing_available(dtype)
-    found = [Kernel("linear", one_row_mv=True), Kernel("linear")]
-    if packed:
-        found[1:1] = [Kernel("packed", one_row_mv=True)]
-        found.append(Kernel("packed"))
-    found += [Kernel(name) for name in own]
+    multis = ["linear", "packed"] if packing_available(dtype) else ["linear"]
+    found = [Kernel(multi, one_row_mv=True) for multi in multis] + [Kernel(multi) for multi in multis + own]
     fixed = fixed_kernel(torch.device("cpu"), dtype, weights)
     return [fixed] + [k for k in found if k != fixed]
 
@@ -124,15 +121,14 @@ class LinearMap:
                 scales = scales.to(weight.dtype)
                 self.operands = [qweight, scales]
                 self.apply = lambda rows: self._biased(torch._weight_int8pack_mm(rows, qweight, scales))
-            elif kernel.multi in native.KINDS and kernel.multi.startswith("int8"):
-                qweight, scales = quantize_rows(weight)
-                packed, scales = native.pack(qweight), scales.to(weight.dtype).float()  # the same scales
-                self.operands = [packed, scales]
-                self.apply = lambda rows: self._biased(native.apply(kernel.multi, rows, packed, scales))
             elif kernel.multi in native.KINDS:
-                packed = native.pack(weight)
-                self.operands = [packed]
-                self.apply = lambda rows: self._biased(native.apply(kernel.multi, rows, packed))
+                if kernel.multi.startswith("int8"):
+                    qweight, scales = quantize_rows(weight)
+                    operands = [native.pack(qweight), scales.to(weight.dtype).float()]  # the int8 kernel's scales
+                else:
+                    operands = [native.pack(weight)]
+                self.operands = operands
+                self.apply = lambda rows: self._biased(native.apply(kernel.multi, rows, *operands))
             else:
                 self.operands = [weight]
                 self.apply = lambda rows: F.linear(rows, weight, bias)
@@ -208,10 +204,8 @@ def rows_are_invariant(linear: LinearMap, generator: torch.Generator) -> bool:
 
 def invariant_pad(weight: torch.Tensor, kernel: Kernel) -> int | None:
     """The smallest padding in PADS that makes `kernel`'s rows invariant for this weight, or None."""
-    for pad in PADS:
-        if rows_are_invariant(LinearMap(weight, None, replace(kernel, pad=pad)), torch.Generator().manual_seed(1)):
-            return pad
-    return None
+    padded = (LinearMap(weight, None, replace(kernel, pad=pad)) for pad in PADS)
+    return next((m.kernel.pad for m in padded if rows_are_invariant(m, torch.Generator().manual_seed(1))), None)
 
 
 def timed_call(kernel: Kernel, count: int) -> Kernel:
@@ -230,28 +224,18 @@ def time_kernels(
     interleaved so that a busy spell on a shared machine falls on all of them alike. A call that several
     kernels make alike (`timed_call`) is timed once, so they differ there by nothing, not by noise."""
     copies = max(2, min(64, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
-    calls: dict[Kernel, list[int]] = {}
-    for count in rows:
-        for kernel in kernels:
-            counts = calls.setdefault(timed_call(kernel, count), [])
-            if count not in counts:
-                counts.append(count)
-    maps = {call: [LinearMap(weight.clone(), None, call) for _ in range(copies)] for call in calls}
+    passes: dict[tuple[Kernel, int], list[float]] = {(timed_call(k, n), n): [] for n in rows for k in kernels}
+    maps = {call: [LinearMap(weight.clone(), None, call) for _ in range(copies)] for call, _ in passes}
     generator = torch.Generator().manual_seed(2)
-    passes: dict[tuple[Kernel, int], list[float]] = {
-        (call, count): [] for call, counts in calls.items() for count in counts
-    }
     with torch.inference_mode():
         inputs = {count: torch.randn(count, weight.shape[1], generator=generator).to(weight.dtype) for count in rows}
         for turn in range(TIMED_PASSES + 1):  # the first turn warms up
-            for call, linears in maps.items():
-                for count in calls[call]:
-                    x = inputs[count]
-                    start = time.perf_counter()
-                    for linear in linears:
-                        linear(x)
-                    if turn:
-                        passes[call, count].append((time.perf_counter() - start) / copies)
+            for (call, count), times in passes.items():
+                x, start = inputs[count], time.perf_counter()
+                for linear in maps[call]:
+                    linear(x)
+                if turn:
+                    times.append((time.perf_counter() - start) / copies)
     medians = {key: round(statistics.median(times) * 1e3, 4) for key, times in passes.items()}
     return {kernel.name: {count: medians[timed_call(kernel, count), count] for count in rows} for kernel in kernels}
 
@@ -280,14 +264,8 @@ class KernelChoice:
     @classmethod
     def from_record(cls, record: dict) -> "KernelChoice":
         timings = {name: {int(k): float(v) for k, v in t.items()} for name, t in record["ms"].items()}
-        return cls(
-            Kernel.parse(record["kernel"]),
-            record["row_invariant"],
-            timings,
-            tuple(record["invariant"]),
-            "cache",
-            Kernel.parse(record["bulk"]),
-        )
+        kernel, bulk = Kernel.parse(record["kernel"]), Kernel.parse(record["bulk"])
+        return cls(kernel, record["row_invariant"], timings, tuple(record["invariant"]), "cache", bulk)
 
 
 def measure_choice(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> KernelChoice:
@@ -304,7 +282,7 @@ def measure_choice(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> 
     pool = invariant or list(timings)
     step = min(timings[name][1] for name in pool)
     fastest = min((name for name in pool if timings[name][1] <= STEP_TIE * step), key=lambda name: timings[name][17])
-    kernel, bulk = Kernel.parse(fastest), Kernel.parse(fastest)
+    kernel = bulk = Kernel.parse(fastest)
     if weights == "native" and kernel != Kernel("linear"):  # a prompt's rows: the kernel or F.linear, timed
         prompt = time_kernels(weight, [kernel, Kernel("linear")], rows=(PROMPT_ROWS,))
         bulk = min((kernel, Kernel("linear")), key=lambda k: prompt[k.name][PROMPT_ROWS])
@@ -336,10 +314,6 @@ def cpu_model() -> str:
     return f"{name} ({numbers})" if numbers else name
 
 
-def shape_key(shape: tuple[int, int], dtype: torch.dtype, weights: str) -> str:
-    return f"{str(dtype).removeprefix('torch.')}/{weights}/{shape[0]}x{shape[1]}"
-
-
 _chosen: dict[tuple[str, str], KernelChoice] = {}  # this process's choices, by machine and shape key
 
 
@@ -368,7 +342,7 @@ def choose_kernels(
     """Choices for these CPU map shapes: this process's, else the cache's, else measured now (under a lock,
     so processes starting together measure once) and saved."""
     machine = machine_key()
-    keys = {shape: shape_key(shape, dtype, weights) for shape in dict.fromkeys(shapes)}
+    keys = {shape: f"{str(dtype).removeprefix('torch.')}/{weights}/{shape[0]}x{shape[1]}" for shape in shapes}
     missing = {key: shape for shape, key in keys.items() if (machine, key) not in _chosen}
     if missing:
         fresh: dict[str, KernelChoice] = {}
@@ -410,14 +384,10 @@ def forget_choices(dtype: torch.dtype | None = None, weights: str | None = None)
 def forget_records(prefix: str) -> None:
     """Drop this machine's records whose keys start with `prefix` from the kernels' store (measured anew when next
     asked for)."""
+    machine = machine_key()
     with KERNELS.update() as machines:
-        if machine_key() in machines:
-            stored = machines[machine_key()]
-            machines[machine_key()] = {k: v for k, v in stored.items() if not k.startswith(prefix)}
-
-
-def kernels_path() -> Path:
-    return KERNELS.path
+        if machine in machines:
+            machines[machine] = {k: v for k, v in machines[machine].items() if not k.startswith(prefix)}
 
 
 def make_map(weight: torch.Tensor, bias: torch.Tensor | None, weights: str = "native") -> LinearMap:
@@ -433,8 +403,6 @@ def module_map(linear: torch.nn.Linear, weights: str = "native") -> LinearMap:
 def kernels_used(maps: list[LinearMap]) -> dict:
     """What a loop's maps run with (for the stats): maps per kernel, and whether every map's rows were
     measured invariant (None where some were not probed)."""
-    counts: dict[str, int] = {}
-    for linear in maps:
-        counts[linear.kernel.name] = counts.get(linear.kernel.name, 0) + 1
     probed = [linear.row_invariant for linear in maps]
+    counts = Counter(linear.kernel.name for linear in maps)
     return {"maps": dict(sorted(counts.items())), "row_invariant": None if None in probed else all(probed)}

@@ -49,7 +49,6 @@ LEVELS = {
 }
 BLOCK = 16  # output channels per vector: a map's output count must be a multiple
 MAX_HEAD_DIM = 1024  # attention_inputs' scratch row
-_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
 KINDS = {"bf16dot": 0, "int8dot": 1, "bf16amx": 2, "int8amx": 3, "bf16avx2": 4, "int8avx2": 5}  # the library's numbers
@@ -348,8 +347,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, str | None]:
         return None, str(error), None, None
     flags = cpu_flags()
     built = next((name for name, at in LEVELS.items() if all(flag in flags for flag in at.cpu_flags)), None)
+    capped = f" (capped at {isa_cap()} by {ISA_VARIABLE})" if isa_cap() else ""
     if built is None:
-        capped = f" (capped at {isa_cap()} by {ISA_VARIABLE})" if isa_cap() else ""
         missing = [flag for flag in LEVELS["avx2"].cpu_flags if flag not in flags]
         return None, f"the CPU lacks {', '.join(missing)}{capped}: torch's kernels run instead", None, None
     try:
@@ -359,73 +358,30 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, str | None]:
     _declare(library)
     amx_missing = [flag for flag in AMX_FLAGS if flag not in flags]
     if built != "avx512" or amx_missing:
-        capped = f" (capped at {isa_cap()} by {ISA_VARIABLE})" if isa_cap() else ""
         return library, None, f"the CPU lacks {', '.join(amx_missing or ['avx512_bf16'])}{capped}", built
-    if library.rvqtts_amx_permit() != 0:
-        return (
-            library,
-            None,
-            "Linux did not grant AMX tile data to this process (arch_prctl ARCH_REQ_XCOMP_PERM)",
-            built,
-        )
-    return library, None, None, built
+    denied = library.rvqtts_amx_permit() != 0
+    why = "Linux did not grant AMX tile data to this process (arch_prctl ARCH_REQ_XCOMP_PERM)" if denied else None
+    return library, None, why, built
+
+
+# Each function's arguments, as native.cpp declares them: p a pointer, s an int64, f a float, i an int.
+SIGNATURES = {
+    "rvqtts_map": "ipssppsp",
+    "rvqtts_rms_norm": "psspfp",
+    "rvqtts_attention_inputs": "pssssppppfpppsps",
+    "rvqtts_attend": "pppssssspspfp",
+    "rvqtts_silu_times_up": "pssp",
+    "rvqtts_layer": "pssppfpppisssppppppspssppf",
+}
+_TYPES = {"p": ctypes.c_void_p, "s": ctypes.c_int64, "f": ctypes.c_float, "i": ctypes.c_int}
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    """The library's functions' argument and result types, as native.cpp declares them."""
-    library.rvqtts_map.argtypes = [ctypes.c_int, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER]
+    """The library's functions' argument and result types (`SIGNATURES`)."""
+    for name, arguments in SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = [_TYPES[a] for a in arguments], None
     library.rvqtts_amx_permit.restype = ctypes.c_int
-    library.rvqtts_rms_norm.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER, ctypes.c_float, _POINTER]
-    library.rvqtts_attention_inputs.argtypes = [
-        _POINTER,
-        *[_SIZE] * 4,
-        *[_POINTER] * 4,
-        ctypes.c_float,
-        *[_POINTER] * 3,
-        _SIZE,
-        _POINTER,
-        _SIZE,
-    ]
-    library.rvqtts_attend.argtypes = [
-        *[_POINTER] * 3,
-        *[_SIZE] * 5,
-        _POINTER,
-        _SIZE,
-        _POINTER,
-        ctypes.c_float,
-        _POINTER,
-    ]
-    library.rvqtts_silu_times_up.argtypes = [_POINTER, _SIZE, _SIZE, _POINTER]
-    library.rvqtts_layer.argtypes = [
-        _POINTER,
-        _SIZE,
-        _SIZE,
-        _POINTER,
-        _POINTER,
-        ctypes.c_float,
-        _POINTER,
-        _POINTER,
-        _POINTER,
-        ctypes.c_int,
-        *[_SIZE] * 3,
-        *[_POINTER] * 6,
-        _SIZE,
-        _POINTER,
-        _SIZE,
-        _SIZE,
-        _POINTER,
-        _POINTER,
-        ctypes.c_float,
-    ]
-    for function in (
-        library.rvqtts_map,
-        library.rvqtts_rms_norm,
-        library.rvqtts_attention_inputs,
-        library.rvqtts_attend,
-        library.rvqtts_silu_times_up,
-        library.rvqtts_layer,
-    ):
-        function.restype = None
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:

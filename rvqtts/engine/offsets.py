@@ -51,6 +51,11 @@ class Offsets:
         return cls(torch.zeros(depth, hidden_size), metadata={"source": "zeros (reused heads)"})
 
 
+# The config fields a code predictor's fingerprint covers.
+FINGERPRINT_CONFIG = """vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads
+    num_key_value_heads head_dim num_code_groups rope_theta rms_norm_eps"""
+
+
 def predictor_fingerprint(code_predictor: torch.nn.Module) -> str:
     """A short hash that tells code predictors apart, so offsets and trees can be matched to a model.
 
@@ -58,20 +63,7 @@ def predictor_fingerprint(code_predictor: torch.nn.Module) -> str:
     dimensions. So the hash also covers the talker width the predictor reads and a sample of the first
     head's weights, rounded to bfloat16 and of magnitude above 1e-3: for checkpoints stored in bfloat16,
     as Qwen3-TTS's are, loading in float32, bfloat16 or float16 gives the same fingerprint."""
-    config = code_predictor.config
-    keys = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "num_code_groups",
-        "rope_theta",
-        "rms_norm_eps",
-    )
-    summary = {k: getattr(config, k, None) for k in keys}
+    summary = {k: getattr(code_predictor.config, k, None) for k in FINGERPRINT_CONFIG.split()}
     summary["input_width"] = code_predictor.get_input_embeddings()[0].weight.shape[1]
     summary["weights"] = weight_digest(code_predictor.lm_head[0].weight)
     return hashlib.sha256(json.dumps(summary, sort_keys=True).encode()).hexdigest()[:16]

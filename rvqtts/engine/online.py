@@ -83,12 +83,9 @@ class AcceptanceCounts:
     @classmethod
     def from_table(cls, table: list[list[float]], depth: int, rounds: float) -> "AcceptanceCounts":
         """A table weighted as `rounds` observations at every depth (missing entries count as misses)."""
-        counts = cls.empty(depth)
-        for d in range(min(depth, len(table))):
-            counts.reached[d] = rounds
-            for r in range(min(OBSERVED_RANKS, len(table[d]))):
-                counts.hits[d][r] = rounds * table[d][r]
-        return counts
+        rows = [table[d] if d < len(table) else [] for d in range(depth)]
+        hits = [[rounds * row[r] if r < len(row) else 0.0 for r in range(OBSERVED_RANKS)] for row in rows]
+        return cls([rounds if d < len(table) else 0.0 for d in range(depth)], hits)
 
     def observe(self, ranks: list[int | None]) -> None:
         """One root's ranks of the committed codes at depths 1..K (None: past the frame's end, or not
@@ -115,14 +112,11 @@ def committed_ranks(drafted: list[list[int]], codes: list[int], index: int) -> l
     """Ranks of the committed codes c_{index+1..} among a round's drafts [depth][width] made at root
     c_index (codes[m - 1] is c_m): None past the frame's end, OBSERVED_RANKS where not among the first
     OBSERVED_RANKS drafts."""
-    ranks: list[int | None] = []
-    for j, row in enumerate(drafted, start=1):
-        if index + j > len(codes):
-            ranks.append(None)
-            continue
-        code = codes[index + j - 1]
-        ranks.append(row.index(code) if code in row[:OBSERVED_RANKS] else OBSERVED_RANKS)
-    return ranks
+    committed = codes[index:]
+    return [
+        None if j >= len(committed) else top.index(committed[j]) if committed[j] in top else OBSERVED_RANKS
+        for j, top in enumerate(row[:OBSERVED_RANKS] for row in drafted)
+    ]
 
 
 def probe_tree(depth: int) -> Tree:
@@ -210,8 +204,7 @@ def call_costs(
     there)."""
     machine = machine_key() if runner.device.type == "cpu" else str(runner.device)
     key = predictor_key(runner) + (f"/rows-{rows}" if rows > 1 else "")
-    stored = CALL_COSTS.read().get(machine, {}).get(key, {})
-    known = {int(q): float(ms) for q, ms in stored.items()}
+    known = {int(q): float(ms) for q, ms in CALL_COSTS.read().get(machine, {}).get(key, {}).items()}
     measured = False
     for q in sorted(set(queries) | {1}):
         if bound is not None and 1 in known and any(known[p] >= bound * known[1] for p in known if 1 < p < q):
@@ -222,8 +215,7 @@ def call_costs(
     if measured:
         with CALL_COSTS.update() as records:
             records.setdefault(machine, {})[key] = {str(q): ms for q, ms in sorted(known.items())}
-    path = CALL_COSTS.path
-    source = f"measured now (kept in {path})" if measured else f"{path} (measured before)"
+    source = f"measured now (kept in {CALL_COSTS.path})" if measured else f"{CALL_COSTS.path} (measured before)"
     return {q: known[q] for q in queries if q in known}, source
 
 
@@ -324,13 +316,11 @@ class OnlineSpeculation:
         step, self.steps = self.steps, self.steps + 1
         if self.budget > 0:
             return self.speculation(self.budget), False
-        if self.fixed:
+        if self.fixed or step % self.probe_every():
             return None, False
-        if step % self.probe_every() == 0:
-            if self._probe is None:
-                self._probe = Speculation(probe_tree(self.depth), self.offsets)
-            return self._probe, True
-        return None, False
+        if self._probe is None:
+            self._probe = Speculation(probe_tree(self.depth), self.offsets)
+        return self._probe, True
 
     def probe_every(self) -> int:
         """Frames between probes: PROBE_EVERY, SETTLED_PROBE_EVERY once SETTLED_ROOTS roots are counted (or in a batch),

@@ -38,15 +38,14 @@ def choose_speculation(
         else platform_key(weight.device.type, weight.dtype, weights)
     )
     plain = None
-    if allow_plain and str(tree) == "auto" and device_type != "coreml" and measured_choices():
-        budget, source = best_budget(platform, fingerprint)
-        drafts, notice = drafting_offsets(offsets, hidden, fingerprint, DEFAULT_DEPTH)
-        online = OnlineSpeculation(drafts, fingerprint, start_budget=budget)
-        starting = "the plain loop" if budget == 0 else f"N = {budget}"
-        message = f"--tree auto: the tree size is chosen online, starting from {starting} ({source})"
-        return online, message + (f"; {notice}" if notice else "")
     if allow_plain and str(tree) == "auto":
         budget, source = best_budget(platform, fingerprint)
+        if device_type != "coreml" and measured_choices():
+            drafts, notice = drafting_offsets(offsets, hidden, fingerprint, DEFAULT_DEPTH)
+            online = OnlineSpeculation(drafts, fingerprint, start_budget=budget)
+            starting = "the plain loop" if budget == 0 else f"N = {budget}"
+            message = f"--tree auto: the tree size is chosen online, starting from {starting} ({source})"
+            return online, message + (f"; {notice}" if notice else "")
         if budget == 0:
             plain = (
                 f"plain inner loop: no tree was measured to pay for this model on {platform} ({source});"

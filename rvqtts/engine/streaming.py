@@ -136,18 +136,17 @@ class StreamingDecoder:
         conv = module.conv
         joined = self._carried(module, x, module.padding)[0]  # [channels_in, steps + padding]
         taps, dilation, steps = conv.kernel_size[0], conv.dilation[0], x.shape[-1]
-        if conv.groups != 1:
-            return conv(joined[None])
-        shifted = [joined[:, k * dilation :][:, :steps] for k in range(taps)]  # each tap's inputs (views)
-        if taps == 1 or conv.weight.numel() > joined.numel():
-            columns = shifted[0] if taps == 1 else torch.stack(shifted, 1)  # [channels_in, taps, steps]
-            weight = conv.weight.view(conv.out_channels, -1)
-            return torch.addmm(conv.bias[:, None], weight, columns.reshape(-1, steps))[None]
-        if conv.out_channels == 1:
-            output = conv.bias[:, None].expand(1, steps).clone()
-            for k in range(taps):
-                output.addmm_(conv.weight[:, :, k], shifted[k])
-            return output[None]
+        if conv.groups == 1:
+            shifted = [joined[:, k * dilation :][:, :steps] for k in range(taps)]  # each tap's inputs (views)
+            if taps == 1 or conv.weight.numel() > joined.numel():
+                columns = shifted[0] if taps == 1 else torch.stack(shifted, 1)  # [channels_in, taps, steps]
+                weight = conv.weight.view(conv.out_channels, -1)
+                return torch.addmm(conv.bias[:, None], weight, columns.reshape(-1, steps))[None]
+            if conv.out_channels == 1:
+                output = conv.bias[:, None].expand(1, steps).clone()
+                for k in range(taps):
+                    output.addmm_(conv.weight[:, :, k], shifted[k])
+                return output[None]
         return conv(joined[None])
 
     def _transposed(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

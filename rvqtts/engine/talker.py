@@ -43,12 +43,10 @@ class TalkerRunner(CachedDecoder):
         super().allocate(max_len, rows)
         if old is not None:
             old_k, old_v, old_len, old_rows = old
-            kept = min(old_len, max_len)
-            for row in range(min(old_rows, self.rows)):
-                for cache, before in ((self.k_cache, old_k), (self.v_cache, old_v)):
-                    cache[:, :, row * max_len : row * max_len + kept] = before[
-                        :, :, row * old_len : row * old_len + kept
-                    ]
+            kept, rows = min(old_len, max_len), min(old_rows, self.rows)
+            for cache, before in ((self.k_cache, old_k), (self.v_cache, old_v)):  # [layers, heads, row x length, d]
+                new, previous = cache.unflatten(2, (self.rows, max_len)), before.unflatten(2, (old_rows, old_len))
+                new[:, :, :rows, :kept] = previous[:, :, :rows, :kept]
         positions = torch.arange(max_len, device=self.device).view(1, 1, -1).expand(3, 1, -1)
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         cos, sin = self.rotary(probe, positions)  # [3, 1, max_len, head_dim]: three equal axes
@@ -88,9 +86,8 @@ class TalkerRunner(CachedDecoder):
         """The step at position `index` (a 1-element tensor), attending to the first `span` slots, masked
         beyond the position where the span is longer."""
         mask = None if self.calls.mode == "eager" else (torch.arange(span, device=self.device) <= index)[None]
-        hidden = self.run_layers(embed.to(self.dtype), self.cos[index][None], self.sin[index][None], index, span, mask)[
-            0
-        ]
+        cos, sin = self.cos[index][None], self.sin[index][None]
+        hidden = self.run_layers(embed.to(self.dtype), cos, sin, index, span, mask)[0]
         return hidden, self.head(hidden)
 
     @torch.inference_mode()

@@ -61,10 +61,7 @@ class Tree:
 
     def max_rank_by_depth(self) -> list[int]:
         """How many ranked drafts each depth needs: 1 + the largest rank used there."""
-        ranks = [0] * self.depth
-        for path in self.paths:
-            ranks[len(path) - 1] = max(ranks[len(path) - 1], path[-1] + 1)
-        return ranks
+        return [1 + max(p[-1] for p in self.paths if len(p) == d) for d in range(1, self.depth + 1)]
 
     @cached_property
     def buffers(self) -> "TreeBuffers":
@@ -83,21 +80,12 @@ class TreeBuffers:
 
     @classmethod
     def from_tree(cls, tree: Tree) -> "TreeBuffers":
-        slot = {(): 0}
-        for i, path in enumerate(tree.paths, start=1):
-            slot[path] = i
-        size = tree.nodes + 1
+        slots = ((), *tree.paths)
+        slot = {path: i for i, path in enumerate(slots)}
         parent = [-1] + [slot[p[:-1]] for p in tree.paths]
         rank = [-1] + [p[-1] for p in tree.paths]
-        children: list[list[tuple[int, int]]] = [[] for _ in range(size)]
-        for i in range(1, size):
-            children[parent[i]].append((rank[i], i))
-        mask = torch.zeros(size, size, dtype=torch.bool)
-        for i in range(size):
-            j = i
-            while j >= 0:
-                mask[i, j] = True
-                j = parent[j]
+        children = [[(rank[j], j) for j in range(1, len(slots)) if parent[j] == i] for i in range(len(slots))]
+        mask = torch.tensor([[path[: len(other)] == other for other in slots] for path in slots])
         depth = torch.tensor([0] + [len(p) for p in tree.paths], dtype=torch.long)
         return cls(depth=depth, rank=rank, parent=parent, ancestor_mask=mask, children=children)
 
@@ -305,12 +293,6 @@ def save_best_budget(platform: str, budget: int, source: str, fingerprint: str |
     return BEST_TREES.path
 
 
-def shipped_tree_files() -> list[Path]:
-    return sorted(
-        p for p in SHIPPED_TREES.glob("*.json") if not p.name.endswith(ACCEPTANCE_SUFFIX) and p.name != BEST_TREES.file
-    )
-
-
 def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None, platform: str = "cpu/float32") -> Tree:
     """A `--tree` value: a node budget N, meaning a shipped tree of N nodes; `auto`, the best N measured
     for this model or platform (`best_budget`; N = 0 falls back to 16 here, callers that can run
@@ -324,7 +306,8 @@ def resolve_tree(spec: str | os.PathLike, fingerprint: str | None = None, platfo
         text = str(best_budget(platform, fingerprint)[0] or FALLBACK_BUDGET)
     if not text.isdigit():
         return load_tree(text)
-    trees = [load_tree(p) for p in shipped_tree_files()]
+    files = sorted(SHIPPED_TREES.glob("*.json"))
+    trees = [load_tree(p) for p in files if not p.name.endswith(ACCEPTANCE_SUFFIX) and p.name != BEST_TREES.file]
     usable = [t for t in trees if t.extra.get("model_fingerprint") in (None, fingerprint)]
     matching = sorted(
         (t for t in usable if t.nodes == int(text)), key=lambda t: t.extra.get("model_fingerprint") is None

@@ -1,11 +1,5 @@
 """Acceptance measured on data: per-depth, per-rank acceptance tables, trees grown from them, and codes
-per call measured by running the engine itself.
-
-Frames come as predictor prefixes [h_t, embedding of c0] (rvqtts.tuning.contexts). Codes are sampled
-free-running by the plain inner loop, and codes per call counted by the speculative one, FRAMES_PER_CALL frames
-at a time, a batch row each (rvqtts.engine.rounds: one call carries them all, as a batch's lines), each
-frame with the noise and tree rounds it gets alone; the hidden states h_1..h_15 of those codes come from one
-batched teacher-forced pass (rvqtts.tuning.drafts).
+per call measured by running the engine itself (how frames are batched and replayed: docs/acceptance.md).
 """
 
 from __future__ import annotations

@@ -153,14 +153,10 @@ def compare_drafters(
         data.fit_recorded,
         note="a fresh residual block per position and depth before the frozen head",
     )
-    if variants:
-        _run_variants(run, data, training, hidden, vocab, offsets)
-    return {"drafters": results, "frames": frames}
-
-
-def _run_variants(run: Callable, data, training: TrainingConfig, hidden: int, vocab: int, offsets) -> None:
-    """The drafters beside the paper's three, each through `run` (compare_drafters's): the trained offsets with a
-    tree per position, other targets and depths, and the tables and their mixtures."""
+    if not variants:
+        return {"drafters": results, "frames": frames}
+    # the drafters beside the paper's three: the trained offsets with a tree per position, other targets and
+    # depths, and the tables and their mixtures
     run(
         "offsets, trees per position",
         offsets,
@@ -199,3 +195,4 @@ def _run_variants(run: Callable, data, training: TrainingConfig, hidden: int, vo
             note="log-probabilities of the offset heads plus the weighted table's",
         )
     run("offsets + 1.0 x prior", MixedDrafter(offsets, prior, 1.0))
+    return {"drafters": results, "frames": frames}

@@ -21,11 +21,9 @@ import numpy as np
 import torch
 
 from rvqtts.audio import UnreadableAudio, read_mono, resample
-from rvqtts.batch import voice_for
-from rvqtts.cloning import ClonedVoice
 from rvqtts.engine.frame_loop import Work, WorkFailed
 from rvqtts.files import write_atomically
-from rvqtts.settings import GenerationSettings
+from rvqtts.settings import GenerationSettings, Line, RunSettings
 
 FIELDS = ("h_t", "codes", "language")
 
@@ -124,19 +122,10 @@ def load_contexts(
 
 
 def record_contexts(
-    synthesizer,
-    utterances,
-    speaker: str | None,
-    language: str,
-    seed: int,
-    settings,
-    on_utterance: Callable[[int, int], None] | None = None,
-    instruct: str | None = None,
-    clone=None,
+    synthesizer, lines: list[Line], run: RunSettings, on_line: Callable[[int, int], None] | None = None
 ) -> Contexts:
-    """Synthesize `utterances` (rvqtts.batch items; their voice fields, else the voice given here: a
-    speaker, an instruction, a cloned voice's rvqtts.cloning.VoiceSource) with the plain inner loop and
-    record every frame.
+    """Synthesize `lines` (rvqtts.batch.read_batch's; their voice fields, else the run's) with the plain inner loop
+    and record every frame.
 
     c0 is not handed to the inner loop, only its embedding; it is recovered as the embedding table's
     matching row (an exact lookup, so the nearest row is the row)."""
@@ -145,36 +134,37 @@ def record_contexts(
     codes: list[list[int]] = []
     languages: list[str] = []
 
-    for number, item in enumerate(utterances):
-        voice = voice_for(synthesizer, **item.voice(speaker, language, instruct, clone))
-        spoken = voice["language"]
+    for number, line in enumerate(lines):
+        line = synthesizer.voiced(line.under(run))
 
         def on_frame(prefix: torch.Tensor, residual: list[int]) -> None:
             c0 = int(torch.cdist(prefix[1:2].to(table), table).argmin())
             h_t.append(prefix[0].float().cpu().numpy())
             codes.append([c0, *residual])
-            languages.append(spoken)
+            languages.append(line.language)
 
-        synthesizer.synthesize(item.text, seed=seed, utterance=item.line, settings=settings, on_frame=on_frame, **voice)
-        if on_utterance:
-            on_utterance(number + 1, len(utterances))
+        voice = dict(speaker=line.speaker, language=line.language, instruct=line.instruct, clone=line.clone)
+        synthesizer.synthesize(
+            line.text, seed=line.seed, utterance=line.utterance, settings=run.settings, on_frame=on_frame, **voice
+        )
+        if on_line:
+            on_line(number + 1, len(lines))
     if not codes:
         raise ValueError("the synthesis produced no frames to record")
     return Contexts(
         np.stack(h_t),
         np.array(codes, dtype=np.int64),
         np.array(languages),
-        source=f"self-distilled: {len(utterances)} texts, seed {seed}",
+        source=f"self-distilled: {len(lines)} texts, seed {run.seed}",
     )
 
 
 @dataclass(frozen=True)
 class AudioPair:
-    line: int
+    """A recording and its line (its transcript, voice fields and line number)."""
+
     audio: Path
-    text: str
-    speaker: str | None = None
-    language: str | None = None
+    line: Line
 
 
 def speech_codes(tokenizer, path: Path) -> np.ndarray:
@@ -219,27 +209,19 @@ def read_audio_pairs(path: str | os.PathLike) -> list[AudioPair]:
         audio = (path.parent / record["audio"]).expanduser()
         if not audio.is_file():
             raise ContextsFileError(f"{path}:{number}: no audio file {audio}")
-        pairs.append(AudioPair(number, audio, record["text"].strip(), record.get("speaker"), record.get("language")))
+        line = Line(record["text"].strip(), record.get("speaker"), record.get("language"), utterance=number)
+        pairs.append(AudioPair(audio, line))
     if not pairs:
         raise ContextsFileError(f"{path}: no audio pairs (the file has no non-empty line)")
     return pairs
 
 
-def teacher_force(
-    synth,
-    text: str,
-    speaker: str | None,
-    language: str,
-    codes: np.ndarray,
-    on_frame: Callable[[torch.Tensor, list[int]], None],
-    instruct: str | None = None,
-    clone: ClonedVoice | None = None,
-) -> None:
-    """Teacher forcing: run `synth`'s talker over `text` while it emits exactly these frame codes [frames, G]
-    (c0 read instead of drawn, c1.. returned by the inner loop), and show `on_frame` each frame's
+def teacher_force(synth, line: Line, codes: np.ndarray, on_frame: Callable[[torch.Tensor, list[int]], None]) -> None:
+    """Teacher forcing: run `synth`'s talker over the line's text, in its voice, while it emits exactly these frame
+    codes [frames, G] (c0 read instead of drawn, c1.. returned by the inner loop), and show `on_frame` each frame's
     predictor prefix [h_t, embedding of c0] with the frame's codes c1.. ."""
-    speaker = synth.check_voice(speaker, language, instruct, clone)
-    prompt = synth.prompt(" ".join(text.split()), speaker, language, instruct, clone)
+    line = synth.voiced(line)
+    prompt = synth.prompt(" ".join(line.text.split()), line.speaker, line.language, line.instruct, line.clone)
     work = Work(0, 0, iter([(prompt, len(codes))]), forced=codes, on_frame=on_frame)
     for event in synth.runners.frame_loop(synth.sampling(GenerationSettings())).run([work]):
         if isinstance(event, WorkFailed):
@@ -249,30 +231,23 @@ def teacher_force(
 
 
 def force_contexts(
-    synthesizer,
-    pairs: list[AudioPair],
-    speaker: str | None,
-    language: str,
-    on_pair: Callable[[int, int], None] | None = None,
-    instruct: str | None = None,
-    clone=None,
+    synthesizer, pairs: list[AudioPair], run: RunSettings, on_pair: Callable[[int, int], None] | None = None
 ) -> Contexts:
     """Teacher forcing: encode each recording with the model's own speech tokenizer and run the talker
-    over its transcript (in the pair's voice, else the one given here) emitting exactly those codes;
+    over its transcript (in the pair's voice, else the run's) emitting exactly those codes;
     record every frame's h_t with the true codes."""
     h_t: list[np.ndarray] = []
     codes: list[np.ndarray] = []
     languages: list[str] = []
     for number, pair in enumerate(pairs):
         frames = speech_codes(synthesizer.codec.encoding_tokenizer(), pair.audio)
-        voice = voice_for(synthesizer, pair.speaker or speaker, pair.language or language, instruct, clone)
-        spoken = voice["language"]
+        line = synthesizer.voiced(pair.line.under(run))
 
         def on_frame(prefix: torch.Tensor, residual: list[int]) -> None:
             h_t.append(prefix[0].float().cpu().numpy())
-            languages.append(spoken)
+            languages.append(line.language)
 
-        teacher_force(synthesizer, pair.text, codes=frames, on_frame=on_frame, **voice)
+        teacher_force(synthesizer, line, frames, on_frame)
         codes.append(frames)
         if on_pair:
             on_pair(number + 1, len(pairs))

@@ -1,17 +1,10 @@
 """Drafters: what scores the codes c_{k+j} ahead of a round rooted at c_k, from the root's hidden state h_k
-(which has not seen c_k) and the root code c_k itself (just sampled, known to the host).
+(which has not seen c_k) and the root code c_k itself (just sampled, known to the host); the table in
+docs/acceptance.md says what each drafts with.
 
-- `OffsetDrafter`: the paper's, LMH_{k+j}(h_k + b_j); K x hidden parameters; zero = reused heads.
-- `MedusaDrafter`: the paper's Medusa baseline, a fresh residual block per position and depth before the
-  frozen head: LMH_{k+j}(h_k + SiLU(A_{k,j} h_k + a_{k,j})).
-- `PriorDrafter`: how often each code occurs at each position; no model call.
-- `TableDrafter`: P(c_{k+j} | c_k) counted per position pair, indexed by the root code (it knows c_k,
-  which the heads do not), smoothed towards the prior.
-- `MixedDrafter`: a head drafter's log-probabilities plus a weight times a table's.
-
-Every drafter returns scores [n, L - j, V] for c_{1+j}..c_L from hidden states [n, L, H] and codes
-[n, L] (c1..c_L; the root of position k is codes[:, k - 1]); only the order of the scores matters for
-drafting, but the mixture needs log-probabilities, so every drafter returns those.
+Every drafter returns log-probabilities [n, L - j, V] for c_{1+j}..c_L from hidden states [n, L, H] and codes
+[n, L] (c1..c_L; the root of position k is codes[:, k - 1]): only their order matters for drafting, but the
+mixture adds them.
 """
 
 from __future__ import annotations
@@ -41,12 +34,9 @@ class MedusaDrafter(torch.nn.Module):
         self.biases = torch.nn.Parameter(torch.zeros(depth, length, hidden))
 
     def forward(self, weights: torch.Tensor, hidden: torch.Tensor, codes: torch.Tensor, j: int) -> torch.Tensor:
-        length = weights.shape[0]
-        h = hidden[:, : length - j]
-        h = h + torch.nn.functional.silu(
-            torch.einsum("nkh,kgh->nkg", h, self.blocks[j - 1, : length - j]) + self.biases[j - 1, : length - j]
-        )
-        return torch.einsum("nkh,kvh->nkv", h, weights[j:]).log_softmax(-1)
+        kept = weights.shape[0] - j
+        block = torch.einsum("nkh,kgh->nkg", hidden[:, :kept], self.blocks[j - 1, :kept]) + self.biases[j - 1, :kept]
+        return draft_logits(weights, hidden, torch.nn.functional.silu(block), j).log_softmax(-1)
 
 
 class PriorDrafter(torch.nn.Module):

@@ -23,18 +23,7 @@ from rvqtts.files import current_umask
 from rvqtts.settings import QWEN_TTS_DEFAULTS
 
 SPEAKERS = ["vivian", "serena", "uncle_fu", "dylan", "eric", "ryan", "aiden", "ono_anna", "sohee"]
-LANGUAGES = [
-    "chinese",
-    "english",
-    "japanese",
-    "korean",
-    "german",
-    "french",
-    "russian",
-    "portuguese",
-    "spanish",
-    "italian",
-]
+LANGUAGES = "chinese english japanese korean german french russian portuguese spanish italian".split()
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|tts_pad|>", "<|tts_text_bos|>", "<|tts_text_eod|>"]
 # The Qwen2 pre-tokenizer pattern: it isolates "\n", so "assistant" and "\n" become single tokens,
 # which qwen-tts relies on when it slices prompt token ids by position.
@@ -43,6 +32,7 @@ QWEN2_SPLIT_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 TEXT_VOCAB = 512
+DIMS = ("tiny", "0.6b", "1.7b")
 # The released 12 Hz model kinds, as `make-tiny-model --kind` names them, and their config's tts_model_type.
 KINDS = {"custom-voice": "custom_voice", "base": "base", "voice-design": "voice_design"}
 # A speaker encoder small enough for tests: qwen-tts's ECAPA-TDNN needs equal middle channels divisible by
@@ -81,14 +71,8 @@ def _build_text_tokenizer(out_dir: Path):
         ]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    corpus = [
-        "assistant\n",
-        "user\n",
-        "system\n",
-        "Hello world. This is a tiny test of the text to speech model.",
-        "The quick brown fox jumps over the lazy dog.",
-        "Speak slowly and clearly, please.",
-    ] * 50
+    corpus = ["assistant\n", "user\n", "system\n", "Hello world. This is a tiny test of the text to speech model."]
+    corpus = (corpus + ["The quick brown fox jumps over the lazy dog.", "Speak slowly and clearly, please."]) * 50
     trainer = trainers.BpeTrainer(
         vocab_size=400,
         min_frequency=1,
@@ -106,14 +90,8 @@ def _build_text_tokenizer(out_dir: Path):
         additional_special_tokens=SPECIAL_TOKENS[1:],
     )
     ids = wrapped("<|im_start|>assistant\nHi there.<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
-    pieces = wrapped.convert_ids_to_tokens(ids)
-    if pieces[:3] != ["<|im_start|>", "assistant", "Ċ"] or pieces[-5:] != [
-        "<|im_end|>",
-        "Ċ",
-        "<|im_start|>",
-        "assistant",
-        "Ċ",
-    ]:
+    pieces, turn = wrapped.convert_ids_to_tokens(ids), ["<|im_start|>", "assistant", "Ċ"]
+    if pieces[:3] != turn or pieces[-5:] != ["<|im_end|>", "Ċ", *turn]:
         raise RuntimeError(f"tiny tokenizer breaks qwen-tts's positional prompt layout: {pieces}")
     wrapped.save_pretrained(out_dir)
     return wrapped
@@ -122,18 +100,10 @@ def _build_text_tokenizer(out_dir: Path):
 def _codec_ids(codebook: int) -> tuple[int, dict[str, int], dict[str, int], dict[str, int]]:
     """Talker vocabulary and special ids. qwen-tts suppresses ids [vocab - 1024, vocab) for c0 except EOS,
     so vocab = codebook + 1024 and the specials sit above the codes, in the real model's relative layout."""
-    base = codebook
-    ids = dict(
-        codec_pad_id=base + 100,
-        codec_bos_id=base + 101,
-        codec_eos_token_id=base + 102,
-        codec_think_id=base + 106,
-        codec_nothink_id=base + 107,
-        codec_think_bos_id=base + 108,
-        codec_think_eos_id=base + 109,
-    )
-    languages = {name: base + 2 + i for i, name in enumerate(LANGUAGES)}
-    speakers = {name: base + 952 + i for i, name in enumerate(SPEAKERS)}
+    names = ("pad", "bos", "eos_token", "think", "nothink", "think_bos", "think_eos")
+    ids = {f"codec_{name}_id": codebook + n for name, n in zip(names, (100, 101, 102, 106, 107, 108, 109))}
+    languages = {name: codebook + 2 + i for i, name in enumerate(LANGUAGES)}
+    speakers = {name: codebook + 952 + i for i, name in enumerate(SPEAKERS)}
     return codebook + 1024, ids, languages, speakers
 
 
@@ -197,24 +167,9 @@ def _released_talker(dims: str, layers: int | None) -> tuple[dict, str]:
 
 
 def _shape_paper_acceptance(model, seed: int) -> None:
-    """Set the code predictor's weights, and the talker's embedding of c0 (the predictor's input at
-    position 1), so that the predictor's own sampling drafts about as well as the paper reports for the
-    released model: the weights alone carry it, no engine code knows about it.
-
-    Each predictor layer's output projections are scaled down until the layers barely touch the residual
-    stream, so the normed state h_m that scores c_m is, to about 3 %, its own input: the embedding of
-    c_{m-1} (at position 1, of c0). Every embedding row of position m = 1..16 is
-        carrier * u + (m - centre) * step * d + pad_m * p + context(code),
-    with u, d, p orthonormal, a random context part orthogonal to them, and pad_m making every row's norm
-    sqrt(hidden), which RMSNorm leaves as it is. Head m reads u as (preferred_m - (m - centre) * shift_m)
-    / carrier and d as shift_m / step, so it scores c_m at preferred_m + scores of c_{m-1}'s context:
-    - each position samples from its own preferred codes (their spread sets the entropy), steered a
-      little by the previous code;
-    - the reused head LMH_{k+j}(h_k) reads an input j positions early: its scores are off by
-      j * shift_{k+j}, and its drafts get worse with depth;
-    - the offset b_j = j * step * d moves every h_k j positions on, for every k: train-offsets recovers
-      the preferred codes (not the context it cannot see, so offsets stay short of perfect drafts).
-    """
+    """Set the code predictor's weights, and the talker's embedding of c0 (the predictor's input at position 1),
+    so that the predictor's own sampling drafts about as well as the paper reports: the weights alone carry it.
+    The construction is in docs/acceptance.md (a checkpoint with the paper's acceptance)."""
     predictor = model.talker.code_predictor
     hidden, codebook = predictor.config.hidden_size, predictor.config.vocab_size
     # the inputs of positions 1..16: the talker's embedding (its code rows, not its special ones), then c1..c15's
@@ -261,9 +216,9 @@ def _build_main_model(
     model_size: str,
     seed: int,
     dtype: torch.dtype,
-    kind: str = "custom-voice",
-    small_encoder: bool = True,
-    acceptance: str = "none",
+    kind: str,
+    small_encoder: bool,
+    acceptance: str,
 ) -> None:
     models = qwen_tts().core.models
     token_id = tokenizer.convert_tokens_to_ids
@@ -341,31 +296,25 @@ def _build_speech_tokenizer(out_dir: Path, config, seed: int) -> None:
     EncodecFeatureExtractor(feature_size=1, sampling_rate=24000).save_pretrained(folder)
 
 
-DIMS = ("tiny", "0.6b", "1.7b")
-
-
 def _check_build_options(dims: str, kind: str, layers: int | None, acceptance: str, codebook: int, code_groups: int):
     """ValueError, naming the option, for a combination build_tiny_model cannot build."""
-    if dims not in DIMS:
-        raise ValueError(f"--dims must be one of {', '.join(DIMS)}, got {dims!r}")
-    if kind not in KINDS:
-        raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    named = {"--dims": (dims, DIMS), "--kind": (kind, KINDS), "--acceptance": (acceptance, ACCEPTANCES)}
+    for option, (value, choices) in named.items():
+        if value not in choices:
+            raise ValueError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
     if kind == "voice-design" and dims == "0.6b":
         raise ValueError("VoiceDesign is released at 1.7B only: use --dims 1.7b or --dims tiny")
     if layers is not None and dims == "tiny":
         raise ValueError("--shallow keeps the released widths: use it with --dims 0.6b or --dims 1.7b")
     if layers is not None and layers < 1:
         raise ValueError(f"a shallow checkpoint needs at least one layer, got {layers}")
-    if acceptance not in ACCEPTANCES:
-        raise ValueError(f"--acceptance must be one of {', '.join(ACCEPTANCES)}, got {acceptance!r}")
     if acceptance == "paper" and dims != "0.6b":
         raise ValueError("--acceptance paper is tuned for the released 0.6B code predictor: use it with --dims 0.6b")
     if dims != "tiny" and (codebook, code_groups) != (2048, 16):
         raise ValueError("--codebook and --code-groups apply to --dims tiny; the released models have 2048 and 16")
-    if not 2 <= codebook <= 65536:
-        raise ValueError(f"--codebook must be between 2 and 65536, got {codebook}")
-    if not 2 <= code_groups <= 32:
-        raise ValueError(f"--code-groups must be between 2 and 32, got {code_groups}")
+    for option, value, most in (("--codebook", codebook, 65536), ("--code-groups", code_groups, 32)):
+        if not 2 <= value <= most:
+            raise ValueError(f"{option} must be between 2 and {most}, got {value}")
 
 
 def build_tiny_model(
@@ -383,22 +332,9 @@ def build_tiny_model(
 ) -> Path:
     """Write a random-weight checkpoint to `out_dir` (which must not exist or be empty) and return its path.
 
-    `dims="tiny"`: shrunk dimensions; `codebook` is the residual codebook size (the predictor's
-    vocabulary), `code_groups` the codes per frame (c0 plus code_groups - 1 residual codes), and a
-    `predictor_hidden` different from `talker_hidden` gives the 1.7B layout, with a projection in front
-    of the code predictor. `dims="0.6b"` or `"1.7b"`: the released configuration of that model
-    (rvqtts/tuning/released/), stored in bfloat16; with `layers` (SHALLOW_LAYERS for `--shallow`), that many
-    layers in talker and code predictor and a small speech tokenizer (released widths and heads, cheap enough
-    for tests).
-
-    `kind`: custom-voice (built-in speakers), base (voice cloning: a speaker encoder, no speakers) or
-    voice-design (described voices: no speakers; released at 1.7B only). Base and VoiceDesign at the
-    released dimensions are derived from the CustomVoice configs (kind, empty speaker table, an encoder
-    as wide as the talker), not copied from released files.
-
-    `acceptance="paper"` (`dims="0.6b"` only): a code predictor whose own weights draft about as well as
-    the paper reports for the released model (`_shape_paper_acceptance`, docs/acceptance.md); the talker's
-    layers stay random.
+    The options are `rvqtts make-tiny-model`'s (docs/usage.md, docs/model-kinds.md); `layers` is `--shallow`'s
+    SHALLOW_LAYERS. At `dims="tiny"`, a `predictor_hidden` other than `talker_hidden` gives the 1.7B layout, with a
+    projection in front of the code predictor.
     """
     _check_build_options(dims, kind, layers, acceptance, codebook, code_groups)
     out = Path(out_dir)
@@ -422,19 +358,10 @@ def build_tiny_model(
             generation, dtype = released_file("generation_config.json"), torch.bfloat16
         if kind == "voice-design":
             model_size = "1b7"  # its only released size (qwen-tts drops instructions for a 0.6B's)
-        _build_main_model(
-            staging,
-            tokenizer,
-            talker,
-            model_size,
-            seed,
-            dtype,
-            kind,
-            small_encoder=dims == "tiny" or layers is not None,
-            acceptance=acceptance,
-        )
+        small = dims == "tiny" or layers is not None  # a small speaker encoder and speech tokenizer
+        _build_main_model(staging, tokenizer, talker, model_size, seed, dtype, kind, small, acceptance)
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        if dims == "tiny" or layers is not None:
+        if small:
             speech = _tiny_speech_tokenizer_config(codebook, code_groups)
         else:
             speech = qwen_tts().core.Qwen3TTSTokenizerV2Config.from_dict(released_file("speech_tokenizer-config.json"))

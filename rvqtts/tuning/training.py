@@ -26,7 +26,7 @@ from rvqtts.engine.sampling import SamplingConfig, target_probs
 from rvqtts.tuning.calibration import sample_codes
 from rvqtts.tuning.contexts import Contexts
 from rvqtts.tuning.drafters import OffsetDrafter
-from rvqtts.tuning.drafts import DraftData, draft_ranks, frozen_draft_data, head_weights, top1_by_depth
+from rvqtts.tuning.drafts import DraftData, draft_logits, draft_ranks, frozen_draft_data, head_weights, top1_by_depth
 
 TARGETS = ("hard", "soft")
 
@@ -62,7 +62,7 @@ def draft_loss(
     soft = None
     if target == "soft":
         with torch.no_grad():
-            soft = target_probs(torch.einsum("nkh,kvh->nkv", data.hidden, weights), sampling)
+            soft = target_probs(draft_logits(weights, data.hidden, 0.0, 0), sampling)
     for j in range(1, min(drafter.depth, data.codes.shape[1] - 1) + 1):
         log_probs = drafter(weights, data.hidden, data.codes, j)
         if soft is None:
@@ -141,20 +141,6 @@ def train_drafter(
     }
 
 
-def train_offsets(
-    weights: torch.Tensor,
-    train: DraftData,
-    held_out: DraftData,
-    config: TrainingConfig,
-    sampling: SamplingConfig = SamplingConfig(),
-    on_progress: Callable[[int, int, float, float], None] | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """Offsets [K, H] trained from zero (reused heads), and the training record."""
-    drafter = OffsetDrafter(config.depth, weights.shape[2])
-    record = train_drafter(drafter, weights, train, held_out, config, sampling, on_progress)
-    return drafter.vectors.detach().cpu(), record
-
-
 def draft_data(
     synthesizer,
     contexts: Contexts,
@@ -200,7 +186,8 @@ def fit_offsets(
     model's plain inner loop from each frame's h_t and c0 first."""
     train, held = draft_data(synthesizer, contexts, config, sampling, held_out, self_distill)
     code_predictor = synthesizer.code_predictor
-    vectors, record = train_offsets(head_weights(code_predictor), train, held, config, sampling, on_progress)
+    drafter = OffsetDrafter(config.depth, train.hidden.shape[2])  # from zero: the reused heads
+    record = train_drafter(drafter, head_weights(code_predictor), train, held, config, sampling, on_progress)
     targets = "resampled by the model (self-distillation)" if self_distill else "the frames' own codes"
     record.update(
         source=contexts.source,
@@ -213,7 +200,7 @@ def fit_offsets(
         sampling=f"temperature {sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}",
     )
     offsets = Offsets(
-        vectors,
+        drafter.vectors.detach().cpu(),
         model=model_name,
         model_fingerprint=predictor_fingerprint(code_predictor),
         metadata={"training": json.dumps(record)},

@@ -1,14 +1,5 @@
-"""`rvqtts standin build`: corpus, codec, trained stand-in, held-out contexts and the faithfulness report,
-all from fixed seeds, into one folder:
-
-  OUT/model/          a Qwen3-TTS 12 Hz checkpoint whose code predictor is the trained stand-in
-  OUT/codec.npz       the residual VQ codec
-  OUT/contexts.npz    per held-out frame: h_t, the codes c0..c15, language and split
-  OUT/offsets.safetensors  draft offsets trained on the calibration split (self-distilled)
-  OUT/trees/          trees calibrated for the reused heads and for those offsets, N = 4..64
-  OUT/sample.wav      an evaluation sentence through the codec, to listen to
-  OUT/report.json     corpus, training, faithfulness per position, codes per call per N of each drafter
-"""
+"""`rvqtts standin build`: corpus, codec, trained stand-in, held-out contexts and the faithfulness report, all
+from fixed seeds, into one folder (its files: docs/standin.md)."""
 
 from __future__ import annotations
 
@@ -20,11 +11,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
+from rvqtts.audio import audio_bytes
+from rvqtts.engine.offsets import Offsets, save_offsets
+from rvqtts.engine.speculation import Speculation
+from rvqtts.engine.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
+from rvqtts.files import write_atomically
+from rvqtts.synthesis import Synthesizer
+from rvqtts.tuning.calibration import calibrate_trees, codes_per_call
+from rvqtts.tuning.comparison import compare_drafters
+from rvqtts.tuning.contexts import Contexts
+from rvqtts.tuning.drafters import OffsetDrafter
+from rvqtts.tuning.drafts import draft_ranks, frozen_draft_data, head_weights, top1_by_depth
 from rvqtts.tuning.standin.codec import LEVELS, ResidualCodec, frame_features
-from rvqtts.tuning.standin.corpus import LANGUAGES, build_corpus
-from rvqtts.tuning.standin.model import ContextEncoder, FrameData, StandinConfig, train
-from rvqtts.tuning.training import TrainingConfig
+from rvqtts.tuning.standin.corpus import LANGUAGES, build_corpus, default_sentences_dir
+from rvqtts.tuning.standin.measure import chain_gain, entropy_by_position
+from rvqtts.tuning.standin.model import ContextEncoder, FrameData, StandinConfig, teacher_forced_logits, train
+from rvqtts.tuning.tiny import build_tiny_model
+from rvqtts.tuning.training import TrainingConfig, fit_offsets
 
 BUDGETS = (4, 8, 16, 32, 64)
 
@@ -81,14 +86,9 @@ def _split_frames(
             previous = np.vstack([np.full((1, LEVELS), config.entries), codes[:-1]])
             normalised = (noisy - codec.mean) / codec.std
             coarse = normalised @ pca + rng.normal(0, config.coarse_noise, (len(codes), pca.shape[1])) * pca_scale
-            parts.append((codes, previous, np.full(len(codes), languages.index(recording.language)), coarse))
-    stacked = [np.concatenate([p[i] for p in parts]) for i in range(4)]
-    return FrameData(
-        stacked[0].astype(np.int64),
-        stacked[1].astype(np.int64),
-        stacked[2].astype(np.int64),
-        stacked[3].astype(np.float32),
-    )
+            language = np.full(len(codes), languages.index(recording.language))
+            parts.append((codes, previous, language, coarse.astype(np.float32)))
+    return FrameData(*(np.concatenate(column) for column in zip(*parts)))  # int64 codes, float32 coarse
 
 
 def build_standin(
@@ -102,11 +102,6 @@ def build_standin(
     """Run the whole pipeline into `out` and return the report (also written to out/report.json).
 
     `steps` overrides the plan's training steps (more on a GPU, to train to convergence)."""
-    from rvqtts.engine.offsets import Offsets, save_offsets
-    from rvqtts.tuning.comparison import compare_drafters
-    from rvqtts.tuning.contexts import Contexts
-    from rvqtts.tuning.training import fit_offsets
-
     plan = SMALL if small else FULL
     config = plan.config if steps is None else replace(plan.config, steps=steps)
     torch.manual_seed(config.seed)
@@ -163,9 +158,6 @@ def build_standin(
 def _model(out: Path, config, data: dict, device: str, report: dict, log):
     """The stand-in's checkpoint (out/model): a tiny model whose code predictor and talker embedding are trained
     with a context encoder on the training frames; returns it loaded, and the encoder."""
-    from rvqtts.synthesis import Synthesizer
-    from rvqtts.tuning.tiny import build_tiny_model
-
     model_dir = out / "model"
     if model_dir.exists():
         shutil.rmtree(model_dir)
@@ -195,10 +187,6 @@ def _model(out: Path, config, data: dict, device: str, report: dict, log):
 def _measure(code_predictor, talker_embedding, evaluation, config, report: dict):
     """How the trained model's codes behave on the evaluation frames (entropy by position, what the chain of
     codes tells, top-1 drafts by depth, c1's accuracy), into the report; returns the frames' prefixes."""
-    from rvqtts.tuning.drafters import OffsetDrafter
-    from rvqtts.tuning.drafts import draft_ranks, frozen_draft_data, head_weights, top1_by_depth
-    from rvqtts.tuning.standin.measure import chain_gain, entropy_by_position
-
     h_eval, codes_eval = torch.from_numpy(evaluation.h_t), torch.from_numpy(evaluation.codes)
     report.update(entropy_by_position(code_predictor, talker_embedding, h_eval, codes_eval))
     report["chain_gain_bits"] = chain_gain(code_predictor, talker_embedding, h_eval, codes_eval)
@@ -213,8 +201,6 @@ def _measure(code_predictor, talker_embedding, evaluation, config, report: dict)
 
 def _corpus(plan, sentences_dir: Path | None, report: dict, log) -> list:
     """The stand-in's recordings (its corpus, rvqtts.tuning.standin.corpus), their durations in the report."""
-    from rvqtts.tuning.standin.corpus import default_sentences_dir
-
     started = time.perf_counter()
     recordings = build_corpus(sentences_dir or default_sentences_dir(), plan.variants, plan.sentences_per_language)
     seconds = {}
@@ -281,10 +267,6 @@ def _contexts(out: Path, data: dict, encoder) -> dict:
 def _trees(name: str, drafting, synth, calibration_sample, prefixes_eval, evaluation, config, out: Path, report: dict):
     """Trees calibrated for one drafter (`name`: reused heads or offsets) at every budget, saved with its acceptance
     table under out/trees, and each tree's codes per call measured on the evaluation frames."""
-    from rvqtts.engine.speculation import Speculation
-    from rvqtts.engine.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
-    from rvqtts.tuning.calibration import calibrate_trees, codes_per_call
-
     code_predictor = synth.code_predictor
     table, trees = calibrate_trees(
         synth,
@@ -315,8 +297,6 @@ def _trees(name: str, drafting, synth, calibration_sample, prefixes_eval, evalua
 
 
 def _c1_accuracy(code_predictor, talker_embedding, h_t, codes) -> float:
-    from rvqtts.tuning.standin.model import teacher_forced_logits
-
     with torch.no_grad():
         logits = teacher_forced_logits(code_predictor, talker_embedding, h_t, codes[:, :3])[:, 0]
     return round(float((logits.argmax(-1) == codes[:, 1]).float().mean()), 4)
@@ -324,8 +304,6 @@ def _c1_accuracy(code_predictor, talker_embedding, h_t, codes) -> float:
 
 def _save_weights(model_dir: Path, synth) -> None:
     """Write the trained predictor and c0 embedding into the checkpoint's safetensors file."""
-    from safetensors.torch import load_file, save_file
-
     path = model_dir / "model.safetensors"
     tensors = load_file(str(path))
     state = synth.model.state_dict()
@@ -336,9 +314,6 @@ def _save_weights(model_dir: Path, synth) -> None:
 
 
 def _write_sample(out: Path, codec: ResidualCodec, recordings) -> None:
-    from rvqtts.audio import audio_bytes
-    from rvqtts.files import write_atomically
-
     sample = next(r for r in recordings if r.split == "evaluation")
     audio = codec.to_audio(codec.encode(frame_features(sample.audio)))
     write_atomically(out / "sample.wav", audio_bytes(audio / max(1e-6, np.abs(audio).max()) * 0.9, 24000))

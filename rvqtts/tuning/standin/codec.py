@@ -1,12 +1,6 @@
-"""A residual VQ codec of the Qwen3-TTS shape: 12.5 Hz frames, 16 codebooks, trained in seconds.
-
-A frame is 80 ms: four 20 ms hops of a 32-band log-mel spectrum, 128 numbers, normalised per band.
-Level 0 quantizes the frame, each further level the residual left by the levels above it (k-means per
-level, deterministic for a seed). Decoding sums the chosen entries; `to_audio` inverts the mel
-spectrum with Griffin-Lim, which is enough to listen to.
-
-The spectra are numpy's and torch's own: librosa's STFT gives the same bits (`frame_features` was built on
-it), but its first use in an environment compiles librosa's numba functions, about 25 s on a 2-vCPU Xeon.
+"""A residual VQ codec of the Qwen3-TTS shape: 12.5 Hz frames, 16 codebooks of k-means over log-mel frames,
+trained in seconds (docs/standin.md, step 2). The spectra are numpy's and torch's own, with librosa.stft's bits,
+as librosa's own STFT compiles numba functions on first use.
 """
 
 from __future__ import annotations
@@ -107,10 +101,6 @@ class ResidualCodec:
     std: np.ndarray
     codebooks: np.ndarray  # [LEVELS, entries, dim]
 
-    @property
-    def entries(self) -> int:
-        return self.codebooks.shape[1]
-
     @classmethod
     def fit(
         cls, features: np.ndarray, entries: int, iterations: int = 12, seed: int = 0, device: str = "cpu"
@@ -150,8 +140,3 @@ class ResidualCodec:
     def save(self, path: Path) -> None:
         """The codebooks are stored in float16 (half the size; decoding is for listening only)."""
         np.savez(path, mean=self.mean, std=self.std, codebooks=self.codebooks.astype(np.float16))
-
-    @classmethod
-    def load(cls, path: Path) -> "ResidualCodec":
-        data = np.load(path)
-        return cls(data["mean"], data["std"], data["codebooks"].astype(np.float32))

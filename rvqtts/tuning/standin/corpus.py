@@ -25,7 +25,6 @@ LANGUAGES = {
 }
 # (voice variant, words per minute, pitch 0-99)
 VARIANTS = [("m1", 150, 50), ("f2", 170, 62), ("m3", 135, 40), ("f4", 185, 70), ("m7", 160, 45), ("f1", 145, 56)]
-SPLITS = ("train", "calibration", "evaluation")
 
 
 class CorpusError(RuntimeError):

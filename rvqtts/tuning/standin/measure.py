@@ -1,12 +1,5 @@
-"""How faithful the stand-in is, per position k = 1..15, on held-out frames:
-
-- entropy: the entropy of the distribution c_k is sampled from (temperature 0.9, top-50) given the
-  context and the frame's true codes before it, and of the raw softmax;
-- chain gain: how much the true c_{k-1} tells about c_k beyond the context and the codes before it:
-  cross-entropy of c_k with c_{k-1} marginalised out (over samples of the model's own c_{k-1}) minus
-  with the true c_{k-1}; position 1's "previous code" is c0;
-- drafts: top-1 accuracy of the reused heads LMH_{k+j}(h_k) for the true c_{k+j}, depths j = 1, 2, 3.
-"""
+"""How faithful the stand-in is, per position k = 1..15, on held-out frames: sampling entropy and chain gain
+(docs/standin.md, step 5 of the pipeline)."""
 
 from __future__ import annotations
 

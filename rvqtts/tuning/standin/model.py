@@ -1,10 +1,6 @@
 """Training the stand-in: a code predictor of the real qwen-tts class, taught with teacher forcing to
-produce c1..c15 of the corpus frames from (h_t, c0), where h_t comes from a small frame-context encoder.
-
-The real h_t is the talker's hidden state: it knows the text and the frames so far, so it pins down the
-coarse shape of the next frame but not its fine residuals. The encoder is given the same kind of
-knowledge: the previous frame's codes, the language, and a coarse view of the current frame (its top
-principal components, blurred by noise), never the current frame's residual codes.
+produce c1..c15 of the corpus frames from (h_t, c0), where h_t comes from a small frame-context encoder that
+knows what the real talker's h_t knows, never the current frame's residual codes (docs/standin.md, step 3).
 """
 
 from __future__ import annotations
