@@ -1,4 +1,4 @@
-"""Audio out: joining chunks with a short crossfade; WAV, FLAC or Ogg files written atomically, whole or as
+"""Audio out: chunks joined with a short crossfade; WAV, FLAC or Ogg files written atomically, whole or as
 a stream; WAV or raw PCM on standard output. Audio in: files read and resampled as qwen-tts would."""
 
 from __future__ import annotations
@@ -34,10 +34,9 @@ def read_mono(path: str | Path) -> tuple[np.ndarray, int]:
 
 
 def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
-    """Mono float32 samples at `target` Hz as qwen-tts resamples them with librosa.resample's default: soxr
-    at high quality, cut or zero-padded to ceil(n * target / rate) samples. Given audio at its own rate,
-    qwen-tts does not resample: done here, it spares the first run in an environment the compilation of
-    librosa's numba functions (about 25 s on a 2-vCPU Xeon) that librosa's resampling starts."""
+    """Mono float32 samples at `target` Hz as qwen-tts resamples them with librosa.resample's default (soxr at
+    high quality, cut or zero-padded to ceil(n * target / rate) samples), without librosa's numba functions
+    (docs/model-kinds.md)."""
     if rate == target:
         return samples
     import soxr
@@ -49,9 +48,8 @@ def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
 
 class StreamJoiner:
     """Joins chunk waveforms as they arrive, overlapping each seam by a linear crossfade of `crossfade`
-    seconds (shortened where either side is shorter): what `add` and `finish` return, concatenated, is
-    `join_chunks` of the chunks. The last samples of the output so far are held back until the next
-    chunk's start (or the end) is known."""
+    seconds (shortened where either side is shorter). The last samples of the output so far are held back
+    until the next chunk's start (or the end) is known."""
 
     def __init__(self, sample_rate: int, crossfade: float = CROSSFADE_SECONDS):
         self.overlap = int(crossfade * sample_rate)
@@ -105,16 +103,6 @@ class StreamJoiner:
         return ready
 
 
-def join_chunks(parts: list[np.ndarray], sample_rate: int, crossfade: float = CROSSFADE_SECONDS) -> np.ndarray:
-    """Concatenate chunk waveforms, overlapping each seam by a linear crossfade of `crossfade` seconds
-    (shortened where a chunk is shorter than that)."""
-    joiner = StreamJoiner(sample_rate, crossfade)
-    for part in parts:
-        joiner.add(part, new_part=True)
-    joiner.finish()
-    return joiner.audio()
-
-
 # Output containers soundfile writes, by file suffix; standard output ("-") always gets a WAV.
 AUDIO_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
 
@@ -153,14 +141,8 @@ def pcm16(audio: np.ndarray) -> bytes:
 def wav_header(sample_rate: int) -> bytes:
     """The 44-byte header of a mono 16-bit PCM WAV stream of unknown length: both sizes 0xFFFFFFFF, which
     sox, ffmpeg and common players read as "until the end of the input"."""
-    return (
-        b"RIFF"
-        + struct.pack("<I", UNKNOWN_SIZE)
-        + b"WAVEfmt "
-        + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
-        + b"data"
-        + struct.pack("<I", UNKNOWN_SIZE)
-    )
+    fmt = (16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+    return struct.pack("<4sI8sIHHIIHH4sI", b"RIFF", UNKNOWN_SIZE, b"WAVEfmt ", *fmt, b"data", UNKNOWN_SIZE)
 
 
 def _stdout_write(data: bytes) -> None:

@@ -1,18 +1,8 @@
-"""`--batch-size auto`: how many utterances a batch speaks together, chosen by measurement on this machine
-and model, and bounded by memory.
-
-A batch frame is one talker step and G - 1 predictor calls for all its rows (rvqtts.engine.frame_loop), and the
-speech decoder's work for each line apart. Per candidate B this times those calls with B rows and the
-decoder over a few frames, and takes the cost of one frame of one line: (talker step + inner loop) / B +
-the decoder's per frame. Rows are nearly free while the calls read their weights (a CPU's bandwidth, a
-GPU's launches) and cost their multiply-adds once compute binds; the decoder does not shrink. The chosen B
-is the smallest within WITHIN of the cheapest (each added row makes every line of the batch wait longer
-for its first audio). Measured once per machine, model shape, dtype and weight format, and kept in the
-user's cache (batch-sizes.json); with RVQTTS_CHOICES=fixed, 1.
-
-Memory: each row holds a talker cache region for its prompt and frames (`row_bytes`); a batch whose rows
-would take more than half the memory available is cut to one that fits (`fitting_rows`).
-"""
+"""`--batch-size auto`: how many utterances a batch speaks together, measured once per machine and model
+(`frame_costs`, kept in batch-sizes.json; 1 with RVQTTS_CHOICES=fixed), and bounded by memory (`fitting_rows`).
+The rule and its costs: docs/usage.md ("Choices measured on your machine"), docs/benchmarks.md. Rows are
+nearly free while the calls read their weights and cost their multiply-adds once compute binds; the decoder's
+work does not shrink, and each added row makes every line of the batch wait longer for its first audio."""
 
 from __future__ import annotations
 

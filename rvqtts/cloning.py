@@ -1,16 +1,6 @@
-"""Cloned voices for Base models: reference audio in, the voice the talker's prompt embeds out.
-
-qwen-tts owns the encoding (`create_voice_clone_prompt`: the speaker encoder's embedding of the reference
-and, in ICL mode, the speech tokenizer's codes of it, with its transcript); rvqtts reads the reference
-(soundfile, mixed to mono, resampled to 24 kHz as qwen-tts would: rvqtts.audio), refuses audio that cannot clone a voice
-(unreadable, silent, too short, NaN), and stores an encoded voice as a file so a voice is encoded once
-(`save_voice` / `load_voice`: safetensors with the embedding, the codes and string metadata).
-
-ICL mode ("in-context learning", qwen-tts's default) continues the reference: its transcript comes
-before the text and its codes before the generated ones, so the audio is decoded with the reference codes
-in front and exactly their samples are cut off. x-vector-only mode takes the embedding alone: no
-transcript needed, and no reference codes in the prompt.
-"""
+"""Cloned voices for Base models: reference audio in (read and checked here, encoded by qwen-tts's
+`create_voice_clone_prompt`), the voice the talker's prompt embeds out, kept as a voice file so a voice is
+encoded once. ICL and x-vector-only modes, the checks and the file format: docs/model-kinds.md."""
 
 from __future__ import annotations
 
@@ -105,9 +95,8 @@ class ClonedVoice:
 
 
 def encoder_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash that tells speaker encoders apart (its config, the embedding width and a sample of its
-    last projection's weights, rounded to bfloat16 so the model's dtype does not change it): an embedding
-    means something only to the encoder's own model."""
+    """A short hash that tells speaker encoders apart (docs/model-kinds.md): an embedding means something only to
+    the encoder's own model."""
     config = model.config.speaker_encoder_config.to_dict()  # its numbers: the dtype's name is left out
     summary = {
         "config": {k: v for k, v in sorted(config.items()) if isinstance(v, (int, float, list))},
@@ -166,8 +155,7 @@ def encode_voice(tts: object, source: VoiceSource) -> ClonedVoice:
 
 
 def save_voice(voice: ClonedVoice, path: str | os.PathLike) -> None:
-    """Write a voice file (atomically): tensors "embedding" [hidden] and, in ICL mode, "codes" [frames, 16];
-    metadata: the format tag, the mode, the transcript, the encoder's fingerprint and the reference's name."""
+    """Write a voice file (atomically; its format: docs/model-kinds.md)."""
     from safetensors.torch import save
 
     tensors = {"embedding": voice.embedding.float().contiguous()}

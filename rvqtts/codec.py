@@ -34,9 +34,8 @@ class SpeechCodec:
         return str(self.model.speech_tokenizer.model.dtype).removeprefix("torch.")
 
     def use_dtype(self, dtype: str) -> None:
-        """Run the speech tokenizer in `dtype`, apart from the loops' (rvqtts.decoder_dtype: its cost per dtype is
-        its own): loaded again from the checkpoint in that dtype (its stored weights, not a copy the loops' dtype
-        rounded); voices primed by the old one are primed again. Nothing to do where it already runs in `dtype`."""
+        """Run the speech tokenizer in `dtype`, apart from the loops' (rvqtts.decoder_dtype): loaded again from the
+        checkpoint's stored weights in that dtype; voices primed by the old one are primed again."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown decoder dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
         if dtype == self.dtype:
@@ -48,10 +47,8 @@ class SpeechCodec:
         self.release_unused_encoder()
 
     def release_unused_encoder(self) -> None:
-        """Let go of the encoder where only a Base model's cloning would run it: synthesis of the other kinds
-        never does, and in a dtype other than its file's float32 it is a copy (39M weights and 17M buffers, 112 MB
-        in bfloat16 at 0.6B). `encoding_tokenizer` loads it again when audio must be encoded (offsets trained
-        from recordings). Only a codec that knows its checkpoint can load it again."""
+        """Let go of the encoder where only a Base model's cloning would run it (a 112 MB copy in bfloat16 at 0.6B:
+        docs/usage.md); `encoding_tokenizer` loads it again from the checkpoint, so a codec without one keeps it."""
         tokenizer = self.model.speech_tokenizer.model
         if self.kind != "base" and self.source is not None and getattr(tokenizer, "encoder", None) is not None:
             tokenizer.encoder = None
@@ -73,14 +70,9 @@ class SpeechCodec:
         self.primed.start(decoder, clone)
 
     def decode(self, codes: np.ndarray, clone: ClonedVoice | None = None) -> np.ndarray:
-        """The waveform of frame codes [frames, G], all at once: qwen-tts's speech decoder run by rvqtts in
-        pieces (rvqtts.engine.streaming: the same audio up to float rounding, faster, and its memory bounded
-        whatever the length), or, for a voice cloned in ICL mode, as the continuation of its reference.
-        qwen-tts decodes the reference's codes in front of every text chunk's and cuts a proportion of the
-        samples (which can land a sample off the frame boundary); rvqtts continues the decoder from its state
-        after the reference, decoded once per voice: exactly the frames' samples, without decoding the
-        reference again for every chunk. Past 300 frames qwen-tts re-decodes windows with 25 frames of
-        context, an approximation of the one pass rvqtts computes."""
+        """The waveform of frame codes [frames, G], all at once: qwen-tts's speech decoder run by rvqtts in pieces
+        (rvqtts.engine.streaming: the same audio up to float rounding, faster, its memory bounded), for a voice
+        cloned in ICL mode as the continuation of its reference (docs/model-kinds.md, "Decoding (ICL)")."""
         decoder = self.streaming_decoder()
         self.start(decoder, clone)
         return decoder.decode(codes)

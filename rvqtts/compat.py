@@ -1,12 +1,8 @@
-"""The one place that deals with importing qwen-tts on machines without a working torchaudio.
-
-`import qwen_tts` always imports the 25 Hz speech tokenizer, which imports
-`torchaudio.compliance.kaldi`. rvqtts only uses the 12 Hz models, which never call torchaudio,
-but a torchaudio wheel that does not match the installed torch fails at import time (for example
-a CUDA build of torchaudio beside a CPU build of torch). When `import torchaudio` fails, we register
-a placeholder `torchaudio.compliance.kaldi` whose functions raise a clear error if anything ever
-calls them. A working torchaudio is always left alone.
-"""
+"""Importing qwen-tts, quietly and on machines without a working torchaudio. `import qwen_tts` imports the 25 Hz
+speech tokenizer, which imports `torchaudio.compliance.kaldi`; rvqtts runs only the 12 Hz models, which never call
+torchaudio, but a torchaudio wheel that does not match the installed torch (a CUDA build beside a CPU torch) fails
+at import. Then a placeholder whose functions raise a clear error is registered; a working torchaudio is left
+alone."""
 
 from __future__ import annotations
 
@@ -35,7 +31,7 @@ def _install_torchaudio_placeholder() -> None:
 
         return
     except Exception:  # any import failure: missing, or a build that does not match torch
-        for name in [m for m in sys.modules if m == "torchaudio" or m.startswith("torchaudio.")]:
+        for name in [m for m in sys.modules if m.partition(".")[0] == "torchaudio"]:
             del sys.modules[name]
     root = types.ModuleType("torchaudio")
     compliance = types.ModuleType("torchaudio.compliance")
@@ -50,11 +46,9 @@ def _install_torchaudio_placeholder() -> None:
 
 
 def _import_quietly(name: str) -> ModuleType:
-    """Import a module with file descriptors 1 and 2 silenced.
-
-    qwen-tts prints a flash-attn banner to stdout at import and the `sox` package it imports runs
-    `sox -h` through a shell; neither may reach stdout, where `rvqtts synth -o -` writes audio.
-    """
+    """Import a module with file descriptors 1 and 2 silenced: qwen-tts prints a flash-attn banner at import and
+    the `sox` package it imports runs `sox -h` through a shell; neither may reach stdout, where `rvqtts synth -o -`
+    writes audio."""
     if name in sys.modules:
         return sys.modules[name]
     sys.stdout.flush()
@@ -62,14 +56,14 @@ def _import_quietly(name: str) -> ModuleType:
     saved = [os.dup(1), os.dup(2)]
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
         # Python-level streams too: they need not be file descriptors 1 and 2 (a test runner's buffers).
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             module = importlib.import_module(name)
     finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
+        for fd, kept in zip((1, 2), saved):
+            os.dup2(kept, fd)
         for fd in (*saved, devnull):
             os.close(fd)
     return module

@@ -1,18 +1,16 @@
-"""The speech decoder's dtype, chosen apart from the loops': qwen-tts's decoder is convolutions and a small
-transformer whose cost in each dtype has nothing to do with the loops' linear maps. On a 2-vCPU AVX2-only AMD EPYC
-its bfloat16 ran 31x slower than its float32 (docs/benchmarks.md) while the loops ran faster in bfloat16, so one
-dtype for all made the default there 5x slower than `--dtype float32`.
-
-`--dtype` forces every component; `--decoder-dtype` forces the decoder alone. Under `--dtype auto` on a CPU the
-decoder's dtype is measured: a few frames decoded in float32 and in bfloat16, once per machine and decoder shape,
-kept in the kernels cache (rvqtts.engine.kernels) like the kernel choices."""
+"""The speech decoder's dtype, chosen apart from the loops': qwen-tts's decoder (convolutions and a small
+transformer) has costs per dtype of its own; on an AVX2-only AMD EPYC one dtype for all made the default 5x slower
+than `--dtype float32` (docs/benchmarks.md). `--decoder-dtype` forces it, `--dtype` forces every component; under
+`--dtype auto` on a CPU it is measured once per machine and decoder shape, kept in the kernels cache
+(docs/usage.md, "Choices measured on your machine")."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
-import time
+import timeit
 from pathlib import Path
 from typing import Callable
 
@@ -24,15 +22,11 @@ from rvqtts.loading import load_speech_tokenizer, resolve_model
 from rvqtts.store import KERNELS
 
 DECODER_DTYPES = ("float32", "bfloat16")  # what a CPU decoder is measured in
-# Frames each pass decodes: per dtype a one-frame warm-up, two timed passes and two for the thread-count probe, 9
-# frames (the whole choice took 10.6 s on a 2-vCPU Zen 4 EPYC, 24.7 s capped at AVX2, where a bfloat16 frame took
-# about 2 s; docs/usage.md).
-MEASURED_FRAMES = 2
+MEASURED_FRAMES = 2  # frames each pass decodes (the whole choice's time: docs/usage.md)
 # A dtype within 5 % of the cheaper counts as tied; a tie goes to the one whose samples do not depend on the thread
 # count (Ray workers then write a local run's bytes), then to float32 (the decoder's stored bits).
 TIE = 1.05
-# How rvqtts runs the decoder (rvqtts.engine.streaming); a new way is measured anew.
-RUNNER = "pieces-1"
+RUNNER = "pieces-1"  # how rvqtts runs the decoder (rvqtts.engine.streaming); a new way is measured anew
 
 
 def decoder_shape_key(model: str) -> str:
@@ -59,12 +53,7 @@ def decoder_frame_ms(speech_tokenizer: object, dtype: str, frames: int = MEASURE
     selection)."""
     decode, codes = _decoder_and_codes(speech_tokenizer, dtype, frames)
     decode(codes[:1])
-    passes = []
-    for _ in range(2):
-        started = time.perf_counter()
-        decode(codes)
-        passes.append(time.perf_counter() - started)
-    return min(passes) * 1e3 / frames
+    return min(timeit.repeat(lambda: decode(codes), repeat=2, number=1)) * 1e3 / frames
 
 
 @torch.inference_mode()
@@ -100,31 +89,28 @@ def pick_decoder_dtype(
     if dtype != "auto" or device.split(":")[0] != "cpu" or not measured_choices():
         return loops_dtype, None
     shape = decoder_shape_key(model)
-    stored: list = []  # the tokenizer, loaded (in float32) only if a cost must be measured
+    tokenizer = functools.cache(lambda: load_speech_tokenizer(model, "cpu", "float32"))  # only if one is measured
 
     def measure(key: str) -> dict:
         name = key.rpartition("/")[2]
         if progress:
             progress(f"measuring the speech decoder in {name} on this CPU (once)")
-        if not stored:
-            stored.append(load_speech_tokenizer(model, "cpu", "float32"))
         return {
-            "ms_per_frame": round(decoder_frame_ms(stored[0], name), 3),
-            "thread_invariant": decoder_thread_invariant(stored[0], name),
+            "ms_per_frame": round(decoder_frame_ms(tokenizer(), name), 3),
+            "thread_invariant": decoder_thread_invariant(tokenizer(), name),
         }
 
     records = cached_records([f"decoder/{shape}/{name}" for name in DECODER_DTYPES], measure)
-    costs = {name: records[f"decoder/{shape}/{name}"]["ms_per_frame"] for name in DECODER_DTYPES}
-    invariant = {name: records[f"decoder/{shape}/{name}"].get("thread_invariant") for name in DECODER_DTYPES}
+    found = {name: records[f"decoder/{shape}/{name}"] for name in DECODER_DTYPES}
+    costs = {name: record["ms_per_frame"] for name, record in found.items()}
+    invariant = {name: record.get("thread_invariant") for name, record in found.items()}
     tied = [name for name in DECODER_DTYPES if costs[name] <= min(costs.values()) * TIE]
     chosen = min(tied, key=lambda name: (invariant[name] is not True, name != "float32"))
     other = "bfloat16" if chosen == "float32" else "float32"
-    threads = {
-        True: "; its samples do not depend on the thread count",
-        False: "; its samples depend on the thread count",
-    }
+    note = {True: "do not depend", False: "depend"}.get(invariant[chosen])
+    threads = f"; its samples {note} on the thread count" if note else ""
     return chosen, (
         f"speech decoder in {chosen}: a frame takes {costs[chosen]:.1f} ms in {chosen} against {costs[other]:.1f} ms "
-        f"in {other} on this CPU{threads.get(invariant[chosen], '')} (measured once, kept in {KERNELS.path}); "
+        f"in {other} on this CPU{threads} (measured once, kept in {KERNELS.path}); "
         f"--decoder-dtype {other} overrides"
     )

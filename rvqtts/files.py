@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -16,7 +16,7 @@ def current_umask() -> int:
     return mask
 
 
-@contextmanager
+@contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside `path` to write; renamed to `path` when the block ends, removed if it fails:
     readers never see a partial file."""
@@ -108,7 +108,5 @@ def check_writable(path: str | os.PathLike, folder: bool = False) -> None:
         ) from error
     finally:
         for part in reversed(made):
-            try:
+            with contextlib.suppress(OSError):
                 part.rmdir()
-            except OSError:
-                pass

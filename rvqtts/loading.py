@@ -89,17 +89,22 @@ def _check_kind(model: str | os.PathLike, model_type: str, tokenizer_type: str) 
         )
 
 
+def _from_pretrained(class_name: str, source: str, device: str, dtype: str, failure: str):
+    """qwen-tts's `class_name` loaded from `source`; ModelLoadError (`failure`: what could not be loaded) otherwise."""
+    import torch
+
+    try:
+        return getattr(qwen_tts(), class_name).from_pretrained(source, device_map=device, dtype=getattr(torch, dtype))
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ModelLoadError(f"{failure}: {error}") from error
+
+
 def load_tts(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
     """A 12 Hz `qwen_tts.Qwen3TTSModel` of any kind, loaded with qwen-tts's own from_pretrained."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    source = resolve_model(model)
-    import torch
-
-    try:
-        tts = qwen_tts().Qwen3TTSModel.from_pretrained(source, device_map=device, dtype=getattr(torch, dtype))
-    except (OSError, ValueError, TypeError, KeyError) as error:
-        raise ModelLoadError(f"cannot load {model} as a Qwen3-TTS checkpoint: {error}") from error
+    failure = f"cannot load {model} as a Qwen3-TTS checkpoint"
+    tts = _from_pretrained("Qwen3TTSModel", resolve_model(model), device, dtype, failure)
     _check_kind(model, tts.model.tts_model_type, tts.model.tokenizer_type)
     unpin_checkpoint(tts.model.speech_tokenizer.model)
     return tts
@@ -109,36 +114,25 @@ SMALL_TENSOR = 4096  # elements: a tensor this small is copied off a memory-mapp
 
 
 def unpin_checkpoint(module) -> None:
-    """Copy `module`'s small tensors (flags and scalars) into memory of their own. Loading keeps tensors in their
-    stored dtype as views of the memory-mapped checkpoint; where the weights were converted (a float32 speech
-    tokenizer loaded in bfloat16), 32 one-element float32 buffers of its encoder's codebooks alone kept the whole
-    file mapped, its 650 MiB resident (0.6B dimensions). Weights left as views stay views: their file is their
-    memory."""
+    """Copy `module`'s small tensors (flags and scalars) into memory of their own, so that they alone do not keep a
+    memory-mapped checkpoint resident (docs/benchmarks.md). Weights left as views stay views."""
     import torch
 
     for submodule in module.modules():
         for tensors in (submodule._parameters, submodule._buffers):
             for name, tensor in list(tensors.items()):
-                if tensor is None or tensor.numel() > SMALL_TENSOR:
-                    continue
-                copy = tensor.detach().clone()  # a new tensor: `.data =` left the file mapped
-                if isinstance(tensor, torch.nn.Parameter):
-                    copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
-                tensors[name] = copy
+                if tensor is not None and tensor.numel() <= SMALL_TENSOR:
+                    copy = tensor.detach().clone()  # a new tensor: `.data =` left the file mapped
+                    parameter = isinstance(tensor, torch.nn.Parameter)
+                    tensors[name] = torch.nn.Parameter(copy, tensor.requires_grad) if parameter else copy
 
 
 def load_speech_tokenizer(model: str | os.PathLike, device: str = "cpu", dtype: str = "float32"):
     """The checkpoint's speech tokenizer (its `speech_tokenizer` folder) alone, in `dtype`, loaded as qwen-tts loads it
     with the model: for a decoder in a dtype of its own, from the stored weights (rvqtts.decoder_dtype)."""
-    import torch
-
     folder = Path(resolve_model(model)) / "speech_tokenizer"
-    try:
-        tokenizer = qwen_tts().Qwen3TTSTokenizer.from_pretrained(
-            str(folder), device_map=device, dtype=getattr(torch, dtype)
-        )
-    except (OSError, ValueError, TypeError, KeyError) as error:
-        raise ModelLoadError(f"cannot load the speech tokenizer of {model} from {folder}: {error}") from error
+    failure = f"cannot load the speech tokenizer of {model} from {folder}"
+    tokenizer = _from_pretrained("Qwen3TTSTokenizer", str(folder), device, dtype, failure)
     unpin_checkpoint(tokenizer.model)
     return tokenizer
 
@@ -155,9 +149,7 @@ class ModelVoices:
         self, speaker: str | None, language: str, instruct: str | None = None, cloned: bool = False
     ) -> str | None:
         """The speaker to use (None: the default speaker, where the model has speakers); ValueError, saying
-        what to give, when the voice asked for is not one this kind of model speaks: an unknown speaker or
-        language, a speaker on a model without speakers, a VoiceDesign model without an instruction, a Base
-        model without a cloned voice, or a cloned voice on another kind."""
+        what to give, when the voice asked for is not one this kind of model speaks (docs/model-kinds.md)."""
         if cloned and self.kind != "base":
             raise ValueError(
                 f"reference audio and voice files clone a voice on Base models; this is a "
@@ -211,10 +203,10 @@ def read_config(model: str | os.PathLike) -> dict:
 
             path = Path(hf_hub_download(source, "config.json"))
         config = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("it is not a JSON object")
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot read {model}'s config as a Qwen3-TTS checkpoint's: {error}") from error
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"cannot read {model}'s config as a Qwen3-TTS checkpoint's: it is not a JSON object")
     _check_kind(model, config.get("tts_model_type"), config.get("tokenizer_type"))
     return config
 

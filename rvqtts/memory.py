@@ -48,10 +48,9 @@ MADV_DONTNEED = 4  # Linux's madvise advice: drop the pages (a file's are read a
 
 def drop_file_pages(tensors: list) -> int:
     """Drop from resident memory the pages of `tensors` that are views of a memory-mapped file (a checkpoint loaded
-    in its stored dtype): once the engine has copied what its calls read (stacked, packed or 8-bit), nothing reads
-    them, yet every page the copy touched stayed resident. Only pages still the file's own are dropped (a tensor
-    with a page written since, copied on write, is left whole: Linux's pagemap says which), so anything that reads
-    them again reads the same bytes from the file. Linux only; returns the bytes dropped."""
+    in its stored dtype), once the engine holds its own copy of what its calls read (docs/benchmarks.md). Only
+    tensors whose pages are all still the file's own are dropped (Linux's pagemap says which), so anything that
+    reads them again reads the file's bytes. Linux only; returns the bytes dropped."""
     import ctypes
 
     import numpy as np

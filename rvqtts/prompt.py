@@ -1,12 +1,5 @@
-"""The talker's prompt, built by qwen-tts's own prompt code.
-
-qwen-tts builds the prompt (role tokens, codec tags, language or dialect, speaker, instruction, text)
-inside `Qwen3TTSForConditionalGeneration.generate()` and hands it to the talker's HF `generate()`, whose
-first forward call receives it. rvqtts calls qwen-tts's public entry point as a user would and reads
-that first call's inputs through a forward pre-hook (PyTorch's hook API; no method is replaced), then
-stops the call there: nothing of qwen-tts's loop runs. So every speaker, dialect, instruction and text
-layout qwen-tts supports is reproduced exactly, without a second copy of its rules.
-"""
+"""The talker's prompt, built by qwen-tts's own prompt code: read from the inputs of the talker's first forward call
+through a forward pre-hook (no method is replaced), the call stopped there (docs/engine.md, "The prompt")."""
 
 from __future__ import annotations
 

@@ -23,12 +23,14 @@ SUMMED = (
 )
 
 
-def titled_table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ()) -> Table:
+def titled_table(
+    title: str, columns: tuple[str, ...], left: tuple[str, ...] = (), no_wrap: tuple[str, ...] = ()
+) -> Table:
     """A report table: its title on the left, a rule under the header, its columns right-justified (figures)
-    but those named in `left`."""
+    but those named in `left`, and never wrapped where named in `no_wrap`."""
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
     for column in columns:
-        table.add_column(column, justify="left" if column in left else "right")
+        table.add_column(column, justify="left" if column in left else "right", no_wrap=column in no_wrap)
     return table
 
 
@@ -72,34 +74,26 @@ def total_record(records: list[dict], wall_seconds: float | None = None) -> dict
 def stats_table(rows: list[tuple[str, dict]]) -> Table:
     """A table of (name, record) rows: what was made, how the inner loop did, where the time went."""
     table = Table(title="rvqtts synth (seconds)", title_justify="left", box=box.SIMPLE_HEAD)
-    columns = [
-        ("", "name", None),
-        ("frames", "frames", None),
-        ("audio", "audio_seconds", ".2f"),
-        ("calls", "predictor_calls", None),
-        ("codes/call", "codes_per_call", ".2f"),
-        ("wall", "wall_seconds", ".2f"),
-        ("talker", "talker_seconds", ".2f"),
-        ("predictor", "predictor_seconds", ".2f"),
-        ("decoder", "decoder_seconds", ".2f"),
-        ("1st audio", "first_audio_seconds", ".2f"),
-        ("RTF", "rtf", ".2f"),
+    columns = {  # title: (record key, format)
+        "frames": ("frames", ""),
+        "audio": ("audio_seconds", ".2f"),
+        "calls": ("predictor_calls", ""),
+        "codes/call": ("codes_per_call", ".2f"),
+        "wall": ("wall_seconds", ".2f"),
+        "talker": ("talker_seconds", ".2f"),
+        "predictor": ("predictor_seconds", ".2f"),
+        "decoder": ("decoder_seconds", ".2f"),
+        "1st audio": ("first_audio_seconds", ".2f"),
+        "RTF": ("rtf", ".2f"),
+    }
+    cells = [
+        [name, *("-" if record.get(key) is None else format(record[key], fmt) for key, fmt in columns.values())]
+        for name, record in rows
     ]
-    cells = []
-    for name, record in rows:
-        values = [name if key == "name" else record.get(key) for _, key, _ in columns]
-        cells.append(
-            [
-                "-" if value is None else format(value, fmt) if fmt else str(value)
-                for value, (_, _, fmt) in zip(values, columns)
-            ]
-        )
-    for i, (title, _, _) in enumerate(columns):
-        if title:  # figures are never cut: their columns keep their full width; a long name folds instead
-            width = max(len(title), *(len(row[i]) for row in cells))
-            table.add_column(title, justify="right", no_wrap=True, min_width=width)
-        else:
-            table.add_column(title, justify="left", overflow="fold", ratio=1)
+    table.add_column("", justify="left", overflow="fold", ratio=1)  # a long name folds instead of a figure:
+    for i, title in enumerate(columns, 1):  # figures are never cut, their columns keep their full width
+        width = max(len(title), *(len(row[i]) for row in cells))
+        table.add_column(title, justify="right", no_wrap=True, min_width=width)
     for row in cells:
         table.add_row(*row)
     spec = {r.get("spec") for _, r in rows}
@@ -147,25 +141,12 @@ def _engine_summary(engine: dict) -> str:
 
 def workers_table(workers: list[dict], totals: dict) -> Table:
     """A cluster batch's workers (rvqtts.cluster): where each ran, what it made, how busy it was."""
-    table = Table(title="workers (seconds)", title_justify="left", box=box.SIMPLE_HEAD)
-    columns = [
-        ("worker", "worker"),
-        ("node", "node"),
-        ("pid", "pid"),
-        ("device", "device"),
-        ("dtype", "dtype"),
-        ("threads", "threads"),
-        ("lines", "lines"),
-        ("failed", "failed"),
-        ("audio", "audio_seconds"),
-        ("busy", "busy_seconds"),
-    ]
-    for title, _ in columns:
-        table.add_column(title, justify="left" if title in ("worker", "node") else "right", no_wrap=True)
-    table.add_column("lines/s busy", justify="right", no_wrap=True)
+    keys = ("worker", "node", "pid", "device", "dtype", "threads", "lines", "failed", "audio_seconds", "busy_seconds")
+    titles = (*keys[:-2], "audio", "busy", "lines/s busy")
+    table = titled_table("workers (seconds)", titles, left=("worker", "node"), no_wrap=titles)
     for worker in workers:
         busy = worker["busy_seconds"]
-        cells = [f"{worker[key]:.2f}" if key.endswith("seconds") else str(worker[key]) for _, key in columns]
+        cells = [f"{worker[key]:.2f}" if key.endswith("seconds") else str(worker[key]) for key in keys]
         table.add_row(*cells, f"{worker['lines'] / busy:.3f}" if busy else "-", style="dim" if worker["died"] else None)
     table.caption = (
         f"{totals['lines']} lines in {totals['wall_seconds']:.1f} s wall (the first "
@@ -260,21 +241,9 @@ def codes_per_call_table(result: dict) -> Table:
 
 def tune_table(result: dict) -> Table:
     """`rvqtts tune`: each map shape's kernel, its rows' invariance and costs, against the fixed rule's."""
-    table = Table(title=f"kernels on {result['machine']}", title_justify="left", box=box.SIMPLE_HEAD)
-    for title in (
-        "dtype",
-        "loop",
-        "map",
-        "per frame",
-        "kernel",
-        "rows invariant",
-        "1 row ms",
-        "17 rows ms",
-        "fixed rule",
-        "its 1 row ms",
-    ):
-        left = title in ("dtype", "loop", "map", "kernel", "fixed rule")
-        table.add_column(title, justify="left" if left else "right", no_wrap=left)
+    left = ("dtype", "loop", "map", "kernel", "fixed rule")
+    columns = ("dtype", "loop", "map", "per frame", "kernel", "rows invariant", "1 row ms", "17 rows ms", "fixed rule")
+    table = titled_table(f"kernels on {result['machine']}", (*columns, "its 1 row ms"), left=left, no_wrap=left)
     for name, measured in result["dtypes"].items():
         for row in measured["maps"]:
             costs = row["ms"][row["kernel"]]

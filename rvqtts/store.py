@@ -1,19 +1,8 @@
-"""The measurements rvqtts keeps per user and machine: every choice that depends on the machine is measured on it
-once and kept in the user's cache (rvqtts.files.cache_dir), one JSON file per kind of measurement:
-
-- `KERNELS`: each map shape's kernel and the speech decoder's cost per dtype, by machine (rvqtts.engine.kernels,
-  rvqtts.decoder_dtype); versioned, so that a change to the kernels measures them anew;
-- `CALL_COSTS`: predictor calls of each query length and row count, by machine (rvqtts.engine.online);
-- `ACCEPTANCE`: the acceptance the online choice counted, by model, drafter and sampling (rvqtts.engine.online);
-- `BATCH_SIZES`: a frame's cost at each batch size, by machine and model (rvqtts.batch_size);
-- `BEST_TREES`: the best tree size `rvqtts bench speedup --save` measured, by platform (rvqtts.engine.tree).
-
-All are read by `Measurements.read` (a missing, damaged or other-version file reads as empty: measured anew) and
-changed only inside `Measurements.update`, which holds one lock for them all while it reads, lets the caller
-change the records and writes them back whole: processes starting together (Ray workers, a batch of commands)
-measure once and never lose one another's records, and a reader never sees half a file. (Native builds and Core ML
-packages are files of their own, each written atomically by name: rvqtts.engine.native, rvqtts.engine.coreml.)
-"""
+"""The measurements rvqtts keeps per user and machine (docs/usage.md, "Choices measured on your machine"): one JSON
+file per kind in the user's cache (rvqtts.files.cache_dir), each read by `Measurements.read` (a missing, damaged or
+other-version file reads as empty: measured anew) and changed only inside `Measurements.update`, under one lock for
+them all, so processes starting together measure once and never lose one another's records, and a reader never
+sees half a file. (Native builds and Core ML packages are files of their own, each written atomically by name.)"""
 
 from __future__ import annotations
 
@@ -24,8 +13,6 @@ from pathlib import Path
 from typing import Iterator
 
 from rvqtts.files import cache_dir, read_records, write_json
-
-LOCK_FILE = "measurements.lock"
 
 
 @dataclass(frozen=True)
@@ -62,16 +49,8 @@ class Measurements:
             before = copy.deepcopy(records)
             yield records
             if records != before:
-                document = (
-                    records
-                    if self.version is None
-                    else {
-                        "format": self.format,
-                        "version": self.version,
-                        "records": records,
-                    }
-                )
-                write_json(self.path, document)
+                wrapped = {"format": self.format, "version": self.version, "records": records}
+                write_json(self.path, records if self.version is None else wrapped)
 
 
 @contextlib.contextmanager
@@ -83,7 +62,7 @@ def measurements_lock() -> Iterator[None]:
     except ImportError:
         yield
         return
-    path = lock_path()
+    path = cache_dir() / "measurements.lock"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a")
@@ -98,14 +77,12 @@ def measurements_lock() -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def lock_path() -> Path:
-    return cache_dir() / LOCK_FILE
-
-
-# 2: rvqtts's own kernel among the candidates; 3: the prompt kernel; 4: its AMX kernels; 5: its AVX2 kernels (older
-# choices measured anew); 6: the AVX2 int8 kernel's even and odd sums; 7: kept in one store (rvqtts.store)
+# Each map shape's kernel and the speech decoder's cost per dtype, by machine (rvqtts.engine.kernels,
+# rvqtts.decoder_dtype). Versions: 2: rvqtts's own kernel among the candidates; 3: the prompt kernel; 4: its AMX
+# kernels; 5: its AVX2 kernels (older choices measured anew); 6: the AVX2 int8 kernel's even and odd sums; 7: kept in
+# one store (rvqtts.store)
 KERNELS = Measurements("kernels.json", version=7)
-CALL_COSTS = Measurements("call-costs.json")
-ACCEPTANCE = Measurements("acceptance-online.json")
-BATCH_SIZES = Measurements("batch-sizes.json")
-BEST_TREES = Measurements("best-n.json")
+CALL_COSTS = Measurements("call-costs.json")  # predictor calls per query length and rows, by machine (engine.online)
+ACCEPTANCE = Measurements("acceptance-online.json")  # by model, drafter and sampling (rvqtts.engine.online)
+BATCH_SIZES = Measurements("batch-sizes.json")  # a frame's cost per batch size, by machine and model (batch_size)
+BEST_TREES = Measurements("best-n.json")  # `bench speedup --save`'s best tree size, by platform (engine.tree)

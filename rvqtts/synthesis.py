@@ -1,12 +1,5 @@
-"""Text to waveform: qwen-tts's model, prompts and decoder, with both loops run by rvqtts.
-
-qwen-tts owns loading, prompts, speakers and the speech decoder's weights. rvqtts runs the talker
-(rvqtts.engine.talker), the inner loop (rvqtts.engine.inner_loop) and the frame loop joining them
-(rvqtts.engine.frame_loop), with every code drawn from keyed noise: the same seed gives the same codes, with or
-without speculation. Audio comes offline (qwen-tts's decoder over each text chunk) or streamed
-(rvqtts.engine.streaming, a few frames at a time). Long text is spoken chunk by chunk (rvqtts.text) and joined with a
-short crossfade (rvqtts.audio).
-"""
+"""Text to waveform: the Synthesizer a user holds, over qwen-tts's model, prompts and decoder, with both loops run
+by rvqtts (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -55,13 +48,9 @@ class AudioStream:
 
 
 class Synthesizer:
-    """A loaded Qwen3-TTS 12 Hz model (CustomVoice, Base or VoiceDesign) and the loops rvqtts runs on its
-    weights: the talker (rvqtts.engine.talker), the inner loop (rvqtts.engine.inner_loop) and the frame loop joining
-    them (rvqtts.engine.frame_loop); qwen-tts builds the prompts (and encodes cloned voices) and decodes offline.
-
-    `speculation=None` runs the plain inner loop (one predictor call per code). The runners are kept
-    between utterances (a KV cache only grows; fused weights and captured graphs are reused).
-    """
+    """A loaded Qwen3-TTS 12 Hz model (CustomVoice, Base or VoiceDesign) and the loops rvqtts runs on its weights
+    (rvqtts.engine.runners, kept between utterances); qwen-tts builds the prompts and encodes cloned voices. Its engine
+    is fixed when it is made (`speculation=None`: the plain inner loop); `using` makes another over the same model."""
 
     def __init__(
         self,

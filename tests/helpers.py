@@ -12,6 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from rvqtts.audio import CROSSFADE_SECONDS, StreamJoiner
 from rvqtts.cli import app
 from rvqtts.synthesis import Synthesizer
 from rvqtts.tuning.calibration import sample_codes
@@ -44,6 +45,15 @@ def wait_until(predicate: Callable[[], object], seconds: float, what: str) -> ob
             pytest.fail(f"waited {seconds:g} s for {what}", pytrace=False)
         time.sleep(0.01)
     return value
+
+
+def join_chunks(parts: list[np.ndarray], sample_rate: int, crossfade: float = CROSSFADE_SECONDS) -> np.ndarray:
+    """The chunk waveforms joined whole by a `StreamJoiner` (offline synthesis joins its chunks with one too)."""
+    joiner = StreamJoiner(sample_rate, crossfade)
+    for part in parts:
+        joiner.add(part, new_part=True)
+    joiner.finish()
+    return joiner.audio()
 
 
 def run_cli_json(out: Path, *arguments: object):

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-from helpers import run_cli
+from helpers import join_chunks, run_cli
 
-from rvqtts.audio import StreamJoiner, join_chunks
+from rvqtts.audio import StreamJoiner
 from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.settings import GenerationSettings
 

@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from helpers import join_chunks
 
-from rvqtts.audio import join_chunks
 from rvqtts.batch import MANIFEST, BatchFileError, Manifest, Rendered, read_batch
 from rvqtts.report import total_record
 from rvqtts.settings import Line

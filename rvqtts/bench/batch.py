@@ -105,20 +105,12 @@ def bench_batch(
     rows = []
     for size in sizes:
         row = {"batch_size": size}
-        for side in sides:
-            walls = [r["wall_seconds"] for r in runs[side][size]]
-            wall = statistics.median(walls)
-            audio = runs[side][size][0]["audio_seconds"]
-            row[side] = {
-                "wall_seconds": round(wall, 3),
-                "audio_seconds": round(audio, 3),
-                "throughput": round(audio / wall, 4),
-                "first_file_seconds": round(statistics.median(r["first_file_seconds"] for r in runs[side][size]), 3),
-            }
-            if side == "rvqtts":
-                row[side]["line_first_audio_seconds"] = round(
-                    statistics.median(r["line_first_audio_seconds"] for r in runs[side][size]), 3
-                )
+        for side in sides:  # the turns' medians; the audio the first turn's (the same lines and seed each turn)
+            turns = runs[side][size]
+            medians = {key: statistics.median(turn[key] for turn in turns) for key in turns[0]}
+            audio = turns[0]["audio_seconds"]
+            row[side] = {key: round(value, 3) for key, value in medians.items()} | {"audio_seconds": round(audio, 3)}
+            row[side]["throughput"] = round(audio / medians["wall_seconds"], 4)
         rows.append(row)
     base = rows[0]["rvqtts"] if sizes[0] == 1 else None
     for row in rows:

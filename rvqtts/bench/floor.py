@@ -11,12 +11,12 @@ a call) are left out; packed copies of weights hold the same bytes in another or
 
 from __future__ import annotations
 
-import time
+from functools import partial
 from typing import Callable, Iterable
 
 import torch
 
-from rvqtts.engine.devices import synchronize
+from rvqtts.bench.harness import interleaved_ms
 from rvqtts.engine.kernels import LinearMap
 
 
@@ -65,16 +65,9 @@ def peak_multiply_adds_per_ms(dtype: torch.dtype, device: torch.device, size: in
 def _dense_multiply_adds_per_ms(dtype: torch.dtype, device: torch.device, size: int, repeats: int) -> float:
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
-    best = float("inf")
     with torch.inference_mode():
-        for attempt in range(repeats + 1):
-            synchronize(device)
-            started = time.perf_counter()
-            torch.mm(a, b)
-            synchronize(device)
-            if attempt:
-                best = min(best, (time.perf_counter() - started) * 1e3)
-    return size**3 / best
+        times = interleaved_ms({"mm": partial(torch.mm, a, b)}, device, warmup=1, repeats=repeats)
+    return size**3 / min(times["mm"])
 
 
 def module_weights(*modules: torch.nn.Module) -> list[torch.Tensor]:

@@ -20,8 +20,9 @@ KV_LENGTH = 8  # committed slots before a timed call: mid-frame (a frame holds 2
 def random_code_predictor(
     dims: str, dtype: torch.dtype, device: str, seed: int = 0, layers: int | None = None
 ) -> torch.nn.Module:
-    """qwen-tts's code predictor at the real dimensions with random weights (cost does not depend on them);
-    `layers` fewer than the released five where only the shapes of one layer matter (tests)."""
+    """qwen-tts's code predictor at the real dimensions `dims` (a key of PREDICTOR_DIMS; the CLI checks it) with
+    random weights (cost does not depend on them); `layers` fewer than the released five where only the shapes of
+    one layer matter (tests)."""
     from rvqtts.compat import qwen_tts
 
     qwen_tts()
@@ -30,8 +31,6 @@ def random_code_predictor(
         Qwen3TTSTalkerCodePredictorModelForConditionalGeneration as CodePredictor,
     )
 
-    if dims not in PREDICTOR_DIMS:
-        raise ValueError(f"unknown dimensions {dims!r}; choose one of {', '.join(PREDICTOR_DIMS)}")
     depth = {} if layers is None else {"num_hidden_layers": layers}
     config = Qwen3TTSTalkerCodePredictorConfig(num_code_groups=16, **depth)
     config._attn_implementation = "sdpa"

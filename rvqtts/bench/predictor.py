@@ -26,7 +26,7 @@ from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.rounds import plain_frames
 from rvqtts.engine.sampling import SamplingConfig
 from rvqtts.engine.speculation import Speculation
-from rvqtts.report import titled_table
+from rvqtts.report import figures_table
 
 
 def _stock_step(code_predictor: torch.nn.Module, device: torch.device, dtype: torch.dtype):
@@ -161,50 +161,30 @@ def bench_predictor(
 
 def predictor_table(result: dict) -> Table:
     """`rvqtts bench predictor`: one call's median and spread per query length, against q = 1 and stock."""
-    table = titled_table(
+    cells = {
+        "q": "{q}",
+        "median ms": "{median_ms:.2f}",
+        "p10-p90 ms": "{p10_ms:.2f}-{p90_ms:.2f}",
+        "x q=1": "{ratio_to_q1:.3f}",
+        "x stock q=1": "{ratio_to_stock_q1:.3f}",
+        "weights MB": "{weights_mb:.1f}",
+        "read floor ms": "{floor_ms:.2f}",
+        "compute floor ms": "{compute_floor_ms:.2f}",
+        "x larger floor": "{ratio_to_larger_floor:.3f}",
+    }
+    lists = [key for key, value in result.items() if isinstance(value, list)]  # one figure per query length
+    table = figures_table(
         f"one code-predictor call, {result['device']} {result['dtype']}, KV length "
         f"{result['kv_length']}, {result['threads']} threads",
-        (
-            "q",
-            "median ms",
-            "p10-p90 ms",
-            "x q=1",
-            "x stock q=1",
-            "weights MB",
-            "read floor ms",
-            "compute floor ms",
-            "x larger floor",
-        ),
+        tuple(cells),
+        tuple(cells.values()),
+        [{key: result[key][i] for key in lists} for i in range(len(result["q"]))],
+        f"weights: {result['weights']}; {result['repeats']} interleaved repeats; read floor: one pass reading the "
+        f"call's weights, timed in the same run; compute floor: q rows through every weight at "
+        f"{result['peak_gmac_per_s']:.0f} G multiply-adds/s (a dense square product timed in the same run); one "
+        f"frame's inner loop: stock HF generate() {result['stock_frame_ms']:.1f} ms, rvqtts plain "
+        f"{result['plain_frame_ms']:.1f} ms",
     )
-    for i, q in enumerate(result["q"]):
-        table.add_row(
-            str(q),
-            f"{result['median_ms'][i]:.2f}",
-            f"{result['p10_ms'][i]:.2f}-{result['p90_ms'][i]:.2f}",
-            f"{result['ratio_to_q1'][i]:.3f}",
-            f"{result['ratio_to_stock_q1'][i]:.3f}",
-            f"{result['weights_mb'][i]:.1f}",
-            f"{result['floor_ms'][i]:.2f}",
-            f"{result['compute_floor_ms'][i]:.2f}",
-            f"{result['ratio_to_larger_floor'][i]:.3f}",
-        )
-    table.add_row(
-        "stock 1",
-        f"{result['stock_q1_ms']:.2f}",
-        f"{result['stock_q1_p10_ms']:.2f}-{result['stock_q1_p90_ms']:.2f}",
-        "",
-        "1.000",
-        "",
-        "",
-        "",
-        "",
-    )
-    table.caption = (
-        f"weights: {result['weights']}; {result['repeats']} interleaved repeats; read floor: one pass "
-        f"reading the call's weights, timed in the same run; compute floor: q rows through every "
-        f"weight at {result['peak_gmac_per_s']:.0f} G multiply-adds/s (a dense square product "
-        f"timed in the same run); one frame's inner "
-        f"loop: stock HF generate() {result['stock_frame_ms']:.1f} ms, rvqtts plain "
-        f"{result['plain_frame_ms']:.1f} ms"
-    )
+    stock = f"{result['stock_q1_ms']:.2f}", f"{result['stock_q1_p10_ms']:.2f}-{result['stock_q1_p90_ms']:.2f}"
+    table.add_row("stock 1", *stock, "", "1.000", "", "", "", "")
     return table

@@ -58,13 +58,15 @@ def bench_predictor_command(
 ) -> None:
     """Median and spread of one predictor call per query length (a verify round for q > 1, KV length 8, after warm-up),
     with qwen-tts's own q = 1 forward timed in the same run, interleaved."""
+    import torch
+
     from rvqtts.bench.harness import PREDICTOR_DIMS, random_code_predictor
     from rvqtts.bench.predictor import bench_predictor, predictor_table
+    from rvqtts.engine.devices import pick_device
+    from rvqtts.engine.quantize import check_weights
     from rvqtts.loading import DTYPES
 
-    queries = list_of_ints(q, "--q")
-    if 1 not in queries:
-        queries = [1, *queries]
+    queries = sorted({1, *list_of_ints(q, "--q")})
     if dtype not in DTYPES:
         fail(f"unknown --dtype {dtype!r}: choose {', '.join(DTYPES)}")
     if repeats < 1:
@@ -72,11 +74,6 @@ def bench_predictor_command(
     if model is None:
         if dims not in PREDICTOR_DIMS:
             fail(f"unknown --dims {dims!r}: choose {', '.join(PREDICTOR_DIMS)}")
-        import torch
-
-        from rvqtts.engine.devices import pick_device
-        from rvqtts.engine.quantize import check_weights
-
         with refused(ValueError):  # DeviceError, and weights this device cannot run
             chosen = pick_device(device)
             check_weights(weights, torch.device(chosen))
@@ -135,17 +132,12 @@ def bench_speedup_command(
                 "(or pip install matplotlib)"
             )
     if save:
+        best, note = projection["best_N"], f"rvqtts bench speedup: {source}; {projection['weights']}"
         fingerprint = table.get("model_fingerprint") if table else None  # the choice is this model's only
         platform = platform_key(projection["device"], projection["dtype"], projection["weight_format"])
-        where = save_best_budget(
-            platform, projection["best_N"], f"rvqtts bench speedup: {source}; {projection['weights']}", fingerprint
-        )
+        where = save_best_budget(platform, best, note, fingerprint)
         scope = "for this model" if fingerprint else "for every model without its own choice"
-        choice = (
-            f"defaults to --tree {projection['best_N']}"
-            if projection["best_N"]
-            else "runs the plain loop (no tree pays)"
-        )
+        choice = f"defaults to --tree {best}" if best else "runs the plain loop (no tree pays)"
         say(f"rvqtts synth on {platform} now {choice} {scope} (recorded in {where})", quiet)
     publish(projection, json_out, speedup_table, quiet, acceptance_source=source)
 
@@ -206,8 +198,7 @@ def bench_e2e_command(
         trees = [item.strip() for item in tree.split(",") if item.strip()]
         fixed = [choose_speculation(synthesizer.code_predictor, item, offsets, weights=weights)[0] for item in trees]
         fixed_variants(fixed)
-    if notice:
-        say(notice, quiet)
+    say(notice, quiet)
     with progress_bar(quiet) as progress:
         variants = 3 + len(fixed)
         task = progress.add_task(f"{len(lines)} texts x {variants} variants", total=len(lines) * variants)
@@ -306,10 +297,8 @@ def bench_dtype_command(
     if frames < 1:
         fail(f"--frames must be at least 1, got {frames}")
     if weights == "native":
-        reference, candidate = (
-            load_synthesizer(model, quiet, device=device, dtype="float32", spec=False),
-            load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False),
-        )
+        reference = load_synthesizer(model, quiet, device=device, dtype="float32", spec=False)
+        candidate = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
     else:  # one model: the runners hold the 8-bit weights beside the module's own
         reference = candidate = load_synthesizer(model, quiet, device=device, dtype=dtype, weights=weights, spec=False)
     prefixes = random_prefixes(reference.talker, frames, seed)
@@ -422,8 +411,7 @@ def bench_coreml_command(
             )
         else:
             candidate = float16_stand_in(synthesizer.code_predictor, speculation, sampling)
-    if notice:
-        say(notice, quiet)
+    say(notice, quiet)
     source = recorded_frames(synthesizer, texts, contexts, split, None, "auto", seed, quiet, None, instruct, voice)
     prefixes = source.prefixes(synthesizer.talker.get_input_embeddings())[:frames]
     with progress_bar(quiet) as progress:

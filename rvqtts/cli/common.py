@@ -65,8 +65,9 @@ def refused(*errors: type[Exception], prefix: str = ""):
         fail(f"{prefix}{error}")
 
 
-def say(message: str, quiet: bool = False) -> None:
-    if not quiet:
+def say(message: str | None, quiet: bool = False) -> None:
+    """`message` on stderr as one of rvqtts's lines, unless quiet or there is none (None or empty)."""
+    if message and not quiet:
         typer.echo(f"rvqtts: {message}", err=True)
 
 
@@ -171,11 +172,10 @@ def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], obje
 
 
 def load_synthesizer(model: str, quiet: bool = False, *choices, **named):
-    """The engine `choices` and `named` (rvqtts.loader.EngineChoices's fields, in order or by
-    name) describe for `model`, its
-    notices said unless quiet (which dtypes `auto` chose and why, a device not validated, the tree policy); fails
-    with one line on a bad model, device, dtype, tree or offsets, the model checked from its config before the
-    weights load."""
+    """The engine `choices` and `named` (rvqtts.loader.EngineChoices's fields, in order or by name) describe for
+    `model`, its notices said unless quiet (which dtypes `auto` chose and why, a device not validated, the tree
+    policy); fails with one line on a bad model, device, dtype, tree or offsets, the model checked from its config
+    before the weights load."""
     from transformers.utils import logging as hf_logging
 
     from rvqtts.loader import EngineChoices

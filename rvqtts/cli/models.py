@@ -121,8 +121,7 @@ def export_coreml(
     synthesizer = load_synthesizer(model, quiet, device="cpu", dtype="float32", spec=False)
     with refused(ValueError):  # CoreMLError, TreeFileError, OffsetsFileError too
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets, device_type="coreml")
-        if notice:
-            say(notice, quiet)
+        say(notice, quiet)
         exported = export_package(
             synthesizer.code_predictor,
             speculation,

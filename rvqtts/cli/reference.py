@@ -85,10 +85,6 @@ def _walk(path: str, command: Any) -> list[tuple[str, Any]]:
     return found
 
 
-def _anchor(path: str) -> str:
-    return path.replace(" ", "-")
-
-
 def markdown() -> str:
     """`docs/cli.md`: every command's usage, help and options, from the app's own definitions."""
     commands = _walk("rvqtts", typer.main.get_command(app))
@@ -100,7 +96,7 @@ def markdown() -> str:
     lines = ["# The rvqtts command line", "", intro, ""]
     for path, command in commands[1:]:
         summary = _paragraphs(command.short_help or command.help)[:1]
-        lines.append(f"- [`{path}`](#{_anchor(path)}){': ' + summary[0] if summary else ''}")
+        lines.append(f"- [`{path}`](#{path.replace(' ', '-')}){': ' + summary[0] if summary else ''}")
     lines.append("")
     for path, command in commands:
         lines += [f"{'#' * min(path.count(' ') + 2, 4)} `{path}`", "", "```text", _usage(path, command), "```", ""]

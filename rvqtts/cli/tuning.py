@@ -70,20 +70,17 @@ def tune(
     """
     import torch
 
+    from rvqtts.batch import read_batch
     from rvqtts.decoder_dtype import pick_decoder_dtype
     from rvqtts.engine import native
     from rvqtts.engine.devices import frame_map_ms, frame_maps, pick_dtype
-    from rvqtts.engine.kernels import (
-        choose_kernels,
-        fixed_kernel,
-        forget_choices,
-        forget_records,
-        machine_key,
-    )
+    from rvqtts.engine.kernels import choose_kernels, fixed_kernel, forget_choices, forget_records, machine_key
+    from rvqtts.engine.online import OnlineSpeculation
     from rvqtts.engine.quantize import WEIGHTS
     from rvqtts.loading import ModelLoadError, model_config
     from rvqtts.memory import memory_record
     from rvqtts.report import tune_table
+    from rvqtts.settings import GenerationSettings
     from rvqtts.store import KERNELS
 
     if dtype not in ("auto", "float32", "bfloat16"):
@@ -92,11 +89,7 @@ def tune(
         fail(f"unknown --weights {weights!r}: choose {' or '.join(WEIGHTS)}")
     with refused(ModelLoadError):
         talker_config = model_config(model).talker_config
-    names = ["bfloat16", "float32"] if dtype == "auto" else [dtype]
-
-    def progress(line: str) -> None:
-        say(line, quiet)
-
+    maps = frame_maps(talker_config)
     result = {
         "model": model,
         "machine": machine_key(),
@@ -106,18 +99,18 @@ def tune(
         "native_level": native.level(),
         "dtypes": {},
     }
-    for name in names:
+    for name in ["bfloat16", "float32"] if dtype == "auto" else [dtype]:
+        torch_dtype = getattr(torch, name)
         if again:
-            forget_choices(getattr(torch, name), weights)
-        maps = frame_maps(talker_config)
-        choices = choose_kernels([shape for _, shape, _ in maps], getattr(torch, name), weights, progress)
-        fixed = fixed_kernel(torch.device("cpu"), getattr(torch, name), weights)
+            forget_choices(torch_dtype, weights)
+        choices = choose_kernels([shape for _, shape, _ in maps], torch_dtype, weights, lambda line: say(line, quiet))
+        fixed = fixed_kernel(torch.device("cpu"), torch_dtype, weights)
         rows = [
             {"loop": loop, "shape": list(shape), "per_frame": count, "fixed": fixed.name, **choices[shape].record()}
             for loop, shape, count in maps
         ]
         result["dtypes"][name] = {
-            "frame_map_ms": round(frame_map_ms(talker_config, getattr(torch, name), weights), 3),
+            "frame_map_ms": round(frame_map_ms(talker_config, torch_dtype, weights), 3),
             "maps": rows,
         }
     if dtype == "auto":
@@ -125,47 +118,27 @@ def tune(
         if again:
             forget_records("decoder/")
         with refused(ModelLoadError):
-            decoder = pick_decoder_dtype("auto", "auto", result["auto"], "cpu", model, progress)
+            decoder = pick_decoder_dtype("auto", "auto", result["auto"], "cpu", model, lambda line: say(line, quiet))
         result["decoder_dtype"], result["decoder_reason"] = decoder
-    if texts is not None:
-        result["trees"] = _tune_trees(
-            model, result.get("auto", dtype), weights, texts, offsets, speaker, max_frames, seed, quiet
-        )
+    if texts is not None:  # the lines spoken with --tree auto on the CPU: what the online choice measured and chose
+        with refused(ValueError):  # BatchFileError too
+            lines = read_batch(texts)
+            settings = GenerationSettings(max_frames=max_frames)
+        chosen = result.get("auto", dtype)
+        synthesizer = load_synthesizer(model, quiet, device="cpu", dtype=chosen, weights=weights, offsets=offsets)
+        if not isinstance(synthesizer.speculation, OnlineSpeculation):
+            fail("rvqtts tune --texts decides the tree size online, which RVQTTS_CHOICES=fixed turns off")
+        with progress_bar(quiet) as progress:
+            task = progress.add_task(f"speaking {len(lines)} lines with --tree auto", total=len(lines))
+            for line in lines:
+                with refused(ValueError, prefix=f"{texts}: "):
+                    speaking = (line.text, line.speaker or speaker, line.language or "auto", seed)
+                    synthesizer.synthesize(*speaking, settings=settings, instruct=line.instruct)
+                progress.advance(task)
+        synthesizer.speculation.save()
+        result["trees"] = synthesizer.speculation.record()
     result["memory"] = memory_record()  # this process's peak: the measurements' (and --texts' synthesis)
     publish(result, json_out, tune_table, quiet)
-
-
-def _tune_trees(
-    model: str,
-    dtype: str,
-    weights: str,
-    texts: Path,
-    offsets: Optional[Path],
-    speaker: Optional[str],
-    max_frames: Optional[int],
-    seed: int,
-    quiet: bool,
-) -> dict:
-    """`tune --texts`: the lines spoken with --tree auto on the CPU; what the online choice measured and chose."""
-    from rvqtts.batch import read_batch
-    from rvqtts.engine.online import OnlineSpeculation
-    from rvqtts.settings import GenerationSettings
-
-    with refused(ValueError):  # BatchFileError too
-        lines = read_batch(texts)
-        settings = GenerationSettings(max_frames=max_frames)
-    synthesizer = load_synthesizer(model, quiet, device="cpu", dtype=dtype, weights=weights, offsets=offsets)
-    if not isinstance(synthesizer.speculation, OnlineSpeculation):
-        fail("rvqtts tune --texts decides the tree size online, which RVQTTS_CHOICES=fixed turns off")
-    with progress_bar(quiet) as progress:
-        task = progress.add_task(f"speaking {len(lines)} lines with --tree auto", total=len(lines))
-        for line in lines:
-            with refused(ValueError, prefix=f"{texts}: "):
-                speaking = (line.text, line.speaker or speaker, line.language or "auto", seed)
-                synthesizer.synthesize(*speaking, settings=settings, instruct=line.instruct)
-            progress.advance(task)
-    synthesizer.speculation.save()
-    return synthesizer.speculation.record()
 
 
 @app.command("train-offsets")
@@ -350,8 +323,7 @@ def accept(
     synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
     with refused(ValueError):  # TreeFileError, OffsetsFileError too
         speculation, notice = choose_speculation(synthesizer.code_predictor, tree, offsets)
-    if notice:
-        say(notice, quiet)
+    say(notice, quiet)
     frames = recorded_frames(synthesizer, texts, contexts, split, speaker, language, seed, quiet, None, instruct, voice)
     with progress_bar(quiet) as progress:
         progress.add_task(f"decoding {len(frames)} frames", total=None)

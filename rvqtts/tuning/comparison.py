@@ -153,10 +153,14 @@ def compare_drafters(
         data.fit_recorded,
         note="a fresh residual block per position and depth before the frozen head",
     )
-    if not variants:
-        return {"drafters": results, "frames": frames}
-    # the drafters beside the paper's three: the trained offsets with a tree per position, other targets and
-    # depths, and the tables and their mixtures
+    if variants:
+        _variants(run, offsets, data, hidden, vocab, training)
+    return {"drafters": results, "frames": frames}
+
+
+def _variants(run: Callable, offsets: torch.nn.Module, data, hidden: int, vocab: int, training: TrainingConfig) -> None:
+    """The drafters beside the paper's three, each through `compare_drafters`'s `run`: the trained offsets with a
+    tree per position, other targets and depths, and the tables and their mixtures."""
     run(
         "offsets, trees per position",
         offsets,
@@ -195,4 +199,3 @@ def compare_drafters(
             note="log-probabilities of the offset heads plus the weighted table's",
         )
     run("offsets + 1.0 x prior", MixedDrafter(offsets, prior, 1.0))
-    return {"drafters": results, "frames": frames}
