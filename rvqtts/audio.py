@@ -104,7 +104,13 @@ class StreamJoiner:
 
 
 # Output containers soundfile writes, by file suffix; standard output ("-") always gets a WAV.
-AUDIO_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
+AUDIO_FORMATS = {
+    ".wav": ("WAV", "PCM_16"),
+    ".flac": ("FLAC", "PCM_16"),
+    ".ogg": ("OGG", "VORBIS"),
+    ".mp3": ("MP3", "MPEG_LAYER_III"),
+    ".opus": ("OGG", "OPUS"),  # Ogg Opus, which takes 24 kHz as it is
+}
 
 
 def audio_format(target: str | Path) -> tuple[str, str]:
@@ -151,7 +157,7 @@ def _stdout_write(data: bytes) -> None:
 
 
 def write_audio(target: str | Path, audio: np.ndarray, sample_rate: int, stdout_format: str = "wav") -> None:
-    """Write audio in the format its suffix names (.wav, .flac, .ogg) atomically, or to standard output
+    """Write audio in the format its suffix names (AUDIO_FORMATS) atomically, or to standard output
     for "-" (`stdout_format`: wav or raw)."""
     if str(target) == "-":
         _stdout_write(audio_bytes(audio, sample_rate) if stdout_format == "wav" else pcm16(audio))

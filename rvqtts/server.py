@@ -32,7 +32,14 @@ from rvqtts.memory import memory_record
 from rvqtts.settings import GenerationSettings, Line
 from rvqtts.synthesis import STREAM_FRAMES  # frames per streamed chunk, as `rvqtts synth --stream` (320 ms)
 
-RESPONSE_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+RESPONSE_FORMATS = {
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+    "flac": "audio/flac",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg; codecs=opus",
+}
+STREAMED_FORMATS = ("wav", "pcm")  # made as the samples come; the others are whole files
 # GenerationSettings' fields, taken from the body as they are named there, with the numbers each takes
 SAMPLING_FIELDS = {f.name: int if f.type.startswith("int") else (int, float) for f in fields(GenerationSettings)}
 MAX_BODY_BYTES = 1 << 20
@@ -255,7 +262,7 @@ class SpeechEngine:
 
 
 def encode(audio: np.ndarray, sample_rate: int, response_format: str) -> bytes:
-    """A whole response: the bytes `rvqtts synth` writes to a .wav or .flac file, or its raw PCM."""
+    """A whole response: the bytes `rvqtts synth` writes to a file of that suffix, or its raw PCM."""
     if response_format == "pcm":
         return pcm16(audio)
     return audio_bytes(audio, sample_rate, AUDIO_FORMATS[f".{response_format}"])
@@ -299,8 +306,10 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
     stream = body.get("stream", stream_format is not None)
     if not isinstance(stream, bool):
         raise SpeechError(400, "`stream` must be true or false", "stream")
-    if stream and response_format == "flac":
-        raise SpeechError(400, "a FLAC file cannot be streamed: ask for wav or pcm to stream", "response_format")
+    if stream and response_format not in STREAMED_FORMATS:
+        raise SpeechError(
+            400, f"{response_format} is not streamed here: ask for wav or pcm to stream", "response_format"
+        )
     speed = body.get("speed", 1.0)
     if speed != 1.0:
         raise SpeechError(400, f"speed {speed!r}: rvqtts speaks at the model's own pace (1.0 only)", "speed")

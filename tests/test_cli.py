@@ -268,7 +268,7 @@ def test_input_that_needs_no_model_is_refused_before_the_model_loads(tmp_path, t
         (["Hi", *model, "-o", out, "--stats-json", "/proc/none/s.json"], [], "cannot write /proc/none/s.json"),
         (["Hi", *model, "-o", out, "--codes-out", "/proc/none/c.npy"], [], "cannot write /proc/none/c.npy"),
         (["-f", tmp_path / "none.txt", *model, "--out-dir", "/proc/none/d"], [], "cannot read batch file"),
-        (["Hi", *model, "-o", tmp_path / "x.mp3"], [], "writes .wav, .flac, .ogg files"),
+        (["Hi", *model, "-o", tmp_path / "x.aac"], [], "writes .wav, .flac, .ogg, .mp3, .opus files"),
         (["Hi", *model, "-o", folder], [], "it is a folder"),
         (["Hi", *model, "-o", out, "--device", "cuda"], [], "--device cuda: this torch is built without CUDA"),
         (["Hi", *model, "-o", out, "--device", "mps"], [], "--device mps: MPS is not available here"),

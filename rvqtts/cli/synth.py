@@ -60,7 +60,8 @@ def synth(
         None,
         "-o",
         "--output",
-        help="Audio file to write: .wav, .flac or .ogg; '-' writes to standard output (--format).",
+        help="Audio file to write: .wav, .flac, .ogg (Vorbis), .mp3 or .opus; '-' writes to standard output "
+        "(--format).",
     ),
     stream: bool = typer.Option(
         False,
@@ -355,7 +356,7 @@ def _one_input(text: Optional[str], output: Optional[str], batch_size: str, stdo
     if batch_size not in ("auto", "1"):
         fail("--batch-size is for batch files: give -f FILE --out-dir DIR")
     if output is None:
-        fail("give -o FILE.wav (.flac, .ogg; or -o - for a WAV on standard output)")
+        fail("give -o FILE.wav (.flac, .ogg, .mp3, .opus; or -o - for a WAV on standard output)")
     with refused(ValueError):
         audio_format(output)
     if stdout_format != "wav" and output != "-":
