@@ -6,14 +6,17 @@ settings); `GET /v1/models`, `GET /v1/voices` and `GET /health` say what is serv
 model and takes requests from a bounded queue (full: 503 with Retry-After): whole ones waiting together share
 the calls of both loops (`--batch-size`), a streamed one is spoken alone, and a response is the bytes
 `rvqtts synth` writes for the same text, voice and seed. A streamed response carries audio every 4 frames as
-`synth --stream` makes it; a client that goes away stops its streamed request within a frame.
+`synth --stream` makes it, as the audio itself or as OpenAI's server-sent events; a client that goes away stops its
+streamed request within a frame.
 Errors are JSON in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
+import json
 import logging
 import math
 import threading
@@ -84,6 +87,7 @@ class SpeechRequest:
     settings: GenerationSettings
     response_format: str
     stream: bool
+    events: bool = False  # streamed as server-sent events (`stream_format: "sse"`), else as the audio itself
 
 
 class Cancelled(Exception):
@@ -301,11 +305,13 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
             "response_format",
         )
     stream_format = string("stream_format")
-    if stream_format not in (None, "audio"):
-        raise SpeechError(400, f"stream_format {stream_format!r} is not served: choose audio", "stream_format")
+    if stream_format not in (None, "audio", "sse"):
+        raise SpeechError(400, f"stream_format {stream_format!r} is not served: choose audio or sse", "stream_format")
     stream = body.get("stream", stream_format is not None)
     if not isinstance(stream, bool):
         raise SpeechError(400, "`stream` must be true or false", "stream")
+    if stream_format and not stream:
+        raise SpeechError(400, f"stream_format {stream_format} streams: leave `stream` out or true", "stream")
     if stream and response_format not in STREAMED_FORMATS:
         raise SpeechError(
             400, f"{response_format} is not streamed here: ask for wav or pcm to stream", "response_format"
@@ -330,7 +336,7 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
         line = synth.voiced(line)  # a voice file read once
     except (ValueError, TypeError) as error:  # VoiceError included
         raise SpeechError(400, str(error)) from None
-    return SpeechRequest(line, settings, response_format, stream)
+    return SpeechRequest(line, settings, response_format, stream, stream_format == "sse")
 
 
 def _voice(value: object, synth, engine: SpeechEngine) -> tuple[str | None, Path | None]:
@@ -394,6 +400,8 @@ def create_app(engine: SpeechEngine):
         speech_request = parse_speech_request(body, engine)
         job = engine.submit(speech_request)
         media_type = RESPONSE_FORMATS[speech_request.response_format]
+        if speech_request.events:
+            return StreamingResponse(_events(job), media_type="text/event-stream")
         if speech_request.stream:
             return StreamingResponse(_streamed(job), media_type=media_type)
         parts = await _collected(job, request)
@@ -447,6 +455,23 @@ async def _streamed(job: Job) -> AsyncIterator[bytes]:
             yield item
     except SpeechError as error:  # the status is sent: end the body early, and say why in the server's log
         logging.getLogger("rvqtts.server").error("a streamed request ended early: %s", error.message)
+    finally:
+        job.cancelled.set()
+
+
+async def _events(job: Job) -> AsyncIterator[bytes]:
+    """A streamed body as OpenAI's server-sent events: a `speech.audio.delta` event per piece (its bytes in base64),
+    then `speech.audio.done`, or an `error` event where the synthesis failed after the status was sent."""
+
+    def event(data: dict) -> bytes:
+        return f"data: {json.dumps(data)}\n\n".encode()
+
+    try:
+        while (item := await _next(job)) is not None:
+            yield event({"type": "speech.audio.delta", "audio": base64.b64encode(item).decode()})
+        yield event({"type": "speech.audio.done"})
+    except SpeechError as error:
+        yield event({"type": "error", **error.body()})
     finally:
         job.cancelled.set()
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 import socket
 import sys
 import threading
@@ -174,7 +176,8 @@ def test_bad_requests_get_openai_errors_saying_what_to_send(served):
         ({"seed": "x"}, 400, "seed", "whole number"),
         ({"max_frames": 2.5}, 400, "max_frames", "whole number"),
         ({"language": "klingon"}, 400, None, "klingon"),
-        ({"stream_format": "sse"}, 400, "stream_format", "choose audio"),
+        ({"stream_format": "text"}, 400, "stream_format", "choose audio or sse"),
+        ({"stream_format": "sse", "stream": False}, 400, "stream", "leave `stream` out or true"),
         ({"response_format": "flac", "stream": True}, 400, "response_format", "flac is not streamed here"),
         ({"response_format": "mp3", "stream": True}, 400, "response_format", "ask for wav or pcm to stream"),
         ({"input": "x" * 201}, 413, "input", "more than this server's 200"),
@@ -199,6 +202,21 @@ def test_bad_requests_get_openai_errors_saying_what_to_send(served):
     assert health["status"] == "ok" and health["peak_rss_mib"] >= health["rss_mib"] > 100
     caches = health["caches_mib"]  # requests were served: the loops' caches are held
     assert caches["talker_kv"] > 0 and caches["predictor_kv"] > 0 and sum(caches.values()) < health["rss_mib"]
+
+
+def test_server_sent_events_carry_the_streamed_audio(served):
+    """`stream_format: "sse"`: OpenAI's events, a speech.audio.delta per piece whose base64 bytes, joined, are the
+    body the same request streams as audio, then speech.audio.done."""
+    url, _ = served
+    body = {"input": "Hello there, streamed as events.", "voice": "vivian", "seed": 2, "max_frames": FRAMES}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT) as http:
+        audio = http.post("/v1/audio/speech", json={**body, "response_format": "pcm", "stream": True})
+        events = http.post("/v1/audio/speech", json={**body, "response_format": "pcm", "stream_format": "sse"})
+    assert events.status_code == 200 and events.headers["content-type"].startswith("text/event-stream")
+    parsed = [json.loads(line.removeprefix("data: ")) for line in events.text.split("\n\n") if line]
+    deltas = [event for event in parsed if event["type"] == "speech.audio.delta"]
+    assert len(deltas) >= 2 and parsed[-1] == {"type": "speech.audio.done"} and len(parsed) == len(deltas) + 1
+    assert b"".join(base64.b64decode(event["audio"]) for event in deltas) == audio.content and audio.content
 
 
 def test_concurrent_clients_each_get_the_audio_of_their_seed(served, tiny):
