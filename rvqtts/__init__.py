@@ -1,7 +1,7 @@
 """rvqtts: fast, exact Qwen3-TTS 12 Hz synthesis (docs/architecture.md shows the layers).
 
 The public API, importable from here: `Synthesizer` (load a checkpoint, synthesize, stream, batches),
-`GenerationSettings`, `Line` and `Synthesis`. They load on first use, so that importing rvqtts (and
+`GenerationSettings`, `Line`, `StreamPacing` and `Synthesis`. They load on first use, so that importing rvqtts (and
 the command line's quick answers) does not pay for torch and qwen-tts.
 """
 
@@ -11,15 +11,16 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rvqtts.settings import GenerationSettings, Line, Synthesis
+    from rvqtts.settings import GenerationSettings, Line, StreamPacing, Synthesis
     from rvqtts.synthesis import AudioStream, Synthesizer
 
-__all__ = ["AudioStream", "GenerationSettings", "Line", "Synthesis", "Synthesizer"]
+__all__ = ["AudioStream", "GenerationSettings", "Line", "StreamPacing", "Synthesis", "Synthesizer"]
 _HOMES = {
     "AudioStream": "rvqtts.synthesis",
     "Synthesizer": "rvqtts.synthesis",
     "GenerationSettings": "rvqtts.settings",
     "Line": "rvqtts.settings",
+    "StreamPacing": "rvqtts.settings",
     "Synthesis": "rvqtts.settings",
 }
 

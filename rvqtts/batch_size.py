@@ -131,12 +131,27 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def fitting_rows(synth, rows: int, slots: int) -> int:
-    """At most `rows` rows whose caches (of `slots` talker positions each) fit in MEMORY_SHARE of the memory
-    available now (as many as asked where that is unknown; at least one)."""
+def cache_budget(synth) -> float | None:
+    """The bytes a batch's caches may take: MEMORY_SHARE of the memory available now, and the caches held now,
+    which a batch's replace (None where unknown)."""
     talker = synth.runners.talker()
     available = available_bytes(talker.device)
     if available is None:
-        return rows
-    held = talker.k_cache.numel() * 2 * talker.k_cache.element_size()  # the one-line cache, given back to a batch
-    return max(1, min(rows, int((MEMORY_SHARE * available + held) // row_bytes(synth, slots))))
+        return None
+    return MEMORY_SHARE * available + talker.k_cache.numel() * 2 * talker.k_cache.element_size()
+
+
+def fitting_rows(synth, rows: int, slots: int) -> int:
+    """At most `rows` rows whose caches (of `slots` talker positions each) fit in the cache budget (as many as
+    asked where that is unknown; at least one)."""
+    budget = cache_budget(synth)
+    return rows if budget is None else max(1, min(rows, int(budget // row_bytes(synth, slots))))
+
+
+def fitting_slots(synth, rows: int) -> float:
+    """The talker positions each of `rows` rows may hold within the cache budget (unbounded where unknown)."""
+    budget = cache_budget(synth)
+    if budget is None:
+        return float("inf")
+    fixed = row_bytes(synth, 0)
+    return int((budget / rows - fixed) // (row_bytes(synth, 1) - fixed))

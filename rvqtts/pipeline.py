@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Iterator
+from typing import Callable, Generator, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.engine.speculation import DEFAULT_DEPTH
 from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.prompt import Prompt
-from rvqtts.settings import GenerationSettings, Line, ResolvedSampling, Synthesis
+from rvqtts.settings import GenerationSettings, Line, StreamPacing, Synthesis
 from rvqtts.text import FRAMES_PER_SECOND, chunk_text
 
 PROMPT_TOKENS = 64  # a prompt's tokens besides its text's (roles, codec tags, speaker), generously
@@ -29,32 +29,47 @@ PROMPT_TOKENS = 64  # a prompt's tokens besides its text's (roles, codec tags, s
 
 def speak(
     synth,
-    lines: list[Line],
+    lines: Iterable[Line | None],
     settings: GenerationSettings,
     chunk_chars: float | None,
     rows: int = 1,
-    stream_frames: int | None = None,
+    stream: StreamPacing | None = None,
     on_chunk: Callable[[int, int], None] | None = None,
     on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
+    stopped: Callable[[int], bool] | None = None,
 ) -> Iterator[tuple[int, np.ndarray | Synthesis | Exception]]:
     """Speak `lines` (each with its seed and utterance set), `rows` at a time (rvqtts.engine.frame_loop), text
-    chunk after text chunk. Yields (index in `lines`, item) as it goes: a line's samples ready to play (every
-    `stream_frames` frames, decoded incrementally by the streaming decoder, or (None) each text chunk at once,
-    `decode`), then its Synthesis; or, for a line whose voice, text or decoding fails, the exception, and no
-    more of it (a model that produced NaN or inf, NonFiniteError, stops it all)."""
-    sampling = synth.sampling(settings)
-    loop = synth.runners.frame_loop(sampling, rows)
+    chunk after text chunk, each line as soon as a row is free, in its own sampling settings (else `settings`).
+    `lines` may be a live source (a server's requests): None from it means none is waiting now. Yields (index
+    among the lines, item) as it goes: a line's samples ready to play (paced by its `stream`, else `stream`, and
+    decoded incrementally by the streaming decoder; or, not streamed, each text chunk at once, `decode`), then its
+    Synthesis; or, for a line whose voice, text or decoding fails, or that `stopped(index)` stops (asked every
+    frame; rvqtts.engine.frame_loop.Stopped), the exception, and no more of it (a model that produced NaN or inf,
+    NonFiniteError, stops it all)."""
+    loop = synth.runners.frame_loop(rows)
     depth = loop.speculation.offsets.depth if loop.speculation else DEFAULT_DEPTH
 
     def spoken(index: int, line: Line) -> _Spoken:  # made as its row takes it: its clock starts there
-        state = _Spoken(line.seed, line.utterance, iter(()), on_frame=on_frame, index=index)
+        line_settings = line.settings or settings
+        state = _Spoken(line.seed, line.utterance, iter(()), synth.sampling(line_settings), on_frame=on_frame)
+        state.index, state.pacing = index, line.stream or stream
         state.stats.accepted_per_depth = [0] * depth
         state.joiner = StreamJoiner(synth.sample_rate)
-        state.decoder = synth.codec.streaming_decoder() if stream_frames else None
-        state.chunks = line_prompts(synth, line, state, settings, chunk_chars)
+        state.decoder = synth.codec.streaming_decoder() if state.pacing else None
+        state.chunks = line_prompts(synth, line, state, line_settings, chunk_chars)
+        state.stopped = lambda: state.failed or (stopped is not None and stopped(index))
         return state
 
-    for event in loop.run(spoken(index, line) for index, line in enumerate(lines)):
+    def states() -> Iterator[_Spoken | None]:
+        index = 0
+        for line in lines:
+            if line is None:
+                yield None
+            else:
+                yield spoken(index, line)
+                index += 1
+
+    for event in loop.run(states()):
         state = event.work
         if state.failed:  # the rest of its chunks are not heard
             continue
@@ -63,7 +78,7 @@ def speak(
                 raise event.error
             if isinstance(event, FrameDone):
                 state.pending.append(event.codes)
-                if len(state.pending) == stream_frames:
+                if state.pacing and len(state.pending) == state.pacing.due(state.seconds["first_audio"] is not None):
                     yield state.index, ready_audio(synth, state)
             elif isinstance(event, ChunkDone):
                 if state.pending:
@@ -81,7 +96,7 @@ def speak(
                     on_chunk(state.chunks_done, len(state.pieces))
             else:
                 yield state.index, state.joiner.finish()
-                yield state.index, finished(synth, state, sampling, loop, stream_frames)
+                yield state.index, finished(synth, state, loop)
         except NonFiniteError:
             raise
         except Exception as error:  # this line's: it fails alone
@@ -131,9 +146,7 @@ def ready_audio(synth, state: _Spoken) -> np.ndarray:
     return ready
 
 
-def finished(
-    synth, state: _Spoken, sampling: ResolvedSampling, loop: FrameLoop, stream_frames: int | None
-) -> Synthesis:
+def finished(synth, state: _Spoken, loop: FrameLoop) -> Synthesis:
     """The Synthesis of a line `speak` finished. Its loops' seconds are its shares of the calls it was in;
     building its prompts counts as talker work, and the first one in the prefill."""
     seconds = state.seconds
@@ -154,9 +167,9 @@ def finished(
         spec=speculation is not None,
         tree_nodes=tree_nodes(speculation),
         seed=state.seed,
-        sampling=sampling.record(),
+        sampling=state.sampling.record(),
         warnings=state.warnings,
-        stream_frames=stream_frames,
+        stream=state.pacing,
         weights=synth.weights,
         engine=synth.engine_record(),
         batch_rows=loop.rows,
@@ -170,12 +183,12 @@ def one_line(
     line: Line,
     settings: GenerationSettings,
     chunk_chars: float | None,
-    stream_frames: int | None,
+    stream: StreamPacing | None,
     on_chunk: Callable[[int, int], None] | None,
     on_frame: Callable[[torch.Tensor, list[int]], None] | None,
 ) -> Generator[np.ndarray, None, Synthesis]:
     """One line's samples as `speak` makes them ready, then its Synthesis (its failure raised)."""
-    for _, item in speak(synth, [line], settings, chunk_chars, 1, stream_frames, on_chunk, on_frame):
+    for _, item in speak(synth, [line], settings, chunk_chars, 1, stream, on_chunk, on_frame):
         if isinstance(item, Exception):
             raise item
         if isinstance(item, Synthesis):
@@ -206,7 +219,7 @@ def batch_rows(
         return 1
     rows = min(batch_size, max(len(lines), 1))
     if rows > 1:
-        slots = max(row_slots(synth, line, settings, chunk_chars) for line in lines)
+        slots = max(row_slots(synth, line, line.settings or settings, chunk_chars) for line in lines)
         fitting = fitting_rows(synth, rows, slots)
         if fitting < rows and on_notice:
             on_notice(
@@ -232,7 +245,8 @@ class _Spoken(Work):
     """A line as `speak` speaks it: the frame loop's utterance (rvqtts.engine.frame_loop.Work) and what the pipeline
     gathers for it while its chunks are spoken."""
 
-    index: int = 0  # in `speak`'s lines
+    index: int = 0  # among `speak`'s lines
+    pacing: StreamPacing | None = None  # streamed: how its pieces come
     started: float = field(default_factory=time.perf_counter)
     joiner: StreamJoiner | None = None
     decoder: StreamingDecoder | None = None  # streamed: the incremental decoder

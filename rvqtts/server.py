@@ -3,11 +3,11 @@
 `POST /v1/audio/speech` takes OpenAI's fields (`model`, `input`, `voice`, `response_format`, `speed`,
 `instructions`, `stream_format`) and rvqtts's own (`language`, `instruct`, `seed`, `stream` and the sampling
 settings); `GET /v1/models`, `GET /v1/voices` and `GET /health` say what is served. One engine thread owns the
-model and takes requests from a bounded queue (full: 503 with Retry-After): whole ones waiting together share
-the calls of both loops (`--batch-size`), a streamed one is spoken alone, and a response is the bytes
-`rvqtts synth` writes for the same text, voice and seed. A streamed response carries audio every 4 frames as
-`synth --stream` makes it, as the audio itself or as OpenAI's server-sent events; a client that goes away stops its
-streamed request within a frame.
+model and takes requests from a bounded queue (full: 503 with Retry-After) into the rows of one frame loop as rows
+free up (`--batch-size` rows), streamed and whole alike, sharing the calls of both loops; a whole response is the
+bytes `rvqtts synth` writes for the same text, voice, seed and settings. A streamed response carries its first
+audio after one frame and then every 4 frames, as `synth --stream` makes it, as the audio itself or as OpenAI's
+server-sent events; a client that goes away frees its row within a frame.
 Errors are JSON in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -22,18 +22,23 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import numpy as np
 
 from rvqtts.audio import AUDIO_FORMATS, audio_bytes, pcm16, wav_header
+from rvqtts.batch_size import fitting_slots
 from rvqtts.cloning import VoiceSource
+from rvqtts.engine.frame_loop import Stopped
 from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.memory import memory_record
-from rvqtts.settings import GenerationSettings, Line
-from rvqtts.synthesis import STREAM_FRAMES  # frames per streamed chunk, as `rvqtts synth --stream` (320 ms)
+from rvqtts.pipeline import row_slots, speak
+from rvqtts.settings import GenerationSettings, Line, StreamPacing, Synthesis
+from rvqtts.text import complete_sentences
+
+log = logging.getLogger("rvqtts.server")
 
 RESPONSE_FORMATS = {
     "wav": "audio/wav",
@@ -66,8 +71,8 @@ class SpeechError(Exception):
 @dataclass(frozen=True)
 class ServerOptions:
     """How the server answers: the model name it reports, the key it asks for, the voice files it may read,
-    the longest input, the waiting requests it holds, the text chunking `synth` uses, and how many whole
-    requests may share the calls of both loops."""
+    the longest input, the waiting requests it holds, the text chunking `synth` uses, how many requests may share
+    the calls of both loops (rows), and how streamed audio is paced."""
 
     model_name: str
     api_key: str | None = None
@@ -76,33 +81,35 @@ class ServerOptions:
     queue_size: int = 8
     chunk_chars: float | None = 240
     batch_size: int = 1
+    pacing: StreamPacing = StreamPacing()
 
 
 @dataclass(frozen=True)
 class SpeechRequest:
-    """One request, checked: what to say and in which voice (its line: a one-line run's, utterance 0, with its own
-    seed, so its audio is `rvqtts synth`'s), how to sample, and how to send it."""
+    """One request, checked: what to say, in which voice and how to sample it (its line: a one-line run's, utterance
+    0, with its own seed and settings, so its audio is `rvqtts synth`'s; streamed, its pacing), and how to send it."""
 
     line: Line
-    settings: GenerationSettings
     response_format: str
-    stream: bool
     events: bool = False  # streamed as server-sent events (`stream_format: "sse"`), else as the audio itself
 
-
-class Cancelled(Exception):
-    """The client went away: its request stops at the next frame."""
+    @property
+    def stream(self) -> bool:
+        return self.line.stream is not None
 
 
 @dataclass
 class Job:
     """A request in the engine: its output reaches the event loop through `items` (bytes, then None at the end,
-    or the exception that ended it); `cancelled` stops it."""
+    or the exception that ended it); `cancelled` stops it at the next frame."""
 
     request: SpeechRequest
     loop: asyncio.AbstractEventLoop
     items: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when a row took it
+    shared: bool = False  # spoken in calls with another request
 
     def send(self, item: bytes | Exception | None) -> None:
         try:
@@ -121,23 +128,30 @@ def voice_files(folder: Path | None) -> dict[str, Path]:
 
 
 class SpeechEngine:
-    """The model's one thread: it takes jobs from a bounded queue in the order they came. A streamed job is
-    spoken alone (its audio sent as it is made); a whole one takes the waiting whole jobs of the same sampling
-    settings with it, up to `batch_size`, and they are spoken together, a row each in every call of both loops
-    (`Synthesizer.synthesize_many` for both, each with its own seed: its audio is the one it gets alone where the
-    kernels keep rows invariant, which `--batch-size auto` requires)."""
+    """The model's one thread: one frame loop over `batch_size` rows (rvqtts.pipeline.speak) that takes requests
+    from a bounded queue in the order they came, each as soon as a row is free (at the next frame), streamed and
+    whole alike, each with its own seed and sampling settings: they share the calls of both loops, and each one's
+    audio is the one it gets alone where the kernels keep rows invariant (which `--batch-size auto` requires). A
+    request leaves its row when it ends, or at the next frame when its client has gone."""
 
     def __init__(self, synth, options: ServerOptions):
         self.synth = synth
         self.options = options
-        self.busy = False
         self.counts = {"served": 0, "failed": 0, "cancelled": 0, "refused_busy": 0, "batched": 0}
         self._waiting: deque[Job] = deque()
+        self._speaking: dict[int, Job] = {}  # by index among the lines the loop took (touched by the engine only)
+        self._taken = 0  # lines the loop took
         self._changed = threading.Condition()
         self._closing = False
-        self._seconds, self._timed = 0.0, 0  # the mean time a request held the engine (Retry-After), over how many
+        self.row_slots = fitting_slots(synth, options.batch_size)  # what one request's row may hold
+        self._seconds, self._timed = 0.0, 0  # the mean time a request held a row (Retry-After), over how many
+        synth.codec.warm_up(options.pacing)  # the decoder's cold start out of the first request's first audio
         self._thread = threading.Thread(target=self._serve, name="rvqtts-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._speaking)
 
     def voices(self) -> list[str]:
         """The `voice` values this model takes: its speakers, or (Base models) the voice files' names."""
@@ -150,7 +164,8 @@ class SpeechEngine:
         with self._changed:
             if len(self._waiting) >= self.options.queue_size:
                 self.counts["refused_busy"] += 1
-                wait = max(1, math.ceil(self._seconds * (len(self._waiting) + 1)))
+                rounds = (len(self._waiting) + 1) / self.options.batch_size
+                wait = max(1, math.ceil(self._seconds * rounds))
                 raise SpeechError(
                     503,
                     f"the server is busy ({self.options.queue_size} requests waiting): retry in {wait} s",
@@ -166,6 +181,7 @@ class SpeechEngine:
             "status": "ok",
             "model": self.options.model_name,
             "busy": self.busy,
+            "speaking": len(self._speaking),
             "queued": len(self._waiting),
             "batch_size": self.options.batch_size,
             **self.counts,
@@ -181,88 +197,75 @@ class SpeechEngine:
             self._changed.notify()
         self._thread.join()
 
-    def _next_group(self) -> list[Job] | None:
-        """The next job and the waiting jobs that can share its calls (None: the engine is closing)."""
-        with self._changed:
-            while not self._waiting:
-                if self._closing:
-                    return None
-                self._changed.wait()
-            first = self._waiting.popleft()
-            group = [first]
-            if not first.request.stream:
-                for job in list(self._waiting):
-                    if len(group) >= self.options.batch_size:
-                        break
-                    if not job.request.stream and job.request.settings == first.request.settings:
-                        self._waiting.remove(job)
-                        group.append(job)
-            return group
-
     def _serve(self) -> None:
-        while (group := self._next_group()) is not None:
-            for job in group:
-                if job.cancelled.is_set():
-                    self.counts["cancelled"] += 1
-            group = [job for job in group if not job.cancelled.is_set()]
-            if not group:
-                continue
-            self.busy, begun = True, time.perf_counter()
+        """Speak requests until closed; a failure that stops every row (NaN or inf) fails the requests in them, and
+        the loop starts again for the next."""
+        while True:
             try:
-                self._speak(group)
-            finally:
-                self.busy = False
-                share = (time.perf_counter() - begun) / len(group)  # each request's share of the time
-                for _ in group:
-                    self._timed += 1
-                    self._seconds += (share - self._seconds) / self._timed
-
-    def _speak(self, group: list[Job]) -> None:
-        """Jobs spoken together, a row each (`Synthesizer.synthesize_many`; one job: alone), a streamed one's audio
-        sent as it is made. A job alone whose client left stops at the next frame; one in a group runs on with it
-        (its audio unsent)."""
-        synth, first = self.synth, group[0].request
-        stream = first.stream  # a streamed job is grouped alone
-
-        def on_frame(*_: object) -> None:
-            if len(group) == 1 and group[0].cancelled.is_set():
-                raise Cancelled
-
-        lines = [job.request.line for job in group]
-        if stream and first.response_format == "wav":
-            group[0].send(wav_header(synth.sample_rate))
-        answered: set[int] = set()
-        try:
-            for index, outcome in synth.synthesize_many(
-                lines,
-                settings=first.settings,
-                chunk_chars=self.options.chunk_chars,
-                batch_size=len(group),
-                stream_frames=STREAM_FRAMES if stream else None,
-                on_frame=on_frame,
-            ):
-                job = group[index]
-                if isinstance(outcome, np.ndarray):
-                    if outcome.size:
-                        job.send(pcm16(outcome))
-                    continue
-                answered.add(index)
-                if isinstance(outcome, Exception):
-                    self.counts["failed"] += 1
-                    job.send(outcome)
-                    continue
-                if not stream:
-                    job.send(encode(outcome.audio, synth.sample_rate, job.request.response_format))
-                job.send(None)
-                self.counts["served"] += 1
-                self.counts["batched"] += len(group) > 1
-        except Cancelled:
-            self.counts["cancelled"] += 1
-        except Exception as error:  # NaN or inf, which stops every row: each client hears of it
-            for index, job in enumerate(group):
-                if index not in answered:
+                lines, rows = self._lines(), self.options.batch_size
+                for index, item in speak(
+                    self.synth, lines, GenerationSettings(), self.options.chunk_chars, rows, stopped=self._stopped
+                ):
+                    self._answer(index, item)
+                return
+            except Exception as error:  # each client in a row hears of it
+                for job in self._speaking.values():
                     self.counts["failed"] += 1
                     job.send(error)
+                self._speaking.clear()
+
+    def _lines(self) -> Iterator[Line | None]:
+        """The frame loop's live source: the next waiting request's line, None while none waits and rows are at work,
+        waiting while none is at work; it ends when the engine closes with nothing left to speak."""
+        while True:
+            with self._changed:
+                while not self._waiting and not self._speaking:
+                    if self._closing:
+                        return
+                    self._changed.wait()
+                job = self._waiting.popleft() if self._waiting else None
+            if job is None:
+                yield None
+            elif job.cancelled.is_set():  # its client left while it waited
+                self.counts["cancelled"] += 1
+            else:
+                job.started = time.perf_counter()
+                self._speaking[self._taken] = job
+                self._taken += 1
+                if len(self._speaking) > 1:
+                    for speaking in self._speaking.values():
+                        speaking.shared = True
+                if job.request.stream and job.request.response_format == "wav":
+                    job.send(wav_header(self.synth.sample_rate))
+                yield job.request.line
+
+    def _stopped(self, index: int) -> bool:
+        return index not in self._speaking or self._speaking[index].cancelled.is_set()
+
+    def _answer(self, index: int, item: np.ndarray | Synthesis | Exception) -> None:
+        """Send a request its audio as it comes (streamed) or whole, or its failure; count it when it ends."""
+        job = self._speaking[index]
+        if isinstance(item, np.ndarray):
+            if item.size and job.request.stream:
+                job.send(pcm16(item))
+            return
+        del self._speaking[index]
+        held = time.perf_counter() - job.started
+        self._timed += 1
+        self._seconds += (held - self._seconds) / self._timed
+        if isinstance(item, Stopped):
+            self.counts["cancelled"] += 1
+        elif isinstance(item, Exception):
+            self.counts["failed"] += 1
+            job.send(item)
+        else:
+            if not job.request.stream:
+                job.send(encode(item.audio, self.synth.sample_rate, job.request.response_format))
+            split = {"queue": round(job.started - job.submitted, 3), **item.seconds["first_audio_split"]}
+            log.info("request %d: first audio after %s s", index, " + ".join(f"{v} {k}" for k, v in split.items()))
+            job.send(None)
+            self.counts["served"] += 1
+            self.counts["batched"] += job.shared
 
 
 def encode(audio: np.ndarray, sample_rate: int, response_format: str) -> bytes:
@@ -322,7 +325,17 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
     seed = body.get("seed", 0)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise SpeechError(400, "`seed` must be a whole number", "seed")
+    if not 0 <= seed < 2**63:
+        raise SpeechError(400, f"`seed` must be between 0 and 2**63 - 1, got {seed}", "seed")
     instruct = string("instruct") or string("instructions")
+    if instruct is not None and len(instruct) > options.max_chars:
+        raise SpeechError(
+            413,
+            f"the instructions have {len(instruct)} characters, more than this server's {options.max_chars} "
+            "(--max-chars)",
+            "instructions",
+            "input_too_long",
+        )
     language = string("language", "auto")
     speaker, voice_file = _voice(body.get("voice"), synth, engine)
     values = {name: body.get(name) for name in SAMPLING_FIELDS}
@@ -330,13 +343,30 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
         kinds = SAMPLING_FIELDS[name]
         if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
             raise SpeechError(400, f"`{name}` must be a {'whole ' if kinds is int else ''}number", name)
-    line = Line(text, speaker, language, instruct, voice_file and VoiceSource(voice=voice_file), utterance=0, seed=seed)
+    limit = synth.default_max_frames
+    if values["max_frames"] is not None and values["max_frames"] > limit:
+        raise SpeechError(
+            400, f"max_frames {values['max_frames']} is over this model's limit of {limit} frames", "max_frames"
+        )
     try:
         settings = GenerationSettings(**values)
+        clone = voice_file and VoiceSource(voice=voice_file)
+        line = Line(text, speaker, language, instruct, clone, 0, seed, settings=settings)
         line = synth.voiced(line)  # a voice file read once
     except (ValueError, TypeError) as error:  # VoiceError included
         raise SpeechError(400, str(error)) from None
-    return SpeechRequest(line, settings, response_format, stream, stream_format == "sse")
+    slots = row_slots(synth, line, settings, options.chunk_chars)
+    if slots > engine.row_slots:
+        raise SpeechError(
+            400,
+            f"this input with max_frames {settings.max_frames} would hold {slots} cache positions in its row, more "
+            f"than the {engine.row_slots} each of this server's {options.batch_size} rows may hold in its memory: "
+            "ask for fewer max_frames or send the input in parts",
+            "max_frames",
+        )
+    return SpeechRequest(
+        replace(line, stream=options.pacing if stream else None), response_format, stream_format == "sse"
+    )
 
 
 def _voice(value: object, synth, engine: SpeechEngine) -> tuple[str | None, Path | None]:
@@ -372,11 +402,12 @@ def create_app(engine: SpeechEngine):
     from starlette.exceptions import HTTPException
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
-    from starlette.routing import Route
+    from starlette.routing import Route, WebSocketRoute
+    from starlette.websockets import WebSocket
 
     options = engine.options
 
-    def authorize(request: Request) -> None:
+    def authorize(request: Request | WebSocket) -> None:
         if options.api_key is None:
             return
         given = request.headers.get("authorization", "")
@@ -428,8 +459,18 @@ def create_app(engine: SpeechEngine):
             status_code=error.status_code,
         )
 
+    async def text_session(websocket: WebSocket) -> None:
+        try:
+            authorize(websocket)
+        except SpeechError as error:  # refused before the handshake: the client sees HTTP 403
+            await websocket.close(code=1008, reason=error.message[:120])
+            return
+        await websocket.accept()
+        await _speak_text(websocket, engine)
+
     routes = [
         Route("/v1/audio/speech", speech, methods=["POST"]),
+        WebSocketRoute("/v1/audio/speech/stream", text_session),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/voices", voices, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -454,7 +495,7 @@ async def _streamed(job: Job) -> AsyncIterator[bytes]:
         while (item := await _next(job)) is not None:
             yield item
     except SpeechError as error:  # the status is sent: end the body early, and say why in the server's log
-        logging.getLogger("rvqtts.server").error("a streamed request ended early: %s", error.message)
+        log.error("a streamed request ended early: %s", error.message)
     finally:
         job.cancelled.set()
 
@@ -474,6 +515,88 @@ async def _events(job: Job) -> AsyncIterator[bytes]:
         yield event({"type": "error", **error.body()})
     finally:
         job.cancelled.set()
+
+
+async def _speak_text(websocket, engine: SpeechEngine) -> None:
+    """A WebSocket session that takes text in pieces (an LLM's words as they come) and speaks each sentence as soon
+    as it is whole, as a streamed PCM request with the session's fields; the audio goes back in order, each
+    sentence's between a `sentence` and a `sentence.done` event (docs/server.md, "Text in pieces")."""
+    from starlette.websockets import WebSocketDisconnect
+
+    fields: dict = {}
+    written, spoken, jobs = "", 0, []
+    sentences: asyncio.Queue = asyncio.Queue()  # (index, text, its job or why it was refused), None at the end
+
+    def checked(changes: dict, text: str) -> SpeechRequest:
+        return parse_speech_request({**changes, "input": text, "stream": True, "response_format": "pcm"}, engine)
+
+    def submit(text: str) -> None:
+        nonlocal spoken
+        try:
+            outcome = engine.submit(checked(fields, text))
+            jobs.append(outcome)
+        except SpeechError as error:
+            outcome = error
+        sentences.put_nowait((spoken, text, outcome))
+        spoken += 1
+
+    sender = asyncio.create_task(_send_sentences(websocket, sentences))
+    try:
+        while True:
+            try:
+                event = json.loads(await websocket.receive_text())
+            except (ValueError, KeyError):  # not JSON, or a binary message
+                event = None
+            kind = event.get("type") if isinstance(event, dict) else None
+            if kind == "session":
+                changes = {name: value for name, value in event.items() if name != "type"}
+                try:
+                    checked(changes, "Checked.")
+                    fields = changes
+                except SpeechError as error:
+                    await websocket.send_json({"type": "error", **error.body()})
+            elif kind == "text" and isinstance(event.get("text"), str):
+                whole, written = complete_sentences(written + event["text"])
+                for sentence in whole:
+                    submit(sentence)
+                if len(written) > engine.options.max_chars:  # no sentence end in sight: speak it as it stands
+                    submit(" ".join(written.split()))
+                    written = ""
+            elif kind in ("flush", "done"):
+                if written.strip():
+                    submit(" ".join(written.split()))
+                written = ""
+                if kind == "done":
+                    break
+            else:
+                message = 'send JSON messages: {"type": "session", ...fields}, {"type": "text", "text": ...}, '
+                message += '{"type": "flush"} or {"type": "done"}'
+                await websocket.send_json({"type": "error", **SpeechError(400, message).body()})
+        sentences.put_nowait(None)
+        await sender
+        await websocket.close()
+    except WebSocketDisconnect:
+        pass
+    finally:
+        for job in jobs:  # a session that ends early frees its rows
+            job.cancelled.set()
+        sender.cancel()
+
+
+async def _send_sentences(websocket, sentences: asyncio.Queue) -> None:
+    """The session's audio in the order its sentences came: an `error` event for one refused or failed."""
+    while (entry := await sentences.get()) is not None:
+        index, text, job = entry
+        try:
+            if isinstance(job, SpeechError):
+                raise job
+            await websocket.send_json({"type": "sentence", "index": index, "text": text})
+            while (item := await _next(job)) is not None:
+                await websocket.send_bytes(item)
+            await websocket.send_json({"type": "sentence.done", "index": index})
+        except SpeechError as error:
+            await websocket.send_json({"type": "error", "index": index, **error.body()})
+    await websocket.send_json({"type": "done"})
 
 
 async def _collected(job: Job, request) -> list[bytes]:

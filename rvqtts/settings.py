@@ -3,12 +3,13 @@ generation config and qwen-tts's defaults), one line of a batch, and the record 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from rvqtts.cloning import ClonedVoice, VoiceSource
-from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.sampling import FrameSampling, SamplingConfig
 from rvqtts.engine.speculation import LoopStats
 from rvqtts.text import MAX_CHUNK_WEIGHT
 
@@ -42,6 +43,10 @@ class GenerationSettings:
     predictor_top_p: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "repetition_penalty", "predictor_temperature", "predictor_top_p"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         for prefix in ("", "predictor_"):  # the sampler's checks, with their messages, on whatever was given
             given = {key: getattr(self, prefix + key) for key in ("temperature", "top_k", "top_p")}
             SamplingConfig(**{key: value for key, value in given.items() if value is not None})
@@ -75,12 +80,8 @@ class GenerationSettings:
 
 
 @dataclass(frozen=True)
-class ResolvedSampling:
-    """The sampling of one run: the talker's (c0, with its repetition penalty) and the code predictor's."""
-
-    talker: SamplingConfig
-    predictor: SamplingConfig
-    repetition_penalty: float
+class ResolvedSampling(FrameSampling):
+    """The sampling of a run or a line as the frame loop draws it, and as qwen-tts's stock loops are asked for it."""
 
     def generate_kwargs(self, max_frames: int) -> dict:
         """qwen-tts keywords, for its stock loops. N generated talker tokens make N - 1 frames, hence the + 1."""
@@ -121,7 +122,7 @@ class Synthesis:
     seed: int
     sampling: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    stream_frames: int | None = None
+    stream: StreamPacing | None = None  # streamed: how its pieces came
     weights: str = "native"
     engine: dict = field(default_factory=dict)
     online: dict | None = None  # --tree auto's online choice (rvqtts.engine.online): what ran and why
@@ -148,7 +149,8 @@ class Synthesis:
             "prefill_seconds": round(self.seconds["prefill"], 3),
             "first_audio_seconds": round(self.seconds["first_audio"], 3),
             "first_audio_split": self.seconds["first_audio_split"],
-            "stream_frames": self.stream_frames,
+            "stream_frames": self.stream and self.stream.frames,
+            "first_stream_frames": self.stream and self.stream.first_frames,
             "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
             "spec": self.spec,
             "tree_nodes": self.tree_nodes,
@@ -164,12 +166,32 @@ class Synthesis:
 
 
 @dataclass(frozen=True)
+class StreamPacing:
+    """How a streamed line's audio comes: its first piece after `first_frames` frames (one: first audio after the
+    prompt's prefill, one frame and one decoder step), then a piece every `frames` frames (4: 320 ms, the Qwen3-TTS
+    report's packet)."""
+
+    first_frames: int = 1
+    frames: int = 4
+
+    def __post_init__(self) -> None:
+        if self.first_frames < 1 or self.frames < 1:
+            raise ValueError(
+                f"a streamed piece needs at least one frame, got first {self.first_frames} and then {self.frames}"
+            )
+
+    def due(self, started: bool) -> int:
+        """The frames the next piece waits for: the first's until audio has come out, then the rest's."""
+        return self.frames if started else self.first_frames
+
+
+@dataclass(frozen=True)
 class Line:
     """One utterance asked for (a batch file's line, a server request, a line of `Synthesizer.synthesize_many`):
     what to say, in which voice, its noise keys and its output. Voice fields left None take the run's (`under`);
     `clone` is a cloned voice's source until the model encodes it (`Synthesizer.voiced`). `seed` and `utterance`
     key its noise (a batch file's line number), so it is spoken the same wherever it runs and whatever shares its
-    calls."""
+    calls. `settings` samples it (None: the run's); `stream` paces its streamed audio (None: the run's)."""
 
     text: str
     speaker: str | None = None
@@ -179,6 +201,8 @@ class Line:
     utterance: int | None = None  # None: its index in the batch
     seed: int | None = None  # None: the batch's
     name: str | None = None  # its output file, in a batch
+    settings: GenerationSettings | None = None
+    stream: StreamPacing | None = None
 
     def under(self, run: RunSettings) -> Line:
         """This line in the run's voice and seed where it names none of its own."""
@@ -189,6 +213,7 @@ class Line:
             instruct=self.instruct or run.instruct,
             clone=self.clone or run.clone,
             seed=run.seed if self.seed is None else self.seed,
+            settings=self.settings or run.settings,
         )
 
 

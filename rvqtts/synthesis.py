@@ -25,10 +25,9 @@ from rvqtts.loading import ModelVoices, load_tts
 from rvqtts.memory import tensors_mib
 from rvqtts.pipeline import batch_rows, one_line, speak
 from rvqtts.prompt import Prompt, capture_prompt, qwen_generate
-from rvqtts.settings import GenerationSettings, Line, ResolvedSampling, Synthesis
+from rvqtts.settings import GenerationSettings, Line, ResolvedSampling, StreamPacing, Synthesis
 from rvqtts.text import MAX_CHUNK_WEIGHT, frame_budget
 
-STREAM_FRAMES = 4  # frames per streamed audio chunk: 320 ms, the Qwen3-TTS report's packet
 INSTRUCT_IGNORED = (
     "warning: this model does not support --instruct (the 0.6B CustomVoice and the Base models take none); ignoring it"
 )
@@ -240,20 +239,16 @@ class Synthesizer:
         instruct: str | None = None,
         settings: GenerationSettings = GenerationSettings(),
         chunk_chars: float | None = MAX_CHUNK_WEIGHT,
-        frames_per_chunk: int = STREAM_FRAMES,
+        pacing: StreamPacing = StreamPacing(),
         on_chunk: Callable[[int, int], None] | None = None,
         on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
         clone: ClonedVoice | None = None,
     ) -> AudioStream:
-        """Synthesize one utterance as a stream of audio chunks: every `frames_per_chunk` frames, their
-        samples, decoded incrementally (rvqtts.engine.streaming). Arguments as for `synthesize`, which makes the
-        same codes and, up to float rounding, the same waveform."""
-        if frames_per_chunk < 1:
-            raise ValueError(f"frames per stream chunk must be at least 1, got {frames_per_chunk}")
+        """Synthesize one utterance as a stream of audio pieces, decoded incrementally (rvqtts.engine.streaming) as
+        `pacing` says: the first after one frame, then every 4 frames by default. Arguments as for `synthesize`,
+        which makes the same codes and, up to float rounding, the same waveform."""
         line = Line(text, speaker, language, instruct, clone, utterance, seed)
-        return AudioStream(
-            one_line(self, line, settings, chunk_chars, frames_per_chunk, on_chunk, on_frame), self.sample_rate
-        )
+        return AudioStream(one_line(self, line, settings, chunk_chars, pacing, on_chunk, on_frame), self.sample_rate)
 
     def synthesize(
         self,
@@ -293,7 +288,7 @@ class Synthesizer:
         chunk_chars: float | None = MAX_CHUNK_WEIGHT,
         batch_size: int | None = None,
         on_notice: Callable[[str], None] | None = None,
-        stream_frames: int | None = None,
+        stream: StreamPacing | None = None,
         on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
     ) -> Iterator[tuple[int, np.ndarray | Synthesis | Exception]]:
         """Synthesize several utterances, up to `batch_size` of them in every call of both loops
@@ -303,8 +298,8 @@ class Synthesizer:
         does not speak, an empty text); a model that produced NaN or inf (NonFiniteError) stops it all.
         A line's noise is keyed by its `seed` (else `seed`) and its `utterance` (else its index).
 
-        With `stream_frames`, each line's samples come too as they are made, (index, float32 samples) every
-        `stream_frames` frames before its Synthesis (as `stream` gives them); `on_frame` sees every frame.
+        With `stream`, each line's samples come too as they are made, (index, float32 samples) paced by it, before
+        its Synthesis (as `Synthesizer.stream` gives them); `on_frame` sees every frame.
 
         Each utterance's codes, and so its audio, are those `synthesize` gives it with the same seed and
         settings wherever the kernels keep rows invariant (`rvqtts tune` shows them): its rows get their
@@ -332,8 +327,8 @@ class Synthesizer:
         ]
         rows = batch_rows(self, lines, settings, chunk_chars, batch_size, on_notice)
         try:
-            for index, item in speak(self, lines, settings, chunk_chars, rows, stream_frames, on_frame=on_frame):
-                if stream_frames or isinstance(item, (Synthesis, Exception)):
+            for index, item in speak(self, lines, settings, chunk_chars, rows, stream, on_frame=on_frame):
+                if stream or isinstance(item, (Synthesis, Exception)):
                     yield index, item
         finally:
             if rows > 1:  # a batch's rows are let go (one row's caches and captured graphs are kept)

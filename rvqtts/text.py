@@ -37,6 +37,15 @@ def split_sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE_END.split(" ".join(text.split())) if s.strip()]
 
 
+def complete_sentences(text: str) -> tuple[list[str], str]:
+    """The whole sentences at the start of text that is still being written (an LLM's words as they come), and what
+    follows them: a sentence counts as whole once the space after its end has come (or, in CJK, its full stop)."""
+    ends = list(_SENTENCE_END.finditer(text))
+    if not ends:
+        return [], text
+    return split_sentences(text[: ends[-1].end()]), text[ends[-1].end() :]
+
+
 def _cut_by_weight(text: str, limit: float) -> list[str]:
     """Last resort for a run with no break point (ideographs without punctuation)."""
     pieces, start, weight = [], 0, 0.0

@@ -49,16 +49,25 @@ def _count_rows(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_kernels, measured, monkeypatch, dtype):
-    """Lines of different lengths, chunk counts and seeds, two or three at a time: rows end and are refilled
-    mid-batch, every line's codes and samples equal its one-line run's, the batch's tree rounds (every row's frame in
-    one call, out of step as acceptance differs) making the calls and accepting what the line's own rounds
-    do, and a line the model cannot speak fails alone."""
+    """Lines of different lengths, chunk counts, seeds and sampling settings, two or three at a time: rows end and
+    are refilled mid-batch, every line's codes and samples equal its one-line run's, the batch's tree rounds (every
+    row's frame in one call, out of step as acceptance differs, rows drawn by their own settings) making the calls
+    and accepting what the line's own rounds do, and a line the model cannot speak fails alone."""
     synth = Synthesizer.from_checkpoint(tiny_dir if dtype == "float32" else released_06_kernels, dtype=dtype)
     synth = synth.using(Speculation(resolve_tree("8"), Offsets.zeros(3, synth.hidden_size)))
     settings = GenerationSettings(max_frames=16 if dtype == "float32" else 9)  # chunks of 16 frames: lines of 1-3
-    lines = [Line(text, utterance=index + 3, seed=index % 2 or None) for index, text in enumerate(TEXTS)]
+    own = {  # lines sampled by their own settings share the calls of lines sampled by the batch's
+        1: GenerationSettings(max_frames=settings.max_frames, temperature=0.6, top_k=20),
+        2: GenerationSettings(max_frames=settings.max_frames, top_p=0.8, predictor_temperature=1.2),
+    }
+    lines = [
+        Line(text, utterance=index + 3, seed=index % 2 or None, settings=own.get(index))
+        for index, text in enumerate(TEXTS)
+    ]
     alone = [  # seeds 5 (the batch's) and 1 (the line's own) share the batch's calls
-        synth.synthesize(line.text, seed=line.seed or 5, utterance=line.utterance, settings=settings, chunk_chars=40)
+        synth.synthesize(
+            line.text, seed=line.seed or 5, utterance=line.utterance, settings=line.settings or settings, chunk_chars=40
+        )
         for line in lines
     ]
     rows = _count_rows(monkeypatch)

@@ -14,7 +14,7 @@ from helpers import run_cli
 
 from rvqtts.cloning import ClonedVoice, VoiceError, VoiceSource, load_voice, save_voice
 from rvqtts.loader import EngineChoices
-from rvqtts.settings import GenerationSettings
+from rvqtts.settings import GenerationSettings, StreamPacing
 from rvqtts.synthesis import Synthesizer
 
 SETTINGS = GenerationSettings(max_frames=10)
@@ -49,11 +49,11 @@ def test_a_voice_cloned_in_icl_mode_is_spoken_exactly_as_its_references_continua
     assert upstream[cut:].size in (frames * 1920, frames * 1920 + 1)
     assert np.abs(upstream[-frames * 1920 :] - spoken.audio).max() < 1e-4
     assert not np.allclose(synth.codec.decode(spoken.codes), spoken.audio, atol=1e-4)  # the reference matters
-    stream = synth.stream("Hi there.", seed=3, clone=voice, settings=SETTINGS, frames_per_chunk=3)
+    stream = synth.stream("Hi there.", seed=3, clone=voice, settings=SETTINGS, pacing=StreamPacing(3, 3))
     chunks = list(stream)
     assert np.array_equal(stream.result.codes, spoken.codes) and len(chunks) > 2
     assert np.abs(stream.result.audio - spoken.audio).max() < 1e-4  # streamed after the reference too
-    again = synth.stream("Hi there.", seed=3, clone=voice, settings=SETTINGS, frames_per_chunk=3)
+    again = synth.stream("Hi there.", seed=3, clone=voice, settings=SETTINGS, pacing=StreamPacing(3, 3))
     list(again)  # the decoder restored after the reference, not fed it again: the same samples
     assert voice in synth.codec.primed and np.array_equal(again.result.audio, stream.result.audio)
     state, cache, _ = synth.codec.primed[voice]  # kept compactly: no view holding a whole push's activations
@@ -61,7 +61,7 @@ def test_a_voice_cloned_in_icl_mode_is_spoken_exactly_as_its_references_continua
     assert sum(t.untyped_storage().nbytes() for t in kept) <= 2 * sum(t.numel() * t.element_size() for t in kept)
     text, chunked = "One two three four. Five six seven eight.", dict(chunk_chars=20, settings=SETTINGS, clone=voice)
     whole = synth.synthesize(text, **chunked)
-    streamed = synth.stream(text, frames_per_chunk=4, **chunked)
+    streamed = synth.stream(text, pacing=StreamPacing(4, 4), **chunked)
     list(streamed)  # each text chunk continues the reference
     assert whole.chunks > 1 and np.array_equal(streamed.result.codes, whole.codes)
     assert np.abs(streamed.result.audio - whole.audio).max() < 1e-4

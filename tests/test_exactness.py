@@ -19,7 +19,7 @@ from rvqtts.batch_size import rows_invariant
 from rvqtts.engine.sampling import SamplingConfig, residual_noise
 from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import resolve_tree
-from rvqtts.settings import GenerationSettings, Line
+from rvqtts.settings import GenerationSettings, Line, StreamPacing
 from rvqtts.synthesis import Synthesizer
 
 DTYPES = ("bfloat16", "float32")
@@ -70,7 +70,7 @@ def spoken(synth: Synthesizer, speculation: Speculation | None, stream: bool = F
     synth = synth.using(speculation)
     if not stream:
         return synth.synthesize(TEXT, **run), frames
-    audio_stream = synth.stream(TEXT, **run, frames_per_chunk=1)
+    audio_stream = synth.stream(TEXT, **run, pacing=StreamPacing(1, 1))
     pieces = list(audio_stream)
     return audio_stream.result, frames, np.concatenate(pieces)
 

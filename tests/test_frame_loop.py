@@ -114,7 +114,7 @@ def test_greedy_frames_equal_stock_qwen_tts(name, penalty, request):
 
 def loop_frames(synth, sampling, prompt, budget: int) -> np.ndarray:
     """The frame codes [frames, G] the frame loop speaks for one prompt (seed 0, utterance 0)."""
-    events = synth.runners.frame_loop(sampling).run([Work(0, 0, iter([(prompt, budget)]))])
+    events = synth.runners.frame_loop().run([Work(0, 0, iter([(prompt, budget)]), sampling)])
     return np.stack([event.codes for event in events if isinstance(event, FrameDone)])
 
 

@@ -13,7 +13,15 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rvqtts.engine.sampling import SamplingConfig, draw, gumbel_noise, target_probs, warp_logits
+from rvqtts.engine.sampling import (
+    RowSampling,
+    SamplingConfig,
+    draw,
+    draw_checked,
+    gumbel_noise,
+    target_probs,
+    warp_logits,
+)
 
 CONFIGS = [
     SamplingConfig(0.9, 50, 1.0),
@@ -117,3 +125,28 @@ def test_noise_is_standard_gumbel_and_the_layout_is_frozen():
 
 
 FROZEN = [[0.3738376200199127, -0.8050708174705505, -0.9002622961997986]]
+
+
+def test_rows_sampled_differently_each_draw_what_their_own_config_draws():
+    """A call whose rows belong to frames of different settings (a server's requests sharing calls): each row's
+    code and the finite flag are those its own config gives it, in any order of rows, for the rows of a tree round
+    too (`take` by each row's frame); one shared config is the plain config itself."""
+    generator = torch.Generator().manual_seed(3)
+    configs = [
+        SamplingConfig(),
+        SamplingConfig(temperature=0.5, top_k=5),
+        SamplingConfig(temperature=1.3, top_k=0, top_p=0.7),
+        SamplingConfig(do_sample=False),
+    ]
+    frames = torch.tensor([0, 1, 2, 3, 1, 0, 3, 2])  # each row's frame, as a round's layout gives them
+    per_frame = [configs[0], configs[1], configs[2], configs[3]]
+    logits = torch.randn(len(frames), 300, generator=generator) * 3
+    noise = -torch.log(-torch.log(torch.rand(len(frames), 300, generator=generator)))
+    mixed = RowSampling.of(per_frame, torch.device("cpu"))
+    codes, finite = draw_checked(logits, noise, mixed.take(frames))
+    alone = [draw(logits[r : r + 1], noise[r : r + 1], per_frame[f])[0] for r, f in enumerate(frames.tolist())]
+    assert codes.tolist() == [int(code) for code in alone] and bool(finite)
+    assert codes.tolist() != draw(logits, noise, configs[0]).tolist()  # not every row by the first's config
+    assert RowSampling.of([configs[1]] * 3, torch.device("cpu")) is configs[1]
+    logits[5, :] = float("nan")
+    assert not bool(draw_checked(logits, noise, mixed.take(frames))[1])

@@ -22,7 +22,7 @@ from helpers import run_cli, wait_until
 
 from rvqtts.audio import audio_bytes
 from rvqtts.loader import EngineChoices
-from rvqtts.server import STREAM_FRAMES, ServerOptions, SpeechEngine, create_app
+from rvqtts.server import Job, ServerOptions, SpeechEngine, create_app
 from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer
 
@@ -67,20 +67,22 @@ def client(served):
 
 
 class Gate:
-    """Holds the engine inside its next synthesis (`method` of its Synthesizer, patched on the instance) until the
-    test opens the gate: once `entered` is set, the engine thread is provably busy and every later request waits
-    in its queue. A held engine is let go after WAIT seconds whatever happens, so a failing test cannot hang it."""
+    """Holds the engine as a row takes its next request (making the request's prompt, patched on the Synthesizer
+    instance) until the test opens the gate: once `entered` is set, the engine thread is provably busy and every later
+    request waits in its queue. A held engine is let go after WAIT seconds whatever happens, so a failing test cannot
+    hang it."""
 
-    def __init__(self, engine: SpeechEngine, monkeypatch, method: str = "synthesize_many"):
+    def __init__(self, engine: SpeechEngine, monkeypatch):
         self.entered, self.opened = threading.Event(), threading.Event()
-        original = getattr(engine.synth, method)
+        original = engine.synth.prompt
 
         def held(*args, **kwargs):
-            self.entered.set()
-            self.opened.wait(WAIT)
-            yield from original(*args, **kwargs)
+            if not self.entered.is_set():
+                self.entered.set()
+                self.opened.wait(WAIT)
+            return original(*args, **kwargs)
 
-        monkeypatch.setattr(engine.synth, method, held)
+        monkeypatch.setattr(engine.synth, "prompt", held)
 
     def wait_entered(self, what: str) -> None:
         wait_until(self.entered.is_set, WAIT, f"{what} to reach the engine")
@@ -117,29 +119,25 @@ def test_a_response_is_the_file_rvqtts_synth_writes(client, tiny_dir, tmp_path):
 
 
 def test_streamed_audio_arrives_in_pieces_as_it_is_made(client, served, monkeypatch):
-    """The engine is held after the stream's first piece (its first 4 frames) until the client has read audio
-    samples: they can only have come before the rest of the utterance was made. A server that sent the body at the
-    end would time out here; how TCP cuts the bytes into reads does not matter."""
+    """The engine is held after the stream's first piece (its first frame) until the client has read audio samples:
+    they can only have come before the rest of the utterance was made. A server that sent the body at the end would
+    time out here; how TCP cuts the bytes into reads does not matter."""
     text = "A streamed sentence."
     whole, _ = soundfile.read(io.BytesIO(speak(client, text, seed=1)), dtype="int16")
     _, engine = served
     first_made, opened = threading.Event(), threading.Event()
-    made: list[int] = []  # the samples of each piece the engine's stream made, in order
-    speak_many = engine.synth.synthesize_many
+    made: list[int] = []  # the bytes of each piece of samples the engine sent, in order
+    send = Job.send
 
-    def held_stream(*args, **kwargs):
-        for index, item in speak_many(*args, **kwargs):
-            hold = False
-            if isinstance(item, np.ndarray):
-                made.append(item.size)
-                hold = item.size and not first_made.is_set()
-                if hold:
-                    first_made.set()
-            yield index, item  # the engine sends it on, then asks for the next
-            if hold:
+    def held_send(job: Job, item) -> None:
+        send(job, item)  # sent on, then the engine is held before it makes the next
+        if isinstance(item, bytes) and not item.startswith(b"RIFF"):
+            made.append(len(item))
+            if not first_made.is_set():
+                first_made.set()
                 opened.wait(WAIT)
 
-    monkeypatch.setattr(engine.synth, "synthesize_many", held_stream)
+    monkeypatch.setattr(Job, "send", held_send)
     request = dict(model="tiny", voice="vivian", input=text, response_format="wav")
     received = b""
     try:
@@ -159,8 +157,8 @@ def test_streamed_audio_arrives_in_pieces_as_it_is_made(client, served, monkeypa
     assert received[40:44] == b"\xff\xff\xff\xff"
     samples = np.frombuffer(received[44:], dtype="<i2")
     assert samples.shape == whole.shape and np.abs(samples.astype(int) - whole).max() <= 1
-    # a piece every 4 frames: pieces after the first were made only once the client had the first's samples
-    assert len([size for size in made if size]) >= FRAMES // STREAM_FRAMES, made
+    # one frame first, then a piece every 4 frames, made only once the client had the first's samples
+    assert made[0] == 2 * (1920 - 1200) and len(made) >= 3, made  # the crossfade holds 50 ms back until the next
 
 
 def test_bad_requests_get_openai_errors_saying_what_to_send(served):
@@ -175,6 +173,7 @@ def test_bad_requests_get_openai_errors_saying_what_to_send(served):
         ({"temperature": -1}, 400, None, "temperature"),
         ({"seed": "x"}, 400, "seed", "whole number"),
         ({"max_frames": 2.5}, 400, "max_frames", "whole number"),
+        ({"max_frames": 48}, 400, "max_frames", "over this model's limit of 47 frames"),
         ({"language": "klingon"}, 400, None, "klingon"),
         ({"stream_format": "text"}, 400, "stream_format", "choose audio or sse"),
         ({"stream_format": "sse", "stream": False}, 400, "stream", "leave `stream` out or true"),
@@ -255,7 +254,7 @@ def test_concurrent_clients_each_get_the_audio_of_their_seed(served, tiny):
 def test_a_client_gone_mid_stream_stops_its_request_while_others_stream(served, client):
     url, engine = served
     cancelled = engine.counts["cancelled"]
-    long = {"input": "A long utterance. " * 5, "voice": "vivian", "stream": True, "max_frames": 400}
+    long = {"input": "A long utterance. " * 5, "voice": "vivian", "stream": True, "max_frames": 40}
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
         with http.stream("POST", "/v1/audio/speech", json=long) as response:
             assert response.status_code == 200
@@ -348,7 +347,7 @@ def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tin
     from rvqtts.batch_size import rows_invariant
 
     jobs = [("One line.", 1), ("Another, longer line of text.", 2), ("Third.", 3), ("One line.", 4)]
-    with running(tiny_dir, batch_size=4) as (url, engine):
+    with running(tiny_dir, batch_size=len(jobs) + 1) as (url, engine):
         assert rows_invariant(engine.synth)
 
         def post(job: tuple[str, int], frames: int = FRAMES) -> bytes:
@@ -360,15 +359,7 @@ def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tin
         alone = [post(job) for job in jobs]  # one client: each request alone in the engine
         settled(engine)
         assert engine.counts["batched"] == 0
-        groups: list[int] = []  # how many lines each of the engine's synthesize_many calls spoke together
-        speak_many = engine.synth.synthesize_many
-
-        def counted(lines, **options):
-            groups.append(len(lines))
-            return speak_many(lines, **options)
-
-        monkeypatch.setattr(engine.synth, "synthesize_many", counted)
-        gate = Gate(engine, monkeypatch)  # the holder's synthesis waits until all the others are queued
+        gate = Gate(engine, monkeypatch)  # the holder's row waits until all the others are queued
         with ThreadPoolExecutor(5) as pool:
             try:
                 holder = pool.submit(post, ("Hold the engine.", 9))
@@ -383,7 +374,7 @@ def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tin
             holder.result()
         settled(engine)
         assert together == alone
-        assert groups == [1, len(jobs)] and engine.counts["batched"] == len(jobs)  # the holder, then all 4 together
+        assert engine.counts["batched"] == len(jobs) + 1  # the 4 took rows beside the holder at its first frame
 
 
 def test_the_load_test_reports_latencies_and_the_servers_memory_and_caches(served):
@@ -396,3 +387,127 @@ def test_the_load_test_reports_latencies_and_the_servers_memory_and_caches(serve
     assert 0 < result["first_audio_p50"] <= result["total_p50"] <= result["total_p95"]
     assert result["server_rss_mib_after"] > result["server_caches_mib_after"] > 0  # the loops' caches are held
     assert "its caches MiB" in str(serve_table(result).columns[-1].header)
+
+
+def test_streamed_and_whole_requests_share_rows_each_with_its_solo_audio(tiny_dir, measured, monkeypatch):
+    """Streamed (audio and events) and whole requests with different seeds and sampling settings, queued behind a
+    held request, take rows beside it at its first frame (the kernels measured row-invariant): each body is,
+    byte for byte, the one it gets alone; a streamed request's first piece is one frame."""
+    jobs = [
+        {"input": "A streamed line.", "seed": 1, "stream": True, "response_format": "pcm"},
+        {"input": "Another streamed one.", "seed": 2, "stream_format": "sse", "temperature": 0.7},
+        {"input": "A whole one.", "seed": 3, "top_k": 10, "predictor_temperature": 1.1},
+        {"input": "And a streamed WAV.", "seed": 4, "stream": True, "top_p": 0.8},
+    ]
+    with running(tiny_dir, batch_size=len(jobs) + 1) as (url, engine):
+
+        def post(job: dict) -> bytes:
+            body = {"voice": "vivian", "max_frames": FRAMES, **job}
+            response = httpx.post(url + "/v1/audio/speech", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            return response.content
+
+        alone = [post(job) for job in jobs]
+        settled(engine)
+        assert engine.counts["batched"] == 0
+        gate = Gate(engine, monkeypatch)
+        with ThreadPoolExecutor(len(jobs) + 1) as pool:
+            try:
+                holder = pool.submit(post, {"input": "Hold the engine.", "seed": 9, "stream": True})
+                gate.wait_entered("the holder request")
+                waiting = [pool.submit(post, job) for job in jobs]
+                wait_until(lambda: engine.health()["queued"] == len(jobs), WAIT, "the requests to queue")
+            finally:
+                gate.opened.set()
+            together = [future.result() for future in waiting]
+            holder.result()
+        settled(engine)
+    assert together == alone
+    assert engine.counts["batched"] == len(jobs) + 1 and engine.counts["failed"] == 0
+    header, first = (json.loads(event.removeprefix(b"data: ")) for event in alone[1].split(b"\n\n")[:2])
+    assert base64.b64decode(header["audio"]).startswith(b"RIFF")
+    assert len(base64.b64decode(first["audio"])) == 2 * (1920 - 1200)  # one frame, less the crossfade's 50 ms
+
+
+def test_no_malformed_request_gets_a_server_error(served):
+    """A seeded fuzz over the request's fields (types, ranges, sizes, unknown fields): every answer is a 200, 400 or
+    413 with OpenAI's error body, and the connection stays whole."""
+    url, engine = served
+    rng = np.random.default_rng(45)
+    good = {"input": "Hi.", "voice": "vivian", "max_frames": 2}
+    values = [
+        None, True, False, 0, -1, 1, 2, 47, 48, 10**12, -(10**12), 2**63, 0.5, -0.5, 1e308, float("inf"), "", " ",
+        "x", "wav", "sse", "audio", "vivian", "auto", "x" * 300, [], [1], {}, {"id": "vivian"}, {"id": 3}, float("nan"),
+    ]  # fmt: skip
+    names = [
+        "input", "voice", "response_format", "stream", "stream_format", "speed", "seed", "language", "instruct",
+        "instructions", "model", "temperature", "top_k", "top_p", "repetition_penalty", "max_frames",
+        "predictor_temperature", "predictor_top_k", "predictor_top_p", "unknown",
+    ]  # fmt: skip
+    statuses = []
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT) as http:
+        for _ in range(500):
+            body = dict(good)
+            for name in rng.choice(names, size=rng.integers(1, 4), replace=False):
+                body[str(name)] = values[rng.integers(len(values))]
+            if rng.random() < 0.05:
+                body = values[rng.integers(len(values))]  # not an object at all
+            content = json.dumps(body).encode()  # inf and nan as JSON's extensions, as a careless client sends them
+            response = http.post("/v1/audio/speech", content=content, headers={"content-type": "application/json"})
+            statuses.append(response.status_code)
+            assert response.status_code in (200, 400, 413), (body, response.status_code, response.text[:300])
+            if response.status_code != 200:
+                assert response.json()["error"]["type"] == "invalid_request_error", body
+    settled(engine)
+    assert engine.counts["failed"] == 0 and 20 < statuses.count(200) < 480  # both kinds were tried
+
+
+def test_text_in_pieces_over_a_websocket_is_spoken_sentence_by_sentence(served):
+    """An LLM's words as they come: each sentence is spoken once it is whole (its audio arrives before the rest of
+    the text is sent) and is, byte for byte, the streamed PCM of a request with the session's fields; the text left
+    at the end is spoken on `done`; a bad session or message gets an error event and the session goes on."""
+    from websockets.sync.client import connect
+
+    url, engine = served
+    session = {"voice": "vivian", "seed": 5, "max_frames": FRAMES}
+    received: list[object] = []
+
+    errors: list[dict] = []
+
+    def until(kind: str) -> None:
+        while not received or received[-1] != kind:
+            message = ws.recv(timeout=WAIT)
+            event = None if isinstance(message, bytes) else json.loads(message)
+            received.append(message if event is None else event["type"])
+            if event and event["type"] == "error":
+                errors.append(event)
+
+    address = url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    with connect(address, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        ws.send(json.dumps({"type": "session", **session, "voice": "alloy"}))  # refused: the session goes on
+        ws.send(json.dumps({"type": "session", **session}))
+        ws.send(json.dumps({"type": "text", "text": "Hello the"}))
+        ws.send(json.dumps({"type": "text", "text": "re. How are"}))
+        until("sentence.done")  # the first sentence, spoken before any more text came
+        ws.send("not json")
+        for piece in (" you", " today? Fi", "ne"):
+            ws.send(json.dumps({"type": "text", "text": piece}))
+        ws.send(json.dumps({"type": "done"}))
+        until("done")
+    assert [e["error"]["param"] for e in errors] == ["voice", None] and "send JSON messages" in str(errors[1])
+    events = [item for item in received if isinstance(item, str) and item != "error"]
+    assert events == ["sentence", "sentence.done"] * 3 + ["done"]
+    audio, pieces = [], []
+    for item in received:
+        if item == "sentence":
+            pieces = []
+        elif item == "sentence.done":
+            audio.append(b"".join(pieces))
+        elif isinstance(item, bytes):
+            pieces.append(item)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT) as http:
+        for sentence, spoken in zip(["Hello there.", "How are you today?", "Fine"], audio):
+            body = {**session, "input": sentence, "stream": True, "response_format": "pcm"}
+            assert spoken and http.post("/v1/audio/speech", json=body).content == spoken, sentence
+    with pytest.raises(Exception, match="403"):  # no key: refused at the handshake
+        connect(address).close()

@@ -52,16 +52,18 @@ def serve(
     chunk_chars: int = typer.Option(240, help="Long input is spoken in chunks of about this many characters."),
     batch_size: str = typer.Option(
         "auto",
-        help="Whole (not streamed) requests waiting together, with the same sampling settings, spoken a row each in "
-        "every call of both loops, up to this many; auto: the size measured best on this machine and model where the "
-        "kernels keep rows invariant (each response then the one it gets alone), else 1.",
+        help="Requests spoken at once, a row each in every call of both loops (streamed or whole, any sampling "
+        "settings), each taking a row as soon as one is free; auto: the size measured best on this machine and model "
+        "where the kernels keep rows invariant (each response then the one it gets alone), else 1.",
     ),
+    first_stream_frames: int = typer.Option(1, help="Frames in a streamed response's first piece (1: soonest)."),
+    stream_frames: int = typer.Option(4, help="Frames per later streamed piece (4 = 320 ms)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only."),
 ) -> None:
     """Serve the OpenAI audio API (POST /v1/audio/speech) on one model loaded once.
 
     Install the server's packages first: pip install -e '.[serve]' in rvqtts's checkout. Requests are taken in
-    the order they came; whole ones waiting together share calls (--batch-size), streamed ones are spoken alone.
+    the order they came, each into a row of the running calls as soon as one is free (--batch-size rows).
     A whole (not streamed) response is, byte for byte, rvqtts synth's file for the same text, voice, seed and
     options; a streamed one has the same length and its samples are that file's up to float rounding (at most
     one 16-bit step apart in the tests; text chunks of up to 300 frames, as synth --stream).
@@ -72,6 +74,10 @@ def serve(
         fail(f"--port must be between 1 and 65535, got {port}")
     if queue_size < 1 or max_chars < 1:
         fail(f"--queue-size and --max-chars must be at least 1, got {queue_size} and {max_chars}")
+    if first_stream_frames < 1 or stream_frames < 1:
+        fail(
+            f"--first-stream-frames and --stream-frames must be at least 1, got {first_stream_frames}, {stream_frames}"
+        )
     if chunk_chars < 20:
         fail(f"--chunk-chars must be at least 20, got {chunk_chars}")
     try:
@@ -93,6 +99,7 @@ def serve(
     from rvqtts.batch_size import choose_batch_size
     from rvqtts.server import ServerOptions
     from rvqtts.server import serve as run_server
+    from rvqtts.settings import StreamPacing
 
     rows = batch_rows(batch_size)
     synthesizer = load_synthesizer(
@@ -101,6 +108,9 @@ def serve(
     if rows is None:
         rows, source = choose_batch_size(synthesizer, queue_size + 1, progress=lambda m: say(m, quiet))
         say(f"--batch-size auto: {rows} ({source})", quiet)
-    options = ServerOptions(Path(model).name or model, api_key, voices, max_chars, queue_size, chunk_chars, rows)
+    pacing = StreamPacing(first_stream_frames, stream_frames)
+    options = ServerOptions(
+        Path(model).name or model, api_key, voices, max_chars, queue_size, chunk_chars, rows, pacing
+    )
     say(f"serving {model} on http://{host}:{port}/v1 (POST /v1/audio/speech; GET /v1/voices, /health)", quiet)
     run_server(synthesizer, options, host, port, quiet)

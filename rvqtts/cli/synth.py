@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
@@ -34,6 +34,9 @@ from rvqtts.cli.common import (
     show_stats,
     write_stats,
 )
+
+if TYPE_CHECKING:
+    from rvqtts.settings import StreamPacing
 
 
 def _read_text(text: Optional[str]) -> str:
@@ -66,10 +69,12 @@ def synth(
     stream: bool = typer.Option(
         False,
         "--stream",
-        help="Write audio while it is made, every --stream-frames frames (decoded incrementally: the audio of a run "
-        "without --stream up to float rounding, for chunks of up to 300 frames); a file appears when it is complete.",
+        help="Write audio while it is made: the first piece after --first-stream-frames frames, then every "
+        "--stream-frames (decoded incrementally: the audio of a run without --stream up to float rounding, for chunks "
+        "of up to 300 frames); a file appears when it is complete.",
     ),
-    stream_frames: int = typer.Option(4, help="Frames per streamed chunk (12.5 frames = 1 s; 4 = 320 ms)."),
+    first_stream_frames: int = typer.Option(1, help="Frames in the first streamed piece (1: first audio soonest)."),
+    stream_frames: int = typer.Option(4, help="Frames per later streamed piece (12.5 frames = 1 s; 4 = 320 ms)."),
     stdout_format: str = typer.Option(
         "wav",
         "--format",
@@ -214,7 +219,11 @@ def synth(
     faster than real time).
     """
     # Everything that can be checked without the model is checked first: bad input costs no model load.
-    _check_options(backend, weights, compute_units, coreml_precision, stdout_format, stream_frames, chunk_chars)
+    _check_options(backend, weights, compute_units, coreml_precision, stdout_format, chunk_chars)
+    if first_stream_frames < 1 or stream_frames < 1:
+        fail(
+            f"--first-stream-frames and --stream-frames must be at least 1, got {first_stream_frames}, {stream_frames}"
+        )
     if ray is None and (workers, cpus_per_worker, gpus_per_worker) != (None, None, None):
         fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
     if file is None:  # one text: a voice this model does not speak is refused from its config, before torch loads
@@ -237,7 +246,7 @@ def synth(
         utterance, rows = _one_input(text, output, batch_size, stdout_format, codes_out), None
         utterances, output = [utterance], utterance.name
     ensure_writable(stats_json)
-    from rvqtts.settings import GenerationSettings, RunSettings
+    from rvqtts.settings import GenerationSettings, RunSettings, StreamPacing
 
     sampling = (temperature, top_k, top_p, repetition_penalty, max_frames)
     with refused(ValueError):
@@ -268,8 +277,10 @@ def synth(
             say(INSTRUCT_IGNORED)
         _encode_voices(synthesizer, voices, clone, save_voice, quiet)
         if file is None:
-            frames = stream_frames if stream else None
-            _synth_one(synthesizer, utterance, output, run, frames, stdout_format, codes_out, stats_json, quiet)
+            pacing = StreamPacing(first_stream_frames, stream_frames) if stream else None
+            if pacing:  # the decoder's cold start taken at load, not out of the first audio
+                synthesizer.codec.warm_up(pacing)
+            _synth_one(synthesizer, utterance, output, run, pacing, stdout_format, codes_out, stats_json, quiet)
         else:
             from rvqtts.batch_size import choose_batch_size
             from rvqtts.cli.batch import run_here
@@ -286,7 +297,6 @@ def _check_options(
     compute_units: str,
     coreml_precision: str,
     stdout_format: str,
-    stream_frames: int,
     chunk_chars: float,
 ) -> None:
     """Fail with one line on an option that is wrong whatever the model."""
@@ -303,8 +313,6 @@ def _check_options(
         check_coreml(compute_units, coreml_precision)
     if stdout_format not in STDOUT_FORMATS:
         fail(f"unknown --format {stdout_format!r}: choose wav or raw")
-    if stream_frames < 1:
-        fail(f"--stream-frames must be at least 1, got {stream_frames}")
     if chunk_chars < 20:
         fail(f"--chunk-chars must be at least 20, got {chunk_chars} (--no-chunk speaks the text in one pass)")
 
@@ -530,9 +538,9 @@ def _on_coreml(
 
 
 def _synth_one(
-    synthesizer, item, output, run, stream_frames: Optional[int], stdout_format: str, codes_out, stats_json, quiet
+    synthesizer, item, output, run, pacing: Optional[StreamPacing], stdout_format: str, codes_out, stats_json, quiet
 ) -> None:
-    """One text to `output`: streamed every `stream_frames` frames, or (None) written whole at the end."""
+    """One text to `output`: streamed as `pacing` says, or (None) written whole at the end."""
     from rvqtts.audio import write_audio, write_codes, write_stream
 
     with progress_bar(quiet) as progress:
@@ -542,8 +550,8 @@ def _synth_one(
             on_chunk=lambda done, total: progress.update(task, completed=done, total=total),
             clone=synthesizer.voice_of(run.clone) if run.clone else None,
         )
-        if stream_frames:
-            audio = synthesizer.stream(item.text, **keywords, frames_per_chunk=stream_frames)
+        if pacing:
+            audio = synthesizer.stream(item.text, **keywords, pacing=pacing)
             write_stream(output, audio, synthesizer.sample_rate, stdout_format)
             result = audio.result
         else:

@@ -15,24 +15,45 @@ import torch
 
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.inner_loop import LoopParts, count_frame, inner_frames
-from rvqtts.engine.sampling import C0Rules, NonFiniteError, SamplingConfig, draw_checked, gumbel_noise, residual_noise
+from rvqtts.engine.sampling import (
+    C0Rules,
+    FrameSampling,
+    NonFiniteError,
+    RowSampling,
+    SamplingConfig,
+    draw_checked,
+    gumbel_noise,
+    residual_noise,
+)
 from rvqtts.engine.speculation import LoopStats
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.prompt import Prompt
 
 
+class Stopped(Exception):
+    """The utterance was stopped by its caller (a client gone): its row is free from the next frame."""
+
+
+def _going_on() -> bool:
+    return False
+
+
 @dataclass
 class Work:
     """One utterance: its seed and number (its noise keys: rows of different seeds share calls), its chunks as
-    (prompt, frame budget) pairs made when its row reaches them (an exception there fails the utterance alone),
-    and what the loop counted. `forced` [frames, G]: teacher forcing (c0 read instead of drawn, c1.. too, one
-    chunk); `on_frame` is shown each frame's predictor prefix [h_t, embedding of c0] and codes c1.. ."""
+    (prompt, frame budget) pairs made when its row reaches them (an exception there fails the utterance alone), its
+    sampling (rows sampled differently share calls), and what the loop counted. `forced` [frames, G]: teacher forcing
+    (c0 read instead of drawn, c1.. too, one chunk); `on_frame` is shown each frame's predictor prefix [h_t,
+    embedding of c0] and codes c1.. ; `stopped` is asked before each frame (true: the row is let go, WorkFailed with
+    Stopped)."""
 
     seed: int
     utterance: int
     chunks: Iterator[tuple[Prompt, int]]
+    sampling: FrameSampling
     forced: np.ndarray | None = None
     on_frame: Callable[[torch.Tensor, list[int]], None] | None = None
+    stopped: Callable[[], bool] = _going_on
     frame: int = 0  # frames spoken so far, across chunks
     talker_calls: int = 0
     stats: LoopStats = field(default_factory=LoopStats)
@@ -83,38 +104,42 @@ class FrameLoop:
     runner, the speculation and offsets and the calls it makes through (static calls replay the shapes of one row;
     a batch's run eagerly), or a Core ML package's fused calls for one row."""
 
-    def __init__(
-        self,
-        talker: TalkerRunner,
-        parts: LoopParts,
-        rules: C0Rules,
-        talker_sampling: SamplingConfig,
-        predictor_sampling: SamplingConfig,
-        rows: int = 1,
-    ):
+    def __init__(self, talker: TalkerRunner, parts: LoopParts, eos_id: int, rows: int = 1):
         if rows < 1:
             raise ValueError(f"a batch needs at least one row, got {rows}")
         if parts.fused is not None and rows > 1:
             raise ValueError("a Core ML package's fused calls carry one frame: speak its lines one at a time")
-        self.talker, self.parts, self.rules = talker, parts, rules
-        self.talker_sampling, self.predictor_sampling = talker_sampling, predictor_sampling
+        self.talker, self.parts, self.eos_id = talker, parts, eos_id
         self.rows, self.speculation = rows, parts.speculation
+        self._rules: dict[float, C0Rules] = {}  # by repetition penalty
 
-    def run(self, works: Iterable[Work]) -> Iterator[FrameDone | ChunkDone | WorkDone | WorkFailed]:
-        """Speak every utterance; report each frame, and each chunk and each utterance as it ends
-        (NonFiniteError, which every utterance would meet, stops the loop)."""
+    def run(self, works: Iterable[Work | None]) -> Iterator[FrameDone | ChunkDone | WorkDone | WorkFailed]:
+        """Speak every utterance, each as soon as a row is free; report each frame, and each chunk and each
+        utterance as it ends (NonFiniteError, which every utterance would meet, stops the loop). `works` may be a
+        live source: None from it means none is waiting now (the rows speak on; with none at work, it is asked again,
+        so it should wait for work then)."""
         waiting = iter(works)
         rows: list[_Row | None] = [None] * self.rows
+        ended = False
         while True:
             for slot in range(self.rows):
-                while rows[slot] is None:
-                    work = next(waiting, None)
-                    if work is None:
+                while rows[slot] is None and not ended:
+                    work = next(waiting, _END)
+                    ended = work is _END
+                    if work is None or ended:
                         break
                     yield from self._next_chunk(rows, slot, work)
-            if not any(rows):
+            if any(rows):
+                yield from self._frame(rows)
+            elif ended:
                 return
-            yield from self._frame(rows)
+
+    def rules(self, sampling: FrameSampling) -> C0Rules:
+        """The processors of c0's draw under `sampling` (made once per repetition penalty)."""
+        penalty = sampling.repetition_penalty
+        if penalty not in self._rules:
+            self._rules[penalty] = C0Rules(self.talker.vocab_size, self.eos_id, penalty, self.talker.device)
+        return self._rules[penalty]
 
     def _frame(self, rows: list[_Row | None]) -> Iterator[FrameDone | ChunkDone | WorkDone | WorkFailed]:
         """One frame of every row: c0 drawn per row, c1.. of all rows in one inner loop, then one talker
@@ -125,12 +150,16 @@ class FrameLoop:
             if row is None:
                 continue
             work = row.work
+            if work.stopped():
+                rows[slot] = None
+                yield WorkFailed(work, Stopped("stopped by its caller"))
+                continue
             if work.forced is not None:
                 c0 = int(work.forced[len(row.frames), 0])
             else:
                 c0 = draw_c0(
-                    self.rules,
-                    self.talker_sampling,
+                    self.rules(work.sampling),
+                    work.sampling.talker,
                     row.logits,
                     row.seen,
                     len(row.frames),
@@ -138,7 +167,7 @@ class FrameLoop:
                     work.utterance,
                     work.frame,
                 )
-            if c0 == self.rules.eos_id:
+            if c0 == self.eos_id:
                 yield from self._end_chunk(rows, slot, cut=False)
             else:
                 ready.append((slot, c0))
@@ -201,10 +230,10 @@ class FrameLoop:
         groups, vocab = len(tables) + 1, tables[0].num_embeddings
         noise = torch.stack([residual_noise(w.seed, w.utterance, w.frame, groups, vocab) for w in works])
         if fused is not None:
-            if self.predictor_sampling != fused.sampling:
+            if works[0].sampling.predictor != fused.sampling:
                 raise ValueError(
                     f"the Core ML package samples with {fused.sampling}, but this frame asks for "
-                    f"{self.predictor_sampling}: export a package for these settings"
+                    f"{works[0].sampling.predictor}: export a package for these settings"
                 )
             run = fused.frame if self.speculation else fused.plain_frame
             frames = [run(prefixes[0], noise[0].to(fused.device))]
@@ -213,7 +242,7 @@ class FrameLoop:
                 runner,
                 prefixes.to(runner.device),
                 noise.to(runner.device),
-                self.predictor_sampling,
+                RowSampling.of([work.sampling.predictor for work in works], runner.device),
                 self.speculation,
                 self.parts.offsets,
                 self.parts.calls,
@@ -253,6 +282,9 @@ class FrameLoop:
             work.seconds["prefill"] = time.perf_counter() - begun
         seen = torch.zeros(self.talker.vocab_size, dtype=torch.bool, device=self.talker.device)
         rows[slot] = _Row(work, prompt, budget, seen, hidden, logits)
+
+
+_END = object()  # the source of works is spent
 
 
 def draw_c0(

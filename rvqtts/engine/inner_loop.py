@@ -13,7 +13,7 @@ from rvqtts.engine.fused import FusedLoop
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.rounds import FrameRounds, plain_frames, speculative_frames
-from rvqtts.engine.sampling import SamplingConfig, residual_noise
+from rvqtts.engine.sampling import RowSampling, SamplingConfig, residual_noise
 from rvqtts.engine.speculation import DEFAULT_DEPTH, EAGER, LoopStats, Speculation, TreePolicy
 
 
@@ -86,7 +86,7 @@ def inner_frames(
     runner: PredictorRunner,
     prefixes: torch.Tensor,
     noise: torch.Tensor,
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | RowSampling,
     speculation: TreePolicy | None,
     offsets: torch.Tensor | None,
     calls: StaticCalls = EAGER,

@@ -47,7 +47,7 @@ from rvqtts.engine.native import source_digest
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.predictor import PredictorRunner
 from rvqtts.engine.rounds import FrameRounds, rounds_call, rounds_layout, steps_call
-from rvqtts.engine.sampling import SamplingConfig
+from rvqtts.engine.sampling import RowSampling, SamplingConfig
 from rvqtts.engine.speculation import OBSERVED_RANKS, Speculation
 from rvqtts.engine.tree import SHIPPED_TREES, Tree, frame_codes_per_call, grow_tree, load_acceptance
 from rvqtts.store import ACCEPTANCE, CALL_COSTS
@@ -268,7 +268,7 @@ class OnlineSpeculation:
         """The largest tree a frame may run (the runner's KV cache must hold it)."""
         return max(max(self.budgets), self.depth)
 
-    def start(self, runner: PredictorRunner, sampling: SamplingConfig) -> None:
+    def start(self, runner: PredictorRunner, sampling: SamplingConfig | RowSampling) -> None:
         """Ready for a run: measured call costs, and the counts this model's last run left (or the prior).
         Where the runner's maps are not all measured row-invariant (rvqtts.engine.kernels), a tree round's rows
         may differ from plain steps in the last bit, so a choice that changes with timings could change a
@@ -283,6 +283,8 @@ class OnlineSpeculation:
             self.costs, self.costs_source = call_costs(
                 runner, [1, self.depth + 1] + [n + 1 for n in self.budgets], self.rows, bound=self.depth + 1
             )
+        if isinstance(sampling, RowSampling):  # rows sampled differently: counted under the first's settings
+            sampling = sampling.configs[0]
         key = drafter_key(self.fingerprint, self.offsets, sampling)
         if self.counts is None or key != self._learned_key:
             self._learned_key = key

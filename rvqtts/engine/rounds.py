@@ -15,7 +15,7 @@ import torch
 
 from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.sampling import NonFiniteError, SamplingConfig, draw_checked
+from rvqtts.engine.sampling import NonFiniteError, RowSampling, SamplingConfig, draw_checked
 from rvqtts.engine.speculation import EAGER, OBSERVED_RANKS, RoundPlan, Speculation
 from rvqtts.engine.tree import Tree
 
@@ -48,7 +48,7 @@ def walk_tree(
 
 
 def prefill_call(
-    runner: PredictorRunner, sampling: SamplingConfig, prefixes: torch.Tensor, noise: torch.Tensor
+    runner: PredictorRunner, sampling: SamplingConfig | RowSampling, prefixes: torch.Tensor, noise: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The frames' first call: h_1 [n, H] from [h_t, embedding of c0] ([n, 2, E]), c1 [n] drawn from it, and
     whether the logits were finite. Every call returns that flag; the frames read it back with their codes."""
@@ -57,7 +57,11 @@ def prefill_call(
 
 
 def steps_call(
-    runner: PredictorRunner, index: int, sampling: SamplingConfig, codes: torch.Tensor, noise: torch.Tensor
+    runner: PredictorRunner,
+    index: int,
+    sampling: SamplingConfig | RowSampling,
+    codes: torch.Tensor,
+    noise: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One plain step of n frames: feed c_index of frame r (`codes` [n]) in batch row r and draw each one's
     c_{index+1} with its noise (`noise` [n, G-1, V]); with the finite flag."""
@@ -69,7 +73,7 @@ def plain_frames(
     runner: PredictorRunner,
     prefixes: torch.Tensor,
     noise: torch.Tensor,
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | RowSampling,
     calls: StaticCalls = EAGER,
 ) -> list[list[int]]:
     """c1..c_{G-1} of n frames, one call per code for all of them: `prefixes` [n, 2, E], `noise` [n, G-1, V]
@@ -251,7 +255,7 @@ def rounds_call(
     runner: PredictorRunner,
     layout: RoundsLayout,
     offsets: torch.Tensor,
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | RowSampling,
     hidden: torch.Tensor,
     roots: torch.Tensor,
     noise: torch.Tensor,
@@ -271,7 +275,9 @@ def rounds_call(
     out = runner.forward_rows(embeds, layout.positions, layout.write, layout.attention)
     scored = out[layout.scored_rows]
     logits = torch.cat([runner.logits(scored[rows], position) for position, rows in layout.score_heads])
-    draws, finite = draw_checked(logits, noise[layout.noise_frames, layout.noise_codes], sampling)
+    draws, finite = draw_checked(
+        logits, noise[layout.noise_frames, layout.noise_codes], sampling.take(layout.noise_frames)
+    )
     return node_codes, out, draws, finite, ranked
 
 
@@ -308,7 +314,7 @@ def speculative_frames(
     runner: PredictorRunner,
     prefixes: torch.Tensor,
     noise: torch.Tensor,
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | RowSampling,
     speculations: list[Speculation | None],
     offsets: torch.Tensor,
     calls: StaticCalls = EAGER,

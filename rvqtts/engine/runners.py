@@ -13,7 +13,6 @@ from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.inner_loop import LoopParts
 from rvqtts.engine.kernels import kernels_used
 from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.sampling import C0Rules
 from rvqtts.engine.speculation import TreePolicy
 from rvqtts.engine.talker import TalkerRunner
 from rvqtts.memory import tensors_mib
@@ -75,13 +74,11 @@ class Runners:
         the tree size is chosen online, that choice's own for these rows (`OnlineSpeculation.for_rows`)."""
         return self.speculation and self.speculation.for_rows(rows)
 
-    def frame_loop(self, sampling, rows: int = 1) -> FrameLoop:
-        """The frame loop of a ResolvedSampling over the kept runners: one utterance's (the inner loop's parts and
-        static calls), or `rows` at a time (the batch's runner and speculation, eagerly)."""
-        talker, config = self.talker(), self.talker_module.config
-        rules = C0Rules(config.vocab_size, config.codec_eos_token_id, sampling.repetition_penalty, talker.device)
+    def frame_loop(self, rows: int = 1) -> FrameLoop:
+        """The frame loop over the kept runners: one utterance's (the inner loop's parts and static calls), or `rows`
+        at a time (the batch's runner and speculation, eagerly)."""
         parts = self.inner_parts() if rows == 1 else LoopParts.of(self.batch_runner(), self.batch_speculation(rows))
-        return FrameLoop(talker, parts, rules, sampling.talker, sampling.predictor, rows)
+        return FrameLoop(self.talker(), parts, self.talker_module.config.codec_eos_token_id, rows)
 
     def release_rows(self) -> None:
         """Let a batch's rows go: a later one-line run grows its caches from one row."""

@@ -32,6 +32,20 @@ class SamplingConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
+    def take(self, frames: torch.Tensor) -> SamplingConfig:
+        """The sampling of rows that belong to `frames`: this, every row's (as RowSampling.take)."""
+        return self
+
+
+@dataclass(frozen=True)
+class FrameSampling:
+    """How an utterance's frames are drawn: c0 by the talker's config after its repetition penalty (C0Rules), c1..
+    by the code predictor's."""
+
+    talker: SamplingConfig
+    predictor: SamplingConfig
+    repetition_penalty: float
+
 
 class NonFiniteError(RuntimeError):
     """A model produced NaN or inf logits (an overflow in its dtype, or broken weights); the message says
@@ -92,14 +106,51 @@ def draw(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig) -> t
 
 
 def draw_checked(
-    logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig
+    logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig | RowSampling
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`draw`, and whether every row's logits were finite (a 0-d bool on the device, read back with the
     codes): argmax takes a NaN or +inf where a row has one, so the drawn score alone tells."""
-    scores = warp_logits(logits, config)
-    scores = scores + noise if config.do_sample else scores
+    scores = noised_scores(logits, noise, config)
     codes = scores.argmax(dim=-1)
     return codes, torch.isfinite(scores.gather(-1, codes.unsqueeze(-1))).all()
+
+
+def noised_scores(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig | RowSampling) -> torch.Tensor:
+    """The scores a draw takes the argmax of: the warped logits plus the Gumbel noise (the logits alone when
+    greedy), each row by its own config where rows are sampled differently."""
+    if isinstance(config, RowSampling):
+        return config.scores(logits, noise)
+    scores = warp_logits(logits, config)
+    return scores + noise if config.do_sample else scores
+
+
+@dataclass(frozen=True, eq=False)
+class RowSampling:
+    """The sampling of a call whose rows belong to frames sampled differently (a server's requests sharing the
+    calls): frame f draws by `configs[ids[f]]`. Every warper works row by row, so a row's scores are those its own
+    config gives it alone."""
+
+    configs: tuple[SamplingConfig, ...]
+    ids: torch.Tensor  # [frames]: the index in `configs` of each frame's
+
+    @classmethod
+    def of(cls, configs: list[SamplingConfig], device: torch.device) -> SamplingConfig | RowSampling:
+        """The frames' sampling: the one config where they share it (the calls then as for one utterance)."""
+        distinct = list(dict.fromkeys(configs))
+        if len(distinct) == 1:
+            return distinct[0]
+        ids = torch.tensor([distinct.index(config) for config in configs], device=device)
+        return cls(tuple(distinct), ids)
+
+    def take(self, frames: torch.Tensor) -> RowSampling:
+        """The sampling of rows that belong to `frames` (a frame's index per row)."""
+        return RowSampling(self.configs, self.ids[frames])
+
+    def scores(self, logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        mixed = noised_scores(logits, noise, self.configs[0])
+        for index, config in enumerate(self.configs[1:], 1):
+            mixed = torch.where((self.ids == index)[:, None], noised_scores(logits, noise, config), mixed)
+        return mixed
 
 
 class C0Rules:

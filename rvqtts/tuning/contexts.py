@@ -222,8 +222,8 @@ def teacher_force(synth, line: Line, codes: np.ndarray, on_frame: Callable[[torc
     predictor prefix [h_t, embedding of c0] with the frame's codes c1.. ."""
     line = synth.voiced(line)
     prompt = synth.prompt(" ".join(line.text.split()), line.speaker, line.language, line.instruct, line.clone)
-    work = Work(0, 0, iter([(prompt, len(codes))]), forced=codes, on_frame=on_frame)
-    for event in synth.runners.frame_loop(synth.sampling(GenerationSettings())).run([work]):
+    work = Work(0, 0, iter([(prompt, len(codes))]), synth.sampling(GenerationSettings()), codes, on_frame)
+    for event in synth.runners.frame_loop().run([work]):
         if isinstance(event, WorkFailed):
             raise event.error
     if work.frame != len(codes):
