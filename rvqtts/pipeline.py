@@ -134,14 +134,14 @@ def ready_audio(synth, state: _Spoken) -> np.ndarray:
     ready = state.joiner.add(samples, new_part=state.chunk_start)
     state.pending, state.chunk_start = [], False
     state.seconds["decoder"] += time.perf_counter() - begun
-    if ready.size and state.seconds["first_audio"] is None:
-        state.seconds["first_audio"] = time.perf_counter() - state.started
+    if ready.size and state.seconds["first_audio"] is None:  # its parts in wall time: the frames' take in the rest
         seconds = state.seconds
-        frames_seconds = seconds["talker"] + seconds["predictor"] - seconds["prefill"]
+        seconds["first_audio"] = time.perf_counter() - state.started
+        prefill = seconds["prompt"] + seconds["prefill"]
         seconds["first_audio_split"] = {
-            "prefill": round(seconds["prompt"] + seconds["prefill"], 3),
-            "frames": round(frames_seconds, 3),
-            "decoder": round(state.seconds["decoder"], 3),
+            "prefill": round(prefill, 3),
+            "frames": round(seconds["first_audio"] - prefill - seconds["decoder"], 3),
+            "decoder": round(seconds["decoder"], 3),
         }
     return ready
 

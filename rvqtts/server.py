@@ -623,6 +623,11 @@ def serve(synth, options: ServerOptions, host: str = "127.0.0.1", port: int = 88
     """Serve `synth` over HTTP until interrupted (uvicorn)."""
     import uvicorn
 
+    handler = logging.StreamHandler()  # the engine's log beside uvicorn's, in its shape
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    log.propagate = False
     engine = SpeechEngine(synth, options)
     try:
         uvicorn.run(

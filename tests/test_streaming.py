@@ -121,10 +121,9 @@ def test_a_stream_has_the_codes_and_audio_of_offline_synthesis_chunk_after_chunk
     record = result.record()
     assert (record["first_stream_frames"], record["stream_frames"]) == (1, 4)
     assert 0 < record["first_audio_seconds"] < record["wall_seconds"]
-    # first audio comes after the prompt's prefill, one frame and one decoder piece, and nothing else
-    # relative, as a slower (shared) machine stretches every part alike; 3 ms for four figures rounded to the ms
-    split = sum(record["first_audio_split"].values())
-    assert split == pytest.approx(record["first_audio_seconds"], rel=0.02, abs=0.003)
+    # first audio's parts in wall time: the prompt's prefill, the frames until the first piece, its decoding
+    split = record["first_audio_split"]
+    assert split["frames"] > 0 and 0 < split["decoder"] < record["decoder_seconds"]
     assert 0 < record["prefill_seconds"] == record["first_audio_split"]["prefill"]
     assert offline.record()["first_audio_seconds"] >= record["first_audio_seconds"]
 

@@ -186,8 +186,9 @@ class FrameLoop:
         synchronize(device)
         after = time.perf_counter()
         talker_share, predictor_share = (between - started) / len(ready), (after - between) / len(ready)
-        stepping, inputs = [], []
-        for (slot, c0), rest, prefix in zip(ready, rests, prefixes):
+        going_on = {}  # slot: its next talker input
+        newest_first = sorted(zip(ready, rests, prefixes), key=lambda done: rows[done[0][0]].work.frame)
+        for (slot, c0), rest, prefix in newest_first:  # a first piece of audio is not kept waiting behind later ones
             row = rows[slot]
             row.work.seconds["talker"] += talker_share
             row.work.seconds["predictor"] += predictor_share
@@ -201,16 +202,15 @@ class FrameLoop:
             if len(row.frames) >= row.budget:
                 yield from self._end_chunk(rows, slot, cut=True)
             else:
-                stepping.append(slot)
-                inputs.append(
-                    self.talker.frame_input(
-                        torch.from_numpy(codes).to(device), row.prompt.text_after(len(row.frames) - 1)
-                    )
-                )
+                text = row.prompt.text_after(len(row.frames) - 1)
+                going_on[slot] = self.talker.frame_input(torch.from_numpy(codes).to(device), text)
+        stepping = sorted(going_on)
         if stepping:
             begun = time.perf_counter()
             hidden, logits = self.talker.step_rows(
-                torch.cat(inputs), [rows[s].prompt.length + len(rows[s].frames) - 1 for s in stepping], stepping
+                torch.cat([going_on[s] for s in stepping]),
+                [rows[s].prompt.length + len(rows[s].frames) - 1 for s in stepping],
+                stepping,
             )
             synchronize(device)
             spent = (time.perf_counter() - begun) / len(stepping)
