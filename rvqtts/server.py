@@ -138,6 +138,8 @@ class SpeechEngine:
         self.synth = synth
         self.options = options
         self.counts = {"served": 0, "failed": 0, "cancelled": 0, "refused_busy": 0, "batched": 0}
+        # streamed requests served and their first audio's parts, summed (a load test takes means between two reads)
+        self.first_audio = {"streamed": 0, "queue": 0.0, "prefill": 0.0, "frames": 0.0, "decoder": 0.0}
         self._waiting: deque[Job] = deque()
         self._speaking: dict[int, Job] = {}  # by index among the lines the loop took (touched by the engine only)
         self._taken = 0  # lines the loop took
@@ -188,6 +190,7 @@ class SpeechEngine:
             **memory_record(),
             # what the engine keeps between requests and grows by use, inside rss_mib (the rest is the loaded model)
             "caches_mib": self.synth.cache_mib(),
+            "first_audio_seconds": {name: round(value, 3) for name, value in self.first_audio.items()},
         }
 
     def close(self) -> None:
@@ -263,6 +266,10 @@ class SpeechEngine:
                 job.send(encode(item.audio, self.synth.sample_rate, job.request.response_format))
             split = {"queue": round(job.started - job.submitted, 3), **item.seconds["first_audio_split"]}
             log.info("request %d: first audio after %s s", index, " + ".join(f"{v} {k}" for k, v in split.items()))
+            if job.request.stream:
+                self.first_audio["streamed"] += 1
+                for part, seconds in split.items():
+                    self.first_audio[part] += seconds
             job.send(None)
             self.counts["served"] += 1
             self.counts["batched"] += job.shared

@@ -1,6 +1,6 @@
 """`rvqtts bench serve`: a load test of a running `rvqtts serve`: requests from concurrent clients over HTTP,
-with each request's time to first audio and total time, the throughput, and the server's resident memory
-before and after."""
+with each request's time to first audio and total time, the server's account of where a streamed request's first
+audio went, the throughput, and the server's resident memory before and after."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from rich.table import Table
 from rvqtts.report import titled_table
 
 WAV_HEADER_BYTES = 44  # a streamed WAV's header comes first; audio is what follows it
+SPLIT = ("queue", "prefill", "frames", "decoder")  # a first audio's parts, as the server's /health sums them
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -60,6 +61,8 @@ def load_test(
     wall = time.perf_counter() - started
     after = httpx.get(f"{url}/health", timeout=30).json()
     firsts, totals = [r["first_audio_seconds"] for r in done], [r["seconds"] for r in done]
+    sums = {part: after["first_audio_seconds"][part] - before["first_audio_seconds"][part] for part in SPLIT}
+    streamed = after["first_audio_seconds"]["streamed"] - before["first_audio_seconds"]["streamed"]
     return {
         "url": url,
         "requests": requests,
@@ -71,6 +74,8 @@ def load_test(
         "first_audio_p95": round(percentile(firsts, 0.95), 3),
         "total_p50": round(statistics.median(totals), 3),
         "total_p95": round(percentile(totals, 0.95), 3),
+        # the server's own account of a streamed request's first audio, its parts' means over this run
+        "first_audio_split": {part: round(sums[part] / streamed, 3) for part in SPLIT} if streamed else None,
         "server_rss_mib_before": before.get("rss_mib"),
         "server_rss_mib_after": after.get("rss_mib"),
         # what the server reports it keeps between requests (its KV caches, voices), inside its resident memory
@@ -84,11 +89,14 @@ def serve_table(result: dict) -> Table:
     mode = "streamed" if result["stream"] else "whole"
     table = titled_table(
         f"{result['requests']} {mode} requests from {result['clients']} clients to {result['url']}",
-        ("first audio p50 s", "p95 s", "total p50 s", "p95 s", "requests / min", "server RSS MiB", "its caches MiB"),
-    )
+        ("first audio p50 s", "p95 s", "its mean parts s", "total p50 s", "p95 s", "requests / min", "server RSS MiB",
+         "its caches MiB"),
+    )  # fmt: skip
+    split = result["first_audio_split"]
     table.add_row(
         f"{result['first_audio_p50']:.3f}",
         f"{result['first_audio_p95']:.3f}",
+        " + ".join(f"{split[part]:.3f} {part}" for part in SPLIT) if split else "-",
         f"{result['total_p50']:.3f}",
         f"{result['total_p95']:.3f}",
         f"{result['requests_per_minute']:.1f}",

@@ -443,7 +443,8 @@ def bench_serve_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """Load-test a running `rvqtts serve` (docs/server.md): time to first audio and total time per request
-    (p50, p95), requests per minute, and the server's resident memory before and after."""
+    (p50, p95), the server's mean split of a streamed request's first audio (queue, prefill, frames, decoder),
+    requests per minute, and the server's resident memory before and after."""
     import httpx
 
     from rvqtts.batch import BatchFileError, read_batch
