@@ -203,16 +203,24 @@ def test_bad_requests_get_openai_errors_saying_what_to_send(served):
     assert caches["talker_kv"] > 0 and caches["predictor_kv"] > 0 and sum(caches.values()) < health["rss_mib"]
 
 
-def test_server_sent_events_carry_the_streamed_audio(served):
-    """`stream_format: "sse"`: OpenAI's events, a speech.audio.delta per piece whose base64 bytes, joined, are the
-    body the same request streams as audio, then speech.audio.done."""
+def test_server_sent_events_carry_the_streamed_audio(served, client):
+    """`stream_format: "sse"` through the openai package: OpenAI's events, a speech.audio.delta per piece whose
+    base64 bytes, joined, are the body the same request streams as audio, then speech.audio.done."""
     url, _ = served
     body = {"input": "Hello there, streamed as events.", "voice": "vivian", "seed": 2, "max_frames": FRAMES}
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT) as http:
         audio = http.post("/v1/audio/speech", json={**body, "response_format": "pcm", "stream": True})
-        events = http.post("/v1/audio/speech", json={**body, "response_format": "pcm", "stream_format": "sse"})
-    assert events.status_code == 200 and events.headers["content-type"].startswith("text/event-stream")
-    parsed = [json.loads(line.removeprefix("data: ")) for line in events.text.split("\n\n") if line]
+    with client.audio.speech.with_streaming_response.create(
+        model="tiny",
+        voice="vivian",
+        input=body["input"],
+        response_format="pcm",
+        stream_format="sse",
+        extra_body={"seed": 2, "max_frames": FRAMES},
+    ) as events:
+        assert events.headers["content-type"].startswith("text/event-stream")
+        text = events.read().decode()
+    parsed = [json.loads(line.removeprefix("data: ")) for line in text.split("\n\n") if line]
     deltas = [event for event in parsed if event["type"] == "speech.audio.delta"]
     assert len(deltas) >= 2 and parsed[-1] == {"type": "speech.audio.done"} and len(parsed) == len(deltas) + 1
     assert b"".join(base64.b64decode(event["audio"]) for event in deltas) == audio.content and audio.content
