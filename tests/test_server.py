@@ -349,42 +349,6 @@ def test_serve_refuses_bad_options_before_loading(tiny_dir, tmp_path, monkeypatc
     assert result.exit_code == 2 and "pip install -e '.[serve]'" in result.output
 
 
-def test_whole_requests_waiting_together_share_calls_and_get_their_own_audio(tiny_dir, measured, monkeypatch):
-    """Requests that wait together are spoken a row each in shared calls (measured kernels, row-invariant),
-    each with its own seed and text: every response is the one it gets alone."""
-    from rvqtts.batch_size import rows_invariant
-
-    jobs = [("One line.", 1), ("Another, longer line of text.", 2), ("Third.", 3), ("One line.", 4)]
-    with running(tiny_dir, batch_size=len(jobs) + 1) as (url, engine):
-        assert rows_invariant(engine.synth)
-
-        def post(job: tuple[str, int], frames: int = FRAMES) -> bytes:
-            body = {"input": job[0], "voice": "vivian", "seed": job[1], "max_frames": frames}
-            response = httpx.post(url + "/v1/audio/speech", json=body, timeout=120)
-            assert response.status_code == 200, response.text
-            return response.content
-
-        alone = [post(job) for job in jobs]  # one client: each request alone in the engine
-        settled(engine)
-        assert engine.counts["batched"] == 0
-        gate = Gate(engine, monkeypatch)  # the holder's row waits until all the others are queued
-        with ThreadPoolExecutor(5) as pool:
-            try:
-                holder = pool.submit(post, ("Hold the engine.", 9))
-                gate.wait_entered("the holder request")
-                waiting = [pool.submit(post, job) for job in jobs]
-                wait_until(
-                    lambda: engine.health()["queued"] == len(jobs), WAIT, "4 requests to queue behind the holder"
-                )
-            finally:
-                gate.opened.set()
-            together = [future.result() for future in waiting]
-            holder.result()
-        settled(engine)
-        assert together == alone
-        assert engine.counts["batched"] == len(jobs) + 1  # the 4 took rows beside the holder at its first frame
-
-
 def test_the_load_test_reports_latencies_and_the_servers_memory_and_caches(served):
     from rvqtts.bench.serve import load_test, serve_table
 
@@ -400,16 +364,20 @@ def test_the_load_test_reports_latencies_and_the_servers_memory_and_caches(serve
 
 
 def test_streamed_and_whole_requests_share_rows_each_with_its_solo_audio(tiny_dir, measured, monkeypatch):
-    """Streamed (audio and events) and whole requests with different seeds and sampling settings, queued behind a
-    held request, take rows beside it at its first frame (the kernels measured row-invariant): each body is,
+    """Streamed (audio and events) and whole requests with different texts, seeds and sampling settings, queued behind
+    a held request, take rows beside it at its first frame (the kernels measured row-invariant): each body is,
     byte for byte, the one it gets alone; a streamed request's first piece is one frame."""
+    from rvqtts.batch_size import rows_invariant
+
     jobs = [
+        {"input": "Another, longer line of text.", "seed": 1},
         {"input": "A streamed line.", "seed": 1, "stream": True, "response_format": "pcm"},
         {"input": "Another streamed one.", "seed": 2, "stream_format": "sse", "temperature": 0.7},
         {"input": "A whole one.", "seed": 3, "top_k": 10, "predictor_temperature": 1.1},
         {"input": "And a streamed WAV.", "seed": 4, "stream": True, "top_p": 0.8},
     ]
     with running(tiny_dir, batch_size=len(jobs) + 1) as (url, engine):
+        assert rows_invariant(engine.synth)
 
         def post(job: dict) -> bytes:
             body = {"voice": "vivian", "max_frames": FRAMES, **job}
@@ -434,7 +402,7 @@ def test_streamed_and_whole_requests_share_rows_each_with_its_solo_audio(tiny_di
         settled(engine)
     assert together == alone
     assert engine.counts["batched"] == len(jobs) + 1 and engine.counts["failed"] == 0
-    header, first = (json.loads(event.removeprefix(b"data: ")) for event in alone[1].split(b"\n\n")[:2])
+    header, first = (json.loads(event.removeprefix(b"data: ")) for event in alone[2].split(b"\n\n")[:2])
     assert base64.b64decode(header["audio"]).startswith(b"RIFF")
     assert len(base64.b64decode(first["audio"])) == 2 * (1920 - 1200)  # one frame, less the crossfade's 50 ms
 
