@@ -354,12 +354,14 @@ def test_the_load_test_reports_latencies_and_the_servers_memory_and_caches(serve
 
     url, _ = served
     texts = ["A short line.", "Another one."]
-    result = load_test(url, texts, requests=3, clients=2, api_key=KEY, fields={"voice": "vivian", "max_frames": 4})
+    fields = {"voice": "vivian", "max_frames": 4}
+    result = load_test(url, texts, requests=3, clients=2, api_key=KEY, fields=fields, stagger=0.2)
     assert result["requests"] == 3 and result["requests_per_minute"] > 0
     assert 0 < result["first_audio_p50"] <= result["total_p50"] <= result["total_p95"]
     split = result["first_audio_split"]  # the server's own account, within the client's first audio
     assert 0 < sum(split.values()) <= result["first_audio_p95"] and split["prefill"] > 0 and split["decoder"] > 0
     assert result["server_rss_mib_after"] > result["server_caches_mib_after"] > 0  # the loops' caches are held
+    assert result["wall_seconds"] > 0.2 and "0.2 s apart" in str(serve_table(result).title)  # the second client waited
     assert "its caches MiB" in str(serve_table(result).columns[-1].header)
 
 

@@ -30,9 +30,11 @@ def load_test(
     stream: bool = True,
     api_key: str | None = None,
     fields: dict | None = None,
+    stagger: float = 0.0,
 ) -> dict:
     """Send `requests` speech requests (texts in turn, seed = request number) from `clients` threads, each
-    client sending its share one after another; every request must succeed."""
+    client sending its share one after another, client c starting `stagger` x c seconds after the first (0: all at
+    once, so that requests of one length run in step and join in bursts); every request must succeed."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -52,6 +54,7 @@ def load_test(
         return {"first_audio_seconds": first, "seconds": time.perf_counter() - started, "bytes": size}
 
     def client(share: list[int]) -> list[dict]:
+        time.sleep(stagger * share[0] if share else 0)
         with httpx.Client(base_url=url, headers=headers, timeout=None) as http:
             return [one(http, number) for number in share]
 
@@ -61,12 +64,14 @@ def load_test(
     wall = time.perf_counter() - started
     after = httpx.get(f"{url}/health", timeout=30).json()
     firsts, totals = [r["first_audio_seconds"] for r in done], [r["seconds"] for r in done]
-    sums = {part: after["first_audio_seconds"][part] - before["first_audio_seconds"][part] for part in SPLIT}
-    streamed = after["first_audio_seconds"]["streamed"] - before["first_audio_seconds"]["streamed"]
+    told = before.get("first_audio_seconds"), after.get("first_audio_seconds")  # None from a server before 2026-12-05
+    sums = {part: told[1][part] - told[0][part] for part in SPLIT} if all(told) else {}
+    streamed = told[1]["streamed"] - told[0]["streamed"] if all(told) else 0
     return {
         "url": url,
         "requests": requests,
         "clients": clients,
+        "stagger_seconds": stagger,
         "stream": stream,
         "wall_seconds": round(wall, 3),
         "requests_per_minute": round(60 * requests / wall, 2),
@@ -88,7 +93,8 @@ def serve_table(result: dict) -> Table:
     """`rvqtts bench serve`: a load test's latencies, throughput and the server's memory."""
     mode = "streamed" if result["stream"] else "whole"
     table = titled_table(
-        f"{result['requests']} {mode} requests from {result['clients']} clients to {result['url']}",
+        f"{result['requests']} {mode} requests from {result['clients']} clients to {result['url']}"
+        + (f", starting {result['stagger_seconds']} s apart" if result["stagger_seconds"] else ""),
         ("first audio p50 s", "p95 s", "its mean parts s", "total p50 s", "p95 s", "requests / min", "server RSS MiB",
          "its caches MiB"),
     )  # fmt: skip

@@ -435,6 +435,9 @@ def bench_serve_command(
     texts: Path = typer.Option(..., help="Text file, one request's input per line (.txt or .jsonl), taken in turn."),
     requests: int = typer.Option(32, help="Requests in all."),
     clients: int = typer.Option(8, help="Concurrent clients, each sending its share one after another."),
+    stagger: float = typer.Option(
+        0.0, help="Seconds between the clients' starts (0: all at once, so that requests of one length join in bursts)."
+    ),
     stream: bool = typer.Option(True, "--stream/--no-stream", help="Streamed responses (time to first audio)."),
     voice: Optional[str] = typer.Option(None, help="Voice of every request; default: the server's first."),
     max_frames: Optional[int] = typer.Option(None, help="Most frames per chunk of every request."),
@@ -450,8 +453,8 @@ def bench_serve_command(
     from rvqtts.batch import BatchFileError, read_batch
     from rvqtts.bench.serve import load_test, serve_table
 
-    if requests < 1 or clients < 1:
-        fail("--requests and --clients must be at least 1")
+    if requests < 1 or clients < 1 or stagger < 0:
+        fail("--requests and --clients must be at least 1, --stagger at least 0")
     with refused(BatchFileError):
         lines = [u.text for u in read_batch(texts)]
     url = url.rstrip("/")
@@ -459,5 +462,5 @@ def bench_serve_command(
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         voice = voice or (httpx.get(f"{url}/v1/voices", headers=headers, timeout=30).json()["voices"] or [None])[0]
         fields = {"voice": voice, **({"max_frames": max_frames} if max_frames else {})}
-        result = load_test(url, lines, requests, clients, stream, api_key, fields)
+        result = load_test(url, lines, requests, clients, stream, api_key, fields, stagger)
     publish(result, json_out, serve_table, quiet)
