@@ -34,7 +34,7 @@ class Stopped(Exception):
     """The utterance was stopped by its caller (a client gone): its row is free from the next frame."""
 
 
-def _going_on() -> bool:
+def _never_stopped() -> bool:
     return False
 
 
@@ -53,7 +53,7 @@ class Work:
     sampling: FrameSampling
     forced: np.ndarray | None = None
     on_frame: Callable[[torch.Tensor, list[int]], None] | None = None
-    stopped: Callable[[], bool] = _going_on
+    stopped: Callable[[], bool] = _never_stopped
     frame: int = 0  # frames spoken so far, across chunks
     talker_calls: int = 0
     stats: LoopStats = field(default_factory=LoopStats)
