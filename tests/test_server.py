@@ -9,6 +9,7 @@ import json
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -259,20 +260,41 @@ def test_concurrent_clients_each_get_the_audio_of_their_seed(served, tiny):
     assert engine.counts["served"] - served_before == 16 and engine.counts["failed"] == 0
 
 
-def test_a_client_gone_mid_stream_stops_its_request_while_others_stream(served, client):
-    url, engine = served
-    cancelled = engine.counts["cancelled"]
-    long = {"input": "A long utterance. " * 5, "voice": "vivian", "stream": True, "max_frames": 40}
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
-        with http.stream("POST", "/v1/audio/speech", json=long) as response:
-            assert response.status_code == 200
-            next(response.iter_bytes())  # the header and first samples, then the client hangs up
-        reference = speak(client, "Still here.", seed=2)  # waits behind the stopped request, then runs
-        wait_until(
-            lambda: engine.counts["cancelled"] > cancelled, WAIT, "the engine to stop the request of a client gone"
-        )
-    assert engine.counts["cancelled"] == cancelled + 1
-    assert speak(client, "Still here.", seed=2) == reference  # the engine is whole after a stop
+def test_a_client_gone_mid_stream_frees_its_row_for_a_waiting_request(tiny_dir, monkeypatch):
+    """Two rows, two long streams and a request waiting: the client of the first hangs up after its first piece, and
+    its row goes to the waiting request at the next frame, which shares calls with the second stream before that ends
+    (frames slowed to 10 ms, so the second stream outlasts the hang-up by 0.4 s at least); without the stop, the
+    waiting request would have had to wait for both streams to end (they end together) and would speak alone."""
+    from rvqtts.engine.frame_loop import FrameLoop
+
+    inner_loop = FrameLoop._inner_loop
+
+    def slowed(self, prefixes, ready):
+        time.sleep(0.01)
+        return inner_loop(self, prefixes, ready)
+
+    monkeypatch.setattr(FrameLoop, "_inner_loop", slowed)
+    long = {"input": "A long utterance. " * 5, "voice": "vivian", "stream": True, "max_frames": 47}
+    with running(tiny_dir, batch_size=2) as (url, engine):
+        gate = Gate(engine, monkeypatch)
+        with httpx.Client(base_url=url, timeout=WAIT) as http, ThreadPoolExecutor(2) as pool:
+            try:
+                with http.stream("POST", "/v1/audio/speech", json={**long, "seed": 1}) as gone:
+                    gate.wait_entered("the first stream")
+                    other = pool.submit(lambda: httpx.post(url + "/v1/audio/speech", json=long, timeout=WAIT))
+                    wait_until(lambda: engine.health()["queued"] == 1, WAIT, "the second stream to queue")
+                    waiting = pool.submit(
+                        lambda: httpx.post(url + "/v1/audio/speech", json={**long, "stream": False}, timeout=WAIT)
+                    )
+                    wait_until(lambda: engine.health()["queued"] == 2, WAIT, "a third request to queue")
+                    gate.opened.set()
+                    next(gone.iter_bytes())  # the header and first samples, then the client hangs up
+            finally:
+                gate.opened.set()
+            assert other.result().status_code == waiting.result().status_code == 200
+        settled(engine)
+    assert engine.counts["cancelled"] == 1 and engine.counts["served"] == 2
+    assert engine.counts["batched"] == 2  # the second stream and the request that took the first's row
 
 
 def test_a_flood_gets_503_with_retry_after_and_the_server_keeps_serving(tiny_dir, monkeypatch):
