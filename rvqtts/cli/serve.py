@@ -47,7 +47,9 @@ def serve(
     spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
     tree: str = typer.Option("auto", help=TREE_HELP),
     offsets: Optional[Path] = typer.Option(None, help=OFFSETS_HELP),
-    queue_size: int = typer.Option(8, help="Requests held waiting for a row while the rows are full; more get 503 (Retry-After)."),
+    queue_size: int = typer.Option(
+        8, help="Requests held waiting for a row while the rows are full; more get 503 (Retry-After)."
+    ),
     max_chars: int = typer.Option(4096, help="Longest input in characters (OpenAI's limit); longer gets 413."),
     chunk_chars: int = typer.Option(240, help="Long input is spoken in chunks of about this many characters."),
     batch_size: str = typer.Option(
