@@ -180,10 +180,11 @@ SLOW_MODULES = (
     "test_exactness",  # new, 2026-12-04: about 60
     "test_faults",  # new, 2026-12-04: about 45
     "test_batch_rows",  # 55
-    "test_server",  # 37
+    "test_server",  # about 90 since 2026-12-05 (a 500-request fuzz)
     "test_standin",  # 35
     "test_cli",  # 32
     "test_cloning",  # 26
+    "test_gpu_check",  # new, 2026-12-05: about 35
 )
 
 
