@@ -11,6 +11,7 @@ from helpers import run_cli as run
 from helpers import run_cli_json as run_json
 from rich.console import Console
 
+from rvqtts.bench import e2e as e2e_module
 from rvqtts.bench.predictor import predictor_table
 from rvqtts.bench.speedup import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
 from rvqtts.engine.offsets import predictor_fingerprint
@@ -24,6 +25,7 @@ from rvqtts.engine.tree import (
     save_acceptance,
     save_best_budget,
 )
+from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer
 
 
@@ -215,10 +217,18 @@ def test_bench_speedup_refuses_a_bad_acceptance_table(predictor_json, tmp_path):
     assert result.exit_code == 2 and "sums to 1.8000" in result.output
 
 
-def test_bench_e2e_runs_every_variant(tiny_dir, tmp_path, measured):
+def test_bench_e2e_runs_every_variant(tiny_dir, tmp_path, measured, monkeypatch):
     # measured kernels: auto chooses the tree size online, as synth does
     texts = tmp_path / "texts.txt"
     texts.write_text("Hello there.\nA second line.\n")
+    turns = []  # (variant, max frames) of every turn, the untimed warm-up ones first
+    record = e2e_module._variant_record
+
+    def counted(synthesizers, name, text, voice, seed, settings):
+        turns.append((name, settings.max_frames))
+        return record(synthesizers, name, text, voice, seed, settings)
+
+    monkeypatch.setattr(e2e_module, "_variant_record", counted)
     _, report = run_json(
         tmp_path / "e2e.json",
         "bench",
@@ -235,6 +245,7 @@ def test_bench_e2e_runs_every_variant(tiny_dir, tmp_path, measured):
         "float32",
     )
     assert set(report["runs"]) == {"stock", "plain", "auto", "N=4", "N=8"} and report["tree_nodes"] == [4, 8]
+    assert sorted(turns[:5]) == sorted((name, 2) for name in report["runs"]) and {n for _, n in turns[5:]} == {6}
     best = report["best_fixed"]
     assert best == min(("N=4", "N=8"), key=lambda name: report["totals"][name]["predictor_ms_per_frame"])
     assert report["ratios"][f"{best}/auto predictor"] == pytest.approx(
@@ -268,6 +279,17 @@ def test_bench_e2e_runs_every_variant(tiny_dir, tmp_path, measured):
             (spec["frames"] * floor["predictor_step"] + rounds * floor[f"predictor_round {name}"]) / spec["frames"],
             abs=0.01,
         )
+
+
+def test_stock_timing_reads_its_clock_once_the_device_is_done(tiny, monkeypatch):
+    """Stock qwen-tts's split (forward hooks) synchronizes the device before every clock read: a GPU's calls are
+    queued, and an unsynchronized hook would time their launch."""
+    from rvqtts.bench import stock
+
+    synced = []
+    monkeypatch.setattr(stock, "synchronize", synced.append)
+    record = stock.stock_synthesis(tiny, "Hello there.", "vivian", settings=GenerationSettings(max_frames=4))
+    assert len(synced) >= 2 + 4 * record["frames"] and {str(device) for device in synced} == {"cpu"}
 
 
 def test_bench_e2e_refuses_repeated_tree_sizes(tiny_dir, tmp_path):

@@ -1,5 +1,5 @@
 """Stock qwen-tts timed as `rvqtts bench e2e` compares it: its own loops and decoder, untouched, split into talker,
-code predictor and decoder time by forward hooks."""
+code predictor and decoder time by forward hooks, each clock read after the device's work is done."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from rvqtts.cloning import ClonedVoice
+from rvqtts.engine.devices import synchronize
 from rvqtts.prompt import qwen_generate
 from rvqtts.settings import GenerationSettings
 from rvqtts.text import FRAMES_PER_SECOND
@@ -32,15 +33,20 @@ def stock_synthesis(
     speaker = synth.check_voice(speaker, language, instruct, clone)
     clock = {"calls": 0.0, "transformer": 0.0, "last": 0.0}
     opened: dict[str, float] = {}
+    device = synth.talker.codec_head.weight.device
+
+    def now() -> float:  # a GPU's calls are queued: the time is read once they are done
+        synchronize(device)
+        return time.perf_counter()
 
     def enter(name: str) -> Callable:
-        return lambda *_: opened.__setitem__(name, time.perf_counter())
+        return lambda *_: opened.__setitem__(name, now())
 
     def leave(name: str) -> Callable:
         def hook(*_: object) -> None:
-            now = time.perf_counter()
-            clock[name] += now - opened[name]
-            clock["last"] = now
+            read = now()
+            clock[name] += read - opened[name]
+            clock["last"] = read
 
         return hook
 
@@ -52,7 +58,7 @@ def stock_synthesis(
     ]
     budget = synth.frame_budget(text, settings)
     torch.manual_seed(seed)
-    started = time.perf_counter()
+    started = now()
     try:
         wavs, sample_rate = qwen_generate(
             synth,
@@ -66,7 +72,7 @@ def stock_synthesis(
     finally:
         for handle in handles:
             handle.remove()
-    ended = time.perf_counter()
+    ended = now()
     wall, predictor, decoder = ended - started, clock["calls"] - clock["transformer"], ended - clock["last"]
     audio_seconds = wavs[0].size / sample_rate
     return {

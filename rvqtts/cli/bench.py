@@ -175,9 +175,9 @@ def bench_e2e_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
 ) -> None:
     """Stock qwen-tts, `rvqtts synth --no-spec`, `rvqtts synth` (auto: the tree size chosen online) and
-    `rvqtts synth --tree N` for each N on the same texts and seed, interleaved: wall, inner-loop, talker and
-    decoder time per frame, RTF, and the ratios between them (the auto runs against the fixed tree whose
-    inner loop was fastest)."""
+    `rvqtts synth --tree N` for each N on the same texts and seed, interleaved after an untimed 2-frame turn of each:
+    wall, inner-loop, talker and decoder time per frame, RTF, and the ratios between them (the auto runs against the
+    fixed tree whose inner loop was fastest)."""
     from rvqtts.batch import read_batch
     from rvqtts.bench.e2e import bench_e2e, e2e_table, fixed_variants
     from rvqtts.cloning import VoiceSource
