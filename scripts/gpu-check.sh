@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check of issue 46, prepared to run once on a bare GPU machine without network, in under 10 minutes:
-#   WHEELS=/path/to/wheels OUT=gpu-figures bash scripts/gpu-check.sh
-# It installs rvqtts from the wheels folder (transformers 4.57.3 and what qwen-tts needs, faster-qwen3-tts 0.5.4)
-# beside the machine's own CUDA torch, builds random-weight checkpoints at the released 0.6B dimensions (and the
+#   WHEELS=.whl OUT=gpu-figures bash scripts/gpu-check.sh
+# WHEELS holds three folders of wheels, fetched as docs/gpu.md says from scripts/gpu-wheels/*.txt: common (what the
+# image lacks), rvqtts (qwen-tts 0.1.1 and its transformers 4.57.3) and faster (faster-qwen3-tts 0.5.4, which runs on
+# the image's own transformers 5.x). Each goes to its own folder (pip --target, no dependencies resolved) beside the
+# machine's packages and CUDA torch; rvqtts runs from this checkout. It builds random-weight checkpoints at the released 0.6B dimensions (and the
 # paper-acceptance one), checks speculative == plain and batched == one-line codes on the device, and times rvqtts
 # against stock qwen-tts (bench e2e), faster-qwen3-tts on the same checkpoint and texts, and batches of 1, 4 and 16.
 # Every step's output goes to OUT (STEP.log, figures as JSON) and one line per step to OUT/summary.tsv; a step that
@@ -15,6 +17,8 @@ DEVICE=${DEVICE:-cuda}
 MODEL_DIMS=${MODEL_DIMS:-0.6b}  # tiny: the test suite's small checkpoint
 FRAMES=${FRAMES:-40}
 STEPS=${STEPS:-install device checkpoints identity e2e faster batch}
+SITE=${SITE:-/tmp/gpu-check-site}
+export PYTHONPATH="$SITE/rvqtts:$SITE/common:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 : > "$OUT/summary.tsv"
 
@@ -27,20 +31,22 @@ step() {  # step NAME SECONDS COMMAND...: run it, log it, record ok or its exit 
     printf '%s\t%s\t%ss\n' "$name" "$status" "$((SECONDS - begun))" | tee -a "$OUT/summary.tsv"
 }
 
-install() {  # into .venv-gpu beside the machine's torch, from WHEELS (without it: what is installed is used)
-    if [[ -n "${WHEELS:-}" ]]; then
-        python3 -m venv --system-site-packages .venv-gpu &&
-            .venv-gpu/bin/pip install --no-index --find-links "$WHEELS" -c scripts/gpu-constraints.txt -e . &&
-            { .venv-gpu/bin/pip install --no-index --find-links "$WHEELS" faster-qwen3-tts==0.5.4 ||
-                echo "faster-qwen3-tts not installed"; } || return 1
-        . .venv-gpu/bin/activate
-    fi
-    python -c "import rvqtts.synthesis, qwen_tts, transformers, torch; print(transformers.__version__, torch.__version__)"
+install() {  # each folder of WHEELS into its own target (without WHEELS: what is installed is used)
+    local group
+    for group in common rvqtts faster; do
+        [[ -z "${WHEELS:-}" ]] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE/$group" "$WHEELS/$group"/*.whl || return 1
+    done
+    python3 -c "import rvqtts.loading, transformers, torch; print(transformers.__version__, torch.__version__)"
+}
+
+rvqtts() {  # rvqtts from this checkout, on the path above
+    python3 -m rvqtts.cli "$@"
 }
 
 device() {
     nvidia-smi || true
-    python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())"
+    python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available() and torch.cuda.get_device_name())"
 }
 
 checkpoints() {
@@ -53,7 +59,7 @@ checkpoints() {
 }
 
 same_codes() {  # same_codes A B: two .npy files or folders of them hold equal codes
-    python - "$1" "$2" <<'PY'
+    python3 - "$1" "$2" <<'PY'
 import sys
 from pathlib import Path
 import numpy as np
@@ -84,20 +90,21 @@ e2e() {
         --json "$OUT/e2e.json"
 }
 
-faster() {  # faster-qwen3-tts 0.5.4 on the same checkpoint and texts: audio seconds per wall second, after a warm-up
-    python - "$OUT/model" "$OUT/texts.txt" "$OUT/faster.json" <<'PY'
+faster() {  # faster-qwen3-tts 0.5.4 on the same checkpoint, texts and frames: audio seconds per wall second, after a warm-up
+    PYTHONPATH="$SITE/faster:$SITE/common" python3 - "$OUT/model" "$OUT/texts.txt" "$OUT/faster.json" "$FRAMES" <<'PY'
 import json, sys, time
 import torch
 from faster_qwen3_tts import FasterQwen3TTS
-model_dir, texts_file, out = sys.argv[1:]
+model_dir, texts_file, out, frames = sys.argv[1:]
 texts = [line for line in open(texts_file).read().splitlines() if line.strip()]
 model = FasterQwen3TTS.from_pretrained(model_dir)
-model.generate_custom_voice(text=texts[0], speaker="vivian", language="English")  # warm-up: its graphs captured
+speak = dict(speaker="vivian", language="English", max_new_tokens=int(frames) + 1)  # rvqtts's frames, as stock's
+model.generate_custom_voice(text=texts[0], **speak)  # warm-up: its graphs captured
 runs = []
 for text in texts:
     torch.cuda.synchronize()
     begun = time.perf_counter()
-    audio, rate = model.generate_custom_voice(text=text, speaker="vivian", language="English")
+    audio, rate = model.generate_custom_voice(text=text, **speak)
     torch.cuda.synchronize()
     runs.append({"text": text, "seconds": time.perf_counter() - begun, "audio_seconds": len(audio[0]) / rate})
 total = {key: sum(run[key] for run in runs) for key in ("seconds", "audio_seconds")}
@@ -111,10 +118,9 @@ batch() {
         --max-frames "$FRAMES" --json "$OUT/batch.json"
 }
 
-export OUT DEVICE MODEL_DIMS FRAMES
-export -f install device checkpoints same_codes identity e2e faster batch
+export OUT DEVICE MODEL_DIMS FRAMES SITE
+export -f install rvqtts device checkpoints same_codes identity e2e faster batch
 step install 300 install
-[[ -x .venv-gpu/bin/rvqtts ]] && . .venv-gpu/bin/activate  # the later steps run in what install made
 step device 60 device
 step checkpoints 300 checkpoints
 step identity 300 identity

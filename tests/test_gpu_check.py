@@ -39,6 +39,24 @@ def test_the_gpu_constraints_are_what_qwen_tts_and_its_transformers_ask_and_leav
         assert pin.specifier.contains(version(name), prereleases=True), (name, version(name))
 
 
+def test_the_wheels_carried_to_the_gpu_are_pinned_and_rvqtts_ones_meet_the_constraints():
+    """Each wheel list (scripts/gpu-wheels/) names exact versions, once across the lists; rvqtts's own are a set the
+    constraints allow, and faster-qwen3-tts's stay out of rvqtts's environment."""
+    groups = {}
+    for name in ("common", "rvqtts", "faster"):
+        lines = (ROOT / "scripts" / "gpu-wheels" / f"{name}.txt").read_text().splitlines()
+        groups[name] = [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
+    pins = [pin for group in groups.values() for pin in group]
+    assert all(len(pin.specifier) == 1 and next(iter(pin.specifier)).operator == "==" for pin in pins)
+    assert len({pin.name.lower() for pin in pins}) == len(pins)
+    allowed = constraints()
+    for pin in groups["rvqtts"] + groups["common"]:
+        if pin.name.lower() in allowed:
+            assert allowed[pin.name.lower()].specifier.contains(next(iter(pin.specifier)).version), pin
+    assert {"qwen-tts", "transformers"} <= {pin.name for pin in groups["rvqtts"]}
+    assert "faster-qwen3-tts" in {pin.name for pin in groups["faster"]}
+
+
 def run_check(out: Path, steps: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.update(DEVICE="cpu", MODEL_DIMS="tiny", FRAMES="4", STEPS=steps, OUT=str(out))
