@@ -16,7 +16,8 @@ OUT=${OUT:-gpu-figures}
 DEVICE=${DEVICE:-cuda}
 MODEL_DIMS=${MODEL_DIMS:-0.6b}  # tiny: the test suite's small checkpoint
 FRAMES=${FRAMES:-40}
-STEPS=${STEPS:-install device checkpoints identity e2e faster batch}
+OFFSET_STEPS=${OFFSET_STEPS:-2000}  # training steps of the paper-acceptance checkpoint's offsets
+STEPS=${STEPS:-install device checkpoints identity e2e faster batch paper}
 SITE=${SITE:-/tmp/gpu-check-site}
 export PYTHONPATH="$SITE/rvqtts:$SITE/common:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
@@ -113,13 +114,20 @@ print(json.dumps(total))
 PY
 }
 
+paper() {  # the paper-acceptance checkpoint with offsets trained on the texts: the default against --no-spec and trees
+    rvqtts train-offsets --model "$OUT/paper" --texts "$OUT/texts.txt" --out "$OUT/paper-offsets.safetensors" \
+        --max-steps "$OFFSET_STEPS" --device "$DEVICE" --force &&
+        rvqtts bench e2e --model "$OUT/paper" --texts "$OUT/texts.txt" --offsets "$OUT/paper-offsets.safetensors" \
+            --tree 4,8,16,32 --device "$DEVICE" --max-frames "$FRAMES" --json "$OUT/e2e-paper.json"
+}
+
 batch() {
     rvqtts bench batch --model "$OUT/model" --texts "$OUT/texts.txt" --sizes 1,4,16 --device "$DEVICE" \
         --max-frames "$FRAMES" --json "$OUT/batch.json"
 }
 
-export OUT DEVICE MODEL_DIMS FRAMES SITE
-export -f install rvqtts device checkpoints same_codes identity e2e faster batch
+export OUT DEVICE MODEL_DIMS FRAMES SITE OFFSET_STEPS
+export -f install rvqtts device checkpoints same_codes identity e2e faster batch paper
 step install 300 install
 step device 60 device
 step checkpoints 300 checkpoints
@@ -127,4 +135,5 @@ step identity 300 identity
 step e2e 300 e2e
 step faster 300 faster
 step batch 300 batch
+step paper 300 paper
 ! grep -q failed "$OUT/summary.tsv"
