@@ -51,8 +51,8 @@ def speak(
 
     def spoken(index: int, line: Line) -> _Spoken:  # made as its row takes it: its clock starts there
         line_settings = line.settings or settings
-        state = _Spoken(line.seed, line.utterance, iter(()), synth.sampling(line_settings), on_frame=on_frame)
-        state.index, state.pacing = index, line.stream or stream
+        sampling, pacing = synth.sampling(line_settings), line.stream or stream
+        state = _Spoken(line.seed, line.utterance, iter(()), sampling, on_frame=on_frame, index=index, pacing=pacing)
         state.stats.accepted_per_depth = [0] * depth
         state.joiner = StreamJoiner(synth.sample_rate)
         state.decoder = synth.codec.streaming_decoder() if state.pacing else None

@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -295,17 +295,21 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
             raise SpeechError(400, f"`{name}` must be a string", name)
         return value
 
+    def within_max_chars(name: str, value: str | None) -> str | None:
+        if value is not None and len(value) > options.max_chars:
+            raise SpeechError(
+                413,
+                f"`{name}` has {len(value)} characters, more than this server's {options.max_chars} (--max-chars): "
+                "send it in parts",
+                name,
+                "input_too_long",
+            )
+        return value
+
     text = string("input")
     if text is None or not text.strip():
         raise SpeechError(400, "`input` is empty: give the text to speak", "input")
-    if len(text) > options.max_chars:
-        raise SpeechError(
-            413,
-            f"`input` has {len(text)} characters, more than this server's {options.max_chars} (--max-chars): "
-            "send it in parts",
-            "input",
-            "input_too_long",
-        )
+    within_max_chars("input", text)
     string("model")  # accepted whatever it names: the server has one model (GET /v1/models)
     response_format = string("response_format", "wav")
     if response_format not in RESPONSE_FORMATS:
@@ -334,15 +338,7 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
         raise SpeechError(400, "`seed` must be a whole number", "seed")
     if not 0 <= seed < 2**63:
         raise SpeechError(400, f"`seed` must be between 0 and 2**63 - 1, got {seed}", "seed")
-    instruct = string("instruct") or string("instructions")
-    if instruct is not None and len(instruct) > options.max_chars:
-        raise SpeechError(
-            413,
-            f"the instructions have {len(instruct)} characters, more than this server's {options.max_chars} "
-            "(--max-chars)",
-            "instructions",
-            "input_too_long",
-        )
+    instruct = within_max_chars("instructions", string("instruct") or string("instructions"))
     language = string("language", "auto")
     speaker, voice_file = _voice(body.get("voice"), synth, engine)
     values = {name: body.get(name) for name in SAMPLING_FIELDS}
@@ -358,7 +354,17 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
     try:
         settings = GenerationSettings(**values)
         clone = voice_file and VoiceSource(voice=voice_file)
-        line = Line(text, speaker, language, instruct, clone, 0, seed, settings=settings)
+        line = Line(
+            text,
+            speaker,
+            language,
+            instruct,
+            clone,
+            0,
+            seed,
+            settings=settings,
+            stream=options.pacing if stream else None,
+        )
         line = synth.voiced(line)  # a voice file read once
     except (ValueError, TypeError) as error:  # VoiceError included
         raise SpeechError(400, str(error)) from None
@@ -371,9 +377,7 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
             "ask for fewer max_frames or send the input in parts",
             "max_frames",
         )
-    return SpeechRequest(
-        replace(line, stream=options.pacing if stream else None), response_format, stream_format == "sse"
-    )
+    return SpeechRequest(line, response_format, stream_format == "sse")
 
 
 def _voice(value: object, synth, engine: SpeechEngine) -> tuple[str | None, Path | None]:
@@ -539,6 +543,7 @@ async def _speak_text(websocket, engine: SpeechEngine) -> None:
 
     def submit(text: str) -> None:
         nonlocal spoken
+        text = " ".join(text.split())
         try:
             outcome = engine.submit(checked(fields, text))
             jobs.append(outcome)
@@ -567,11 +572,11 @@ async def _speak_text(websocket, engine: SpeechEngine) -> None:
                 for sentence in whole:
                     submit(sentence)
                 if len(written) > engine.options.max_chars:  # no sentence end in sight: speak it as it stands
-                    submit(" ".join(written.split()))
+                    submit(written)
                     written = ""
             elif kind in ("flush", "done"):
                 if written.strip():
-                    submit(" ".join(written.split()))
+                    submit(written)
                 written = ""
                 if kind == "done":
                     break

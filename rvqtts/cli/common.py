@@ -23,6 +23,8 @@ MODEL_HELP = (
     "Hub id or local folder of a Qwen3-TTS 12 Hz model: CustomVoice, Base (a cloned voice) or VoiceDesign (rvqtts "
     "voices says which)."
 )
+FIRST_STREAM_FRAMES_HELP = "Frames in the first streamed piece (1: first audio soonest)."
+STREAM_FRAMES_HELP = "Frames per later streamed piece (12.5 frames = 1 s; 4 = 320 ms)."
 DEVICE_HELP = (
     "auto (cuda, then mps, then cpu), cpu, cuda or mps. cuda and mps have not been validated (rvqtts prints a notice "
     "that says so when it runs on them); --device cpu chooses the CPU."
@@ -69,6 +71,12 @@ def say(message: str | None, quiet: bool = False) -> None:
     """`message` on stderr as one of rvqtts's lines, unless quiet or there is none (None or empty)."""
     if message and not quiet:
         typer.echo(f"rvqtts: {message}", err=True)
+
+
+def check_stream_frames(first: int, frames: int) -> None:
+    """--first-stream-frames and --stream-frames, checked before torch loads (rvqtts.settings.StreamPacing's rule)."""
+    if first < 1 or frames < 1:
+        fail(f"--first-stream-frames and --stream-frames must be at least 1, got {first}, {frames}")
 
 
 def ensure_writable(path: Optional[Path], folder: bool = False) -> None:

@@ -12,12 +12,15 @@ from rvqtts.cli.common import (
     DEFAULT_MODEL,
     DEVICE_HELP,
     DTYPE_HELP,
+    FIRST_STREAM_FRAMES_HELP,
     MODEL_HELP,
     OFFSETS_HELP,
+    STREAM_FRAMES_HELP,
     TREE_HELP,
     WEIGHTS_HELP,
     app,
     batch_rows,
+    check_stream_frames,
     fail,
     load_synthesizer,
     refused,
@@ -58,8 +61,8 @@ def serve(
         "settings), each taking a row as soon as one is free; auto: the size measured best on this machine and model "
         "where the kernels keep rows invariant (each response then the one it gets alone), else 1.",
     ),
-    first_stream_frames: int = typer.Option(1, help="Frames in a streamed response's first piece (1: soonest)."),
-    stream_frames: int = typer.Option(4, help="Frames per later streamed piece (4 = 320 ms)."),
+    first_stream_frames: int = typer.Option(1, help=FIRST_STREAM_FRAMES_HELP),
+    stream_frames: int = typer.Option(4, help=STREAM_FRAMES_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only."),
 ) -> None:
     """Serve the OpenAI audio API (POST /v1/audio/speech) on one model loaded once.
@@ -76,10 +79,7 @@ def serve(
         fail(f"--port must be between 1 and 65535, got {port}")
     if queue_size < 1 or max_chars < 1:
         fail(f"--queue-size and --max-chars must be at least 1, got {queue_size} and {max_chars}")
-    if first_stream_frames < 1 or stream_frames < 1:
-        fail(
-            f"--first-stream-frames and --stream-frames must be at least 1, got {first_stream_frames}, {stream_frames}"
-        )
+    check_stream_frames(first_stream_frames, stream_frames)
     if chunk_chars < 20:
         fail(f"--chunk-chars must be at least 20, got {chunk_chars}")
     try:

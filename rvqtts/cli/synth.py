@@ -17,14 +17,17 @@ from rvqtts.cli.common import (
     DEFAULT_MODEL,
     DEVICE_HELP,
     DTYPE_HELP,
+    FIRST_STREAM_FRAMES_HELP,
     MODEL_HELP,
     OFFSETS_HELP,
+    STREAM_FRAMES_HELP,
     TREE_HELP,
     WEIGHTS_HELP,
     app,
     batch_rows,
     check_coreml,
     check_new_file,
+    check_stream_frames,
     ensure_writable,
     fail,
     load_synthesizer,
@@ -73,8 +76,8 @@ def synth(
         "--stream-frames (decoded incrementally: the audio of a run without --stream up to float rounding, for chunks "
         "of up to 300 frames); a file appears when it is complete.",
     ),
-    first_stream_frames: int = typer.Option(1, help="Frames in the first streamed piece (1: first audio soonest)."),
-    stream_frames: int = typer.Option(4, help="Frames per later streamed piece (12.5 frames = 1 s; 4 = 320 ms)."),
+    first_stream_frames: int = typer.Option(1, help=FIRST_STREAM_FRAMES_HELP),
+    stream_frames: int = typer.Option(4, help=STREAM_FRAMES_HELP),
     stdout_format: str = typer.Option(
         "wav",
         "--format",
@@ -220,10 +223,7 @@ def synth(
     """
     # Everything that can be checked without the model is checked first: bad input costs no model load.
     _check_options(backend, weights, compute_units, coreml_precision, stdout_format, chunk_chars)
-    if first_stream_frames < 1 or stream_frames < 1:
-        fail(
-            f"--first-stream-frames and --stream-frames must be at least 1, got {first_stream_frames}, {stream_frames}"
-        )
+    check_stream_frames(first_stream_frames, stream_frames)
     if ray is None and (workers, cpus_per_worker, gpus_per_worker) != (None, None, None):
         fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
     if file is None:  # one text: a voice this model does not speak is refused from its config, before torch loads
