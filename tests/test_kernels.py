@@ -17,7 +17,7 @@ import rvqtts.engine.devices
 import rvqtts.engine.kernels as kernels
 import rvqtts.engine.native
 from rvqtts.engine.attention import row_attention_exact
-from rvqtts.engine.kernels import Kernel, LinearMap
+from rvqtts.engine.kernels import Kernel, LinearMap, kernels_used
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.speculation import Speculation
 from rvqtts.engine.tree import resolve_tree
@@ -265,3 +265,44 @@ def test_a_run_records_its_device_dtype_and_kernels(tiny_dir, tmp_path):
     assert engine["kernels"]["talker"]["native"] is None and "native" not in summary  # float32 runs torch's
     engine["kernels"]["predictor"]["native"] = "layers"
     assert "native layers" in _engine_summary(engine)
+
+
+@pytest.mark.parametrize("count", [1, 31, 32, 33, 70])
+def test_in_row_chunks_calls_at_one_row_count_and_keeps_every_rows_result(count):
+    x = torch.randn(count, 3, 8, generator=torch.Generator().manual_seed(count))
+    seen = []
+
+    def doubled(chunk: torch.Tensor) -> torch.Tensor:
+        seen.append(chunk.shape)
+        return chunk * 2
+
+    assert torch.equal(kernels.in_row_chunks(doubled, x), x * 2)
+    assert seen == [(kernels.CHUNK, 3, 8)] * -(-count // kernels.CHUNK)
+
+
+def test_the_gpu_paths_one_row_count_run_on_the_cpu_keeps_tree_codes_equal_to_plain_codes(tiny_dir, monkeypatch):
+    """Off the CPU every map call is F.linear over exactly CHUNK rows and every norm runs in CHUNK-row calls, the maps
+    probed for row invariance on the device (rvqtts.engine.kernels.device_choice): that path, run here on the CPU
+    with emulated CUDA graphs, pads every call of the inner loop to one row count, and its tree rounds give the plain
+    steps' codes."""
+    from rvqtts.engine import transformer
+    from rvqtts.engine.graphs import StaticCalls
+
+    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
+    monkeypatch.setattr(kernels, "_device_chosen", {})
+    for module in (kernels, transformer):
+        monkeypatch.setattr(module, "one_row_count", lambda device: True)
+    synth = Synthesizer.from_checkpoint(tiny_dir, dtype="float32")
+    speculation = Speculation(resolve_tree("15"), Offsets(torch.zeros(3, synth.code_predictor.config.hidden_size)))
+    linear, rows = torch.nn.functional.linear, []
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: rows.append(x.shape[0]) or linear(x, w, b))
+    plain, _ = decode_frames(synth, None, 8, StaticCalls("emulated"))
+    spec, stats = decode_frames(synth, speculation, 8, StaticCalls("emulated"))
+    assert np.array_equal(plain, spec) and stats.accepted_per_depth[0] > 0
+    assert set(rows) == {kernels.CHUNK}
+    predictor = synth.runners.inner_parts().runner
+    assert predictor.norms_in_chunks
+    assert kernels_used(predictor.linear_maps()) == {
+        "maps": {f"linear/pad{kernels.CHUNK}": len(predictor.linear_maps())},
+        "row_invariant": True,
+    }

@@ -290,14 +290,19 @@ def test_tune_with_texts_shows_what_the_online_choice_chose_from(tiny_dir, tmp_p
 
 
 def test_where_kernels_are_not_known_row_invariant_the_tree_size_stays(tiny, monkeypatch):
-    """Unprobed kernels (RVQTTS_CHOICES=fixed, or a GPU's) might give a round's rows other bits than a
-    step's: a timing-driven choice could then change a run's codes from run to run, so none is made."""
+    """Unprobed kernels (RVQTTS_CHOICES=fixed) or variant ones might give a round's rows other bits than a
+    step's: a timing-driven choice could then change a run's codes from run to run, so none is made, and no call
+    is timed for it."""
     monkeypatch.setenv("RVQTTS_CHOICES", "fixed")
     loop, online = online_loop(tiny, {q: 1.0 for q in (1, 4, 5, 9, 17, 33)})
     for f in range(17):
         loop.frame(random_prefix(tiny, seed=f), SamplingConfig(), 0, f)
     assert online.fixed and online.budget == 0 and online.frames_by_budget == {0: 17} and online.probes == 0
     assert loop.stats.calls == 15 * 17
+    monkeypatch.setattr(online_module, "call_costs", lambda *args, **kwargs: pytest.fail("timed a call"))
+    untimed = OnlineSpeculation(online.offsets, online.fingerprint)
+    untimed.start(loop.runner, SamplingConfig())
+    assert untimed.fixed and untimed.costs == {} and untimed.record()["call_ms"] == {}
     # A recorded start size runs the shipped tree of that size, whatever earlier runs learned.
     loop, online = online_loop(tiny, {q: 1.0 for q in (1, 4, 5, 9, 16, 17, 33)})
     online.start_budget, online.budgets = 15, (4, 8, 15, 16, 32)

@@ -70,10 +70,7 @@ def rows_exact(
 def row_attention_exact(config: object, device: torch.device, dtype: torch.dtype) -> bool:
     """`rows_exact` at a code predictor's shapes, for every round it can run (up to MAX_TREE_NODES nodes),
     once per process. It depends on the model and machine alone, so every runner of a model (plain or
-    speculative) attends the same way.
-    A CPU's choice only: elsewhere the gathered attention stays (the check has not been run on GPUs)."""
-    if device.type != "cpu":
-        return False
+    speculative) attends the same way; on a GPU as on a CPU, checked on the device itself."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shape = (
         config.num_attention_heads,
@@ -82,7 +79,7 @@ def row_attention_exact(config: object, device: torch.device, dtype: torch.dtype
         attention_width(config.num_code_groups),
         MAX_TREE_NODES + 1,
     )
-    key = (*shape, str(dtype), torch.get_num_threads())
+    key = (*shape, str(dtype), str(device), torch.get_num_threads())
     if key not in _EXACT:
         _EXACT[key] = rows_exact(*shape, device, dtype)
     return _EXACT[key]

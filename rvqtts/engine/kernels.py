@@ -95,7 +95,8 @@ class LinearMap:
     """A linear map (weight [out, in], optional bias) applied by a chosen `Kernel`. `weight` stays the module's own
     tensor (the Core ML export and the fused modules read it); calls read what the kernel needs: the weight, its
     oneDNN-packed copy (a second copy of its bytes) or 8-bit weights with a scale per output channel in the activations'
-    dtype (W8A16, rvqtts.engine.quantize). Off the CPU, and while tracing, every call is F.linear."""
+    dtype (W8A16, rvqtts.engine.quantize). Off the CPU every call is F.linear in calls of exactly CHUNK rows
+    (`device_choice`); while tracing, F.linear as it comes."""
 
     def __init__(
         self,
@@ -165,7 +166,7 @@ class LinearMap:
         return self.operands + ([] if self.bias is None else [self.bias])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or torch.jit.is_tracing():
+        if torch.jit.is_tracing():
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] == 1 and self.kernel.one_row_mv and self.bias is None:
@@ -178,7 +179,7 @@ class LinearMap:
 
     def many(self, x: torch.Tensor) -> torch.Tensor:
         """The map over a prompt's rows (a prefill) by the kernel measured for many rows (`bulk`)."""
-        if self.bulk == self.kernel or x.device.type != "cpu":
+        if self.bulk == self.kernel and x.device.type == "cpu":
             return self(x)
         return F.linear(x, self.weight, self.bias)
 
@@ -192,7 +193,8 @@ class LinearMap:
 
 def rows_are_invariant(linear: LinearMap, generator: torch.Generator) -> bool:
     """Whether every row of a call of 2 to CHUNK + 1 rows gets the bits it gets in a call of its own."""
-    x = torch.randn(CHUNK + 1, linear.weight.shape[1], generator=generator).to(linear.weight.dtype)
+    weight = linear.weight
+    x = torch.randn(CHUNK + 1, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
     alone: list[torch.Tensor] = []  # each row's own call, made as the calls reach it (a variant kernel fails early)
     with torch.inference_mode():
         for count in range(2, len(x) + 1):
@@ -246,7 +248,7 @@ class KernelChoice:
     milliseconds per call by candidate and row count, and the candidates whose rows are invariant."""
 
     kernel: Kernel
-    row_invariant: bool | None  # None: not probed (RVQTTS_CHOICES=fixed, or off the CPU)
+    row_invariant: bool | None  # None: not probed (RVQTTS_CHOICES=fixed)
     timings: dict[str, dict[int, float]]
     invariant: tuple[str, ...]
     source: str  # "measured" now, "cache" (kernels.json), "fixed" (RVQTTS_CHOICES=fixed), or "device"
@@ -321,11 +323,34 @@ def kernel_choice(
     shape: tuple[int, int], dtype: torch.dtype, weights: str = "native", device: torch.device = torch.device("cpu")
 ) -> KernelChoice:
     """The kernel for a map of this shape: measured once per machine and kept in the user's cache."""
-    if device.type != "cpu":
-        return KernelChoice(Kernel("linear"), None, {}, (), "device")
     if not measured_choices():
         return KernelChoice(fixed_kernel(device, dtype, weights), None, {}, (), "fixed")
+    if one_row_count(device):
+        return device_choice(shape, dtype, device)
     return choose_kernels([shape], dtype, weights)[shape]
+
+
+def one_row_count(device: torch.device) -> bool:
+    """Whether the hot loops' maps and norms run every call at one row count on `device`: off the CPU, whose own
+    kernels are measured row-invariant as they are (`measure_choice`)."""
+    return device.type != "cpu"
+
+
+def device_choice(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> KernelChoice:
+    """A map's kernel on a GPU (or another device): F.linear in calls of exactly CHUNK rows, the last padded with
+    zero rows. A GPU's BLAS picks its algorithm, and so a row's summation order, by the call's shape, and extra rows
+    cost it next to nothing: at one shape a plain step, a tree round and a batch's rows run alike. Probed for row
+    invariance on the device once per process (a few dozen calls), as a CPU's kernels are."""
+    key = (str(device), str(dtype), shape)
+    if key not in _device_chosen:
+        kernel = Kernel("linear", pad=CHUNK)
+        weight = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        invariant = rows_are_invariant(LinearMap(weight, None, kernel), torch.Generator().manual_seed(1))
+        _device_chosen[key] = KernelChoice(kernel, invariant, {}, (kernel.name,) if invariant else (), "device")
+    return _device_chosen[key]
+
+
+_device_chosen: dict[tuple[str, str, tuple[int, int]], KernelChoice] = {}  # this process's, by device
 
 
 def measured_choices() -> bool:
@@ -388,6 +413,17 @@ def forget_records(prefix: str) -> None:
     with KERNELS.update() as machines:
         if machine in machines:
             machines[machine] = {k: v for k, v in machines[machine].items() if not k.startswith(prefix)}
+
+
+def in_row_chunks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn over x [n, ...] in calls of exactly CHUNK rows along its first dimension, the last padded with zero rows:
+    a GPU's reductions (an RMSNorm's mean) lay out their threads by how many rows a call has, so a row is summed
+    alike only at one row count (`device_choice` for the maps)."""
+    count = x.shape[0]
+    padded = -(-count // CHUNK) * CHUNK
+    if padded != count:
+        x = torch.cat([x, x.new_zeros(padded - count, *x.shape[1:])])
+    return torch.cat([fn(chunk) for chunk in x.split(CHUNK)])[:count]
 
 
 def make_map(weight: torch.Tensor, bias: torch.Tensor | None, weights: str = "native") -> LinearMap:

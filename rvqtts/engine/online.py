@@ -279,7 +279,7 @@ class OnlineSpeculation:
                 "this device's kernels are not all measured row-invariant: the tree size stays "
                 "where it started, so that runs repeat"
             )
-        if not self.costs:  # trees dearer than depth + 1 steps are not weighed: none can pay
+        if not self.costs and not self.fixed:  # trees dearer than depth + 1 steps are not weighed: none can pay
             self.costs, self.costs_source = call_costs(
                 runner, [1, self.depth + 1] + [n + 1 for n in self.budgets], self.rows, bound=self.depth + 1
             )

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from rvqtts.engine import native
 from rvqtts.engine.attention import attend_rows
-from rvqtts.engine.kernels import LinearMap, make_map, module_map
+from rvqtts.engine.kernels import LinearMap, in_row_chunks, make_map, module_map, one_row_count
 from rvqtts.engine.quantize import check_weights
 from rvqtts.memory import drop_file_pages
 
@@ -95,6 +95,8 @@ class CachedDecoder:
             for i in range(len(layers))
         ]
         self.native_layers = maps if all(maps) else None
+        # Off the CPU, norms run at one row count, as the maps do (rvqtts.engine.kernels.in_row_chunks).
+        self.norms_in_chunks = one_row_count(device)
         self.allocate(max_len)
 
     @property
@@ -239,6 +241,12 @@ class CachedDecoder:
         """One of the model's RMSNorms over x, natively where this decoder runs its rows so."""
         if self.runs_natively():
             return native.rms_norm(x, norm.weight, norm.variance_epsilon)
+        return self.normed(norm, x)
+
+    def normed(self, norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The module `norm` over x [n, ...]: in calls of one row count where `norms_in_chunks`."""
+        if self.norms_in_chunks and not torch.jit.is_tracing():
+            return in_row_chunks(norm, x)
         return norm(x)
 
     def attend(
@@ -261,9 +269,9 @@ class CachedDecoder:
         x's shape, so traced graphs hold no size lookups (Core ML's converter mishandles them)."""
         layer = self.layers[i]
         qkv = self.qkv[i].many if prompt else self.qkv[i]
-        q, k, v = qkv(layer.input_layernorm(x)).split([self.q_width, self.kv_width, self.kv_width], dim=-1)
-        q = layer.self_attn.q_norm(q.view(-1, self.n_heads, self.head_dim)).transpose(0, 1)
-        k = layer.self_attn.k_norm(k.view(-1, self.n_kv_heads, self.head_dim)).transpose(0, 1)
+        q, k, v = qkv(self.normed(layer.input_layernorm, x)).split([self.q_width, self.kv_width, self.kv_width], dim=-1)
+        q = self.normed(layer.self_attn.q_norm, q.view(-1, self.n_heads, self.head_dim)).transpose(0, 1)
+        k = self.normed(layer.self_attn.k_norm, k.view(-1, self.n_kv_heads, self.head_dim)).transpose(0, 1)
         v = v.view(-1, self.n_kv_heads, self.head_dim).transpose(0, 1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
@@ -282,7 +290,7 @@ class CachedDecoder:
         attention = layer.self_attn
         qkv = self.qkv[i].many if prompt else self.qkv[i]
         return native.attention_inputs(
-            qkv(self.rms(layer.input_layernorm, x)),
+            qkv(self.normed(layer.input_layernorm, x)),
             self.n_heads,
             self.n_kv_heads,
             attention.q_norm.weight,
