@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from rvqtts.engine.devices import synchronize
-from rvqtts.engine.kernels import kernels_used, machine_key, measured_choices
+from rvqtts.engine.kernels import device_key, kernels_used, measured_choices
 from rvqtts.engine.online import predictor_key
 from rvqtts.engine.rounds import plain_frames
 from rvqtts.engine.sampling import SamplingConfig
@@ -67,7 +67,7 @@ def batch_key(synth) -> tuple[str, str]:
     """What a batch size holds for: the machine (CPU model, torch, threads; or the device), and the model's
     loops as their costs depend on them (talker width and depth, the predictor's key)."""
     talker, runner = synth.runners.talker(), synth.runners.batch_runner()
-    machine = machine_key() if talker.device.type == "cpu" else str(talker.device)
+    machine = device_key(talker.device)
     native = f"/native-{talker.native_mode}" if talker.native_mode else ""
     return machine, f"talker {talker.hidden_size}x{len(talker.layers)}{native} | predictor {predictor_key(runner)}"
 
@@ -82,8 +82,8 @@ def choose_batch_size(synth, lines: int, progress: Callable[[str], None] | None 
         return 1, "RVQTTS_CHOICES=fixed (no measurement)"
     if not rows_invariant(synth):
         return 1, (
-            "the kernels here are not known to keep rows invariant (off the CPU they are not checked): one "
-            "line at a time keeps each line's one-line bits"
+            "the linear maps here were not all measured to keep rows invariant: one line at a time keeps each "
+            "line's one-line bits"
         )
     path = BATCH_SIZES.path
     machine, key = batch_key(synth)

@@ -18,6 +18,7 @@ from rvqtts.engine.native import isa_cap, unavailable
 from rvqtts.engine.policy import choose_speculation
 from rvqtts.engine.quantize import WEIGHTS, check_weights
 from rvqtts.loading import DTYPES, load_tts, model_config
+from rvqtts.settings import GenerationSettings
 
 
 @dataclass(frozen=True)
@@ -89,4 +90,5 @@ def load_engine(model: str | os.PathLike, choices: EngineChoices, on_notice: Cal
     synth = Synthesizer(tts, speculation, choices.weights, str(model), choices.cuda_graphs, choices.batch_size)
     synth.codec.use_dtype(decoder)
     synth.codec.release_unused_encoder()
+    synth.runners.warm_up(synth.sampling(GenerationSettings()).predictor)  # a GPU's graphs captured now
     return synth

@@ -77,7 +77,7 @@ PY
 identity() {  # speculative == plain, batched == one-line, on the device, in the dtype auto picks
     local model=$OUT/model common=(--model "$OUT/model" --device "$DEVICE" --max-frames "$FRAMES" --seed 7 -q)
     rvqtts synth "The quick brown fox jumps over the lazy dog." "${common[@]}" --tree 15 -o "$OUT/spec.wav" \
-        --codes-out "$OUT/spec.npy" &&
+        --codes-out "$OUT/spec.npy" --stats-json "$OUT/spec-stats.json" &&
         rvqtts synth "The quick brown fox jumps over the lazy dog." "${common[@]}" --no-spec -o "$OUT/plain.wav" \
             --codes-out "$OUT/plain.npy" &&
         same_codes "$OUT/spec.npy" "$OUT/plain.npy" &&

@@ -231,3 +231,55 @@ def test_a_prompt_run_through_f_linear_prefills_what_the_step_kernels_do(release
     calls.clear()
     prompt_kernels.step(torch.randn(1, synth.talker.config.hidden_size), prompt.length)
     assert calls and {kind for kind, _ in calls} == {"call"}  # steps keep their kernels
+
+
+def test_a_static_talkers_batch_rows_get_the_bits_of_its_captured_one_row_step(tiny_dir, monkeypatch):
+    """With static calls (a GPU's CUDA graphs; emulated here, with the maps and norms at one row count as off the CPU),
+    each row of a batched step attends as the captured one-row step does (its static span, masked beyond its
+    position), so a batch's row gets the bits of that line's one-line run."""
+    import rvqtts.engine.kernels as kernels
+    from rvqtts.engine import transformer
+
+    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
+    monkeypatch.setattr(kernels, "_device_chosen", {})
+    for module in (kernels, transformer):
+        monkeypatch.setattr(module, "one_row_count", lambda device: True)
+    synth = Synthesizer.from_checkpoint(tiny_dir)
+    prompts = [synth.prompt(text, "vivian", "english") for text in (TEXT, "A shorter one.", "And a third line here.")]
+    batch = TalkerRunner(synth.talker, calls=StaticCalls("emulated"))
+    alone = [TalkerRunner(synth.talker, calls=StaticCalls("emulated")) for _ in prompts]
+    for row, (prompt, runner) in enumerate(zip(prompts, alone)):
+        batch.prefill(prompt.embeds, row=row)
+        runner.prefill(prompt.embeds)
+    generator = torch.Generator().manual_seed(0)
+    for n in range(4):
+        x = torch.randn(len(prompts), batch.hidden_size, generator=generator)
+        positions = [prompt.length + n for prompt in prompts]
+        hidden, logits = batch.step_rows(x, positions, [0, 1, 2])
+        for row, runner in enumerate(alone):
+            h, out = runner.step(x[row : row + 1], positions[row])
+            assert torch.equal(hidden[row], h) and torch.equal(logits[row], out)
+
+
+def test_a_frames_noise_is_made_while_the_talker_call_before_it_runs(tiny, monkeypatch):
+    """The host's share of a frame kept off the device's path: each frame's residual noise is made after the
+    talker call before it (the prefill or the last step) is issued and before the wait for it, not after c0's draw,
+    which waits for the device, and before the inner loop."""
+    import rvqtts.engine.frame_loop as frame_loop
+
+    events = []
+
+    def logged(name, function):
+        def call(*args, **kwargs):
+            events.append(name)
+            return function(*args, **kwargs)
+
+        return call
+
+    for name in ("residual_noise", "synchronize", "inner_frames"):
+        monkeypatch.setattr(frame_loop, name, logged(name, getattr(frame_loop, name)))
+    result = tiny.synthesize(TEXT, "vivian", "english", seed=2, settings=GenerationSettings(max_frames=5))
+    noise = [i for i, event in enumerate(events) if event == "residual_noise"]
+    frames = len(result.codes)  # and the noise of a frame that an end code stops before its inner loop
+    assert events.count("inner_frames") == frames and len(noise) in (frames, frames + 1)
+    assert all(events[i + 1] == "synchronize" for i in noise)

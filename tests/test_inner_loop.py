@@ -167,14 +167,11 @@ def test_static_calls_give_the_eager_codes(narrow):
         ]
         assert static == eager
         kinds = {key[0] for key in loop.calls.entries}
-        assert kinds == ({"prefill", "step"} if spec is None else {"prefill", "rounds"})
-        # a step's key holds its code index; a round's its layout's: (slots, attention, ((row, index, tree),))
-        indices = sorted(
-            key[1] if spec is None else key[1][2][0][1] for key in loop.calls.entries if key[0] != "prefill"
-        )
-        if spec is None:
-            assert indices == list(range(1, 15))  # one step per code index
-        else:
+        assert kinds == ({"plain"} if spec is None else {"prefill", "rounds"})
+        if spec is None:  # the whole plain frame in one call
+            assert len(loop.calls.entries) == 1
+        else:  # a round's key holds its layout's: (slots, attention, ((row, index, tree),))
+            indices = [key[1][2][0][1] for key in loop.calls.entries if key[0] != "prefill"]
             assert len(indices) > 5  # rounds rooted at many different indices
 
 
@@ -186,3 +183,36 @@ def test_static_calls_overwrite_outputs_and_pick_their_mode():
     assert StaticCalls.for_device(torch.device("cpu")).mode == "eager"
     with pytest.raises(ValueError, match="unknown mode 'graph'"):
         StaticCalls("graph")
+
+
+@pytest.mark.parametrize("tree", [None, "4"])
+def test_a_warm_up_captures_the_calls_an_utterance_replays_and_changes_no_code(tiny_dir, tree, monkeypatch):
+    """Static calls (a GPU's CUDA graphs; emulated here) are captured at load (`Runners.warm_up`, which
+    `Synthesizer.load` runs): the talker's step over every span of its first cache, the inner loop's plain calls
+    and a round of the starting tree. An utterance after it gets the codes it gets without one, and its plain frames
+    capture nothing more."""
+    from rvqtts.engine.tree import resolve_tree
+    from rvqtts.settings import GenerationSettings
+    from rvqtts.synthesis import Synthesizer
+
+    monkeypatch.setattr(StaticCalls, "for_device", classmethod(lambda cls, device, enabled=True: cls("emulated")))
+
+    def loaded() -> Synthesizer:
+        synth = Synthesizer.from_checkpoint(tiny_dir)
+        hidden = synth.code_predictor.config.hidden_size
+        return synth.using(tree and Speculation(resolve_tree(tree), Offsets.zeros(3, hidden)))
+
+    def codes(synth: Synthesizer) -> np.ndarray:
+        return synth.synthesize("Warm graphs.", "vivian", "english", seed=3, settings=settings).codes
+
+    settings = GenerationSettings(max_frames=6)
+    cold, warm = loaded(), loaded()
+    warm.runners.warm_up(warm.sampling(GenerationSettings()).predictor)
+    talker, inner = warm.runners.talker().calls, warm.runners.inner_parts().calls
+    assert set(talker.entries) == {("talker", span) for span in (256, 512, 768, 1024)}
+    captured = set(inner.entries)
+    kinds = {key[0] for key in captured}
+    assert kinds == ({"plain", "prefill", "rounds"} if tree else {"plain"})
+    assert np.array_equal(codes(warm), codes(cold))
+    assert set(talker.entries) == {("talker", span) for span in (256, 512, 768, 1024)}
+    assert tree or set(inner.entries) == captured

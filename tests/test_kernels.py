@@ -306,3 +306,12 @@ def test_the_gpu_paths_one_row_count_run_on_the_cpu_keeps_tree_codes_equal_to_pl
         "maps": {f"linear/pad{kernels.CHUNK}": len(predictor.linear_maps())},
         "row_invariant": True,
     }
+    assert predictor.rounds_exact
+    predictor.device = torch.device("cuda")  # off the CPU, only row attention measured exact there keeps rounds exact
+    predictor.row_attention = True
+    assert predictor.rounds_exact
+    predictor.row_attention = False
+    assert not predictor.rounds_exact
+    # what its measurements (call costs, batch sizes) are kept under: the GPU, not this CPU
+    assert kernels.device_key(torch.device("cpu")) == kernels.machine_key()
+    assert kernels.device_key(torch.device("mps")).startswith("mps | torch ")

@@ -131,12 +131,14 @@ def test_streamed_audio_arrives_in_pieces_as_it_is_made(client, served, monkeypa
     send = Job.send
 
     def held_send(job: Job, item) -> None:
-        send(job, item)  # sent on, then the engine is held before it makes the next
-        if isinstance(item, bytes) and not item.startswith(b"RIFF"):
+        piece = isinstance(item, bytes) and not item.startswith(b"RIFF")
+        first = piece and not first_made.is_set()
+        if piece:  # counted before it is sent: the client may read it before this thread runs on
             made.append(len(item))
-            if not first_made.is_set():
-                first_made.set()
-                opened.wait(WAIT)
+            first_made.set()
+        send(job, item)  # sent on, then the engine is held before it makes the next
+        if first:
+            opened.wait(WAIT)
 
     monkeypatch.setattr(Job, "send", held_send)
     request = dict(model="tiny", voice="vivian", input=text, response_format="wav")

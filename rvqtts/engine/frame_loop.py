@@ -96,6 +96,7 @@ class _Row:
     seen: torch.Tensor  # c0 ids drawn in this chunk (the repetition penalty's history)
     hidden: torch.Tensor
     logits: torch.Tensor
+    noise: torch.Tensor  # the next frame's residual noise (`FrameLoop.next_noise`)
     frames: list[np.ndarray] = field(default_factory=list)
 
 
@@ -212,6 +213,8 @@ class FrameLoop:
                 [rows[s].prompt.length + len(rows[s].frames) - 1 for s in stepping],
                 stepping,
             )
+            for slot in stepping:
+                rows[slot].noise = self.next_noise(rows[slot].work)
             synchronize(device)
             spent = (time.perf_counter() - begun) / len(stepping)
             for i, slot in enumerate(stepping):
@@ -226,9 +229,7 @@ class FrameLoop:
         if works[0].forced is not None:  # teacher forcing runs alone
             return [[int(c) for c in row.work.forced[len(row.frames), 1:]] for row in ready]
         runner, fused = self.parts.runner, self.parts.fused
-        tables = self.talker.predictor_embeddings  # c1..c_{G-1}'s: the noise's shape
-        groups, vocab = len(tables) + 1, tables[0].num_embeddings
-        noise = torch.stack([residual_noise(w.seed, w.utterance, w.frame, groups, vocab) for w in works])
+        noise = torch.stack([row.noise for row in ready])
         if fused is not None:
             if works[0].sampling.predictor != fused.sampling:
                 raise ValueError(
@@ -275,13 +276,20 @@ class FrameLoop:
         begun = time.perf_counter()
         self.talker.reserve(prompt.length + budget, self.rows)  # room for every step at once
         hidden, logits = self.talker.prefill(prompt.embeds, row=slot)
+        noise = self.next_noise(work)
         synchronize(self.talker.device)
         work.talker_calls += 1
         work.seconds["talker"] += time.perf_counter() - begun
         if work.frame == 0:
             work.seconds["prefill"] = time.perf_counter() - begun
         seen = torch.zeros(self.talker.vocab_size, dtype=torch.bool, device=self.talker.device)
-        rows[slot] = _Row(work, prompt, budget, seen, hidden, logits)
+        rows[slot] = _Row(work, prompt, budget, seen, hidden, logits, noise)
+
+    def next_noise(self, work: Work) -> torch.Tensor:
+        """The noise of the utterance's next frame's residual codes [G-1, V] (on the CPU): made while the device
+        runs the talker call that comes before that frame, not after the c0 draw that waits for it."""
+        tables = self.talker.predictor_embeddings  # c1..c_{G-1}'s: the noise's shape
+        return residual_noise(work.seed, work.utterance, work.frame, len(tables) + 1, tables[0].num_embeddings)
 
 
 _END = object()  # the source of works is spent

@@ -302,6 +302,16 @@ def machine_key() -> str:
 
 
 @functools.cache
+def device_key(device: torch.device) -> str:
+    """What a measurement on `device` holds for: this CPU's `machine_key`, or the GPU's name with torch's and CUDA's
+    versions (another GPU in the same machine measures its own)."""
+    if device.type == "cpu":
+        return machine_key()
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} | CUDA {torch.version.cuda}"
+    return f"{device.type} | torch {torch.__version__}"
+
+
 def cpu_model() -> str:
     """The CPU's model name with its family and model numbers (/proc/cpuinfo on Linux), else platform's."""
     fields = {}

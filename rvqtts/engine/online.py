@@ -42,7 +42,7 @@ import torch
 
 from rvqtts.engine.devices import synchronize
 from rvqtts.engine.graphs import StaticCalls
-from rvqtts.engine.kernels import kernels_used, machine_key
+from rvqtts.engine.kernels import device_key
 from rvqtts.engine.native import source_digest
 from rvqtts.engine.offsets import Offsets
 from rvqtts.engine.predictor import PredictorRunner
@@ -202,7 +202,7 @@ def call_costs(
     machine, predictor key and rows (call-costs.json), shortest first, each beside a plain step. With `bound`, the
     lengths past one that costs `bound` steps are left out (no tree that accepts at most `bound` codes a call pays
     there)."""
-    machine = machine_key() if runner.device.type == "cpu" else str(runner.device)
+    machine = device_key(runner.device)
     key = predictor_key(runner) + (f"/rows-{rows}" if rows > 1 else "")
     known = {int(q): float(ms) for q, ms in CALL_COSTS.read().get(machine, {}).get(key, {}).items()}
     measured = False
@@ -270,13 +270,14 @@ class OnlineSpeculation:
 
     def start(self, runner: PredictorRunner, sampling: SamplingConfig | RowSampling) -> None:
         """Ready for a run: measured call costs, and the counts this model's last run left (or the prior).
-        Where the runner's maps are not all measured row-invariant (rvqtts.engine.kernels), a tree round's rows
-        may differ from plain steps in the last bit, so a choice that changes with timings could change a
-        run's codes from one run to the next: there the start budget stays, and nothing is decided."""
+        Where a round's queries are not known to get the plain steps' bits (`PredictorRunner.rounds_exact`: the maps
+        measured row-invariant, rvqtts.engine.kernels, and the attention), a tree round's rows may differ from plain
+        steps in the last bit, so a choice that changes with timings could change a run's codes from one run to the
+        next: there the start budget stays, and nothing is decided."""
         self.codes_per_frame = runner.code_groups - 1
-        if self.budget < 0 and kernels_used(runner.linear_maps())["row_invariant"] is not True:
+        if self.budget < 0 and not runner.rounds_exact:
             self.fixed = (
-                "this device's kernels are not all measured row-invariant: the tree size stays "
+                "this device's calls are not all measured row-invariant: the tree size stays "
                 "where it started, so that runs repeat"
             )
         if not self.costs and not self.fixed:  # trees dearer than depth + 1 steps are not weighed: none can pay
@@ -320,9 +321,17 @@ class OnlineSpeculation:
             return self.speculation(self.budget), False
         if self.fixed or step % self.probe_every():
             return None, False
+        return self.probe(), True
+
+    def probe(self) -> Speculation:
+        """The draft chain a probe frame runs."""
         if self._probe is None:
             self._probe = Speculation(probe_tree(self.depth), self.offsets)
-        return self._probe, True
+        return self._probe
+
+    def first_trees(self) -> list[Speculation]:
+        """The tree the choice starts with, if any, and the probe's chain where probes run."""
+        return ([self.speculation(self.budget)] if self.budget > 0 else []) + ([] if self.fixed else [self.probe()])
 
     def probe_every(self) -> int:
         """Frames between probes: PROBE_EVERY, SETTLED_PROBE_EVERY once SETTLED_ROOTS roots are counted (or in a batch),

@@ -10,7 +10,7 @@ from collections import OrderedDict
 import torch
 
 from rvqtts.engine.attention import attention_width, row_attention_exact
-from rvqtts.engine.kernels import LinearMap, make_map, module_map
+from rvqtts.engine.kernels import LinearMap, kernels_used, make_map, module_map
 from rvqtts.engine.transformer import CachedDecoder
 from rvqtts.memory import drop_file_pages
 
@@ -128,6 +128,14 @@ class PredictorRunner(CachedDecoder):
         `rows` (each query's slots over the width) or `groups` (`run_layers`)."""
         x = self.project_input(embeds)
         return self.run_layers(x, self.cos[positions][None], self.sin[positions][None], write, self.width, **attention)
+
+    @property
+    def rounds_exact(self) -> bool:
+        """Whether a tree round's queries get the bits plain steps give them: every map measured row-invariant, and
+        attention by rows (measured exact on this device) or, on a CPU, gathered per depth (a CPU's attention computes
+        a call's queries alike, whatever their number)."""
+        maps_invariant = kernels_used(self.linear_maps())["row_invariant"] is True
+        return maps_invariant and (self.row_attention or self.device.type == "cpu")
 
     def linear_maps(self) -> list[LinearMap]:
         """Every linear map a call may apply: the layers', the LM heads and the input projection's."""

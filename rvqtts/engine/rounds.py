@@ -76,18 +76,29 @@ def plain_frames(
     sampling: SamplingConfig | RowSampling,
     calls: StaticCalls = EAGER,
 ) -> list[list[int]]:
-    """c1..c_{G-1} of n frames, one call per code for all of them: `prefixes` [n, 2, E], `noise` [n, G-1, V]
-    (row m-1 draws c_m). Codes stay on the device until the frames are done (one read back)."""
-    last, n = runner.code_groups - 1, prefixes.shape[0]
-    _, code, finite = calls(("prefill", n, sampling), partial(prefill_call, runner, sampling), prefixes, noise)
-    codes, flags = [code.clone()], [finite.clone()]  # outputs of a static call are overwritten when it runs again
-    for index in range(1, last):
-        code, finite = calls(("step", index, n, sampling), partial(steps_call, runner, index, sampling), code, noise)
-        codes.append(code.clone())
-        flags.append(finite.clone())
-    if not bool(torch.stack(flags).all()):
+    """c1..c_{G-1} of n frames, one predictor call per code for all of them, the whole frame in one static call (on
+    a GPU one graph replay, not 15): `prefixes` [n, 2, E], `noise` [n, G-1, V] (row m-1 draws c_m). Codes stay on
+    the device until the frames are done (one read back)."""
+    codes, finite = calls(
+        ("plain", prefixes.shape[0], sampling), partial(plain_call, runner, sampling), prefixes, noise
+    )
+    if not bool(finite):
         raise NonFiniteError("code predictor", runner.dtype)
-    return torch.stack(codes, dim=1).tolist()
+    return codes.tolist()
+
+
+def plain_call(
+    runner: PredictorRunner, sampling: SamplingConfig | RowSampling, prefixes: torch.Tensor, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain loop's calls of n frames, each code fed to the next call on the device: codes [n, G-1], and whether
+    every call's logits were finite."""
+    _, code, finite = prefill_call(runner, sampling, prefixes, noise)
+    codes, flags = [code], [finite]
+    for index in range(1, runner.code_groups - 1):
+        code, finite = steps_call(runner, index, sampling, code, noise)
+        codes.append(code)
+        flags.append(finite)
+    return torch.stack(codes, dim=1), torch.stack(flags).all()
 
 
 @dataclass

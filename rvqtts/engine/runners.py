@@ -13,9 +13,13 @@ from rvqtts.engine.graphs import StaticCalls
 from rvqtts.engine.inner_loop import LoopParts
 from rvqtts.engine.kernels import kernels_used
 from rvqtts.engine.predictor import PredictorRunner
+from rvqtts.engine.rounds import plain_frames, speculative_frames
+from rvqtts.engine.sampling import SamplingConfig
 from rvqtts.engine.speculation import TreePolicy
-from rvqtts.engine.talker import TalkerRunner
+from rvqtts.engine.talker import CAPACITY_STEP, TalkerRunner
 from rvqtts.memory import tensors_mib
+
+WARM_SLOTS = 1024  # the talker's cache a warm-up makes: a prompt and about a minute of speech after it
 
 
 class Runners:
@@ -57,6 +61,32 @@ class Runners:
                 else LoopParts.build(self.code_predictor, self.speculation, self.cuda_graphs, self.weights)
             )
         return self._parts
+
+    def warm_up(self, sampling: SamplingConfig) -> None:
+        """Capture ahead the static calls (CUDA graphs) that utterances replay, so that none pays for them: the talker's
+        cache made WARM_SLOTS long (a cache that grows starts its captures over) and its step over each span of it,
+        and one frame of the inner loop at `sampling` on zeros, plain and by each tree it may start with (the online
+        choice started first: its call costs are measured then, once per machine). Nothing else is kept: every cache
+        slot these calls write is written again before a call reads it. Nothing runs where the calls are eager (a
+        CPU's)."""
+        talker, parts = self.talker(), self.inner_parts()
+        if talker.calls.mode == "eager" and parts.calls.mode == "eager":
+            return
+        with torch.inference_mode():
+            talker.reserve(WARM_SLOTS)
+            zero = torch.zeros(1, talker.hidden_size, device=talker.device, dtype=talker.dtype)
+            for position in range(0, talker.max_len, CAPACITY_STEP):
+                talker.step(zero, position)
+            runner = parts.runner
+            if runner is None:  # a Core ML package's calls
+                return
+            prefixes = torch.zeros(1, 2, talker.hidden_size, device=runner.device, dtype=runner.dtype)
+            noise = torch.zeros(1, runner.code_groups - 1, runner.vocab_size, device=runner.device)
+            plain_frames(runner, prefixes, noise, sampling, parts.calls)
+            if parts.speculation is not None:
+                parts.speculation.start(runner, sampling)
+                for tree in parts.speculation.first_trees():
+                    speculative_frames(runner, prefixes, noise, sampling, [tree], parts.offsets, parts.calls)
 
     def batch_runner(self) -> PredictorRunner:
         """The code predictor runner of batches (its cache grows by rows, each row with room for a tree

@@ -120,6 +120,9 @@ class TreePolicy(Protocol):
     def frame_speculation(self) -> tuple["Speculation | None", bool]:
         """What the next frame (or a batch's next frame step) runs (None: plain), and whether it is a probe."""
 
+    def first_trees(self) -> list["Speculation"]:
+        """The trees the first frames after `start` may run (what a warm-up captures), asking nothing of the next."""
+
     def observe(self, codes: list[int], drafted: list, probe: bool, milliseconds: float) -> None:
         """A finished frame: its codes, its rounds' drafts, and its share of the inner loop's time."""
 
@@ -164,6 +167,9 @@ class Speculation:
 
     def frame_speculation(self) -> tuple["Speculation", bool]:
         return self, False
+
+    def first_trees(self) -> list["Speculation"]:
+        return [self]
 
     def observe(self, codes: list[int], drafted: list, probe: bool, milliseconds: float) -> None:
         """Nothing to learn: the tree is fixed."""

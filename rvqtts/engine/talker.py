@@ -79,8 +79,12 @@ class TalkerRunner(CachedDecoder):
         index = torch.full((1,), position, device=self.device, dtype=torch.long)
         if self.calls.mode == "eager":
             return self._step(embed, index, position + 1)
-        span = min(self.max_len, -(-(position + 1) // CAPACITY_STEP) * CAPACITY_STEP)
+        span = self.static_span(position)
         return self.calls(("talker", span), lambda e, i: self._step(e, i, span), embed, index)
+
+    def static_span(self, position: int) -> int:
+        """The slots a static step at `position` attends to: the position's, rounded up to CAPACITY_STEP."""
+        return min(self.max_len, -(-(position + 1) // CAPACITY_STEP) * CAPACITY_STEP)
 
     def _step(self, embed: torch.Tensor, index: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step at position `index` (a 1-element tensor), attending to the first `span` slots, masked
@@ -96,8 +100,9 @@ class TalkerRunner(CachedDecoder):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame's step for several utterances in one call: input [n, hidden] at `positions` of batch
         rows `rows`. Each row attends to its own slots only, as `step` does for one utterance (the same
-        bits: rvqtts's kernels keep rows invariant), eagerly; one utterance in row 0 by `step` (its static
-        calls). Returns (h [n, hidden], logits [n, vocab])."""
+        bits: rvqtts's kernels keep rows invariant), eagerly; with static calls (a GPU's), over its static span
+        masked beyond its position, each row in an attention call of the shapes a captured step runs. One
+        utterance in row 0 by `step` (its static calls). Returns (h [n, hidden], logits [n, vocab])."""
         if rows == [0]:
             hidden, logits = self.step(embeds, positions[0])
             return hidden[None], logits[None]
@@ -108,6 +113,13 @@ class TalkerRunner(CachedDecoder):
         slots = base[:, None] + torch.arange(width, device=self.device)
         if self.runs_natively():  # each query over its row's slots up to its own position
             attention = {"rows": (slots, torch.arange(width, device=self.device)[None] <= position[:, None])}
+        elif self.calls.mode != "eager":  # each query as a captured step attends: its static span, masked
+            spans = [(r * self.max_len, self.static_span(p), p) for r, p in zip(rows, positions)]
+            attention = {
+                "spans": [
+                    (slice(b, b + span), (torch.arange(span, device=self.device) <= p)[None]) for b, span, p in spans
+                ]
+            }
         else:  # each query alone, as a step's attention: its row's slots 0..position
             attention = {"groups": [(slice(r, r + 1), slots[r : r + 1, : p + 1]) for r, p in enumerate(positions)]}
         hidden = self.run_layers(

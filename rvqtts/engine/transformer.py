@@ -133,6 +133,7 @@ class CachedDecoder:
         mask: torch.Tensor | None = None,
         groups: list[tuple[slice, torch.Tensor]] | None = None,
         rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        spans: list[tuple[slice, torch.Tensor]] | None = None,
         prompt: bool = False,
     ) -> torch.Tensor:
         """The layers over states x [q, hidden] (RoPE tables `cos`, `sin` [1, q, d]), writing keys and values to the
@@ -140,9 +141,10 @@ class CachedDecoder:
         the region `span`, a slice: one batch row's). Which slots each query sees: `mask` [q, span]; else `groups`
         (query slices and the slots [n, L] each of them attends to, in order); else `rows` (row attention,
         rvqtts.engine.attention: each query's slots [q, span] in position order, None: the first `span`, and which of
-        them it sees); else all. Returns the final-normed states [q, hidden]. Run natively (`native_rows`), norms, RoPE,
-        attention and the activation are library calls, whole layers where every map runs its kernel (`native_layers`):
-        the same bits. A `prompt` (a prefill's rows) runs maps by `LinearMap.many`."""
+        them it sees); else `spans` (query r over the cache region `spans[r][0]`, seeing where `spans[r][1]` [1, width]
+        is true, in an attention call of its own); else all. Returns the final-normed states [q, hidden]. Run natively
+        (`native_rows`), norms, RoPE, attention and the activation are library calls, whole layers where every map runs
+        its kernel (`native_layers`): the same bits. A `prompt` (a prefill's rows) runs maps by `LinearMap.many`."""
         native_rows = self.runs_natively()
         read = span if isinstance(span, slice) else slice(0, span)
         if native_rows and read.start and rows is None and groups is None:  # a region: its slots, in order
@@ -194,6 +196,19 @@ class CachedDecoder:
                 out = attend_rows(q, keys, values, visible)
             elif groups is not None:
                 out = torch.cat([self.attend_gathered(i, q[:, queries], slots) for queries, slots in groups], dim=1)
+            elif spans is not None:
+                out = torch.cat(
+                    [
+                        self.attend(
+                            q[None, :, r : r + 1],
+                            self.k_cache[None, i, :, region],
+                            self.v_cache[None, i, :, region],
+                            visible[None, None],
+                        )[0]
+                        for r, (region, visible) in enumerate(spans)
+                    ],
+                    dim=1,
+                )
             else:
                 # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the unfused math).
                 out = self.attend(q[None], self.k_cache[None, i, :, read], self.v_cache[None, i, :, read], attn_mask)[0]
