@@ -116,6 +116,23 @@ def test_the_compute_floor_takes_the_faster_of_the_dtype_and_float32_on_a_cpu(mo
     assert floor.peak_multiply_adds_per_ms(torch.bfloat16, torch.device("cpu")) == 300.0
 
 
+def test_a_read_pass_reads_every_byte_once_and_off_the_cpu_in_one_kernel(monkeypatch):
+    """The read floor: each tensor's bytes once on a CPU; off it one copy of them all, read by one kernel (a GPU
+    reading a few hundred tensors one launch each would time the launches)."""
+    import torch
+
+    from rvqtts.bench.floor import read_pass
+
+    tensors = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16)]
+    reads, amax = [], torch.Tensor.amax
+    monkeypatch.setattr(torch.Tensor, "amax", lambda self, *args: reads.append(self.numel()) or amax(self, *args))
+    read_pass(tensors)()
+    assert reads == [48, 10]
+    reads.clear()
+    read_pass(tensors, one_buffer=True)()
+    assert reads == [58]
+
+
 def test_projection_arithmetic():
     predictor = {
         "q": [1, 5, 9, 33],

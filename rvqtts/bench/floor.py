@@ -35,9 +35,15 @@ def megabytes(tensors: list[torch.Tensor]) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / 1e6
 
 
-def read_pass(tensors: list[torch.Tensor]) -> Callable[[], None]:
-    """A call that reads every byte of `tensors` once: the floor of a call that reads them."""
+def read_pass(tensors: list[torch.Tensor], one_buffer: bool | None = None) -> Callable[[], None]:
+    """A call that reads every byte of `tensors` once: the floor of a call that reads them. On a CPU it reads the
+    tensors themselves; off it (`one_buffer`), a copy of their bytes in one buffer, read by one kernel: a GPU reads
+    a few hundred tensors one launch each at the launches' pace, not its memory's."""
     flat = [t.reshape(-1).view(torch.uint8) for t in tensors]  # the weights are contiguous: views, no copies
+    if one_buffer is None:
+        one_buffer = bool(flat) and flat[0].device.type != "cpu"
+    if one_buffer:
+        flat = [torch.cat(flat)]
 
     def read() -> None:
         for values in flat:
