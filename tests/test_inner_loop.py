@@ -216,3 +216,34 @@ def test_a_warm_up_captures_the_calls_an_utterance_replays_and_changes_no_code(t
     assert np.array_equal(codes(warm), codes(cold))
     assert set(talker.entries) == {("talker", span) for span in (256, 512, 768, 1024)}
     assert tree or set(inner.entries) == captured
+
+
+@pytest.mark.parametrize("row_attention", [True, False])
+@pytest.mark.parametrize("tree", [None, "4"])
+def test_no_static_call_reads_a_value_back_to_the_host(narrow, tree, row_attention, monkeypatch):
+    """A CUDA graph's capture fails on any read of a device value by the host (`.tolist()`, `.item()`, `bool()`,
+    `int()`): every call the loops make static (the talker's step, the plain frame, a round, a prefill) is run here
+    with those reads refused, with row attention and with the gathered one (a GPU whose probe fails)."""
+    from rvqtts.engine.talker import TalkerRunner
+    from rvqtts.engine.tree import resolve_tree
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a static call read a device value back to the host")
+
+    capture = StaticCalls._capture
+
+    def guarded(self, fn, inputs):
+        with pytest.MonkeyPatch.context() as patch:
+            for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+                patch.setattr(torch.Tensor, name, refused)
+            return capture(self, fn, inputs)
+
+    monkeypatch.setattr(StaticCalls, "_capture", guarded)
+    speculation = tree and Speculation(resolve_tree(tree), random_offsets(narrow.hidden_size, 4))
+    loop = InnerLoop(narrow.code_predictor, speculation, seed=11)
+    loop.runner.row_attention, loop.calls = row_attention, StaticCalls("emulated")
+    for f in range(3):
+        loop.frame(random_prefix(narrow, seed=f), SamplingConfig(), utterance=0, frame=f)
+    talker = TalkerRunner(narrow.talker, calls=StaticCalls("emulated"))
+    talker.step(torch.zeros(1, talker.hidden_size), 3)
+    assert loop.calls.entries and talker.calls.entries

@@ -81,7 +81,7 @@ class PredictorRunner(CachedDecoder):
         if not self.row_attention:  # row by row, each call shaped as a one-frame prefill's
             x = self.project_input(prefixes)
             cos, sin = self.cos[positions][None], self.sin[positions][None]
-            regions = [slice(b, b + 2) for b in base.tolist()]
+            regions = [slice(r * self.max_len, r * self.max_len + 2) for r in range(n)]  # no read back: graphs
             return torch.stack(
                 [
                     self.run_layers(x[r], cos, sin, region, region, self.causal[:2, :2])[-1]
