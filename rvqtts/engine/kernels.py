@@ -301,7 +301,6 @@ def machine_key() -> str:
     return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads{caps}"
 
 
-@functools.cache
 def device_key(device: torch.device) -> str:
     """What a measurement on `device` holds for: this CPU's `machine_key`, or the GPU's name with torch's and CUDA's
     versions (another GPU in the same machine measures its own)."""
@@ -312,6 +311,7 @@ def device_key(device: torch.device) -> str:
     return f"{device.type} | torch {torch.__version__}"
 
 
+@functools.cache
 def cpu_model() -> str:
     """The CPU's model name with its family and model numbers (/proc/cpuinfo on Linux), else platform's."""
     fields = {}
