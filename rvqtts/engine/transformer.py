@@ -305,7 +305,7 @@ class CachedDecoder:
         attention = layer.self_attn
         qkv = self.qkv[i].many if prompt else self.qkv[i]
         return native.attention_inputs(
-            qkv(self.normed(layer.input_layernorm, x)),
+            qkv(self.rms(layer.input_layernorm, x)),
             self.n_heads,
             self.n_kv_heads,
             attention.q_norm.weight,
