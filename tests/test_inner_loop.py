@@ -190,12 +190,17 @@ def test_a_warm_up_captures_the_calls_an_utterance_replays_and_changes_no_code(t
     """Static calls (a GPU's CUDA graphs; emulated here) are captured at load (`Runners.warm_up`, which
     `Synthesizer.load` runs): the talker's step over every span of its first cache, the inner loop's plain calls
     and a round of the starting tree. An utterance after it gets the codes it gets without one, and its plain frames
-    capture nothing more."""
+    capture nothing more. Where calls are eager (a CPU's) it makes nothing, not even the runners."""
+    from rvqtts.engine import runners
     from rvqtts.engine.tree import resolve_tree
     from rvqtts.settings import GenerationSettings
     from rvqtts.synthesis import Synthesizer
 
+    eager = Synthesizer.from_checkpoint(tiny_dir)
+    eager.runners.warm_up(eager.sampling(GenerationSettings()).predictor)
+    assert eager.runners._talker is None and eager.runners._parts is None
     monkeypatch.setattr(StaticCalls, "for_device", classmethod(lambda cls, device, enabled=True: cls("emulated")))
+    monkeypatch.setattr(runners, "graphs_on", lambda device, enabled=True: enabled)
 
     def loaded() -> Synthesizer:
         synth = Synthesizer.from_checkpoint(tiny_dir)

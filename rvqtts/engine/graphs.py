@@ -61,4 +61,9 @@ class StaticCalls:
     @classmethod
     def for_device(cls, device: torch.device, enabled: bool = True) -> "StaticCalls":
         """CUDA graphs on a CUDA device when enabled; plain eager calls everywhere else."""
-        return cls("cuda" if enabled and device.type == "cuda" else "eager")
+        return cls("cuda" if graphs_on(device, enabled) else "eager")
+
+
+def graphs_on(device: torch.device, enabled: bool = True) -> bool:
+    """Whether calls on `device` replay CUDA graphs: on a CUDA device, when enabled."""
+    return enabled and device.type == "cuda"

@@ -9,7 +9,7 @@ import torch
 
 from rvqtts.engine.frame_loop import FrameLoop
 from rvqtts.engine.fused import FusedLoop
-from rvqtts.engine.graphs import StaticCalls
+from rvqtts.engine.graphs import StaticCalls, graphs_on
 from rvqtts.engine.inner_loop import LoopParts
 from rvqtts.engine.kernels import kernels_used
 from rvqtts.engine.predictor import PredictorRunner
@@ -69,9 +69,9 @@ class Runners:
         choice started first: its call costs are measured then, once per machine). Nothing else is kept: every cache
         slot these calls write is written again before a call reads it. Nothing runs where the calls are eager (a
         CPU's)."""
+        if not graphs_on(self.talker_module.codec_head.weight.device, self.cuda_graphs):
+            return  # and no runner is made before a run asks for it
         talker, parts = self.talker(), self.inner_parts()
-        if talker.calls.mode == "eager" and parts.calls.mode == "eager":
-            return
         with torch.inference_mode():
             talker.reserve(WARM_SLOTS)
             zero = torch.zeros(1, talker.hidden_size, device=talker.device, dtype=talker.dtype)
