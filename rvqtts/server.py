@@ -9,6 +9,11 @@ bytes `rvqtts synth` writes for the same text, voice, seed and settings. A strea
 audio after one frame and then every 4 frames, as `synth --stream` makes it, as the audio itself or as OpenAI's
 server-sent events; a client that goes away frees its row within a frame.
 Errors are JSON in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+What a client may hold is bounded (docs/server.md, "Limits"): JSON bodies only, of at most 1 MiB however they are
+sent; WebSocket sessions from browsers of other sites refused unless allowed (--allow-origin); requests and sessions at
+once (--max-connections); a stream's unread audio (--max-unsent-seconds); a session's unspoken text. Every wait on the
+engine has a deadline, and a stream cut short ends as an error, never as a clean but short body.
 """
 
 from __future__ import annotations
@@ -24,9 +29,18 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from urllib.parse import urlsplit
 
 import numpy as np
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rvqtts.audio import AUDIO_FORMATS, audio_bytes, pcm16, wav_header
 from rvqtts.batch_size import fitting_slots
@@ -36,7 +50,7 @@ from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.memory import memory_record
 from rvqtts.pipeline import row_slots, speak
 from rvqtts.settings import GenerationSettings, Line, StreamPacing, Synthesis
-from rvqtts.text import complete_sentences
+from rvqtts.text import chunk_text, complete_sentences
 
 log = logging.getLogger("rvqtts.server")
 
@@ -50,7 +64,14 @@ RESPONSE_FORMATS = {
 STREAMED_FORMATS = ("wav", "pcm")  # made as the samples come; the others are whole files
 # GenerationSettings' fields, taken from the body as they are named there, with the numbers each takes
 SAMPLING_FIELDS = {f.name: int if f.type.startswith("int") else (int, float) for f in fields(GenerationSettings)}
-MAX_BODY_BYTES = 1 << 20
+MAX_BODY_BYTES = 1 << 20  # a request body, and a WebSocket message (a bigger one closes its session with 1009)
+POLL_SECONDS = 0.5  # how often a wait on the engine checks that the engine thread lives and the client is there
+STALLED_READER_SECONDS = 30.0  # a client that takes none of its audio this long is gone (a player reads every second)
+PROBES = ("/health", "/ready")  # always answered, whatever the load: a load balancer asks them
+SESSION_SENTENCES_IN_ENGINE = 2  # a WebSocket session's sentences in the engine at once (one speaking, the next ready)
+BUSY_RETRY_SECONDS = 0.05  # how often a session's next sentence retries a full queue
+MESSAGE_CHARS_PER_MAX_CHARS = 4  # a WebSocket text message: at most 4 x --max-chars characters
+UNSPOKEN_CHARS_PER_MAX_CHARS = 16  # a session's text not yet given to the engine: at most 16 x --max-chars
 
 
 class SpeechError(Exception):
@@ -67,12 +88,25 @@ class SpeechError(Exception):
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def engine_stopped() -> SpeechError:
+    return SpeechError(
+        503,
+        "the server's engine has stopped (its log says why): retry once the server is restarted (GET /ready)",
+        code="engine_stopped",
+    )
+
 
 @dataclass(frozen=True)
 class ServerOptions:
     """How the server answers: the model name it reports, the key it asks for, the voice files it may read,
     the longest input, the waiting requests it holds, the text chunking `synth` uses, how many requests may share
-    the calls of both loops (rows), and how streamed audio is paced."""
+    the calls of both loops (rows), how streamed audio is paced; and what a client may hold: the browser origins
+    served besides the server's own, the requests and sessions at once, a stream's unread audio, and how long a
+    stopping server lets requests finish."""
 
     model_name: str
     api_key: str | None = None
@@ -82,6 +116,10 @@ class ServerOptions:
     chunk_chars: float | None = 240
     batch_size: int = 1
     pacing: StreamPacing = StreamPacing()
+    allowed_origins: tuple[str, ...] = ()
+    max_connections: int = 64
+    max_unsent_seconds: float = 300.0  # longer than --max-chars takes to speak: a real-time player is never cut
+    drain_seconds: int = 30
 
 
 @dataclass(frozen=True)
@@ -98,24 +136,53 @@ class SpeechRequest:
         return self.line.stream is not None
 
 
+class ReaderGone(Exception):
+    """A client that fell too far behind its stream (--max-unsent-seconds) or took none of it for
+    STALLED_READER_SECONDS: its connection is closed."""
+
+
+FELL_BEHIND = "it fell behind its audio by more than --max-unsent-seconds"
+
+
 @dataclass
 class Job:
     """A request in the engine: its output reaches the event loop through `items` (bytes, then None at the end,
-    or the exception that ended it); `cancelled` stops it at the next frame."""
+    or the exception that ended it); `cancelled` stops it at the next frame. A stream's unread audio is counted on
+    the event loop: past `unsent_limit` bytes the job is cancelled (its row freed; the engine never waits for a
+    reader) and `behind` is set, which cuts its reader's connection."""
 
     request: SpeechRequest
     loop: asyncio.AbstractEventLoop
+    unsent_limit: int
+    engine_alive: Callable[[], bool]
+    behind: asyncio.Event = field(default_factory=asyncio.Event)
     items: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when a row took it
     shared: bool = False  # spoken in calls with another request
+    unsent: int = 0  # bytes of streamed audio sent by the engine and not yet taken by the client (event loop only)
 
     def send(self, item: bytes | Exception | None) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._put, item)
         except RuntimeError:  # the event loop has closed: nobody is listening
             self.cancelled.set()
+
+    def _put(self, item: bytes | Exception | None) -> None:
+        if isinstance(item, bytes) and self.request.stream:
+            if self.behind.is_set():
+                return  # cut: nobody will read it
+            self.unsent += len(item)
+            if self.unsent > self.unsent_limit:
+                self.cancelled.set()
+                self.behind.set()
+                item = ReaderGone(FELL_BEHIND)
+        self.items.put_nowait(item)
+
+    def took(self, item: bytes) -> None:
+        if self.request.stream:
+            self.unsent -= len(item)
 
 
 def voice_files(folder: Path | None) -> dict[str, Path]:
@@ -142,7 +209,7 @@ class SpeechEngine:
         self.first_audio = {"streamed": 0, "queue": 0.0, "prefill": 0.0, "frames": 0.0, "decoder": 0.0}
         self._waiting: deque[Job] = deque()
         self._speaking: dict[int, Job] = {}  # by index among the lines the loop took (touched by the engine only)
-        self._taken = 0  # lines the loop took
+        self._taken = 0  # lines this run of the loop took: `speak`'s index of the next
         self._changed = threading.Condition()
         self._closing = False
         self.row_slots = fitting_slots(synth, options.batch_size)  # what one request's row may hold
@@ -161,19 +228,50 @@ class SpeechEngine:
             return sorted(voice_files(self.options.voices_dir))
         return list(self.synth.speakers)
 
-    def submit(self, request: SpeechRequest) -> Job:
-        job = Job(request, asyncio.get_running_loop())
-        with self._changed:
-            if len(self._waiting) >= self.options.queue_size:
+    @property
+    def ready(self) -> bool:
+        """The engine takes requests: its thread runs and the server is not stopping (GET /ready)."""
+        return self._thread.is_alive() and not self._closing
+
+    def submit(self, request: SpeechRequest, behind: asyncio.Event | None = None) -> Job:
+        """The request queued for a row; SpeechError 503 where the queue is full (with when to retry) or the engine
+        has stopped. `behind`: the event that cuts the reader of its stream (a session's, shared by its sentences)."""
+        job = self._queued(request, behind)
+        if job is None:
+            with self._changed:
                 self.counts["refused_busy"] += 1
                 rounds = (len(self._waiting) + 1) / self.options.batch_size
-                wait = max(1, math.ceil(self._seconds * rounds))
-                raise SpeechError(
-                    503,
-                    f"the server is busy ({self.options.queue_size} requests waiting): retry in {wait} s",
-                    code="server_busy",
-                    headers={"Retry-After": str(wait)},
-                )
+            wait = max(1, math.ceil(self._seconds * rounds))
+            raise SpeechError(
+                503,
+                f"the server is busy ({self.options.queue_size} requests waiting): retry in {wait} s",
+                code="server_busy",
+                headers={"Retry-After": str(wait)},
+            )
+        return job
+
+    async def submit_when_free(self, request: SpeechRequest, behind: asyncio.Event) -> Job:
+        """The request queued once the queue has room: a WebSocket session's sentence waits its turn (backpressure)
+        instead of being refused, so a session's text is never dropped."""
+        while (job := self._queued(request, behind)) is None:
+            await asyncio.sleep(BUSY_RETRY_SECONDS)
+        return job
+
+    def _queued(self, request: SpeechRequest, behind: asyncio.Event | None) -> Job | None:
+        """The request's job, queued; None where the queue is full."""
+        bytes_per_second = 2 * self.synth.sample_rate
+        job = Job(
+            request,
+            asyncio.get_running_loop(),
+            int(self.options.max_unsent_seconds * bytes_per_second),
+            self._thread.is_alive,
+            behind or asyncio.Event(),
+        )
+        with self._changed:
+            if not self.ready:
+                raise engine_stopped()
+            if len(self._waiting) >= self.options.queue_size:
+                return None
             self._waiting.append(job)
             self._changed.notify()
         return job
@@ -201,9 +299,10 @@ class SpeechEngine:
         self._thread.join()
 
     def _serve(self) -> None:
-        """Speak requests until closed; a failure that stops every row (NaN or inf) fails the requests in them, and
-        the loop starts again for the next."""
+        """Speak requests until closed; a failure that stops every row (NaN or inf, a failing call) fails the
+        requests in them, and the loop starts again for the next, numbering its lines from 0 as `speak` does."""
         while True:
+            self._taken = 0
             try:
                 lines, rows = self._lines(), self.options.batch_size
                 for index, item in speak(
@@ -212,6 +311,12 @@ class SpeechEngine:
                     self._answer(index, item)
                 return
             except Exception as error:  # each client in a row hears of it
+                log.error(
+                    "the frame loop failed (%s: %s): its %d requests fail",
+                    type(error).__name__,
+                    error,
+                    len(self._speaking),
+                )
                 for job in self._speaking.values():
                     self.counts["failed"] += 1
                     job.send(error)
@@ -407,15 +512,128 @@ def _voice(value: object, synth, engine: SpeechEngine) -> tuple[str | None, Path
     return value.lower(), None
 
 
-def create_app(engine: SpeechEngine):
-    """The ASGI application (Starlette) over `engine`."""
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
-    from starlette.routing import Route, WebSocketRoute
-    from starlette.websockets import WebSocket
+def is_json(content_type: str | None) -> bool:
+    """A JSON body's media type (any parameters, e.g. charset). Only JSON is taken: a browser page of another site
+    may send text/plain or a form to any address without asking (no CORS preflight), but not JSON."""
+    return (content_type or "").partition(";")[0].strip().lower() == "application/json"
 
+
+def json_value(data: bytes | str) -> object:
+    """`data` parsed as JSON; ValueError for anything that is not, nesting too deep for Python included."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...]) -> bool:
+    """Whether a WebSocket handshake may go on: no Origin (a program, not a browser), the server's own (the Host
+    the client connected to), or one listed with --allow-origin ("*": any). Browsers let any page open a WebSocket to
+    any address, the user's own machine included, and CORS does not stop them: the Origin check does."""
+    if origin is None or "*" in allowed or origin.lower() in allowed:
+        return True
+    try:
+        return host is not None and urlsplit(origin).netloc.lower() == host.lower()
+    except ValueError:  # not a URL
+        return False
+
+
+async def json_body(request: Request) -> object:
+    """The request's JSON body, read with a running count so that its 1 MiB cap holds for a chunked body (no
+    Content-Length) too; SpeechError 415, 413 or 400 saying what to send instead."""
+    if not is_json(request.headers.get("content-type")):
+        raise SpeechError(
+            415,
+            "the body must be JSON: send it with the header `Content-Type: application/json`",
+            code="unsupported_media_type",
+        )
+    too_large = SpeechError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    try:
+        return json_value(bytes(body))
+    except ValueError:
+        raise SpeechError(400, "the body is not JSON: send a JSON object with `input` and `voice`") from None
+
+
+class ConnectionLimit:
+    """ASGI middleware: at most `limit` requests and WebSocket sessions at once (--max-connections); each holds
+    memory and maybe a row, so past it a new one gets 503 at once instead of piling up. /health and /ready are
+    always answered."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.open = app, limit, 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in PROBES:
+            return await self.app(scope, receive, send)
+        if self.open >= self.limit:
+            refused = SpeechError(
+                503,
+                f"the server has {self.limit} requests and sessions open, its limit (--max-connections): retry soon",
+                code="too_many_connections",
+                headers={"Retry-After": "1"},
+            ).response()
+            if scope["type"] == "websocket":
+                return await WebSocket(scope, receive, send).send_denial_response(refused)
+            return await refused(scope, receive, send)
+        self.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.open -= 1
+
+
+class CutStream(StreamingResponse):
+    """A streamed response that ends as an error where its audio is cut short (the synthesis failed, the reader fell
+    more than --max-unsent-seconds behind or took nothing for STALLED_READER_SECONDS): it returns without HTTP's
+    final chunk, so the connection is closed and the client sees a broken body, never a clean but short one. However
+    it ends, its job is cancelled, which frees its row at the next frame."""
+
+    def __init__(self, job: Job, pieces: AsyncIterator[bytes], media_type: str):
+        super().__init__(pieces, media_type=media_type)
+        self.job = job
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(lambda message: _sent(self.job.behind, send(message)))
+        except ReaderGone as error:
+            log.warning("a streamed request's connection is closed: %s", error)
+        except SpeechError as error:
+            log.error("a streamed request ended early: %s", error.message)
+        finally:
+            self.job.cancelled.set()
+
+
+async def _sent(behind: asyncio.Event, sending: Coroutine) -> None:
+    """`sending` (a message to a client) awaited, unless the client falls behind or takes nothing for
+    STALLED_READER_SECONDS first: ReaderGone. The engine never waits for a client; this is where a client that does
+    not read is let go."""
+    if behind.is_set():
+        sending.close()
+        raise ReaderGone(FELL_BEHIND)
+    sent, cut = asyncio.ensure_future(sending), asyncio.ensure_future(behind.wait())
+    try:
+        await asyncio.wait({sent, cut}, timeout=STALLED_READER_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        cut.cancel()
+        if not sent.done():
+            sent.cancel()
+    if not sent.done() or sent.cancelled():
+        raise ReaderGone(
+            FELL_BEHIND if behind.is_set() else f"it took none of its audio for {STALLED_READER_SECONDS:g} s"
+        )
+    sent.result()
+
+
+def create_app(engine: SpeechEngine) -> Starlette:
+    """The ASGI application (Starlette) over `engine`."""
     options = engine.options
 
     def authorize(request: Request | WebSocket) -> None:
@@ -433,19 +651,13 @@ def create_app(engine: SpeechEngine):
 
     async def speech(request: Request) -> Response:
         authorize(request)
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            raise SpeechError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
-        try:
-            body = await request.json()
-        except ValueError:
-            raise SpeechError(400, "the body is not JSON: send a JSON object with `input` and `voice`") from None
-        speech_request = parse_speech_request(body, engine)
+        speech_request = parse_speech_request(await json_body(request), engine)
         job = engine.submit(speech_request)
         media_type = RESPONSE_FORMATS[speech_request.response_format]
         if speech_request.events:
-            return StreamingResponse(_events(job), media_type="text/event-stream")
+            return CutStream(job, _events(job), "text/event-stream")
         if speech_request.stream:
-            return StreamingResponse(_streamed(job), media_type=media_type)
+            return CutStream(job, _streamed(job), media_type)
         parts = await _collected(job, request)
         return Response(b"".join(parts), media_type=media_type)
 
@@ -461,8 +673,13 @@ def create_app(engine: SpeechEngine):
     async def health(request: Request) -> Response:
         return JSONResponse(engine.health())
 
+    async def ready(request: Request) -> Response:
+        if not engine.ready:
+            raise engine_stopped()
+        return JSONResponse({"status": "ready"})
+
     async def refused(request: Request, error: SpeechError) -> Response:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return error.response()
 
     async def http_error(request: Request, error: HTTPException) -> Response:
         return JSONResponse(
@@ -471,13 +688,16 @@ def create_app(engine: SpeechEngine):
         )
 
     async def text_session(websocket: WebSocket) -> None:
+        origin = websocket.headers.get("origin")
         try:
             authorize(websocket)
+            if not origin_allowed(origin, websocket.headers.get("host"), options.allowed_origins):
+                raise SpeechError(403, f"origin {origin} is not served: start the server with --allow-origin {origin}")
         except SpeechError as error:  # refused before the handshake: the client sees HTTP 403
             await websocket.close(code=1008, reason=error.message[:120])
             return
         await websocket.accept()
-        await _speak_text(websocket, engine)
+        await TextSession(websocket, engine).run()
 
     routes = [
         Route("/v1/audio/speech", speech, methods=["POST"]),
@@ -485,30 +705,50 @@ def create_app(engine: SpeechEngine):
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/voices", voices, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={SpeechError: refused, HTTPException: http_error})
+    middleware = [Middleware(ConnectionLimit, limit=options.max_connections)]
+    if options.allowed_origins:  # browser apps of those origins may call the API
+        cors = Middleware(
+            CORSMiddleware,
+            allow_origins=list(options.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+        middleware.insert(0, cors)  # outermost: its headers on every answer, refusals included
+    handlers = {SpeechError: refused, HTTPException: http_error}
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
 
 
-async def _next(job: Job) -> bytes | None:
-    """The job's next piece of audio, None at its end; its failure raised as the server's error."""
-    item = await job.items.get()
+async def _next(job: Job, client_gone: Callable[[], Awaitable[bool]] | None = None) -> bytes | None:
+    """The job's next piece of audio, None at its end; its failure raised as the server's error. No wait is
+    unbounded: every POLL_SECONDS without a piece it checks that the engine thread lives (503 where it died: nothing
+    would come) and, given `client_gone`, that the client is still there (None where it left: the job is cancelled)."""
+    while True:
+        try:
+            item = await asyncio.wait_for(job.items.get(), POLL_SECONDS)
+            break
+        except asyncio.TimeoutError:
+            if not job.engine_alive():
+                raise engine_stopped() from None
+            if client_gone is not None and await client_gone():
+                job.cancelled.set()
+                return None
+    if isinstance(item, ReaderGone):
+        raise item
     if isinstance(item, NonFiniteError):
         raise SpeechError(500, str(item), code="non_finite")
     if isinstance(item, Exception):
         raise SpeechError(500, f"synthesis failed: {type(item).__name__}: {item}", code="synthesis_failed")
+    if item is not None:
+        job.took(item)
     return item
 
 
 async def _streamed(job: Job) -> AsyncIterator[bytes]:
-    """A streamed body: each piece as the engine makes it. However it ends (a client gone, the server
-    stopping), the job is cancelled, which stops the engine at its next frame."""
-    try:
-        while (item := await _next(job)) is not None:
-            yield item
-    except SpeechError as error:  # the status is sent: end the body early, and say why in the server's log
-        log.error("a streamed request ended early: %s", error.message)
-    finally:
-        job.cancelled.set()
+    """A streamed body: each piece as the engine makes it (a failure raised: CutStream cuts the body)."""
+    while (item := await _next(job)) is not None:
+        yield item
 
 
 async def _events(job: Job) -> AsyncIterator[bytes]:
@@ -524,115 +764,184 @@ async def _events(job: Job) -> AsyncIterator[bytes]:
         yield event({"type": "speech.audio.done"})
     except SpeechError as error:
         yield event({"type": "error", **error.body()})
-    finally:
-        job.cancelled.set()
 
 
-async def _speak_text(websocket, engine: SpeechEngine) -> None:
-    """A WebSocket session that takes text in pieces (an LLM's words as they come) and speaks each sentence as soon
-    as it is whole, as a streamed PCM request with the session's fields; the audio goes back in order, each
-    sentence's between a `sentence` and a `sentence.done` event (docs/server.md, "Text in pieces")."""
-    from starlette.websockets import WebSocketDisconnect
-
-    fields: dict = {}
-    written, spoken, jobs = "", 0, []
-    sentences: asyncio.Queue = asyncio.Queue()  # (index, text, its job or why it was refused), None at the end
-
-    def checked(changes: dict, text: str) -> SpeechRequest:
-        return parse_speech_request({**changes, "input": text, "stream": True, "response_format": "pcm"}, engine)
-
-    def submit(text: str) -> None:
-        nonlocal spoken
-        text = " ".join(text.split())
-        try:
-            outcome = engine.submit(checked(fields, text))
-            jobs.append(outcome)
-        except SpeechError as error:
-            outcome = error
-        sentences.put_nowait((spoken, text, outcome))
-        spoken += 1
-
-    sender = asyncio.create_task(_send_sentences(websocket, sentences))
-    try:
-        while True:
-            try:
-                event = json.loads(await websocket.receive_text())
-            except (ValueError, KeyError):  # not JSON, or a binary message
-                event = None
-            kind = event.get("type") if isinstance(event, dict) else None
-            if kind == "session":
-                changes = {name: value for name, value in event.items() if name != "type"}
-                try:
-                    checked(changes, "Checked.")
-                    fields = changes
-                except SpeechError as error:
-                    await websocket.send_json({"type": "error", **error.body()})
-            elif kind == "text" and isinstance(event.get("text"), str):
-                whole, written = complete_sentences(written + event["text"])
-                for sentence in whole:
-                    submit(sentence)
-                if len(written) > engine.options.max_chars:  # no sentence end in sight: speak it as it stands
-                    submit(written)
-                    written = ""
-            elif kind in ("flush", "done"):
-                if written.strip():
-                    submit(written)
-                written = ""
-                if kind == "done":
-                    break
-            else:
-                message = 'send JSON messages: {"type": "session", ...fields}, {"type": "text", "text": ...}, '
-                message += '{"type": "flush"} or {"type": "done"}'
-                await websocket.send_json({"type": "error", **SpeechError(400, message).body()})
-        sentences.put_nowait(None)
-        await sender
-        await websocket.close()
-    except WebSocketDisconnect:
-        pass
-    finally:
-        for job in jobs:  # a session that ends early frees its rows
-            job.cancelled.set()
-        sender.cancel()
-
-
-async def _send_sentences(websocket, sentences: asyncio.Queue) -> None:
-    """The session's audio in the order its sentences came: an `error` event for one refused or failed."""
-    while (entry := await sentences.get()) is not None:
-        index, text, job = entry
-        try:
-            if isinstance(job, SpeechError):
-                raise job
-            await websocket.send_json({"type": "sentence", "index": index, "text": text})
-            while (item := await _next(job)) is not None:
-                await websocket.send_bytes(item)
-            await websocket.send_json({"type": "sentence.done", "index": index})
-        except SpeechError as error:
-            await websocket.send_json({"type": "error", "index": index, **error.body()})
-    await websocket.send_json({"type": "done"})
-
-
-async def _collected(job: Job, request) -> list[bytes]:
+async def _collected(job: Job, request: Request) -> list[bytes]:
     """A whole body; a client that goes away while it is made cancels the job."""
     parts: list[bytes] = []
     try:
-        while True:
-            try:
-                item = await asyncio.wait_for(_next(job), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancelled.set()
-                    return parts
-                continue
-            if item is None:
-                return parts
+        while (item := await _next(job, request.is_disconnected)) is not None:
             parts.append(item)
+        return parts
     except asyncio.CancelledError:  # the server is stopping
         job.cancelled.set()
         raise
 
 
+class TextSession:
+    """A WebSocket session that takes text in pieces (an LLM's words as they come) and speaks each sentence as soon
+    as it is whole, as a streamed PCM request with the session's fields; the audio goes back in order, each
+    sentence's between a `sentence` and a `sentence.done` event (docs/server.md, "Text in pieces"). No text is
+    dropped: the session keeps SESSION_SENTENCES_IN_ENGINE sentences in the engine and the rest itself, in order,
+    waiting its turn where the engine's queue is full; what it holds is bounded (a message, its unspoken text)."""
+
+    def __init__(self, websocket: WebSocket, engine: SpeechEngine):
+        self.websocket, self.engine = websocket, engine
+        self.fields: dict = {}
+        self.written = ""  # text after the last whole sentence
+        self.unspoken = 0  # characters taken and not yet given to the engine, `written` included
+        self.sentences = 0  # sentences taken, numbered from 0
+        self.waiting: asyncio.Queue = asyncio.Queue()  # (index, text, fields) to give the engine, None at the end
+        self.spoken: asyncio.Queue = asyncio.Queue()  # (index, text, its job or why it was refused), None at the end
+        self.in_engine = asyncio.Semaphore(SESSION_SENTENCES_IN_ENGINE)
+        self.behind = asyncio.Event()  # set where its reader falls behind one of its sentences' audio
+        self.jobs: list[Job] = []
+        limit = engine.options.max_chars
+        self.message_limit = MESSAGE_CHARS_PER_MAX_CHARS * limit
+        self.unspoken_limit = UNSPOKEN_CHARS_PER_MAX_CHARS * limit
+
+    async def run(self) -> None:
+        """Receive until `done`, then close once every sentence's audio is sent; a client gone (or cut for not
+        reading) frees the rows of its sentences."""
+        tasks = [asyncio.create_task(work()) for work in (self._receive, self._give, self._send)]
+        receiver, _, sender = tasks
+        try:
+            done, _ = await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
+            await sender
+            await self.websocket.close()
+        except (WebSocketDisconnect, OSError):  # the client went away
+            pass
+        except ReaderGone as error:
+            log.warning("a WebSocket session is closed: %s", error)
+            await self.websocket.close(code=1008, reason="fell behind its audio: read it as it comes")
+        finally:
+            for task in tasks:
+                task.cancel()
+            for job in self.jobs:
+                job.cancelled.set()
+
+    def _checked(self, changes: dict, text: str) -> SpeechRequest:
+        body = {**changes, "input": text, "stream": True, "response_format": "pcm"}
+        return parse_speech_request(body, self.engine)
+
+    async def _error(self, error: SpeechError, **extra) -> None:
+        await self.websocket.send_json({"type": "error", **extra, **error.body()})
+
+    def _take(self, text: str) -> None:
+        """Whole sentences of text in order, each cut to --max-chars where it is longer."""
+        for piece in chunk_text(text, self.engine.options.max_chars):
+            self.unspoken += len(piece)
+            self.waiting.put_nowait((self.sentences, piece, self.fields))
+            self.sentences += 1
+
+    async def _receive(self) -> None:
+        while True:
+            message = await self.websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(message.get("code", 1000))
+            text = message.get("text")
+            if text is not None and len(text) > self.message_limit:
+                await self._error(
+                    SpeechError(
+                        413,
+                        f"a message of {len(text)} characters is more than this server takes at once "
+                        f"({self.message_limit}): send the text in smaller pieces",
+                        code="message_too_long",
+                    )
+                )
+                continue
+            try:
+                event = json_value(text) if text is not None else None
+            except ValueError:
+                event = None
+            kind = event.get("type") if isinstance(event, dict) else None
+            if kind == "session":
+                changes = {name: value for name, value in event.items() if name != "type"}
+                try:
+                    self._checked(changes, "Checked.")
+                    self.fields = changes
+                except SpeechError as error:
+                    await self._error(error)
+            elif kind == "text" and isinstance(event.get("text"), str):
+                await self._add(event["text"])
+            elif kind in ("flush", "done"):
+                self._take(self.written)
+                self.unspoken -= len(self.written)
+                self.written = ""
+                if kind == "done":
+                    self.waiting.put_nowait(None)
+                    return
+            else:
+                message = 'send JSON messages: {"type": "session", ...fields}, {"type": "text", "text": ...}, '
+                message += '{"type": "flush"} or {"type": "done"}'
+                await self._error(SpeechError(400, message))
+
+    async def _add(self, text: str) -> None:
+        """Text added to the session: its whole sentences taken; refused where the session holds too much unspoken."""
+        if self.unspoken + len(text) > self.unspoken_limit:
+            await self._error(
+                SpeechError(
+                    413,
+                    f"this session holds {self.unspoken} characters not yet spoken; {len(text)} more would be over its "
+                    f"{self.unspoken_limit}: wait for sentence.done events before sending more text",
+                    code="session_text_too_long",
+                )
+            )
+            return
+        whole, rest = complete_sentences(self.written + text)
+        self.unspoken -= len(self.written)
+        self.written = ""
+        for sentence in whole:
+            self._take(sentence)
+        if len(rest) > self.engine.options.max_chars:  # no sentence end in sight: speak it as it stands
+            self._take(rest)
+            rest = ""
+        self.written = rest
+        self.unspoken += len(rest)
+
+    async def _give(self) -> None:
+        """The sentences to the engine in order, SESSION_SENTENCES_IN_ENGINE at a time, each waiting for room."""
+        while (entry := await self.waiting.get()) is not None:
+            index, text, fields = entry
+            await self.in_engine.acquire()
+            self.unspoken -= len(text)
+            try:
+                outcome = await self.engine.submit_when_free(self._checked(fields, text), self.behind)
+                self.jobs.append(outcome)
+            except SpeechError as error:
+                outcome = error
+            self.spoken.put_nowait((index, text, outcome))
+        self.spoken.put_nowait(None)
+
+    async def _send(self) -> None:
+        """The session's audio in the order its sentences came: an `error` event for one refused or failed."""
+        while (entry := await self.spoken.get()) is not None:
+            index, text, job = entry
+            try:
+                if isinstance(job, SpeechError):
+                    raise job
+                await self.websocket.send_json({"type": "sentence", "index": index, "text": text})
+                while (item := await _next(job)) is not None:
+                    await _sent(self.behind, self.websocket.send_bytes(item))
+                await self.websocket.send_json({"type": "sentence.done", "index": index})
+            except SpeechError as error:
+                await self._error(error, index=index)
+            finally:
+                self.in_engine.release()
+        await self.websocket.send_json({"type": "done"})
+
+
+def uvicorn_settings(options: ServerOptions) -> dict:
+    """uvicorn's settings that bound what a client holds: a WebSocket message of at most MAX_BODY_BYTES (a bigger one
+    closes its session with 1009), and the seconds a stopping server (SIGTERM) gives requests in flight to finish."""
+    return {"ws_max_size": MAX_BODY_BYTES, "timeout_graceful_shutdown": options.drain_seconds}
+
+
 def serve(synth, options: ServerOptions, host: str = "127.0.0.1", port: int = 8880, quiet: bool = False) -> None:
-    """Serve `synth` over HTTP until interrupted (uvicorn)."""
+    """Serve `synth` over HTTP until interrupted (uvicorn): on SIGTERM or Ctrl-C it stops taking connections, lets
+    the requests in flight finish for up to --drain-seconds, cuts the rest (their clients see an error) and exits."""
     import uvicorn
 
     handler = logging.StreamHandler()  # the engine's log beside uvicorn's, in its shape
@@ -647,7 +956,7 @@ def serve(synth, options: ServerOptions, host: str = "127.0.0.1", port: int = 88
             host=host,
             port=port,
             log_level="warning" if quiet else "info",
-            timeout_graceful_shutdown=5,
+            **uvicorn_settings(options),
         )
     finally:
         engine.close()

@@ -23,7 +23,7 @@ from helpers import run_cli, wait_until
 
 from rvqtts.audio import audio_bytes
 from rvqtts.loader import EngineChoices
-from rvqtts.server import Job, ServerOptions, SpeechEngine, create_app
+from rvqtts.server import Job, ServerOptions, SpeechEngine, create_app, uvicorn_settings
 from rvqtts.settings import GenerationSettings
 from rvqtts.synthesis import Synthesizer
 
@@ -36,13 +36,17 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @contextmanager
-def running(model_dir, **options):
+def running(model_dir, send_buffer: int | None = None, **options):
     """A server on a free loopback port over `model_dir` in float32, set up as `rvqtts serve --dtype float32`
-    sets it up; yields its base URL and engine, and stops it."""
+    sets it up; yields its base URL and engine, and stops it. `send_buffer`: its connections' socket send buffer in
+    bytes (a small one makes a client that stops reading felt at once)."""
     synth = Synthesizer.load(model_dir, EngineChoices(dtype="float32"))
     engine = SpeechEngine(synth, ServerOptions(model_dir.name, **options))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning"))
+    config = uvicorn.Config(create_app(engine), log_level="warning", **uvicorn_settings(engine.options))
+    server = uvicorn.Server(config)
     sock = socket.socket()
+    if send_buffer:  # accepted connections inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

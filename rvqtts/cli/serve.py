@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlsplit
 
 import typer
 
@@ -63,6 +64,22 @@ def serve(
     ),
     first_stream_frames: int = typer.Option(1, help=FIRST_STREAM_FRAMES_HELP),
     stream_frames: int = typer.Option(4, help=STREAM_FRAMES_HELP),
+    allow_origin: list[str] = typer.Option(
+        [],
+        help="A browser origin (https://app.example.com, repeatable; '*': any) whose pages may use the API (CORS) and "
+        "the WebSocket; the server's own origin and programs (no Origin header) always may.",
+    ),
+    max_connections: int = typer.Option(
+        64, help="Requests and WebSocket sessions at once (/health and /ready aside); more get 503."
+    ),
+    max_unsent_seconds: float = typer.Option(
+        300.0,
+        help="Seconds of streamed audio a client may leave unread; one further behind is disconnected and its row "
+        "freed (the engine never waits for a client).",
+    ),
+    drain_seconds: int = typer.Option(
+        30, help="On SIGTERM or Ctrl-C: seconds the requests in flight get to finish before they are cut."
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only."),
 ) -> None:
     """Serve the OpenAI audio API (POST /v1/audio/speech) on one model loaded once.
@@ -82,6 +99,12 @@ def serve(
     check_stream_frames(first_stream_frames, stream_frames)
     if chunk_chars < 20:
         fail(f"--chunk-chars must be at least 20, got {chunk_chars}")
+    if max_connections < 1 or max_unsent_seconds <= 0 or drain_seconds < 0:
+        fail(
+            "--max-connections must be at least 1, --max-unsent-seconds over 0 and --drain-seconds at least 0, got "
+            f"{max_connections}, {max_unsent_seconds} and {drain_seconds}"
+        )
+    origins = tuple(map(checked_origin, allow_origin))
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
@@ -112,7 +135,28 @@ def serve(
         say(f"--batch-size auto: {rows} ({source})", quiet)
     pacing = StreamPacing(first_stream_frames, stream_frames)
     options = ServerOptions(
-        Path(model).name or model, api_key, voices, max_chars, queue_size, chunk_chars, rows, pacing
+        Path(model).name or model,
+        api_key,
+        voices,
+        max_chars,
+        queue_size,
+        chunk_chars,
+        rows,
+        pacing,
+        origins,
+        max_connections,
+        max_unsent_seconds,
+        drain_seconds,
     )
     say(f"serving {model} on http://{host}:{port}/v1 (POST /v1/audio/speech; GET /v1/voices, /health)", quiet)
     run_server(synthesizer, options, host, port, quiet)
+
+
+def checked_origin(origin: str) -> str:
+    """An --allow-origin as browsers send it (scheme://host[:port], lower case, no path), or '*'."""
+    if origin == "*":
+        return origin
+    parts = urlsplit(origin)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("", "/") or parts.query:
+        fail(f"--allow-origin {origin}: give a browser origin, scheme://host[:port] (https://app.example.com), or '*'")
+    return f"{parts.scheme}://{parts.netloc}".lower()
