@@ -5,6 +5,10 @@ sent at once over the WebSocket, and SIGTERM. Each defect here has its test, ove
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +17,7 @@ import httpx
 import pytest
 from helpers import wait_until
 from test_server import FRAMES, WAIT, Gate, running, settled
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from rvqtts.engine.frame_loop import FrameLoop
@@ -174,3 +178,158 @@ def test_requests_and_sessions_over_max_connections_get_503_and_the_probes_still
             gate.opened.set()
         assert [future.result().status_code for future in held] == [200, 200]
         assert httpx.post(url + "/v1/audio/speech", json=BODY, timeout=WAIT).status_code == 200
+
+
+def session_events(ws, until: str = "done") -> list[object]:
+    """What the server sent, its JSON events parsed and its audio as bytes, up to the event `until`."""
+    received: list[object] = []
+    while not (received and isinstance(received[-1], dict) and received[-1]["type"] == until):
+        message = ws.recv(timeout=WAIT)
+        received.append(message if isinstance(message, bytes) else json.loads(message))
+    return received
+
+
+def test_a_paragraph_sent_at_once_is_spoken_whole_and_in_order_while_the_queue_is_full(tiny_dir, monkeypatch):
+    """14 sentences in one message, with the engine held and its queue of 2 full of other requests: the session
+    waits its turn instead of refusing (before: 2 sentences spoken, `server is busy` for the others), and speaks
+    every sentence in order once the engine is let go."""
+    sentences = [f"Sentence number {n}." for n in range(14)]
+    with running(tiny_dir, queue_size=2, batch_size=1) as (url, engine), ThreadPoolExecutor(2) as pool:
+        gate = Gate(engine, monkeypatch)
+        try:
+            held = [pool.submit(httpx.post, url + "/v1/audio/speech", json=BODY, timeout=WAIT)]
+            gate.wait_entered("the first request")
+            held.append(pool.submit(httpx.post, url + "/v1/audio/speech", json=BODY, timeout=WAIT))
+            wait_until(lambda: engine.health()["queued"] == 1, WAIT, "a second request to queue")
+            with connect(ws_address(url)) as ws:
+                ws.send(json.dumps({"type": "session", "voice": "vivian", "max_frames": 3}))
+                ws.send(json.dumps({"type": "text", "text": " ".join(sentences) + " "}))
+                ws.send(json.dumps({"type": "done"}))
+                wait_until(lambda: engine.health()["queued"] == 2, WAIT, "the session's first sentence to queue")
+                gate.opened.set()
+                received = session_events(ws)
+        finally:
+            gate.opened.set()
+        assert [future.result().status_code for future in held] == [200, 200]
+    events = [event for event in received if isinstance(event, dict)]
+    assert not [event for event in events if event["type"] == "error"], events
+    spoken = [(event["index"], event["text"]) for event in events if event["type"] == "sentence"]
+    assert spoken == list(enumerate(sentences))
+    assert [event["type"] for event in events] == ["sentence", "sentence.done"] * 14 + ["done"]
+    assert engine.counts["refused_busy"] == 0  # a session waits; it is not refused
+
+
+def test_a_session_s_messages_and_unspoken_text_are_bounded(tiny_dir, monkeypatch):
+    """--max-chars 50: a message over 4 x 50 characters gets an error event and is ignored, and so does text past 16 x
+    50 characters not yet given to the engine (held here), and the session goes on; a 4 MB message closes the
+    session (1009) while /health answers."""
+    with running(tiny_dir, max_chars=50) as (url, engine):
+        gate = Gate(engine, monkeypatch)
+        with connect(ws_address(url)) as ws:
+            ws.send(json.dumps({"type": "session", "voice": "vivian", "max_frames": 2}))
+            ws.send(json.dumps({"type": "text", "text": "x" * 201}))
+            error = json.loads(ws.recv(timeout=WAIT))
+            assert error["type"] == "error" and error["error"]["code"] == "message_too_long"
+            try:
+                ws.send(json.dumps({"type": "text", "text": "Held. "}))
+                gate.wait_entered("the session's first sentence")
+                for _ in range(6):  # 150 characters without a sentence end, spoken in pieces of up to 50
+                    ws.send(json.dumps({"type": "text", "text": "word " * 30}))
+                received = session_events(ws, until="error")
+                assert received[-1]["error"]["code"] == "session_text_too_long", received[-1]
+            finally:
+                gate.opened.set()
+            ws.send(json.dumps({"type": "done"}))
+            events = [event for event in received[:-1] + session_events(ws) if isinstance(event, dict)]
+            assert not [event for event in events if event["type"] == "error"]
+            taken = " ".join(event["text"] for event in events if event["type"] == "sentence")
+            assert taken.startswith("Held. word word") and taken.count("word") == 5 * 30  # the sixth refused
+        with connect(ws_address(url), max_size=None) as ws, ThreadPoolExecutor(1) as pool:
+            sending = pool.submit(ws.send, json.dumps({"type": "text", "text": "y" * (4 << 20)}))
+            assert httpx.get(url + "/health", timeout=WAIT).status_code == 200
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=WAIT)
+            assert closed.value.rcvd.code == 1009
+            sending.result()
+        assert httpx.get(url + "/ready", timeout=WAIT).status_code == 200
+
+
+def test_a_reader_that_stops_reading_is_cut_and_frees_its_row(tiny_dir):
+    """A streamed request whose client stops reading (a small socket buffer on both sides) falls more than
+    --max-unsent-seconds behind: its job is cancelled at once (the engine never waits for it), its connection closed
+    without HTTP's final chunk, and the next request is served."""
+    long = {"input": "A long utterance to stream. " * 6, "voice": "vivian", "max_frames": 47, "stream": True}
+    with running(tiny_dir, send_buffer=4096, max_unsent_seconds=0.5) as (url, engine):
+        host, port = url.removeprefix("http://").split(":")
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect((host, int(port)))
+        body = json.dumps(long).encode()
+        head = f"POST /v1/audio/speech HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        client.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_until(lambda: engine.counts["cancelled"] == 1, WAIT, "the reader to be cut")
+        settled(engine)
+        assert engine.counts["served"] == 0 and engine.health()["speaking"] == 0
+        assert httpx.post(url + "/v1/audio/speech", json=BODY, timeout=WAIT).status_code == 200
+        client.settimeout(WAIT)
+        received = b""
+        while piece := client.recv(65536):  # what was sent, then the connection closed
+            received += piece
+        client.close()
+    assert received.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in received.lower()
+    assert not received.endswith(b"0\r\n\r\n")  # no final chunk: a broken body
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sigterm_lets_requests_in_flight_finish_within_the_drain_and_cuts_the_rest(tiny_dir):
+    """`rvqtts serve --drain-seconds 3` sent SIGTERM with two streams in flight: it takes no new connection, the
+    short stream ends whole (HTTP's final chunk), the one that outlasts the drain is cut (the client sees a broken
+    body, not a clean short one), and the process exits."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-c", "from rvqtts.cli import app; app()", "serve", "--model", str(tiny_dir)]
+    options = ["--port", str(port), "--dtype", "float32", "--batch-size", "2", "--drain-seconds", "3", "-q"]
+    server = subprocess.Popen(command + options, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def ready() -> bool:
+        try:
+            return httpx.get(url + "/ready").status_code == 200
+        except httpx.TransportError:
+            assert server.poll() is None, server.stdout.read().decode()
+            return False
+
+    def streamed(text: str, started: threading.Event) -> tuple[int, Exception | None]:
+        body = {"input": text, "voice": "vivian", "max_frames": 47, "stream": True}
+        with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=WAIT) as response:
+            received = 0
+            try:
+                for piece in response.iter_bytes():
+                    received += len(piece)
+                    started.set()
+            except httpx.HTTPError as error:
+                return received, error
+            return received, None
+
+    try:
+        wait_until(ready, WAIT, "the server to load")
+        short_started, long_started = threading.Event(), threading.Event()
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(streamed, "A long utterance that outlasts the drain. " * 12, long_started)
+            short = pool.submit(streamed, "Short.", short_started)
+            wait_until(lambda: short_started.is_set() and long_started.is_set(), WAIT, "both streams to start")
+            server.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(url + "/health")
+            (short_bytes, short_error), (long_bytes, long_error) = short.result(), long.result()
+        assert short_error is None and short_bytes > 44
+        assert isinstance(long_error, httpx.RemoteProtocolError) and long_bytes > 44, long_error
+        assert server.wait(WAIT) in (0, -signal.SIGTERM)
+    finally:
+        server.kill()
+        server.wait()
