@@ -41,8 +41,9 @@ def _decoder_and_codes(speech_tokenizer: object, dtype: str, frames: int) -> tup
     """The decode of a copy of qwen-tts's decoder in `dtype` (as rvqtts runs it, rvqtts.engine.streaming), and
     fixed codes [frames, quantizers] to decode."""
     decoder = copy.deepcopy(speech_tokenizer.model.decoder).to(getattr(torch, dtype))
-    groups = speech_tokenizer.model.config.decoder_config.num_quantizers
-    codes = torch.randint(0, 1024, (frames, groups), generator=torch.Generator().manual_seed(0))
+    config = speech_tokenizer.model.config.decoder_config
+    shape = (frames, config.num_quantizers)  # codes the model's codebook holds
+    codes = torch.randint(0, config.codebook_size, shape, generator=torch.Generator().manual_seed(0))
     return lambda part: StreamingDecoder(decoder).decode(part), codes
 
 

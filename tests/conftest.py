@@ -116,9 +116,14 @@ def small_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def narrow(tmp_path_factory):
+def narrow_dir(tmp_path_factory):
     """16 code groups over a 16-entry codebook: drafts are often right, so deep acceptance paths run."""
-    return Synthesizer.from_checkpoint(built_once(tmp_path_factory, "narrow", codebook=16))
+    return built_once(tmp_path_factory, "narrow", codebook=16)
+
+
+@pytest.fixture(scope="session")
+def narrow(narrow_dir):
+    return Synthesizer.from_checkpoint(narrow_dir)
 
 
 @pytest.fixture(scope="session")
@@ -179,6 +184,7 @@ SLOW_MODULES = (
     "test_released",  # 58
     "test_exactness",  # new, 2026-12-04: about 60
     "test_faults",  # new, 2026-12-04: about 45
+    "test_first_run",  # new, 2026-12-06: about 70 (every variant measured from an empty cache)
     "test_batch_rows",  # 55
     "test_server",  # about 90 since 2026-12-05 (a 500-request fuzz)
     "test_standin",  # 35

@@ -265,6 +265,31 @@ def test_attention_over_the_cache_is_float32_attention_of_the_visible_slots_quer
     assert torch.equal(first[:, :1], native.attend(q[:, :1], k_cache, v_cache, 1))
 
 
+@needs_kernel
+def test_a_slot_outside_the_caches_is_refused_before_anything_is_written():
+    """Every native call that writes or reads cache slots by index checks them first: a layout built for larger
+    caches (a batch's rows) raises, and the caches are as they were, instead of a write past them."""
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, length, head_dim, rows = 4, 2, 16, 32, 3
+    k_cache, v_cache = _sample(generator, kv_heads, length, head_dim), _sample(generator, kv_heads, length, head_dim)
+    before = k_cache.clone(), v_cache.clone()
+    qkv = _sample(generator, rows, (heads + 2 * kv_heads) * head_dim)
+    norm, cos, sin = (
+        torch.ones(head_dim, dtype=torch.bfloat16),
+        _sample(generator, rows, head_dim),
+        _sample(generator, rows, head_dim),
+    )
+    for write in (torch.tensor([3, 9, length]), torch.tensor([-1, 2, 3]), slice(length - 2, length + 1)):
+        with pytest.raises(IndexError, match=f"outside a cache of {length} slots"):
+            native.attention_inputs(qkv, heads, kv_heads, norm, norm, cos, sin, 1e-6, k_cache, v_cache, write)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    q = _sample(generator, heads, rows, head_dim)
+    with pytest.raises(IndexError, match="outside a cache"):
+        native.attend(q, k_cache, v_cache, 2, torch.tensor([[0, 1], [2, 3], [4, length + 40]]))
+    with pytest.raises(IndexError, match="outside a cache"):
+        native.attend(q, k_cache, v_cache, length + 1)
+
+
 @pytest.fixture(params=[pytest.param("dot", marks=needs_avx512), pytest.param("amx", marks=needs_amx), "avx2"])
 def own_kernel(monkeypatch, request):
     """Every CPU map runs one of the library's kernels (bfloat16 or 8-bit; AVX512 dot products, AMX tiles or

@@ -625,6 +625,14 @@ inline void apply_map(int kind, const uint16_t* x, int64_t M, int64_t K, const v
     }
 }
 
+// Whether any of `count` cache slots lies outside a cache of `length` slots: every call that writes or reads
+// slots by index checks them first, and writes nothing where one is outside (the caller raises).
+bool any_outside(const int64_t* slots, int64_t count, int64_t length) {
+    for (int64_t i = 0; i < count; ++i)
+        if (slots[i] < 0 || slots[i] >= length) return true;
+    return false;
+}
+
 }  // namespace
 
 extern "C" {
@@ -633,9 +641,11 @@ extern "C" {
 // r sees `width` candidate slots, slots[r, j] where given (else slot j), those where visible[r, j] is set
 // (all where null). Query heads share KV heads in groups (GQA). out [n, heads, d], the layout the output
 // map reads. Each query's result is computed alone, so it does not depend on the others in the call.
-void rvqtts_attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t heads,
-                   int64_t kv_heads, int64_t d, int64_t length, const int64_t* slots, int64_t width,
-                   const uint8_t* visible, float scale, uint16_t* out) {
+// Returns 1, having computed nothing, where a slot lies outside the cache; else 0.
+int rvqtts_attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t heads, int64_t kv_heads,
+                  int64_t d, int64_t length, const int64_t* slots, int64_t width, const uint8_t* visible, float scale,
+                  uint16_t* out) {
+    if (slots ? any_outside(slots, n * width, length) : width > length) return 1;
     const int64_t group = heads / kv_heads;
     #pragma omp parallel for schedule(static) if (n * heads * width * d >= (1 << 18))
     for (int64_t task = 0; task < heads * n; ++task) {
@@ -657,6 +667,7 @@ void rvqtts_attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, int6
                        result);
         }
     }
+    return 0;
 }
 
 // RMSNorm of `rows` rows of n bfloat16 values (qwen-tts's, with float32 statistics).
@@ -668,11 +679,12 @@ void rvqtts_rms_norm(const uint16_t* x, int64_t rows, int64_t n, const uint16_t*
 // and key head RMS-normed (q_weight, k_weight) and rotated (RoPE with the rows' cos, sin [rows, d], in
 // bfloat16 steps as qwen-tts's: x cos + rotate_half(x) sin). Queries go to q [heads, rows, d]; keys and
 // values straight into the layer's caches [kv_heads, length, d], row r at slot slots[r] (start + r
-// where slots is null).
-void rvqtts_attention_inputs(const uint16_t* qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
-                             const uint16_t* q_weight, const uint16_t* k_weight, const uint16_t* cos,
-                             const uint16_t* sin, float eps, uint16_t* q, uint16_t* k_cache, uint16_t* v_cache,
-                             int64_t length, const int64_t* slots, int64_t start) {
+// where slots is null). Returns 1, having written nothing, where a slot lies outside the caches; else 0.
+int rvqtts_attention_inputs(const uint16_t* qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t d,
+                            const uint16_t* q_weight, const uint16_t* k_weight, const uint16_t* cos, const uint16_t* sin,
+                            float eps, uint16_t* q, uint16_t* k_cache, uint16_t* v_cache, int64_t length,
+                            const int64_t* slots, int64_t start) {
+    if (slots ? any_outside(slots, rows, length) : start < 0 || start + rows > length) return 1;
     const int64_t width = (heads + 2 * kv_heads) * d, half = d / 2;
     uint16_t normed[1024];
     for (int64_t r = 0; r < rows; ++r) {
@@ -701,6 +713,7 @@ void rvqtts_attention_inputs(const uint16_t* qkv, int64_t rows, int64_t heads, i
         for (int64_t h = 0; h < kv_heads; ++h)
             __builtin_memcpy(v_cache + (h * length + slot) * d, row + (heads + kv_heads + h) * d, d * sizeof(uint16_t));
     }
+    return 0;
 }
 
 // The MLP's activation: rows of [gate | up] (2 n each) to bf16(bf16(silu(gate)) * up) [rows, n].
@@ -726,14 +739,13 @@ int rvqtts_amx_permit() {
 // values into the caches, attention (as rvqtts_attend), the output map and residual, RMSNorm, the fused
 // gate|up map, SiLU times up, the down map and residual. maps[4] are the packed q|k|v, output, gate|up
 // and down weights (with scales[4] for int8 weights); widths[4] their output counts; kind the kernel
-// (apply_map's numbers).
-void rvqtts_layer(uint16_t* x, int64_t rows, int64_t hidden, const uint16_t* input_norm,
-                  const uint16_t* post_norm, float eps, const void* const* maps, const float* const* scales,
-                  const int64_t* widths, int kind, int64_t heads, int64_t kv_heads, int64_t d,
-                  const uint16_t* q_norm, const uint16_t* k_norm, const uint16_t* cos, const uint16_t* sin,
-                  uint16_t* k_cache, uint16_t* v_cache, int64_t length, const int64_t* write_slots,
-                  int64_t write_start, int64_t width, const int64_t* attend_slots, const uint8_t* visible,
-                  float scale) {
+// (apply_map's numbers). Returns 1, having written nothing, where a slot lies outside the caches; else 0.
+int rvqtts_layer(uint16_t* x, int64_t rows, int64_t hidden, const uint16_t* input_norm, const uint16_t* post_norm,
+                 float eps, const void* const* maps, const float* const* scales, const int64_t* widths, int kind,
+                 int64_t heads, int64_t kv_heads, int64_t d, const uint16_t* q_norm, const uint16_t* k_norm,
+                 const uint16_t* cos, const uint16_t* sin, uint16_t* k_cache, uint16_t* v_cache, int64_t length,
+                 const int64_t* write_slots, int64_t write_start, int64_t width, const int64_t* attend_slots,
+                 const uint8_t* visible, float scale) {
     thread_local std::vector<uint16_t> normed, qkv, q, attended, mapped, gate_up, act;
     normed.resize(rows * hidden);
     qkv.resize(rows * widths[0]);
@@ -747,10 +759,11 @@ void rvqtts_layer(uint16_t* x, int64_t rows, int64_t hidden, const uint16_t* inp
     };
     rvqtts_rms_norm(x, rows, hidden, input_norm, eps, normed.data());
     map(0, normed.data(), hidden, qkv.data());
-    rvqtts_attention_inputs(qkv.data(), rows, heads, kv_heads, d, q_norm, k_norm, cos, sin, eps, q.data(), k_cache,
-                            v_cache, length, write_slots, write_start);
-    rvqtts_attend(q.data(), k_cache, v_cache, rows, heads, kv_heads, d, length, attend_slots, width, visible, scale,
-                  attended.data());
+    if (rvqtts_attention_inputs(qkv.data(), rows, heads, kv_heads, d, q_norm, k_norm, cos, sin, eps, q.data(), k_cache,
+                                v_cache, length, write_slots, write_start)
+        || rvqtts_attend(q.data(), k_cache, v_cache, rows, heads, kv_heads, d, length, attend_slots, width, visible,
+                         scale, attended.data()))
+        return 1;  // a slot outside the caches: x is as it was
     map(1, attended.data(), heads * d, mapped.data());
     add_into(x, mapped.data(), rows * hidden);
     rvqtts_rms_norm(x, rows, hidden, post_norm, eps, normed.data());
@@ -759,6 +772,7 @@ void rvqtts_layer(uint16_t* x, int64_t rows, int64_t hidden, const uint16_t* inp
     rvqtts_silu_times_up(gate_up.data(), rows, inner, act.data());
     map(3, act.data(), inner, mapped.data());
     add_into(x, mapped.data(), rows * hidden);
+    return 0;
 }
 
 }

@@ -167,7 +167,7 @@ def attention_inputs(
     rows, head_dim = qkv.shape[0], cos.shape[-1]
     q = qkv.new_empty(heads, rows, head_dim)
     slots, start = _write_slots(write)  # held through the call
-    _load()[0].rvqtts_attention_inputs(
+    outside = _load()[0].rvqtts_attention_inputs(
         qkv.data_ptr(),
         rows,
         heads,
@@ -185,6 +185,7 @@ def attention_inputs(
         _address(slots),
         start,
     )
+    _check_slots(outside, k_cache.shape[1], write)
     return q
 
 
@@ -204,7 +205,7 @@ def attend(
     q = q.contiguous()
     out = q.new_empty(n, heads, head_dim)
     slots, visible = _slot_list(slots), _bytes(visible)  # held in names until the call returns
-    _load()[0].rvqtts_attend(
+    outside = _load()[0].rvqtts_attend(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -219,6 +220,7 @@ def attend(
         head_dim**-0.5,
         out.data_ptr(),
     )
+    _check_slots(outside, k_cache.shape[1], slots if slots is not None else slice(0, width))
     return out.transpose(0, 1)
 
 
@@ -272,7 +274,7 @@ def layer(
     packed, scales, widths, kind = maps
     (write_slots, start), slots, visible = _write_slots(write), _slot_list(slots), _bytes(visible)
     k_cache, v_cache = caches
-    _load()[0].rvqtts_layer(
+    outside = _load()[0].rvqtts_layer(
         x.data_ptr(),
         rows,
         hidden,
@@ -300,6 +302,19 @@ def layer(
         _address(visible),
         head_dim**-0.5,
     )
+    _check_slots(outside, k_cache.shape[1], write, slots)
+
+
+def _check_slots(outside: int, length: int, *slots: slice | torch.Tensor | None) -> None:
+    """Raise where the library found a cache slot outside the `length` slots of the caches (it wrote nothing):
+    a layout built for other caches, a bug, never to be run past."""
+    if outside:
+        spans = [
+            (s.start, s.stop - 1) if isinstance(s, slice) else (int(s.min()), int(s.max()))
+            for s in slots
+            if s is not None
+        ]
+        raise IndexError(f"cache slots {spans} (first, last) outside a cache of {length} slots")
 
 
 def _write_slots(write: slice | torch.Tensor) -> tuple[torch.Tensor | None, int]:
@@ -373,6 +388,7 @@ SIGNATURES = {
     "rvqtts_silu_times_up": "pssp",
     "rvqtts_layer": "pssppfpppisssppppppspssppf",
 }
+CHECKED = ("rvqtts_attention_inputs", "rvqtts_attend", "rvqtts_layer")  # 1: a cache slot out of bounds, nothing written
 _TYPES = {"p": ctypes.c_void_p, "s": ctypes.c_int64, "f": ctypes.c_float, "i": ctypes.c_int}
 
 
@@ -380,7 +396,8 @@ def _declare(library: ctypes.CDLL) -> None:
     """The library's functions' argument and result types (`SIGNATURES`)."""
     for name, arguments in SIGNATURES.items():
         function = getattr(library, name)
-        function.argtypes, function.restype = [_TYPES[a] for a in arguments], None
+        function.argtypes = [_TYPES[a] for a in arguments]
+        function.restype = ctypes.c_int if name in CHECKED else None
     library.rvqtts_amx_permit.restype = ctypes.c_int
 
 

@@ -146,7 +146,8 @@ def measure_call_costs(
     offsets = torch.zeros(depth, runner.hidden_size, device=device, dtype=runner.dtype)
     hidden = torch.randn(runner.hidden_size, device=device, dtype=runner.dtype)
     noise = torch.zeros(runner.code_groups - 1, runner.vocab_size, device=device)
-    sampling, index, static = SamplingConfig(), 7, StaticCalls.for_device(device)
+    index = min(7, runner.code_groups - 2)  # mid-frame (7 of 15 residual codes), within the model's own codes
+    sampling, static = SamplingConfig(), StaticCalls.for_device(device)
     prior = load_acceptance(SHIPPED_TREES / "prior-acceptance.json")["acceptance"]
 
     def call(q: int):

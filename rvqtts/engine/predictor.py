@@ -54,6 +54,11 @@ class PredictorRunner(CachedDecoder):
         cos, sin = code_predictor.model.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0], sin[0]
         self.causal = torch.ones(max_len, max_len, device=self.device, dtype=torch.bool).tril()
+
+    def allocate(self, max_len: int, rows: int | None = None) -> None:
+        """Fresh caches (CachedDecoder.allocate), and no layout kept: a layout's slots were computed for the caches
+        it was built on (a batch's rows), and the caches may now hold fewer."""
+        super().allocate(max_len, rows)
         self.round_layouts: OrderedDict = OrderedDict()  # recent round calls' layouts (rvqtts.engine.rounds)
         self.step_layouts: dict = {}  # plain steps' (`step_layout`)
 

@@ -1,0 +1,100 @@
+"""A first run is an ordinary run: on an empty measurement cache (kernels, the decoder's dtype, batch sizes and call
+costs all measured in the process that then speaks), every checkpoint variant `make-tiny-model` builds speaks a
+batch and a line in float32 and bfloat16, and what it speaks is what a run from the cached measurements speaks.
+
+Before the fix, the batch-size measurement left its eight rows' layouts on a runner whose caches it had shrunk to
+one row: the next batch wrote past them (IndexError in torch, heap corruption in the native kernels)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile
+
+from rvqtts.cloning import VoiceSource
+from rvqtts.loader import EngineChoices
+from rvqtts.settings import GenerationSettings, Line
+from rvqtts.synthesis import Synthesizer
+from rvqtts.tuning.tiny import build_tiny_model
+
+FRAMES = 10
+TEXTS = ("Cluster line one, spoken slowly.", "A second line.", "Line three is here.", "And a fourth one.")
+VARIANTS = {  # make-tiny-model's kinds, codebooks and layouts, each by its fixture (tests/conftest.py)
+    "custom-voice": "tiny_dir",
+    "base": "base_dir",
+    "voice-design": "voice_design_dir",
+    "codebook-16": "narrow_dir",
+    "codebook-8-groups-4": "small_dir",
+    "0.6b": "released_06_dir",
+}
+
+
+@pytest.fixture(scope="module")
+def voice_design_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("first-run") / "voice-design", kind="voice-design")
+
+
+def lines_for(synth: Synthesizer, tmp_path) -> list[Line]:
+    """The test's lines in a voice the model's kind takes: a speaker, a cloned voice or a described one."""
+    if synth.kind == "base":
+        reference = tmp_path / "reference.wav"
+        soundfile.write(reference, np.random.default_rng(0).normal(0, 0.1, 24000).astype(np.float32), 24000)
+        voice = {"clone": VoiceSource(ref_audio=reference, x_vector_only=True)}
+    elif synth.kind == "voice_design":
+        voice = {"instruct": "A calm, low voice."}
+    else:
+        voice = {"speaker": synth.speakers[0]}
+    return [Line(text, **voice) for text in TEXTS]
+
+
+def speak(synth: Synthesizer, lines: list[Line]) -> list[np.ndarray]:
+    """Every line's audio, the batch size chosen as `rvqtts synth -f` chooses it (measured where not cached)."""
+    results = dict(synth.synthesize_many(lines, seed=6, settings=GenerationSettings(max_frames=FRAMES)))
+    for index, result in results.items():
+        assert not isinstance(result, Exception), f"line {index} failed: {result!r}"
+    return [results[i].audio for i in range(len(lines))]
+
+
+# Every variant in both dtypes, but the released widths in bfloat16 only: measuring their kernels from nothing takes
+# half a minute a dtype on two vCPUs (the bug was in the runners' layouts, whatever the widths).
+CASES = [
+    (variant, dtype)
+    for variant in VARIANTS
+    for dtype in ("float32", "bfloat16")
+    if (variant, dtype) != ("0.6b", "float32")
+]
+
+
+@pytest.mark.parametrize("variant, dtype", CASES)
+def test_a_first_batch_on_an_empty_cache_speaks_what_a_cached_run_speaks(
+    variant, dtype, request, user_cache, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("RVQTTS_CHOICES", "measured")
+    monkeypatch.setattr("rvqtts.engine.kernels._chosen", {})  # nothing measured in this process either
+    folder = request.getfixturevalue(VARIANTS[variant])
+    first = Synthesizer.load(folder, EngineChoices(dtype=dtype))
+    lines = lines_for(first, tmp_path)
+    measured = speak(first, lines)
+    assert (user_cache / "batch-sizes.json").exists(), "the batch size was not measured in this run"
+    alone = first.synthesize_many(lines[:1], seed=6, settings=GenerationSettings(max_frames=FRAMES))
+    assert np.array_equal(next(alone)[1].audio, measured[0]), "a line after the first batch differs from its row's"
+    cached = speak(Synthesizer.load(folder, EngineChoices(dtype=dtype)), lines)
+    for index, (audio, again) in enumerate(zip(measured, cached)):
+        assert np.array_equal(audio, again), f"line {index}: the first run's audio differs from a cached run's"
+
+
+def test_the_command_line_first_batch_on_an_empty_cache_exits_cleanly(narrow_dir, user_cache, tmp_path):
+    """The whole command, as a user runs it first (a process of its own: heap corruption would crash it, where the
+    tests above would see an exception), on the codebook the decoder's dtype measurement used to index past."""
+    texts = tmp_path / "lines.txt"
+    texts.write_text("\n".join(TEXTS) + "\n")
+    command = [sys.executable, "-m", "rvqtts.cli", "synth", "--model", narrow_dir]
+    command += ["--seed", "6", "--max-frames", FRAMES, "-f", texts, "--out-dir", tmp_path / "out"]
+    environment = {**os.environ, "RVQTTS_CHOICES": "measured"}  # as users run (the tests' default is fixed)
+    run = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300, env=environment)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.wav")) == [f"{i:04d}.wav" for i in range(1, 5)]
