@@ -275,6 +275,8 @@ def attempt(
     heard = [spoken for _, _, spoken in voiced]
     for index, outcome in synth.synthesize_many(heard, run.seed, run.settings, run.chunk_chars, batch_size, on_notice):
         line, asked, spoken = voiced[index]
+        if isinstance(outcome, NonFiniteError):  # an overflow in the dtype, which the other lines would meet too
+            raise outcome
         if isinstance(outcome, Exception):
             yield line, ("failed", describe(outcome))
             continue

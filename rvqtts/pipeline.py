@@ -17,7 +17,6 @@ from rvqtts.batch_size import fitting_rows, row_bytes, rows_invariant
 from rvqtts.cloning import ClonedVoice
 from rvqtts.engine.frame_loop import ChunkDone, FrameDone, FrameLoop, Work, WorkFailed
 from rvqtts.engine.policy import tree_nodes
-from rvqtts.engine.sampling import NonFiniteError
 from rvqtts.engine.speculation import DEFAULT_DEPTH
 from rvqtts.engine.streaming import StreamingDecoder
 from rvqtts.prompt import Prompt
@@ -44,8 +43,8 @@ def speak(
     among the lines, item) as it goes: a line's samples ready to play (paced by its `stream`, else `stream`, and
     decoded incrementally by the streaming decoder; or, not streamed, each text chunk at once, `decode`), then its
     Synthesis; or, for a line whose voice, text or decoding fails, or that `stopped(index)` stops (asked every
-    frame; rvqtts.engine.frame_loop.Stopped), the exception, and no more of it (a model that produced NaN or inf,
-    NonFiniteError, stops it all)."""
+    frame; rvqtts.engine.frame_loop.Stopped), or whose logits went NaN or inf (NonFiniteError), the exception, and
+    no more of it."""
     loop = synth.runners.frame_loop(rows)
     depth = loop.speculation.offsets.depth if loop.speculation else DEFAULT_DEPTH
 
@@ -97,8 +96,6 @@ def speak(
             else:
                 yield state.index, state.joiner.finish()
                 yield state.index, finished(synth, state, loop)
-        except NonFiniteError:
-            raise
         except Exception as error:  # this line's: it fails alone
             state.failed = True
             yield state.index, error

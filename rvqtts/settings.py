@@ -24,6 +24,9 @@ QWEN_TTS_DEFAULTS = dict(
     subtalker_top_p=1.0,
     subtalker_temperature=0.9,
 )  # qwen-tts's own, for keys a checkpoint does not set
+# The repetition penalty divides c0's positive scores by it and multiplies its negative ones: within this range the
+# scores stay finite in float32, and beyond it the penalty alone would decide c0.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,9 @@ class GenerationSettings:
         for prefix in ("", "predictor_"):  # the sampler's checks, with their messages, on whatever was given
             given = {key: getattr(self, prefix + key) for key in ("temperature", "top_k", "top_p")}
             SamplingConfig(**{key: value for key, value in given.items() if value is not None})
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise ValueError(f"repetition penalty must be positive, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if self.repetition_penalty is not None and not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition penalty must be between {low} and {high}, got {self.repetition_penalty}")
         if self.max_frames is not None and self.max_frames < 1:
             raise ValueError(f"max frames must be at least 1, got {self.max_frames}")
 

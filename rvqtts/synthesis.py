@@ -295,7 +295,7 @@ class Synthesizer:
         (rvqtts.engine.frame_loop; None: the Synthesizer's `batch_size`, else the size measured best on this
         machine, rvqtts.batch_size), each starting as soon as a row is free. Yields (index in `lines`, its
         Synthesis) as each one ends, or (index, the exception) for one that failed (a voice the model
-        does not speak, an empty text); a model that produced NaN or inf (NonFiniteError) stops it all.
+        does not speak, an empty text, NaN or inf in its logits: NonFiniteError), the others going on.
         A line's noise is keyed by its `seed` (else `seed`) and its `utterance` (else its index).
 
         With `stream`, each line's samples come too as they are made, (index, float32 samples) paced by it, before

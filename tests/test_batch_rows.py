@@ -310,3 +310,47 @@ def test_a_batch_chooses_its_tree_size_online_at_its_rows_and_keeps_every_lines_
     assert len(batch_online.frames_by_budget) >= 3 and together[0].record()["online"]["rows"] == 3
     costs = json.loads((user_cache / "call-costs.json").read_text())
     assert any(key.endswith("/rows-3") for machine in costs.values() for key in machine)
+
+
+@pytest.mark.parametrize("spec", [False, True])
+@pytest.mark.parametrize("where", ["talker", "code predictor"])
+def test_a_row_whose_logits_go_non_finite_fails_alone(tiny_dir, measured, monkeypatch, where, spec):
+    """NaN in one row's logits (an overflow that its text alone meets) fails that line with NonFiniteError and frees
+    its row; the lines beside it, in the same calls, speak what they speak alone."""
+    from rvqtts.engine.predictor import PredictorRunner
+    from rvqtts.engine.sampling import NonFiniteError
+
+    synth = Synthesizer.from_checkpoint(tiny_dir, dtype="float32")
+    synth = synth.using(Speculation(resolve_tree("4"), Offsets.zeros(3, synth.hidden_size)) if spec else None)
+    settings = GenerationSettings(max_frames=6)
+    lines = [Line(text, speaker=synth.speakers[0]) for text in ("One line.", "The poisoned line.", "A third one.")]
+    alone = {
+        i: synth.synthesize(line.text, line.speaker, seed=3, utterance=i, settings=settings).audio
+        for i, line in enumerate(lines)
+        if i != 1
+    }
+    if where == "talker":  # row 1's talker logits, the c0 of its second frame: batched steps carry rows 0..2
+        step_rows = TalkerRunner.step_rows
+
+        def nan_in_row_1(self, embeds, positions, rows):
+            hidden, logits = step_rows(self, embeds, positions, rows)
+            if 1 in rows:
+                logits = logits.clone()
+                logits[rows.index(1)] = float("nan")
+            return hidden, logits
+
+        monkeypatch.setattr(TalkerRunner, "step_rows", nan_in_row_1)
+    else:  # frame 1's scores of c1, in the first call of the three frames' inner loop
+        logits = PredictorRunner.logits
+
+        def nan_in_frame_1(self, hidden, index):
+            scores = logits(self, hidden, index)
+            if index == 1 and scores.shape[0] == 3:
+                scores[1] = float("nan")
+            return scores
+
+        monkeypatch.setattr(PredictorRunner, "logits", nan_in_frame_1)
+    results = dict(synth.synthesize_many(lines, seed=3, settings=settings, batch_size=3))
+    assert isinstance(results[1], NonFiniteError) and where in str(results[1])
+    for i in (0, 2):
+        assert np.array_equal(results[i].audio, alone[i]), f"line {i} changed beside the failing row"

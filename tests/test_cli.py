@@ -219,6 +219,8 @@ def test_bad_input_exits_2_with_its_message_and_writes_nothing(tmp_path, tiny_di
         ),
         (["Hi", *model, "-o", a_file / "out.wav"], "is a file, not a folder"),
         (["Hi", *model, "-o", single, "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["Hi", *model, "-o", single, "--temperature", "-1"], "temperature must be 0 (greedy) or positive"),
+        (["Hi", *model, "-o", single, "--repetition-penalty", "1e-300"], "must be between 0.01 and 100.0"),
         (["Hi", "--model", tmp_path / "missing-model", "-o", single], "no model folder"),
         (
             ["Hi", "--model", "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", "-o", single],

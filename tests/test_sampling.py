@@ -14,6 +14,7 @@ from transformers.generation.logits_process import (
 )
 
 from rvqtts.engine.sampling import (
+    MIN_TEMPERATURE,
     RowSampling,
     SamplingConfig,
     draw,
@@ -145,8 +146,23 @@ def test_rows_sampled_differently_each_draw_what_their_own_config_draws():
     mixed = RowSampling.of(per_frame, torch.device("cpu"))
     codes, finite = draw_checked(logits, noise, mixed.take(frames))
     alone = [draw(logits[r : r + 1], noise[r : r + 1], per_frame[f])[0] for r, f in enumerate(frames.tolist())]
-    assert codes.tolist() == [int(code) for code in alone] and bool(finite)
+    assert codes.tolist() == [int(code) for code in alone] and bool(finite.all())
     assert codes.tolist() != draw(logits, noise, configs[0]).tolist()  # not every row by the first's config
     assert RowSampling.of([configs[1]] * 3, torch.device("cpu")) is configs[1]
     logits[5, :] = float("nan")
-    assert not bool(draw_checked(logits, noise, mixed.take(frames))[1])
+    assert draw_checked(logits, noise, mixed.take(frames))[1].tolist() == [r != 5 for r in range(len(frames))]
+
+
+def test_a_temperature_below_the_minimum_draws_greedily_and_never_overflows():
+    """Logits divided by a temperature of 1e-300 overflow float32 and no code could be drawn: a temperature below
+    MIN_TEMPERATURE (0 included) draws greedily, the limit of sampling as the temperature goes to 0."""
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0)) * 30
+    noise = torch.from_numpy(gumbel_noise(1, 0, 0, range(4), 100))
+    for temperature in (0.0, 1e-300, MIN_TEMPERATURE / 2):
+        config = SamplingConfig(temperature=temperature, top_k=5)
+        assert not config.do_sample
+        codes, finite = draw_checked(logits, noise, config)
+        assert torch.equal(codes, logits.argmax(-1)) and bool(finite.all())
+    assert SamplingConfig(temperature=MIN_TEMPERATURE).do_sample
+    with pytest.raises(ValueError, match="0 .greedy. or positive"):
+        SamplingConfig(temperature=-1e-9)

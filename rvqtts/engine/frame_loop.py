@@ -116,7 +116,8 @@ class FrameLoop:
 
     def run(self, works: Iterable[Work | None]) -> Iterator[FrameDone | ChunkDone | WorkDone | WorkFailed]:
         """Speak every utterance, each as soon as a row is free; report each frame, and each chunk and each
-        utterance as it ends (NonFiniteError, which every utterance would meet, stops the loop). `works` may be a
+        utterance as it ends, or its failure (its text, its voice, or NaN or inf in its logits: NonFiniteError), which
+        frees its row and leaves the others' codes as they are. `works` may be a
         live source: None from it means none is waiting now (the rows speak on; with none at work, it is asked again,
         so it should wait for work then)."""
         waiting = iter(works)
@@ -158,16 +159,21 @@ class FrameLoop:
             if work.forced is not None:
                 c0 = int(work.forced[len(row.frames), 0])
             else:
-                c0 = draw_c0(
-                    self.rules(work.sampling),
-                    work.sampling.talker,
-                    row.logits,
-                    row.seen,
-                    len(row.frames),
-                    work.seed,
-                    work.utterance,
-                    work.frame,
-                )
+                try:
+                    c0 = draw_c0(
+                        self.rules(work.sampling),
+                        work.sampling.talker,
+                        row.logits,
+                        row.seen,
+                        len(row.frames),
+                        work.seed,
+                        work.utterance,
+                        work.frame,
+                    )
+                except NonFiniteError as error:  # this row's logits: it fails alone
+                    rows[slot] = None
+                    yield WorkFailed(work, error)
+                    continue
             if c0 == self.eos_id:
                 yield from self._end_chunk(rows, slot, cut=False)
             else:
@@ -183,7 +189,19 @@ class FrameLoop:
             ]
         )
         between = time.perf_counter()
-        rests = self._inner_loop(prefixes, [rows[slot] for slot, _ in ready])
+        try:
+            rests = self._inner_loop(prefixes, [rows[slot] for slot, _ in ready])
+        except NonFiniteError as error:  # those rows fail alone; the others' frame again, the codes it gave them
+            failed = set(range(len(ready)) if error.rows is None else error.rows)
+            for i in sorted(failed):
+                slot = ready[i][0]
+                yield WorkFailed(rows[slot].work, error)
+                rows[slot] = None
+            kept = [i for i in range(len(ready)) if i not in failed]
+            if not kept:
+                return
+            ready, prefixes = [ready[i] for i in kept], prefixes[kept]
+            rests = self._inner_loop(prefixes, [rows[slot] for slot, _ in ready])
         synchronize(device)
         after = time.perf_counter()
         talker_share, predictor_share = (between - started) / len(ready), (after - between) / len(ready)

@@ -51,7 +51,8 @@ def prefill_call(
     runner: PredictorRunner, sampling: SamplingConfig | RowSampling, prefixes: torch.Tensor, noise: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The frames' first call: h_1 [n, H] from [h_t, embedding of c0] ([n, 2, E]), c1 [n] drawn from it, and
-    whether the logits were finite. Every call returns that flag; the frames read it back with their codes."""
+    whether each frame's logits were finite [n]. Every call returns such flags; the frames read them back with
+    their codes."""
     hidden = runner.prefill_rows(prefixes)
     return hidden, *draw_checked(runner.logits(hidden, 1), noise[:, 0], sampling)
 
@@ -64,7 +65,7 @@ def steps_call(
     noise: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One plain step of n frames: feed c_index of frame r (`codes` [n]) in batch row r and draw each one's
-    c_{index+1} with its noise (`noise` [n, G-1, V]); with the finite flag."""
+    c_{index+1} with its noise (`noise` [n, G-1, V]); with the finite flags [n]."""
     return draw_checked(runner.logits(runner.step_rows(codes, index), index + 1), noise[:, index], sampling)
 
 
@@ -82,8 +83,8 @@ def plain_frames(
     codes, finite = calls(
         ("plain", prefixes.shape[0], sampling), partial(plain_call, runner, sampling), prefixes, noise
     )
-    if not bool(finite):
-        raise NonFiniteError("code predictor", runner.dtype)
+    if not bool(finite.all()):
+        raise NonFiniteError("code predictor", runner.dtype, (~finite).nonzero().flatten().tolist())
     return codes.tolist()
 
 
@@ -91,14 +92,14 @@ def plain_call(
     runner: PredictorRunner, sampling: SamplingConfig | RowSampling, prefixes: torch.Tensor, noise: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain loop's calls of n frames, each code fed to the next call on the device: codes [n, G-1], and whether
-    every call's logits were finite."""
+    every call's logits were finite, per frame [n]."""
     _, code, finite = prefill_call(runner, sampling, prefixes, noise)
     codes, flags = [code], [finite]
     for index in range(1, runner.code_groups - 1):
         code, finite = steps_call(runner, index, sampling, code, noise)
         codes.append(code)
         flags.append(finite)
-    return torch.stack(codes, dim=1), torch.stack(flags).all()
+    return torch.stack(codes, dim=1), torch.stack(flags).all(0)
 
 
 @dataclass
@@ -275,7 +276,8 @@ def rounds_call(
     its root (`roots`) and nodes embedded at its own positions, the forward pass over all their rows (each frame's
     KV written to and read from its region), and the target's draws at every slot whose code is not its frame's
     last, with their noise ([frames, G-1, V]). Returns node codes [sum q], hidden states [sum q, H], the draws (in
-    the layout's order), whether the logits were finite, and the ranked drafts [drafts, width]."""
+    the layout's order), whether each draw's logits were finite (in that order), and the ranked drafts [drafts,
+    width]."""
     ranked = torch.empty(0, layout.width, dtype=torch.long, device=roots.device)  # plain steps draft nothing
     if layout.draft_heads:
         drafts = hidden[layout.draft_frames] + offsets[layout.draft_offsets]
@@ -346,7 +348,7 @@ def speculative_frames(
         FrameRounds(r, 1, code, hidden[r].clone(), speculation)
         for r, (code, speculation) in enumerate(zip(first.tolist(), speculations))
     ]
-    flags = [finite.clone()]
+    flags = [(finite.clone(), None)]  # each call's finite flags, and the frame of each (None: in frame order)
     while True:
         for frame in frames:
             if frame.index == last and frame.root is not None:  # the root is the frame's last code
@@ -363,10 +365,19 @@ def speculative_frames(
             torch.tensor([f.root for f in active], device=runner.device),
             noise,
         )
-        flags.append(results[3].clone())
-        if not bool(flags[-1]):
+        flags.append((results[3].clone(), layout.noise_frames))
+        if not bool(flags[-1][0].all()):
             break
         commit_rounds(runner, active, layout, results)
-    if not bool(torch.stack(flags).all()):
-        raise NonFiniteError("code predictor", runner.dtype)
+    if not all(bool(finite.all()) for finite, _ in flags):
+        raise NonFiniteError("code predictor", runner.dtype, not_finite_frames(flags))
     return frames
+
+
+def not_finite_frames(flags: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[int]:
+    """The frames any of whose calls' logits were not finite, from each call's flags and the frame of each flag."""
+    frames = set()
+    for finite, owners in flags:
+        failed = (~finite).nonzero().flatten()
+        frames.update((failed if owners is None else owners[failed]).tolist())
+    return sorted(frames)

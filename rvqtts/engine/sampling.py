@@ -12,12 +12,16 @@ import numpy as np
 import torch
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+# A temperature below this draws greedily: sampling's limit as the temperature goes to 0, and the scaled logits stay
+# finite in float32 (logits divided by 1e-300 overflow, and no code could be drawn from them).
+MIN_TEMPERATURE = 1e-5
 NOISE_TAG = np.uint64(0x5256515454530001)  # "RVQTTS" and a layout version: changing the layout bumps it
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How one code is drawn. The defaults are qwen-tts's code-predictor (subtalker) defaults."""
+    """How one code is drawn. The defaults are qwen-tts's code-predictor (subtalker) defaults. A temperature below
+    MIN_TEMPERATURE (0 included) draws greedily: `do_sample` is then False."""
 
     temperature: float = 0.9
     top_k: int = 50
@@ -25,8 +29,10 @@ class SamplingConfig:
     do_sample: bool = True
 
     def __post_init__(self) -> None:
-        if self.do_sample and not self.temperature > 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.do_sample and not self.temperature >= 0:
+            raise ValueError(f"temperature must be 0 (greedy) or positive, got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "do_sample", False)
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 (off) or positive, got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -49,10 +55,11 @@ class FrameSampling:
 
 class NonFiniteError(RuntimeError):
     """A model produced NaN or inf logits (an overflow in its dtype, or broken weights); the message says
-    what to do."""
+    what to do. `rows`: the frames of the call whose logits were not finite (None: every one), which fail alone."""
 
-    def __init__(self, model: str, dtype: torch.dtype):
+    def __init__(self, model: str, dtype: torch.dtype, rows: list[int] | None = None):
         self.model, self.dtype = model, dtype  # to raise it again elsewhere (a cluster's driver)
+        self.rows = rows
         name = str(dtype).removeprefix("torch.")
         advice = {
             "float16": "run again with --dtype bfloat16 or --dtype float32",
@@ -108,11 +115,11 @@ def draw(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig) -> t
 def draw_checked(
     logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig | RowSampling
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`draw`, and whether every row's logits were finite (a 0-d bool on the device, read back with the
-    codes): argmax takes a NaN or +inf where a row has one, so the drawn score alone tells."""
+    """`draw`, and whether each row's logits were finite (bools shaped as the codes, on the device, read back with
+    them): argmax takes a NaN or +inf where a row has one, so the drawn score alone tells."""
     scores = noised_scores(logits, noise, config)
     codes = scores.argmax(dim=-1)
-    return codes, torch.isfinite(scores.gather(-1, codes.unsqueeze(-1))).all()
+    return codes, torch.isfinite(scores.gather(-1, codes.unsqueeze(-1))).squeeze(-1)
 
 
 def noised_scores(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig | RowSampling) -> torch.Tensor:
