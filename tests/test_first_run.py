@@ -98,3 +98,47 @@ def test_the_command_line_first_batch_on_an_empty_cache_exits_cleanly(narrow_dir
     run = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300, env=environment)
     assert run.returncode == 0, run.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "out").glob("*.wav")) == [f"{i:04d}.wav" for i in range(1, 5)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_first_server_measures_at_start_and_serves_its_first_requests(tiny_dir, user_cache, measured, dtype):
+    """`rvqtts serve` as a user first starts it: what it measures at start (the decoder's dtype, --batch-size auto,
+    the online tree choice's call costs) measured in the process that then serves, and the first requests (two at
+    once, sharing rows) served; the server is ready after them. The kernels come from the test run's cache (the
+    tests above measure them from nothing: at the tiny shapes in float32 that alone takes 15-45 s here)."""
+    import socket
+
+    import httpx
+    from helpers import wait_until
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "rvqtts.cli", "serve", "--model", tiny_dir, "--dtype", dtype, "--port", port]
+    server = subprocess.Popen(list(map(str, command)), stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert server.poll() is None, f"the server exited: {server.stderr.read()[-3000:]}"
+        try:
+            return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(ready, 240, "the server to be ready")
+        body = {"voice": "vivian", "max_frames": FRAMES, "seed": 6}
+        with httpx.Client(timeout=120) as client:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(2) as pool:
+                answers = list(
+                    pool.map(lambda t: client.post(f"{url}/v1/audio/speech", json={**body, "input": t}), TEXTS[:2])
+                )
+            for answer in answers:
+                assert answer.status_code == 200 and len(answer.content) > 1000, answer.text[:500]
+            assert client.get(f"{url}/ready").status_code == 200
+        assert (user_cache / "batch-sizes.json").exists(), "the server did not measure its batch size"
+    finally:
+        server.terminate()
+        server.wait(30)
