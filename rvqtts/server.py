@@ -311,11 +311,9 @@ class SpeechEngine:
                     self._answer(index, item)
                 return
             except Exception as error:  # each client in a row hears of it
+                # a string, not the error: a handler that keeps records must not keep its frames (the loop's tensors)
                 log.error(
-                    "the frame loop failed (%s: %s): its %d requests fail",
-                    type(error).__name__,
-                    error,
-                    len(self._speaking),
+                    f"the frame loop failed ({type(error).__name__}: {error}): its {len(self._speaking)} requests fail"
                 )
                 for job in self._speaking.values():
                     self.counts["failed"] += 1
@@ -604,7 +602,7 @@ class CutStream(StreamingResponse):
         try:
             await super().stream_response(lambda message: _sent(self.job.behind, send(message)))
         except ReaderGone as error:
-            log.warning("a streamed request's connection is closed: %s", error)
+            log.warning("a streamed request's connection is closed: %s", str(error))
         except SpeechError as error:
             log.error("a streamed request ended early: %s", error.message)
         finally:
@@ -814,7 +812,7 @@ class TextSession:
         except (WebSocketDisconnect, OSError):  # the client went away
             pass
         except ReaderGone as error:
-            log.warning("a WebSocket session is closed: %s", error)
+            log.warning("a WebSocket session is closed: %s", str(error))
             await self.websocket.close(code=1008, reason="fell behind its audio: read it as it comes")
         finally:
             for task in tasks:
