@@ -187,6 +187,8 @@ SLOW_MODULES = (
     "test_first_run",  # new, 2026-12-06: about 70 (every variant measured from an empty cache)
     "test_batch_rows",  # 55
     "test_server",  # about 90 since 2026-12-05 (a 500-request fuzz)
+    "test_server_limits",  # new, 2026-12-06: about 55
+    "test_server_chaos",  # new, 2026-12-06: about 36
     "test_standin",  # 35
     "test_cli",  # 32
     "test_cloning",  # 26

@@ -5,6 +5,7 @@ machine where the library cannot be built says why and runs without it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -334,3 +335,35 @@ def test_a_whole_layer_in_one_call_gives_the_step_by_step_bits_and_the_plain_cod
     plain, _ = decode_frames(synth, None, 12)  # (random weights: drafts are first accepted in the tenth frame)
     spec, stats = decode_frames(synth, Speculation(resolve_tree("15"), offsets), 12)
     assert np.array_equal(plain, spec) and stats.accepted_per_depth[0] > 0
+
+
+@needs_kernel
+def test_a_first_batch_runs_the_native_kernels_within_their_bounds_under_address_sanitizer(tiny_dir, tmp_path):
+    """The library built with AddressSanitizer (RVQTTS_SANITIZE=address) and its runtime preloaded: a first batch on
+    an empty cache (kernels, batch sizes and call costs measured in the run), tree rounds of three rows a call in
+    bfloat16, runs the map kernels, norms, attention inputs and attention with no read or write out of bounds (any
+    aborts the process with its place)."""
+    compiler = os.environ.get("CXX") or "g++"
+    found = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True)
+    runtime = found.stdout.strip()
+    if found.returncode or not os.path.isabs(runtime):
+        pytest.skip(f"{compiler} has no AddressSanitizer runtime")
+    lines = tmp_path / "lines.txt"
+    lines.write_text("The first line.\nA second, longer line of the batch.\nThree.\n")
+    environment = {
+        **os.environ,
+        "LD_PRELOAD": runtime,
+        "ASAN_OPTIONS": "detect_leaks=0",
+        native.SANITIZE_VARIABLE: "address",
+        "RVQTTS_CACHE": str(tmp_path / "cache"),
+        "RVQTTS_CHOICES": "measured",
+    }
+    command = [sys.executable, "-m", "rvqtts.cli", "synth", "--model", tiny_dir, "--dtype", "bfloat16", "--tree", "4"]
+    command += ["--batch-size", "3", "--max-frames", "8", "-f", lines, "--out-dir", tmp_path / "out"]
+    command += ["--stats-json", tmp_path / "stats.json"]
+    run = subprocess.run(list(map(str, command)), capture_output=True, text=True, env=environment, timeout=600)
+    assert run.returncode == 0 and "AddressSanitizer" not in run.stderr, run.stderr[-4000:]
+    assert [p.name for p in (tmp_path / "cache" / "build").glob("native-*.so")], "no sanitized library was built"
+    kernels = json.loads((tmp_path / "stats.json").read_text())["utterances"][0]["engine"]["kernels"]
+    assert kernels["predictor"]["native"] and kernels["talker"]["native"], kernels
+    assert any(name.startswith("bf16") for name in kernels["predictor"]["maps"]), "no native map kernel ran"

@@ -28,6 +28,10 @@ SOURCE = Path(__file__).with_name("native.cpp")
 # No contraction: a multiply then an add stay two roundings wherever they are written, so both levels' builds compute
 # the same bits (fused multiply-adds are written out where wanted).
 FLAGS = ("-O3", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")
+# RVQTTS_SANITIZE=address builds the library with AddressSanitizer, for tests: every read or write out of bounds aborts
+# with its place (run Python with the compiler's libasan preloaded, ASAN_OPTIONS=detect_leaks=0; tests/test_native.py).
+SANITIZE_VARIABLE = "RVQTTS_SANITIZE"
+SANITIZERS = {"address": ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")}
 
 
 class Level(NamedTuple):
@@ -417,13 +421,21 @@ def source_digest() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
 
 
+def sanitizer_flags() -> tuple[str, ...]:
+    """The compiler flags of the sanitizer $RVQTTS_SANITIZE names (none where unset)."""
+    name = os.environ.get(SANITIZE_VARIABLE, "")
+    if name and name not in SANITIZERS:
+        raise RuntimeError(f"{SANITIZE_VARIABLE}={name!r}: choose {' or '.join(SANITIZERS)}, or unset it")
+    return SANITIZERS.get(name, ())
+
+
 def _build(at: str) -> Path:
     """The library compiled at level `at` in the cache, built now if this source, level and compiler have not
     been built."""
     compiler = os.environ.get("CXX") or next(filter(None, map(shutil.which, ("g++", "c++", "clang++"))), None)
     if not compiler:
         raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
-    flags = (*FLAGS, *LEVELS[at].compiler_flags)
+    flags = (*FLAGS, *LEVELS[at].compiler_flags, *sanitizer_flags())
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
     target = cache_dir() / "build" / f"native-{at}-{digest}.so"
