@@ -18,6 +18,7 @@ from rvqtts.engine.native import isa_cap, unavailable
 from rvqtts.engine.policy import choose_speculation
 from rvqtts.engine.quantize import WEIGHTS, check_weights
 from rvqtts.loading import DTYPES, load_tts, model_config
+from rvqtts.memory import map_large_blocks_apart
 from rvqtts.settings import GenerationSettings
 
 
@@ -61,6 +62,7 @@ def load_engine(model: str | os.PathLike, choices: EngineChoices, on_notice: Cal
             on_notice(message)
 
     isa_cap()
+    map_large_blocks_apart()  # before anything is measured or loaded: a first run's peak as a cached run's
     talker_config = model_config(model).talker_config  # the checkpoint's kind checked with it
     device = pick_device(choices.device)
     notice(unvalidated_notice(device))

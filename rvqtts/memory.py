@@ -43,6 +43,23 @@ def memory_record() -> dict:
     return {"peak_rss_mib": peak_resident_mib(), "rss_mib": resident_mib()}
 
 
+HEAP_BLOCK_LIMIT = 1 << 20  # bytes: a block this large or larger is mapped apart from the heap, and returned when freed
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def map_large_blocks_apart() -> None:
+    """Have glibc map every block of HEAP_BLOCK_LIMIT or more apart from its heap, for good (nothing elsewhere). By
+    default its threshold rises with each large block freed, up to 32 MiB, and later blocks of up to that size come
+    from the heap, which keeps their pages when they are freed: measuring a model's kernels (hundreds of MiB of
+    weight copies, made and freed) left a first run's peak 600 MiB above a cached run's at 0.6B, over stock
+    qwen-tts's (docs/benchmarks.md). The loops' own tensors are smaller, and stay on the heap."""
+    import ctypes
+    import ctypes.util
+
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT)
+
+
 MADV_DONTNEED = 4  # Linux's madvise advice: drop the pages (a file's are read again from it on the next touch)
 
 

@@ -207,7 +207,7 @@ def test_export_refuses_what_the_graph_cannot_do(tiny_dir, tmp_path):
     for options, message in [
         (["--top-k", "50", "--precision", "int4"], "unknown precision"),
         (["--min-target", "macOS14"], "macOS15 or later"),
-        (["--temperature", "0"], "temperature"),
+        (["--temperature", "-1"], "temperature must be 0 (greedy) or positive"),
     ]:
         result = run_cli("export-coreml", "--model", tiny_dir, "--out", tmp_path / "out", *options)
         assert result.exit_code == 2 and message in result.output, result.output

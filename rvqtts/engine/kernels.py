@@ -227,7 +227,8 @@ def time_kernels(
     kernels make alike (`timed_call`) is timed once, so they differ there by nothing, not by noise."""
     copies = max(2, min(64, -(-COLD_BYTES // (weight.numel() * weight.element_size()))))
     passes: dict[tuple[Kernel, int], list[float]] = {(timed_call(k, n), n): [] for n in rows for k in kernels}
-    maps = {call: [LinearMap(weight.clone(), None, call) for _ in range(copies)] for call, _ in passes}
+    sources = [weight.clone() for _ in range(copies)]  # one set for every call: a first run's peak memory
+    maps = {call: [LinearMap(source, None, call) for source in sources] for call, _ in passes}
     generator = torch.Generator().manual_seed(2)
     with torch.inference_mode():
         inputs = {count: torch.randn(count, weight.shape[1], generator=generator).to(weight.dtype) for count in rows}
