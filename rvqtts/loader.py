@@ -18,7 +18,7 @@ from rvqtts.engine.native import isa_cap, unavailable
 from rvqtts.engine.policy import choose_speculation
 from rvqtts.engine.quantize import WEIGHTS, check_weights
 from rvqtts.loading import DTYPES, load_tts, model_config
-from rvqtts.memory import map_large_blocks_apart
+from rvqtts.memory import large_blocks_apart
 from rvqtts.settings import GenerationSettings
 
 
@@ -62,35 +62,37 @@ def load_engine(model: str | os.PathLike, choices: EngineChoices, on_notice: Cal
             on_notice(message)
 
     isa_cap()
-    map_large_blocks_apart()  # before anything is measured or loaded: a first run's peak as a cached run's
-    talker_config = model_config(model).talker_config  # the checkpoint's kind checked with it
-    device = pick_device(choices.device)
-    notice(unvalidated_notice(device))
-    if device == "cpu" and (why := unavailable()):
-        notice(f"rvqtts's native CPU kernels do not run here ({why}); torch's run instead, slower")
-    rows = choices.batch_size or 1  # the lines a call carries, at which `auto` prices the loops' dtypes
-    loops_dtype, reason = pick_dtype(choices.dtype, device, talker_config, choices.weights, notice, rows)
-    notice(reason)
-    if device == "cpu" and measured_choices():
-        shapes = [shape for _, shape, _ in frame_maps(talker_config)]
-        choose_kernels(shapes, getattr(torch, loops_dtype), choices.weights, notice)
-    check_weights(choices.weights, torch.device(device))
-    tts = load_tts(model, device, loops_dtype)
-    decoder, reason = pick_decoder_dtype(choices.decoder_dtype, choices.dtype, loops_dtype, device, str(model), notice)
-    notice(reason)
-    speculation = None
-    if choices.spec:
-        speculation, reason = choose_speculation(
-            tts.model.talker.code_predictor,
-            choices.tree,
-            choices.offsets,
-            allow_plain=True,
-            device_type=choices.tree_device,
-            weights=choices.weights,
+    with large_blocks_apart():  # what measuring and loading free goes back: a first run's peak as a cached run's
+        talker_config = model_config(model).talker_config  # the checkpoint's kind checked with it
+        device = pick_device(choices.device)
+        notice(unvalidated_notice(device))
+        if device == "cpu" and (why := unavailable()):
+            notice(f"rvqtts's native CPU kernels do not run here ({why}); torch's run instead, slower")
+        rows = choices.batch_size or 1  # the lines a call carries, at which `auto` prices the loops' dtypes
+        loops_dtype, reason = pick_dtype(choices.dtype, device, talker_config, choices.weights, notice, rows)
+        notice(reason)
+        if device == "cpu" and measured_choices():
+            shapes = [shape for _, shape, _ in frame_maps(talker_config)]
+            choose_kernels(shapes, getattr(torch, loops_dtype), choices.weights, notice)
+        check_weights(choices.weights, torch.device(device))
+        tts = load_tts(model, device, loops_dtype)
+        decoder, reason = pick_decoder_dtype(
+            choices.decoder_dtype, choices.dtype, loops_dtype, device, str(model), notice
         )
         notice(reason)
-    synth = Synthesizer(tts, speculation, choices.weights, str(model), choices.cuda_graphs, choices.batch_size)
-    synth.codec.use_dtype(decoder)
-    synth.codec.release_unused_encoder()
-    synth.runners.warm_up(synth.sampling(GenerationSettings()).predictor)  # a GPU's graphs captured now
-    return synth
+        speculation = None
+        if choices.spec:
+            speculation, reason = choose_speculation(
+                tts.model.talker.code_predictor,
+                choices.tree,
+                choices.offsets,
+                allow_plain=True,
+                device_type=choices.tree_device,
+                weights=choices.weights,
+            )
+            notice(reason)
+        synth = Synthesizer(tts, speculation, choices.weights, str(model), choices.cuda_graphs, choices.batch_size)
+        synth.codec.use_dtype(decoder)
+        synth.codec.release_unused_encoder()
+        synth.runners.warm_up(synth.sampling(GenerationSettings()).predictor)  # a GPU's graphs captured now
+        return synth

@@ -43,21 +43,33 @@ def memory_record() -> dict:
     return {"peak_rss_mib": peak_resident_mib(), "rss_mib": resident_mib()}
 
 
-HEAP_BLOCK_LIMIT = 1 << 20  # bytes: a block this large or larger is mapped apart from the heap, and returned when freed
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter: blocks this large or larger are mapped apart from the heap
+MEASURING_THRESHOLD = 1 << 20  # while measuring and loading: every weight-sized block apart, returned when freed
+RUNNING_THRESHOLD = 32 << 20  # after: where glibc's own rule ends up (its maximum), the loops' blocks on the heap
 
 
-def map_large_blocks_apart() -> None:
-    """Have glibc map every block of HEAP_BLOCK_LIMIT or more apart from its heap, for good (nothing elsewhere). By
-    default its threshold rises with each large block freed, up to 32 MiB, and later blocks of up to that size come
-    from the heap, which keeps their pages when they are freed: measuring a model's kernels (hundreds of MiB of
-    weight copies, made and freed) left a first run's peak 600 MiB above a cached run's at 0.6B, over stock
-    qwen-tts's (docs/benchmarks.md). The loops' own tensors are smaller, and stay on the heap."""
+@contextlib.contextmanager
+def large_blocks_apart():
+    """Measuring and loading with every block of a MiB or more mapped apart from glibc's heap, then the threshold where
+    glibc's own rule would leave it (nothing elsewhere). By default the threshold rises with each large block freed, and
+    later blocks of up to that size come from the heap, which keeps their pages when they are freed: measuring a
+    model's kernels (hundreds of MiB of weight copies, made and freed) left a first run's peak 600 MiB above a cached
+    run's at 0.6B, over stock qwen-tts's (docs/benchmarks.md). The loops then run as before: a threshold kept at a MiB
+    mapped and faulted a batch's larger tensors afresh at every call."""
     import ctypes
     import ctypes.util
 
-    with contextlib.suppress(OSError, AttributeError, TypeError):
-        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD, HEAP_BLOCK_LIMIT)
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        mallopt = None
+    if mallopt:
+        mallopt(M_MMAP_THRESHOLD, MEASURING_THRESHOLD)
+    try:
+        yield
+    finally:
+        if mallopt:
+            mallopt(M_MMAP_THRESHOLD, RUNNING_THRESHOLD)
 
 
 MADV_DONTNEED = 4  # Linux's madvise advice: drop the pages (a file's are read again from it on the next touch)

@@ -41,6 +41,15 @@ def fail_next_call(monkeypatch, error: BaseException) -> threading.Event:
     return armed
 
 
+def held_and_queued(url: str, engine, gate: Gate, pool: ThreadPoolExecutor) -> list:
+    """Two requests' futures: the first held in the engine by `gate`, the second waiting in its queue."""
+    held = [pool.submit(httpx.post, url + "/v1/audio/speech", json=BODY, timeout=WAIT)]
+    gate.wait_entered("the first request")
+    held.append(pool.submit(httpx.post, url + "/v1/audio/speech", json=BODY, timeout=WAIT))
+    wait_until(lambda: engine.health()["queued"] == 1, WAIT, "the second request to queue")
+    return held
+
+
 def ws_address(url: str) -> str:
     return url.replace("http://", "ws://") + "/v1/audio/speech/stream"
 
@@ -164,10 +173,7 @@ def test_requests_and_sessions_over_max_connections_get_503_and_the_probes_still
     with running(tiny_dir, max_connections=2) as (url, engine), ThreadPoolExecutor(2) as pool:
         gate = Gate(engine, monkeypatch)
         try:
-            held = [pool.submit(httpx.post, url + "/v1/audio/speech", json=BODY, timeout=WAIT)]
-            gate.wait_entered("the first request")
-            held.append(pool.submit(httpx.post, url + "/v1/audio/speech", json=BODY, timeout=WAIT))
-            wait_until(lambda: engine.health()["queued"] == 1, WAIT, "the second request to queue")
+            held = held_and_queued(url, engine, gate, pool)
             refused = httpx.post(url + "/v1/audio/speech", json=BODY, timeout=WAIT)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_connections"
             assert refused.headers["retry-after"] == "1"
@@ -197,10 +203,7 @@ def test_a_paragraph_sent_at_once_is_spoken_whole_and_in_order_while_the_queue_i
     with running(tiny_dir, queue_size=2, batch_size=1) as (url, engine), ThreadPoolExecutor(2) as pool:
         gate = Gate(engine, monkeypatch)
         try:
-            held = [pool.submit(httpx.post, url + "/v1/audio/speech", json=BODY, timeout=WAIT)]
-            gate.wait_entered("the first request")
-            held.append(pool.submit(httpx.post, url + "/v1/audio/speech", json=BODY, timeout=WAIT))
-            wait_until(lambda: engine.health()["queued"] == 1, WAIT, "a second request to queue")
+            held = held_and_queued(url, engine, gate, pool)
             with connect(ws_address(url)) as ws:
                 ws.send(json.dumps({"type": "session", "voice": "vivian", "max_frames": 3}))
                 ws.send(json.dumps({"type": "text", "text": " ".join(sentences) + " "}))
