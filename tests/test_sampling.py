@@ -166,3 +166,5 @@ def test_a_temperature_below_the_minimum_draws_greedily_and_never_overflows():
     assert SamplingConfig(temperature=MIN_TEMPERATURE).do_sample
     with pytest.raises(ValueError, match="0 .greedy. or positive"):
         SamplingConfig(temperature=-1e-9)
+    with pytest.raises(ValueError, match="at most 10000"):  # 1e308 is inf in float32, and -inf / inf is NaN
+        SamplingConfig(temperature=1e308)

@@ -306,7 +306,9 @@ def test_sigterm_lets_requests_in_flight_finish_within_the_drain_and_cuts_the_re
             assert server.poll() is None, server.stdout.read().decode()
             return False
 
-    def streamed(text: str, started: threading.Event) -> tuple[int, Exception | None]:
+    def streamed(text: str, started: threading.Event, pause: float = 0.0) -> tuple[int, Exception | None]:
+        """The bytes a stream gave and how it ended; read a piece every `pause` seconds (a slow player: its response
+        outlasts the drain on any machine, where a fast one might synthesize it all within 3 s)."""
         body = {"input": text, "voice": "vivian", "max_frames": 47, "stream": True}
         with httpx.stream("POST", url + "/v1/audio/speech", json=body, timeout=WAIT) as response:
             received = 0
@@ -314,6 +316,7 @@ def test_sigterm_lets_requests_in_flight_finish_within_the_drain_and_cuts_the_re
                 for piece in response.iter_bytes():
                     received += len(piece)
                     started.set()
+                    time.sleep(pause)
             except httpx.HTTPError as error:
                 return received, error
             return received, None
@@ -322,7 +325,7 @@ def test_sigterm_lets_requests_in_flight_finish_within_the_drain_and_cuts_the_re
         wait_until(ready, WAIT, "the server to load")
         short_started, long_started = threading.Event(), threading.Event()
         with ThreadPoolExecutor(2) as pool:
-            long = pool.submit(streamed, "A long utterance that outlasts the drain. " * 12, long_started)
+            long = pool.submit(streamed, "A long utterance that outlasts the drain. " * 90, long_started, 0.25)
             short = pool.submit(streamed, "Short.", short_started)
             wait_until(lambda: short_started.is_set() and long_started.is_set(), WAIT, "both streams to start")
             server.send_signal(signal.SIGTERM)

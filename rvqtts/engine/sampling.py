@@ -15,6 +15,9 @@ GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 # A temperature below this draws greedily: sampling's limit as the temperature goes to 0, and the scaled logits stay
 # finite in float32 (logits divided by 1e-300 overflow, and no code could be drawn from them).
 MIN_TEMPERATURE = 1e-5
+# Above this every code is about equally likely; far above it the temperature itself overflows float32 (1e308 is inf
+# there, and -inf / inf is NaN), so it is refused.
+MAX_TEMPERATURE = 1e4
 NOISE_TAG = np.uint64(0x5256515454530001)  # "RVQTTS" and a layout version: changing the layout bumps it
 
 
@@ -29,8 +32,10 @@ class SamplingConfig:
     do_sample: bool = True
 
     def __post_init__(self) -> None:
-        if self.do_sample and not self.temperature >= 0:
-            raise ValueError(f"temperature must be 0 (greedy) or positive, got {self.temperature}")
+        if self.do_sample and not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or positive, at most {MAX_TEMPERATURE:g}, got {self.temperature}"
+            )
         if self.temperature < MIN_TEMPERATURE:
             object.__setattr__(self, "do_sample", False)
         if self.top_k < 0:
