@@ -141,16 +141,16 @@ def clients(url: str, rng: np.random.Generator) -> dict[str, Callable[[httpx.Cli
     }
 
 
-MIX = {  # requests of each kind in each part of the run (three parts: 450 requests)
-    "good": 55,
+MIX = {  # requests of each kind in each part of the run (three parts: 342 requests)
+    "good": 40,
     "victim": 2,
-    "fuzzed": 45,
-    "oversized": 10,
-    "not json": 25,
-    "gone": 4,
+    "fuzzed": 35,
+    "oversized": 8,
+    "not json": 18,
+    "gone": 3,
     "stops reading": 2,
     "paragraph": 2,
-    "other site": 5,
+    "other site": 4,
 }
 
 
