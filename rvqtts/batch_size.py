@@ -57,8 +57,7 @@ def frame_costs(synth, candidates: tuple[int, ...] = CANDIDATES, repeats: int = 
             synth.codec.decode(codes)
             if turn:
                 decoder.append((time.perf_counter() - started) * 1e3 / DECODED_FRAMES)
-    talker.allocate(talker.max_len, 1)  # the measured rows' caches are not kept
-    runner.allocate(runner.max_len, 1)
+    synth.runners.release_rows()  # the measured rows' caches are not kept
     per_frame = statistics.median(decoder)
     return {b: round(statistics.median(values) + per_frame, 3) for b, values in times.items()}
 
