@@ -57,5 +57,5 @@ def test_links_between_pages_resolve(page):
 
 def test_the_readme_test_command_is_what_ci_runs():
     """CI runs `.ci/run`, whose command must stay the README's (a fresh machine's set-up runs the same)."""
-    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    ci = next(line for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines() if "pytest" in line)
     assert ci in (ROOT / "README.md").read_text(encoding="utf-8"), ".ci/run's command differs from the README's"

@@ -9,6 +9,7 @@ fingerprint of its code-predictor config), plus whatever training provenance the
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import os
 from dataclasses import dataclass, field
@@ -141,7 +142,7 @@ def load_offsets(path: str | os.PathLike, hidden_size: int | None = None, finger
     )
 
 
-SHIPPED_OFFSETS = Path(__file__).resolve().parents[2] / "offsets"
+SHIPPED_OFFSETS = Path(str(importlib.resources.files("rvqtts.data.offsets")))
 
 
 def shipped_offsets_for(fingerprint: str, hidden_size: int) -> Offsets | None:

@@ -9,6 +9,7 @@ mask, the depth (position offset) of every query slot and, for the walk, each no
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import math
 import os
@@ -252,7 +253,7 @@ def load_acceptance(path: str | os.PathLike) -> dict:
     return data
 
 
-SHIPPED_TREES = Path(__file__).resolve().parents[2] / "trees"
+SHIPPED_TREES = Path(str(importlib.resources.files("rvqtts.data.trees")))
 # best-n.json, the user's (rvqtts.store.BEST_TREES) and the one shipped in trees/: {"cpu/bfloat16": {"N": ...,
 # "source": ...}, "cpu/bfloat16/<fingerprint>": ...}
 SHIPPED_BEST = SHIPPED_TREES / BEST_TREES.file

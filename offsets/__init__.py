@@ -1,0 +1,1 @@
+"""Trained draft offsets shipped with rvqtts (offsets/README.md)."""

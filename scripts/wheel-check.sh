@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The package as users install it: build rvqtts's wheel from this checkout, install it in a fresh virtual
+# environment outside the checkout, and run from there what a user runs first: synth (one line and a batch),
+# bench predictor and serve, on a tiny checkpoint and an empty measurement cache. .ci/run calls it.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d)"
+server=""
+trap '[ -n "$server" ] && kill "$server" 2>/dev/null; rm -rf "$work"' EXIT
+cd "$work"
+python3 -m venv venv && . venv/bin/activate
+pip wheel -q --no-deps -w dist "$repo"
+pip install -q -c "$repo/.ci/constraints.txt" "$(ls dist/rvqtts-*.whl)[serve]"
+export RVQTTS_CACHE="$work/cache"
+python -c "import rvqtts, sys; sys.exit(rvqtts.__file__.startswith('$repo/') and 'rvqtts was imported from the checkout')"
+rvqtts make-tiny-model tiny-model
+rvqtts synth "Hello from a wheel." --model tiny-model --max-frames 8 -o wheel.wav
+printf 'One line from a wheel.\nAnother line.\n' > lines.txt
+rvqtts synth -f lines.txt --model tiny-model --max-frames 8 --out-dir batch
+test -f batch/0001.wav -a -f batch/0002.wav
+rvqtts bench predictor --model tiny-model --q 1,5 --repeats 3 --quiet --json bench.json
+rvqtts serve --model tiny-model --port 8871 &
+server=$!
+for _ in $(seq 120); do curl -sf http://127.0.0.1:8871/ready >/dev/null && break; sleep 1; done
+curl -sf http://127.0.0.1:8871/v1/audio/speech -H 'Content-Type: application/json' \
+    -d '{"input": "Hello, served from a wheel.", "voice": "vivian", "max_frames": 8}' -o served.wav
+python -c "import soundfile; assert soundfile.info('served.wav').frames > 0 and soundfile.info('wheel.wav').frames > 0"
+echo "wheel check: synth, a batch, bench predictor and serve ran from $(ls dist)"

@@ -1,0 +1,1 @@
+"""Tree shapes, acceptance tables and best tree sizes shipped with rvqtts (docs/acceptance.md)."""
