@@ -189,7 +189,7 @@ def synth(
         0,
         help="Same seed, same codes, speculative or not, on the same model, dtype, device, thread count and kernel "
         "choices, wherever the chosen kernels are row-invariant (rvqtts tune); the same WAV also needs the speech "
-        "decoder's bits, which depend on the thread count (README: Same seed, same codes).",
+        "decoder's bits, which depend on the thread count (docs/usage.md: Same seed, same codes).",
     ),
     spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
     tree: str = typer.Option("auto", help=TREE_HELP),

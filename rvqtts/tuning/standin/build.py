@@ -135,7 +135,7 @@ def build_standin(
     prefixes_eval = _measure(code_predictor, talker_embedding, evaluation, config, report)
 
     calibration_sample = calibration.take(rng.permutation(len(calibration))[: plan.calibration_frames])
-    # Self-distilled (the model's own codes from the calibration frames): the recipe the README gives for
+    # Self-distilled (the model's own codes from the calibration frames): the recipe docs/usage.md gives for
     # real models, and the one acceptance is measured against; docs/acceptance.md compares the others.
     offsets, report["offsets_training"] = fit_offsets(
         synth, calibration, plan.offsets, self_distill=True, model_name="stand-in"
