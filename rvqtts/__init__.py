@@ -11,17 +11,18 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rvqtts.settings import GenerationSettings, Line, StreamPacing, Synthesis
-    from rvqtts.synthesis import AudioStream, Synthesizer
+    from rvqtts.qwen.codec import StreamPacing
+    from rvqtts.synthesis.settings import GenerationSettings, Line, Synthesis
+    from rvqtts.synthesis.synthesizer import AudioStream, Synthesizer
 
 __all__ = ["AudioStream", "GenerationSettings", "Line", "StreamPacing", "Synthesis", "Synthesizer"]
 _HOMES = {
-    "AudioStream": "rvqtts.synthesis",
-    "Synthesizer": "rvqtts.synthesis",
-    "GenerationSettings": "rvqtts.settings",
-    "Line": "rvqtts.settings",
-    "StreamPacing": "rvqtts.settings",
-    "Synthesis": "rvqtts.settings",
+    "AudioStream": "rvqtts.synthesis.synthesizer",
+    "Synthesizer": "rvqtts.synthesis.synthesizer",
+    "GenerationSettings": "rvqtts.synthesis.settings",
+    "Line": "rvqtts.synthesis.settings",
+    "StreamPacing": "rvqtts.qwen.codec",
+    "Synthesis": "rvqtts.synthesis.settings",
 }
 
 

@@ -38,7 +38,7 @@ install() {  # each folder of WHEELS into its own target (without WHEELS: what i
         [[ -z "${WHEELS:-}" ]] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target "$SITE/$group" "$WHEELS/$group"/*.whl || return 1
     done
-    python3 -c "import rvqtts.loading, transformers, torch; print(transformers.__version__, torch.__version__)"
+    python3 -c "import rvqtts.qwen.checkpoints, transformers, torch; print(transformers.__version__, torch.__version__)"
 }
 
 rvqtts() {  # rvqtts from this checkout, on the path above

@@ -20,8 +20,8 @@ import pytest
 import torch
 from filelock import FileLock
 
-from rvqtts.store import KERNELS
-from rvqtts.synthesis import Synthesizer
+from rvqtts.support.measurements import KERNELS
+from rvqtts.synthesis.synthesizer import Synthesizer
 from rvqtts.tuning.tiny import SHALLOW_LAYERS, build_tiny_model
 
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
@@ -91,7 +91,7 @@ def released_06_kernels(released_06_dir, tmp_path_factory) -> Path:
     """The released 0.6B layout's folder, its kernels measured in bfloat16 and float32 into the run's shared cache
     first (half a minute a dtype on two vCPUs): tests of measured kernels at the released shapes ask for it with
     `measured`, so both workers do not time the same shapes at once."""
-    from rvqtts.engine.inner_loop import InnerLoop
+    from rvqtts.engine.loop.inner_loop import InnerLoop
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RVQTTS_CHOICES", "measured")

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from helpers import stock_path_logits
 
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.sampling import SamplingConfig, warp_logits
+from rvqtts.engine.model.sampling import SamplingConfig, warp_logits
+from rvqtts.engine.speculative.offsets import Offsets
 
 TIE_ULPS = 4  # how many units in the last place of a logit (in the run's dtype) a near-tie's two scores may differ by
 REFERENCE_ULPS = 64  # and at least this many float32 units: the reference's own summation order is not the run's
@@ -45,8 +45,8 @@ def float32_reference(code_predictor: torch.nn.Module) -> torch.nn.Module:
 
 
 def broken_walk(children, node_codes, draws, slot_index, last_index):
-    """A planted fault in the verifier (rvqtts.engine.speculation.walk_tree): when the draw hits any drafted child,
-    descend into the first (rank 0) child."""
+    """A planted fault in the verifier (rvqtts.engine.speculative.speculation.walk_tree): when the draw hits any drafted
+    child, descend into the first (rank 0) child."""
     accepted, u = [], 0
     while slot_index[u] < last_index:
         if not any(node_codes[c] == draws[u] for _, c in children[u]):

@@ -24,18 +24,18 @@ BREAK = "Break."  # a batch line with this text fails
 OVERFLOW = "Overflow."  # and one with this text meets NaN logits, as a float16 overflow would
 FAULTS = "RVQTTS_FAULTS"  # the folder of armed faults
 STALL_SECONDS = 120.0  # how long a stalled process waits to be interrupted before it gives up
-PARTIAL = ".partial"  # rvqtts.files.atomic_path's temporary files: ".NAME.RANDOM.partial"
+PARTIAL = ".partial"  # rvqtts.support.files.atomic_path's temporary files: ".NAME.RANDOM.partial"
 CUT_SHORT = 10  # bytes a stalled write has not written yet: any file cut there is damaged (a JSONL file mid-line)
 
 
 def failing_prompts(original):
-    """rvqtts.pipeline.line_prompts (where every line starts, whichever path speaks it), except that the text BREAK
-    raises RuntimeError("simulated failure") and OVERFLOW the NonFiniteError of a talker in float16."""
+    """rvqtts.synthesis.pipeline.line_prompts (where every line starts, whichever path speaks it), except that the text
+    BREAK raises RuntimeError("simulated failure") and OVERFLOW the NonFiniteError of a talker in float16."""
 
     def line_prompts(synth, line, *args):
         import torch
 
-        from rvqtts.engine.sampling import NonFiniteError
+        from rvqtts.engine.model.sampling import NonFiniteError
 
         if line.text == BREAK:
             raise RuntimeError("simulated failure")
@@ -106,7 +106,7 @@ def _stall(fault: str) -> None:
 
 
 def stalling_prompts(original):
-    """rvqtts.pipeline.line_prompts, stalling at the start of the line an armed "synthesize-N" names."""
+    """rvqtts.synthesis.pipeline.line_prompts, stalling at the start of the line an armed "synthesize-N" names."""
 
     def line_prompts(synth, line, *args):
         fault = f"synthesize-{line.utterance}"
@@ -141,7 +141,7 @@ def stalling_write_bytes(original):
 
 def install_stalls() -> None:
     """This process's lines (their prompts) and Path.write_bytes stall where a fault is armed."""
-    import rvqtts.pipeline as pipeline
+    import rvqtts.synthesis.pipeline as pipeline
 
     pipeline.line_prompts = stalling_prompts(pipeline.line_prompts)
     Path.write_bytes = stalling_write_bytes(Path.write_bytes)
@@ -149,7 +149,7 @@ def install_stalls() -> None:
 
 def break_lines() -> None:
     """A Ray worker_process_setup_hook: this process's lines fail on BREAK and stall where armed."""
-    import rvqtts.pipeline as pipeline
+    import rvqtts.synthesis.pipeline as pipeline
 
     install_stalls()
     pipeline.line_prompts = failing_prompts(pipeline.line_prompts)
@@ -177,7 +177,7 @@ def zygote() -> None:
     import json
 
     from rvqtts.cli import main
-    from rvqtts.compat import qwen_tts
+    from rvqtts.qwen.compat import qwen_tts
 
     qwen_tts()  # what a run imports lazily, imported before the fork
     install_stalls()

@@ -12,9 +12,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rvqtts.audio import CROSSFADE_SECONDS, StreamJoiner
 from rvqtts.cli import app
-from rvqtts.synthesis import Synthesizer
+from rvqtts.support.audio import CROSSFADE_SECONDS, StreamJoiner
+from rvqtts.synthesis.synthesizer import Synthesizer
 from rvqtts.tuning.calibration import sample_codes
 from rvqtts.tuning.contexts import Contexts
 
@@ -84,7 +84,7 @@ def frame_prefixes(synth: Synthesizer, frames: int) -> list[torch.Tensor]:
 
 def frame_noises(synth: Synthesizer, frames: int) -> list[torch.Tensor]:
     """The noise decode_frames draws frame f's codes with (its InnerLoop's, seed DECODE_SEED)."""
-    from rvqtts.engine.sampling import residual_noise
+    from rvqtts.engine.model.sampling import residual_noise
 
     config = synth.code_predictor.config
     return [residual_noise(DECODE_SEED, 0, f, config.num_code_groups, config.vocab_size) for f in range(frames)]
@@ -93,8 +93,8 @@ def frame_noises(synth: Synthesizer, frames: int) -> list[torch.Tensor]:
 def decode_frames(synth: Synthesizer, speculation, frames: int, calls=None) -> tuple[np.ndarray, object]:
     """The inner loop's codes [frames, G-1] over `frame_prefixes` with SamplingConfig() and its statistics; `calls`
     replaces its static calls (e.g. emulated CUDA graphs)."""
-    from rvqtts.engine.inner_loop import InnerLoop
-    from rvqtts.engine.sampling import SamplingConfig
+    from rvqtts.engine.loop.inner_loop import InnerLoop
+    from rvqtts.engine.model.sampling import SamplingConfig
 
     loop = InnerLoop(synth.code_predictor, speculation, seed=DECODE_SEED)
     if calls is not None:
@@ -130,10 +130,10 @@ def random_contexts(synth, frames: int, seed: int = 0) -> Contexts:
 def linear_maps_are_row_invariant(code_predictor, rows: int = 34) -> bool:
     """Whether the runner's linear maps give one row the same bits alone as in a call of 2 to `rows` rows
     (a round's query, and each depth's rows through its LM head) on this machine (kernels are chosen by
-    shape, differently per CPU and dtype: rvqtts.engine.kernels). Where they do, a
+    shape, differently per CPU and dtype: rvqtts.engine.model.kernels). Where they do, a
     tree call's rows equal plain steps bit for bit; elsewhere they differ in the last bit."""
-    from rvqtts.engine.kernels import LinearMap
-    from rvqtts.engine.predictor import PredictorRunner
+    from rvqtts.engine.model.kernels import LinearMap
+    from rvqtts.engine.model.predictor import PredictorRunner
 
     runner = PredictorRunner(code_predictor, 2)
     maps = [runner.qkv[0], runner.gate_up[0], runner.out[0], runner.down[0], runner.heads[0]]

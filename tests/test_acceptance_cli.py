@@ -11,10 +11,10 @@ import torch
 from helpers import random_contexts
 from helpers import run_cli as run
 
-from rvqtts.engine.offsets import load_offsets, predictor_fingerprint
-from rvqtts.engine.sampling import SamplingConfig
-from rvqtts.engine.tree import grow_tree, load_acceptance, load_tree
-from rvqtts.settings import GenerationSettings, Line, RunSettings
+from rvqtts.engine.model.sampling import SamplingConfig
+from rvqtts.engine.speculative.offsets import load_offsets, predictor_fingerprint
+from rvqtts.engine.speculative.tree import grow_tree, load_acceptance, load_tree
+from rvqtts.synthesis.settings import GenerationSettings, Line, RunSettings
 from rvqtts.tuning.calibration import sampling_entropy
 from rvqtts.tuning.contexts import ContextsFileError, load_contexts, record_contexts, save_contexts, teacher_force
 from rvqtts.tuning.drafts import DraftData
@@ -332,9 +332,9 @@ def test_train_offsets_from_recordings(tmp_path, tiny, tiny_dir):
 def test_synthesis_picks_up_files_made_for_the_loaded_model(
     tmp_path, monkeypatch, small, small_dir, small_frames, tiny
 ):
-    import rvqtts.engine.offsets
-    import rvqtts.engine.tree
-    from rvqtts.engine.policy import choose_speculation
+    import rvqtts.engine.speculative.offsets
+    import rvqtts.engine.speculative.tree
+    from rvqtts.engine.speculative.policy import choose_speculation
 
     shipped_offsets, shipped_trees = tmp_path / "offsets", tmp_path / "trees"
     shipped_trees.mkdir()
@@ -368,8 +368,8 @@ def test_synthesis_picks_up_files_made_for_the_loaded_model(
         shipped_trees,
     )
     assert calibrated.exit_code == 0, calibrated.output
-    monkeypatch.setattr(rvqtts.engine.offsets, "SHIPPED_OFFSETS", shipped_offsets)
-    monkeypatch.setattr(rvqtts.engine.tree, "SHIPPED_TREES", shipped_trees)
+    monkeypatch.setattr(rvqtts.engine.speculative.offsets, "SHIPPED_OFFSETS", shipped_offsets)
+    monkeypatch.setattr(rvqtts.engine.speculative.tree, "SHIPPED_TREES", shipped_trees)
     speculation, notice = choose_speculation(small.code_predictor, tree="5")
     assert notice is None and speculation.tree.nodes == 5
     assert np.array_equal(

@@ -1,4 +1,4 @@
-"""Row attention (rvqtts.engine.attention): what it computes, that masked slots never matter, that the check can
+"""Row attention (rvqtts.engine.model.attention): what it computes, that masked slots never matter, that the check can
 fail, and that a runner decodes the same codes with it as with the gathered attention's rule of exactness
 (speculative equal to plain, code for code)."""
 
@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from helpers import decode_frames
 
-import rvqtts.engine.attention as attention
-import rvqtts.engine.predictor as predictor_module
-from rvqtts.engine.attention import MAX_TREE_NODES, attend_rows, attention_width, rows_exact
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import Tree, resolve_tree
+import rvqtts.engine.model.attention as attention
+import rvqtts.engine.model.predictor as predictor_module
+from rvqtts.engine.model.attention import MAX_TREE_NODES, attend_rows, attention_width, rows_exact
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import Tree, resolve_tree
 
 HEADS, KV_HEADS, HEAD_DIM, WIDTH = 4, 2, 16, 12
 
@@ -72,7 +72,7 @@ def test_rounds_carry_at_most_the_checked_tree_size(tiny):
 def test_speculative_codes_equal_plain_codes_either_way(released_06_dir, row_attention, monkeypatch):
     """At the released 0.6B layout in bfloat16, with row attention on (where this machine keeps its rows
     exact) or off: a 15-node tree's codes are the plain loop's, frame for frame."""
-    from rvqtts.synthesis import Synthesizer
+    from rvqtts.synthesis.synthesizer import Synthesizer
 
     synth = Synthesizer.from_checkpoint(released_06_dir, dtype="bfloat16")
     config = synth.code_predictor.config

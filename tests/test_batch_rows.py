@@ -1,4 +1,4 @@
-"""Batches that fill the rows (rvqtts.engine.frame_loop): several utterances in every call of both loops, each
+"""Batches that fill the rows (rvqtts.engine.loop.frame_loop): several utterances in every call of both loops, each
 utterance's codes and audio the ones it gets alone, rows refilled as utterances end."""
 
 from __future__ import annotations
@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-import rvqtts.engine.online as online_module
-from rvqtts import batch_size
-from rvqtts.engine import talker as talker_module
-from rvqtts.engine.inner_loop import LoopParts
-from rvqtts.engine.offsets import Offsets, predictor_fingerprint
-from rvqtts.engine.online import OnlineSpeculation
-from rvqtts.engine.rounds import plain_frames, speculative_frames
-from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.talker import TalkerRunner
-from rvqtts.engine.tree import resolve_tree
-from rvqtts.settings import GenerationSettings, Line
-from rvqtts.synthesis import Synthesizer
+import rvqtts.engine.speculative.online as online_module
+from rvqtts.engine.loop.inner_loop import LoopParts
+from rvqtts.engine.model import talker as talker_module
+from rvqtts.engine.model.sampling import SamplingConfig, gumbel_noise
+from rvqtts.engine.model.talker import TalkerRunner
+from rvqtts.engine.speculative.offsets import Offsets, predictor_fingerprint
+from rvqtts.engine.speculative.online import OnlineSpeculation
+from rvqtts.engine.speculative.rounds import plain_frames, speculative_frames
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import resolve_tree
+from rvqtts.synthesis import batch_size
+from rvqtts.synthesis.settings import GenerationSettings, Line
+from rvqtts.synthesis.synthesizer import Synthesizer
 from tests.helpers import random_prefix, run_cli
 
 TEXTS = [
@@ -317,8 +317,8 @@ def test_a_batch_chooses_its_tree_size_online_at_its_rows_and_keeps_every_lines_
 def test_a_row_whose_logits_go_non_finite_fails_alone(tiny_dir, measured, monkeypatch, where, spec):
     """NaN in one row's logits (an overflow that its text alone meets) fails that line with NonFiniteError and frees
     its row; the lines beside it, in the same calls, speak what they speak alone."""
-    from rvqtts.engine.predictor import PredictorRunner
-    from rvqtts.engine.sampling import NonFiniteError
+    from rvqtts.engine.model.predictor import PredictorRunner
+    from rvqtts.engine.model.sampling import NonFiniteError
 
     synth = Synthesizer.from_checkpoint(tiny_dir, dtype="float32")
     synth = synth.using(Speculation(resolve_tree("4"), Offsets.zeros(3, synth.hidden_size)) if spec else None)

@@ -14,9 +14,9 @@ from rich.console import Console
 from rvqtts.bench import e2e as e2e_module
 from rvqtts.bench.predictor import predictor_table
 from rvqtts.bench.speedup import BUDGETS, PAPER_CODES_PER_CALL, codes_per_call_by_budget, cost_at, project_speedup
-from rvqtts.engine.offsets import predictor_fingerprint
-from rvqtts.engine.policy import choose_speculation
-from rvqtts.engine.tree import (
+from rvqtts.engine.speculative.offsets import predictor_fingerprint
+from rvqtts.engine.speculative.policy import choose_speculation
+from rvqtts.engine.speculative.tree import (
     FALLBACK_BUDGET,
     SHIPPED_TREES,
     best_budget,
@@ -25,8 +25,8 @@ from rvqtts.engine.tree import (
     save_acceptance,
     save_best_budget,
 )
-from rvqtts.settings import GenerationSettings
-from rvqtts.synthesis import Synthesizer
+from rvqtts.synthesis.settings import GenerationSettings
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 
 @pytest.fixture(scope="module")

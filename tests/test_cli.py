@@ -15,11 +15,11 @@ import torch
 from faults import failing_prompts
 from typer.testing import CliRunner
 
-import rvqtts.pipeline as pipeline
+import rvqtts.synthesis.pipeline as pipeline
 from rvqtts.cli import app
-from rvqtts.engine.offsets import Offsets, save_offsets
-from rvqtts.files import current_umask
-from rvqtts.synthesis import Synthesizer
+from rvqtts.engine.speculative.offsets import Offsets, save_offsets
+from rvqtts.support.files import current_umask
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 runner = CliRunner()
 
@@ -353,8 +353,8 @@ def test_sampling_defaults_come_from_the_checkpoint_and_flags_override(tmp_path,
 
 
 def test_non_finite_logits_stop_with_the_dtype_and_a_suggestion(tmp_path, tiny_dir):
-    from rvqtts.engine.sampling import NonFiniteError
-    from rvqtts.settings import GenerationSettings
+    from rvqtts.engine.model.sampling import NonFiniteError
+    from rvqtts.synthesis.settings import GenerationSettings
 
     for part in ("talker", "predictor"):
         synthesizer = Synthesizer.from_checkpoint(tiny_dir)
@@ -382,7 +382,7 @@ def test_the_command_line_basics(tmp_path, tiny_dir):
 def test_the_statistics_table_never_cuts_a_figure():
     from rich.console import Console
 
-    from rvqtts.report import stats_table
+    from rvqtts.support.report import stats_table
 
     record = dict(
         frames=1234,
@@ -408,9 +408,9 @@ def test_the_statistics_table_never_cuts_a_figure():
 def test_the_default_run_picks_its_dtype_and_tree_by_what_was_measured(tmp_path, tiny_dir, monkeypatch, flag):
     """On a CPU that multiplies bfloat16 natively: bfloat16; elsewhere float32. Both run the plain loop
     (`cpu/bfloat16` and `cpu/float32` in trees/best-n.json: no tree was measured to pay on a CPU), and say so."""
-    import rvqtts.engine.devices
+    import rvqtts.engine.model.devices
 
-    monkeypatch.setattr(rvqtts.engine.devices, "native_bf16_flag", lambda: flag)
+    monkeypatch.setattr(rvqtts.engine.model.devices, "native_bf16_flag", lambda: flag)
     stats = tmp_path / "s.json"
     result = synth("Hi.", "--model", tiny_dir, "-o", tmp_path / "a.wav", "--max-frames", "3", "--stats-json", stats)
     assert result.exit_code == 0, result.output
@@ -425,7 +425,7 @@ def test_the_default_run_picks_its_dtype_and_tree_by_what_was_measured(tmp_path,
 
 
 def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch):
-    from rvqtts.engine.devices import native_bf16_flag, pick_dtype
+    from rvqtts.engine.model.devices import native_bf16_flag, pick_dtype
 
     monkeypatch.delenv("RVQTTS_ISA", raising=False)  # the flags as given (the cap is tests/test_devices.py's)
 

@@ -12,10 +12,11 @@ import soundfile
 import torch
 from helpers import run_cli
 
-from rvqtts.cloning import ClonedVoice, VoiceError, VoiceSource, load_voice, save_voice
-from rvqtts.loader import EngineChoices
-from rvqtts.settings import GenerationSettings, StreamPacing
-from rvqtts.synthesis import Synthesizer
+from rvqtts.qwen.cloning import ClonedVoice, VoiceError, VoiceSource, load_voice, save_voice
+from rvqtts.qwen.codec import StreamPacing
+from rvqtts.synthesis.loader import EngineChoices
+from rvqtts.synthesis.settings import GenerationSettings
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 SETTINGS = GenerationSettings(max_frames=10)
 REF_TEXT = "Hello there, this is my voice."
@@ -263,13 +264,13 @@ def test_offsets_and_trees_are_made_on_a_base_model_in_a_cloned_voice(base, tmp_
 
 
 def test_audio_is_resampled_as_librosa_resamples_by_default():
-    """rvqtts.audio.resample is librosa.resample's default (soxr at high quality, cut or zero-padded to
+    """rvqtts.support.audio.resample is librosa.resample's default (soxr at high quality, cut or zero-padded to
     ceil(n * target / rate) samples), the resampling qwen-tts applies, so a reference or a recording made
     at any rate encodes to the bits qwen-tts gets from it (librosa itself is not called: its first use
     compiles numba functions for half a minute)."""
     import soxr
 
-    from rvqtts.audio import resample
+    from rvqtts.support.audio import resample
 
     rng = np.random.default_rng(4)
     for size, rate in [(72000, 48000), (32007, 16000), (88203, 44100), (1001, 48000)]:
@@ -284,7 +285,7 @@ def test_audio_is_resampled_as_librosa_resamples_by_default():
 
 def test_a_recording_soundfile_cannot_read_goes_to_qwen_tts_by_its_path(tmp_path, monkeypatch):
     import rvqtts.tuning.contexts as contexts
-    from rvqtts.audio import UnreadableAudio
+    from rvqtts.support.audio import UnreadableAudio
 
     class Tokenizer:
         feature_extractor = type("Extractor", (), {"sampling_rate": 24000})

@@ -21,11 +21,11 @@ import torch
 from faults import FAULTS, arm, disarm, failing_prompts, wait_for_stall
 from helpers import TIMINGS, run_cli
 
-import rvqtts.pipeline as pipeline
-from rvqtts.batch import MANIFEST, read_batch
-from rvqtts.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
-from rvqtts.loader import EngineChoices
-from rvqtts.settings import GenerationSettings, Line, RunSettings
+import rvqtts.synthesis.pipeline as pipeline
+from rvqtts.serving.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
+from rvqtts.synthesis.batch_files import MANIFEST, read_batch
+from rvqtts.synthesis.loader import EngineChoices
+from rvqtts.synthesis.settings import GenerationSettings, Line, RunSettings
 
 LINES = [
     {"text": "One."},
@@ -166,9 +166,9 @@ DRIVER = """
 import json, sys
 from pathlib import Path
 import ray
-from rvqtts.batch import read_batch
-from rvqtts.cluster import WorkerSpec, synthesize_batch_on_ray
-from rvqtts.settings import GenerationSettings, RunSettings
+from rvqtts.synthesis.batch_files import read_batch
+from rvqtts.serving.cluster import WorkerSpec, synthesize_batch_on_ray
+from rvqtts.synthesis.settings import GenerationSettings, RunSettings
 
 address, runtime_env, corpus, out, model, frames = sys.argv[1:]
 ray.init(address=address, runtime_env=json.loads(runtime_env), log_to_driver=False)
@@ -275,8 +275,8 @@ def test_a_ray_batch_speaks_cloned_voices_as_a_local_run_does(cluster, base_dir,
     import numpy as np
     import soundfile
 
-    from rvqtts.cloning import ClonedVoice, VoiceError, VoiceSource, save_voice
-    from rvqtts.cluster import SynthesisWorker
+    from rvqtts.qwen.cloning import ClonedVoice, VoiceError, VoiceSource, save_voice
+    from rvqtts.serving.cluster import SynthesisWorker
 
     base = base_dir
     samples = np.random.default_rng(0).standard_normal(30000).astype(np.float32) * 0.1
@@ -381,8 +381,8 @@ def test_a_driver_whose_ray_node_dies_stops_with_one_line_and_keeps_its_files(ti
 def test_a_worker_speaks_its_lines_together_as_each_alone(cluster, tiny_dir, measured):
     """A worker given several lines speaks them `rows` at a time (measured kernels, row-invariant): each
     line's file is the one it makes alone."""
-    from rvqtts.batch import attempt
-    from rvqtts.cluster import SynthesisWorker
+    from rvqtts.serving.cluster import SynthesisWorker
+    from rvqtts.synthesis.batch_files import attempt
 
     worker = SynthesisWorker(WorkerSpec(str(tiny_dir), EngineChoices(batch_size=3)))
     assert worker.load()["rows"] == 3

@@ -16,7 +16,7 @@ import torch
 from helpers import random_contexts, random_prefix, run_cli
 
 from rvqtts.bench.harness import random_code_predictor
-from rvqtts.engine.coreml import (
+from rvqtts.engine.backends.coreml import (
     FIRST_INPUT,
     FUNCTIONS,
     INPUTS,
@@ -30,14 +30,14 @@ from rvqtts.engine.coreml import (
     read_package,
     trace_calls,
 )
-from rvqtts.engine.fused import FusedCalls, FusedLoop
-from rvqtts.engine.inner_loop import InnerLoop, count_frame
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
-from rvqtts.engine.speculation import LoopStats, Speculation
-from rvqtts.engine.tree import resolve_tree
-from rvqtts.settings import GenerationSettings
-from rvqtts.synthesis import Synthesizer
+from rvqtts.engine.backends.fused import FusedCalls, FusedLoop
+from rvqtts.engine.loop.inner_loop import InnerLoop, count_frame
+from rvqtts.engine.model.sampling import SamplingConfig, gumbel_noise
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.speculation import LoopStats, Speculation
+from rvqtts.engine.speculative.tree import resolve_tree
+from rvqtts.synthesis.settings import GenerationSettings
+from rvqtts.synthesis.synthesizer import Synthesizer
 from rvqtts.tuning.contexts import save_contexts
 
 macos = pytest.mark.skipif(sys.platform != "darwin", reason="Core ML prediction needs macOS")

@@ -1,4 +1,4 @@
-"""The speech decoder's dtype, chosen apart from the loops' (rvqtts.decoder_dtype): forced by --decoder-dtype or
+"""The speech decoder's dtype, chosen apart from the loops' (rvqtts.qwen.decoder_dtype): forced by --decoder-dtype or
 --dtype, else measured once per machine on a CPU, the cheaper of float32 and bfloat16 with a tie to float32."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 import torch
 from helpers import run_cli
 
-import rvqtts.decoder_dtype as decoder_dtype
-from rvqtts.decoder_dtype import pick_decoder_dtype
-from rvqtts.engine.streaming import StreamingDecoder
-from rvqtts.loading import unpin_checkpoint
-from rvqtts.settings import GenerationSettings
-from rvqtts.synthesis import Synthesizer
+import rvqtts.qwen.decoder_dtype as decoder_dtype
+from rvqtts.engine.model.speech_decoder import StreamingDecoder
+from rvqtts.qwen.checkpoints import unpin_checkpoint
+from rvqtts.qwen.decoder_dtype import pick_decoder_dtype
+from rvqtts.synthesis.settings import GenerationSettings
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 
 def priced(monkeypatch, costs: dict[str, float], invariant: dict[str, bool] | None = None) -> list[str]:
@@ -134,15 +134,15 @@ def test_synth_takes_decoder_dtype_and_says_what_ran(tiny_dir, tmp_path):
 
 def test_a_converted_speech_tokenizer_leaves_its_checkpoint_file_unmapped(tiny_dir):
     """Loaded in bfloat16 from its float32 file, no tensor stays a view of that file (one-element buffers of the
-    encoder's codebooks kept the whole file mapped and resident, rvqtts.loading.unpin_checkpoint): in a fresh
+    encoder's codebooks kept the whole file mapped and resident, rvqtts.qwen.checkpoints.unpin_checkpoint): in a fresh
     process (this one's fixtures hold the file), its mappings are gone once the load is done. Linux's maps."""
     import subprocess
     import sys
 
     script = (
         "import gc\n"
-        "import rvqtts.synthesis\n"
-        "from rvqtts.loading import load_speech_tokenizer\n"
+        "import rvqtts.synthesis.synthesizer\n"
+        "from rvqtts.qwen.checkpoints import load_speech_tokenizer\n"
         f"tokenizer = load_speech_tokenizer({str(tiny_dir)!r}, dtype='bfloat16')\n"
         "gc.collect()\n"
         "print(sum('speech_tokenizer/model.safetensors' in line for line in open('/proc/self/maps')))\n"

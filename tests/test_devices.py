@@ -6,9 +6,9 @@ import pytest
 import torch
 from helpers import run_cli
 
-from rvqtts import loader
-from rvqtts.engine.devices import pick_device, unvalidated_notice
-from rvqtts.engine.kernels import machine_key
+from rvqtts.engine.model.devices import pick_device, unvalidated_notice
+from rvqtts.engine.model.kernels import machine_key
+from rvqtts.synthesis import loader
 
 
 @pytest.mark.parametrize("present, picked", [((True, True), "cuda"), ((False, True), "mps"), ((False, False), "cpu")])
@@ -40,7 +40,7 @@ def test_a_run_on_an_unvalidated_device_says_so_and_how_to_choose_the_cpu(tiny_d
 @pytest.fixture
 def capped(monkeypatch):
     """Run a test with $RVQTTS_ISA set (`capped("avx2")`), native kernels loaded anew for it and after it."""
-    from rvqtts.engine import native
+    from rvqtts.engine.model import native
 
     def cap(value: str) -> None:
         monkeypatch.setenv("RVQTTS_ISA", value)
@@ -55,8 +55,8 @@ def test_rvqtts_isa_avx2_makes_an_avx512_cpu_play_an_avx2_one(capped, monkeypatc
     """The cap hides AVX-512 and AMX from every choice rvqtts makes by the CPU's flags: the native library's AVX2 build
     (its AVX2 kernels, no AVX-512 one), no bfloat16 instruction for the fixed dtype rule; `avx512` hides AMX alone;
     `none` every native kernel, with the reason."""
-    from rvqtts.engine import native
-    from rvqtts.engine.devices import native_bf16_flag
+    from rvqtts.engine.model import native
+    from rvqtts.engine.model.devices import native_bf16_flag
 
     flags = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}
     cpuinfo = "flags\t\t: " + " ".join(sorted(flags)) + "\n"
@@ -78,7 +78,7 @@ def test_rvqtts_isa_avx2_makes_an_avx512_cpu_play_an_avx2_one(capped, monkeypatc
 
 
 def test_an_unknown_rvqtts_isa_says_what_to_set(capped, tiny_dir, tmp_path):
-    from rvqtts.engine import native
+    from rvqtts.engine.model import native
 
     capped("sse2")
     assert native.unavailable() == "RVQTTS_ISA='sse2': choose avx2 or avx512 or none, or unset it for what the CPU has"
@@ -101,7 +101,7 @@ def test_a_cpu_that_is_not_x86_64_takes_torchs_kernels_without_a_build(capped, m
     torch's kernels by the same measurement."""
     import platform
 
-    from rvqtts.engine import native
+    from rvqtts.engine.model import native
 
     def no_build(*_) -> None:
         raise AssertionError("a native build was attempted on a CPU that is not x86-64")

@@ -13,14 +13,15 @@ import torch
 from exactness import broken_walk, first_difference, float32_reference, paper_offsets, unexplained_differences
 from helpers import decode_frames, frame_noises, frame_prefixes, linear_maps_are_row_invariant
 
-import rvqtts.engine.rounds
-from rvqtts.audio import audio_bytes
-from rvqtts.batch_size import rows_invariant
-from rvqtts.engine.sampling import SamplingConfig, residual_noise
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import resolve_tree
-from rvqtts.settings import GenerationSettings, Line, StreamPacing
-from rvqtts.synthesis import Synthesizer
+import rvqtts.engine.speculative.rounds
+from rvqtts.engine.model.sampling import SamplingConfig, residual_noise
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import resolve_tree
+from rvqtts.qwen.codec import StreamPacing
+from rvqtts.support.audio import audio_bytes
+from rvqtts.synthesis.batch_size import rows_invariant
+from rvqtts.synthesis.settings import GenerationSettings, Line
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 DTYPES = ("bfloat16", "float32")
 FRAMES = {"bfloat16": 20, "float32": 10}  # float32's calls cost about twice bfloat16's here
@@ -150,7 +151,7 @@ def test_a_planted_broken_verifier_fails_every_comparison(paper_dir, released_06
     broken_walk): the frame comparison finds differences beyond near-ties in most frames, and the utterance
     comparison finds one at its first differing frame."""
     synth, speculation = load(paper_dir, "bfloat16")
-    monkeypatch.setattr(rvqtts.engine.rounds, "walk_tree", broken_walk)
+    monkeypatch.setattr(rvqtts.engine.speculative.rounds, "walk_tree", broken_walk)
     unexplained, _, _ = inner_loop_differences(synth, speculation, FRAMES["bfloat16"])
     assert len(unexplained) >= FRAMES["bfloat16"] // 2, unexplained
     spec, spec_frames = spoken(synth, speculation)

@@ -21,8 +21,8 @@ import torch
 from faults import FAULTS, PARTIAL, Zygote, arm, output_name, stalling_write_bytes, wait_for_stall
 from helpers import TIMINGS, run_cli
 
-from rvqtts.batch import MANIFEST
-from rvqtts.files import atomic_path, write_atomically, write_json
+from rvqtts.support.files import atomic_path, write_atomically, write_json
+from rvqtts.synthesis.batch_files import MANIFEST
 
 TESTS = Path(__file__).parent
 LINES = ["One.", "Two.", "Three."]
@@ -87,7 +87,7 @@ WRITER = """
 import sys
 from pathlib import Path
 import faults
-from rvqtts.files import write_json
+from rvqtts.support.files import write_json
 Path.write_bytes = faults.stalling_write_bytes(Path.write_bytes)
 write_json(sys.argv[1], {"samples": list(range(2000))})
 """

@@ -7,6 +7,7 @@ one row: the next batch wrote past them (IndexError in torch, heap corruption in
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,10 +16,10 @@ import numpy as np
 import pytest
 import soundfile
 
-from rvqtts.cloning import VoiceSource
-from rvqtts.loader import EngineChoices
-from rvqtts.settings import GenerationSettings, Line
-from rvqtts.synthesis import Synthesizer
+from rvqtts.qwen.cloning import VoiceSource
+from rvqtts.synthesis.loader import EngineChoices
+from rvqtts.synthesis.settings import GenerationSettings, Line
+from rvqtts.synthesis.synthesizer import Synthesizer
 from rvqtts.tuning.tiny import build_tiny_model
 
 FRAMES = 10
@@ -78,7 +79,7 @@ def test_a_first_batch_on_an_empty_cache_speaks_what_a_cached_run_speaks(
     if variant != "custom-voice":
         request.getfixturevalue("measured")
     monkeypatch.setenv("RVQTTS_CHOICES", "measured")
-    monkeypatch.setattr("rvqtts.engine.kernels._chosen", {})  # nothing chosen in this process either
+    monkeypatch.setattr("rvqtts.engine.model.kernels._chosen", {})  # nothing chosen in this process either
     folder = request.getfixturevalue(VARIANTS[variant])
     first = Synthesizer.load(folder, EngineChoices(dtype=dtype))
     lines = lines_for(first, tmp_path)
@@ -102,6 +103,8 @@ def test_the_command_line_first_batch_on_an_empty_cache_exits_cleanly(narrow_dir
     run = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300, env=environment)
     assert run.returncode == 0, run.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "out").glob("*.wav")) == [f"{i:04d}.wav" for i in range(1, 5)]
+    learned = json.loads((user_cache / "acceptance-online.json").read_text())  # saved as the process exited
+    assert len(learned) == 1 and next(iter(learned.values()))["reached"][0] > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -19,13 +19,13 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rvqtts.engine.frame_loop import FrameDone, Work, draw_c0
-from rvqtts.engine.graphs import StaticCalls
-from rvqtts.engine.kernels import Kernel, LinearMap
-from rvqtts.engine.sampling import C0Rules
-from rvqtts.engine.talker import TalkerRunner
-from rvqtts.settings import GenerationSettings, ResolvedSampling
-from rvqtts.synthesis import Synthesizer
+from rvqtts.engine.loop.frame_loop import FrameDone, Work, draw_c0
+from rvqtts.engine.model.graphs import StaticCalls
+from rvqtts.engine.model.kernels import Kernel, LinearMap
+from rvqtts.engine.model.sampling import C0Rules
+from rvqtts.engine.model.talker import TalkerRunner
+from rvqtts.synthesis.settings import GenerationSettings, ResolvedSampling
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 TEXT = "Hello there, how are you?"
 
@@ -237,8 +237,8 @@ def test_a_static_talkers_batch_rows_get_the_bits_of_its_captured_one_row_step(t
     """With static calls (a GPU's CUDA graphs; emulated here, with the maps and norms at one row count as off the CPU),
     each row of a batched step attends as the captured one-row step does (its static span, masked beyond its
     position), so a batch's row gets the bits of that line's one-line run."""
-    import rvqtts.engine.kernels as kernels
-    from rvqtts.engine import transformer
+    import rvqtts.engine.model.kernels as kernels
+    from rvqtts.engine.model import transformer
 
     monkeypatch.setenv("RVQTTS_CHOICES", "measured")
     monkeypatch.setattr(kernels, "_device_chosen", {})
@@ -265,7 +265,7 @@ def test_a_frames_noise_is_made_while_the_talker_call_before_it_runs(tiny, monke
     """The host's share of a frame kept off the device's path: each frame's residual noise is made after the
     talker call before it (the prefill or the last step) is issued and before the wait for it, not after c0's draw,
     which waits for the device, and before the inner loop."""
-    import rvqtts.engine.frame_loop as frame_loop
+    import rvqtts.engine.loop.frame_loop as frame_loop
 
     events = []
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 from helpers import random_prefix
 
-from rvqtts.engine.fused import FusedCalls, FusedLoop
-from rvqtts.engine.inner_loop import InnerLoop, count_frame
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.sampling import SamplingConfig, gumbel_noise
-from rvqtts.engine.speculation import LoopStats, Speculation
-from rvqtts.engine.tree import grow_tree
-from rvqtts.synthesis import Synthesizer
+from rvqtts.engine.backends.fused import FusedCalls, FusedLoop
+from rvqtts.engine.loop.inner_loop import InnerLoop, count_frame
+from rvqtts.engine.model.predictor import PredictorRunner
+from rvqtts.engine.model.sampling import SamplingConfig, gumbel_noise
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.speculation import LoopStats, Speculation
+from rvqtts.engine.speculative.tree import grow_tree
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 TABLE = [
     [0.5, 0.2, 0.1, 0.06, 0.04, 0.03, 0.02, 0.01] * 2,

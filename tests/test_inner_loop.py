@@ -11,13 +11,13 @@ from exactness import broken_walk, unexplained_differences
 from helpers import linear_maps_are_row_invariant, random_prefix, stock_path_logits
 from scipy.stats import chisquare
 
-import rvqtts.engine.rounds
-from rvqtts.engine.graphs import StaticCalls
-from rvqtts.engine.inner_loop import InnerLoop
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.sampling import SamplingConfig, residual_noise, target_probs
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import grow_tree
+import rvqtts.engine.speculative.rounds
+from rvqtts.engine.loop.inner_loop import InnerLoop
+from rvqtts.engine.model.graphs import StaticCalls
+from rvqtts.engine.model.sampling import SamplingConfig, residual_noise, target_probs
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import grow_tree
 
 # A plausible acceptance table (falling with depth and rank) to shape trees of any budget.
 TABLE = [
@@ -74,9 +74,9 @@ def test_speculative_codes_equal_plain_codes(which, budget, request):
 
 def test_codes_per_call_is_counted_from_real_calls(narrow, monkeypatch):
     calls = []
-    original = rvqtts.engine.predictor.PredictorRunner.forward_rows
+    original = rvqtts.engine.model.predictor.PredictorRunner.forward_rows
     monkeypatch.setattr(
-        rvqtts.engine.predictor.PredictorRunner,
+        rvqtts.engine.model.predictor.PredictorRunner,
         "forward_rows",
         lambda self, *args, **kwargs: calls.append(1) or original(self, *args, **kwargs),
     )
@@ -145,7 +145,7 @@ def test_speculative_frames_follow_the_exact_joint_distribution(small):
 
 
 def test_the_distribution_test_catches_a_broken_verifier(small, monkeypatch):
-    monkeypatch.setattr(rvqtts.engine.rounds, "walk_tree", broken_walk)
+    monkeypatch.setattr(rvqtts.engine.speculative.rounds, "walk_tree", broken_walk)
     counts, probs = speculative_histogram(small, FRAMES, SAMPLING)
     assert chi_square_pvalue(counts, probs) < 1e-6
     # The statistic itself has the power, not only the support check: frames inside the support alone fail too.
@@ -191,10 +191,10 @@ def test_a_warm_up_captures_the_calls_an_utterance_replays_and_changes_no_code(t
     `Synthesizer.load` runs): the talker's step over every span of its first cache, the inner loop's plain calls
     and a round of the starting tree. An utterance after it gets the codes it gets without one, and its plain frames
     capture nothing more. Where calls are eager (a CPU's) it makes nothing, not even the runners."""
-    from rvqtts.engine import runners
-    from rvqtts.engine.tree import resolve_tree
-    from rvqtts.settings import GenerationSettings
-    from rvqtts.synthesis import Synthesizer
+    from rvqtts.engine.loop import runners
+    from rvqtts.engine.speculative.tree import resolve_tree
+    from rvqtts.synthesis.settings import GenerationSettings
+    from rvqtts.synthesis.synthesizer import Synthesizer
 
     eager = Synthesizer.from_checkpoint(tiny_dir)
     eager.runners.warm_up(eager.sampling(GenerationSettings()).predictor)
@@ -229,8 +229,8 @@ def test_no_static_call_reads_a_value_back_to_the_host(narrow, tree, row_attenti
     """A CUDA graph's capture fails on any read of a device value by the host (`.tolist()`, `.item()`, `bool()`,
     `int()`): every call the loops make static (the talker's step, the plain frame, a round, a prefill) is run here
     with those reads refused, with row attention and with the gathered one (a GPU whose probe fails)."""
-    from rvqtts.engine.talker import TalkerRunner
-    from rvqtts.engine.tree import resolve_tree
+    from rvqtts.engine.model.talker import TalkerRunner
+    from rvqtts.engine.speculative.tree import resolve_tree
 
     def refused(*args, **kwargs):
         raise AssertionError("a static call read a device value back to the host")

@@ -1,6 +1,6 @@
-"""Kernels chosen by measurement (rvqtts.engine.kernels) and the dtype picked from them (rvqtts.engine.devices): what
-each kernel computes, the rule that picks one (only row-invariant kernels, the fastest), the cache that
-makes it a one-time cost, `rvqtts tune`, and what a run records."""
+"""Kernels chosen by measurement (rvqtts.engine.model.kernels) and the dtype picked from them
+(rvqtts.engine.model.devices): what each kernel computes, the rule that picks one (only row-invariant kernels, the
+fastest), the cache that makes it a one-time cost, `rvqtts tune`, and what a run records."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from helpers import decode_frames, linear_maps_are_row_invariant
 from helpers import run_cli as run
 from helpers import run_cli_json as run_json
 
-import rvqtts.engine.devices
-import rvqtts.engine.kernels as kernels
-import rvqtts.engine.native
-from rvqtts.engine.attention import row_attention_exact
-from rvqtts.engine.kernels import Kernel, LinearMap, kernels_used
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import resolve_tree
-from rvqtts.report import _engine_summary
-from rvqtts.synthesis import Synthesizer
+import rvqtts.engine.model.devices
+import rvqtts.engine.model.kernels as kernels
+import rvqtts.engine.model.native
+from rvqtts.engine.model.attention import row_attention_exact
+from rvqtts.engine.model.kernels import Kernel, LinearMap, kernels_used
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import resolve_tree
+from rvqtts.support.report import _engine_summary
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 
 @pytest.fixture
@@ -152,24 +152,24 @@ def test_fixed_choices_time_nothing(monkeypatch):
 
 @pytest.mark.parametrize("cheaper", ["bfloat16", "float32"])
 def test_dtype_auto_on_a_cpu_is_the_cheaper_measured_frame(unmeasured, monkeypatch, cheaper, tiny_dir):
-    from rvqtts.loading import model_config
+    from rvqtts.qwen.checkpoints import model_config
 
     costs = {"bfloat16": 10.0, "float32": 20.0} if cheaper == "bfloat16" else {"bfloat16": 30.0, "float32": 20.0}
     monkeypatch.setattr(
-        rvqtts.engine.devices,
+        rvqtts.engine.model.devices,
         "frame_map_ms",
         lambda config, dtype, weights, progress, rows: costs[str(dtype).removeprefix("torch.")],
     )
-    dtype, reason = rvqtts.engine.devices.pick_dtype("auto", "cpu", model_config(tiny_dir).talker_config)
+    dtype, reason = rvqtts.engine.model.devices.pick_dtype("auto", "cpu", model_config(tiny_dir).talker_config)
     assert dtype == cheaper and f"{costs[cheaper]:.1f} ms in {cheaper}" in reason and "--dtype" in reason
-    assert rvqtts.engine.devices.pick_dtype("float32", "cpu", None) == ("float32", None)
+    assert rvqtts.engine.model.devices.pick_dtype("float32", "cpu", None) == ("float32", None)
 
 
 def test_dtype_auto_prices_a_batchs_rows(unmeasured, monkeypatch, tiny_dir):
     """bfloat16 cheaper at one row and dearer at 17 (torch's kernels without native bfloat16): one line a call
     runs bfloat16, 8 lines float32, each map priced straight between its 1- and 17-row timings."""
-    from rvqtts.engine.kernels import KernelChoice
-    from rvqtts.loading import model_config
+    from rvqtts.engine.model.kernels import KernelChoice
+    from rvqtts.qwen.checkpoints import model_config
 
     timed = {torch.bfloat16: {1: 1.0, 17: 41.0}, torch.float32: {1: 2.0, 17: 10.0}}
 
@@ -179,21 +179,23 @@ def test_dtype_auto_prices_a_batchs_rows(unmeasured, monkeypatch, tiny_dir):
             for shape in shapes
         }
 
-    monkeypatch.setattr(rvqtts.engine.devices, "choose_kernels", choose)
+    monkeypatch.setattr(rvqtts.engine.model.devices, "choose_kernels", choose)
     config = model_config(tiny_dir).talker_config
-    maps = sum(count for _, _, count in rvqtts.engine.devices.frame_maps(config))
-    assert rvqtts.engine.devices.frame_map_ms(config, torch.bfloat16, rows=8) == pytest.approx(maps * (1 + 40 * 7 / 16))
-    assert rvqtts.engine.devices.pick_dtype("auto", "cpu", config)[0] == "bfloat16"
-    dtype, reason = rvqtts.engine.devices.pick_dtype("auto", "cpu", config, rows=8)
+    maps = sum(count for _, _, count in rvqtts.engine.model.devices.frame_maps(config))
+    assert rvqtts.engine.model.devices.frame_map_ms(config, torch.bfloat16, rows=8) == pytest.approx(
+        maps * (1 + 40 * 7 / 16)
+    )
+    assert rvqtts.engine.model.devices.pick_dtype("auto", "cpu", config)[0] == "bfloat16"
+    dtype, reason = rvqtts.engine.model.devices.pick_dtype("auto", "cpu", config, rows=8)
     assert dtype == "float32" and "for 8 lines a call" in reason
 
 
 def test_frame_maps_count_what_one_frame_applies(released_06_dir):
-    from rvqtts.loading import model_config
+    from rvqtts.qwen.checkpoints import model_config
 
     config = model_config(released_06_dir).talker_config
     config.num_hidden_layers, config.code_predictor_config.num_hidden_layers = 3, 2  # the released widths, deeper
-    maps = rvqtts.engine.devices.frame_maps(config)
+    maps = rvqtts.engine.model.devices.frame_maps(config)
     assert ("talker", (4096, 1024), 3) in maps and ("talker", (3072, 1024), 1) in maps  # 3 layers; codec head
     assert ("predictor", (1024, 3072), 2 * 15) in maps and ("predictor", (2048, 1024), 15) in maps
 
@@ -210,8 +212,8 @@ def test_tune_shows_each_shapes_kernel_and_the_dtype_auto_picks(unmeasured, tiny
     assert "--dtype auto picks" in words and "rvqtts's native kernels" in words
     assert report["decoder_dtype"] in ("float32", "bfloat16")  # measured apart (tests/test_decoder_dtype.py)
     assert f"speech decoder in {report['decoder_dtype']}: a frame takes" in words
-    assert report["native"] == rvqtts.engine.native.unavailable()  # None where they run, else why not
-    assert report["native_level"] == rvqtts.engine.native.level()  # avx2 or avx512 where they run
+    assert report["native"] == rvqtts.engine.model.native.unavailable()  # None where they run, else why not
+    assert report["native_level"] == rvqtts.engine.model.native.level()  # avx2 or avx512 where they run
     bad = run("tune", "--model", tiny_dir, "--dtype", "float16")
     assert bad.exit_code == 2 and "rvqtts tune measures CPU kernels" in bad.output
 
@@ -282,11 +284,11 @@ def test_in_row_chunks_calls_at_one_row_count_and_keeps_every_rows_result(count)
 
 def test_the_gpu_paths_one_row_count_run_on_the_cpu_keeps_tree_codes_equal_to_plain_codes(tiny_dir, monkeypatch):
     """Off the CPU every map call is F.linear over exactly CHUNK rows and every norm runs in CHUNK-row calls, the maps
-    probed for row invariance on the device (rvqtts.engine.kernels.device_choice): that path, run here on the CPU
+    probed for row invariance on the device (rvqtts.engine.model.kernels.device_choice): that path, run here on the CPU
     with emulated CUDA graphs, pads every call of the inner loop to one row count, and its tree rounds give the plain
     steps' codes."""
-    from rvqtts.engine import transformer
-    from rvqtts.engine.graphs import StaticCalls
+    from rvqtts.engine.model import transformer
+    from rvqtts.engine.model.graphs import StaticCalls
 
     monkeypatch.setenv("RVQTTS_CHOICES", "measured")
     monkeypatch.setattr(kernels, "_device_chosen", {})

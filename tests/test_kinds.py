@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import run_cli
 
-from rvqtts.compat import qwen_tts
-from rvqtts.settings import GenerationSettings
+from rvqtts.qwen.compat import qwen_tts
+from rvqtts.synthesis.settings import GenerationSettings
 from rvqtts.tuning.tiny import build_tiny_model
 
 
@@ -99,7 +99,7 @@ def test_synth_speaks_a_voice_design_models_described_voice(kinds, tmp_path):
 
 
 def test_a_voice_design_model_needs_its_instruction_in_every_command(kinds, tmp_path):
-    from rvqtts.synthesis import Synthesizer
+    from rvqtts.synthesis.synthesizer import Synthesizer
 
     designer = Synthesizer.from_checkpoint(kinds["voice-design"])
     assert designer.speakers == [] and designer.supports_instruct

@@ -1,4 +1,4 @@
-"""One loader: `Synthesizer.load(model)` is the engine `rvqtts synth --model model` runs (rvqtts.loader)."""
+"""One loader: `Synthesizer.load(model)` is the engine `rvqtts synth --model model` runs (rvqtts.synthesis.loader)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from helpers import run_cli
 
-from rvqtts.engine.devices import native_bf16_flag
-from rvqtts.loader import EngineChoices
-from rvqtts.settings import GenerationSettings, Line
-from rvqtts.synthesis import Synthesizer
+from rvqtts.engine.model.devices import native_bf16_flag
+from rvqtts.synthesis.loader import EngineChoices
+from rvqtts.synthesis.settings import GenerationSettings, Line
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 TEXTS = ("The first line.", "A second one.", "And a third.")
 FRAMES = 3

@@ -1,4 +1,5 @@
-"""rvqtts.memory: the resident memory the stats report, and checkpoint pages dropped once the engine has its copies."""
+"""rvqtts.support.memory: the resident memory the stats report, and checkpoint pages dropped once the engine has its
+copies."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rvqtts.memory import drop_file_pages
+from rvqtts.support.memory import drop_file_pages
 
 PAGE = 4096
 
@@ -30,7 +31,7 @@ def test_peak_resident_memory_counts_what_a_process_touched_at_once():
     """300 MiB written then freed: the peak grows by it and stays; what is resident now falls back. In a child of
     this (large) test process, so that a peak carried over from the parent's fork would show."""
     script = (
-        "from rvqtts.memory import memory_record as m\n"
+        "from rvqtts.support.memory import memory_record as m\n"
         "before = m()\n"
         "block = bytearray(b'x') * (300 << 20)\n"
         "during = m()\n"
@@ -73,8 +74,8 @@ def test_a_stacked_map_keeps_one_copy_of_its_weights(monkeypatch, kernel):
     """q|k|v stacked into one map: where its kernel reads only its packed copy, no stacked copy is kept (the map
     stacks its parts again when asked) and the modules keep their own tensors; where a call reads the stacked
     weight (F.linear), the modules' parameters become views of it. The map computes the same either way."""
-    from rvqtts.engine import kernels
-    from rvqtts.engine.transformer import _stacked
+    from rvqtts.engine.model import kernels
+    from rvqtts.engine.model.transformer import _stacked
 
     monkeypatch.setattr(
         kernels, "kernel_choice", lambda *args: kernels.KernelChoice(kernels.Kernel(kernel), True, {}, (), "fixed")
@@ -96,9 +97,9 @@ def test_a_stacked_map_keeps_one_copy_of_its_weights(monkeypatch, kernel):
 
 
 def test_the_caches_a_synthesizer_keeps_are_reported_as_they_grow(tiny_dir):
-    from rvqtts.memory import tensors_mib
-    from rvqtts.settings import GenerationSettings
-    from rvqtts.synthesis import Synthesizer
+    from rvqtts.support.memory import tensors_mib
+    from rvqtts.synthesis.settings import GenerationSettings
+    from rvqtts.synthesis.synthesizer import Synthesizer
 
     synth = Synthesizer.from_checkpoint(tiny_dir)
     names = {"talker_kv", "predictor_kv", "batch_predictor_kv", "cloned_voices", "primed_voices"}
@@ -114,7 +115,7 @@ def test_the_caches_a_synthesizer_keeps_are_reported_as_they_grow(tiny_dir):
 
 
 def test_only_a_model_that_clones_keeps_its_speech_encoder(tiny_dir, base_dir):
-    from rvqtts.synthesis import Synthesizer
+    from rvqtts.synthesis.synthesizer import Synthesizer
 
     synth = Synthesizer.from_checkpoint(tiny_dir)  # CustomVoice: synthesis never encodes audio
     assert synth.model.speech_tokenizer.model.encoder is None

@@ -1,4 +1,4 @@
-"""rvqtts's native CPU kernels (rvqtts.engine.native): what the map kernel computes for bfloat16 and 8-bit
+"""rvqtts's native CPU kernels (rvqtts.engine.model.native): what the map kernel computes for bfloat16 and 8-bit
 weights, that every row gets the same bits whatever the call's rows and threads, that the kernel choice
 offers it, that a layer's norms and RoPE come out as qwen-tts's operations give them, and that a
 machine where the library cannot be built says why and runs without it."""
@@ -15,15 +15,15 @@ import pytest
 import torch
 from helpers import decode_frames
 
-import rvqtts.engine.kernels as kernels
-from rvqtts.engine import native
-from rvqtts.engine.kernels import Kernel, KernelChoice, LinearMap, candidates, rows_are_invariant
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.quantize import quantize_rows
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import resolve_tree
-from rvqtts.synthesis import Synthesizer
+import rvqtts.engine.model.kernels as kernels
+from rvqtts.engine.model import native
+from rvqtts.engine.model.kernels import Kernel, KernelChoice, LinearMap, candidates, rows_are_invariant
+from rvqtts.engine.model.predictor import PredictorRunner
+from rvqtts.engine.model.quantize import quantize_rows
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import resolve_tree
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 needs_kernel = pytest.mark.skipif(
     native.unavailable() is not None, reason=f"rvqtts's kernel does not run here: {native.unavailable()}"
@@ -125,7 +125,7 @@ def test_the_amx_kernels_are_candidates_where_the_inputs_fill_their_tiles():
 
 def test_a_machine_that_cannot_build_it_says_why_and_offers_the_other_kernels(tmp_path):
     script = (
-        "import torch; from rvqtts.engine import kernels, native; print(native.unavailable()); "
+        "import torch; from rvqtts.engine.model import kernels, native; print(native.unavailable()); "
         "print([k.name for k in kernels.candidates(torch.bfloat16, 'native', (64, 64))])"
     )
     env = {**os.environ, "CXX": "/bin/false", "RVQTTS_CACHE": str(tmp_path)}
@@ -178,7 +178,7 @@ def test_an_avx512_machine_capped_at_avx2_builds_and_runs_the_avx2_library_and_i
     RVQTTS_ISA=none leaves torch's kernels and says why."""
     script = (
         "import sys, torch; sys.path.insert(0, 'tests'); from test_native import _native_outputs; "
-        "from rvqtts.engine import kernels, native; print(native.level()); "
+        "from rvqtts.engine.model import kernels, native; print(native.level()); "
         "print(' '.join(k.name for k in kernels.candidates(torch.bfloat16, 'native', (64, 64)))); "
         "_native_outputs(sys.argv[1])"
     )
@@ -193,7 +193,7 @@ def test_an_avx512_machine_capped_at_avx2_builds_and_runs_the_avx2_library_and_i
     assert theirs.keys() == ours.keys()
     assert [key for key in ours if not torch.equal(theirs[key], ours[key])] == []
     none = subprocess.run(
-        [sys.executable, "-c", "from rvqtts.engine import native; print(native.unavailable())"],
+        [sys.executable, "-c", "from rvqtts.engine.model import native; print(native.unavailable())"],
         capture_output=True,
         text=True,
         env={**os.environ, "RVQTTS_ISA": "none"},

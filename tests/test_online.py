@@ -1,5 +1,5 @@
-"""`--tree auto` decided online (rvqtts.engine.online): acceptance counted from the rounds that run, the choice
-made from it and the measured call costs, the same codes whatever the tree size does mid-run, and what
+"""`--tree auto` decided online (rvqtts.engine.speculative.online): acceptance counted from the rounds that run, the
+choice made from it and the measured call costs, the same codes whatever the tree size does mid-run, and what
 a run learns kept for the next."""
 
 from __future__ import annotations
@@ -12,13 +12,17 @@ import torch
 from helpers import random_prefix
 from helpers import run_cli as run
 
-import rvqtts.engine.online as online_module
-from rvqtts.engine.inner_loop import InnerLoop, LoopParts
-from rvqtts.engine.offsets import Offsets, predictor_fingerprint
-from rvqtts.engine.online import AcceptanceCounts, OnlineSpeculation, committed_ranks
-from rvqtts.engine.sampling import SamplingConfig
-from rvqtts.engine.speculation import OBSERVED_RANKS
-from rvqtts.engine.tree import resolve_tree
+import rvqtts.engine.speculative.online as online_module
+from rvqtts.engine.loop.inner_loop import InnerLoop, LoopParts
+from rvqtts.engine.model.sampling import SamplingConfig
+from rvqtts.engine.speculative.offsets import Offsets, predictor_fingerprint
+from rvqtts.engine.speculative.online import AcceptanceCounts, OnlineSpeculation, committed_ranks
+from rvqtts.engine.speculative.speculation import OBSERVED_RANKS
+from rvqtts.engine.speculative.tree import resolve_tree
+from rvqtts.support.measurements import Measurements
+from rvqtts.synthesis.loader import EngineChoices
+from rvqtts.synthesis.settings import GenerationSettings
+from rvqtts.synthesis.synthesizer import Synthesizer
 from rvqtts.tuning.calibration import acceptance_table
 
 FRAMES = 48
@@ -169,7 +173,7 @@ def test_probes_are_spaced_so_that_they_cost_at_most_their_share(narrow):
     """Where a probe's chain of K + 1 rows costs a step, probes run at PROBE_EVERY; where it costs its rows, a
     probe frame costs more than the plain frame it replaces, and probes are spaced so that they add at most
     PROBE_SHARE to the plain loop's time at the acceptance counted."""
-    from rvqtts.engine.tree import frame_codes_per_call
+    from rvqtts.engine.speculative.tree import frame_codes_per_call
 
     loop, online = online_loop(narrow, {q: 1.0 for q in (1, 4, 5, 9, 17, 33)})
     loop.frame(random_prefix(narrow, seed=0), SamplingConfig(), 0, 0)
@@ -184,10 +188,25 @@ def test_probes_are_spaced_so_that_they_cost_at_most_their_share(narrow):
     assert (probe_frame - plain_frame) / (every - 1) > online_module.PROBE_SHARE * plain_frame  # no wider than needed
 
 
-def test_what_a_run_learns_is_where_the_next_one_starts(narrow, user_cache):
+def refuse_writes(monkeypatch):
+    """A cache that refuses every change (as a read-only one would; the tests run as root, whom modes do not stop)."""
+
+    def refused(self):
+        raise PermissionError(f"{self.path}: read-only")
+
+    monkeypatch.setattr(Measurements, "update", refused)
+
+
+def test_a_run_writes_nothing_and_what_it_learns_is_where_the_next_one_starts(narrow, user_cache, monkeypatch):
+    """The frames write nothing (a cache that refuses writes does not stop them; the counts stayed in memory);
+    `save`, as a run's end and the process's exit call it, keeps them for the next run."""
     first, online = online_loop(narrow, {q: float(q) for q in (1, 4, 5, 9, 17, 33)})
-    for f in range(16):
-        first.frame(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
+    with monkeypatch.context() as patch:
+        refuse_writes(patch)
+        for f in range(16):
+            first.frame(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
+    assert not (user_cache / "acceptance-online.json").exists()
+    online.save()
     learned = online.observed()
     stored = json.loads((user_cache / "acceptance-online.json").read_text())
     assert len(stored) == 1 and next(iter(stored.values()))["reached"][0] == pytest.approx(learned, abs=1)
@@ -308,3 +327,21 @@ def test_where_kernels_are_not_known_row_invariant_the_tree_size_stays(tiny, mon
     online.start_budget, online.budgets = 15, (4, 8, 15, 16, 32)
     loop.frame(random_prefix(tiny, seed=0), SamplingConfig(), 0, 0)
     assert online.budget == 15 and online.speculation(15).tree.paths == resolve_tree("15").paths
+
+
+def test_synthesis_on_a_cache_that_refuses_writes_keeps_its_counts_after(
+    tiny_dir, user_cache, monkeypatch
+):
+    """Once the machine is measured (the first utterance), an utterance writes nothing but its output: the online
+    choice's counts wait in memory for the run's end."""
+    synth = Synthesizer.load(tiny_dir, EngineChoices(dtype="float32"))
+    settings = GenerationSettings(max_frames=24)
+    synth.synthesize("Measured first.", seed=1, settings=settings)
+    before = synth.speculation.observed()
+    with monkeypatch.context() as patch:
+        refuse_writes(patch)
+        spoken = synth.synthesize("Then spoken on a cache that refuses writes.", seed=2, settings=settings)
+    assert len(spoken.codes) > 16 and synth.speculation.observed() > before
+    synth.speculation.save()
+    stored = json.loads((user_cache / "acceptance-online.json").read_text())
+    assert next(iter(stored.values()))["reached"][0] == pytest.approx(synth.speculation.observed(), abs=1)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from rvqtts.engine.offsets import SHIPPED_OFFSETS
-from rvqtts.engine.tree import SHIPPED_TREES
+from rvqtts.engine.speculative.offsets import SHIPPED_OFFSETS
+from rvqtts.engine.speculative.tree import SHIPPED_TREES
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 ROOT = Path(__file__).resolve().parents[1]

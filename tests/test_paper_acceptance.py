@@ -8,8 +8,8 @@ import torch
 from exactness import paper_offsets
 from helpers import run_cli
 
-from rvqtts.engine.tree import frame_codes_per_call, grow_tree
-from rvqtts.synthesis import Synthesizer
+from rvqtts.engine.speculative.tree import frame_codes_per_call, grow_tree
+from rvqtts.synthesis.synthesizer import Synthesizer
 from rvqtts.tuning.calibration import measure_acceptance
 
 FRAMES = 64

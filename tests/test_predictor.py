@@ -6,11 +6,11 @@ import pytest
 import torch
 from helpers import random_prefix, stock_path_logits
 
-from rvqtts.engine.kernels import kernel_choice
-from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.speculation import RoundPlan
-from rvqtts.engine.tree import Tree
-from rvqtts.synthesis import Synthesizer
+from rvqtts.engine.model.kernels import kernel_choice
+from rvqtts.engine.model.predictor import PredictorRunner
+from rvqtts.engine.speculative.speculation import RoundPlan
+from rvqtts.engine.speculative.tree import Tree
+from rvqtts.synthesis.synthesizer import Synthesizer
 from rvqtts.tuning.tiny import build_tiny_model
 
 TOLERANCE = 1e-4
@@ -137,7 +137,7 @@ def test_half_precision_runs_close_to_float32(tiny_dir, dtype):
 def test_measured_kernels_give_every_row_the_bits_it_gets_alone_at_the_released_shapes(
     released_06_kernels, dtype, measured
 ):
-    """Whatever kernel the measurement picks for a map (rvqtts.engine.kernels), a call of any number of rows up to
+    """Whatever kernel the measurement picks for a map (rvqtts.engine.model.kernels), a call of any number of rows up to
     a 64-node round's 65 gives each row what a call of that row alone gives it: tree rounds compute what
     plain steps do. Where no kernel is invariant the choice says so, and the claim is not made."""
     runner = PredictorRunner(Synthesizer.from_checkpoint(released_06_kernels, dtype=dtype).code_predictor, 2)

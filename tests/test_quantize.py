@@ -12,15 +12,15 @@ from helpers import random_prefix
 from helpers import run_cli as run
 from helpers import run_cli_json as run_json
 
-from rvqtts.engine.inner_loop import InnerLoop, LoopParts
-from rvqtts.engine.kernels import Kernel, LinearMap
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.quantize import check_weights, quantize_rows
-from rvqtts.engine.sampling import SamplingConfig
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import resolve_tree
-from rvqtts.synthesis import Synthesizer
+from rvqtts.engine.loop.inner_loop import InnerLoop, LoopParts
+from rvqtts.engine.model.kernels import Kernel, LinearMap
+from rvqtts.engine.model.predictor import PredictorRunner
+from rvqtts.engine.model.quantize import check_weights, quantize_rows
+from rvqtts.engine.model.sampling import SamplingConfig
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import resolve_tree
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 
 def test_rows_round_to_the_nearest_step_of_their_own_scale():
@@ -169,7 +169,7 @@ def test_bench_dtype_compares_int8_weights_with_the_dtypes_own(tiny_dir, tmp_pat
 def test_rows_quantized_in_blocks_equal_the_whole_matrix_at_once():
     """quantize_rows works QUANTIZED_ROWS rows at a time (its float32 temporaries stay small): each row alone, so
     the int8 weights and scales are those of the whole matrix at once."""
-    from rvqtts.engine.quantize import QUANTIZED_ROWS, quantize_rows
+    from rvqtts.engine.model.quantize import QUANTIZED_ROWS, quantize_rows
 
     weight = torch.randn(2 * QUANTIZED_ROWS + 37, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     values = weight.float()

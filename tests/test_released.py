@@ -12,13 +12,13 @@ import torch
 from exactness import unexplained_differences
 from helpers import decode_frames, frame_noises, frame_prefixes, linear_maps_are_row_invariant
 
-from rvqtts.engine.graphs import StaticCalls
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.sampling import SamplingConfig
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import resolve_tree
-from rvqtts.settings import GenerationSettings
-from rvqtts.synthesis import Synthesizer
+from rvqtts.engine.model.graphs import StaticCalls
+from rvqtts.engine.model.sampling import SamplingConfig
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import resolve_tree
+from rvqtts.synthesis.settings import GenerationSettings
+from rvqtts.synthesis.synthesizer import Synthesizer
 from rvqtts.tuning.tiny import released_file
 
 SIZES = {"0.6b": "released_06", "1.7b": "released_17"}
@@ -79,7 +79,7 @@ def test_the_shallow_checkpoint_has_the_released_layout(dims, request):
 def test_speculative_codes_equal_plain_codes_in_every_dtype(dims, dtype, request):
     """Each query of a tree call attends over its own slots as a plain step at its position does (per depth over
     gathered slots, or by row attention where this machine keeps a query's bits alone and in a call:
-    rvqtts.engine.attention), so a tree call's row is computed as a plain step computes it wherever the machine's
+    rvqtts.engine.model.attention), so a tree call's row is computed as a plain step computes it wherever the machine's
     linear kernels are row-invariant: there every frame must agree. Elsewhere (these are the fixed kernels, not the
     measured ones) rows differ in the last bit and a near-tie can flip a draw: a frame may differ only by a near-tie
     shown at its first differing code (tests/exactness.py). Random weights rarely accept a draft: deep acceptance

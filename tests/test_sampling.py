@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rvqtts.engine.sampling import (
+from rvqtts.engine.model.sampling import (
     MIN_TEMPERATURE,
     RowSampling,
     SamplingConfig,

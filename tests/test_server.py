@@ -1,4 +1,4 @@
-"""`rvqtts serve` (rvqtts.server) through real clients over loopback: the `openai` package for speech, plain
+"""`rvqtts serve` (rvqtts.serving.server) through real clients over loopback: the `openai` package for speech, plain
 `httpx` for the errors, concurrent clients, a client gone mid-stream and a flood of requests."""
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import soundfile
 import uvicorn
 from helpers import run_cli, wait_until
 
-from rvqtts.audio import audio_bytes
-from rvqtts.loader import EngineChoices
-from rvqtts.server import Job, ServerOptions, SpeechEngine, create_app, uvicorn_settings
-from rvqtts.settings import GenerationSettings
-from rvqtts.synthesis import Synthesizer
+from rvqtts.serving.server import Job, ServerOptions, SpeechEngine, create_app, uvicorn_settings
+from rvqtts.support.audio import audio_bytes
+from rvqtts.synthesis.loader import EngineChoices
+from rvqtts.synthesis.settings import GenerationSettings
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 FRAMES = 12  # max_frames: short utterances keep the module fast
 KEY = "test-key"
@@ -271,7 +271,7 @@ def test_a_client_gone_mid_stream_frees_its_row_for_a_waiting_request(tiny_dir, 
     its row goes to the waiting request at the next frame, which shares calls with the second stream before that ends
     (frames slowed to 10 ms, so the second stream outlasts the hang-up by 0.4 s at least); without the stop, the
     waiting request would have had to wait for both streams to end (they end together) and would speak alone."""
-    from rvqtts.engine.frame_loop import FrameLoop
+    from rvqtts.engine.loop.frame_loop import FrameLoop
 
     inner_loop = FrameLoop._inner_loop
 
@@ -397,7 +397,7 @@ def test_streamed_and_whole_requests_share_rows_each_with_its_solo_audio(tiny_di
     """Streamed (audio and events) and whole requests with different texts, seeds and sampling settings, queued behind
     a held request, take rows beside it at its first frame (the kernels measured row-invariant): each body is,
     byte for byte, the one it gets alone; a streamed request's first piece is one frame."""
-    from rvqtts.batch_size import rows_invariant
+    from rvqtts.synthesis.batch_size import rows_invariant
 
     jobs = [
         {"input": "Another, longer line of text.", "seed": 1},

@@ -19,7 +19,7 @@ from test_server import WAIT, running, settled
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-from rvqtts.engine.frame_loop import FrameLoop
+from rvqtts.engine.loop.frame_loop import FrameLoop
 
 pytestmark = pytest.mark.timeout(120)  # about 40 s on two vCPUs
 VICTIM_SEED = 666  # a request with this seed meets a failing call

@@ -20,7 +20,7 @@ from test_server import FRAMES, WAIT, Gate, running, settled
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from rvqtts.engine.frame_loop import FrameLoop
+from rvqtts.engine.loop.frame_loop import FrameLoop
 
 pytestmark = pytest.mark.timeout(300)
 BODY = {"input": "Hello there.", "voice": "vivian", "max_frames": FRAMES}

@@ -12,12 +12,12 @@ import pytest
 from typer.testing import CliRunner
 
 from rvqtts.cli import app
-from rvqtts.engine.inner_loop import InnerLoop
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.sampling import SamplingConfig
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import load_acceptance, load_tree, resolve_tree
-from rvqtts.synthesis import Synthesizer
+from rvqtts.engine.loop.inner_loop import InnerLoop
+from rvqtts.engine.model.sampling import SamplingConfig
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import load_acceptance, load_tree, resolve_tree
+from rvqtts.synthesis.synthesizer import Synthesizer
 from rvqtts.tuning.contexts import load_contexts
 from rvqtts.tuning.standin.codec import ResidualCodec, frame_features
 from rvqtts.tuning.standin.corpus import LANGUAGES, speak, split_of

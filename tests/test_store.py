@@ -1,4 +1,5 @@
-"""rvqtts.store: every per-machine measurement read, merged and written by one function under one lock."""
+"""rvqtts.support.measurements: every per-machine measurement read, merged and written by one function under one
+lock."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import time
 
 import pytest
 
-from rvqtts.store import KERNELS, Measurements
+from rvqtts.support.measurements import KERNELS, Measurements
 
 HOLDER = """
 import pathlib, sys, time
-from rvqtts.store import Measurements
+from rvqtts.support.measurements import Measurements
 folder = pathlib.Path(sys.argv[1])
 with Measurements("costs.json").update() as records:
     (folder / "holding").touch()
@@ -25,7 +26,7 @@ with Measurements("costs.json").update() as records:
 
 OTHER = """
 import pathlib, sys
-from rvqtts.store import Measurements
+from rvqtts.support.measurements import Measurements
 (pathlib.Path(sys.argv[1]) / "other-started").touch()
 with Measurements("costs.json").update() as records:
     records["second"] = 2

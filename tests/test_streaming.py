@@ -15,9 +15,9 @@ import soundfile
 import torch
 from helpers import join_chunks, run_cli
 
-from rvqtts.audio import StreamJoiner
-from rvqtts.engine.streaming import StreamingDecoder
-from rvqtts.settings import GenerationSettings
+from rvqtts.engine.model.speech_decoder import StreamingDecoder
+from rvqtts.support.audio import StreamJoiner
+from rvqtts.synthesis.settings import GenerationSettings
 
 BOUND = 1e-5  # float rounding between one pass and many; the waveform's peak is about 0.25
 LONG = "The first sentence is here. A second one follows it. And a third ends the text."
@@ -129,7 +129,7 @@ def test_a_stream_has_the_codes_and_audio_of_offline_synthesis_chunk_after_chunk
 
 
 def crossfaded(parts: list[np.ndarray], rate: int, seconds: float) -> np.ndarray:
-    """A reference join, written independently of rvqtts.audio: each seam a linear crossfade."""
+    """A reference join, written independently of rvqtts.support.audio: each seam a linear crossfade."""
     joined = np.zeros(0, dtype=np.float32)
     for index, part in enumerate(parts):
         overlap = min(int(seconds * rate), joined.size, part.size) if index else 0

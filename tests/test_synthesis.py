@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import resolve_tree
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import resolve_tree
 
 TEXT = "Hello world. This is a test."
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from helpers import join_chunks
 
-from rvqtts.batch import MANIFEST, BatchFileError, Manifest, Rendered, read_batch
-from rvqtts.report import total_record
-from rvqtts.settings import Line
-from rvqtts.text import chunk_text, frame_budget, split_sentences, text_weight
+from rvqtts.support.report import total_record
+from rvqtts.synthesis.batch_files import MANIFEST, BatchFileError, Manifest, Rendered, read_batch
+from rvqtts.synthesis.settings import Line
+from rvqtts.synthesis.text import chunk_text, frame_budget, split_sentences, text_weight
 
 
 def test_sentences_split_in_latin_and_cjk_scripts():
@@ -161,7 +161,7 @@ def test_total_record_adds_counts_and_recomputes_ratios():
 
 
 def test_atomic_files_get_ordinary_permissions(tmp_path):
-    from rvqtts.files import current_umask, write_atomically
+    from rvqtts.support.files import current_umask, write_atomically
 
     write_atomically(tmp_path / "sub" / "file.bin", b"data")
     assert (tmp_path / "sub" / "file.bin").read_bytes() == b"data"
@@ -192,7 +192,7 @@ def test_the_manifest_keeps_line_order_and_earlier_runs_entries(tmp_path):
 def test_a_batch_redoes_an_output_its_manifest_does_not_list(tmp_path):
     """A file whose manifest entry was never written (the batch was stopped between the two: tests/test_faults.py)
     is made again, so that a resumed batch's manifest lists every output; a listed file is skipped."""
-    from rvqtts.batch import to_do
+    from rvqtts.synthesis.batch_files import to_do
 
     items = [Line(f"line {line}", utterance=line, name=f"{line:04d}.wav") for line in (1, 2, 3)]
     for item in items[:2]:

@@ -12,11 +12,11 @@ import pytest
 import torch
 from helpers import random_contexts
 
-from rvqtts.engine.inner_loop import InnerLoop
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.sampling import SamplingConfig
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import grow_tree
+from rvqtts.engine.loop.inner_loop import InnerLoop
+from rvqtts.engine.model.sampling import SamplingConfig
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import grow_tree
 from rvqtts.tuning.calibration import replay_calls
 from rvqtts.tuning.drafters import OffsetDrafter
 from rvqtts.tuning.drafts import DraftData, draft_ranks, frozen_draft_data, head_weights

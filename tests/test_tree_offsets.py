@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rvqtts.engine.offsets import Offsets, OffsetsFileError, load_offsets, save_offsets
-from rvqtts.engine.tree import (
+from rvqtts.engine.speculative.offsets import Offsets, OffsetsFileError, load_offsets, save_offsets
+from rvqtts.engine.speculative.tree import (
     ACCEPTANCE_SUFFIX,
     SHIPPED_TREES,
     AcceptanceFileError,
@@ -212,8 +212,8 @@ def test_unreadable_offsets(tmp_path):
 
 
 def test_fingerprints_tell_models_apart_but_not_dtypes(tiny_dir, tiny, narrow):
-    from rvqtts.engine.offsets import predictor_fingerprint
-    from rvqtts.synthesis import Synthesizer
+    from rvqtts.engine.speculative.offsets import predictor_fingerprint
+    from rvqtts.synthesis.synthesizer import Synthesizer
 
     again = Synthesizer.from_checkpoint(tiny_dir, dtype="bfloat16")
     assert predictor_fingerprint(again.code_predictor) == predictor_fingerprint(tiny.code_predictor)

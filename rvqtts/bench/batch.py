@@ -10,9 +10,9 @@ from typing import Callable
 import torch
 from rich.table import Table
 
-from rvqtts.report import titled_table
-from rvqtts.settings import GenerationSettings, Line
-from rvqtts.synthesis import Synthesizer
+from rvqtts.support.report import titled_table
+from rvqtts.synthesis.settings import GenerationSettings, Line
+from rvqtts.synthesis.synthesizer import Synthesizer
 
 
 def stock_batches(

@@ -1,5 +1,5 @@
 """`rvqtts bench decoder`: the speech decoder's cost per frame as an utterance grows, qwen-tts's `decode()`
-beside rvqtts's (rvqtts.engine.streaming) offline and streamed."""
+beside rvqtts's (rvqtts.engine.model.speech_decoder) offline and streamed."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from rich.table import Table
 
 from rvqtts.bench.harness import interleaved_ms
-from rvqtts.engine.streaming import StreamingDecoder
-from rvqtts.report import figures_table
+from rvqtts.engine.model.speech_decoder import StreamingDecoder
+from rvqtts.support.report import figures_table
 
 
 def bench_decoder(tts: object, lengths: list[int], repeats: int = 3, seed: int = 0, stream_frames: int = 4) -> dict:

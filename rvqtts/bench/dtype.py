@@ -10,9 +10,9 @@ import time
 import torch
 from rich.table import Table
 
-from rvqtts.engine.devices import synchronize
-from rvqtts.engine.sampling import SamplingConfig
-from rvqtts.report import titled_table
+from rvqtts.engine.model.devices import synchronize
+from rvqtts.engine.model.sampling import SamplingConfig
+from rvqtts.support.report import titled_table
 
 
 def random_prefixes(talker: torch.nn.Module, frames: int, seed: int = 0) -> torch.Tensor:
@@ -38,8 +38,8 @@ def bench_dtype(
     the candidate given the reference's earlier codes (teacher forcing: how often the dtype changes a draw), frames
     whose 15 codes all agree when each runs free, and the codes a free-running frame gets right before its first
     difference; with the two loops' ms per frame, timed frame by frame in turn."""
-    from rvqtts.engine.inner_loop import InnerLoop, LoopParts
-    from rvqtts.engine.sampling import draw, residual_noise
+    from rvqtts.engine.loop.inner_loop import InnerLoop, LoopParts
+    from rvqtts.engine.model.sampling import draw, residual_noise
 
     loops = {
         "reference": InnerLoop(reference, None, seed),
@@ -94,9 +94,9 @@ def bench_fused(
     float32 PyTorch engine on the same frames and noise: how many codes and whole frames agree, speculative
     and plain, the candidate's codes per call, and its milliseconds per frame both ways (interleaved)."""
 
-    from rvqtts.engine.inner_loop import InnerLoop, count_frame
-    from rvqtts.engine.sampling import residual_noise
-    from rvqtts.engine.speculation import LoopStats
+    from rvqtts.engine.loop.inner_loop import InnerLoop, count_frame
+    from rvqtts.engine.model.sampling import residual_noise
+    from rvqtts.engine.speculative.speculation import LoopStats
 
     engine = InnerLoop(code_predictor, speculation, seed)
     spec_stats, plain_stats = LoopStats(), LoopStats()

@@ -13,9 +13,9 @@ from rich.table import Table
 from rvqtts.bench.floor import module_weights, predictor_weights, read_pass, round_heads, talker_weights
 from rvqtts.bench.harness import KV_LENGTH, interleaved_ms
 from rvqtts.bench.stock import stock_synthesis
-from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.report import titled_table
-from rvqtts.settings import GenerationSettings
+from rvqtts.engine.model.predictor import PredictorRunner
+from rvqtts.support.report import titled_table
+from rvqtts.synthesis.settings import GenerationSettings
 
 TIMED_FIELDS = ("wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds")
 WARM_UP = GenerationSettings(max_frames=2)  # each variant's untimed first turn
@@ -42,13 +42,13 @@ def bench_e2e(
     default=None,
 ) -> dict:
     """Stock qwen-tts, rvqtts's plain loop, rvqtts's default (`default`: what `--tree auto` runs, decided
-    online, rvqtts.engine.online) and rvqtts's speculative loop with each fixed tree of `fixed` (a variant `N=n`
-    each) on the same texts and seeds, taking turns text by text (the order rotating), each text spoken as
+    online, rvqtts.engine.speculative.online) and rvqtts's speculative loop with each fixed tree of `fixed` (a variant
+    `N=n` each) on the same texts and seeds, taking turns text by text (the order rotating), each text spoken as
     one piece (lines of (text, speaker, language); `instruct` and a Base model's `clone`, an
-    rvqtts.cloning.ClonedVoice, for all). Frame counts differ between variants (sampled codes decide where
+    rvqtts.qwen.cloning.ClonedVoice, for all). Frame counts differ between variants (sampled codes decide where
     speech ends), so times are compared per frame."""
-    from rvqtts.memory import memory_record
-    from rvqtts.synthesis import Synthesizer
+    from rvqtts.support.memory import memory_record
+    from rvqtts.synthesis.synthesizer import Synthesizer
 
     settings = settings or GenerationSettings()
     names = fixed_variants(fixed)

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import torch
 
 from rvqtts.bench.harness import interleaved_ms
-from rvqtts.engine.kernels import LinearMap
+from rvqtts.engine.model.kernels import LinearMap
 
 
 def distinct(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -82,7 +82,7 @@ def module_weights(*modules: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def decoder_weights(runner: object) -> list[torch.Tensor]:
-    """What every call of a rvqtts.engine.transformer.CachedDecoder reads: its layers' maps (as they are held:
+    """What every call of a rvqtts.engine.model.transformer.CachedDecoder reads: its layers' maps (as they are held:
     the dtype's own weights, or 8-bit ones and their scales) and norms, and the final norm."""
     norms = [p for layer in runner.layers for name, p in layer.named_parameters() if "norm" in name]
     return [t for linear in runner.layer_maps() for t in linear.reads()] + norms + list(runner.norm.parameters())

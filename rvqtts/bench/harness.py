@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
-from rvqtts.engine.devices import synchronize
-from rvqtts.engine.tree import SHIPPED_TREES, Tree, grow_tree, load_acceptance
+from rvqtts.engine.model.devices import synchronize
+from rvqtts.engine.speculative.tree import SHIPPED_TREES, Tree, grow_tree, load_acceptance
 
 PREDICTOR_DIMS = {"0.6b": 1024, "1.7b": 2048}  # talker width in front of the (same) 1024-wide predictor
 KV_LENGTH = 8  # committed slots before a timed call: mid-frame (a frame holds 2 to 17)
@@ -23,7 +23,7 @@ def random_code_predictor(
     """qwen-tts's code predictor at the real dimensions `dims` (a key of PREDICTOR_DIMS; the CLI checks it) with
     random weights (cost does not depend on them); `layers` fewer than the released five where only the shapes of
     one layer matter (tests)."""
-    from rvqtts.compat import qwen_tts
+    from rvqtts.qwen.compat import qwen_tts
 
     qwen_tts()
     from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSTalkerCodePredictorConfig, Qwen3TTSTalkerConfig

@@ -19,14 +19,14 @@ from rvqtts.bench.floor import (
     round_heads,
 )
 from rvqtts.bench.harness import KV_LENGTH, interleaved_ms, quantile, talker_width, timing_tree
-from rvqtts.engine.graphs import StaticCalls
-from rvqtts.engine.offsets import Offsets
-from rvqtts.engine.online import rows_call
-from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.rounds import plain_frames
-from rvqtts.engine.sampling import SamplingConfig
-from rvqtts.engine.speculation import Speculation
-from rvqtts.report import figures_table
+from rvqtts.engine.model.graphs import StaticCalls
+from rvqtts.engine.model.predictor import PredictorRunner
+from rvqtts.engine.model.sampling import SamplingConfig
+from rvqtts.engine.speculative.offsets import Offsets
+from rvqtts.engine.speculative.online import rows_call
+from rvqtts.engine.speculative.rounds import plain_frames
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.support.report import figures_table
 
 
 def _stock_step(code_predictor: torch.nn.Module, device: torch.device, dtype: torch.dtype):

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from rich.table import Table
 
-from rvqtts.report import titled_table
+from rvqtts.support.report import titled_table
 
 WAV_HEADER_BYTES = 44  # a streamed WAV's header comes first; audio is what follows it
 SPLIT = ("queue", "prefill", "frames", "decoder")  # a first audio's parts, as the server's /health sums them

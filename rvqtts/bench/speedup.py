@@ -7,9 +7,9 @@ import io
 
 from rich.table import Table
 
-from rvqtts.engine.tree import frame_codes_per_call, grow_tree
-from rvqtts.files import write_atomically
-from rvqtts.report import figures_table
+from rvqtts.engine.speculative.tree import frame_codes_per_call, grow_tree
+from rvqtts.support.files import write_atomically
+from rvqtts.support.report import figures_table
 
 BUDGETS = (4, 7, 8, 15, 16, 31, 32, 63, 64)  # q = N + 1 of 8, 16, 32, 64 are kernel sweet spots on CPUs
 # The paper's codes per call for its offsets drafter (Figure 4, N = 16 / 32 / 64): a labelled reference,
@@ -19,7 +19,7 @@ PAPER_CODES_PER_CALL = {16: 2.25, 32: 2.47, 64: 2.60}
 
 def codes_per_call_by_budget(table: dict | None) -> tuple[dict[int, float], str]:
     """Codes per call per node budget: from an acceptance table (a greedy tree per budget, whole frames,
-    rvqtts.engine.tree.frame_codes_per_call), or the paper's figures when there is none."""
+    rvqtts.engine.speculative.tree.frame_codes_per_call), or the paper's figures when there is none."""
     if table is None:
         return dict(PAPER_CODES_PER_CALL), "paper, offsets drafter (Figure 4; reference, not measured here)"
     rates = table["acceptance"]

@@ -8,11 +8,11 @@ from typing import Callable
 
 import torch
 
-from rvqtts.cloning import ClonedVoice
-from rvqtts.engine.devices import synchronize
-from rvqtts.prompt import qwen_generate
-from rvqtts.settings import GenerationSettings
-from rvqtts.text import FRAMES_PER_SECOND
+from rvqtts.engine.model.devices import synchronize
+from rvqtts.qwen.cloning import ClonedVoice
+from rvqtts.qwen.prompt import qwen_generate
+from rvqtts.synthesis.settings import GenerationSettings
+from rvqtts.synthesis.text import FRAMES_PER_SECOND
 
 
 def stock_synthesis(

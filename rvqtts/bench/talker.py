@@ -10,19 +10,19 @@ from rich.table import Table
 
 from rvqtts.bench.floor import megabytes, multiply_adds, peak_multiply_adds_per_ms, read_pass, talker_weights
 from rvqtts.bench.harness import interleaved_ms
-from rvqtts.report import figures_table
+from rvqtts.support.report import figures_table
 
 
 def bench_talker(
     talker: torch.nn.Module, contexts: list[int], repeats: int = 20, seed: int = 0, weight_format: str = "native"
 ) -> dict:
-    """One talker step at each context length: rvqtts's runner (rvqtts.engine.talker) against qwen-tts's talker
+    """One talker step at each context length: rvqtts's runner (rvqtts.engine.model.talker) against qwen-tts's talker
     transformer and codec head as its HF loop calls them (a dynamic cache, the attention mask and MRoPE
     positions of generate()), the two taking turns. The stock step's code-predictor call, which qwen-tts
     makes inside the same forward, is not part of it: this is the talker's share of a frame."""
     from transformers import DynamicCache
 
-    from rvqtts.engine.talker import TalkerRunner
+    from rvqtts.engine.model.talker import TalkerRunner
 
     device, dtype = talker.codec_head.weight.device, talker.codec_head.weight.dtype
     generator = torch.Generator().manual_seed(seed)

@@ -13,7 +13,7 @@ import typer
 from rvqtts.cli.common import fail, progress_bar, say, show_stats, stderr_console, write_stats
 
 if TYPE_CHECKING:
-    from rvqtts.settings import RunSettings
+    from rvqtts.synthesis.settings import RunSettings
 
 INTERRUPTED = 130  # a shell's code for a process ended by Ctrl-C (128 + SIGINT)
 
@@ -59,7 +59,7 @@ def _batch_progress(title: str, total: int | None, file: Path, out_dir: Path, qu
 def _report(results, out_dir: Path, stats_json: Optional[Path], quiet: bool, wall: float, cluster=None) -> None:
     """The made lines' table and total (its wall the batch's own, `wall` seconds: lines that share calls overlap),
     the counts, --stats-json; exit 1 when a line failed."""
-    from rvqtts.report import total_record, workers_table
+    from rvqtts.support.report import total_record, workers_table
 
     made = [(r.line.name, r.record) for r in results if r.status == "done"]
     skipped = sum(r.status == "skipped" for r in results)
@@ -91,7 +91,7 @@ def run_here(
     quiet: bool,
     batch_size: int = 1,
 ) -> None:
-    from rvqtts.batch import synthesize_batch
+    from rvqtts.synthesis.batch_files import synthesize_batch
 
     began = time.perf_counter()
     with _batch_progress(f"synthesizing {file.name}", len(utterances), file, out_dir, quiet) as lines:
@@ -126,7 +126,7 @@ def run_on_ray(
     before any file is written is exit 2 with one line, after some were written exit 1 (they stay)."""
     import torch
 
-    from rvqtts.cluster import ClusterError, synthesize_batch_on_ray
+    from rvqtts.serving.cluster import ClusterError, synthesize_batch_on_ray
 
     say(
         f"starting Ray workers for {file.name} ({'a cluster here or $RAY_ADDRESS' if address == 'auto' else address})",

@@ -62,9 +62,9 @@ def bench_predictor_command(
 
     from rvqtts.bench.harness import PREDICTOR_DIMS, random_code_predictor
     from rvqtts.bench.predictor import bench_predictor, predictor_table
-    from rvqtts.engine.devices import pick_device
-    from rvqtts.engine.quantize import check_weights
-    from rvqtts.loading import DTYPES
+    from rvqtts.engine.model.devices import pick_device
+    from rvqtts.engine.model.quantize import check_weights
+    from rvqtts.qwen.checkpoints import DTYPES
 
     queries = sorted({1, *list_of_ints(q, "--q")})
     if dtype not in DTYPES:
@@ -113,8 +113,8 @@ def bench_speedup_command(
     """Projected inner-loop speedup per N = codes per call at N / (cost of a q = N + 1 call / cost of a
     q = 1 call), and the best N."""
     from rvqtts.bench.speedup import codes_per_call_by_budget, plot_speedup, project_speedup, speedup_table
-    from rvqtts.engine.tree import load_acceptance, platform_key, save_best_budget
-    from rvqtts.files import read_json
+    from rvqtts.engine.speculative.tree import load_acceptance, platform_key, save_best_budget
+    from rvqtts.support.files import read_json
 
     with refused(ValueError):  # AcceptanceFileError too
         measured = read_json(predictor, "predictor bench", ValueError)
@@ -178,11 +178,11 @@ def bench_e2e_command(
     `rvqtts synth --tree N` for each N on the same texts and seed, interleaved after an untimed 2-frame turn of each:
     wall, inner-loop, talker and decoder time per frame, RTF, and the ratios between them (the auto runs against the
     fixed tree whose inner loop was fastest)."""
-    from rvqtts.batch import read_batch
     from rvqtts.bench.e2e import bench_e2e, e2e_table, fixed_variants
-    from rvqtts.cloning import VoiceSource
-    from rvqtts.engine.policy import choose_speculation
-    from rvqtts.settings import GenerationSettings
+    from rvqtts.engine.speculative.policy import choose_speculation
+    from rvqtts.qwen.cloning import VoiceSource
+    from rvqtts.synthesis.batch_files import read_batch
+    from rvqtts.synthesis.settings import GenerationSettings
 
     with refused(ValueError):  # BatchFileError too
         lines = [(u.text, u.speaker or speaker, u.language or language) for u in read_batch(texts)]
@@ -243,9 +243,9 @@ def bench_batch_command(
     """Batch throughput (audio seconds per wall second) and first files by batch size, `rvqtts synth -f
     --batch-size B` against stock qwen-tts's list-of-texts call at the same B, on the same lines, taking
     turns."""
-    from rvqtts.batch import read_batch
     from rvqtts.bench.batch import batch_table, bench_batch
-    from rvqtts.settings import GenerationSettings
+    from rvqtts.synthesis.batch_files import read_batch
+    from rvqtts.synthesis.settings import GenerationSettings
 
     batch_sizes = list_of_ints(sizes, "--sizes")
     if repeats < 1:
@@ -385,9 +385,9 @@ def bench_coreml_command(
     import sys
 
     from rvqtts.bench.dtype import bench_fused, coreml_table
-    from rvqtts.engine.coreml import coreml_loop, float16_stand_in
-    from rvqtts.engine.policy import choose_speculation
-    from rvqtts.engine.sampling import SamplingConfig
+    from rvqtts.engine.backends.coreml import coreml_loop, float16_stand_in
+    from rvqtts.engine.model.sampling import SamplingConfig
+    from rvqtts.engine.speculative.policy import choose_speculation
 
     check_source(texts, contexts)
     if frames < 1:
@@ -450,8 +450,8 @@ def bench_serve_command(
     requests per minute, and the server's resident memory before and after."""
     import httpx
 
-    from rvqtts.batch import BatchFileError, read_batch
     from rvqtts.bench.serve import load_test, serve_table
+    from rvqtts.synthesis.batch_files import BatchFileError, read_batch
 
     if requests < 1 or clients < 1 or stagger < 0:
         fail("--requests and --clients must be at least 1, --stagger at least 0")

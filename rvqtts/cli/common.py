@@ -74,7 +74,8 @@ def say(message: str | None, quiet: bool = False) -> None:
 
 
 def check_stream_frames(first: int, frames: int) -> None:
-    """--first-stream-frames and --stream-frames, checked before torch loads (rvqtts.settings.StreamPacing's rule)."""
+    """--first-stream-frames and --stream-frames, checked before torch loads (rvqtts.synthesis.settings.StreamPacing's
+    rule)."""
     if first < 1 or frames < 1:
         fail(f"--first-stream-frames and --stream-frames must be at least 1, got {first}, {frames}")
 
@@ -82,7 +83,7 @@ def check_stream_frames(first: int, frames: int) -> None:
 def ensure_writable(path: Optional[Path], folder: bool = False) -> None:
     """Fail with one line, before any model work, unless a file can be written at `path` (or, with
     `folder`, into the folder `path`; None: nothing to check); nothing is left behind by the check."""
-    from rvqtts.files import OutputPathError, check_writable
+    from rvqtts.support.files import OutputPathError, check_writable
 
     if path is not None:
         with refused(OutputPathError):
@@ -110,7 +111,7 @@ def json_option(help: str = "Write the figures as JSON."):
 
 def check_coreml(compute_units: str, precision: str) -> None:
     """Fail with one line unless Core ML can run here with these settings."""
-    from rvqtts.engine.coreml import COMPUTE_UNITS, PRECISIONS, CoreMLError, coremltools, require_macos
+    from rvqtts.engine.backends.coreml import COMPUTE_UNITS, PRECISIONS, CoreMLError, coremltools, require_macos
 
     with refused(CoreMLError):
         require_macos()
@@ -149,7 +150,7 @@ def stderr_console():
 
 def show_stats(rows: list[tuple[str, dict]], quiet: bool) -> None:
     """`rvqtts synth`'s table of (name, record) rows on stderr, unless quiet."""
-    from rvqtts.report import stats_table
+    from rvqtts.support.report import stats_table
 
     if not quiet:
         stderr_console().print(stats_table(rows))
@@ -158,9 +159,9 @@ def show_stats(rows: list[tuple[str, dict]], quiet: bool) -> None:
 def write_stats(path: Optional[Path], entries: list[dict], total: dict | None = None, **extra: object) -> None:
     """`rvqtts synth --stats-json`: per-utterance records, their total (`total`, else their sums), `extra`
     sections, and the process's memory (resident now and at its peak; on a Ray run, the driver's)."""
-    from rvqtts.files import write_json
-    from rvqtts.memory import memory_record
-    from rvqtts.report import total_record
+    from rvqtts.support.files import write_json
+    from rvqtts.support.memory import memory_record
+    from rvqtts.support.report import total_record
 
     if path is not None:
         total = total or total_record(entries)
@@ -170,7 +171,7 @@ def write_stats(path: Optional[Path], entries: list[dict], total: dict | None = 
 def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], object], quiet: bool, **fields) -> None:
     """A command's figures with `fields` added: to `json_out` if given, and as `table(result)` on stderr unless
     quiet."""
-    from rvqtts.files import write_json
+    from rvqtts.support.files import write_json
 
     result.update(fields)
     if json_out is not None:
@@ -180,15 +181,15 @@ def publish(result: dict, json_out: Optional[Path], table: Callable[[dict], obje
 
 
 def load_synthesizer(model: str, quiet: bool = False, *choices, **named):
-    """The engine `choices` and `named` (rvqtts.loader.EngineChoices's fields, in order or by name) describe for
-    `model`, its notices said unless quiet (which dtypes `auto` chose and why, a device not validated, the tree
+    """The engine `choices` and `named` (rvqtts.synthesis.loader.EngineChoices's fields, in order or by name) describe
+    for `model`, its notices said unless quiet (which dtypes `auto` chose and why, a device not validated, the tree
     policy); fails with one line on a bad model, device, dtype, tree or offsets, the model checked from its config
     before the weights load."""
     from transformers.utils import logging as hf_logging
 
-    from rvqtts.loader import EngineChoices
-    from rvqtts.loading import ModelLoadError
-    from rvqtts.synthesis import Synthesizer
+    from rvqtts.qwen.checkpoints import ModelLoadError
+    from rvqtts.synthesis.loader import EngineChoices
+    from rvqtts.synthesis.synthesizer import Synthesizer
 
     hf_logging.set_verbosity_error()
     with refused(ModelLoadError, ValueError):

@@ -48,9 +48,9 @@ def recorded_frames(
     """Frames from a contexts file, from recordings by teacher forcing, or recorded by synthesizing a text
     file with the plain inner loop (in each line's voice, else the one given: `speaker`, `instruct`, or
     a Base model's `voice` file)."""
-    from rvqtts.batch import read_batch
-    from rvqtts.cloning import VoiceSource
-    from rvqtts.settings import GenerationSettings, RunSettings
+    from rvqtts.qwen.cloning import VoiceSource
+    from rvqtts.synthesis.batch_files import read_batch
+    from rvqtts.synthesis.settings import GenerationSettings, RunSettings
     from rvqtts.tuning.contexts import (
         ContextsFileError,
         force_contexts,
@@ -84,7 +84,7 @@ def recorded_frames(
 
 def drafting_offsets(synthesizer, offsets: Optional[Path], depth: int):
     """Offsets [K, H] from a file, or zeros (reused heads)."""
-    from rvqtts.engine.offsets import Offsets, OffsetsFileError, load_offsets, predictor_fingerprint
+    from rvqtts.engine.speculative.offsets import Offsets, OffsetsFileError, load_offsets, predictor_fingerprint
 
     if offsets is None:
         return Offsets.zeros(depth, synthesizer.hidden_size)

@@ -81,7 +81,7 @@ def make_tiny_model(
 def voices(model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model.")) -> None:
     """Say which kind of model it is and what it takes, and list its speakers and languages (reads its config
     only)."""
-    from rvqtts.loading import KINDS, ModelLoadError, model_voices
+    from rvqtts.qwen.checkpoints import KINDS, ModelLoadError, model_voices
 
     with refused(ModelLoadError):
         found = model_voices(model)
@@ -110,9 +110,9 @@ def export_coreml(
 ) -> None:
     """Export the fused inner loop (prefill, tree round, plain step) for one tree as a Core ML package,
     for `rvqtts synth --backend coreml --coreml-package`. Runs on any OS; the package runs on macOS."""
-    from rvqtts.engine.coreml import check_export_settings, export_package
-    from rvqtts.engine.policy import choose_speculation
-    from rvqtts.engine.sampling import SamplingConfig
+    from rvqtts.engine.backends.coreml import check_export_settings, export_package
+    from rvqtts.engine.model.sampling import SamplingConfig
+    from rvqtts.engine.speculative.policy import choose_speculation
 
     with refused(ValueError):  # CoreMLError too
         sampling = SamplingConfig(temperature, top_k)
@@ -161,7 +161,7 @@ def standin_build(
 
     Prints the tables and writes OUT/report.json. Needs espeak-ng (Debian: apt-get install espeak-ng).
     """
-    from rvqtts.report import standin_tables
+    from rvqtts.support.report import standin_tables
     from rvqtts.tuning.standin.build import build_standin
     from rvqtts.tuning.standin.corpus import CorpusError
 

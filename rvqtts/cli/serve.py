@@ -1,4 +1,4 @@
-"""`rvqtts serve`: the OpenAI audio API on a model loaded once (rvqtts.server; docs/server.md)."""
+"""`rvqtts serve`: the OpenAI audio API on a model loaded once (rvqtts.serving.server; docs/server.md)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def serve(
     options; a streamed one has the same length and its samples are that file's up to float rounding (at most
     one 16-bit step apart in the tests; text chunks of up to 300 frames, as synth --stream).
     """
-    from rvqtts.loading import ModelLoadError, model_voices
+    from rvqtts.qwen.checkpoints import ModelLoadError, model_voices
 
     if not 1 <= port <= 65535:
         fail(f"--port must be between 1 and 65535, got {port}")
@@ -121,10 +121,10 @@ def serve(
             fail(f"--voices is for Base models (voice cloning); this model is {kind}: its voices are built in")
         if not voices.is_dir():
             fail(f"--voices {voices}: no such folder")
-    from rvqtts.batch_size import choose_batch_size
-    from rvqtts.server import ServerOptions
-    from rvqtts.server import serve as run_server
-    from rvqtts.settings import StreamPacing
+    from rvqtts.qwen.codec import StreamPacing
+    from rvqtts.serving.server import ServerOptions
+    from rvqtts.serving.server import serve as run_server
+    from rvqtts.synthesis.batch_size import choose_batch_size
 
     rows = batch_rows(batch_size)
     synthesizer = load_synthesizer(

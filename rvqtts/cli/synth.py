@@ -39,7 +39,7 @@ from rvqtts.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from rvqtts.settings import StreamPacing
+    from rvqtts.qwen.codec import StreamPacing
 
 
 def _read_text(text: Optional[str]) -> str:
@@ -246,7 +246,8 @@ def synth(
         utterance, rows = _one_input(text, output, batch_size, stdout_format, codes_out), None
         utterances, output = [utterance], utterance.name
     ensure_writable(stats_json)
-    from rvqtts.settings import GenerationSettings, RunSettings, StreamPacing
+    from rvqtts.qwen.codec import StreamPacing
+    from rvqtts.synthesis.settings import GenerationSettings, RunSettings
 
     sampling = (temperature, top_k, top_p, repetition_penalty, max_frames)
     with refused(ValueError):
@@ -272,7 +273,7 @@ def synth(
                 synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet
             )
         if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
-            from rvqtts.synthesis import INSTRUCT_IGNORED
+            from rvqtts.synthesis.synthesizer import INSTRUCT_IGNORED
 
             say(INSTRUCT_IGNORED)
         _encode_voices(synthesizer, voices, clone, save_voice, quiet)
@@ -282,8 +283,8 @@ def synth(
                 synthesizer.codec.warm_up(pacing)
             _synth_one(synthesizer, utterance, output, run, pacing, stdout_format, codes_out, stats_json, quiet)
         else:
-            from rvqtts.batch_size import choose_batch_size
             from rvqtts.cli.batch import run_here
+            from rvqtts.synthesis.batch_size import choose_batch_size
 
             if rows is None:
                 rows, source = choose_batch_size(synthesizer, len(making), progress=lambda m: say(m, quiet))
@@ -300,7 +301,7 @@ def _check_options(
     chunk_chars: float,
 ) -> None:
     """Fail with one line on an option that is wrong whatever the model."""
-    from rvqtts.audio import STDOUT_FORMATS
+    from rvqtts.support.audio import STDOUT_FORMATS
 
     if backend not in ("torch", "coreml"):
         fail(f"unknown --backend {backend!r}: choose torch or coreml")
@@ -320,7 +321,7 @@ def _check_options(
 def _voice_source(ref_audio: Optional[Path], ref_text: Optional[str], x_vector_only: bool, voice: Optional[Path]):
     """The cloned voice the options name (a VoiceSource, its paths absolute as batch lines' are: Ray workers
     start elsewhere), or None; fails with one line on a combination that names none."""
-    from rvqtts.cloning import VoiceError, VoiceSource
+    from rvqtts.qwen.cloning import VoiceError, VoiceSource
 
     ref_audio, voice = (None if path is None else path.expanduser().resolve() for path in (ref_audio, voice))
     if not (ref_audio or voice or ref_text is not None or x_vector_only):
@@ -342,7 +343,7 @@ def _checked_save_voice(save_voice: Path, clone, ray: Optional[str]) -> Path:
 
 def _batch_input(file: Path, out_dir: Optional[Path], stream: bool, batch_size: str, codes_out: Optional[Path]):
     """A batch file's utterances and the rows it is spoken in (None: auto), its outputs checked writable."""
-    from rvqtts.batch import BatchFileError, read_batch
+    from rvqtts.synthesis.batch_files import BatchFileError, read_batch
 
     if out_dir is None:
         fail("-f needs --out-dir DIR for its audio files")
@@ -358,8 +359,8 @@ def _batch_input(file: Path, out_dir: Optional[Path], stream: bool, batch_size: 
 
 def _one_input(text: Optional[str], output: Optional[str], batch_size: str, stdout_format: str, codes_out):
     """The one utterance of a text (or standard input), its output checked writable ("-": standard output)."""
-    from rvqtts.audio import audio_format
-    from rvqtts.settings import Line
+    from rvqtts.support.audio import audio_format
+    from rvqtts.synthesis.settings import Line
 
     if batch_size not in ("auto", "1"):
         fail("--batch-size is for batch files: give -f FILE --out-dir DIR")
@@ -380,8 +381,8 @@ def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, ru
     """The utterances to make (a resumed batch skips the lines it has) and their cloned voices, after every
     utterance's voice is checked against the model's config and every cloned voice's file is read (failing with one
     line, the batch line named)."""
-    from rvqtts.batch import to_do
-    from rvqtts.loading import ModelLoadError, model_voices
+    from rvqtts.qwen.checkpoints import ModelLoadError, model_voices
+    from rvqtts.synthesis.batch_files import to_do
 
     with refused(ModelLoadError):
         found = model_voices(model)
@@ -401,7 +402,7 @@ def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, ru
 @contextlib.contextmanager
 def _run_errors():
     """A model that made NaN or inf, or a reader of standard output that left, ends the run with one line."""
-    from rvqtts.engine.sampling import NonFiniteError
+    from rvqtts.engine.model.sampling import NonFiniteError
 
     try:
         yield
@@ -418,7 +419,7 @@ def _run_errors():
 def _refuse_unknown_voice(model: str, speaker: Optional[str], language: str, instruct: Optional[str], cloned: bool):
     """Fail with one line where the model's config says it does not speak this voice (a model that cannot be
     read is reported later, in its turn among the other checks)."""
-    from rvqtts.loading import ModelLoadError, model_voices
+    from rvqtts.qwen.checkpoints import ModelLoadError, model_voices
 
     try:
         found = model_voices(model)
@@ -432,7 +433,7 @@ def _check_voice_files(sources: list, where: dict | None = None) -> None:
     """Fail with one line (prefixed with `where[source]`, the batch line that first names it) unless every
     reference audio file can clone a voice and every voice file is one (which model encoded it is checked
     once the model is loaded)."""
-    from rvqtts.cloning import VoiceError, load_voice, read_reference
+    from rvqtts.qwen.cloning import VoiceError, load_voice, read_reference
 
     for source in sources:
         with refused(VoiceError, prefix=(where or {}).get(source, "")):
@@ -442,7 +443,7 @@ def _check_voice_files(sources: list, where: dict | None = None) -> None:
 def _encode_voices(synthesizer, sources: list, clone, save_voice: Optional[Path], quiet: bool) -> None:
     """Encode (or read) every cloned voice of the run before any synthesis, so a voice this model cannot
     use fails with one line; with `save_voice`, write the voice of `clone` there."""
-    from rvqtts.cloning import save_voice as write_voice
+    from rvqtts.qwen.cloning import save_voice as write_voice
 
     with refused(ValueError):  # VoiceError, and a cloned voice on a model of another kind
         for source in sources:
@@ -455,7 +456,7 @@ def _encode_voices(synthesizer, sources: list, clone, save_voice: Optional[Path]
 
 def _save_voice_only(clone, save_voice: Path, model: str, device: str, dtype: str, quiet: bool) -> None:
     """`rvqtts synth --ref-audio F ... --save-voice V` with nothing to say: encode the voice and write it."""
-    from rvqtts.loading import ModelLoadError, model_voices
+    from rvqtts.qwen.checkpoints import ModelLoadError, model_voices
 
     with refused(ModelLoadError, ValueError):
         model_voices(model).check(None, "auto", cloned=True)
@@ -477,8 +478,8 @@ def _ray_worker_spec(
     it can be: the workers' machines resolve the device and read the model, tree and offsets (local paths go to
     them absolute: a worker starts in a folder of its own)."""
     device, dtype, decoder_dtype, weights, spec, tree, offsets, cuda_graphs = engine
-    from rvqtts.cluster import ClusterError, WorkerSpec, require_ray
-    from rvqtts.loader import EngineChoices
+    from rvqtts.serving.cluster import ClusterError, WorkerSpec, require_ray
+    from rvqtts.synthesis.loader import EngineChoices
 
     if file is None:
         fail("--ray is for batch files: give -f FILE --out-dir DIR")
@@ -524,8 +525,8 @@ def _on_coreml(
     quiet: bool,
 ):
     """The synthesizer with its inner loop on a Core ML package (the plain step when it has no speculation)."""
-    from rvqtts.engine.coreml import coreml_loop
-    from rvqtts.engine.policy import choose_speculation
+    from rvqtts.engine.backends.coreml import coreml_loop
+    from rvqtts.engine.speculative.policy import choose_speculation
 
     with refused(ValueError):  # CoreMLError, TreeFileError, OffsetsFileError and a tree the offsets cannot draft
         speculation = synthesizer.speculation  # None: --no-spec, whose package still holds a tree
@@ -541,7 +542,7 @@ def _synth_one(
     synthesizer, item, output, run, pacing: Optional[StreamPacing], stdout_format: str, codes_out, stats_json, quiet
 ) -> None:
     """One text to `output`: streamed as `pacing` says, or (None) written whole at the end."""
-    from rvqtts.audio import write_audio, write_codes, write_stream
+    from rvqtts.support.audio import write_audio, write_codes, write_stream
 
     with progress_bar(quiet) as progress:
         task = progress.add_task("synthesizing", total=None)

@@ -70,18 +70,18 @@ def tune(
     """
     import torch
 
-    from rvqtts.batch import read_batch
-    from rvqtts.decoder_dtype import pick_decoder_dtype
-    from rvqtts.engine import native
-    from rvqtts.engine.devices import frame_map_ms, frame_maps, pick_dtype
-    from rvqtts.engine.kernels import choose_kernels, fixed_kernel, forget_choices, forget_records, machine_key
-    from rvqtts.engine.online import OnlineSpeculation
-    from rvqtts.engine.quantize import WEIGHTS
-    from rvqtts.loading import ModelLoadError, model_config
-    from rvqtts.memory import memory_record
-    from rvqtts.report import tune_table
-    from rvqtts.settings import GenerationSettings
-    from rvqtts.store import KERNELS
+    from rvqtts.engine.model import native
+    from rvqtts.engine.model.devices import frame_map_ms, frame_maps, pick_dtype
+    from rvqtts.engine.model.kernels import choose_kernels, fixed_kernel, forget_choices, forget_records, machine_key
+    from rvqtts.engine.model.quantize import WEIGHTS
+    from rvqtts.engine.speculative.online import OnlineSpeculation
+    from rvqtts.qwen.checkpoints import ModelLoadError, model_config
+    from rvqtts.qwen.decoder_dtype import pick_decoder_dtype
+    from rvqtts.support.measurements import KERNELS
+    from rvqtts.support.memory import memory_record
+    from rvqtts.support.report import tune_table
+    from rvqtts.synthesis.batch_files import read_batch
+    from rvqtts.synthesis.settings import GenerationSettings
 
     if dtype not in ("auto", "float32", "bfloat16"):
         fail(f"unknown --dtype {dtype!r}: rvqtts tune measures CPU kernels in auto, float32 or bfloat16")
@@ -186,7 +186,7 @@ def train_offsets_command(
     Codes do not change: the verifier never reads an offset state. The file records the model, K, the
     data and the losses; rvqtts synth uses it when given with --offsets.
     """
-    from rvqtts.engine.offsets import save_offsets
+    from rvqtts.engine.speculative.offsets import save_offsets
     from rvqtts.tuning.contexts import save_contexts as write_contexts
     from rvqtts.tuning.training import TrainingConfig, fit_offsets
 
@@ -260,7 +260,7 @@ def calibrate(
 ) -> None:
     """Measure the per-depth, per-rank acceptance table on free-running codes and grow one sparse tree
     per node budget (depth capped at K), each with its expected codes per call."""
-    from rvqtts.engine.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
+    from rvqtts.engine.speculative.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
     from rvqtts.tuning.calibration import calibrate_trees
 
     check_source(texts, contexts)
@@ -315,8 +315,8 @@ def accept(
 ) -> None:
     """Measure codes per predictor call of the speculative inner loop on these frames: overall and per
     language, with a 95 % confidence interval."""
-    from rvqtts.engine.policy import choose_speculation
-    from rvqtts.report import codes_per_call_table
+    from rvqtts.engine.speculative.policy import choose_speculation
+    from rvqtts.support.report import codes_per_call_table
     from rvqtts.tuning.calibration import codes_per_call
 
     check_source(texts, contexts)

@@ -1,3 +1,3 @@
-"""The engine: the Qwen3 decoder stack both loops share, run by hand over static KV caches; the talker and
-code predictor runners; sampling, trees, offsets and the exact verification walk; the kernels; the frame
-loop and the inner loop, one utterance or several at once; the streaming speech decoder."""
+"""The engine, in four layers: model/ (the networks, kernels and sampling), speculative/ (trees, offsets, rounds and
+the tree size chosen), backends/ (the inner loop as one module: fused, Core ML) and loop/ (the frame loop and the
+inner loop). docs/architecture.md draws them."""

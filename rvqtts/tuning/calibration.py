@@ -11,13 +11,13 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from rvqtts.engine.inner_loop import LoopParts
-from rvqtts.engine.offsets import Offsets, predictor_fingerprint
-from rvqtts.engine.predictor import PredictorRunner
-from rvqtts.engine.rounds import plain_frames, speculative_frames
-from rvqtts.engine.sampling import SamplingConfig, entropy_bits, residual_noise, target_probs
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import Tree, grow_tree
+from rvqtts.engine.loop.inner_loop import LoopParts
+from rvqtts.engine.model.predictor import PredictorRunner
+from rvqtts.engine.model.sampling import SamplingConfig, entropy_bits, residual_noise, target_probs
+from rvqtts.engine.speculative.offsets import Offsets, predictor_fingerprint
+from rvqtts.engine.speculative.rounds import plain_frames, speculative_frames
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import Tree, grow_tree
 from rvqtts.tuning.contexts import Contexts
 from rvqtts.tuning.drafters import OffsetDrafter
 from rvqtts.tuning.drafts import DraftData, draft_logits, draft_ranks, frozen_draft_data, head_weights, top1_by_depth

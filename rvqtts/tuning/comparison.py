@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rvqtts.engine.sampling import SamplingConfig
-from rvqtts.engine.tree import Tree, grow_tree
+from rvqtts.engine.model.sampling import SamplingConfig
+from rvqtts.engine.speculative.tree import Tree, grow_tree
 from rvqtts.tuning.calibration import MAX_RANK, acceptance_table, free_running_data, replay_calls, summarize_calls
 from rvqtts.tuning.contexts import Contexts
 from rvqtts.tuning.drafters import (

@@ -20,10 +20,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from rvqtts.audio import UnreadableAudio, read_mono, resample
-from rvqtts.engine.frame_loop import Work, WorkFailed
-from rvqtts.files import write_atomically
-from rvqtts.settings import GenerationSettings, Line, RunSettings
+from rvqtts.engine.loop.frame_loop import Work, WorkFailed
+from rvqtts.support.audio import UnreadableAudio, read_mono, resample
+from rvqtts.support.files import write_atomically
+from rvqtts.synthesis.settings import GenerationSettings, Line, RunSettings
 
 FIELDS = ("h_t", "codes", "language")
 
@@ -124,8 +124,8 @@ def load_contexts(
 def record_contexts(
     synthesizer, lines: list[Line], run: RunSettings, on_line: Callable[[int, int], None] | None = None
 ) -> Contexts:
-    """Synthesize `lines` (rvqtts.batch.read_batch's; their voice fields, else the run's) with the plain inner loop
-    and record every frame.
+    """Synthesize `lines` (rvqtts.synthesis.batch_files.read_batch's; their voice fields, else the run's) with the plain
+    inner loop and record every frame.
 
     c0 is not handed to the inner loop, only its embedding; it is recovered as the embedding table's
     matching row (an exact lookup, so the nearest row is the row)."""
@@ -169,7 +169,7 @@ class AudioPair:
 
 def speech_codes(tokenizer, path: Path) -> np.ndarray:
     """A recording's frames of codes [frames, 16] by the model's speech tokenizer: read and resampled here as
-    qwen-tts would (rvqtts.audio: the same samples, without compiling librosa's numba functions), or read
+    qwen-tts would (rvqtts.support.audio: the same samples, without compiling librosa's numba functions), or read
     by qwen-tts where soundfile cannot read the file."""
     rate = int(tokenizer.feature_extractor.sampling_rate)
     try:

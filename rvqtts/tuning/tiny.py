@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from rvqtts.compat import qwen_tts
-from rvqtts.files import current_umask
-from rvqtts.settings import QWEN_TTS_DEFAULTS
+from rvqtts.qwen.compat import qwen_tts
+from rvqtts.support.files import current_umask
+from rvqtts.synthesis.settings import QWEN_TTS_DEFAULTS
 
 SPEAKERS = ["vivian", "serena", "uncle_fu", "dylan", "eric", "ryan", "aiden", "ono_anna", "sohee"]
 LANGUAGES = "chinese english japanese korean german french russian portuguese spanish italian".split()

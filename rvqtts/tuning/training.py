@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rvqtts.engine.offsets import MAX_DEPTH, Offsets, predictor_fingerprint
-from rvqtts.engine.sampling import SamplingConfig, target_probs
+from rvqtts.engine.model.sampling import SamplingConfig, target_probs
+from rvqtts.engine.speculative.offsets import MAX_DEPTH, Offsets, predictor_fingerprint
 from rvqtts.tuning.calibration import sample_codes
 from rvqtts.tuning.contexts import Contexts
 from rvqtts.tuning.drafters import OffsetDrafter

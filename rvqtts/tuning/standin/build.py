@@ -13,12 +13,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from rvqtts.audio import audio_bytes
-from rvqtts.engine.offsets import Offsets, save_offsets
-from rvqtts.engine.speculation import Speculation
-from rvqtts.engine.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
-from rvqtts.files import write_atomically
-from rvqtts.synthesis import Synthesizer
+from rvqtts.engine.speculative.offsets import Offsets, save_offsets
+from rvqtts.engine.speculative.speculation import Speculation
+from rvqtts.engine.speculative.tree import ACCEPTANCE_SUFFIX, save_acceptance, save_tree
+from rvqtts.support.audio import audio_bytes
+from rvqtts.support.files import write_atomically
+from rvqtts.synthesis.synthesizer import Synthesizer
 from rvqtts.tuning.calibration import calibrate_trees, codes_per_call
 from rvqtts.tuning.comparison import compare_drafters
 from rvqtts.tuning.contexts import Contexts

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rvqtts.engine.sampling import SamplingConfig, entropy_bits, target_probs
+from rvqtts.engine.model.sampling import SamplingConfig, entropy_bits, target_probs
 from rvqtts.tuning.standin.model import teacher_forced_logits
 
 LN2 = float(np.log(2))

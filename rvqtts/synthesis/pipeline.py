@@ -1,0 +1,261 @@
+"""Speaking lines: each line's text in chunks, each chunk's prompt, the frame loop over B rows
+(rvqtts.engine.loop.frame_loop) and the codec's audio; a line's samples ready as its frames (streamed) or chunks
+(offline) end, then its Synthesis with the statistics users see. `Synthesizer.stream`, `synthesize` and
+`synthesize_many` all speak through `speak`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Generator, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from rvqtts.engine.loop.frame_loop import ChunkDone, FrameDone, FrameLoop, Work, WorkFailed
+from rvqtts.engine.model.speech_decoder import StreamingDecoder
+from rvqtts.engine.model.talker import Prompt
+from rvqtts.engine.speculative.policy import tree_nodes
+from rvqtts.engine.speculative.speculation import DEFAULT_DEPTH
+from rvqtts.qwen.cloning import ClonedVoice
+from rvqtts.qwen.codec import StreamPacing
+from rvqtts.support.audio import StreamJoiner
+from rvqtts.synthesis.batch_size import fitting_rows, row_bytes, rows_invariant
+from rvqtts.synthesis.settings import GenerationSettings, Line, Synthesis
+from rvqtts.synthesis.text import FRAMES_PER_SECOND, chunk_text
+
+PROMPT_TOKENS = 64  # a prompt's tokens besides its text's (roles, codec tags, speaker), generously
+
+
+def speak(
+    synth,
+    lines: Iterable[Line | None],
+    settings: GenerationSettings,
+    chunk_chars: float | None,
+    rows: int = 1,
+    stream: StreamPacing | None = None,
+    on_chunk: Callable[[int, int], None] | None = None,
+    on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
+    stopped: Callable[[int], bool] | None = None,
+) -> Iterator[tuple[int, np.ndarray | Synthesis | Exception]]:
+    """Speak `lines` (each with its seed and utterance set), `rows` at a time (rvqtts.engine.loop.frame_loop), text
+    chunk after text chunk, each line as soon as a row is free, in its own sampling settings (else `settings`).
+    `lines` may be a live source (a server's requests): None from it means none is waiting now. Yields (index
+    among the lines, item) as it goes: a line's samples ready to play (paced by its `stream`, else `stream`, and
+    decoded incrementally by the streaming decoder; or, not streamed, each text chunk at once, `decode`), then its
+    Synthesis; or, for a line whose voice, text or decoding fails, or that `stopped(index)` stops (asked every
+    frame; rvqtts.engine.loop.frame_loop.Stopped), or whose logits went NaN or inf (NonFiniteError), the exception, and
+    no more of it."""
+    loop = synth.runners.frame_loop(rows)
+    depth = loop.speculation.offsets.depth if loop.speculation else DEFAULT_DEPTH
+
+    def spoken(index: int, line: Line) -> _Spoken:  # made as its row takes it: its clock starts there
+        line_settings = line.settings or settings
+        sampling, pacing = synth.sampling(line_settings), line.stream or stream
+        state = _Spoken(line.seed, line.utterance, iter(()), sampling, on_frame=on_frame, index=index, pacing=pacing)
+        state.stats.accepted_per_depth = [0] * depth
+        state.joiner = StreamJoiner(synth.sample_rate)
+        state.decoder = synth.codec.streaming_decoder() if state.pacing else None
+        state.chunks = line_prompts(synth, line, state, line_settings, chunk_chars)
+        state.stopped = lambda: state.failed or (stopped is not None and stopped(index))
+        return state
+
+    def states() -> Iterator[_Spoken | None]:
+        index = 0
+        for line in lines:
+            if line is None:
+                yield None
+            else:
+                yield spoken(index, line)
+                index += 1
+
+    for event in loop.run(states()):
+        state = event.work
+        if state.failed:  # the rest of its chunks are not heard
+            continue
+        try:
+            if isinstance(event, WorkFailed):
+                raise event.error
+            if isinstance(event, FrameDone):
+                state.pending.append(event.codes)
+                if state.pacing and len(state.pending) == state.pacing.due(state.seconds["first_audio"] is not None):
+                    yield state.index, ready_audio(synth, state)
+            elif isinstance(event, ChunkDone):
+                if state.pending:
+                    yield state.index, ready_audio(synth, state)
+                state.frames.extend(event.frames)
+                state.chunk_start, state.chunks_done = True, state.chunks_done + 1
+                if event.cut:
+                    piece, budget = state.pieces[state.chunks_done - 1], event.budget
+                    state.warnings.append(
+                        f"chunk {state.chunks_done} of {len(state.pieces)} was cut at {budget} frames "
+                        f"({budget / FRAMES_PER_SECOND:.1f} s) for {len(piece)} characters: the model did not end "
+                        f"its speech (text: {piece[:40]!r})"
+                    )
+                if on_chunk:
+                    on_chunk(state.chunks_done, len(state.pieces))
+            else:
+                yield state.index, state.joiner.finish()
+                yield state.index, finished(synth, state, loop)
+        except Exception as error:  # this line's: it fails alone
+            state.failed = True
+            yield state.index, error
+
+
+def line_prompts(
+    synth, line: Line, state: _Spoken, settings: GenerationSettings, chunk_chars: float | None
+) -> Iterator[tuple[Prompt, int]]:
+    """The line's prompts, one per text chunk, with their frame budgets (its voice checked when it starts),
+    the streaming decoder primed for each."""
+    if not line.text.strip():
+        raise ValueError("the text is empty: give something to say")
+    line = synth.voiced(line)
+    state.clone, state.pieces = line.clone, text_pieces(line.text, chunk_chars)
+    for piece in state.pieces:
+        begun = time.perf_counter()
+        if state.decoder:
+            synth.codec.start(state.decoder, line.clone)
+            state.seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
+        begun = time.perf_counter()
+        prompt = synth.prompt(piece, line.speaker, line.language, line.instruct, line.clone)
+        state.seconds["prompts"] += time.perf_counter() - begun
+        state.seconds.setdefault("prompt", state.seconds["prompts"])  # the first chunk's, before any audio
+        yield prompt, synth.frame_budget(piece, settings)
+
+
+def ready_audio(synth, state: _Spoken) -> np.ndarray:
+    """Decode the line's pending frames, join them to what came before, and time both; the samples ready to
+    play."""
+    begun = time.perf_counter()
+    codes = np.stack(state.pending)
+    samples = state.decoder.push(codes) if state.decoder else synth.codec.decode(codes, state.clone)
+    ready = state.joiner.add(samples, new_part=state.chunk_start)
+    state.pending, state.chunk_start = [], False
+    state.seconds["decoder"] += time.perf_counter() - begun
+    if ready.size and state.seconds["first_audio"] is None:  # its parts in wall time: the frames' take in the rest
+        seconds = state.seconds
+        seconds["first_audio"] = time.perf_counter() - state.started
+        prefill = seconds["prompt"] + seconds["prefill"]
+        seconds["first_audio_split"] = {
+            "prefill": round(prefill, 3),
+            "frames": round(seconds["first_audio"] - prefill - seconds["decoder"], 3),
+            "decoder": round(seconds["decoder"], 3),
+        }
+    return ready
+
+
+def finished(synth, state: _Spoken, loop: FrameLoop) -> Synthesis:
+    """The Synthesis of a line `speak` finished. Its loops' seconds are its shares of the calls it was in;
+    building its prompts counts as talker work, and the first one in the prefill."""
+    seconds = state.seconds
+    seconds.update(
+        wall=time.perf_counter() - state.started,
+        talker=seconds["talker"] + seconds["prompts"],
+        prefill=seconds["prompt"] + seconds["prefill"],
+    )
+    speculation = loop.speculation
+    return Synthesis(
+        audio=state.joiner.audio(),
+        sample_rate=synth.sample_rate,
+        codes=np.stack(state.frames),
+        stats=state.stats,
+        seconds=seconds,
+        talker_calls=state.talker_calls,
+        chunks=len(state.pieces),
+        spec=speculation is not None,
+        tree_nodes=tree_nodes(speculation),
+        seed=state.seed,
+        sampling=state.sampling.record(),
+        warnings=state.warnings,
+        stream=state.pacing,
+        weights=synth.weights,
+        engine=synth.engine_record(),
+        batch_rows=loop.rows,
+        batch_row_bytes=row_bytes(synth, synth.runners.talker().max_len) if loop.rows > 1 else None,
+        online=speculation.record(state.frames_by_budget) if speculation else None,
+    )
+
+
+def one_line(
+    synth,
+    line: Line,
+    settings: GenerationSettings,
+    chunk_chars: float | None,
+    stream: StreamPacing | None,
+    on_chunk: Callable[[int, int], None] | None,
+    on_frame: Callable[[torch.Tensor, list[int]], None] | None,
+) -> Generator[np.ndarray, None, Synthesis]:
+    """One line's samples as `speak` makes them ready, then its Synthesis (its failure raised)."""
+    for _, item in speak(synth, [line], settings, chunk_chars, 1, stream, on_chunk, on_frame):
+        if isinstance(item, Exception):
+            raise item
+        if isinstance(item, Synthesis):
+            return item
+        yield item
+
+
+def row_slots(synth, line: Line, settings: GenerationSettings, chunk_chars: float | None) -> int:
+    """A generous count of the talker positions a line's longest chunk takes: its frame budget, two
+    prompt tokens per character and the prompt's own, and an ICL voice's reference codes."""
+    pieces = text_pieces(line.text, chunk_chars) or [line.text]
+    reference = len(line.clone.codes) if isinstance(line.clone, ClonedVoice) and line.clone.icl else 0
+    return max(synth.frame_budget(piece, settings) + 2 * len(piece) for piece in pieces) + PROMPT_TOKENS + reference
+
+
+def batch_rows(
+    synth,
+    lines: list[Line],
+    settings: GenerationSettings,
+    chunk_chars: float | None,
+    batch_size: int,
+    on_notice: Callable[[str], None] | None,
+) -> int:
+    """The rows `lines` are spoken in: at most `batch_size`, cut to the rows whose caches fit in memory
+    (rvqtts.synthesis.batch_size.fitting_rows), said through `on_notice`, as is a batch whose kernels are not known to
+    keep rows invariant."""
+    if synth.runners.inner_parts().runner is None:  # a Core ML package's calls carry one frame
+        return 1
+    rows = min(batch_size, max(len(lines), 1))
+    if rows > 1:
+        slots = max(row_slots(synth, line, line.settings or settings, chunk_chars) for line in lines)
+        fitting = fitting_rows(synth, rows, slots)
+        if fitting < rows and on_notice:
+            on_notice(
+                f"a batch of {rows} rows would hold {rows * row_bytes(synth, slots) / 2**30:.1f} GiB of "
+                f"caches, more than half the memory free: speaking {fitting} at a time"
+            )
+        rows = fitting
+        if rows > 1 and on_notice and not rows_invariant(synth):
+            on_notice(
+                "the kernels here are not known to keep rows invariant: a batched line's audio can "
+                "differ from its one-line run's in the last bits (--batch-size 1 keeps them)"
+            )
+    return rows
+
+
+def text_pieces(text: str, chunk_chars: float | None) -> list[str]:
+    """The pieces a text is spoken in: sentence chunks of at most `chunk_chars`, or (None) the whole text."""
+    return chunk_text(text, chunk_chars) if chunk_chars else [" ".join(text.split())]
+
+
+@dataclass
+class _Spoken(Work):
+    """A line as `speak` speaks it: the frame loop's utterance (rvqtts.engine.loop.frame_loop.Work) and what the
+    pipeline gathers for it while its chunks are spoken."""
+
+    index: int = 0  # among `speak`'s lines
+    pacing: StreamPacing | None = None  # streamed: how its pieces come
+    started: float = field(default_factory=time.perf_counter)
+    joiner: StreamJoiner | None = None
+    decoder: StreamingDecoder | None = None  # streamed: the incremental decoder
+    clone: ClonedVoice | None = None  # its voice, encoded
+    pieces: list[str] = field(default_factory=list)
+    frames: list[np.ndarray] = field(default_factory=list)  # spoken, chunk by chunk
+    pending: list[np.ndarray] = field(default_factory=list)  # frames not decoded yet
+    chunk_start: bool = True  # the next samples start a text chunk
+    warnings: list[str] = field(default_factory=list)
+    chunks_done: int = 0
+    failed: bool = False  # the rest of its events are not heard
+    seconds: dict = field(
+        default_factory=lambda: dict(talker=0.0, predictor=0.0, prefill=0.0, decoder=0.0, first_audio=None, prompts=0.0)
+    )
