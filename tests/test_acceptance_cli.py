@@ -14,7 +14,7 @@ from helpers import run_cli as run
 from rvqtts.engine.model.sampling import SamplingConfig
 from rvqtts.engine.speculative.offsets import load_offsets, predictor_fingerprint
 from rvqtts.engine.speculative.tree import grow_tree, load_acceptance, load_tree
-from rvqtts.synthesis.settings import GenerationSettings, Line, RunSettings
+from rvqtts.synthesis.settings import GenerationSettings, Line
 from rvqtts.tuning.calibration import sampling_entropy
 from rvqtts.tuning.contexts import ContextsFileError, load_contexts, record_contexts, save_contexts, teacher_force
 from rvqtts.tuning.drafts import DraftData
@@ -77,8 +77,8 @@ def test_bad_contexts_files_are_refused_with_their_fault(tmp_path, arrays, check
 
 def test_recorded_frames_are_the_synthesized_frames(tiny):
     settings = GenerationSettings(max_frames=30)
-    utterances = [Line("Hello there.", utterance=1), Line("Guten Tag.", language="german", utterance=2)]
-    frames = record_contexts(tiny, utterances, RunSettings("vivian", "english", seed=4, settings=settings))
+    utterances = [Line(text="Hello there.", utterance=1), Line(text="Guten Tag.", language="german", utterance=2)]
+    frames = record_contexts(tiny, utterances, Line(speaker="vivian", language="english", seed=4, settings=settings))
     made = [
         tiny.synthesize(u.text, "vivian", u.language or "english", seed=4, utterance=u.utterance, settings=settings)
         for u in utterances
@@ -286,8 +286,8 @@ def test_offsets_for_another_model_are_refused(tmp_path, tiny_dir, small_dir, sm
 
 def test_teacher_forcing_reproduces_the_talker_states_of_synthesis(tiny):
     settings = GenerationSettings(max_frames=20)
-    line = Line("Hello there.", "vivian", "english", utterance=1)
-    free = record_contexts(tiny, [line], RunSettings(seed=2, settings=settings))
+    line = Line(text="Hello there.", speaker="vivian", language="english", utterance=1)
+    free = record_contexts(tiny, [line], Line(seed=2, settings=settings))
     states = []
     teacher_force(tiny, line, free.codes, lambda prefix, codes: states.append(prefix[0]))
     # Forced to emit the codes it sampled, the talker passes through the same hidden states.

@@ -61,7 +61,7 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_kern
         2: GenerationSettings(max_frames=settings.max_frames, top_p=0.8, predictor_temperature=1.2),
     }
     lines = [
-        Line(text, utterance=index + 3, seed=index % 2 or None, settings=own.get(index))
+        Line(text=text, utterance=index + 3, seed=index % 2 or None, settings=own.get(index))
         for index, text in enumerate(TEXTS)
     ]
     alone = [  # seeds 5 (the batch's) and 1 (the line's own) share the batch's calls
@@ -83,7 +83,7 @@ def test_a_batch_speaks_every_line_as_it_speaks_alone(tiny_dir, released_06_kern
     monkeypatch.setattr(talker_module, "CAPACITY_STEP", 16)  # the cache grows while other rows are mid-line
     synth.runners.talker().allocate(16, 1)
     batch_size = 2 if dtype == "float32" else 3
-    bad = [Line("Nobody speaks this.", speaker="nobody"), Line("  ")]
+    bad = [Line(text="Nobody speaks this.", speaker="nobody"), Line(text="  ")]
     outcomes = dict(
         synth.synthesize_many(
             bad[:1] + lines + bad[1:], seed=5, settings=settings, chunk_chars=40, batch_size=batch_size
@@ -163,7 +163,7 @@ def test_a_line_whose_audio_fails_fails_alone_and_a_batch_that_cannot_fit_runs_l
 ):
     synth = Synthesizer.from_checkpoint(tiny_dir)
     settings = GenerationSettings(max_frames=6)
-    lines = [Line(text) for text in TEXTS[:3]]
+    lines = [Line(text=text) for text in TEXTS[:3]]
     alone = [synth.synthesize(text, utterance=index, settings=settings) for index, text in enumerate(TEXTS[:3])]
     assert list(synth.synthesize_many([], settings=settings)) == []
     decode = synth.codec.decode
@@ -298,7 +298,7 @@ def test_a_batch_chooses_its_tree_size_online_at_its_rows_and_keeps_every_lines_
     monkeypatch.setattr(online_module, "DECIDE_EVERY", 6)
     monkeypatch.setattr(OnlineSpeculation, "decide", lambda self: setattr(self, "budget", next(sizes)))
     settings = GenerationSettings(max_frames=12)
-    lines = [Line(text, utterance=index) for index, text in enumerate(TEXTS[:4])]
+    lines = [Line(text=text, utterance=index) for index, text in enumerate(TEXTS[:4])]
     together = dict(online.synthesize_many(lines, seed=4, settings=settings, batch_size=3))
     batch_online = online.runners.batch_speculation(3)
     alone = [online.synthesize(line.text, seed=4, utterance=line.utterance, settings=settings) for line in lines]
@@ -323,7 +323,7 @@ def test_a_row_whose_logits_go_non_finite_fails_alone(tiny_dir, measured, monkey
     synth = Synthesizer.from_checkpoint(tiny_dir, dtype="float32")
     synth = synth.using(Speculation(resolve_tree("4"), Offsets.zeros(3, synth.hidden_size)) if spec else None)
     settings = GenerationSettings(max_frames=6)
-    lines = [Line(text, speaker=synth.speakers[0]) for text in ("One line.", "The poisoned line.", "A third one.")]
+    lines = [Line(text=text, speaker=synth.speakers[0]) for text in ("One line.", "The poisoned line.", "A third one.")]
     alone = {
         i: synth.synthesize(line.text, line.speaker, seed=3, utterance=i, settings=settings).audio
         for i, line in enumerate(lines)

@@ -25,7 +25,8 @@ import rvqtts.synthesis.pipeline as pipeline
 from rvqtts.serving.cluster import ClusterError, WorkerSpec, synthesize_batch_on_ray
 from rvqtts.synthesis.batch_files import MANIFEST, read_batch
 from rvqtts.synthesis.loader import EngineChoices
-from rvqtts.synthesis.settings import GenerationSettings, Line, RunSettings
+from rvqtts.synthesis.settings import GenerationSettings, Line
+from rvqtts.synthesis.text import MAX_CHUNK_WEIGHT
 
 LINES = [
     {"text": "One."},
@@ -36,7 +37,7 @@ LINES = [
 ]
 OUTPUTS = ["0001.wav", "0003.wav", "0005.wav", "four.flac"]  # line 2 fails, everywhere
 FRAMES = 12  # --max-frames: short lines keep the module fast
-RUN = RunSettings("vivian", settings=GenerationSettings(max_frames=FRAMES))  # what `rvqtts synth --max-frames 12` runs
+RUN = Line(speaker="vivian", settings=GenerationSettings(max_frames=FRAMES))  # what `rvqtts synth --max-frames 12` runs
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +151,9 @@ def test_a_worker_killed_mid_line_has_the_line_made_by_another(cluster, faults, 
     killer = threading.Thread(target=kill_the_stalled_worker, daemon=True)
     killer.start()
     out = tmp_path / "out"
-    batch = synthesize_batch_on_ray(read_batch(corpus), out, WorkerSpec(str(tiny_dir)), RUN, workers=1)
+    batch = synthesize_batch_on_ray(
+        read_batch(corpus), out, WorkerSpec(str(tiny_dir)), RUN, MAX_CHUNK_WEIGHT, workers=1
+    )
     killer.join(timeout=60)
     assert killed and isinstance(killed[0], int), killed
     assert [r.status for r in batch.results] == ["done", "failed", "done", "done", "done"]
@@ -168,12 +171,13 @@ from pathlib import Path
 import ray
 from rvqtts.synthesis.batch_files import read_batch
 from rvqtts.serving.cluster import WorkerSpec, synthesize_batch_on_ray
-from rvqtts.synthesis.settings import GenerationSettings, RunSettings
+from rvqtts.synthesis.settings import GenerationSettings, Line
+from rvqtts.synthesis.text import MAX_CHUNK_WEIGHT
 
 address, runtime_env, corpus, out, model, frames = sys.argv[1:]
 ray.init(address=address, runtime_env=json.loads(runtime_env), log_to_driver=False)
-run = RunSettings("vivian", settings=GenerationSettings(max_frames=int(frames)))
-synthesize_batch_on_ray(read_batch(corpus), Path(out), WorkerSpec(model), run, workers=1)
+run = Line(speaker="vivian", settings=GenerationSettings(max_frames=int(frames)))
+synthesize_batch_on_ray(read_batch(corpus), Path(out), WorkerSpec(model), run, MAX_CHUNK_WEIGHT, workers=1)
 """
 
 
@@ -239,7 +243,12 @@ def test_a_model_that_overflows_or_does_not_load_stops_the_batch_with_one_line(c
     )
     with pytest.raises(ClusterError, match="a worker could not load the model .*: ModelLoadError: .*missing"):
         synthesize_batch_on_ray(
-            read_batch(overflow), tmp_path / "out", WorkerSpec(str(tmp_path / "missing")), RUN, workers=1
+            read_batch(overflow),
+            tmp_path / "out",
+            WorkerSpec(str(tmp_path / "missing")),
+            RUN,
+            MAX_CHUNK_WEIGHT,
+            workers=1,
         )
     assert not list((tmp_path / "out").glob("*"))  # nothing written
 
@@ -387,12 +396,12 @@ def test_a_worker_speaks_its_lines_together_as_each_alone(cluster, tiny_dir, mea
     worker = SynthesisWorker(WorkerSpec(str(tiny_dir), EngineChoices(batch_size=3)))
     assert worker.load()["rows"] == 3
     texts = ["One.", "A second line, longer.", "3."]
-    items = [Line(text, utterance=n, name=f"{n:04d}.wav") for n, text in enumerate(texts, 1)]
-    status, answers = worker.render(items, RUN)
+    items = [Line(text=text, utterance=n, name=f"{n:04d}.wav") for n, text in enumerate(texts, 1)]
+    status, answers = worker.render(items, RUN, MAX_CHUNK_WEIGHT)
     assert status == "lines" and [line for line, _, _ in answers] and {s for _, s, _ in answers} == {"done"}
     made = {line: value for line, _, value in answers}
     for item in items:
-        ((_, (_, alone)),) = attempt(worker.synth, [item], RUN, 1)
+        ((_, (_, alone)),) = attempt(worker.synth, [item], RUN, MAX_CHUNK_WEIGHT, 1)
         assert made[item.utterance].audio == alone.audio and made[item.utterance].record["batch_rows"] == 3
 
 
@@ -401,7 +410,7 @@ def test_workers_take_shares_of_lines_up_to_their_batch_size(cluster, tiny_dir, 
     lines.write_text("".join(f"Line {n}.\n" for n in range(1, 8)))
     out = tmp_path / "out"
     batch = synthesize_batch_on_ray(
-        read_batch(lines), out, WorkerSpec(str(tiny_dir), EngineChoices(batch_size=3)), RUN, workers=2
+        read_batch(lines), out, WorkerSpec(str(tiny_dir), EngineChoices(batch_size=3)), RUN, MAX_CHUNK_WEIGHT, workers=2
     )
     assert [r.status for r in batch.results] == ["done"] * 7
     assert sorted(p.name for p in out.glob("*.wav")) == [f"{n:04d}.wav" for n in range(1, 8)]

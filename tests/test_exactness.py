@@ -136,7 +136,7 @@ def test_a_batch_of_speculative_lines_writes_each_lines_plain_wav(paper_dir, rel
     synth, speculation = load(paper_dir, "bfloat16")
     if not rows_invariant(synth):
         pytest.skip("no row-invariant kernel here: a batched line is its own run only up to near-ties")
-    lines = [Line(text, utterance=index) for index, text in enumerate(LINES)]
+    lines = [Line(text=text, utterance=index) for index, text in enumerate(LINES)]
     together = dict(synth.using(speculation).synthesize_many(lines, seed=SEED, settings=SETTINGS, batch_size=3))
     assert all(result.batch_rows == 3 for result in together.values())
     assert sum(r.stats.codes for r in together.values()) > 1.8 * sum(r.stats.calls for r in together.values())

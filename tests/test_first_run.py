@@ -49,7 +49,7 @@ def lines_for(synth: Synthesizer, tmp_path) -> list[Line]:
         voice = {"instruct": "A calm, low voice."}
     else:
         voice = {"speaker": synth.speakers[0]}
-    return [Line(text, **voice) for text in TEXTS]
+    return [Line(text=text, **voice) for text in TEXTS]
 
 
 def speak(synth: Synthesizer, lines: list[Line]) -> list[np.ndarray]:

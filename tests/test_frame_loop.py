@@ -22,9 +22,9 @@ from transformers.generation.logits_process import (
 from rvqtts.engine.loop.frame_loop import FrameDone, Work, draw_c0
 from rvqtts.engine.model.graphs import StaticCalls
 from rvqtts.engine.model.kernels import Kernel, LinearMap
-from rvqtts.engine.model.sampling import C0Rules
+from rvqtts.engine.model.sampling import C0Rules, FrameSampling
 from rvqtts.engine.model.talker import TalkerRunner
-from rvqtts.synthesis.settings import GenerationSettings, ResolvedSampling
+from rvqtts.synthesis.settings import GenerationSettings
 from rvqtts.synthesis.synthesizer import Synthesizer
 
 TEXT = "Hello there, how are you?"
@@ -79,9 +79,9 @@ def test_talker_steps_replayed_through_static_calls_equal_eager_steps(tiny):
     assert list(static.calls.entries) == [("talker", 256)]  # one capture serves every position in its span
 
 
-def greedy(synth, penalty: float) -> ResolvedSampling:
+def greedy(synth, penalty: float) -> FrameSampling:
     sampling = synth.sampling(GenerationSettings(repetition_penalty=penalty))
-    return ResolvedSampling(
+    return FrameSampling(
         dataclasses.replace(sampling.talker, do_sample=False),
         dataclasses.replace(sampling.predictor, do_sample=False),
         penalty,

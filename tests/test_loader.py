@@ -37,7 +37,7 @@ def test_synthesizer_load_with_defaults_makes_the_engine_and_the_files_rvqtts_sy
     command_line = json.loads(stats.read_text())["utterances"]
 
     synth = Synthesizer.load(tiny_dir)
-    batch = [Line(text, utterance=number) for number, text in enumerate(TEXTS, start=1)]
+    batch = [Line(text=text, utterance=number) for number, text in enumerate(TEXTS, start=1)]
     made = dict(synth.synthesize_many(batch, settings=GenerationSettings(max_frames=FRAMES)))
     assert sorted(made) == [0, 1, 2]
     for index, cli in enumerate(command_line):

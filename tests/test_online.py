@@ -329,9 +329,7 @@ def test_where_kernels_are_not_known_row_invariant_the_tree_size_stays(tiny, mon
     assert online.budget == 15 and online.speculation(15).tree.paths == resolve_tree("15").paths
 
 
-def test_synthesis_on_a_cache_that_refuses_writes_keeps_its_counts_after(
-    tiny_dir, user_cache, monkeypatch
-):
+def test_synthesis_on_a_cache_that_refuses_writes_keeps_its_counts_after(tiny_dir, user_cache, monkeypatch):
     """Once the machine is measured (the first utterance), an utterance writes nothing but its output: the online
     choice's counts wait in memory for the run's end."""
     synth = Synthesizer.load(tiny_dir, EngineChoices(dtype="float32"))

@@ -11,7 +11,7 @@ from helpers import join_chunks
 from rvqtts.support.report import total_record
 from rvqtts.synthesis.batch_files import MANIFEST, BatchFileError, Manifest, Rendered, read_batch
 from rvqtts.synthesis.settings import Line
-from rvqtts.synthesis.text import chunk_text, frame_budget, split_sentences, text_weight
+from rvqtts.synthesis.text import chunk_text, frame_limit, frames_warranted, split_sentences, text_weight
 
 
 def test_sentences_split_in_latin_and_cjk_scripts():
@@ -46,10 +46,16 @@ def test_overlong_sentences_are_cut_at_clauses_then_spaces_then_anywhere():
     assert "".join(pieces) == ideographs and all(text_weight(p) <= 50 for p in pieces)
 
 
-def test_frame_budget_grows_with_text_and_script():
-    assert frame_budget("Hi.") >= 25  # at least two seconds
-    assert frame_budget("a" * 140) > frame_budget("a" * 14)
-    assert frame_budget("你好" * 7) > frame_budget("ab" * 7)
+def test_the_frames_a_text_warrants_grow_with_text_and_script():
+    assert frames_warranted("Hi.") >= 25  # at least two seconds
+    assert frames_warranted("a" * 140) > frames_warranted("a" * 14)
+    assert frames_warranted("你好" * 7) > frames_warranted("ab" * 7)
+
+
+def test_a_given_frame_limit_wins_and_the_warrant_stays_within_the_model():
+    assert frame_limit("Hi.", 500, 100) == 500  # the user's, even past the model's default
+    assert frame_limit("a" * 1400, None, 100) == 100
+    assert frame_limit("Hi.", None, 100) == frames_warranted("Hi.")
 
 
 def test_batch_txt_uses_line_numbers(tmp_path):
@@ -171,7 +177,7 @@ def test_atomic_files_get_ordinary_permissions(tmp_path):
 
 def test_the_manifest_keeps_line_order_and_earlier_runs_entries(tmp_path):
     def made(line: int) -> tuple[Line, Rendered]:
-        return Line(f"line {line}", utterance=line, name=f"{line:04d}.wav"), Rendered(
+        return Line(text=f"line {line}", utterance=line, name=f"{line:04d}.wav"), Rendered(
             b"", None, {"speaker": "ryan"}, {"frames": line}
         )
 
@@ -194,7 +200,7 @@ def test_a_batch_redoes_an_output_its_manifest_does_not_list(tmp_path):
     is made again, so that a resumed batch's manifest lists every output; a listed file is skipped."""
     from rvqtts.synthesis.batch_files import to_do
 
-    items = [Line(f"line {line}", utterance=line, name=f"{line:04d}.wav") for line in (1, 2, 3)]
+    items = [Line(text=f"line {line}", utterance=line, name=f"{line:04d}.wav") for line in (1, 2, 3)]
     for item in items[:2]:
         (tmp_path / item.name).write_bytes(b"whole")
     Manifest(tmp_path).add(items[0], Rendered(b"", None, {}, {}))

@@ -13,6 +13,7 @@ from rich.table import Table
 from rvqtts.support.report import titled_table
 from rvqtts.synthesis.settings import GenerationSettings, Line
 from rvqtts.synthesis.synthesizer import Synthesizer
+from rvqtts.synthesis.text import frame_limit
 
 
 def stock_batches(
@@ -31,12 +32,12 @@ def stock_batches(
     started, audio, first = time.perf_counter(), 0.0, None
     for start in range(0, len(texts), size):
         group = texts[start : start + size]
-        budget = max(synth.frame_budget(text, settings) for text in group)
+        limit = max(frame_limit(text, settings.max_frames, synth.default_max_frames) for text in group)
         wavs, rate = synth.tts.generate_custom_voice(
             text=group,
             speaker=[speaker] * len(group),
             language=[language] * len(group),
-            **sampling.generate_kwargs(budget),
+            **sampling.generate_kwargs(limit),
         )
         audio += sum(wav.size / rate for wav in wavs)
         first = first or time.perf_counter() - started
@@ -54,7 +55,7 @@ def rvqtts_batches(
 ) -> dict:
     """`synthesize_many` over every line at batch size `size`: wall seconds, audio seconds, when its first
     file was done, and each line's time to first audio."""
-    lines = [Line(text, speaker, language, utterance=number) for number, text in enumerate(texts)]
+    lines = [Line(text=text, speaker=speaker, language=language, utterance=number) for number, text in enumerate(texts)]
     started, audio, first, firsts = time.perf_counter(), 0.0, None, []
     for _, outcome in synth.synthesize_many(lines, seed, settings, chunk_chars=None, batch_size=size):
         if isinstance(outcome, Exception):

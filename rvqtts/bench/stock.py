@@ -12,7 +12,7 @@ from rvqtts.engine.model.devices import synchronize
 from rvqtts.qwen.cloning import ClonedVoice
 from rvqtts.qwen.prompt import qwen_generate
 from rvqtts.synthesis.settings import GenerationSettings
-from rvqtts.synthesis.text import FRAMES_PER_SECOND
+from rvqtts.synthesis.text import FRAMES_PER_SECOND, frame_limit
 
 
 def stock_synthesis(
@@ -56,7 +56,7 @@ def stock_synthesis(
         synth.talker.model.register_forward_pre_hook(enter("transformer")),
         synth.talker.model.register_forward_hook(leave("transformer")),
     ]
-    budget = synth.frame_budget(text, settings)
+    limit = frame_limit(text, settings.max_frames, synth.default_max_frames)
     torch.manual_seed(seed)
     started = now()
     try:
@@ -67,7 +67,7 @@ def stock_synthesis(
             language,
             instruct,
             clone,
-            **synth.sampling(settings).generate_kwargs(budget),
+            **synth.sampling(settings).generate_kwargs(limit),
         )
     finally:
         for handle in handles:

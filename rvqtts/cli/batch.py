@@ -13,7 +13,7 @@ import typer
 from rvqtts.cli.common import fail, progress_bar, say, show_stats, stderr_console, write_stats
 
 if TYPE_CHECKING:
-    from rvqtts.synthesis.settings import RunSettings
+    from rvqtts.synthesis.settings import Line
 
 INTERRUPTED = 130  # a shell's code for a process ended by Ctrl-C (128 + SIGINT)
 
@@ -84,7 +84,8 @@ def run_here(
     utterances,
     out_dir: Path,
     file: Path,
-    run: RunSettings,
+    defaults: Line,
+    chunk_chars: Optional[float],
     force: bool,
     codes_out: Optional[Path],
     stats_json: Optional[Path],
@@ -99,7 +100,8 @@ def run_here(
             synthesizer,
             utterances,
             out_dir,
-            run,
+            defaults,
+            chunk_chars,
             force=force,
             codes_dir=codes_out,
             on_done=lines.done,
@@ -116,7 +118,8 @@ def run_on_ray(
     utterances,
     out_dir: Path,
     file: Path,
-    run: RunSettings,
+    defaults: Line,
+    chunk_chars: Optional[float],
     force: bool,
     codes_out: Optional[Path],
     stats_json: Optional[Path],
@@ -146,7 +149,8 @@ def run_on_ray(
                 utterances,
                 out_dir,
                 spec,
-                run,
+                defaults,
+                chunk_chars,
                 address=address,
                 workers=workers,
                 force=force,

@@ -50,7 +50,7 @@ def recorded_frames(
     a Base model's `voice` file)."""
     from rvqtts.qwen.cloning import VoiceSource
     from rvqtts.synthesis.batch_files import read_batch
-    from rvqtts.synthesis.settings import GenerationSettings, RunSettings
+    from rvqtts.synthesis.settings import GenerationSettings, Line
     from rvqtts.tuning.contexts import (
         ContextsFileError,
         force_contexts,
@@ -64,19 +64,23 @@ def recorded_frames(
         with refused(ContextsFileError):
             return load_contexts(contexts, split, synthesizer.talker.config.hidden_size, config.num_code_groups)
     clone = None if voice is None else VoiceSource(voice=voice)
-    run = RunSettings(speaker, language, instruct, seed, GenerationSettings(), clone)
+    defaults = Line(
+        speaker=speaker, language=language, instruct=instruct, seed=seed, settings=GenerationSettings(), clone=clone
+    )
     source = audio if audio is not None else texts
     with refused(ValueError):  # ContextsFileError, BatchFileError
         pairs = read_audio_pairs(audio) if audio is not None else None
         lines = [pair.line for pair in pairs] if pairs else read_batch(texts)
     for line in lines:
         with refused(ValueError, prefix=f"{source}:{line.utterance}: "):
-            synthesizer.voiced(line.under(run))
+            synthesizer.voiced(line.under(defaults))
     with progress_bar(quiet) as progress:
         task = progress.add_task(f"{'teacher forcing' if pairs else 'synthesizing'} {source.name}", total=len(lines))
         done = lambda done, total: progress.update(task, completed=done)  # noqa: E731
         frames = (
-            force_contexts(synthesizer, pairs, run, done) if pairs else record_contexts(synthesizer, lines, run, done)
+            force_contexts(synthesizer, pairs, defaults, done)
+            if pairs
+            else record_contexts(synthesizer, lines, defaults, done)
         )
     say(f"recorded {len(frames)} frames from {len(lines)} {'recordings' if pairs else 'texts'}", quiet)
     return frames

@@ -247,23 +247,33 @@ def synth(
         utterances, output = [utterance], utterance.name
     ensure_writable(stats_json)
     from rvqtts.qwen.codec import StreamPacing
-    from rvqtts.synthesis.settings import GenerationSettings, RunSettings
+    from rvqtts.synthesis.settings import GenerationSettings, Line
 
-    sampling = (temperature, top_k, top_p, repetition_penalty, max_frames)
     with refused(ValueError):
-        settings = GenerationSettings(*sampling, predictor_temperature, predictor_top_k, predictor_top_p)
+        settings = GenerationSettings(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            max_frames=max_frames,
+            predictor_temperature=predictor_temperature,
+            predictor_top_k=predictor_top_k,
+            predictor_top_p=predictor_top_p,
+        )
     if file is not None and not force and save_voice is None and all((out_dir / u.name).exists() for u in utterances):
         say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
         return
-    run = RunSettings(speaker, language, instruct, seed, settings, clone, None if no_chunk else chunk_chars)
-    making, voices = _checked_voices(model, utterances, file, out_dir, force, run)
+    defaults = Line(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings, clone=clone)
+    chunk_chars = None if no_chunk else chunk_chars
+    making, voices = _checked_voices(model, utterances, file, out_dir, force, defaults)
     with _run_errors():
         if ray is not None:
             from rvqtts.cli.batch import run_on_ray
 
             choices = replace(worker_spec.choices, batch_size=rows)  # auto: each worker measures
             worker_spec = replace(worker_spec, voices=tuple(voices), choices=choices)
-            run_on_ray(worker_spec, ray, workers, utterances, out_dir, file, run, force, codes_out, stats_json, quiet)
+            batch = (utterances, out_dir, file, defaults, chunk_chars, force, codes_out, stats_json, quiet)
+            run_on_ray(worker_spec, ray, workers, *batch)
             return
         # the model is loaded here; on Ray each worker loads its own
         tree_device = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
@@ -281,7 +291,8 @@ def synth(
             pacing = StreamPacing(first_stream_frames, stream_frames) if stream else None
             if pacing:  # the decoder's cold start taken at load, not out of the first audio
                 synthesizer.codec.warm_up(pacing)
-            _synth_one(synthesizer, utterance, output, run, pacing, stdout_format, codes_out, stats_json, quiet)
+            spoken = (synthesizer, utterance.under(defaults), chunk_chars, output, pacing)
+            _synth_one(*spoken, stdout_format, codes_out, stats_json, quiet)
         else:
             from rvqtts.cli.batch import run_here
             from rvqtts.synthesis.batch_size import choose_batch_size
@@ -289,7 +300,8 @@ def synth(
             if rows is None:
                 rows, source = choose_batch_size(synthesizer, len(making), progress=lambda m: say(m, quiet))
                 say(f"--batch-size auto: {rows} ({source})", quiet)
-            run_here(synthesizer, utterances, out_dir, file, run, force, codes_out, stats_json, quiet, rows)
+            batch = (utterances, out_dir, file, defaults, chunk_chars, force, codes_out, stats_json, quiet)
+            run_here(synthesizer, *batch, rows)
 
 
 def _check_options(
@@ -374,10 +386,10 @@ def _one_input(text: Optional[str], output: Optional[str], batch_size: str, stdo
         ensure_writable(Path(output))
         output = str(Path(output).expanduser())  # as checked, also where no shell expanded a "~"
     ensure_writable(codes_out)
-    return Line(_read_text(text).strip(), name=output)
+    return Line(text=_read_text(text).strip(), name=output)
 
 
-def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, run):
+def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, defaults):
     """The utterances to make (a resumed batch skips the lines it has) and their cloned voices, after every
     utterance's voice is checked against the model's config and every cloned voice's file is read (failing with one
     line, the batch line named)."""
@@ -387,14 +399,14 @@ def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, ru
     with refused(ModelLoadError):
         found = model_voices(model)
     for item in utterances:
-        line, where = item.under(run), f"{file}:{item.utterance}: " if file else ""
+        line, where = item.under(defaults), f"{file}:{item.utterance}: " if file else ""
         try:
             found.check(line.speaker, line.language, line.instruct, cloned=line.clone is not None)
         except ValueError as error:
             fail(f"{where}{error}" + (" (or the line's fields)" if file else ""))
     # the cloned voices of the lines to make (a resumed batch does not encode the voices of lines it skips)
     making = to_do(utterances, out_dir, force) if file is not None else utterances
-    voices = sorted(({item.clone for item in making} | {run.clone}) - {None}, key=str)
+    voices = sorted(({item.clone for item in making} | {defaults.clone}) - {None}, key=str)
     _check_voice_files(voices, {item.clone: f"{file}:{item.utterance}: " for item in reversed(making) if item.clone})
     return making, voices
 
@@ -539,24 +551,37 @@ def _on_coreml(
 
 
 def _synth_one(
-    synthesizer, item, output, run, pacing: Optional[StreamPacing], stdout_format: str, codes_out, stats_json, quiet
+    synthesizer,
+    line,
+    chunk_chars,
+    output,
+    pacing: Optional[StreamPacing],
+    stdout_format: str,
+    codes_out,
+    stats_json,
+    quiet,
 ) -> None:
-    """One text to `output`: streamed as `pacing` says, or (None) written whole at the end."""
+    """One line (in the run's voice) to `output`: streamed as `pacing` says, or (None) written whole at the end."""
     from rvqtts.support.audio import write_audio, write_codes, write_stream
 
     with progress_bar(quiet) as progress:
         task = progress.add_task("synthesizing", total=None)
         keywords = dict(
-            vars(run),
+            speaker=line.speaker,
+            language=line.language,
+            instruct=line.instruct,
+            seed=line.seed,
+            settings=line.settings,
+            chunk_chars=chunk_chars,
             on_chunk=lambda done, total: progress.update(task, completed=done, total=total),
-            clone=synthesizer.voice_of(run.clone) if run.clone else None,
+            clone=synthesizer.voice_of(line.clone) if line.clone else None,
         )
         if pacing:
-            audio = synthesizer.stream(item.text, **keywords, pacing=pacing)
+            audio = synthesizer.stream(line.text, **keywords, pacing=pacing)
             write_stream(output, audio, synthesizer.sample_rate, stdout_format)
             result = audio.result
         else:
-            result = synthesizer.synthesize(item.text, **keywords)
+            result = synthesizer.synthesize(line.text, **keywords)
             write_audio(output, result.audio, result.sample_rate, stdout_format)
     for warning in result.warnings:
         say(f"warning: {warning}", quiet)

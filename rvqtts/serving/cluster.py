@@ -25,7 +25,7 @@ from rvqtts.engine.model.sampling import NonFiniteError
 from rvqtts.synthesis.batch_files import BatchResult, Manifest, attempt, conclude, describe, to_do
 from rvqtts.synthesis.batch_size import choose_batch_size
 from rvqtts.synthesis.loader import EngineChoices
-from rvqtts.synthesis.settings import Line, RunSettings
+from rvqtts.synthesis.settings import Line
 
 INSTALL_HINT = "pip install -e '.[ray]' (from rvqtts's checkout folder; rvqtts is not on PyPI)"
 DEATHS_PER_LINE = 3  # a line whose workers died this often is reported failed rather than tried again
@@ -102,13 +102,14 @@ class SynthesisWorker:
             "rows": self.rows,
         }
 
-    def render(self, items: list[Line], run: RunSettings) -> tuple[str, object]:
+    def render(self, items: list[Line], defaults: Line, chunk_chars: float | None) -> tuple[str, object]:
         """("lines", [(line number, status, value)]): rvqtts.synthesis.batch_files.attempt's answer for each line, the
         lines spoken `rows` at a time; or ("nonfinite", (model, dtype)). A line's failure is an answer, so only a
         worker in trouble raises."""
         try:
             return "lines", [
-                (item.utterance, status, value) for item, (status, value) in attempt(self.synth, items, run, self.rows)
+                (item.utterance, status, value)
+                for item, (status, value) in attempt(self.synth, items, defaults, chunk_chars, self.rows)
             ]
         except NonFiniteError as error:
             return "nonfinite", (error.model, error.dtype)
@@ -212,7 +213,8 @@ def synthesize_batch_on_ray(
     utterances: list[Line],
     out_dir: Path,
     spec: WorkerSpec,
-    run: RunSettings,
+    defaults: Line,
+    chunk_chars: float | None,
     *,
     address: str = "auto",
     workers: int | None = None,
@@ -223,9 +225,9 @@ def synthesize_batch_on_ray(
 ) -> ClusterBatch:
     """Synthesize the utterances whose output is missing from `out_dir` (all with `force`) on Ray workers.
 
-    `run`: what every line shares, as for rvqtts.synthesis.batch_files.synthesize_batch. `on_start(lines)` is called
-    once the work is known, `on_done(result)` after each line. Raises ClusterError when the cluster cannot run the batch
-    and NonFiniteError when the model produced NaN or inf (every line would).
+    `defaults` and `chunk_chars`: what every line shares, as for rvqtts.synthesis.batch_files.synthesize_batch.
+    `on_start(lines)` is called once the work is known, `on_done(result)` after each line. Raises ClusterError when the
+    cluster cannot run the batch and NonFiniteError when the model produced NaN or inf (every line would).
     """
     ray = require_ray()
     pending = to_do(utterances, out_dir, force)
@@ -236,7 +238,9 @@ def synthesize_batch_on_ray(
     if pending:
         started = connect(address)
         try:
-            _Driver(ray, pending, out_dir, spec, run, codes_dir, on_done, results, batch).drive(workers)
+            _Driver(ray, pending, out_dir, spec, (defaults, chunk_chars), codes_dir, on_done, results, batch).drive(
+                workers
+            )
         finally:
             if started:
                 ray.shutdown()
@@ -259,7 +263,7 @@ class _Driver:
         self.idle: list = []
         self.actors: list = []  # every actor started, killed when the batch ends however it ends
         self.manifest = Manifest(out_dir)
-        self.wants_instruct = bool(run.instruct) or any(item.instruct for item in pending)
+        self.wants_instruct = bool(run[0].instruct) or any(item.instruct for item in pending)
 
     def start_worker(self) -> None:
         record = WorkerRecord(f"w{len(self.batch.workers) + 1}")
@@ -311,7 +315,7 @@ class _Driver:
             alive = sum(worker.alive for worker in self.batch.workers)
             share = min(record.rows, -(-len(self.queue) // max(alive, 1)))  # the last lines spread over the workers
             items = [self.queue.popleft() for _ in range(share)]
-            self.calls[actor.render.remote(items, self.run)] = (actor, record, items, time.perf_counter())
+            self.calls[actor.render.remote(items, *self.run)] = (actor, record, items, time.perf_counter())
 
     def receive(self, ready, ours: str) -> None:
         """A call's answer: a worker loaded, lines made (written here) or failed, or a worker lost."""

@@ -19,7 +19,7 @@ import numpy as np
 from rvqtts.engine.model.sampling import NonFiniteError
 from rvqtts.qwen.cloning import VoiceError, VoiceSource
 from rvqtts.support.audio import AUDIO_FORMATS
-from rvqtts.synthesis.settings import Line, RunSettings
+from rvqtts.synthesis.settings import GenerationSettings, Line
 
 FIELDS = {"text", "speaker", "language", "instruct", "out", "ref_audio", "ref_text", "x_vector_only", "voice"}
 
@@ -58,11 +58,11 @@ def _from_json(path: Path, line: int, raw: str) -> Line:
     if not isinstance(record.get("x_vector_only", False), bool):
         raise BatchFileError(f'{path}:{line}: "x_vector_only" must be true or false')
     return Line(
-        text.strip(),
-        record.get("speaker"),
-        record.get("language"),
-        record.get("instruct"),
-        _voice_source(path, line, record),
+        text=text.strip(),
+        speaker=record.get("speaker"),
+        language=record.get("language"),
+        instruct=record.get("instruct"),
+        clone=_voice_source(path, line, record),
         utterance=line,
         name=_output_name(path, line, record.get("out")),
     )
@@ -96,7 +96,7 @@ def read_batch(path: str | Path) -> list[Line]:
         raise BatchFileError(f"cannot read batch file {path}: {error}") from error
     jsonl = path.suffix.lower() == ".jsonl"
     utterances = [
-        _from_json(path, n, raw) if jsonl else Line(raw.strip(), utterance=n, name=f"{n:04d}.wav")
+        _from_json(path, n, raw) if jsonl else Line(text=raw.strip(), utterance=n, name=f"{n:04d}.wav")
         for n, raw in enumerate(lines, start=1)
         if raw.strip()
     ]
@@ -222,7 +222,8 @@ def synthesize_batch(
     synth,
     lines: list[Line],
     out_dir: Path,
-    run: RunSettings,
+    defaults: Line,
+    chunk_chars: float | None,
     *,
     force: bool = False,
     codes_dir: Path | None = None,
@@ -250,13 +251,13 @@ def synthesize_batch(
     for line in lines:
         if line.utterance not in pending:
             finish(BatchResult(line, "skipped"))
-    for line, (status, value) in attempt(synth, making, run, batch_size, on_notice):
+    for line, (status, value) in attempt(synth, making, defaults, chunk_chars, batch_size, on_notice):
         finish(conclude(out_dir, line, status, value, manifest, codes_dir))
     return [results[line.utterance] for line in lines]
 
 
 def attempt(
-    synth, lines: list[Line], run: RunSettings, batch_size: int, on_notice=None
+    synth, lines: list[Line], defaults: Line, chunk_chars: float | None, batch_size: int, on_notice=None
 ) -> Iterator[tuple[Line, tuple]]:
     """Each line and its answer as it ends, the lines spoken `batch_size` at a time (Synthesizer.synthesize_many):
     ("done", Rendered, its output file's bytes), or ("failed", why) for a line whose voice or synthesis failed. A
@@ -266,14 +267,15 @@ def attempt(
     voiced = []  # (the line, with the run's voice, as the model hears it)
     for line in lines:
         try:
-            asked = line.under(run)
+            asked = line.under(defaults)
             voiced.append((line, asked, synth.voiced(asked)))
         except NonFiniteError:
             raise
         except Exception as error:  # this line's voice: it fails alone
             yield line, ("failed", describe(error))
     heard = [spoken for _, _, spoken in voiced]
-    for index, outcome in synth.synthesize_many(heard, run.seed, run.settings, run.chunk_chars, batch_size, on_notice):
+    settings = defaults.settings or GenerationSettings()
+    for index, outcome in synth.synthesize_many(heard, 0, settings, chunk_chars, batch_size, on_notice):
         line, asked, spoken = voiced[index]
         if isinstance(outcome, NonFiniteError):  # an overflow in the dtype, which the other lines would meet too
             raise outcome

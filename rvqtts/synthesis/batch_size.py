@@ -21,6 +21,7 @@ from rvqtts.engine.model.sampling import SamplingConfig
 from rvqtts.engine.speculative.online import predictor_key
 from rvqtts.engine.speculative.rounds import plain_frames
 from rvqtts.support.measurements import BATCH_SIZES
+from rvqtts.synthesis.speech_model import SpeechModel
 
 CANDIDATES = (1, 2, 4, 8)  # more rows: every line waits longer for its first file (docs/benchmarks.md)
 WITHIN = 1.10  # the smallest B whose frame costs at most this much more than the cheapest
@@ -29,7 +30,7 @@ DECODED_FRAMES = 16
 MEMORY_SHARE = 0.5  # of the memory available, what a batch's caches may take
 
 
-def frame_costs(synth, candidates: tuple[int, ...] = CANDIDATES, repeats: int = 3) -> dict[int, float]:
+def frame_costs(synth: SpeechModel, candidates: tuple[int, ...] = CANDIDATES, repeats: int = 3) -> dict[int, float]:
     """Milliseconds per frame of one line at each batch size: a talker step and a frame's inner loop over B
     rows, divided by B, plus the speech decoder's time per frame; medians of `repeats` after a warm-up."""
     talker, runner = synth.runners.talker(), synth.runners.batch_runner()
@@ -62,7 +63,7 @@ def frame_costs(synth, candidates: tuple[int, ...] = CANDIDATES, repeats: int = 
     return {b: round(statistics.median(values) + per_frame, 3) for b, values in times.items()}
 
 
-def batch_key(synth) -> tuple[str, str]:
+def batch_key(synth: SpeechModel) -> tuple[str, str]:
     """What a batch size holds for: the machine (CPU model, torch, threads; or the device), and the model's
     loops as their costs depend on them (talker width and depth, the predictor's key)."""
     talker, runner = synth.runners.talker(), synth.runners.batch_runner()
@@ -71,7 +72,7 @@ def batch_key(synth) -> tuple[str, str]:
     return machine, f"talker {talker.hidden_size}x{len(talker.layers)}{native} | predictor {predictor_key(runner)}"
 
 
-def choose_batch_size(synth, lines: int, progress: Callable[[str], None] | None = None) -> tuple[int, str]:
+def choose_batch_size(synth: SpeechModel, lines: int, progress: Callable[[str], None] | None = None) -> tuple[int, str]:
     """The batch size for `lines` lines on this machine and model, and where it came from."""
     if lines <= 1:
         return 1, "one line to make"
@@ -101,7 +102,7 @@ def choose_batch_size(synth, lines: int, progress: Callable[[str], None] | None 
     return min(chosen, lines), f"ms per frame of a line at each batch size {shown} ({source})"
 
 
-def rows_invariant(synth) -> bool:
+def rows_invariant(synth: SpeechModel) -> bool:
     """Whether every linear map of both loops was measured to give each row the bits it gets alone (so a
     batched line's codes are its one-line run's)."""
     talker, runner = synth.runners.talker(), synth.runners.batch_runner()
@@ -110,7 +111,7 @@ def rows_invariant(synth) -> bool:
     )
 
 
-def row_bytes(synth, slots: int) -> int:
+def row_bytes(synth: SpeechModel, slots: int) -> int:
     """Memory one batch row takes: its talker cache region of `slots` positions, and its code predictor
     cache region."""
     talker, runner = synth.runners.talker(), synth.runners.batch_runner()
@@ -130,7 +131,7 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def cache_budget(synth) -> float | None:
+def cache_allowance(synth: SpeechModel) -> float | None:
     """The bytes a batch's caches may take: MEMORY_SHARE of the memory available now, and the caches held now,
     which a batch's replace (None where unknown)."""
     talker = synth.runners.talker()
@@ -140,17 +141,17 @@ def cache_budget(synth) -> float | None:
     return MEMORY_SHARE * available + talker.k_cache.numel() * 2 * talker.k_cache.element_size()
 
 
-def fitting_rows(synth, rows: int, slots: int) -> int:
-    """At most `rows` rows whose caches (of `slots` talker positions each) fit in the cache budget (as many as
+def fitting_rows(synth: SpeechModel, rows: int, slots: int) -> int:
+    """At most `rows` rows whose caches (of `slots` talker positions each) fit in the cache allowance (as many as
     asked where that is unknown; at least one)."""
-    budget = cache_budget(synth)
-    return rows if budget is None else max(1, min(rows, int(budget // row_bytes(synth, slots))))
+    allowance = cache_allowance(synth)
+    return rows if allowance is None else max(1, min(rows, int(allowance // row_bytes(synth, slots))))
 
 
-def fitting_slots(synth, rows: int) -> float:
-    """The talker positions each of `rows` rows may hold within the cache budget (unbounded where unknown)."""
-    budget = cache_budget(synth)
-    if budget is None:
+def fitting_slots(synth: SpeechModel, rows: int) -> float:
+    """The talker positions each of `rows` rows may hold within the cache allowance (unbounded where unknown)."""
+    allowance = cache_allowance(synth)
+    if allowance is None:
         return float("inf")
     fixed = row_bytes(synth, 0)
-    return int((budget / rows - fixed) // (row_bytes(synth, 1) - fixed))
+    return int((allowance / rows - fixed) // (row_bytes(synth, 1) - fixed))

@@ -22,13 +22,14 @@ from rvqtts.qwen.codec import StreamPacing
 from rvqtts.support.audio import StreamJoiner
 from rvqtts.synthesis.batch_size import fitting_rows, row_bytes, rows_invariant
 from rvqtts.synthesis.settings import GenerationSettings, Line, Synthesis
-from rvqtts.synthesis.text import FRAMES_PER_SECOND, chunk_text
+from rvqtts.synthesis.speech_model import SpeechModel
+from rvqtts.synthesis.text import FRAMES_PER_SECOND, chunk_text, frame_limit
 
 PROMPT_TOKENS = 64  # a prompt's tokens besides its text's (roles, codec tags, speaker), generously
 
 
 def speak(
-    synth,
+    synth: SpeechModel,
     lines: Iterable[Line | None],
     settings: GenerationSettings,
     chunk_chars: float | None,
@@ -86,10 +87,10 @@ def speak(
                 state.frames.extend(event.frames)
                 state.chunk_start, state.chunks_done = True, state.chunks_done + 1
                 if event.cut:
-                    piece, budget = state.pieces[state.chunks_done - 1], event.budget
+                    piece, limit = state.pieces[state.chunks_done - 1], event.frame_limit
                     state.warnings.append(
-                        f"chunk {state.chunks_done} of {len(state.pieces)} was cut at {budget} frames "
-                        f"({budget / FRAMES_PER_SECOND:.1f} s) for {len(piece)} characters: the model did not end "
+                        f"chunk {state.chunks_done} of {len(state.pieces)} was cut at {limit} frames "
+                        f"({limit / FRAMES_PER_SECOND:.1f} s) for {len(piece)} characters: the model did not end "
                         f"its speech (text: {piece[:40]!r})"
                     )
                 if on_chunk:
@@ -105,7 +106,7 @@ def speak(
 def line_prompts(
     synth, line: Line, state: _Spoken, settings: GenerationSettings, chunk_chars: float | None
 ) -> Iterator[tuple[Prompt, int]]:
-    """The line's prompts, one per text chunk, with their frame budgets (its voice checked when it starts),
+    """The line's prompts, one per text chunk, with their frame limits (its voice checked when it starts),
     the streaming decoder primed for each."""
     if not line.text.strip():
         raise ValueError("the text is empty: give something to say")
@@ -120,10 +121,10 @@ def line_prompts(
         prompt = synth.prompt(piece, line.speaker, line.language, line.instruct, line.clone)
         state.seconds["prompts"] += time.perf_counter() - begun
         state.seconds.setdefault("prompt", state.seconds["prompts"])  # the first chunk's, before any audio
-        yield prompt, synth.frame_budget(piece, settings)
+        yield prompt, frame_limit(piece, settings.max_frames, synth.default_max_frames)
 
 
-def ready_audio(synth, state: _Spoken) -> np.ndarray:
+def ready_audio(synth: SpeechModel, state: _Spoken) -> np.ndarray:
     """Decode the line's pending frames, join them to what came before, and time both; the samples ready to
     play."""
     begun = time.perf_counter()
@@ -144,7 +145,7 @@ def ready_audio(synth, state: _Spoken) -> np.ndarray:
     return ready
 
 
-def finished(synth, state: _Spoken, loop: FrameLoop) -> Synthesis:
+def finished(synth: SpeechModel, state: _Spoken, loop: FrameLoop) -> Synthesis:
     """The Synthesis of a line `speak` finished. Its loops' seconds are its shares of the calls it was in;
     building its prompts counts as talker work, and the first one in the prefill."""
     seconds = state.seconds
@@ -177,7 +178,7 @@ def finished(synth, state: _Spoken, loop: FrameLoop) -> Synthesis:
 
 
 def one_line(
-    synth,
+    synth: SpeechModel,
     line: Line,
     settings: GenerationSettings,
     chunk_chars: float | None,
@@ -194,16 +195,17 @@ def one_line(
         yield item
 
 
-def row_slots(synth, line: Line, settings: GenerationSettings, chunk_chars: float | None) -> int:
-    """A generous count of the talker positions a line's longest chunk takes: its frame budget, two
+def row_slots(synth: SpeechModel, line: Line, settings: GenerationSettings, chunk_chars: float | None) -> int:
+    """A generous count of the talker positions a line's longest chunk takes: its frame limit, two
     prompt tokens per character and the prompt's own, and an ICL voice's reference codes."""
     pieces = text_pieces(line.text, chunk_chars) or [line.text]
     reference = len(line.clone.codes) if isinstance(line.clone, ClonedVoice) and line.clone.icl else 0
-    return max(synth.frame_budget(piece, settings) + 2 * len(piece) for piece in pieces) + PROMPT_TOKENS + reference
+    limits = [frame_limit(piece, settings.max_frames, synth.default_max_frames) for piece in pieces]
+    return max(limit + 2 * len(piece) for limit, piece in zip(limits, pieces)) + PROMPT_TOKENS + reference
 
 
 def batch_rows(
-    synth,
+    synth: SpeechModel,
     lines: list[Line],
     settings: GenerationSettings,
     chunk_chars: float | None,

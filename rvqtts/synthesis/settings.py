@@ -4,7 +4,7 @@ generation config and qwen-tts's defaults), one line of a batch, and the record 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -12,7 +12,6 @@ from rvqtts.engine.model.sampling import FrameSampling, SamplingConfig
 from rvqtts.engine.speculative.speculation import LoopStats
 from rvqtts.qwen.cloning import ClonedVoice, VoiceSource
 from rvqtts.qwen.codec import StreamPacing
-from rvqtts.synthesis.text import MAX_CHUNK_WEIGHT
 
 QWEN_TTS_DEFAULTS = dict(
     do_sample=True,
@@ -30,7 +29,7 @@ QWEN_TTS_DEFAULTS = dict(
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerationSettings:
     """What the user asked for; None means the checkpoint's generation_config.json, as qwen-tts reads it
     (talker and code predictor separately), else qwen-tts's defaults. `temperature`, `top_k` and `top_p`
@@ -60,7 +59,7 @@ class GenerationSettings:
         if self.max_frames is not None and self.max_frames < 1:
             raise ValueError(f"max frames must be at least 1, got {self.max_frames}")
 
-    def resolve(self, defaults: dict) -> "ResolvedSampling":
+    def resolve(self, defaults: dict) -> FrameSampling:
         """The sampling both loops run with: given values first, then `defaults` (the checkpoint's
         generation config), then qwen-tts's own defaults."""
 
@@ -81,34 +80,7 @@ class GenerationSettings:
             pick("subtalker_top_p", self.predictor_top_p, self.top_p),
             bool(pick("subtalker_dosample")),
         )
-        return ResolvedSampling(talker, predictor, float(pick("repetition_penalty", self.repetition_penalty)))
-
-
-@dataclass(frozen=True)
-class ResolvedSampling(FrameSampling):
-    """The sampling of a run or a line as the frame loop draws it, and as qwen-tts's stock loops are asked for it."""
-
-    def generate_kwargs(self, max_frames: int) -> dict:
-        """qwen-tts keywords, for its stock loops. N generated talker tokens make N - 1 frames, hence the + 1."""
-        return dict(
-            do_sample=self.talker.do_sample,
-            temperature=self.talker.temperature,
-            top_k=self.talker.top_k,
-            top_p=self.talker.top_p,
-            repetition_penalty=self.repetition_penalty,
-            subtalker_dosample=self.predictor.do_sample,
-            subtalker_temperature=self.predictor.temperature,
-            subtalker_top_k=self.predictor.top_k,
-            subtalker_top_p=self.predictor.top_p,
-            max_new_tokens=max_frames + 1,
-        )
-
-    def record(self) -> dict:
-        """What `--stats-json` shows under "sampling"."""
-        return {
-            "talker": {**asdict(self.talker), "repetition_penalty": self.repetition_penalty},
-            "predictor": asdict(self.predictor),
-        }
+        return FrameSampling(talker, predictor, float(pick("repetition_penalty", self.repetition_penalty)))
 
 
 @dataclass
@@ -170,47 +142,34 @@ class Synthesis:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Line:
-    """One utterance asked for (a batch file's line, a server request, a line of `Synthesizer.synthesize_many`):
-    what to say, in which voice, its noise keys and its output. Voice fields left None take the run's (`under`);
-    `clone` is a cloned voice's source until the model encodes it (`Synthesizer.voiced`). `seed` and `utterance`
-    key its noise (a batch file's line number), so it is spoken the same wherever it runs and whatever shares its
-    calls. `settings` samples it (None: the run's); `stream` paces its streamed audio (None: the run's)."""
+    """One utterance asked for, wherever it comes from (a batch file's line, a server request, the Python API): what
+    to say, in which voice, its noise keys, its sampling and frame limit (`settings`), its output. A run's defaults are
+    a Line without text: fields left None take theirs (`under`). `clone` is a cloned voice's source until the model
+    encodes it (`Synthesizer.voiced`). `seed` and `utterance` key its noise (a batch file's line number), so it is
+    spoken the same wherever it runs and whatever shares its calls."""
 
-    text: str
+    text: str = ""
     speaker: str | None = None
-    language: str | None = None  # None: the run's, else auto
+    language: str | None = None  # None: the defaults', else auto
     instruct: str | None = None
     clone: ClonedVoice | VoiceSource | None = None
     utterance: int | None = None  # None: its index in the batch
-    seed: int | None = None  # None: the batch's
+    seed: int | None = None  # None: the defaults', else 0
     name: str | None = None  # its output file, in a batch
-    settings: GenerationSettings | None = None
-    stream: StreamPacing | None = None
+    settings: GenerationSettings | None = None  # its sampling and frame limit (None: the defaults')
+    stream: StreamPacing | None = None  # how its streamed audio is paced (None: the defaults')
 
-    def under(self, run: RunSettings) -> Line:
-        """This line in the run's voice and seed where it names none of its own."""
+    def under(self, defaults: Line) -> Line:
+        """This line in the voice, seed, sampling and pacing of `defaults` where it names none of its own."""
         return replace(
             self,
-            speaker=self.speaker or run.speaker,
-            language=self.language or run.language,
-            instruct=self.instruct or run.instruct,
-            clone=self.clone or run.clone,
-            seed=run.seed if self.seed is None else self.seed,
-            settings=self.settings or run.settings,
+            speaker=self.speaker or defaults.speaker,
+            language=self.language or defaults.language or "auto",
+            instruct=self.instruct or defaults.instruct,
+            clone=self.clone or defaults.clone,
+            seed=next((seed for seed in (self.seed, defaults.seed) if seed is not None), 0),
+            settings=self.settings or defaults.settings,
+            stream=self.stream or defaults.stream,
         )
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """What every line of a run shares (a batch file's lines, or one text): the default voice (a line's own fields
-    win, Line.under), the seed, the sampling and the text's chunking."""
-
-    speaker: str | None = None
-    language: str = "auto"
-    instruct: str | None = None
-    seed: int = 0
-    settings: GenerationSettings = GenerationSettings()
-    clone: VoiceSource | None = None  # a Base model's cloned voice, where the lines name none
-    chunk_chars: float | None = MAX_CHUNK_WEIGHT  # None: each text in one pass

@@ -16,6 +16,7 @@ from rvqtts.engine.backends.fused import FusedLoop
 from rvqtts.engine.loop.runners import Runners
 from rvqtts.engine.model.kernels import cpu_model
 from rvqtts.engine.model.quantize import check_weights
+from rvqtts.engine.model.sampling import FrameSampling
 from rvqtts.engine.model.talker import Prompt
 from rvqtts.engine.speculative.speculation import TreePolicy
 from rvqtts.qwen.checkpoints import ModelVoices, load_tts
@@ -26,8 +27,8 @@ from rvqtts.support.memory import large_blocks_apart, tensors_mib
 from rvqtts.synthesis.batch_size import choose_batch_size
 from rvqtts.synthesis.loader import EngineChoices, load_model
 from rvqtts.synthesis.pipeline import batch_rows, one_line, speak
-from rvqtts.synthesis.settings import GenerationSettings, Line, ResolvedSampling, Synthesis
-from rvqtts.synthesis.text import MAX_CHUNK_WEIGHT, frame_budget
+from rvqtts.synthesis.settings import GenerationSettings, Line, Synthesis
+from rvqtts.synthesis.text import MAX_CHUNK_WEIGHT
 
 INSTRUCT_IGNORED = (
     "warning: this model does not support --instruct (the 0.6B CustomVoice and the Base models take none); ignoring it"
@@ -167,15 +168,7 @@ class Synthesizer:
         CustomVoice model, and its voice-clone call takes none."""
         return self.kind == "voice_design" or (self.kind == "custom_voice" and self.model.tts_model_size not in "0b6")
 
-    def frame_budget(self, text: str, settings: GenerationSettings) -> int:
-        """Most frames one piece of text may take: the settings' limit when given (it may exceed the text's
-        warrant), else as many as its length warrants (a model that never ends its speech is cut there)
-        within the model's own limit."""
-        if settings.max_frames is not None:
-            return settings.max_frames
-        return min(self.default_max_frames, frame_budget(text))
-
-    def sampling(self, settings: GenerationSettings) -> ResolvedSampling:
+    def sampling(self, settings: GenerationSettings) -> FrameSampling:
         """Both loops' sampling: the settings over the checkpoint's generation_config.json."""
         return settings.resolve(self.tts.generate_defaults)
 
@@ -259,7 +252,15 @@ class Synthesizer:
         (rvqtts.engine.model.speech_decoder) as `pacing` says: the first after one frame, then every 4 frames by
         default. Arguments as for `synthesize`, which makes the same codes and, up to float rounding, the same
         waveform."""
-        line = Line(text, speaker, language, instruct, clone, utterance, seed)
+        line = Line(
+            text=text,
+            speaker=speaker,
+            language=language,
+            instruct=instruct,
+            clone=clone,
+            utterance=utterance,
+            seed=seed,
+        )
         return AudioStream(one_line(self, line, settings, chunk_chars, pacing, on_chunk, on_frame), self.sample_rate)
 
     def synthesize(
@@ -286,7 +287,15 @@ class Synthesizer:
         progress after each chunk; `on_frame(prefix, codes)` sees every frame the inner loop decodes
         ([h_t, embedding of c0] and c1..c_{G-1}).
         """
-        line = Line(text, speaker, language, instruct, clone, utterance, seed)
+        line = Line(
+            text=text,
+            speaker=speaker,
+            language=language,
+            instruct=instruct,
+            clone=clone,
+            utterance=utterance,
+            seed=seed,
+        )
         stream = AudioStream(one_line(self, line, settings, chunk_chars, None, on_chunk, on_frame), self.sample_rate)
         for _ in stream:
             pass

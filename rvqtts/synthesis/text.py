@@ -83,8 +83,15 @@ def chunk_text(text: str, limit: float = MAX_CHUNK_WEIGHT) -> list[str]:
     return _pack(split_sentences(text), limit, [_CLAUSE_END, _SPACES])
 
 
-def frame_budget(text: str) -> int:
+def frames_warranted(text: str) -> int:
     """The most frames a chunk may take before it counts as runaway generation: three times the
     speaking time its text needs at about 14 Latin characters per second, plus two seconds."""
     seconds = text_weight(text) / LATIN_CHARS_PER_SECOND
     return int(FRAMES_PER_SECOND * (3.0 * seconds + 2.0))
+
+
+def frame_limit(text: str, max_frames: int | None, model_limit: int) -> int:
+    """The most frames a chunk of `text` may take: `max_frames` where the user gave it (it may exceed the text's
+    warrant), else as many as the text warrants within the model's own limit (a model that never ends its speech is
+    cut there)."""
+    return max_frames if max_frames is not None else min(model_limit, frames_warranted(text))

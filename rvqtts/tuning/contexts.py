@@ -23,7 +23,7 @@ import torch
 from rvqtts.engine.loop.frame_loop import Work, WorkFailed
 from rvqtts.support.audio import UnreadableAudio, read_mono, resample
 from rvqtts.support.files import write_atomically
-from rvqtts.synthesis.settings import GenerationSettings, Line, RunSettings
+from rvqtts.synthesis.settings import GenerationSettings, Line
 
 FIELDS = ("h_t", "codes", "language")
 
@@ -122,7 +122,7 @@ def load_contexts(
 
 
 def record_contexts(
-    synthesizer, lines: list[Line], run: RunSettings, on_line: Callable[[int, int], None] | None = None
+    synthesizer, lines: list[Line], defaults: Line, on_line: Callable[[int, int], None] | None = None
 ) -> Contexts:
     """Synthesize `lines` (rvqtts.synthesis.batch_files.read_batch's; their voice fields, else the run's) with the plain
     inner loop and record every frame.
@@ -135,7 +135,7 @@ def record_contexts(
     languages: list[str] = []
 
     for number, line in enumerate(lines):
-        line = synthesizer.voiced(line.under(run))
+        line = synthesizer.voiced(line.under(defaults))
 
         def on_frame(prefix: torch.Tensor, residual: list[int]) -> None:
             c0 = int(torch.cdist(prefix[1:2].to(table), table).argmin())
@@ -145,7 +145,12 @@ def record_contexts(
 
         voice = dict(speaker=line.speaker, language=line.language, instruct=line.instruct, clone=line.clone)
         synthesizer.synthesize(
-            line.text, seed=line.seed, utterance=line.utterance, settings=run.settings, on_frame=on_frame, **voice
+            line.text,
+            seed=line.seed,
+            utterance=line.utterance,
+            settings=line.settings or GenerationSettings(),
+            on_frame=on_frame,
+            **voice,
         )
         if on_line:
             on_line(number + 1, len(lines))
@@ -155,7 +160,7 @@ def record_contexts(
         np.stack(h_t),
         np.array(codes, dtype=np.int64),
         np.array(languages),
-        source=f"self-distilled: {len(lines)} texts, seed {run.seed}",
+        source=f"self-distilled: {len(lines)} texts, seed {defaults.seed}",
     )
 
 
@@ -209,7 +214,12 @@ def read_audio_pairs(path: str | os.PathLike) -> list[AudioPair]:
         audio = (path.parent / record["audio"]).expanduser()
         if not audio.is_file():
             raise ContextsFileError(f"{path}:{number}: no audio file {audio}")
-        line = Line(record["text"].strip(), record.get("speaker"), record.get("language"), utterance=number)
+        line = Line(
+            text=record["text"].strip(),
+            speaker=record.get("speaker"),
+            language=record.get("language"),
+            utterance=number,
+        )
         pairs.append(AudioPair(audio, line))
     if not pairs:
         raise ContextsFileError(f"{path}: no audio pairs (the file has no non-empty line)")
@@ -231,7 +241,7 @@ def teacher_force(synth, line: Line, codes: np.ndarray, on_frame: Callable[[torc
 
 
 def force_contexts(
-    synthesizer, pairs: list[AudioPair], run: RunSettings, on_pair: Callable[[int, int], None] | None = None
+    synthesizer, pairs: list[AudioPair], defaults: Line, on_pair: Callable[[int, int], None] | None = None
 ) -> Contexts:
     """Teacher forcing: encode each recording with the model's own speech tokenizer and run the talker
     over its transcript (in the pair's voice, else the run's) emitting exactly those codes;
@@ -241,7 +251,7 @@ def force_contexts(
     languages: list[str] = []
     for number, pair in enumerate(pairs):
         frames = speech_codes(synthesizer.codec.encoding_tokenizer(), pair.audio)
-        line = synthesizer.voiced(pair.line.under(run))
+        line = synthesizer.voiced(pair.line.under(defaults))
 
         def on_frame(prefix: torch.Tensor, residual: list[int]) -> None:
             h_t.append(prefix[0].float().cpu().numpy())

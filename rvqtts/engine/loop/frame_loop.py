@@ -40,7 +40,7 @@ def _never_stopped() -> bool:
 @dataclass
 class Work:
     """One utterance: its seed and number (its noise keys: rows of different seeds share calls), its chunks as
-    (prompt, frame budget) pairs made when its row reaches them (an exception there fails the utterance alone), its
+    (prompt, frame limit) pairs made when its row reaches them (an exception there fails the utterance alone), its
     sampling (rows sampled differently share calls), and what the loop counted. `forced` [frames, G]: teacher forcing
     (c0 read instead of drawn, c1.. too, one chunk); `on_frame` is shown each frame's predictor prefix [h_t,
     embedding of c0] and codes c1.. ; `stopped` is asked before each frame (true: the row is let go, WorkFailed with
@@ -70,8 +70,8 @@ class FrameDone:
 class ChunkDone:
     work: Work
     frames: list[np.ndarray]
-    cut: bool  # stopped at its frame budget (the model did not end its speech)
-    budget: int
+    cut: bool  # stopped at its frame limit (the model did not end its speech)
+    frame_limit: int
 
 
 @dataclass
@@ -94,7 +94,7 @@ class _Row:
 
     work: Work
     prompt: Prompt
-    budget: int
+    frame_limit: int
     seen: torch.Tensor  # c0 ids drawn in this chunk (the repetition penalty's history)
     hidden: torch.Tensor
     logits: torch.Tensor
@@ -234,7 +234,7 @@ class FrameLoop:
             row.seen[c0] = True
             row.work.frame += 1
             yield FrameDone(row.work, codes)
-            if len(row.frames) >= row.budget:
+            if len(row.frames) >= row.frame_limit:
                 yield from self._end_chunk(rows, slot, cut=True)
             else:
                 text = row.prompt.text_after(len(row.frames) - 1)
@@ -293,7 +293,7 @@ class FrameLoop:
     def _end_chunk(self, rows: list[_Row | None], slot: int, cut: bool) -> Iterator[Event]:
         row = rows[slot]
         rows[slot] = None
-        yield ChunkDone(row.work, row.frames, cut, row.budget)
+        yield ChunkDone(row.work, row.frames, cut, row.frame_limit)
         yield from self._next_chunk(rows, slot, row.work)
 
     def _next_chunk(self, rows: list[_Row | None], slot: int, work: Work) -> Iterator[WorkDone | WorkFailed]:
@@ -306,9 +306,9 @@ class FrameLoop:
         if chunk is None:
             yield WorkDone(work)
             return
-        prompt, budget = chunk
+        prompt, frame_limit = chunk
         begun = time.perf_counter()
-        self.talker.reserve(prompt.length + budget, self.rows)  # room for every step at once
+        self.talker.reserve(prompt.length + frame_limit, self.rows)  # room for every step at once
         hidden, logits = self.talker.prefill(prompt.embeds, row=slot)
         noise = self.next_noise(work)
         synchronize(self.talker.device)
@@ -317,7 +317,7 @@ class FrameLoop:
         if work.frame == 0:
             work.seconds["prefill"] = time.perf_counter() - begun
         seen = torch.zeros(self.talker.vocab_size, dtype=torch.bool, device=self.talker.device)
-        rows[slot] = _Row(work, prompt, budget, seen, hidden, logits, noise)
+        rows[slot] = _Row(work, prompt, frame_limit, seen, hidden, logits, noise)
 
     def next_noise(self, work: Work) -> torch.Tensor:
         """The noise of the utterance's next frame's residual codes [G-1, V] (on the CPU): made while the device

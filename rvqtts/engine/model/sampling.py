@@ -6,7 +6,7 @@ shape. docs/engine.md, "Why it is exact" and "Same noise, same codes" (the key's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -51,11 +51,33 @@ class SamplingConfig:
 @dataclass(frozen=True)
 class FrameSampling:
     """How an utterance's frames are drawn: c0 by the talker's config after its repetition penalty (C0Rules), c1..
-    by the code predictor's."""
+    by the code predictor's (GenerationSettings.resolve makes it from what a user asked)."""
 
     talker: SamplingConfig
     predictor: SamplingConfig
     repetition_penalty: float
+
+    def generate_kwargs(self, max_frames: int) -> dict:
+        """qwen-tts keywords, for its stock loops. N generated talker tokens make N - 1 frames, hence the + 1."""
+        return dict(
+            do_sample=self.talker.do_sample,
+            temperature=self.talker.temperature,
+            top_k=self.talker.top_k,
+            top_p=self.talker.top_p,
+            repetition_penalty=self.repetition_penalty,
+            subtalker_dosample=self.predictor.do_sample,
+            subtalker_temperature=self.predictor.temperature,
+            subtalker_top_k=self.predictor.top_k,
+            subtalker_top_p=self.predictor.top_p,
+            max_new_tokens=max_frames + 1,
+        )
+
+    def record(self) -> dict:
+        """What `--stats-json` shows under "sampling"."""
+        return {
+            "talker": {**asdict(self.talker), "repetition_penalty": self.repetition_penalty},
+            "predictor": asdict(self.predictor),
+        }
 
 
 class NonFiniteError(RuntimeError):
