@@ -55,9 +55,8 @@ def bench_e2e(
     synthesizers = {"plain": Synthesizer(tts, None, weight_format), "auto": Synthesizer(tts, default, weight_format)}
     synthesizers |= {name: Synthesizer(tts, speculation, weight_format) for name, speculation in zip(names, fixed)}
     if default is not None:  # the online choice's one-time cost measurement is not part of any line
-        default.start(
-            synthesizers["auto"].runners.inner_parts().runner, synthesizers["auto"].sampling(settings).predictor
-        )
+        auto = synthesizers["auto"]
+        default.start(auto.runners.inner_parts().runner, auto.sampling(settings).predictor)
     variants = ("stock", "plain", "auto", *names)
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     text, speaker, language = lines[0]

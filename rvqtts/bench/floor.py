@@ -1,13 +1,5 @@
-"""The floors of a model call: how long reading the weights it touches takes, and how long its rows'
-multiply-adds take at this device's peak, both measured.
-
-On a CPU every call of the talker and the code predictor reads each weight it uses once and does a
-few multiply-adds per weight read, so its cost is bounded below by the time the weights take to come
-from memory. That time is measured, not assumed: a pass over the same tensors that reads every byte
-and does almost no arithmetic (the maximum of the bytes), timed in the same run as the calls it is set
-beside (machines differ, and so does their load from one minute to the next). Embedding rows (a few KB
-a call) are left out; packed copies of weights hold the same bytes in another order.
-"""
+"""The floors of a model call, both measured in the same run as the call: reading the weights it touches, and its
+rows' multiply-adds at this device's peak (docs/benchmarks.md, "What the figures mean")."""
 
 from __future__ import annotations
 

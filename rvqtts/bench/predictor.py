@@ -127,6 +127,26 @@ def bench_predictor(
         frames = interleaved_ms(
             _frame_loops(code_predictor, device, dtype, weight_format), device, 2, max(3, repeats // 4)
         )
+    record = _call_figures(queries, times, weights_read, dtype, device)
+    return {
+        **record,
+        "stock_frame_ms": round(statistics.median(frames["stock_frame"]), 3),
+        "plain_frame_ms": round(statistics.median(frames["plain_frame"]), 3),
+        "kv_length": KV_LENGTH,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "weights": weights,
+        "weight_format": weight_format,
+    }
+
+
+def _call_figures(
+    queries: list[int], times: dict[str, list[float]], weights_read: dict, dtype: torch.dtype, device: torch.device
+) -> dict:
+    """Per query length: the median call and its spread, against its floors (the weights it reads, its
+    multiply-adds at the device's peak), q = 1 and qwen-tts's own step."""
     medians = {name: statistics.median(values) for name, values in times.items()}
     base = medians["q1"] if "q1" in medians else None
     peak = peak_multiply_adds_per_ms(dtype, device)
@@ -147,15 +167,6 @@ def bench_predictor(
         "stock_q1_ms": round(medians["stock"], 3),
         "stock_q1_p10_ms": round(quantile(times["stock"], 0.1), 3),
         "stock_q1_p90_ms": round(quantile(times["stock"], 0.9), 3),
-        "stock_frame_ms": round(statistics.median(frames["stock_frame"]), 3),
-        "plain_frame_ms": round(statistics.median(frames["plain_frame"]), 3),
-        "kv_length": KV_LENGTH,
-        "repeats": repeats,
-        "threads": torch.get_num_threads(),
-        "dtype": str(dtype).removeprefix("torch."),
-        "device": str(device),
-        "weights": weights,
-        "weight_format": weight_format,
     }
 
 

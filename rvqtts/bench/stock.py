@@ -60,15 +60,8 @@ def stock_synthesis(
     torch.manual_seed(seed)
     started = now()
     try:
-        wavs, sample_rate = qwen_generate(
-            synth,
-            " ".join(text.split()),
-            speaker,
-            language,
-            instruct,
-            clone,
-            **synth.sampling(settings).generate_kwargs(limit),
-        )
+        spoken = (" ".join(text.split()), speaker, language, instruct, clone)
+        wavs, sample_rate = qwen_generate(synth, *spoken, **synth.sampling(settings).generate_kwargs(limit))
     finally:
         for handle in handles:
             handle.remove()

@@ -90,20 +90,8 @@ def serve(
     options; a streamed one has the same length and its samples are that file's up to float rounding (at most
     one 16-bit step apart in the tests; text chunks of up to 300 frames, as synth --stream).
     """
-    from rvqtts.qwen.checkpoints import ModelLoadError, model_voices
-
-    if not 1 <= port <= 65535:
-        fail(f"--port must be between 1 and 65535, got {port}")
-    if queue_size < 1 or max_chars < 1:
-        fail(f"--queue-size and --max-chars must be at least 1, got {queue_size} and {max_chars}")
+    _check_sizes(port, queue_size, max_chars, chunk_chars, max_connections, max_unsent_seconds, drain_seconds)
     check_stream_frames(first_stream_frames, stream_frames)
-    if chunk_chars < 20:
-        fail(f"--chunk-chars must be at least 20, got {chunk_chars}")
-    if max_connections < 1 or max_unsent_seconds <= 0 or drain_seconds < 0:
-        fail(
-            "--max-connections must be at least 1, --max-unsent-seconds over 0 and --drain-seconds at least 0, got "
-            f"{max_connections}, {max_unsent_seconds} and {drain_seconds}"
-        )
     origins = tuple(map(checked_origin, allow_origin))
     try:
         import starlette  # noqa: F401
@@ -113,14 +101,7 @@ def serve(
             "rvqtts serve needs its web packages: pip install -e '.[serve]' "
             "(from rvqtts's checkout folder; rvqtts is not on PyPI)"
         )
-    with refused(ModelLoadError):
-        kind = model_voices(model).kind
-    if voices is not None:
-        voices = voices.expanduser()
-        if kind != "base":
-            fail(f"--voices is for Base models (voice cloning); this model is {kind}: its voices are built in")
-        if not voices.is_dir():
-            fail(f"--voices {voices}: no such folder")
+    voices = _checked_voices_folder(model, voices)
     from rvqtts.qwen.codec import StreamPacing
     from rvqtts.serving.server import ServerOptions
     from rvqtts.serving.server import serve as run_server
@@ -133,23 +114,55 @@ def serve(
     if rows is None:
         rows, source = choose_batch_size(synthesizer, queue_size + 1, progress=lambda m: say(m, quiet))
         say(f"--batch-size auto: {rows} ({source})", quiet)
-    pacing = StreamPacing(first_stream_frames, stream_frames)
     options = ServerOptions(
-        Path(model).name or model,
-        api_key,
-        voices,
-        max_chars,
-        queue_size,
-        chunk_chars,
-        rows,
-        pacing,
-        origins,
-        max_connections,
-        max_unsent_seconds,
-        drain_seconds,
+        model_name=Path(model).name or model,
+        api_key=api_key,
+        voices_dir=voices,
+        max_chars=max_chars,
+        queue_size=queue_size,
+        chunk_chars=chunk_chars,
+        batch_size=rows,
+        pacing=StreamPacing(first_stream_frames, stream_frames),
+        allowed_origins=origins,
+        max_connections=max_connections,
+        max_unsent_seconds=max_unsent_seconds,
+        drain_seconds=drain_seconds,
     )
     say(f"serving {model} on http://{host}:{port}/v1 (POST /v1/audio/speech; GET /v1/voices, /health)", quiet)
     run_server(synthesizer, options, host, port, quiet)
+
+
+def _check_sizes(
+    port: int, queue_size: int, max_chars: int, chunk_chars: int, connections: int, unsent: float, drain: int
+) -> None:
+    """The server's numeric options, each within its range (one line naming it otherwise)."""
+    if not 1 <= port <= 65535:
+        fail(f"--port must be between 1 and 65535, got {port}")
+    if queue_size < 1 or max_chars < 1:
+        fail(f"--queue-size and --max-chars must be at least 1, got {queue_size} and {max_chars}")
+    if chunk_chars < 20:
+        fail(f"--chunk-chars must be at least 20, got {chunk_chars}")
+    if connections < 1 or unsent <= 0 or drain < 0:
+        fail(
+            "--max-connections must be at least 1, --max-unsent-seconds over 0 and --drain-seconds at least 0, got "
+            f"{connections}, {unsent} and {drain}"
+        )
+
+
+def _checked_voices_folder(model: str, voices: Optional[Path]) -> Optional[Path]:
+    """--voices: a folder, for a Base model only (the model's kind read from its config)."""
+    from rvqtts.qwen.checkpoints import ModelLoadError, model_voices
+
+    with refused(ModelLoadError):
+        kind = model_voices(model).kind
+    if voices is None:
+        return None
+    voices = voices.expanduser()
+    if kind != "base":
+        fail(f"--voices is for Base models (voice cloning); this model is {kind}: its voices are built in")
+    if not voices.is_dir():
+        fail(f"--voices {voices}: no such folder")
+    return voices
 
 
 def checked_origin(origin: str) -> str:

@@ -238,70 +238,80 @@ def synth(
     engine = (device, dtype, decoder_dtype, weights, spec, tree, offsets, cuda_graphs)
     if ray is not None:
         worker_spec = _ray_worker_spec(file, backend, model, engine, workers, cpus_per_worker, gpus_per_worker)
-    if file is not None:
-        if text is not None:
-            fail("give either TEXT or -f FILE, not both")
-        utterances, rows = _batch_input(file, out_dir, stream, batch_size, codes_out)
-    else:
-        utterance, rows = _one_input(text, output, batch_size, stdout_format, codes_out), None
-        utterances, output = [utterance], utterance.name
+    utterances, rows = _inputs(text, file, output, out_dir, stream, batch_size, stdout_format, codes_out)
+    output = output if file is not None else utterances[0].name
     ensure_writable(stats_json)
     from rvqtts.qwen.codec import StreamPacing
-    from rvqtts.synthesis.settings import GenerationSettings, Line
+    from rvqtts.synthesis.settings import Line
 
-    with refused(ValueError):
-        settings = GenerationSettings(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            max_frames=max_frames,
-            predictor_temperature=predictor_temperature,
-            predictor_top_k=predictor_top_k,
-            predictor_top_p=predictor_top_p,
-        )
+    asked = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+    predictor = dict(temperature=predictor_temperature, top_k=predictor_top_k, top_p=predictor_top_p)
+    settings = _generation_settings(asked, predictor, max_frames)
     if file is not None and not force and save_voice is None and all((out_dir / u.name).exists() for u in utterances):
         say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
         return
     defaults = Line(speaker=speaker, language=language, instruct=instruct, seed=seed, settings=settings, clone=clone)
     chunk_chars = None if no_chunk else chunk_chars
     making, voices = _checked_voices(model, utterances, file, out_dir, force, defaults)
+    batch = (utterances, out_dir, file, defaults, chunk_chars, force, codes_out, stats_json, quiet)
     with _run_errors():
         if ray is not None:
             from rvqtts.cli.batch import run_on_ray
 
             choices = replace(worker_spec.choices, batch_size=rows)  # auto: each worker measures
-            worker_spec = replace(worker_spec, voices=tuple(voices), choices=choices)
-            batch = (utterances, out_dir, file, defaults, chunk_chars, force, codes_out, stats_json, quiet)
-            run_on_ray(worker_spec, ray, workers, *batch)
+            run_on_ray(replace(worker_spec, voices=tuple(voices), choices=choices), ray, workers, *batch)
             return
-        # the model is loaded here; on Ray each worker loads its own
-        tree_device = "coreml" if backend == "coreml" else None  # whose best tree size --tree auto means
-        synthesizer = load_synthesizer(model, quiet, *engine, rows, tree_device)  # auto: the dtype priced at 1
+        # the model is loaded here; on Ray each worker loads its own; the tree size --tree auto means is Core ML's there
+        synthesizer = load_synthesizer(model, quiet, *engine, rows, "coreml" if backend == "coreml" else None)
         if backend == "coreml":
-            synthesizer = _on_coreml(
-                synthesizer, tree, offsets, settings, coreml_package, coreml_precision, compute_units, quiet
-            )
-        if (instruct or any(u.instruct for u in utterances)) and not synthesizer.supports_instruct:
-            from rvqtts.synthesis.synthesizer import INSTRUCT_IGNORED
-
-            say(INSTRUCT_IGNORED)
+            coreml = (coreml_package, coreml_precision, compute_units)
+            synthesizer = _on_coreml(synthesizer, tree, offsets, settings, *coreml, quiet)
+        _say_instruct_ignored(synthesizer, [instruct, *(u.instruct for u in utterances)])
         _encode_voices(synthesizer, voices, clone, save_voice, quiet)
         if file is None:
             pacing = StreamPacing(first_stream_frames, stream_frames) if stream else None
-            if pacing:  # the decoder's cold start taken at load, not out of the first audio
-                synthesizer.codec.warm_up(pacing)
-            spoken = (synthesizer, utterance.under(defaults), chunk_chars, output, pacing)
+            spoken = (synthesizer, utterances[0].under(defaults), chunk_chars, output, pacing)
             _synth_one(*spoken, stdout_format, codes_out, stats_json, quiet)
         else:
-            from rvqtts.cli.batch import run_here
-            from rvqtts.synthesis.batch_size import choose_batch_size
+            _batch_here(synthesizer, batch, rows, len(making), quiet)
 
-            if rows is None:
-                rows, source = choose_batch_size(synthesizer, len(making), progress=lambda m: say(m, quiet))
-                say(f"--batch-size auto: {rows} ({source})", quiet)
-            batch = (utterances, out_dir, file, defaults, chunk_chars, force, codes_out, stats_json, quiet)
-            run_here(synthesizer, *batch, rows)
+
+def _generation_settings(asked: dict, predictor: dict, max_frames: Optional[int]):
+    """The sampling options as GenerationSettings (`predictor`: the code predictor's own), checked."""
+    from rvqtts.synthesis.settings import GenerationSettings
+
+    with refused(ValueError):
+        return GenerationSettings(
+            **asked, max_frames=max_frames, **{f"predictor_{name}": value for name, value in predictor.items()}
+        )
+
+
+def _inputs(text, file, output, out_dir, stream: bool, batch_size: str, stdout_format: str, codes_out):
+    """The lines to speak, checked (one text, or a batch file's), and the batch's rows (None: measured)."""
+    if file is None:
+        return [_one_input(text, output, batch_size, stdout_format, codes_out)], None
+    if text is not None:
+        fail("give either TEXT or -f FILE, not both")
+    return _batch_input(file, out_dir, stream, batch_size, codes_out)
+
+
+def _say_instruct_ignored(synthesizer, instructs: list) -> None:
+    if any(instructs) and not synthesizer.supports_instruct:
+        from rvqtts.synthesis.synthesizer import INSTRUCT_IGNORED
+
+        say(INSTRUCT_IGNORED)
+
+
+def _batch_here(synthesizer, batch: tuple, rows: Optional[int], making: int, quiet: bool) -> None:
+    """A batch file's lines spoken here (`batch`: run_here's arguments), `rows` at a time (None: as many as measured
+    best for `making` lines)."""
+    from rvqtts.cli.batch import run_here
+    from rvqtts.synthesis.batch_size import choose_batch_size
+
+    if rows is None:
+        rows, source = choose_batch_size(synthesizer, making, progress=lambda m: say(m, quiet))
+        say(f"--batch-size auto: {rows} ({source})", quiet)
+    run_here(synthesizer, *batch, rows)
 
 
 def _check_options(
@@ -563,6 +573,9 @@ def _synth_one(
 ) -> None:
     """One line (in the run's voice) to `output`: streamed as `pacing` says, or (None) written whole at the end."""
     from rvqtts.support.audio import write_audio, write_codes, write_stream
+
+    if pacing:  # the decoder's cold start taken at load, not out of the first audio
+        synthesizer.codec.warm_up(pacing)
 
     with progress_bar(quiet) as progress:
         task = progress.add_task("synthesizing", total=None)

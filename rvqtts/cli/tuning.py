@@ -71,17 +71,14 @@ def tune(
     import torch
 
     from rvqtts.engine.model import native
-    from rvqtts.engine.model.devices import frame_map_ms, frame_maps, pick_dtype
-    from rvqtts.engine.model.kernels import choose_kernels, fixed_kernel, forget_choices, forget_records, machine_key
+    from rvqtts.engine.model.devices import pick_dtype
+    from rvqtts.engine.model.kernels import forget_records, machine_key
     from rvqtts.engine.model.quantize import WEIGHTS
-    from rvqtts.engine.speculative.online import OnlineSpeculation
     from rvqtts.qwen.checkpoints import ModelLoadError, model_config
     from rvqtts.qwen.decoder_dtype import pick_decoder_dtype
     from rvqtts.support.measurements import KERNELS
     from rvqtts.support.memory import memory_record
     from rvqtts.support.report import tune_table
-    from rvqtts.synthesis.batch_files import read_batch
-    from rvqtts.synthesis.settings import GenerationSettings
 
     if dtype not in ("auto", "float32", "bfloat16"):
         fail(f"unknown --dtype {dtype!r}: rvqtts tune measures CPU kernels in auto, float32 or bfloat16")
@@ -89,7 +86,6 @@ def tune(
         fail(f"unknown --weights {weights!r}: choose {' or '.join(WEIGHTS)}")
     with refused(ModelLoadError):
         talker_config = model_config(model).talker_config
-    maps = frame_maps(talker_config)
     result = {
         "model": model,
         "machine": machine_key(),
@@ -100,19 +96,7 @@ def tune(
         "dtypes": {},
     }
     for name in ["bfloat16", "float32"] if dtype == "auto" else [dtype]:
-        torch_dtype = getattr(torch, name)
-        if again:
-            forget_choices(torch_dtype, weights)
-        choices = choose_kernels([shape for _, shape, _ in maps], torch_dtype, weights, lambda line: say(line, quiet))
-        fixed = fixed_kernel(torch.device("cpu"), torch_dtype, weights)
-        rows = [
-            {"loop": loop, "shape": list(shape), "per_frame": count, "fixed": fixed.name, **choices[shape].record()}
-            for loop, shape, count in maps
-        ]
-        result["dtypes"][name] = {
-            "frame_map_ms": round(frame_map_ms(talker_config, torch_dtype, weights), 3),
-            "maps": rows,
-        }
+        result["dtypes"][name] = _measured_maps(talker_config, getattr(torch, name), weights, again, quiet)
     if dtype == "auto":
         result["auto"], result["reason"] = pick_dtype("auto", "cpu", talker_config, weights)
         if again:
@@ -121,24 +105,54 @@ def tune(
             decoder = pick_decoder_dtype("auto", "auto", result["auto"], "cpu", model, lambda line: say(line, quiet))
         result["decoder_dtype"], result["decoder_reason"] = decoder
     if texts is not None:  # the lines spoken with --tree auto on the CPU: what the online choice measured and chose
-        with refused(ValueError):  # BatchFileError too
-            lines = read_batch(texts)
-            settings = GenerationSettings(max_frames=max_frames)
-        chosen = result.get("auto", dtype)
-        synthesizer = load_synthesizer(model, quiet, device="cpu", dtype=chosen, weights=weights, offsets=offsets)
-        if not isinstance(synthesizer.speculation, OnlineSpeculation):
-            fail("rvqtts tune --texts decides the tree size online, which RVQTTS_CHOICES=fixed turns off")
-        with progress_bar(quiet) as progress:
-            task = progress.add_task(f"speaking {len(lines)} lines with --tree auto", total=len(lines))
-            for line in lines:
-                with refused(ValueError, prefix=f"{texts}: "):
-                    speaking = (line.text, line.speaker or speaker, line.language or "auto", seed)
-                    synthesizer.synthesize(*speaking, settings=settings, instruct=line.instruct)
-                progress.advance(task)
-        synthesizer.speculation.save()
-        result["trees"] = synthesizer.speculation.record()
+        engine = dict(device="cpu", dtype=result.get("auto", dtype), weights=weights, offsets=offsets)
+        result["trees"] = _online_choice(model, engine, texts, speaker, seed, max_frames, quiet)
     result["memory"] = memory_record()  # this process's peak: the measurements' (and --texts' synthesis)
     publish(result, json_out, tune_table, quiet)
+
+
+def _measured_maps(talker_config, dtype, weights: str, again: bool, quiet: bool) -> dict:
+    """The kernel chosen for every linear map of a frame in `dtype` (measured anew with `again`), and the frame's
+    cost of linear maps."""
+    import torch
+
+    from rvqtts.engine.model.devices import frame_map_ms, frame_maps
+    from rvqtts.engine.model.kernels import choose_kernels, fixed_kernel, forget_choices
+
+    if again:
+        forget_choices(dtype, weights)
+    maps = frame_maps(talker_config)
+    choices = choose_kernels([shape for _, shape, _ in maps], dtype, weights, lambda line: say(line, quiet))
+    fixed = fixed_kernel(torch.device("cpu"), dtype, weights)
+    rows = [
+        {"loop": loop, "shape": list(shape), "per_frame": count, "fixed": fixed.name, **choices[shape].record()}
+        for loop, shape, count in maps
+    ]
+    return {"frame_map_ms": round(frame_map_ms(talker_config, dtype, weights), 3), "maps": rows}
+
+
+def _online_choice(model: str, engine: dict, texts: Path, speaker, seed: int, max_frames, quiet: bool) -> dict:
+    """`texts`' lines spoken with --tree auto by the engine `engine` describes: what the online choice measured and
+    chose (its counts saved for later runs)."""
+    from rvqtts.engine.speculative.online import OnlineSpeculation
+    from rvqtts.synthesis.batch_files import read_batch
+    from rvqtts.synthesis.settings import GenerationSettings
+
+    with refused(ValueError):  # BatchFileError too
+        lines = read_batch(texts)
+        settings = GenerationSettings(max_frames=max_frames)
+    synthesizer = load_synthesizer(model, quiet, **engine)
+    if not isinstance(synthesizer.speculation, OnlineSpeculation):
+        fail("rvqtts tune --texts decides the tree size online, which RVQTTS_CHOICES=fixed turns off")
+    with progress_bar(quiet) as progress:
+        task = progress.add_task(f"speaking {len(lines)} lines with --tree auto", total=len(lines))
+        for line in lines:
+            with refused(ValueError, prefix=f"{texts}: "):
+                voice = dict(speaker=line.speaker or speaker, language=line.language or "auto", instruct=line.instruct)
+                synthesizer.synthesize(line.text, **voice, seed=seed, settings=settings)
+            progress.advance(task)
+    synthesizer.speculation.save()
+    return synthesizer.speculation.record()
 
 
 @app.command("train-offsets")

@@ -1,14 +1,6 @@
-"""Batch files on a Ray cluster: the lines go to Ray actors that each load the model once and keep it.
-
-A worker makes a line's output file in memory (rvqtts.synthesis.batch_files.attempt: the same code and the same keyed
-noise as a local batch) and hands the bytes back; the driver alone writes files, each once and atomically, and
-the manifest in line order. So the output folder only has to exist where the driver runs, an interrupted
-batch leaves whole files, and a rerun (resume) redoes only the missing ones. A line whose worker dies goes
-back to the front of the queue and a new worker takes the dead one's place.
-
-Ray is an optional extra (`pip install -e '.[ray]'` in rvqtts's checkout); this module imports it only when a
-batch runs.
-"""
+"""Batch files on a Ray cluster: workers that each load the model once make lines' files in memory, and the driver
+alone writes them, whole and in a manifest, replacing workers that die (docs/cluster.md). Ray is imported only when a
+batch runs (`pip install -e '.[ray]'`)."""
 
 from __future__ import annotations
 

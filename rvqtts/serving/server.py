@@ -1,20 +1,6 @@
-"""`rvqtts serve`: the OpenAI audio API over one loaded Synthesizer.
-
-`POST /v1/audio/speech` takes OpenAI's fields (`model`, `input`, `voice`, `response_format`, `speed`,
-`instructions`, `stream_format`) and rvqtts's own (`language`, `instruct`, `seed`, `stream` and the sampling
-settings); `GET /v1/models`, `GET /v1/voices` and `GET /health` say what is served. One engine thread owns the
-model and takes requests from a bounded queue (full: 503 with Retry-After) into the rows of one frame loop as rows
-free up (`--batch-size` rows), streamed and whole alike, sharing the calls of both loops; a whole response is the
-bytes `rvqtts synth` writes for the same text, voice, seed and settings. A streamed response carries its first
-audio after one frame and then every 4 frames, as `synth --stream` makes it, as the audio itself or as OpenAI's
-server-sent events; a client that goes away frees its row within a frame.
-Errors are JSON in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
-
-What a client may hold is bounded (docs/server.md, "Limits"): JSON bodies only, of at most 1 MiB however they are
-sent; WebSocket sessions from browsers of other sites refused unless allowed (--allow-origin); requests and sessions at
-once (--max-connections); a stream's unread audio (--max-unsent-seconds); a session's unspoken text. Every wait on the
-engine has a deadline, and a stream cut short ends as an error, never as a clean but short body.
-"""
+"""`rvqtts serve`: the OpenAI audio API (and text in pieces over a WebSocket) over one loaded Synthesizer, whose one
+engine thread takes requests from a bounded queue into the rows of one frame loop. Requests, responses, errors and
+the limits on what a client may hold: docs/server.md."""
 
 from __future__ import annotations
 
@@ -648,25 +634,56 @@ async def _sent(behind: asyncio.Event, sending: Coroutine) -> None:
     sent.result()
 
 
+def authorize(request: Request | WebSocket, api_key: str | None) -> None:
+    """Refuse (401) a request without the server's API key, where it has one."""
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, key = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), api_key.encode()):
+        raise SpeechError(
+            401,
+            "a valid API key is needed: send the header `Authorization: Bearer KEY` with the key the server "
+            "was started with (--api-key)",
+            code="invalid_api_key",
+        )
+
+
+async def _refused(request: Request, error: SpeechError) -> Response:
+    return error.response()
+
+
+async def _http_error(request: Request, error: HTTPException) -> Response:
+    return JSONResponse(
+        SpeechError(error.status_code, f"{request.method} {request.url.path}: {error.detail}").body(),
+        status_code=error.status_code,
+    )
+
+
+def _middleware(options: ServerOptions) -> list[Middleware]:
+    """The connection limit, and CORS for the allowed origins' browser apps (outermost: its headers on every
+    answer, refusals included)."""
+    middleware = [Middleware(ConnectionLimit, limit=options.max_connections)]
+    if options.allowed_origins:
+        cors = Middleware(
+            CORSMiddleware,
+            allow_origins=list(options.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+        middleware.insert(0, cors)
+    return middleware
+
+
 def create_app(engine: SpeechEngine) -> Starlette:
     """The ASGI application (Starlette) over `engine`."""
     options = engine.options
 
-    def authorize(request: Request | WebSocket) -> None:
-        if options.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), options.api_key.encode()):
-            raise SpeechError(
-                401,
-                "a valid API key is needed: send the header `Authorization: Bearer KEY` with the key the server "
-                "was started with (--api-key)",
-                code="invalid_api_key",
-            )
+    def authorize_request(request: Request | WebSocket) -> None:
+        authorize(request, options.api_key)
 
     async def speech(request: Request) -> Response:
-        authorize(request)
+        authorize_request(request)
         speech_request = parse_speech_request(await json_body(request), engine)
         job = engine.submit(speech_request)
         media_type = RESPONSE_FORMATS[speech_request.response_format]
@@ -678,12 +695,12 @@ def create_app(engine: SpeechEngine) -> Starlette:
         return Response(b"".join(parts), media_type=media_type)
 
     async def models(request: Request) -> Response:
-        authorize(request)
+        authorize_request(request)
         entry = {"id": options.model_name, "object": "model", "created": 0, "owned_by": "rvqtts"}
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def voices(request: Request) -> Response:
-        authorize(request)
+        authorize_request(request)
         return JSONResponse({"model": options.model_name, "kind": engine.synth.kind, "voices": engine.voices()})
 
     async def health(request: Request) -> Response:
@@ -694,19 +711,10 @@ def create_app(engine: SpeechEngine) -> Starlette:
             raise engine_stopped()
         return JSONResponse({"status": "ready"})
 
-    async def refused(request: Request, error: SpeechError) -> Response:
-        return error.response()
-
-    async def http_error(request: Request, error: HTTPException) -> Response:
-        return JSONResponse(
-            SpeechError(error.status_code, f"{request.method} {request.url.path}: {error.detail}").body(),
-            status_code=error.status_code,
-        )
-
     async def text_session(websocket: WebSocket) -> None:
         origin = websocket.headers.get("origin")
         try:
-            authorize(websocket)
+            authorize_request(websocket)
             if not origin_allowed(origin, websocket.headers.get("host"), options.allowed_origins):
                 raise SpeechError(403, f"origin {origin} is not served: start the server with --allow-origin {origin}")
         except SpeechError as error:  # refused before the handshake: the client sees HTTP 403
@@ -723,17 +731,8 @@ def create_app(engine: SpeechEngine) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
     ]
-    middleware = [Middleware(ConnectionLimit, limit=options.max_connections)]
-    if options.allowed_origins:  # browser apps of those origins may call the API
-        cors = Middleware(
-            CORSMiddleware,
-            allow_origins=list(options.allowed_origins),
-            allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
-        )
-        middleware.insert(0, cors)  # outermost: its headers on every answer, refusals included
-    handlers = {SpeechError: refused, HTTPException: http_error}
-    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
+    handlers = {SpeechError: _refused, HTTPException: _http_error}
+    return Starlette(routes=routes, middleware=_middleware(options), exception_handlers=handlers)
 
 
 async def _next(job: Job, client_gone: Callable[[], Awaitable[bool]] | None = None) -> bytes | None:

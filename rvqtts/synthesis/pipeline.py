@@ -12,7 +12,7 @@ from typing import Callable, Generator, Iterable, Iterator
 import numpy as np
 import torch
 
-from rvqtts.engine.loop.frame_loop import ChunkDone, FrameDone, FrameLoop, Work, WorkFailed
+from rvqtts.engine.loop.frame_loop import ChunkDone, Event, FrameDone, FrameLoop, Work, WorkFailed
 from rvqtts.engine.model.speech_decoder import StreamingDecoder
 from rvqtts.engine.model.talker import Prompt
 from rvqtts.engine.speculative.policy import tree_nodes
@@ -75,32 +75,41 @@ def speak(
         if state.failed:  # the rest of its chunks are not heard
             continue
         try:
-            if isinstance(event, WorkFailed):
-                raise event.error
-            if isinstance(event, FrameDone):
-                state.pending.append(event.codes)
-                if state.pacing and len(state.pending) == state.pacing.due(state.seconds["first_audio"] is not None):
-                    yield state.index, ready_audio(synth, state)
-            elif isinstance(event, ChunkDone):
-                if state.pending:
-                    yield state.index, ready_audio(synth, state)
-                state.frames.extend(event.frames)
-                state.chunk_start, state.chunks_done = True, state.chunks_done + 1
-                if event.cut:
-                    piece, limit = state.pieces[state.chunks_done - 1], event.frame_limit
-                    state.warnings.append(
-                        f"chunk {state.chunks_done} of {len(state.pieces)} was cut at {limit} frames "
-                        f"({limit / FRAMES_PER_SECOND:.1f} s) for {len(piece)} characters: the model did not end "
-                        f"its speech (text: {piece[:40]!r})"
-                    )
-                if on_chunk:
-                    on_chunk(state.chunks_done, len(state.pieces))
-            else:
-                yield state.index, state.joiner.finish()
-                yield state.index, finished(synth, state, loop)
+            for item in heard(synth, state, event, loop, on_chunk):
+                yield state.index, item
         except Exception as error:  # this line's: it fails alone
             state.failed = True
             yield state.index, error
+
+
+def heard(
+    synth: SpeechModel, state: _Spoken, event: Event, loop: FrameLoop, on_chunk: Callable[[int, int], None] | None
+) -> Iterator[np.ndarray | Synthesis]:
+    """What a frame loop event gives its line: samples ready to play (a streamed line's, paced), a chunk's end (a
+    cut one said in its warnings), or, at its end, its last samples and its Synthesis; its failure raised."""
+    if isinstance(event, WorkFailed):
+        raise event.error
+    if isinstance(event, FrameDone):
+        state.pending.append(event.codes)
+        if state.pacing and len(state.pending) == state.pacing.due(state.seconds["first_audio"] is not None):
+            yield ready_audio(synth, state)
+    elif isinstance(event, ChunkDone):
+        if state.pending:
+            yield ready_audio(synth, state)
+        state.frames.extend(event.frames)
+        state.chunk_start, state.chunks_done = True, state.chunks_done + 1
+        if event.cut:
+            piece, limit = state.pieces[state.chunks_done - 1], event.frame_limit
+            state.warnings.append(
+                f"chunk {state.chunks_done} of {len(state.pieces)} was cut at {limit} frames "
+                f"({limit / FRAMES_PER_SECOND:.1f} s) for {len(piece)} characters: the model did not end "
+                f"its speech (text: {piece[:40]!r})"
+            )
+        if on_chunk:
+            on_chunk(state.chunks_done, len(state.pieces))
+    else:
+        yield state.joiner.finish()
+        yield finished(synth, state, loop)
 
 
 def line_prompts(

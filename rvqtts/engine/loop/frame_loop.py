@@ -26,6 +26,7 @@ from rvqtts.engine.model.sampling import (
     residual_noise,
 )
 from rvqtts.engine.model.talker import Prompt, TalkerRunner
+from rvqtts.engine.speculative.rounds import FrameRounds
 from rvqtts.engine.speculative.speculation import LoopStats
 
 
@@ -58,6 +59,18 @@ class Work:
     stats: LoopStats = field(default_factory=LoopStats)
     frames_by_budget: dict[int, int] = field(default_factory=dict)  # its frames by the online tree size
     seconds: dict = field(default_factory=lambda: {"talker": 0.0, "predictor": 0.0, "prefill": 0.0})
+
+    def spent(self, talker: float = 0.0, predictor: float = 0.0, talker_calls: int = 0) -> None:
+        """Its share of a frame's calls: the loop's one place for time and calls (frames share calls)."""
+        self.seconds["talker"] += talker
+        self.seconds["predictor"] += predictor
+        self.talker_calls += talker_calls
+
+    def inner_frame(self, frame: FrameRounds) -> None:
+        """A frame's inner loop counted: calls, codes and accepted drafts, and the tree size it ran by."""
+        count_frame(self.stats, frame)
+        if frame.budget is not None:
+            self.frames_by_budget[frame.budget] = self.frames_by_budget.get(frame.budget, 0) + 1
 
 
 @dataclass
@@ -225,8 +238,7 @@ class FrameLoop:
         newest_first = sorted(done, key=lambda one: rows[one[0][0]].work.frame)
         for (slot, c0), rest, prefix in newest_first:  # a first piece of audio is not kept waiting behind later ones
             row = rows[slot]
-            row.work.seconds["talker"] += shares[0]
-            row.work.seconds["predictor"] += shares[1]
+            row.work.spent(*shares)
             if row.work.on_frame:
                 row.work.on_frame(prefix, rest)
             codes = np.array([c0, *rest], dtype=np.int64)
@@ -255,8 +267,7 @@ class FrameLoop:
         for i, slot in enumerate(stepping):
             row = rows[slot]
             row.hidden, row.logits = hidden[i], logits[i]
-            row.work.seconds["talker"] += spent
-            row.work.talker_calls += 1
+            row.work.spent(talker=spent, talker_calls=1)
 
     def _inner_loop(self, prefixes: torch.Tensor, ready: list[_Row]) -> list[list[int]]:
         """c1.. of every ready row's frame: recorded ones under teacher forcing, a Core ML package's fused calls,
@@ -285,9 +296,7 @@ class FrameLoop:
                 self.parts.calls,
             )
         for work, frame in zip(works, frames):
-            count_frame(work.stats, frame)
-            if frame.budget is not None:
-                work.frames_by_budget[frame.budget] = work.frames_by_budget.get(frame.budget, 0) + 1
+            work.inner_frame(frame)
         return [frame.codes for frame in frames]
 
     def _end_chunk(self, rows: list[_Row | None], slot: int, cut: bool) -> Iterator[Event]:
@@ -312,10 +321,10 @@ class FrameLoop:
         hidden, logits = self.talker.prefill(prompt.embeds, row=slot)
         noise = self.next_noise(work)
         synchronize(self.talker.device)
-        work.talker_calls += 1
-        work.seconds["talker"] += time.perf_counter() - begun
+        spent = time.perf_counter() - begun
+        work.spent(talker=spent, talker_calls=1)
         if work.frame == 0:
-            work.seconds["prefill"] = time.perf_counter() - begun
+            work.seconds["prefill"] = spent
         seen = torch.zeros(self.talker.vocab_size, dtype=torch.bool, device=self.talker.device)
         rows[slot] = _Row(work, prompt, frame_limit, seen, hidden, logits, noise)
 

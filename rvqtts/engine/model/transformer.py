@@ -166,56 +166,83 @@ class CachedDecoder:
                 q = self.native_attention_inputs(i, x, cos, sin, write, prompt)
             else:
                 q, k, v = self.attention_inputs(i, x, cos, sin, prompt)
-                if isinstance(write, slice):
-                    self.k_cache[i, :, write] = k
-                    self.v_cache[i, :, write] = v
-                else:
-                    self.k_cache[i].index_copy_(1, write, k)
-                    self.v_cache[i].index_copy_(1, write, v)
-            if native_rows and rows is not None:
-                out = native.attend(q, self.k_cache[i], self.v_cache[i], span, *rows)
-            elif native_rows and groups is not None:
-                out = torch.cat(
-                    [
-                        native.attend(q[:, queries], self.k_cache[i], self.v_cache[i], slots.shape[1], slots)
-                        for queries, slots in groups
-                    ],
-                    dim=1,
-                )
-            elif native_rows and (mask is None or mask.dtype == torch.bool):
-                out = native.attend(q, self.k_cache[i], self.v_cache[i], span, None, mask)
-            elif rows is not None:
-                slots, visible = rows
-                keys, values = (  # each query's keys in position order: the first `span` slots, or gathered
-                    cache[None, i, :, :span].expand(len(visible), -1, -1, -1)
-                    if slots is None
-                    else cache[i]
-                    .index_select(1, slots.flatten())
-                    .view(cache.shape[1], *slots.shape, -1)
-                    .transpose(0, 1)
-                    for cache in (self.k_cache, self.v_cache)
-                )
-                out = attend_rows(q, keys, values, visible)
-            elif groups is not None:
-                out = torch.cat([self.attend_gathered(i, q[:, queries], slots) for queries, slots in groups], dim=1)
-            elif spans is not None:
-                out = torch.cat(
-                    [
-                        self.attend(
-                            q[None, :, r : r + 1],
-                            self.k_cache[None, i, :, region],
-                            self.v_cache[None, i, :, region],
-                            visible[None, None],
-                        )[0]
-                        for r, (region, visible) in enumerate(spans)
-                    ],
-                    dim=1,
-                )
+                self.write_cache(i, k, v, write)
+            if native_rows and (rows is not None or groups is not None or mask is None or mask.dtype == torch.bool):
+                out = self.attend_natively(i, q, span, mask, groups, rows)
             else:
-                # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the unfused math).
-                out = self.attend(q[None], self.k_cache[None, i, :, read], self.v_cache[None, i, :, read], attn_mask)[0]
+                out = self.attend_layer(i, q, read, attn_mask, groups, rows, spans)
             x = self.layer_rest(i, x, out, prompt)
         return self.rms(self.norm, x)
+
+    def write_cache(self, i: int, k: torch.Tensor, v: torch.Tensor, write: slice | torch.Tensor) -> None:
+        """Layer i's keys and values [heads, q, d] into the cache slots `write` (a slice, or slot indices)."""
+        if isinstance(write, slice):
+            self.k_cache[i, :, write] = k
+            self.v_cache[i, :, write] = v
+        else:
+            self.k_cache[i].index_copy_(1, write, k)
+            self.v_cache[i].index_copy_(1, write, v)
+
+    def attend_natively(
+        self,
+        i: int,
+        q: torch.Tensor,
+        span: int,
+        mask: torch.Tensor | None,
+        groups: list[tuple[slice, torch.Tensor]] | None,
+        rows: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Layer i's attention by the native library, the queries q [heads, q, d] seeing what `run_layers` says."""
+        if rows is not None:
+            return native.attend(q, self.k_cache[i], self.v_cache[i], span, *rows)
+        if groups is not None:
+            return torch.cat(
+                [
+                    native.attend(q[:, queries], self.k_cache[i], self.v_cache[i], slots.shape[1], slots)
+                    for queries, slots in groups
+                ],
+                dim=1,
+            )
+        return native.attend(q, self.k_cache[i], self.v_cache[i], span, None, mask)
+
+    def attend_layer(
+        self,
+        i: int,
+        q: torch.Tensor,
+        read: slice,
+        attn_mask: torch.Tensor | None,
+        groups: list[tuple[slice, torch.Tensor]] | None,
+        rows: tuple[torch.Tensor, torch.Tensor] | None,
+        spans: list[tuple[slice, torch.Tensor]] | None,
+    ) -> torch.Tensor:
+        """Layer i's attention by torch, the queries q [heads, q, d] seeing what `run_layers` says."""
+        if rows is not None:
+            slots, visible = rows
+            span = read.stop - read.start
+            keys, values = (  # each query's keys in position order: the first `span` slots, or gathered
+                cache[None, i, :, :span].expand(len(visible), -1, -1, -1)
+                if slots is None
+                else cache[i].index_select(1, slots.flatten()).view(cache.shape[1], *slots.shape, -1).transpose(0, 1)
+                for cache in (self.k_cache, self.v_cache)
+            )
+            return attend_rows(q, keys, values, visible)
+        if groups is not None:
+            return torch.cat([self.attend_gathered(i, q[:, queries], slots) for queries, slots in groups], dim=1)
+        if spans is not None:
+            return torch.cat(
+                [
+                    self.attend(
+                        q[None, :, r : r + 1],
+                        self.k_cache[None, i, :, region],
+                        self.v_cache[None, i, :, region],
+                        visible[None, None],
+                    )[0]
+                    for r, (region, visible) in enumerate(spans)
+                ],
+                dim=1,
+            )
+        # 4-D inputs take torch's fused CPU attention kernel (3-D ones fall back to the unfused math).
+        return self.attend(q[None], self.k_cache[None, i, :, read], self.v_cache[None, i, :, read], attn_mask)[0]
 
     def run_native_layers(
         self,

@@ -1,33 +1,6 @@
-"""Speculation decided online: how many tree nodes the inner loop runs (N = 0: the plain loop), chosen
-while it synthesizes, from this model's measured acceptance and this machine's measured call costs.
-
-Every code is drawn with noise keyed by its position, so the tree size changes the speed and never the
-codes (wherever the linear kernels are row-invariant, rvqtts.engine.model.kernels): the choice can change from one
-frame to the next. What it rests on:
-
-- Acceptance: every round drafts at least OBSERVED_RANKS ranks per depth (rvqtts.engine.speculative.rounds.rounds_call),
-  and once the frame's codes are known, the rank of each committed code among the drafts made from each round's
-  root is counted per depth (`AcceptanceCounts`: the per-depth, per-rank table `rvqtts calibrate`
-  measures offline). While the plain loop runs, one frame in PROBE_EVERY (SETTLED_PROBE_EVERY once
-  SETTLED_ROOTS roots are counted) is run as a chain of K drafts (a call of K + 1 rows) so that the counts keep
-  coming. Where a call of K + 1 rows costs more than its codes repay (with AVX2 kernels 4 rows cost 1.4x a step,
-  docs/benchmarks.md), probes are spaced further, so that they add at most PROBE_SHARE to the plain loop's time
-  (`probe_every`). Where even the best tree projects at most FAR of the plain loop's speed (once FAR_ROOTS roots
-  are counted), a tree is far from paying and probes run one frame in FAR_PROBE_EVERY: they are there to notice
-  acceptance changing, and it would have to change a lot. A batch (rows > 1) probes one row's frame in
-  SETTLED_PROBE_EVERY steps from the start.
-- Costs: one call of q = N + 1 rows for each candidate budget, timed once per machine, dtype, weights and
-  predictor shape (`call_costs`, kept in the user's cache); then learned from the frames the run times (a
-  line's frames, `OnlineSpeculation.call_ms`): a call of q rows, once LEARN_FRAMES frames have run it, costs
-  what it cost there, and a q not run yet its timing scaled as the nearest q that has run (in the AVX2 regime a
-  step timed at the start cost 0.73x to 1.23x what steps cost inside the same run's frames, docs/benchmarks.md).
-- The choice: for every budget a greedy tree grown from the counts (rvqtts.engine.speculative.tree.grow_tree) and its
-  projected codes per millisecond (codes per call over a whole frame / the call's cost); the plain loop
-  at one code per step. Made again every DECIDE_EVERY frames; a change must promise SWITCH_MARGIN more.
-
-The counts start from what the last run learned about this model and drafter (the user's cache), else
-from the shipped prior table weighted as PRIOR_ROUNDS rounds; what a run learns is saved when it ends.
-"""
+"""`--tree auto`: how many tree nodes the inner loop runs (N = 0: the plain loop), chosen while it synthesizes from
+this model's acceptance, counted from the rounds that run, and this machine's call costs. The choice changes the
+speed, never the codes. docs/engine.md, "The tree size chosen online"."""
 
 from __future__ import annotations
 

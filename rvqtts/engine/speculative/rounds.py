@@ -192,22 +192,6 @@ class RoundsLayout:
         draws_of = [[0] * (p.tree.nodes + 1) for p in plans]
         for i, (*_, f, u) in enumerate(score_order):
             draws_of[f][u] = i
-        if runner.row_attention:  # each query's slots over the width, in its frame's region
-            slots = [plan.row_slots(index + 1, runner.width) for index, plan in zip(indices, plans)]
-            attention = {
-                "rows": (
-                    torch.cat([region + index for (index, _), region in zip(slots, regions)]),
-                    torch.cat([visible for _, visible in slots]),
-                )
-            }
-        else:  # per depth, its gathered slots
-            attention = {
-                "groups": [
-                    (slice(start + s.start, start + s.stop), region + keys)
-                    for index, plan, region, start in zip(indices, plans, regions, query_starts)
-                    for s, keys in plan.attention_groups(index + 1)
-                ]
-            }
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, device=device, dtype=torch.long)
@@ -227,7 +211,7 @@ class RoundsLayout:
                     for index, plan, region in zip(indices, plans, regions)
                 ]
             ),
-            attention=attention,
+            attention=round_attention(runner, indices, plans, regions, query_starts),
             scored_rows=tensor([entry[0] for entry in score_order]),
             score_heads=head_slices(scores),
             noise_frames=tensor([entry[1] for entry in score_order]),
@@ -237,6 +221,24 @@ class RoundsLayout:
             drafts_of=drafts_of,
             regions=regions,
         )
+
+
+def round_attention(
+    runner: PredictorRunner, indices: list[int], plans: list[RoundPlan], regions: list[int], query_starts: list[int]
+) -> dict:
+    """What a round call's queries attend to, as `run_layers` takes it: with row attention each query's slots over
+    the runner's width in its frame's cache region ("rows"), else per depth its gathered slots ("groups")."""
+    if runner.row_attention:
+        slots = [plan.row_slots(index + 1, runner.width) for index, plan in zip(indices, plans)]
+        keys = torch.cat([region + index for (index, _), region in zip(slots, regions)])
+        return {"rows": (keys, torch.cat([visible for _, visible in slots]))}
+    return {
+        "groups": [
+            (slice(start + s.start, start + s.stop), region + keys)
+            for index, plan, region, start in zip(indices, plans, regions, query_starts)
+            for s, keys in plan.attention_groups(index + 1)
+        ]
+    }
 
 
 def head_slices(by_head: dict[int, list]) -> list[tuple[int, slice]]:
