@@ -243,15 +243,15 @@ class Synthesizer:
         instruct: str | None = None,
         settings: GenerationSettings = GenerationSettings(),
         chunk_chars: float | None = MAX_CHUNK_WEIGHT,
-        pacing: StreamPacing = StreamPacing(),
+        pacing: StreamPacing | None = StreamPacing(),
         on_chunk: Callable[[int, int], None] | None = None,
         on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
         clone: ClonedVoice | None = None,
     ) -> AudioStream:
         """Synthesize one utterance as a stream of audio pieces, decoded incrementally
         (rvqtts.engine.model.speech_decoder) as `pacing` says: the first after one frame, then every 4 frames by
-        default. Arguments as for `synthesize`, which makes the same codes and, up to float rounding, the same
-        waveform."""
+        default (None: each text chunk whole, as `synthesize` makes it). Arguments as for `synthesize`, which makes
+        the same codes and, up to float rounding, the same waveform."""
         line = Line(
             text=text,
             speaker=speaker,
@@ -287,16 +287,18 @@ class Synthesizer:
         progress after each chunk; `on_frame(prefix, codes)` sees every frame the inner loop decodes
         ([h_t, embedding of c0] and c1..c_{G-1}).
         """
-        line = Line(
-            text=text,
-            speaker=speaker,
-            language=language,
-            instruct=instruct,
-            clone=clone,
-            utterance=utterance,
+        voice = dict(speaker=speaker, language=language, instruct=instruct, clone=clone)
+        stream = self.stream(
+            text,
+            **voice,
             seed=seed,
+            utterance=utterance,
+            settings=settings,
+            chunk_chars=chunk_chars,
+            pacing=None,
+            on_chunk=on_chunk,
+            on_frame=on_frame,
         )
-        stream = AudioStream(one_line(self, line, settings, chunk_chars, None, on_chunk, on_frame), self.sample_rate)
         for _ in stream:
             pass
         return stream.result
