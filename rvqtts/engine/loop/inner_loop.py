@@ -84,17 +84,16 @@ class InnerLoop:
 
 def inner_frames(
     runner: PredictorRunner,
-    prefixes: torch.Tensor,
-    noise: torch.Tensor,
+    prefixes: torch.Tensor,  # [n, 2, E]: each frame's [h_t, embedding of c0]
+    noise: torch.Tensor,  # [n, G-1, V]
     sampling: SamplingConfig | RowSampling,
     speculation: TreePolicy | None,
-    offsets: torch.Tensor | None,
+    offsets: torch.Tensor | None,  # [K, H]
     calls: StaticCalls = EAGER,
 ) -> list[FrameRounds]:
-    """c1..c_{G-1} of n frames (`prefixes` [n, 2, E], `noise` [n, G-1, V]) in shared calls: plain, by a fixed
-    tree, or by the tree size the online choice (rvqtts.engine.speculative.online) makes now, which learns from these
-    frames (its probe, a draft chain that keeps acceptance counted, runs on the first frame while the others step
-    plain)."""
+    """c1..c_{G-1} of n frames in shared calls: plain, by a fixed tree, or by the tree size the online choice
+    (rvqtts.engine.speculative.online) makes now, which learns from these frames (its probe, a draft chain that keeps
+    acceptance counted, runs on the first frame while the others step plain)."""
     policy, probe = speculation, False
     if policy is not None:
         policy.start(runner, sampling)

@@ -48,11 +48,13 @@ def walk_tree(
 
 
 def prefill_call(
-    runner: PredictorRunner, sampling: SamplingConfig | RowSampling, prefixes: torch.Tensor, noise: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The frames' first call: h_1 [n, H] from [h_t, embedding of c0] ([n, 2, E]), c1 [n] drawn from it, and
-    whether each frame's logits were finite [n]. Every call returns such flags; the frames read them back with
-    their codes."""
+    runner: PredictorRunner,
+    sampling: SamplingConfig | RowSampling,
+    prefixes: torch.Tensor,  # [n, 2, E]: each frame's [h_t, embedding of c0]
+    noise: torch.Tensor,  # [n, G-1, V]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # h_1 [n, H], c1 [n], finite [n]
+    """The frames' first call: h_1 from the prefixes, c1 drawn from it, and whether each frame's logits were finite.
+    Every call returns such flags; the frames read them back with their codes."""
     hidden = runner.prefill_rows(prefixes)
     return hidden, *draw_checked(runner.logits(hidden, 1), noise[:, 0], sampling)
 
@@ -61,25 +63,24 @@ def steps_call(
     runner: PredictorRunner,
     index: int,
     sampling: SamplingConfig | RowSampling,
-    codes: torch.Tensor,
-    noise: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One plain step of n frames: feed c_index of frame r (`codes` [n]) in batch row r and draw each one's
-    c_{index+1} with its noise (`noise` [n, G-1, V]); with the finite flags [n]."""
+    codes: torch.Tensor,  # [n]: c_index of each frame
+    noise: torch.Tensor,  # [n, G-1, V]
+) -> tuple[torch.Tensor, torch.Tensor]:  # c_{index+1} [n], finite [n]
+    """One plain step of n frames: feed c_index of frame r in batch row r and draw each one's c_{index+1} with its
+    noise."""
     return draw_checked(runner.logits(runner.step_rows(codes, index), index + 1), noise[:, index], sampling)
 
 
 @torch.inference_mode()
 def plain_frames(
     runner: PredictorRunner,
-    prefixes: torch.Tensor,
-    noise: torch.Tensor,
+    prefixes: torch.Tensor,  # [n, 2, E]: each frame's [h_t, embedding of c0]
+    noise: torch.Tensor,  # [n, G-1, V]: row m-1 draws c_m
     sampling: SamplingConfig | RowSampling,
     calls: StaticCalls = EAGER,
-) -> list[list[int]]:
+) -> list[list[int]]:  # [n][G-1]
     """c1..c_{G-1} of n frames, one predictor call per code for all of them, the whole frame in one static call (on
-    a GPU one graph replay, not 15): `prefixes` [n, 2, E], `noise` [n, G-1, V] (row m-1 draws c_m). Codes stay on
-    the device until the frames are done (one read back)."""
+    a GPU one graph replay, not 15). Codes stay on the device until the frames are done (one read back)."""
     codes, finite = calls(
         ("plain", prefixes.shape[0], sampling), partial(plain_call, runner, sampling), prefixes, noise
     )
@@ -89,10 +90,13 @@ def plain_frames(
 
 
 def plain_call(
-    runner: PredictorRunner, sampling: SamplingConfig | RowSampling, prefixes: torch.Tensor, noise: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain loop's calls of n frames, each code fed to the next call on the device: codes [n, G-1], and whether
-    every call's logits were finite, per frame [n]."""
+    runner: PredictorRunner,
+    sampling: SamplingConfig | RowSampling,
+    prefixes: torch.Tensor,  # [n, 2, E]
+    noise: torch.Tensor,  # [n, G-1, V]
+) -> tuple[torch.Tensor, torch.Tensor]:  # codes [n, G-1], finite [n]
+    """The plain loop's calls of n frames, each code fed to the next call on the device, and whether every call's
+    logits were finite, per frame."""
     _, code, finite = prefill_call(runner, sampling, prefixes, noise)
     codes, flags = [code], [finite]
     for index in range(1, runner.code_groups - 1):
@@ -268,18 +272,16 @@ def rounds_layout(runner: PredictorRunner, frames: list[FrameRounds]) -> tuple[t
 def rounds_call(
     runner: PredictorRunner,
     layout: RoundsLayout,
-    offsets: torch.Tensor,
+    offsets: torch.Tensor,  # [K, H]: one per lookahead distance
     sampling: SamplingConfig | RowSampling,
-    hidden: torch.Tensor,
-    roots: torch.Tensor,
-    noise: torch.Tensor,
-) -> tuple[torch.Tensor, ...]:
-    """Every frame's round in one call, by `layout`: ranked drafts of each frame from its `hidden` row (h_index),
-    its root (`roots`) and nodes embedded at its own positions, the forward pass over all their rows (each frame's
-    KV written to and read from its region), and the target's draws at every slot whose code is not its frame's
-    last, with their noise ([frames, G-1, V]). Returns node codes [sum q], hidden states [sum q, H], the draws (in
-    the layout's order), whether each draw's logits were finite (in that order), and the ranked drafts [drafts,
-    width]."""
+    hidden: torch.Tensor,  # [frames, H]: each frame's h_index, which drafts its round
+    roots: torch.Tensor,  # [frames]: each frame's root code
+    noise: torch.Tensor,  # [frames, G-1, V]
+) -> tuple[torch.Tensor, ...]:  # node codes [sum q], hidden [sum q, H], draws, finite, ranked drafts [drafts, width]
+    """Every frame's round in one call, by `layout`: ranked drafts of each frame from its hidden row, its root and
+    nodes embedded at its own positions, the forward pass over all their rows (each frame's KV written to and read
+    from its region), and the target's draws at every slot whose code is not its frame's last. Draws and their
+    finite flags come in the layout's order."""
     ranked = torch.empty(0, layout.width, dtype=torch.long, device=roots.device)  # plain steps draft nothing
     if layout.draft_heads:
         drafts = hidden[layout.draft_frames] + offsets[layout.draft_offsets]
@@ -327,17 +329,15 @@ def commit_rounds(
 @torch.inference_mode()
 def speculative_frames(
     runner: PredictorRunner,
-    prefixes: torch.Tensor,
-    noise: torch.Tensor,
+    prefixes: torch.Tensor,  # [n, 2, E]: each frame's [h_t, embedding of c0]
+    noise: torch.Tensor,  # [n, G-1, V]
     sampling: SamplingConfig | RowSampling,
-    speculations: list[Speculation | None],
-    offsets: torch.Tensor,
+    speculations: list[Speculation | None],  # [n]: each frame's tree (None: plain steps)
+    offsets: torch.Tensor,  # [K, H]: the speculations', on the runner's device and dtype
     calls: StaticCalls = EAGER,
 ) -> list[FrameRounds]:
-    """c1..c_{G-1} of n frames, frame r by the tree rounds of `speculations[r]` (None: plain steps), every
-    frame's round in one call (see the module's docstring). `prefixes` [n, 2, E], `noise` [n, G-1, V],
-    `offsets` the speculations' [K, hidden] on the runner's device and dtype. Returns each frame's
-    rounds; its codes are `plain_frames`'s."""
+    """c1..c_{G-1} of n frames, each by its tree's rounds, every frame's round in one call (see the module's
+    docstring). Returns each frame's rounds; its codes are `plain_frames`'s."""
     last, n = runner.code_groups - 1, prefixes.shape[0]
     nodes = max(s.tree.nodes if s else 0 for s in speculations)
     if runner.max_len < runner.code_groups + nodes + 1:
