@@ -33,6 +33,13 @@ def test_speculative_and_plain_synthesis_give_the_same_codes_and_audio(tiny):
     assert plain.stats.calls == 15 * frames and spec.stats.calls < plain.stats.calls
     assert spec.stats.codes == 15 * frames
     assert set(plain.seconds) >= {"wall", "talker", "predictor", "decoder"}
+    # the inner loop's time by part: every part of a round, within the predictor's time per frame
+    parts = {"prefill", "layout", "drafts", "forward", "heads", "draws", "walk"}
+    for run, named in ((plain, {"plain"}), (spec, parts)):
+        record = run.record()
+        by_part = record["inner_loop_ms_by_part"]
+        assert set(by_part) == named and all(ms >= 0 for ms in by_part.values())
+        assert 0 < sum(by_part.values()) <= 1e3 * record["predictor_seconds"] / frames + 0.01
 
 
 def test_seed_fixes_the_codes_and_the_stock_loop_comes_back(tiny):

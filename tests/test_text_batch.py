@@ -140,6 +140,7 @@ def test_total_record_adds_counts_and_recomputes_ratios():
             wall_seconds=2.0,
             predictor_seconds=1.0,
             accepted_per_depth=[20, 5],
+            inner_loop_ms_by_part={"forward": 40.0, "walk": 2.0},
         ),
         dict(
             base,
@@ -151,6 +152,7 @@ def test_total_record_adds_counts_and_recomputes_ratios():
             predictor_seconds=2.0,
             accepted_per_depth=[60],
             warnings=["cut"],
+            inner_loop_ms_by_part={"forward": 20.0, "plain": 8.0},
         ),
     ]
     total = total_record(records)
@@ -159,6 +161,7 @@ def test_total_record_adds_counts_and_recomputes_ratios():
     assert total["accepted_per_depth"] == [80, 5] and total["warnings"] == 1 and total["utterances"] == 2
     assert total["spec"] is True and total["tree_nodes"] == 16 and total["weights"] == "int8"
     assert total["wall_seconds"] == 6.0 and "lines_wall_seconds" not in total
+    assert total["inner_loop_ms_by_part"] == {"forward": 25.0, "plain": 6.0, "walk": 0.5}  # weighted by frames
     # lines that shared calls overlapped: the batch's own wall is its wall, RTF and throughput
     batch = total_record(records, wall_seconds=2.5)
     assert batch["wall_seconds"] == 2.5 and batch["lines_wall_seconds"] == 6.0

@@ -122,6 +122,12 @@ class Synthesis:
             "wall_seconds": round(wall, 3),
             "talker_seconds": round(self.seconds["talker"], 3),
             "predictor_seconds": round(self.seconds["predictor"], 3),
+            # the inner loop's time per frame by part, where its calls run eagerly: plain steps, or the tree rounds'
+            # prefill, layout, drafts, forward, heads, draws and walk (the frame's share of the calls it was in)
+            "inner_loop_ms_by_part": {
+                part: round(1e3 * spent / max(self.stats.frames, 1), 3)
+                for part, spent in self.stats.seconds_by_part.items()
+            },
             "decoder_seconds": round(self.seconds["decoder"], 3),
             "prefill_seconds": round(self.seconds["prefill"], 3),
             "first_audio_seconds": round(self.seconds["first_audio"], 3),

@@ -102,7 +102,10 @@ def inner_frames(
     if speculation is None:
         last = runner.code_groups - 1
         rests = plain_frames(runner, prefixes, noise, sampling, calls)
-        frames = [FrameRounds(r, last, None, None, codes=rest, calls=len(rest)) for r, rest in enumerate(rests)]
+        plain = {"plain": (time.perf_counter() - started) / len(rests)}  # its share of the steps (no parts to split)
+        frames = [
+            FrameRounds(r, last, None, None, codes=rest, calls=len(rest), parts=plain) for r, rest in enumerate(rests)
+        ]
     else:
         trees = [speculation] + [None if probe else speculation] * (prefixes.shape[0] - 1)
         frames = speculative_frames(runner, prefixes, noise, sampling, trees, offsets, calls)
@@ -116,7 +119,8 @@ def inner_frames(
 
 
 def count_frame(stats: LoopStats, frame: FrameRounds) -> None:
-    """A frame's calls, codes and accepted depths, into `stats`."""
+    """A frame's calls, codes, accepted depths and its calls' seconds by part, into `stats`."""
     for accepted in frame.accepted:
         stats.count_accepted(accepted)
     stats.count_frame(frame.calls, len(frame.codes))
+    stats.count_parts(frame.parts)

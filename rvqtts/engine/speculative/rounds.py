@@ -8,6 +8,7 @@ docs/engine.md, "One frame" and "Several utterances at once"."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from functools import cache, partial
 
@@ -122,6 +123,32 @@ class FrameRounds:
     accepted: list[int] = field(default_factory=list)
     drafted: list[tuple[int, list[list[int]]]] = field(default_factory=list)
     budget: int | None = None  # the tree size the online choice ran it at (rvqtts.engine.loop.inner_loop.inner_frames)
+    parts: dict[str, float] = field(default_factory=dict)  # its share of the calls' seconds by part (Laps)
+
+
+class Laps:
+    """The host clock between the parts of the inner loop's calls, seconds by part: where calls run eagerly (on a
+    CPU) the parts run in this order, so the time since the last lap is the part's. Replayed static calls run their
+    parts on the device, out of the host's sight: there it is not `running`."""
+
+    def __init__(self, running: bool = True) -> None:
+        self.running = running
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        if not self.running:
+            return
+        now = time.perf_counter()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.last
+        self.last = now
+
+    def shared(self, frames: int) -> dict[str, float]:
+        """Each of `frames` frames' share (they ran in the same calls)."""
+        return {part: spent / frames for part, spent in self.seconds.items()}
+
+
+NO_LAPS = Laps(running=False)
 
 
 @cache
@@ -277,6 +304,7 @@ def rounds_call(
     hidden: torch.Tensor,  # [frames, H]: each frame's h_index, which drafts its round
     roots: torch.Tensor,  # [frames]: each frame's root code
     noise: torch.Tensor,  # [frames, G-1, V]
+    laps: Laps = NO_LAPS,  # the clock between the round's parts
 ) -> tuple[torch.Tensor, ...]:  # node codes [sum q], hidden [sum q, H], draws, finite, ranked drafts [drafts, width]
     """Every frame's round in one call, by `layout`: ranked drafts of each frame from its hidden row, its root and
     nodes embedded at its own positions, the forward pass over all their rows (each frame's KV written to and read
@@ -289,12 +317,16 @@ def rounds_call(
         ranked = torch.topk(scores.float(), layout.width).indices
     node_codes = torch.cat([roots, ranked.flatten()])[layout.node_source]
     embeds = torch.cat([runner.embeddings[table](node_codes[rows]) for table, rows in layout.embedding])
+    laps.lap("drafts")
     out = runner.forward_rows(embeds, layout.positions, layout.write, layout.attention)
+    laps.lap("forward")
     scored = out[layout.scored_rows]
     logits = torch.cat([runner.logits(scored[rows], position) for position, rows in layout.score_heads])
+    laps.lap("heads")
     draws, finite = draw_checked(
         logits, noise[layout.noise_frames, layout.noise_codes], sampling.take(layout.noise_frames)
     )
+    laps.lap("draws")
     return node_codes, out, draws, finite, ranked
 
 
@@ -345,7 +377,9 @@ def speculative_frames(
             f"the runner's rows hold {runner.max_len} slots, too few for rounds of {nodes} nodes: "
             f"build it for this speculation (LoopParts.build)"
         )
+    laps = Laps(running=calls.mode == "eager")
     hidden, first, finite = calls(("prefill", n, sampling), partial(prefill_call, runner, sampling), prefixes, noise)
+    laps.lap("prefill")
     frames = [
         FrameRounds(r, 1, code, hidden[r].clone(), speculation)
         for r, (code, speculation) in enumerate(zip(first.tolist(), speculations))
@@ -360,9 +394,10 @@ def speculative_frames(
         if not active:
             break
         key, layout = rounds_layout(runner, active)
+        laps.lap("layout")
         results = calls(
             ("rounds", key, sampling),
-            partial(rounds_call, runner, layout, offsets, sampling),
+            partial(rounds_call, runner, layout, offsets, sampling, laps=laps),
             torch.stack([f.hidden for f in active]),
             torch.tensor([f.root for f in active], device=runner.device),
             noise,
@@ -371,8 +406,11 @@ def speculative_frames(
         if not bool(flags[-1][0].all()):
             break
         commit_rounds(runner, active, layout, results)
+        laps.lap("walk")
     if not all(bool(finite.all()) for finite, _ in flags):
         raise NonFiniteError("code predictor", runner.dtype, not_finite_frames(flags))
+    for frame in frames if laps.running else ():
+        frame.parts = laps.shared(n)
     return frames
 
 

@@ -27,6 +27,7 @@ class LoopStats:
     codes: int = 0
     rounds: int = 0
     accepted_per_depth: list[int] = field(default_factory=lambda: [0] * DEFAULT_DEPTH)  # K entries, or more
+    seconds_by_part: dict[str, float] = field(default_factory=dict)  # the inner loop's time by part (Laps)
 
     @property
     def codes_per_call(self) -> float:
@@ -36,6 +37,10 @@ class LoopStats:
         self.frames += 1
         self.calls += calls
         self.codes += codes
+
+    def count_parts(self, seconds: dict[str, float]) -> None:
+        for part, spent in seconds.items():
+            self.seconds_by_part[part] = self.seconds_by_part.get(part, 0.0) + spent
 
     def count_accepted(self, accepted: int) -> None:
         self.rounds += 1
