@@ -27,6 +27,7 @@ TIMINGS = {
     "prefill_seconds",
     "first_audio_seconds",
     "first_audio_split",
+    "inner_loop_ms_by_part",
     "rtf",
 }
 

@@ -27,7 +27,8 @@ class LoopStats:
     codes: int = 0
     rounds: int = 0
     accepted_per_depth: list[int] = field(default_factory=lambda: [0] * DEFAULT_DEPTH)  # K entries, or more
-    seconds_by_part: dict[str, float] = field(default_factory=dict)  # the inner loop's time by part (Laps)
+    # the inner loop's time by part (rounds.Laps): a clock's reading, not a count, so not compared
+    seconds_by_part: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def codes_per_call(self) -> float:
