@@ -344,3 +344,20 @@ def test_synthesis_on_a_cache_that_refuses_writes_keeps_its_counts_after(tiny_di
     synth.speculation.save()
     stored = json.loads((user_cache / "acceptance-online.json").read_text())
     assert list(stored.values()) == [synth.speculation.counts.record()]
+
+
+def test_counts_stay_in_memory_across_samplings_and_are_shared_by_a_batchs_choice(narrow, user_cache):
+    """Frames under other sampling settings count apart; coming back finds the counts as they were (not the cache's,
+    which nothing wrote), and a batch's choice for the same model, drafter and sampling counts into the same record."""
+    loop, online = online_loop(narrow, {q: float(q) for q in (1, 4, 5, 9, 17, 33)})
+    for f in range(8):
+        loop.frame(random_prefix(narrow, seed=f), SamplingConfig(), 0, f)
+    learned = online.observed()
+    assert learned > online_module.PRIOR_ROUNDS
+    loop.frame(random_prefix(narrow, seed=8), SamplingConfig(temperature=0.5), 0, 8)
+    assert online.observed() < learned  # another sampling: its own counts
+    loop.frame(random_prefix(narrow, seed=9), SamplingConfig(), 0, 9)
+    assert online.observed() >= learned and not (user_cache / "acceptance-online.json").exists()
+    batch = online.for_rows(2)
+    batch.start(LoopParts.build(narrow.code_predictor, batch, False).runner, SamplingConfig())
+    assert batch.counts is online.counts

@@ -230,9 +230,8 @@ def synthesize_batch_on_ray(
     if pending:
         started = connect(address)
         try:
-            _Driver(ray, pending, out_dir, spec, (defaults, chunk_chars), codes_dir, on_done, results, batch).drive(
-                workers
-            )
+            driver = _Driver(ray, pending, out_dir, spec, defaults, chunk_chars, codes_dir, on_done, results, batch)
+            driver.drive(workers)
         finally:
             if started:
                 ray.shutdown()
@@ -244,8 +243,9 @@ class _Driver:
     """The driver's loop: keep every worker busy with its share of lines (up to its batch size), write what
     comes back, replace the dead."""
 
-    def __init__(self, ray, pending, out_dir, spec, run, codes_dir, on_done, results, batch):
-        self.ray, self.out_dir, self.spec, self.run, self.codes_dir = ray, out_dir, spec, run, codes_dir
+    def __init__(self, ray, pending, out_dir, spec, defaults, chunk_chars, codes_dir, on_done, results, batch):
+        self.ray, self.out_dir, self.spec, self.codes_dir = ray, out_dir, spec, codes_dir
+        self.defaults, self.chunk_chars = defaults, chunk_chars  # what every line shares
         self.on_done, self.results, self.batch = on_done, results, batch
         self.actor_class = ray.remote(SynthesisWorker)
         self.queue = deque(pending)
@@ -255,7 +255,7 @@ class _Driver:
         self.idle: list = []
         self.actors: list = []  # every actor started, killed when the batch ends however it ends
         self.manifest = Manifest(out_dir)
-        self.wants_instruct = bool(run[0].instruct) or any(item.instruct for item in pending)
+        self.wants_instruct = bool(defaults.instruct) or any(item.instruct for item in pending)
 
     def start_worker(self) -> None:
         record = WorkerRecord(f"w{len(self.batch.workers) + 1}")
@@ -307,7 +307,8 @@ class _Driver:
             alive = sum(worker.alive for worker in self.batch.workers)
             share = min(record.rows, -(-len(self.queue) // max(alive, 1)))  # the last lines spread over the workers
             items = [self.queue.popleft() for _ in range(share)]
-            self.calls[actor.render.remote(items, *self.run)] = (actor, record, items, time.perf_counter())
+            render = actor.render.remote(items, self.defaults, self.chunk_chars)
+            self.calls[render] = (actor, record, items, time.perf_counter())
 
     def receive(self, ready, ours: str) -> None:
         """A call's answer: a worker loaded, lines made (written here) or failed, or a worker lost."""

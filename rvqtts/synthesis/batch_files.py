@@ -274,8 +274,11 @@ def attempt(
         except Exception as error:  # this line's voice: it fails alone
             yield line, ("failed", describe(error))
     heard = [spoken for _, _, spoken in voiced]
-    settings = defaults.settings or GenerationSettings()
-    for index, outcome in synth.synthesize_many(heard, 0, settings, chunk_chars, batch_size, on_notice):
+    settings = defaults.settings or GenerationSettings()  # every heard line has its seed (Line.under)
+    outcomes = synth.synthesize_many(
+        heard, settings=settings, chunk_chars=chunk_chars, batch_size=batch_size, on_notice=on_notice
+    )
+    for index, outcome in outcomes:
         line, asked, spoken = voiced[index]
         if isinstance(outcome, NonFiniteError):  # an overflow in the dtype, which the other lines would meet too
             raise outcome

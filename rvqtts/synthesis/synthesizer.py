@@ -287,10 +287,12 @@ class Synthesizer:
         progress after each chunk; `on_frame(prefix, codes)` sees every frame the inner loop decodes
         ([h_t, embedding of c0] and c1..c_{G-1}).
         """
-        voice = dict(speaker=speaker, language=language, instruct=instruct, clone=clone)
         stream = self.stream(
             text,
-            **voice,
+            speaker=speaker,
+            language=language,
+            instruct=instruct,
+            clone=clone,
             seed=seed,
             utterance=utterance,
             settings=settings,

@@ -102,7 +102,8 @@ def inner_frames(
     if speculation is None:
         last = runner.code_groups - 1
         rests = plain_frames(runner, prefixes, noise, sampling, calls)
-        plain = {"plain": (time.perf_counter() - started) / len(rests)}  # its share of the steps (no parts to split)
+        # its share of the steps, timed where they run eagerly as a round's parts are (rounds.Laps)
+        plain = {"plain": (time.perf_counter() - started) / len(rests)} if calls.mode == "eager" else {}
         frames = [
             FrameRounds(r, last, None, None, codes=rest, calls=len(rest), parts=plain) for r, rest in enumerate(rests)
         ]

@@ -267,15 +267,7 @@ class OnlineSpeculation:
         key = drafter_key(self.fingerprint, self.offsets, sampling)
         if self.counts is None or key != self._learned_key:
             self._learned_key = key
-            store = ACCEPTANCE.at(cache_dir())  # where the counts are read, and saved
-            stored = None if self.fixed else store.read().get(key)
-            if isinstance(stored, dict) and "reached" in stored:
-                self.counts = AcceptanceCounts(stored["reached"], stored["hits"])
-            else:
-                prior = load_acceptance(SHIPPED_TREES / "prior-acceptance.json")["acceptance"]
-                self.counts = AcceptanceCounts.from_table(prior, self.depth, PRIOR_ROUNDS)
-            if not self.fixed:
-                _LEARNING.setdefault((store, key), []).append(self.counts)
+            self.counts = prior_counts(self.depth) if self.fixed else learned_counts(key, self.depth)
         if self.budget < 0:
             self.budget = self.start_budget
 
@@ -425,18 +417,36 @@ class OnlineSpeculation:
         }
 
 
-# What the online choices of this process count, by (where they save, model and drafter key): kept in memory while
-# frames run, and saved when a run ends (`save_learned`) and as the process exits, never inside synthesis.
-_LEARNING: dict[tuple[Measurements, str], list[AcceptanceCounts]] = {}
+# What the online choices of this process count, by (where they save, model and drafter key): one record per key,
+# shared by every choice that counts it (one line's, a batch's, a later run's in this process), kept in memory while
+# frames run and saved when a run ends (`save_learned`) and as the process exits, never inside synthesis.
+_LEARNING: dict[tuple[Measurements, str], AcceptanceCounts] = {}
+
+
+def learned_counts(key: str, depth: int) -> AcceptanceCounts:
+    """The counts for a model and drafter: this process's, else what the user's cache kept, else the prior."""
+    store = ACCEPTANCE.at(cache_dir())
+    if (store, key) not in _LEARNING:
+        stored = store.read().get(key)
+        if isinstance(stored, dict) and "reached" in stored:
+            _LEARNING[store, key] = AcceptanceCounts(stored["reached"], stored["hits"])
+        else:
+            _LEARNING[store, key] = prior_counts(depth)
+    return _LEARNING[store, key]
+
+
+def prior_counts(depth: int) -> AcceptanceCounts:
+    """The shipped prior table, weighted as PRIOR_ROUNDS rounds."""
+    prior = load_acceptance(SHIPPED_TREES / "prior-acceptance.json")["acceptance"]
+    return AcceptanceCounts.from_table(prior, depth, PRIOR_ROUNDS)
 
 
 def save_learned() -> None:
-    """Save the counts of every online choice this process ran: per model and drafter, those that counted the most
-    (one line's choice, or a batch's)."""
-    for (store, key), counted in _LEARNING.items():
-        most = max(counted, key=lambda counts: counts.reached[0])
+    """Save the counts of every online choice this process ran, one write per cache folder."""
+    stores = {store for store, _ in _LEARNING}
+    for store in stores:
         with store.update() as records:
-            records[key] = most.record()
+            records.update({key: counts.record() for (kept, key), counts in _LEARNING.items() if kept == store})
 
 
 @atexit.register
