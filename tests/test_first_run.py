@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -146,6 +147,10 @@ def test_a_first_server_measures_at_start_and_serves_its_first_requests(tiny_dir
                 assert answer.status_code == 200 and len(answer.content) > 1000, answer.text[:500]
             assert client.get(f"{url}/ready").status_code == 200
         assert (user_cache / "batch-sizes.json").exists(), "the server did not measure its batch size"
+        server.terminate()  # SIGTERM, as a service manager stops it
+        assert server.wait(30) in (0, -signal.SIGTERM)
+        learned = json.loads((user_cache / "acceptance-online.json").read_text())  # kept at shutdown
+        assert len(learned) == 1 and next(iter(learned.values()))["reached"][0] > 0
     finally:
-        server.terminate()
+        server.kill()
         server.wait(30)

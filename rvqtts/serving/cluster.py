@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from rvqtts.engine.model.sampling import NonFiniteError
+from rvqtts.engine.speculative.online import keep_learned
 from rvqtts.synthesis.batch_files import BatchResult, Manifest, attempt, conclude, describe, to_do
 from rvqtts.synthesis.batch_size import choose_batch_size
 from rvqtts.synthesis.loader import EngineChoices
@@ -97,7 +98,8 @@ class SynthesisWorker:
     def render(self, items: list[Line], defaults: Line, chunk_chars: float | None) -> tuple[str, object]:
         """("lines", [(line number, status, value)]): rvqtts.synthesis.batch_files.attempt's answer for each line, the
         lines spoken `rows` at a time; or ("nonfinite", (model, dtype)). A line's failure is an answer, so only a
-        worker in trouble raises."""
+        worker in trouble raises. What the online tree choice learned is kept after them (Ray ends a worker with
+        a kill, which runs no exit handler)."""
         try:
             return "lines", [
                 (item.utterance, status, value)
@@ -105,6 +107,8 @@ class SynthesisWorker:
             ]
         except NonFiniteError as error:
             return "nonfinite", (error.model, error.dtype)
+        finally:
+            keep_learned()
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import json
 import logging
@@ -30,6 +31,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from rvqtts.engine.loop.frame_loop import Stopped
 from rvqtts.engine.model.sampling import NonFiniteError
+from rvqtts.engine.speculative.online import keep_learned
 from rvqtts.qwen.cloning import VoiceSource
 from rvqtts.qwen.codec import StreamPacing
 from rvqtts.support.audio import AUDIO_FORMATS, audio_bytes, pcm16, wav_header
@@ -732,7 +734,17 @@ def create_app(engine: SpeechEngine) -> Starlette:
         Route("/ready", ready, methods=["GET"]),
     ]
     handlers = {SpeechError: _refused, HTTPException: _http_error}
-    return Starlette(routes=routes, middleware=_middleware(options), exception_handlers=handlers)
+    return Starlette(
+        routes=routes, middleware=_middleware(options), exception_handlers=handlers, lifespan=_keeping_learned
+    )
+
+
+@contextlib.asynccontextmanager
+async def _keeping_learned(app: Starlette) -> AsyncIterator[None]:
+    """At shutdown, once requests have drained: what the online tree choice learned, kept (uvicorn ends a SIGTERM by
+    raising the signal again, which runs no exit handler)."""
+    yield
+    keep_learned()
 
 
 async def _next(job: Job, client_gone: Callable[[], Awaitable[bool]] | None = None) -> bytes | None:

@@ -443,15 +443,17 @@ def prior_counts(depth: int) -> AcceptanceCounts:
 
 def save_learned() -> None:
     """Save the counts of every online choice this process ran, one write per cache folder."""
-    stores = {store for store, _ in _LEARNING}
-    for store in stores:
+    learning = list(_LEARNING.items())  # as it is now: an engine thread may start counting another key meanwhile
+    for store in {store for (store, _), _ in learning}:
         with store.update() as records:
-            records.update({key: counts.record() for (kept, key), counts in _LEARNING.items() if kept == store})
+            records.update({key: counts.record() for (kept, key), counts in learning if kept == store})
 
 
 @atexit.register
-def _save_at_exit() -> None:
-    """What this process's runs learned, kept as it exits (a cache that refuses it is said, not raised)."""
+def keep_learned() -> None:
+    """`save_learned` where a run ends: as the process exits, as a server shuts down (uvicorn ends a SIGTERM with the
+    signal itself, so exit handlers never run there), after a Ray worker's lines. A cache that refuses it is said
+    on stderr, not raised."""
     try:
         save_learned()
     except OSError as error:
