@@ -6,7 +6,8 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
 server=""
-trap '[ -n "$server" ] && kill "$server" 2>/dev/null; rm -rf "$work"' EXIT
+# the server stopped and waited for before its folder goes: at shutdown it writes what it learned into the cache
+trap 'if [ -n "$server" ]; then kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; fi; rm -rf "$work"' EXIT
 cd "$work"
 python3 -m venv venv && . venv/bin/activate
 pip wheel -q --no-deps -w dist "$repo"
