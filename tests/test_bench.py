@@ -279,6 +279,18 @@ def test_bench_e2e_runs_every_variant(tiny_dir, tmp_path, measured, monkeypatch)
     frames = {name: [r["frames"] for r in report["runs"][name]] for name in ("plain", "auto", "N=4", "N=8")}
     assert len({tuple(counts) for counts in frames.values()}) == 1
     assert report["ratios"]["stock/plain wall"] > 0
+    # Where the inner loop's time went (CPU: eager calls): plain steps alone, or prefills and rounds by part.
+    assert set(report["totals"]["plain"]["inner_loop_ms_by_part"]) == {"plain"}
+    assert "inner_loop_ms_by_part" not in report["totals"]["stock"]
+    for name in ("N=4", "N=8"):
+        spec = report["totals"][name]
+        parts = spec["inner_loop_ms_by_part"]
+        assert {"prefill", "layout", "drafts", "forward", "heads", "draws", "walk"} <= set(parts)
+        rounds = spec["calls_per_frame"] - 1
+        assert spec["round_ms"] == pytest.approx((sum(parts.values()) - parts["prefill"]) / rounds, rel=0.01)
+        assert 0 < spec["round_forward_ms"] < spec["round_ms"]
+        plain_step = report["totals"]["plain"]["predictor_ms_per_frame"] / 15
+        assert spec["round_per_plain_step"] == pytest.approx(spec["round_ms"] / plain_step, rel=0.02)
     memory = report["memory"]  # the process's peak, and what each rvqtts variant's engine keeps beside the model
     assert memory["peak_rss_mib"] >= memory["rss_mib"] > 100
     assert set(memory["caches_mib"]) == set(report["runs"]) - {"stock"}

@@ -8,13 +8,14 @@ import statistics
 from typing import Callable
 
 import torch
+from rich.console import Group
 from rich.table import Table
 
 from rvqtts.bench.floor import module_weights, predictor_weights, read_pass, round_heads, talker_weights
 from rvqtts.bench.harness import KV_LENGTH, interleaved_ms
 from rvqtts.bench.stock import stock_synthesis
 from rvqtts.engine.model.predictor import PredictorRunner
-from rvqtts.support.report import titled_table
+from rvqtts.support.report import ms_by_part, titled_table
 from rvqtts.synthesis.settings import GenerationSettings
 
 TIMED_FIELDS = ("wall_seconds", "talker_seconds", "predictor_seconds", "decoder_seconds")
@@ -82,6 +83,7 @@ def bench_e2e(
         name: _totals(records) | _floor_per_frame(name, records, floor_ms, runner.code_groups - 1)
         for name, records in runs.items()
     }
+    add_round_costs(totals, runner.code_groups - 1)
     timed = {n: frames - warmed.get(n, 0) for n, frames in getattr(online, "frames_by_budget", {}).items()}
     best = min(names, key=lambda name: totals[name]["predictor_ms_per_frame"] or float("inf"))
     return {
@@ -114,6 +116,7 @@ def _variant_record(synthesizers: dict, name: str, text: str, voice: tuple, seed
     )
     record = spoken.record()
     kept = ("frames", "audio_seconds", *TIMED_FIELDS, "rtf", "codes_per_call", "predictor_calls", "talker_calls")
+    kept += ("inner_loop_ms_by_part",)
     return {key: record[key] for key in kept}
 
 
@@ -169,12 +172,31 @@ def _totals(records: list[dict]) -> dict:
     frames = sum(r["frames"] for r in records)
     audio = sum(r["audio_seconds"] for r in records)
     totals = {"frames": frames, "audio_seconds": round(audio, 3)}
+    if any("inner_loop_ms_by_part" in r for r in records):  # rvqtts's variants
+        totals["inner_loop_ms_by_part"] = ms_by_part(records, frames)
+        totals["calls_per_frame"] = round(sum(r["predictor_calls"] for r in records) / frames, 3) if frames else None
     for key in TIMED_FIELDS:
         seconds = sum(r[key] for r in records)
         totals[key] = round(seconds, 3)
         totals[key.replace("_seconds", "_ms_per_frame")] = round(1e3 * seconds / frames, 2) if frames else None
     totals["rtf"] = round(totals["wall_seconds"] / audio, 4) if audio else None
     return totals
+
+
+def add_round_costs(totals: dict, plain_calls: int) -> None:
+    """What a tree round costs inside the loop, beside a plain step there: each speculative variant's inner loop
+    less its prefills, per round (`round_ms`), its forward pass alone (`round_forward_ms`), and the round against
+    the plain variant's inner loop per call (`round_per_plain_step`). Needs the loop's time by part (CPUs)."""
+    plain = totals.get("plain", {}).get("predictor_ms_per_frame")
+    step = plain / plain_calls if plain else None
+    for total in totals.values():
+        parts, calls = total.get("inner_loop_ms_by_part"), total.get("calls_per_frame")
+        if not parts or "prefill" not in parts or not calls or calls <= 1:
+            continue
+        rounds = calls - 1  # a prefill, then rounds
+        total["round_ms"] = round((sum(parts.values()) - parts["prefill"]) / rounds, 3)
+        total["round_forward_ms"] = round(parts.get("forward", 0.0) / rounds, 3)
+        total["round_per_plain_step"] = round(total["round_ms"] / step, 3) if step else None
 
 
 def _e2e_ratios(totals: dict, fixed: list[str], best: str) -> dict:
@@ -194,8 +216,39 @@ def _e2e_ratios(totals: dict, fixed: list[str], best: str) -> dict:
     }
 
 
-def e2e_table(result: dict) -> Table:
-    """`rvqtts bench e2e`: per-frame times of stock qwen-tts, the plain loop, the default and fixed trees."""
+def e2e_table(result: dict) -> Group:
+    """`rvqtts bench e2e`: per-frame times of stock qwen-tts, the plain loop, the default and fixed trees, and where
+    the inner loop's time went."""
+    return Group(_variants_table(result), _parts_table(result["totals"]))
+
+
+def _parts_table(totals: dict) -> Table:
+    """The inner loop's milliseconds per frame by part, and a round's cost inside it against a plain step's."""
+    parts = sorted({part for total in totals.values() for part in total.get("inner_loop_ms_by_part", {})})
+    table = titled_table(
+        "inner loop by part, ms per frame",
+        ("variant", "calls/frame", *parts, "round ms", "its forward", "x plain step"),
+        left=("variant",),
+    )
+    for name, total in totals.items():
+        if "inner_loop_ms_by_part" not in total:
+            continue
+        by_part = total["inner_loop_ms_by_part"]
+        figures = (total.get(key) for key in ("round_ms", "round_forward_ms", "round_per_plain_step"))
+        table.add_row(
+            name,
+            f"{total['calls_per_frame']:.2f}",
+            *(f"{by_part[part]:.1f}" if part in by_part else "-" for part in parts),
+            *("-" if value is None else f"{value:.2f}" for value in figures),
+        )
+    table.caption = (
+        "round ms: the inner loop less its prefills, per round (draft, layout, call, heads, draws, walk); its forward: "
+        "the layers' pass alone; x plain step: the round against the plain loop's time per call; on CPUs only"
+    )
+    return table
+
+
+def _variants_table(result: dict) -> Table:
     table = titled_table(
         f"end to end, {result['texts']} texts, seed {result['seed']}, fastest fixed tree: "
         f"{result['best_fixed']}, auto: {_online_summary(result['auto'])}",

@@ -44,7 +44,7 @@ def figures_table(title: str, columns: tuple[str, ...], cells: tuple[str, ...], 
     return table
 
 
-def _by_part(records: list[dict], frames: int) -> dict[str, float]:
+def ms_by_part(records: list[dict], frames: int) -> dict[str, float]:
     """The lines' inner-loop milliseconds per frame by part, weighted by their frames."""
     parts = sorted({part for r in records for part in r.get("inner_loop_ms_by_part", {})})
     spent = {
@@ -65,7 +65,7 @@ def total_record(records: list[dict], wall_seconds: float | None = None) -> dict
     total["accepted_per_depth"] = [
         sum(r["accepted_per_depth"][d] for r in records if d < len(r["accepted_per_depth"])) for d in range(depth)
     ]
-    total["inner_loop_ms_by_part"] = _by_part(records, total["frames"])
+    total["inner_loop_ms_by_part"] = ms_by_part(records, total["frames"])
     calls = total["predictor_calls"]
     total["codes_per_call"] = round(total["predictor_codes"] / calls, 4) if calls else 0.0
     total["rtf"] = round(total["wall_seconds"] / total["audio_seconds"], 4) if total["audio_seconds"] else None
