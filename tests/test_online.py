@@ -120,6 +120,23 @@ def timed_choice(learn: bool, milliseconds_per_call: dict[int, float], frames: i
     return online
 
 
+@pytest.mark.parametrize("roots", [1e6, online_module.FAR_ROOTS - 1])
+def test_a_run_starts_from_what_its_counted_acceptance_chooses(tiny, monkeypatch, roots):
+    """With acceptance counted over FAR_ROOTS roots or more (an earlier run's), the first frame runs the tree those
+    counts choose, not DECIDE_EVERY frames of the plain loop; with fewer (the prior's), the run starts plain."""
+    counts = AcceptanceCounts.from_table(GOOD_DRAFTS, 3, roots)
+    monkeypatch.setattr(online_module, "learned_counts", lambda key, depth: counts)
+    online = OnlineSpeculation(Offsets(torch.zeros(3, tiny.hidden_size)), "model", learn_costs=False)
+    online.costs = dict(MEASURED)
+    online.start(LoopParts.build(tiny.code_predictor, online, False).runner, SamplingConfig())
+    speculation, probe = online.frame_speculation()
+    if roots >= online_module.FAR_ROOTS:
+        assert online.budget > 0 and speculation.tree.nodes == online.budget and not probe
+        assert online.decisions[0]["frame"] == 0
+    else:
+        assert online.budget == 0 and not online.decisions
+
+
 def test_call_costs_are_learned_from_the_frames_timed():
     """Rounds timed at the start at about a step's cost, but at 3x that in the frames that run them: the choice
     tries trees, learns what they cost there and returns to the plain loop (each size tried at most once);

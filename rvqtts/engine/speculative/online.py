@@ -270,6 +270,8 @@ class OnlineSpeculation:
             self.counts = prior_counts(self.depth) if self.fixed else learned_counts(key, self.depth)
         if self.budget < 0:
             self.budget = self.start_budget
+        if self.steps == 0 and self.budget == 0 and not self.fixed and self.observed() >= FAR_ROOTS:
+            self.decide()  # counted acceptance (an earlier run's): the first frame runs what it chooses
 
     def for_rows(self, rows: int) -> "OnlineSpeculation":
         """The choice for batches of `rows` lines: the same model, drafter and candidate sizes, its call costs
