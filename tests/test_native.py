@@ -85,6 +85,24 @@ def test_int8_weights_give_the_product_with_the_dequantized_weights_and_the_bias
     assert _within_rounding(torch_int8, x, dequantized, bias)
 
 
+@needs_avx512
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 11, 17])
+def test_int8dot_widens_its_grouped_weights_to_the_values_bf16dot_multiplies(rows):
+    """int8dot holds its weights in sign-magnitude groups widened by table lookups; with unit scales it must give
+    bf16dot's bits over the same integers held as bfloat16 (every product sequence alike, one rounding at the end),
+    over every int8 value, in calls of one pass and of several (the later ones reading the weights kept widened)."""
+    generator = torch.Generator().manual_seed(rows)
+    integers = torch.randint(-127, 128, SHAPE, generator=generator, dtype=torch.int8)
+    integers.view(-1)[:255] = torch.arange(-127, 128, dtype=torch.int8)  # every value a weight may take
+    x = _sample(generator, rows, SHAPE[1])
+    grouped = native.pack(integers, "int8dot")
+    assert not torch.equal(grouped, native.pack(integers))  # its own layout
+    out = native.apply("int8dot", x, grouped, torch.ones(SHAPE[0]))
+    assert torch.equal(out, native.apply("bf16dot", x, native.pack(integers.to(torch.bfloat16))))
+    with pytest.raises(ValueError, match="-127, 127"):
+        native.pack(torch.full(SHAPE, -128, dtype=torch.int8), "int8dot")
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", BF16_KERNELS + INT8_KERNELS)
 def test_every_row_gets_its_own_bits_whatever_the_rows_and_threads_of_the_call(name):

@@ -125,7 +125,7 @@ class LinearMap:
             elif kernel.multi in native.KINDS:
                 if kernel.multi.startswith("int8"):
                     qweight, scales = quantize_rows(weight)
-                    operands = [native.pack(qweight), scales.to(weight.dtype).float()]  # the int8 kernel's scales
+                    operands = [native.pack(qweight, kernel.multi), scales.to(weight.dtype).float()]  # its scales
                 else:
                     operands = [native.pack(weight)]
                 self.operands = operands

@@ -8,6 +8,7 @@
 // Map weights are packed once as [N/16][K/2][16][2]: one 64-byte vector (32 bytes for int8) per block of
 // 16 output channels and pair of inputs, the operand layout of VDPBF16PS. A tile keeps CB blocks x RB
 // rows of float accumulators in registers and streams its blocks' weights once per pass over its rows.
+// `int8dot` holds its int8 weights in groups of two pairs that widen to bfloat16 by table lookups (`widen_group`).
 // The AVX2 kernels read the same packed weights, widening them to float32 vectors in registers (bfloat16 by a
 // shift and a mask, int8 by sign extension), and multiply them with FMA: half of float32's bytes read for
 // bfloat16 weights, a quarter for int8.
@@ -31,6 +32,7 @@ constexpr int kBlock = 16;   // output channels per vector
 constexpr int kAheadBytes = 1024;  // how far ahead of the loads each block's weights are prefetched
 constexpr int kGroup = 4;    // blocks per tile where they divide the channels (else single blocks)
 constexpr int kRows = 6;     // rows per tile at most: kGroup x kRows accumulators fit the 32 registers
+constexpr int kGroupRows = 5;  // int8: rows per tile at most, beside the byte tables and a group's two vectors
 
 // Asks for the cache line kAheadBytes past block-pair `index`'s weights, ahead of their loads.
 template <bool Int8>
@@ -53,11 +55,51 @@ inline __m512bh load_pair(const void* packed, int64_t index) {
     }
 }
 
+// int8 weights as `int8dot` holds them (native.py, `pack`): a block's input pairs p and p + 1 (p even) as one 64-byte
+// group of sign-magnitude bytes (0x80 | |w| for negative w; quantized weights lie in [-127, 127]), pair p's bytes at
+// 0-7, 16-23, 32-39, 48-55 and pair p + 1's at the rest. Two table lookups give every byte's bfloat16 low and high
+// byte (the sign put back into the high one), and unpacking them gives pair p's vector and pair p + 1's: the values
+// `load_pair` widens, in 5 instructions for 64 weights where it takes 10, so that a call of one row is bound by
+// reading its bytes again, not by widening them.
+struct Bf16Bytes {  // the low and high bytes of bfloat16(m), m = 0 .. 127, as two 128-byte tables (a pair of vectors each)
+    __m512i low_first, low_second, high_first, high_second;
+};
+
+constexpr uint16_t bf16_bits(int m) {  // bfloat16 of a small non-negative integer (exact: at most 7 significant bits)
+    int e = 0;
+    while (m >> (e + 1)) ++e;
+    return m ? static_cast<uint16_t>(((127 + e) << 7) | ((m << (7 - e)) & 0x7F)) : 0;
+}
+
+inline Bf16Bytes bf16_bytes() {
+    alignas(64) static const auto bytes = [] {
+        struct { uint8_t low[128], high[128]; } tables{};
+        for (int m = 0; m < 128; ++m) tables.low[m] = bf16_bits(m) & 0xFF, tables.high[m] = bf16_bits(m) >> 8;
+        return tables;
+    }();
+    const __m512i* vectors = reinterpret_cast<const __m512i*>(&bytes);
+    return {_mm512_load_si512(vectors), _mm512_load_si512(vectors + 1), _mm512_load_si512(vectors + 2),
+            _mm512_load_si512(vectors + 3)};
+}
+
+// The group holding block-pair `index` (even) and the next, widened: pair `index`'s vector and the next one's.
+inline __attribute__((always_inline)) void widen_group(const void* packed, int64_t index, const Bf16Bytes& tables,
+                                                       __m512bh& first, __m512bh& second) {
+    const __m512i bytes = _mm512_loadu_si512(static_cast<const char*>(packed) + index * 32);
+    const __m512i low = _mm512_permutex2var_epi8(tables.low_first, bytes, tables.low_second);
+    const __m512i magnitude = _mm512_permutex2var_epi8(tables.high_first, bytes, tables.high_second);
+    const __m512i high = _mm512_ternarylogic_epi32(magnitude, bytes, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);
+    first = (__m512bh)_mm512_unpacklo_epi8(low, high);  // bfloat16 lanes: the low byte first
+    second = (__m512bh)_mm512_unpackhi_epi8(low, high);
+}
+
 // How a tile pass reads its blocks' weights. A call's first pass streams them from memory, asking for each line
 // kAheadBytes ahead (`kStream`); with int8 weights and later passes to come, it also keeps them widened in the thread's
 // scratch (`kStreamKeep`). A later pass finds them in cache (`kCached`), or reads the kept ones (`kKept`: int8 widened
 // once, not once per pass), and asks instead for the next unit's lines (CB blocks on, into L2), so that memory streams
-// while it computes: calls of 9 and 17 rows 3-14 % faster with bfloat16 weights, 8-10 % with int8 (Zen 4).
+// while it computes: calls of 9 and 17 rows 3-14 % faster with bfloat16 weights (Zen 4). With int8 weights (groups,
+// two pairs a step) a tile takes kGroupRows rows at most: at 6 its accumulators, the byte tables and the broadcast
+// inputs spill out of the registers (17 rows 1.3x slower).
 enum class Read { kStream, kStreamKeep, kCached, kKept };
 
 // CB blocks x RB rows: each output one sequence of VDPBF16PS over the input pairs, whatever the pass reads.
@@ -69,15 +111,34 @@ inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_t K, co
     __m512 acc[RB][CB];
     for (int r = 0; r < RB; ++r)
         for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; ++p) {
+    if constexpr (Int8 && How != Read::kKept) {  // int8 from the packed groups: two pairs a step
+        const Bf16Bytes tables = bf16_bytes();
+        for (int64_t p = 0; p < pairs; p += 2) {
+            for (int c = 0; c < CB; ++c) {
+                const int64_t index = (block + c) * pairs + p;
+                __m512bh first, second;
+                widen_group(packed, index, tables, first, second);
+                prefetch<true>(packed, index);
+                if constexpr (How == Read::kStreamKeep) {
+                    _mm512_storeu_si512(kept + (c * pairs + p) * 2 * kBlock, (__m512i)first);
+                    _mm512_storeu_si512(kept + (c * pairs + p + 1) * 2 * kBlock, (__m512i)second);
+                }
+                for (int r = 0; r < RB; ++r) {
+                    const int32_t* pair = reinterpret_cast<const int32_t*>(x + r * K + 2 * p);
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32(pair[0]), first);
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)_mm512_set1_epi32(pair[1]), second);
+                }
+            }
+        }
+    }
+    for (int64_t p = 0; p < (Int8 && How != Read::kKept ? 0 : pairs); ++p) {  // bfloat16, or int8 kept widened
         __m512bh w[CB];
         for (int c = 0; c < CB; ++c) {
             const int64_t index = (block + c) * pairs + p;
             if constexpr (How == Read::kKept)
                 w[c] = (__m512bh)_mm512_loadu_si512(kept + (c * pairs + p) * 2 * kBlock);
             else
-                w[c] = load_pair<Int8>(packed, index);
-            if constexpr (How == Read::kStreamKeep) _mm512_storeu_si512(kept + (c * pairs + p) * 2 * kBlock, (__m512i)w[c]);
+                w[c] = load_pair<false>(packed, index);
             if constexpr (How == Read::kCached || How == Read::kKept)
                 _mm_prefetch(static_cast<const char*>(packed) + (index + CB * pairs) * (Int8 ? 32 : 64), _MM_HINT_T1);
             else
@@ -111,11 +172,11 @@ void pass(int64_t rows, const uint16_t* x, int64_t K, const void* packed, const 
     }
 }
 
-// All M rows through CB blocks from `block` on, in passes of at most kRows rows of equal size.
+// All M rows through CB blocks from `block` on, in passes of at most kRows (int8: kGroupRows) rows of equal size.
 template <int CB, bool Int8>
 void blocks(const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales, int64_t block,
             int64_t N, uint16_t* y) {
-    const int64_t passes = (M + kRows - 1) / kRows, per_pass = (M + passes - 1) / passes;
+    const int64_t most = Int8 ? kGroupRows : kRows, passes = (M + most - 1) / most, per_pass = (M + passes - 1) / passes;
     thread_local std::vector<uint16_t> kept;  // int8: the unit's weights widened, for its later passes
     const bool keep = Int8 && passes > 1;
     if (keep) kept.resize(CB * K * kBlock);
@@ -125,10 +186,10 @@ void blocks(const uint16_t* x, int64_t M, int64_t K, const void* packed, const f
         uint16_t* yr = y + r * N;
         if (r == 0 && keep)
             pass<CB, Int8, Read::kStreamKeep>(rows, xr, K, packed, scales, block, N, yr, kept.data());
-        else if (r == 0)
-            pass<CB, Int8, Read::kStream>(rows, xr, K, packed, scales, block, N, yr, nullptr);
         else if (keep)
             pass<CB, Int8, Read::kKept>(rows, xr, K, packed, scales, block, N, yr, kept.data());
+        else if (r == 0)
+            pass<CB, Int8, Read::kStream>(rows, xr, K, packed, scales, block, N, yr, nullptr);
         else
             pass<CB, Int8, Read::kCached>(rows, xr, K, packed, scales, block, N, yr, nullptr);
     }

@@ -45,8 +45,8 @@ class Level(NamedTuple):
 # The levels, best first (the AVX-512 build has the AVX2 kernels too, so that every machine with AVX-512 tests them).
 LEVELS = {
     "avx512": Level(
-        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vbmi", "-mavx512bf16", "-mfma"),
         ("bf16dot", "int8dot", "bf16amx", "int8amx", "bf16avx2", "int8avx2"),
     ),
     "avx2": Level(("avx2", "fma"), ("-mavx2", "-mfma"), ("bf16avx2", "int8avx2")),
@@ -69,7 +69,7 @@ def supports(shape: tuple[int, int], dtype: torch.dtype, kind: str) -> bool:
     return (
         dtype == torch.bfloat16
         and out_features % BLOCK == 0
-        and in_features % (AMX_CHUNK if kind.endswith("amx") else 2) == 0
+        and in_features % (AMX_CHUNK if kind.endswith("amx") else 4 if kind == "int8dot" else 2) == 0
         and runs(kind)
     )
 
@@ -113,13 +113,28 @@ def amx_unavailable() -> str | None:
 PAIRS = {torch.bfloat16: torch.int32, torch.int8: torch.int16}  # a weight dtype, and the dtype of two of it
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """Weights [out, in] (bfloat16 or int8) in the kernels' order [out/16, in/2, 16, 2]. Each pair of inputs
-    moves as one element of twice the width: torch copies it 6.5x faster than rows of two (bfloat16, 2-vCPU Xeon)."""
+def pack(weight: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+    """Weights [out, in] (bfloat16 or int8) in the kernels' order [out/16, in/2, 16, 2], and for kernel `int8dot`
+    its groups (`int8_groups`). Each pair of inputs moves as one element of twice the width: torch copies it 6.5x
+    faster than rows of two (bfloat16, 2-vCPU Xeon)."""
     out_features, in_features = weight.shape
     pairs = weight.detach().contiguous().view(PAIRS[weight.dtype])  # [out, in/2]
     packed = pairs.reshape(out_features // BLOCK, BLOCK, in_features // 2).transpose(1, 2).contiguous()
-    return packed.view(weight.dtype).reshape(out_features // BLOCK, in_features // 2, BLOCK, 2)
+    packed = packed.view(weight.dtype).reshape(out_features // BLOCK, in_features // 2, BLOCK, 2)
+    return int8_groups(packed) if kind == "int8dot" else packed
+
+
+def int8_groups(packed: torch.Tensor) -> torch.Tensor:
+    """Packed int8 weights [out/16, in/2, 16, 2] (each in [-127, 127]) as `int8dot` widens them (native.cpp,
+    `widen_group`): sign-magnitude bytes (0x80 | |w| for negative w), each block's pairs p and p + 1 (p even) one
+    64-byte group with pair p's bytes at 0-7, 16-23, 32-39 and 48-55."""
+    if int(packed.min()) < -127:
+        raise ValueError("int8dot's weights lie in [-127, 127] (rvqtts.engine.model.quantize)")
+    blocks, pairs = packed.shape[:2]
+    values = packed.to(torch.int16)
+    magnitudes = torch.where(values < 0, 128 - values, values).to(torch.uint8)
+    groups = magnitudes.view(blocks, pairs // 2, 2, 4, 8).transpose(2, 3).contiguous()
+    return groups.view(torch.int8).view(packed.shape)
 
 
 def apply(kind: str, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
