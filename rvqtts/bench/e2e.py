@@ -222,28 +222,26 @@ def e2e_table(result: dict) -> Group:
     return Group(_variants_table(result), _parts_table(result["totals"]))
 
 
+PART_ORDER = ("plain", "prefill", "layout", "drafts", "forward", "heads", "draws", "walk")  # as a frame runs them
+ROUND_FIGURES = {"round ms": "round_ms", "its forward": "round_forward_ms", "x plain step": "round_per_plain_step"}
+
+
 def _parts_table(totals: dict) -> Table:
-    """The inner loop's milliseconds per frame by part, and a round's cost inside it against a plain step's."""
-    parts = sorted({part for total in totals.values() for part in total.get("inner_loop_ms_by_part", {})})
-    table = titled_table(
-        "inner loop by part, ms per frame",
-        ("variant", "calls/frame", *parts, "round ms", "its forward", "x plain step"),
-        left=("variant",),
-    )
-    for name, total in totals.items():
-        if "inner_loop_ms_by_part" not in total:
-            continue
-        by_part = total["inner_loop_ms_by_part"]
-        figures = (total.get(key) for key in ("round_ms", "round_forward_ms", "round_per_plain_step"))
-        table.add_row(
-            name,
-            f"{total['calls_per_frame']:.2f}",
-            *(f"{by_part[part]:.1f}" if part in by_part else "-" for part in parts),
-            *("-" if value is None else f"{value:.2f}" for value in figures),
-        )
+    """The inner loop's milliseconds per frame by part, and a round's cost inside it against a plain step's: a
+    column per rvqtts variant."""
+    variants = [name for name, total in totals.items() if "inner_loop_ms_by_part" in total]
+    found = {part for name in variants for part in totals[name]["inner_loop_ms_by_part"]}
+    parts = sorted(found, key=lambda part: (PART_ORDER + (part,)).index(part))
+    table = titled_table("inner loop by part, ms per frame", ("", *variants), left=("",))
+    table.add_row("calls per frame", *(f"{totals[name]['calls_per_frame']:.2f}" for name in variants))
+    for part in parts:
+        by_part = [totals[name]["inner_loop_ms_by_part"].get(part) for name in variants]
+        table.add_row(part, *("-" if ms is None else f"{ms:.1f}" for ms in by_part))
+    for label, key in ROUND_FIGURES.items():
+        table.add_row(label, *("-" if totals[n].get(key) is None else f"{totals[n][key]:.2f}" for n in variants))
     table.caption = (
-        "round ms: the inner loop less its prefills, per round (draft, layout, call, heads, draws, walk); its forward: "
-        "the layers' pass alone; x plain step: the round against the plain loop's time per call; on CPUs only"
+        "round ms: the inner loop less its prefills, per round (drafts, layout, call, heads, draws, walk); its "
+        "forward: the layers' pass alone; x plain step: the round against the plain loop's time per call (CPUs)"
     )
     return table
 
