@@ -44,8 +44,8 @@ inline void prefetch(const void* packed, int64_t index) {
 template <bool Int8>
 inline __m512bh load_pair(const void* packed, int64_t index) {
     if constexpr (Int8) {
-        // each half sign-extended straight from memory (no 32-byte load and lane extract): 4-7 % faster calls at 1
-        // and 5 rows on a Zen 4, where widening, not reading, bounds this kernel (int8 read at ~2/3 bfloat16's rate)
+        // (the AMX kernel's widening, over the pairs in order; `int8dot` widens its own groups, `widen_group`)
+        // each half sign-extended straight from memory: no 32-byte load and lane extract
         const __m128i* halves = reinterpret_cast<const __m128i*>(packed) + 2 * index;
         __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(halves)));
         __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(halves + 1)));
