@@ -114,27 +114,22 @@ PAIRS = {torch.bfloat16: torch.int32, torch.int8: torch.int16}  # a weight dtype
 
 
 def pack(weight: torch.Tensor, kind: str | None = None) -> torch.Tensor:
-    """Weights [out, in] (bfloat16 or int8) in the kernels' order [out/16, in/2, 16, 2], and for kernel `int8dot`
-    its groups (`int8_groups`). Each pair of inputs moves as one element of twice the width: torch copies it 6.5x
-    faster than rows of two (bfloat16, 2-vCPU Xeon)."""
+    """Weights [out, in] (bfloat16 or int8) in the kernels' order [out/16, in/2, 16, 2]: a pair of inputs per output
+    channel, 16 channels a block. For kernel `int8dot`, its groups instead: int8 weights in [-127, 127] as
+    sign-magnitude bytes (0x80 | |w| for negative w), each block's pairs p and p + 1 (p even) one 64-byte group with
+    channels 0-3 of pair p, then of pair p + 1, then channels 4-7 of each, and so on (native.cpp, `widen_group`).
+    Each pair of inputs moves as one element of twice the width: torch copies it 6.5x faster than rows of two
+    (bfloat16, 2-vCPU Xeon)."""
     out_features, in_features = weight.shape
-    pairs = weight.detach().contiguous().view(PAIRS[weight.dtype])  # [out, in/2]
-    packed = pairs.reshape(out_features // BLOCK, BLOCK, in_features // 2).transpose(1, 2).contiguous()
-    packed = packed.view(weight.dtype).reshape(out_features // BLOCK, in_features // 2, BLOCK, 2)
-    return int8_groups(packed) if kind == "int8dot" else packed
-
-
-def int8_groups(packed: torch.Tensor) -> torch.Tensor:
-    """Packed int8 weights [out/16, in/2, 16, 2] (each in [-127, 127]) as `int8dot` widens them (native.cpp,
-    `widen_group`): sign-magnitude bytes (0x80 | |w| for negative w), each block's pairs p and p + 1 (p even) one
-    64-byte group with pair p's bytes at 0-7, 16-23, 32-39 and 48-55."""
-    if int(packed.min()) < -127:
-        raise ValueError("int8dot's weights lie in [-127, 127] (rvqtts.engine.model.quantize)")
-    blocks, pairs = packed.shape[:2]
-    values = packed.to(torch.int16)
-    magnitudes = torch.where(values < 0, 128 - values, values).to(torch.uint8)
-    groups = magnitudes.view(blocks, pairs // 2, 2, 4, 8).transpose(2, 3).contiguous()
-    return groups.view(torch.int8).view(packed.shape)
+    weight = weight.detach().contiguous()
+    if kind == "int8dot":  # quantize_rows's weights: -128 never comes (its magnitude would read as 0)
+        weight = (weight.abs().view(torch.uint8) | (weight.view(torch.uint8) & 0x80)).view(torch.int8)
+    pairs = weight.view(PAIRS[weight.dtype])  # [out, in/2]
+    if kind == "int8dot":  # [blocks, channel / 4, channel % 4, group, pair in group] -> the groups' order
+        order = pairs.reshape(out_features // BLOCK, 4, 4, in_features // 4, 2).permute(0, 3, 1, 4, 2)
+    else:
+        order = pairs.reshape(out_features // BLOCK, BLOCK, in_features // 2).transpose(1, 2)
+    return order.contiguous().view(weight.dtype).reshape(out_features // BLOCK, in_features // 2, BLOCK, 2)
 
 
 def apply(kind: str, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
