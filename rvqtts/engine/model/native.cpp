@@ -130,23 +130,25 @@ inline __attribute__((always_inline)) void tile(const uint16_t* x, int64_t K, co
                 }
             }
         }
-    }
-    for (int64_t p = 0; p < (Int8 && How != Read::kKept ? 0 : pairs); ++p) {  // bfloat16, or int8 kept widened
-        __m512bh w[CB];
-        for (int c = 0; c < CB; ++c) {
-            const int64_t index = (block + c) * pairs + p;
-            if constexpr (How == Read::kKept)
-                w[c] = (__m512bh)_mm512_loadu_si512(kept + (c * pairs + p) * 2 * kBlock);
-            else
-                w[c] = load_pair<false>(packed, index);
-            if constexpr (How == Read::kCached || How == Read::kKept)
-                _mm_prefetch(static_cast<const char*>(packed) + (index + CB * pairs) * (Int8 ? 32 : 64), _MM_HINT_T1);
-            else
-                prefetch<Int8>(packed, index);
-        }
-        for (int r = 0; r < RB; ++r) {
-            const __m512bh xr = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 2 * p));
-            for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xr, w[c]);
+    } else {  // bfloat16 vectors: the packed ones, or int8 kept widened; a pair a step
+        for (int64_t p = 0; p < pairs; ++p) {
+            __m512bh w[CB];
+            for (int c = 0; c < CB; ++c) {
+                const int64_t index = (block + c) * pairs + p;
+                if constexpr (How == Read::kKept)
+                    w[c] = (__m512bh)_mm512_loadu_si512(kept + (c * pairs + p) * 2 * kBlock);
+                else
+                    w[c] = load_pair<false>(packed, index);
+                if constexpr (How == Read::kStream)
+                    prefetch<false>(packed, index);
+                else  // the next unit's (packed int8 for kept weights)
+                    _mm_prefetch(static_cast<const char*>(packed) + (index + CB * pairs) * (Int8 ? 32 : 64),
+                                 _MM_HINT_T1);
+            }
+            for (int r = 0; r < RB; ++r) {
+                const __m512bh xr = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 2 * p));
+                for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xr, w[c]);
+            }
         }
     }
     for (int c = 0; c < CB; ++c) {

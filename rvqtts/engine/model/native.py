@@ -124,10 +124,11 @@ def pack(weight: torch.Tensor, kind: str | None = None) -> torch.Tensor:
     weight = weight.detach().contiguous()
     if kind == "int8dot":  # quantize_rows's weights: -128 never comes (its magnitude would read as 0)
         weight = (weight.abs().view(torch.uint8) | (weight.view(torch.uint8) & 0x80)).view(torch.int8)
-    pairs = weight.view(PAIRS[weight.dtype])  # [out, in/2]
-    if kind == "int8dot":  # [blocks, channel / 4, channel % 4, group, pair in group] -> the groups' order
+        pairs = weight.view(PAIRS[weight.dtype])  # [out, in/2]
+        # [blocks, channel / 4, channel % 4, group, pair in group] -> the groups' order
         order = pairs.reshape(out_features // BLOCK, 4, 4, in_features // 4, 2).permute(0, 3, 1, 4, 2)
     else:
+        pairs = weight.view(PAIRS[weight.dtype])  # [out, in/2]
         order = pairs.reshape(out_features // BLOCK, BLOCK, in_features // 2).transpose(1, 2)
     return order.contiguous().view(weight.dtype).reshape(out_features // BLOCK, in_features // 2, BLOCK, 2)
 
