@@ -1,7 +1,7 @@
 """rvqtts's native CPU kernels (rvqtts.engine.model.native): what the map kernel computes for bfloat16 and 8-bit
 weights, that every row gets the same bits whatever the call's rows and threads, that the kernel choice
-offers it, that a layer's norms and RoPE come out as qwen-tts's operations give them, and that a
-machine where the library cannot be built says why and runs without it."""
+offers it, that a layer's norms and RoPE come out as qwen-tts's operations give them, that its draws are torch's, and
+that a machine where the library cannot be built says why and runs without it."""
 
 from __future__ import annotations
 
@@ -20,6 +20,15 @@ from rvqtts.engine.model import native
 from rvqtts.engine.model.kernels import Kernel, KernelChoice, LinearMap, candidates, rows_are_invariant
 from rvqtts.engine.model.predictor import PredictorRunner
 from rvqtts.engine.model.quantize import quantize_rows
+from rvqtts.engine.model.sampling import (
+    MIN_TEMPERATURE,
+    RowSampling,
+    SamplingConfig,
+    draw_checked,
+    gumbel_noise,
+    native_draws,
+    noised_scores,
+)
 from rvqtts.engine.speculative.offsets import Offsets
 from rvqtts.engine.speculative.speculation import Speculation
 from rvqtts.engine.speculative.tree import resolve_tree
@@ -57,6 +66,38 @@ def _within_rounding(
     if bias is not None:
         exact, size = exact + bias.double(), size + bias.double().abs()
     return bool(((out.double() - exact).abs() <= exact.abs() * 2**-7 + size * 2**-12).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_native_draw_gives_torchs_codes_and_finite_flags_on_every_kind_of_row(dtype):
+    """The library's draw against sampling's torch operations, row by row with its own config and noise row: ties,
+    a NaN, +inf, a row of -inf and one mostly -inf, greedy rows, top-k from off to past the vocabulary, temperatures
+    of 1, a tiny and a huge one; draw_checked takes it on a CPU and leaves top-p to torch."""
+    vocab, generator = 300, torch.Generator().manual_seed(7)
+    configs = [
+        SamplingConfig(temperature, top_k)
+        for temperature in (0.9, 1.0, MIN_TEMPERATURE, 1e4, 0.0)
+        for top_k in (0, 1, 50, vocab - 1, vocab, vocab + 5)
+    ]
+    logits = (torch.randn(len(configs), vocab, generator=generator) * 4).to(dtype)
+    logits[0, :9] = logits[0, 9]  # ties with the largest
+    logits[1, 3], logits[2, [5, 9]], logits[3] = float("nan"), float("inf"), float("-inf")
+    logits[4, 20:] = float("-inf")
+    logits[::7, 40:60] = logits[::7, 40:41]
+    noise = torch.from_numpy(gumbel_noise(5, 0, 0, range(2 * len(configs)), vocab))
+    noise_rows = torch.randperm(2 * len(configs), generator=generator)[: len(configs)]
+    codes, finite = native.draw(
+        logits, noise, [c.temperature if c.do_sample else 0.0 for c in configs], [c.top_k for c in configs], noise_rows
+    )
+    for r, config in enumerate(configs):
+        scores = noised_scores(logits[r], noise[noise_rows[r]], config)
+        code = scores.argmax()
+        assert (int(codes[r]), bool(finite[r])) == (int(code), bool(torch.isfinite(scores[code]))), (r, config)
+    assert finite.tolist().count(False) == 3  # the NaN, +inf and -inf rows
+    assert native_draws(logits, noise, configs[0]) and not native_draws(logits, noise, SamplingConfig(top_p=0.9))
+    mixed = RowSampling.of(configs, torch.device("cpu"))
+    assert torch.equal(draw_checked(logits, noise, mixed, noise_rows)[0], codes)
 
 
 @needs_kernel

@@ -24,6 +24,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -868,6 +872,64 @@ int rvqtts_layer(uint16_t* x, int64_t rows, int64_t hidden, const uint16_t* inpu
     map(3, act.data(), inner, mapped.data());
     add_into(x, mapped.data(), rows * hidden);
     return 0;
+}
+
+// One code per row, drawn as rvqtts.engine.model.sampling.draw_checked draws it with torch's operations, bit for
+// bit: scores = logits (bfloat16 or float32) as float32, divided by the row's temperature where it is not 1; the
+// scores below the k-th largest set to -inf (top-k, where 0 < k < vocab); the row's Gumbel noise added; the first
+// index of the largest score taken. A temperature of 0 draws greedily: the scores alone, no warper, no noise. A row
+// with a NaN score takes its first NaN (torch's argmax does). finite[r] says whether the drawn score is finite.
+// Row r's noise is noise[noise_rows[r]] (noise[r] where noise_rows is null). Each row is computed alone.
+void rvqtts_draw(const void* logits, int bf16, int64_t rows, int64_t vocab, const float* noise,
+                 const int64_t* noise_rows, const float* temperatures, const int64_t* top_ks, int64_t* codes,
+                 uint8_t* finite) {
+    #pragma omp parallel for schedule(static) if (rows >= 8)
+    for (int64_t r = 0; r < rows; ++r) {
+        thread_local std::vector<float> scores, heap;
+        scores.resize(vocab);
+        const float t = temperatures[r];
+        for (int64_t i = 0; i < vocab; ++i) {
+            const float x = bf16 ? to_float(static_cast<const uint16_t*>(logits)[r * vocab + i])
+                                 : static_cast<const float*>(logits)[r * vocab + i];
+            scores[i] = (t > 0.0f && t != 1.0f) ? x / t : x;
+        }
+        int64_t best = -1;
+        for (int64_t i = 0; i < vocab && best < 0; ++i)
+            if (std::isnan(scores[i])) best = i;
+        if (best >= 0) {  // argmax takes the first NaN
+            codes[r] = best;
+            finite[r] = 0;
+            continue;
+        }
+        float kth = -std::numeric_limits<float>::infinity();
+        const int64_t k = top_ks[r];
+        const bool sample = t > 0.0f;
+        if (sample && k > 0 && k < vocab) {  // the k-th largest score: a min-heap of the k largest so far
+            heap.assign(scores.begin(), scores.begin() + k);
+            std::make_heap(heap.begin(), heap.end(), std::greater<float>());
+            for (int64_t i = k; i < vocab; ++i) {
+                if (scores[i] > heap.front()) {
+                    std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+                    heap.back() = scores[i];
+                    std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+                }
+            }
+            kth = heap.front();
+        }
+        const float* row_noise = sample ? noise + (noise_rows ? noise_rows[r] : r) * vocab : nullptr;
+        const float negative = -std::numeric_limits<float>::infinity();
+        float top = 0.0f;
+        for (int64_t i = 0; i < vocab; ++i) {
+            float v = scores[i] < kth ? negative : scores[i];
+            if (sample) v = v + row_noise[i];
+            if (i == 0 || v > top) {
+                top = v;
+                best = i;
+            }
+        }
+        codes[r] = best;
+        finite[r] = std::isfinite(top) ? 1 : 0;
+    }
 }
 
 }

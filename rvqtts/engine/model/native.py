@@ -249,6 +249,36 @@ def silu_times_up(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def draw(
+    logits: torch.Tensor,  # [rows, vocab] bfloat16 or float32
+    noise: torch.Tensor,  # [sources, vocab] float32
+    temperatures: list[float],  # [rows]: 0 draws greedily
+    top_ks: list[int],  # [rows]: 0 keeps every code
+    noise_rows: torch.Tensor | None = None,  # [rows]: row r's noise is noise[noise_rows[r]] (None: noise[r])
+) -> tuple[torch.Tensor, torch.Tensor]:  # codes [rows] int64, finite [rows] bool
+    """Each row's code drawn as rvqtts.engine.model.sampling draws it with torch's operations (top-p off), bit for
+    bit, in one call: the dozen small operations of a draw cost more than the work where a pass over the weights has
+    just left the caches cold."""
+    logits, noise = logits.contiguous(), noise.contiguous()
+    rows, vocab = logits.shape
+    codes = torch.empty(rows, dtype=torch.int64)
+    finite = torch.empty(rows, dtype=torch.bool)
+    index = _slot_list(noise_rows)  # held through the call
+    _load()[0].rvqtts_draw(
+        logits.data_ptr(),
+        int(logits.dtype == torch.bfloat16),
+        rows,
+        vocab,
+        noise.data_ptr(),
+        _address(index),
+        (ctypes.c_float * rows)(*temperatures),
+        (ctypes.c_int64 * rows)(*top_ks),
+        codes.data_ptr(),
+        finite.data_ptr(),
+    )
+    return codes, finite
+
+
 def layer_maps(maps: list) -> tuple | None:
     """A layer's q|k|v, output, gate|up and down maps (rvqtts.engine.model.kernels.LinearMap) as `layer` takes them, or
     None where they do not all run this library's kernel in one weight format, without biases."""
@@ -402,6 +432,7 @@ SIGNATURES = {
     "rvqtts_attend": "pppssssspspfp",
     "rvqtts_silu_times_up": "pssp",
     "rvqtts_layer": "pssppfpppisssppppppspssppf",
+    "rvqtts_draw": "pisspppppp",
 }
 CHECKED = ("rvqtts_attention_inputs", "rvqtts_attend", "rvqtts_layer")  # 1: a cache slot out of bounds, nothing written
 _TYPES = {"p": ctypes.c_void_p, "s": ctypes.c_int64, "f": ctypes.c_float, "i": ctypes.c_int}

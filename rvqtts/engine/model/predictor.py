@@ -152,8 +152,9 @@ class PredictorRunner(CachedDecoder):
         return self.heads[index - 1](hidden)
 
     def keep(self, sources: list[int], destination: int) -> None:
-        """Move the KV entries of `sources` (accepted tree slots) to the slots from `destination` on."""
-        if not sources:
+        """Move the KV entries of `sources` (accepted tree slots) to the slots from `destination` on (nothing to move
+        where they are there already: a path of first-ranked drafts)."""
+        if sources == list(range(destination, destination + len(sources))):
             return
         src = torch.tensor(sources, device=self.device)
         dst = torch.arange(destination, destination + len(sources), device=self.device)

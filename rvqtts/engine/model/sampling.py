@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from rvqtts.engine.model import native
+
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 # A temperature below this draws greedily: sampling's limit as the temperature goes to 0, and the scaled logits stay
 # finite in float32 (logits divided by 1e-300 overflow, and no code could be drawn from them).
@@ -140,13 +142,40 @@ def draw(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig) -> t
 
 
 def draw_checked(
-    logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig | RowSampling
+    logits: torch.Tensor,
+    noise: torch.Tensor,
+    config: SamplingConfig | RowSampling,
+    noise_rows: torch.Tensor | None = None,  # [rows]: row r draws with noise[noise_rows[r]] (None: noise[r])
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`draw`, and whether each row's logits were finite (bools shaped as the codes, on the device, read back with
-    them): argmax takes a NaN or +inf where a row has one, so the drawn score alone tells."""
-    scores = noised_scores(logits, noise, config)
+    them): argmax takes a NaN or +inf where a row has one, so the drawn score alone tells. On a CPU where rvqtts's
+    library runs, one native call draws the same codes (top-p off)."""
+    if native_draws(logits, noise, config):
+        rows = logits.reshape(-1, logits.shape[-1])
+        configs = [config] * rows.shape[0] if isinstance(config, SamplingConfig) else config.row_configs()
+        codes, finite = native.draw(
+            rows,
+            noise.reshape(-1, noise.shape[-1]),
+            [c.temperature if c.do_sample else 0.0 for c in configs],
+            [c.top_k for c in configs],
+            noise_rows,
+        )
+        return codes.reshape(logits.shape[:-1]), finite.reshape(logits.shape[:-1])
+    scores = noised_scores(logits, noise if noise_rows is None else noise[noise_rows], config)
     codes = scores.argmax(dim=-1)
     return codes, torch.isfinite(scores.gather(-1, codes.unsqueeze(-1))).squeeze(-1)
+
+
+def native_draws(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig | RowSampling) -> bool:
+    """Whether rvqtts's library draws these rows: on a CPU where it runs, bfloat16 or float32 logits, top-p off."""
+    configs = (config,) if isinstance(config, SamplingConfig) else config.configs
+    return (
+        logits.device.type == "cpu"
+        and logits.dtype in (torch.bfloat16, torch.float32)
+        and noise.dtype == torch.float32
+        and all(c.top_p == 1.0 for c in configs)
+        and native.level() is not None
+    )
 
 
 def noised_scores(logits: torch.Tensor, noise: torch.Tensor, config: SamplingConfig | RowSampling) -> torch.Tensor:
@@ -179,6 +208,10 @@ class RowSampling:
     def take(self, frames: torch.Tensor) -> RowSampling:
         """The sampling of rows that belong to `frames` (a frame's index per row)."""
         return RowSampling(self.configs, self.ids[frames])
+
+    def row_configs(self) -> list[SamplingConfig]:
+        """Each row's config."""
+        return [self.configs[i] for i in self.ids.tolist()]
 
     def scores(self, logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         mixed = noised_scores(logits, noise, self.configs[0])

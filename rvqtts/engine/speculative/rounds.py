@@ -187,7 +187,7 @@ class RoundsLayout:
     scored_rows: torch.Tensor
     score_heads: list[tuple[int, slice]]
     noise_frames: torch.Tensor
-    noise_codes: torch.Tensor
+    noise_rows: torch.Tensor
     query_starts: list[int]
     draws_of: list[list[int]]
     drafts_of: list[list[int]]
@@ -246,7 +246,7 @@ class RoundsLayout:
             scored_rows=tensor([entry[0] for entry in score_order]),
             score_heads=head_slices(scores),
             noise_frames=tensor([entry[1] for entry in score_order]),
-            noise_codes=tensor([entry[2] for entry in score_order]),
+            noise_rows=tensor([entry[1] * last + entry[2] for entry in score_order]),
             query_starts=query_starts,
             draws_of=draws_of,
             drafts_of=drafts_of,
@@ -324,7 +324,7 @@ def rounds_call(
     logits = torch.cat([runner.logits(scored[rows], position) for position, rows in layout.score_heads])
     laps.lap("heads")
     draws, finite = draw_checked(
-        logits, noise[layout.noise_frames, layout.noise_codes], sampling.take(layout.noise_frames)
+        logits, noise.flatten(0, 1), sampling.take(layout.noise_frames), noise_rows=layout.noise_rows
     )
     laps.lap("draws")
     return node_codes, out, draws, finite, ranked
