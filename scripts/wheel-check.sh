@@ -26,4 +26,5 @@ for _ in $(seq 120); do curl -sf http://127.0.0.1:8871/ready >/dev/null && break
 curl -sf http://127.0.0.1:8871/v1/audio/speech -H 'Content-Type: application/json' \
     -d '{"input": "Hello, served from a wheel.", "voice": "vivian", "max_frames": 8}' -o served.wav
 python -c "import soundfile; assert soundfile.info('served.wav').frames > 0 and soundfile.info('wheel.wav').frames > 0"
-echo "wheel check: synth, a batch, bench predictor and serve ran from $(ls dist)"
+curl -sf http://127.0.0.1:8871/metrics | grep -q '^rvqtts_requests_total{outcome="served"} 1.0$'
+echo "wheel check: synth, a batch, bench predictor, serve and its metrics ran from $(ls dist)"

@@ -20,6 +20,7 @@ import pytest
 import soundfile
 import uvicorn
 from helpers import run_cli, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from rvqtts.serving.server import Job, ServerOptions, SpeechEngine, create_app, uvicorn_settings
 from rvqtts.support.audio import audio_bytes
@@ -375,6 +376,43 @@ def test_serve_refuses_bad_options_before_loading(tiny_dir, tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the extra were not installed
     result = run_cli("serve", "--model", tiny_dir)
     assert result.exit_code == 2 and "pip install -e '.[serve]'" in result.output
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """GET /metrics (without the key) parsed as Prometheus parses it: each sample's value by (name, labels)."""
+    response = httpx.get(url + "/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain; version=")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_requests_first_audio_frames_rows_and_memory(served, client):
+    """A streamed and a whole request and a refused one, scraped before and after: requests by outcome, the
+    histograms' counts (first audio for the streamed one only), frames made, rows, queue and resident memory."""
+    url, engine = served
+    before = scrape(url)
+    with client.with_options(timeout=WAIT).audio.speech.with_streaming_response.create(
+        model="tiny", voice="vivian", input="Counted, streamed.", extra_body={"max_frames": FRAMES, "stream": True}
+    ) as response:
+        response.read()
+    speak(client, "Counted, whole.")
+    assert httpx.post(url + "/v1/audio/speech", json={"input": "Hi."}).status_code == 401
+    settled(engine)
+    after = scrape(url)
+
+    def grew(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("rvqtts_requests_total", outcome="served") == 2 and grew("rvqtts_requests_total", outcome="failed") == 0
+    assert grew("rvqtts_first_audio_seconds_count") == 1 and grew("rvqtts_request_seconds_count") == 2
+    assert 0 < grew("rvqtts_first_audio_seconds_sum") <= grew("rvqtts_request_seconds_sum")
+    assert 2 <= grew("rvqtts_frames_total") <= 2 * FRAMES and after[("rvqtts_frames_per_second", ())] > 0
+    assert after[("rvqtts_rows", ())] == engine.options.batch_size and after[("rvqtts_queue_length", ())] == 0
+    assert after[("rvqtts_rows_busy", ())] == 0 and after[("process_resident_memory_bytes", ())] > 100e6
 
 
 def test_the_load_test_reports_latencies_and_the_servers_memory_and_caches(served):

@@ -70,7 +70,7 @@ def serve(
         "the WebSocket; the server's own origin and programs (no Origin header) always may.",
     ),
     max_connections: int = typer.Option(
-        64, help="Requests and WebSocket sessions at once (/health and /ready aside); more get 503."
+        64, help="Requests and WebSocket sessions at once (/health, /ready and /metrics aside); more get 503."
     ),
     max_unsent_seconds: float = typer.Option(
         300.0,
@@ -94,6 +94,7 @@ def serve(
     check_stream_frames(first_stream_frames, stream_frames)
     origins = tuple(map(checked_origin, allow_origin))
     try:
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:

@@ -34,6 +34,8 @@ from rvqtts.engine.model.sampling import NonFiniteError
 from rvqtts.engine.speculative.online import keep_learned
 from rvqtts.qwen.cloning import VoiceSource
 from rvqtts.qwen.codec import StreamPacing
+from rvqtts.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from rvqtts.serving.metrics import ServerMetrics
 from rvqtts.support.audio import AUDIO_FORMATS, audio_bytes, pcm16, wav_header
 from rvqtts.support.memory import memory_record
 from rvqtts.synthesis.batch_size import fitting_slots
@@ -56,7 +58,7 @@ SAMPLING_FIELDS = {f.name: int if f.type.startswith("int") else (int, float) for
 MAX_BODY_BYTES = 1 << 20  # a request body, and a WebSocket message (a bigger one closes its session with 1009)
 POLL_SECONDS = 0.5  # how often a wait on the engine checks that the engine thread lives and the client is there
 STALLED_READER_SECONDS = 30.0  # a client that takes none of its audio this long is gone (a player reads every second)
-PROBES = ("/health", "/ready")  # always answered, whatever the load: a load balancer asks them
+PROBES = ("/health", "/ready", "/metrics")  # always answered, whatever the load: load balancers and scrapers ask
 SESSION_SENTENCES_IN_ENGINE = 2  # a WebSocket session's sentences in the engine at once (one speaking, the next ready)
 BUSY_RETRY_SECONDS = 0.05  # how often a session's next sentence retries a full queue
 MESSAGE_CHARS_PER_MAX_CHARS = 4  # a WebSocket text message: at most 4 x --max-chars characters
@@ -149,6 +151,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when a row took it
+    first_audio: float | None = None  # when its first audio was sent (streamed)
     shared: bool = False  # spoken in calls with another request
     unsent: int = 0  # bytes of streamed audio sent by the engine and not yet taken by the client (event loop only)
 
@@ -203,6 +206,7 @@ class SpeechEngine:
         self._closing = False
         self.row_slots = fitting_slots(synth, options.batch_size)  # what one request's row may hold
         self._seconds, self._timed = 0.0, 0  # the mean time a request held a row (Retry-After), over how many
+        self.metrics = ServerMetrics(self._metrics_state)
         synth.codec.warm_up(options.pacing)  # the decoder's cold start out of the first request's first audio
         self._thread = threading.Thread(target=self._serve, name="rvqtts-engine", daemon=True)
         self._thread.start()
@@ -280,6 +284,12 @@ class SpeechEngine:
             "first_audio_seconds": {name: round(value, 3) for name, value in self.first_audio.items()},
         }
 
+    def _metrics_state(self) -> dict:
+        """What /metrics reads of the engine at a scrape."""
+        with self._changed:
+            counts, queued = dict(self.counts), len(self._waiting)
+        return {"counts": counts, "speaking": len(self._speaking), "queued": queued, "rows": self.options.batch_size}
+
     def close(self) -> None:
         """Stop the engine thread once the jobs queued before are done."""
         with self._changed:
@@ -295,7 +305,13 @@ class SpeechEngine:
             try:
                 lines, rows = self._lines(), self.options.batch_size
                 for index, item in speak(
-                    self.synth, lines, GenerationSettings(), self.options.chunk_chars, rows, stopped=self._stopped
+                    self.synth,
+                    lines,
+                    GenerationSettings(),
+                    self.options.chunk_chars,
+                    rows,
+                    on_frame=lambda prefix, codes: self.metrics.frame_made(),
+                    stopped=self._stopped,
                 ):
                     self._answer(index, item)
                 return
@@ -342,6 +358,7 @@ class SpeechEngine:
         job = self._speaking[index]
         if isinstance(item, np.ndarray):
             if item.size and job.request.stream:
+                job.first_audio = job.first_audio or time.perf_counter()
                 job.send(pcm16(item))
             return
         del self._speaking[index]
@@ -362,9 +379,12 @@ class SpeechEngine:
                 self.first_audio["streamed"] += 1
                 for part, seconds in split.items():
                     self.first_audio[part] += seconds
-            job.send(None)
-            self.counts["served"] += 1
+            self.counts["served"] += 1  # counted before its client hears the end: a scrape after it sees it
             self.counts["batched"] += job.shared
+            self.metrics.request_time.observe(time.perf_counter() - job.submitted)
+            if job.first_audio is not None:
+                self.metrics.first_audio.observe(job.first_audio - job.submitted)
+            job.send(None)
 
 
 def encode(audio: np.ndarray, sample_rate: int, response_format: str) -> bytes:
@@ -708,6 +728,9 @@ def create_app(engine: SpeechEngine) -> Starlette:
     async def health(request: Request) -> Response:
         return JSONResponse(engine.health())
 
+    async def metrics(request: Request) -> Response:
+        return Response(engine.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+
     async def ready(request: Request) -> Response:
         if not engine.ready:
             raise engine_stopped()
@@ -732,6 +755,7 @@ def create_app(engine: SpeechEngine) -> Starlette:
         Route("/v1/voices", voices, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
     handlers = {SpeechError: _refused, HTTPException: _http_error}
     return Starlette(
