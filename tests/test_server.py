@@ -364,6 +364,60 @@ def test_a_base_model_speaks_the_voice_files_of_its_folder_and_nothing_else(base
             assert response.status_code == 400 and "voice files in" in response.json()["error"]["message"], name
 
 
+def test_a_voice_uploaded_over_the_api_speaks_as_synth_ref_audio_and_can_be_deleted(base_dir, tmp_path):
+    """POST /v1/audio/voices with a recording and its transcript: the voice speaks what `synth --ref-audio` speaks
+    (the same bytes); it is listed until it is deleted. Bad names, recordings and forms get 400, 409, 413 or 415
+    saying why, a form from another site 403, and nothing is written for them."""
+    voices = tmp_path / "voices"
+    voices.mkdir()
+    rate, samples = 24000, np.random.default_rng(1).standard_normal(36000).astype(np.float32) * 0.1
+    soundfile.write(tmp_path / "ref.wav", samples, rate)
+    recording = (tmp_path / "ref.wav").read_bytes()
+    text = "A reference sentence."
+    out, options = tmp_path / "synth.wav", ("--seed", 5, "--max-frames", 6, "--dtype", "float32", "-q")
+    made = run_cli("synth", "Hello.", "--model", base_dir, "--ref-audio", tmp_path / "ref.wav", "--ref-text", text,
+                   "-o", out, *options)  # fmt: skip
+    assert made.exit_code == 0, made.output
+
+    def upload(name="bea", audio=recording, **fields):
+        form = {"name": name, **fields}
+        return httpx.post(url + "/v1/audio/voices", files={"audio_sample": ("ref.wav", audio)}, data=form, timeout=60)
+
+    with running(base_dir, voices_dir=voices) as (url, _):
+        added = upload(ref_text=text)
+        assert added.status_code == 200 and added.json() == {"object": "voice", "name": "bea", "mode": "icl",
+                                                            "seconds": 1.5}, added.text  # fmt: skip
+        assert httpx.get(url + "/v1/audio/voices").json()["voices"] == httpx.get(url + "/v1/voices").json()["voices"]
+        body = {"input": "Hello.", "voice": "bea", "seed": 5, "max_frames": 6}
+        assert httpx.post(url + "/v1/audio/speech", json=body, timeout=60).content == out.read_bytes()
+        silent, short = audio_bytes(np.zeros(rate, np.float32), rate), audio_bytes(samples[: rate // 2], rate)
+        refused = {
+            409: upload(),
+            400: [upload("../x"), upload("b", b"not audio"), upload("c", silent), upload("d", short)],
+            413: upload("e", recording + bytes(10 << 20)),
+            415: httpx.post(url + "/v1/audio/voices", json={"name": "f"}),
+            403: httpx.post(
+                url + "/v1/audio/voices",
+                files={"audio_sample": ("r.wav", recording)},
+                data={"name": "g"},
+                headers={"origin": "https://elsewhere.example"},
+            ),  # fmt: skip
+        }
+        for status, responses in refused.items():
+            for response in responses if isinstance(responses, list) else [responses]:
+                assert response.status_code == status and response.json()["error"]["message"], response.text
+        messages = [response.json()["error"]["message"] for response in refused[400]]
+        assert "1 to 64 letters" in messages[0] and "cannot read 'ref.wav'" in messages[1], messages
+        assert "silent" in messages[2] and "0.50 s long" in messages[3] and "/tmp" not in "".join(messages)
+        assert sorted(p.name for p in voices.iterdir()) == ["bea.safetensors"]
+        assert httpx.delete(url + "/v1/audio/voices/bea").json() == {"object": "voice", "name": "bea", "deleted": True}
+        assert httpx.delete(url + "/v1/audio/voices/bea").status_code == 404
+        assert httpx.get(url + "/v1/audio/voices").json()["voices"] == [] and not list(voices.iterdir())
+        again = upload(audio=audio_bytes(samples[::-1].copy(), rate))  # another voice of the same name: read anew
+        assert again.json()["mode"] == "x-vector-only"
+        assert httpx.post(url + "/v1/audio/speech", json=body, timeout=60).content != out.read_bytes()
+
+
 def test_serve_refuses_bad_options_before_loading(tiny_dir, tmp_path, monkeypatch):
     for arguments, message in [
         (["--voices", tmp_path], "--voices is for Base models"),
@@ -413,6 +467,15 @@ def test_metrics_count_requests_first_audio_frames_rows_and_memory(served, clien
     assert 2 <= grew("rvqtts_frames_total") <= 2 * FRAMES and after[("rvqtts_frames_per_second", ())] > 0
     assert after[("rvqtts_rows", ())] == engine.options.batch_size and after[("rvqtts_queue_length", ())] == 0
     assert after[("rvqtts_rows_busy", ())] == 0 and after[("process_resident_memory_bytes", ())] > 100e6
+
+
+def test_a_customvoice_server_takes_no_voice_uploads(served):
+    url, _ = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    response = httpx.post(url + "/v1/audio/voices", files={"audio_sample": ("r.wav", b"x")}, data={"name": "a"},
+                          headers=headers)  # fmt: skip
+    assert response.status_code == 400 and "only a Base model clones voices" in response.json()["error"]["message"]
+    assert httpx.post(url + "/v1/audio/voices", data={"name": "a"}).status_code == 401
 
 
 def test_the_load_test_reports_latencies_and_the_servers_memory_and_caches(served):

@@ -460,7 +460,8 @@ def bench_serve_command(
     url = url.rstrip("/")
     with refused(httpx.HTTPError, RuntimeError, KeyError, prefix=f"the load test against {url} failed: "):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        voice = voice or (httpx.get(f"{url}/v1/voices", headers=headers, timeout=30).json()["voices"] or [None])[0]
+        served = httpx.get(f"{url}/v1/audio/voices", headers=headers, timeout=30).json()["voices"]
+        voice = voice or (served or [None])[0]
         fields = {"voice": voice, **({"max_frames": max_frames} if max_frames else {})}
         result = load_test(url, lines, requests, clients, stream, api_key, fields, stagger)
     publish(result, json_out, serve_table, quiet)

@@ -41,8 +41,8 @@ def serve(
     ),
     voices: Optional[Path] = typer.Option(
         None,
-        help="Base models: a folder of voice files (NAME.safetensors, from rvqtts synth --save-voice); a request's "
-        "voice names one. Nothing outside it is read.",
+        help="Base models: a folder of voice files (NAME.safetensors, from rvqtts synth --save-voice or uploaded to "
+        "POST /v1/audio/voices); a request's voice names one. Nothing outside it is read.",
     ),
     device: str = typer.Option("auto", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
@@ -129,7 +129,8 @@ def serve(
         max_unsent_seconds=max_unsent_seconds,
         drain_seconds=drain_seconds,
     )
-    say(f"serving {model} on http://{host}:{port}/v1 (POST /v1/audio/speech; GET /v1/voices, /health)", quiet)
+    endpoints = "POST /v1/audio/speech; GET /v1/audio/voices, /health, /metrics"
+    say(f"serving {model} on http://{host}:{port}/v1 ({endpoints})", quiet)
     run_server(synthesizer, options, host, port, quiet)
 
 

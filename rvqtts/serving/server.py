@@ -21,7 +21,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 from starlette.applications import Starlette
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -32,10 +34,11 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from rvqtts.engine.loop.frame_loop import Stopped
 from rvqtts.engine.model.sampling import NonFiniteError
 from rvqtts.engine.speculative.online import keep_learned
-from rvqtts.qwen.cloning import VoiceSource
+from rvqtts.qwen.cloning import VoiceError, VoiceSource
 from rvqtts.qwen.codec import StreamPacing
 from rvqtts.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from rvqtts.serving.metrics import ServerMetrics
+from rvqtts.serving.voices import MAX_UPLOAD_BYTES, VoiceConflict, VoiceStore
 from rvqtts.support.audio import AUDIO_FORMATS, audio_bytes, pcm16, wav_header
 from rvqtts.support.memory import memory_record
 from rvqtts.synthesis.batch_size import fitting_slots
@@ -207,6 +210,9 @@ class SpeechEngine:
         self.row_slots = fitting_slots(synth, options.batch_size)  # what one request's row may hold
         self._seconds, self._timed = 0.0, 0  # the mean time a request held a row (Retry-After), over how many
         self.metrics = ServerMetrics(self._metrics_state)
+        # voices uploaded over the API: a Base model's, kept in --voices
+        folder = options.voices_dir
+        self.voice_store = VoiceStore(folder, synth.tts, synth.cloned) if folder and synth.kind == "base" else None
         synth.codec.warm_up(options.pacing)  # the decoder's cold start out of the first request's first audio
         self._thread = threading.Thread(target=self._serve, name="rvqtts-engine", daemon=True)
         self._thread.start()
@@ -563,27 +569,64 @@ def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...
 
 
 async def json_body(request: Request) -> object:
-    """The request's JSON body, read with a running count so that its 1 MiB cap holds for a chunked body (no
-    Content-Length) too; SpeechError 415, 413 or 400 saying what to send instead."""
+    """The request's JSON body, at most 1 MiB; SpeechError 415, 413 or 400 saying what to send instead."""
     if not is_json(request.headers.get("content-type")):
         raise SpeechError(
             415,
             "the body must be JSON: send it with the header `Content-Type: application/json`",
             code="unsupported_media_type",
         )
-    too_large = SpeechError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large
+    body = b"".join([chunk async for chunk in limited_body(request, MAX_BODY_BYTES)])
     try:
-        return json_value(bytes(body))
+        return json_value(body)
     except ValueError:
         raise SpeechError(400, "the body is not JSON: send a JSON object with `input` and `voice`") from None
+
+
+async def limited_body(request: Request, limit: int) -> AsyncIterator[bytes]:
+    """The body's chunks, counted as they come so that the cap holds for a chunked body (no Content-Length) too;
+    SpeechError 413 past `limit` bytes."""
+    too_large = SpeechError(413, f"the request body is over {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    seen = 0
+    async for chunk in request.stream():
+        seen += len(chunk)
+        if seen > limit:
+            raise too_large
+        yield chunk
+
+
+async def voice_form(request: Request, options: ServerOptions) -> tuple[str, bytes, str, str | None]:
+    """An uploaded voice's form (multipart/form-data, as vllm-omni takes it): `name`, `audio_sample` (the
+    recording's file) and optionally `ref_text` (its transcript); SpeechError saying what to send otherwise. A form
+    is what a page of another site may post without asking, so one whose Origin is not served is refused."""
+    origin = request.headers.get("origin")
+    if not origin_allowed(origin, request.headers.get("host"), options.allowed_origins):
+        raise SpeechError(403, f"origin {origin} is not served: start the server with --allow-origin {origin}")
+    media_type = (request.headers.get("content-type") or "").partition(";")[0].strip().lower()
+    if media_type != "multipart/form-data":
+        raise SpeechError(
+            415,
+            "send the voice as multipart/form-data: `name`, `audio_sample` (the recording's file) and `ref_text` "
+            "(its transcript; without it the voice is cloned from the audio alone)",
+            code="unsupported_media_type",
+        )
+    stream = limited_body(request, MAX_UPLOAD_BYTES + MAX_BODY_BYTES)  # the file and the form's other fields
+    try:
+        form = await MultiPartParser(request.headers, stream, max_files=1, max_fields=8).parse()
+    except MultiPartException as error:
+        raise SpeechError(400, f"the form cannot be read: {error.message}") from None
+    sample, name, ref_text = form.get("audio_sample"), form.get("name"), form.get("ref_text")
+    if not isinstance(sample, UploadFile):
+        raise SpeechError(400, "`audio_sample` must be the recording's file (a .wav, .flac or .ogg)", "audio_sample")
+    if not isinstance(name, str) or (ref_text is not None and not isinstance(ref_text, str)):
+        raise SpeechError(400, "`name` (and `ref_text` where given) must be text fields", "name")
+    recording = await sample.read()
+    if len(recording) > MAX_UPLOAD_BYTES:
+        raise SpeechError(413, f"the recording is over {MAX_UPLOAD_BYTES} bytes", "audio_sample", "request_too_large")
+    return name, recording, sample.filename or "the recording", ref_text
 
 
 class ConnectionLimit:
@@ -690,7 +733,7 @@ def _middleware(options: ServerOptions) -> list[Middleware]:
         cors = Middleware(
             CORSMiddleware,
             allow_origins=list(options.allowed_origins),
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type"],
         )
         middleware.insert(0, cors)
@@ -725,6 +768,40 @@ def create_app(engine: SpeechEngine) -> Starlette:
         authorize_request(request)
         return JSONResponse({"model": options.model_name, "kind": engine.synth.kind, "voices": engine.voices()})
 
+    def voice_store() -> VoiceStore:
+        if engine.voice_store is None:
+            why = (
+                f"this is a {engine.synth.kind} model: only a Base model clones voices"
+                if engine.synth.kind != "base"
+                else "the server keeps none: start it with --voices DIR"
+            )
+            raise SpeechError(400, f"voices cannot be uploaded or deleted here: {why}", code="voices_not_kept")
+        return engine.voice_store
+
+    async def upload_voice(request: Request) -> Response:
+        authorize_request(request)
+        store = voice_store()
+        name, recording, filename, ref_text = await voice_form(request, options)
+        try:  # encoded on a thread of its own: the event loop goes on answering, the engine speaking
+            voice, seconds = await asyncio.to_thread(store.add, name, recording, filename, ref_text)
+        except VoiceConflict as error:
+            raise SpeechError(409, str(error), "name", "voice_exists") from None
+        except VoiceError as error:
+            raise SpeechError(400, str(error), "audio_sample") from None
+        mode = "icl" if voice.icl else "x-vector-only"
+        return JSONResponse({"object": "voice", "name": name, "mode": mode, "seconds": round(seconds, 3)})
+
+    async def delete_voice(request: Request) -> Response:
+        authorize_request(request)
+        name = request.path_params["name"]
+        try:
+            removed = voice_store().remove(name)
+        except VoiceError as error:
+            raise SpeechError(400, str(error), "name") from None
+        if not removed:
+            raise SpeechError(404, f"no voice named {name!r}: GET /v1/audio/voices lists them", "name", "no_voice")
+        return JSONResponse({"object": "voice", "name": name, "deleted": True})
+
     async def health(request: Request) -> Response:
         return JSONResponse(engine.health())
 
@@ -752,7 +829,10 @@ def create_app(engine: SpeechEngine) -> Starlette:
         Route("/v1/audio/speech", speech, methods=["POST"]),
         WebSocketRoute("/v1/audio/speech/stream", text_session),
         Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/voices", voices, methods=["GET"]),
+        Route("/v1/audio/voices", voices, methods=["GET"]),
+        Route("/v1/audio/voices", upload_voice, methods=["POST"]),
+        Route("/v1/audio/voices/{name}", delete_voice, methods=["DELETE"]),
+        Route("/v1/voices", voices, methods=["GET"]),  # the name before /v1/audio/voices, kept
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

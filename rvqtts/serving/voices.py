@@ -1,0 +1,90 @@
+"""Voices uploaded over the API (`POST /v1/audio/voices`): a reference recording, with its transcript or without,
+encoded once by the Base model into a voice file in the server's `--voices` folder, the file `rvqtts synth --ref-audio
+... --save-voice` writes from the same recording, so a request naming it speaks as `synth --ref-audio` does.
+docs/server.md, "Voices"."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tempfile
+import threading
+from pathlib import Path
+
+from rvqtts.qwen.cloning import ClonedVoice, ClonedVoices, VoiceError, VoiceSource, encode_voice, save_voice
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a voice's name: its file's stem, never a path
+MAX_UPLOAD_BYTES = 10 << 20  # a recording's file (vllm-omni's limit too)
+MAX_REFERENCE_SECONDS = 60.0  # a longer reference adds encoding time and, in ICL mode, prompt tokens to every request
+
+
+class VoiceConflict(Exception):
+    """A voice of that name is there already."""
+
+
+class VoiceStore:
+    """The voice files of a folder, written and removed one at a time; `tts` (a Base model's qwen-tts wrapper) encodes
+    recordings, and `cloned` (the Synthesizer's encoded voices) forgets a removed file's voice."""
+
+    def __init__(self, folder: Path, tts: object, cloned: ClonedVoices):
+        self.folder, self.tts, self.cloned = folder.resolve(), tts, cloned  # resolved: as requests name the files
+        self._lock = threading.Lock()
+
+    def path(self, name: str) -> Path:
+        return self.folder / f"{name}.safetensors"
+
+    def add(self, name: str, recording: bytes, filename: str, ref_text: str | None) -> tuple[ClonedVoice, float]:
+        """Encode `recording` (a .wav, .flac or .ogg file's bytes) as voice `name`: in ICL mode with its transcript
+        `ref_text`, else from the audio alone; returns the voice and the recording's seconds. VoiceError for a bad
+        name or recording (what to send instead), VoiceConflict where the name is taken."""
+        checked_name(name)
+        with self._lock:
+            if self.path(name).exists():
+                raise VoiceConflict(f"a voice named {name!r} exists: delete it first, or choose another name")
+            with tempfile.TemporaryDirectory(prefix="rvqtts-voice-") as scratch:
+                reference = Path(scratch) / "reference"
+                reference.write_bytes(recording)
+                text = (ref_text or "").strip() or None
+                try:
+                    seconds = reference_seconds(reference)
+                    voice = encode_voice(self.tts, VoiceSource(reference, text, x_vector_only=text is None))
+                except VoiceError as error:  # named as the client named it, not by the scratch file
+                    raise VoiceError(str(error).replace(str(reference), repr(filename))) from None
+            voice = dataclasses.replace(voice, source=f"uploaded: {filename}")
+            save_voice(voice, self.path(name))  # whole or not at all: a request never reads half a file
+        return voice, seconds
+
+    def remove(self, name: str) -> bool:
+        """Delete voice `name`'s file and its encoded copy; False where there is none."""
+        checked_name(name)
+        with self._lock:
+            path = self.path(name)
+            if not path.is_file():
+                return False
+            path.unlink()
+            self.cloned.pop(VoiceSource(voice=path), None)  # a later voice of the same name is read anew
+            return True
+
+
+def checked_name(name: str) -> str:
+    if not NAME.fullmatch(name or ""):
+        raise VoiceError(
+            f"voice name {name!r}: give 1 to 64 letters, digits, '_' or '-', starting with a letter or digit"
+        )
+    return name
+
+
+def reference_seconds(path: Path) -> float:
+    """The recording's length; VoiceError for one that is not audio soundfile reads or is too long to clone from."""
+    import soundfile
+
+    try:
+        seconds = soundfile.info(str(path)).duration
+    except (RuntimeError, soundfile.LibsndfileError) as error:
+        raise VoiceError(f"cannot read {path} as audio ({error}): send a .wav, .flac or .ogg file") from None
+    if seconds > MAX_REFERENCE_SECONDS:
+        raise VoiceError(
+            f"{path} is {seconds:.1f} s long: send at most {MAX_REFERENCE_SECONDS:g} s (3-20 s of the voice speaking "
+            "clone it well)"
+        )
+    return seconds
