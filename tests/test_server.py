@@ -124,6 +124,26 @@ def test_a_response_is_the_file_rvqtts_synth_writes(client, tiny_dir, tmp_path):
     assert speak(client, text, seed=4, voice="ryan") != (tmp_path / "synth.wav").read_bytes()  # the seed counts
 
 
+def test_speed_stretches_whole_and_streamed_responses_as_synth_speed_does(client, tiny_dir, tmp_path):
+    """`speed` 1.5: the whole response is `synth --speed 1.5`'s file, 1/1.5 of the length at speed 1; the streamed
+    one has its samples up to float rounding; a speed out of 0.25..4 is refused saying the range."""
+    text, out = "Faster, please.", tmp_path / "fast.wav"
+    options = ("--speaker", "ryan", "--seed", 3, "--max-frames", FRAMES, "--dtype", "float32", "-q")
+    assert run_cli("synth", text, "--model", tiny_dir, "-o", out, "--speed", 1.5, *options).exit_code == 0
+    whole = speak(client, text, seed=3, voice="ryan", speed=1.5)
+    assert whole == out.read_bytes()
+    samples = soundfile.read(io.BytesIO(whole), dtype="int16")[0]
+    assert len(samples) == round(len(soundfile.read(io.BytesIO(speak(client, text, seed=3, voice="ryan")))[0]) / 1.5)
+    with client.with_options(timeout=WAIT).audio.speech.with_streaming_response.create(
+        model="tiny", voice="ryan", input=text, response_format="pcm", speed=1.5,
+        extra_body={"seed": 3, "max_frames": FRAMES, "stream": True},
+    ) as response:  # fmt: skip
+        streamed = np.frombuffer(response.read(), dtype="<i2")
+    assert streamed.shape == samples.shape and np.abs(streamed.astype(int) - samples).max() <= 1
+    with pytest.raises(openai.BadRequestError, match="speed must be from 0.25 to 4.0"):
+        speak(client, text, speed=0.1)
+
+
 def test_streamed_audio_arrives_in_pieces_as_it_is_made(client, served, monkeypatch):
     """The engine is held after the stream's first piece (its first frame) until the client has read audio samples:
     they can only have come before the rest of the utterance was made. A server that sent the body at the end would

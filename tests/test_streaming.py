@@ -17,6 +17,7 @@ from helpers import join_chunks, run_cli
 
 from rvqtts.engine.model.speech_decoder import StreamingDecoder
 from rvqtts.support.audio import StreamJoiner
+from rvqtts.support.stretch import TimeStretch, time_stretched
 from rvqtts.synthesis.settings import GenerationSettings
 
 BOUND = 1e-5  # float rounding between one pass and many; the waveform's peak is about 0.25
@@ -153,6 +154,32 @@ def test_the_stream_joiner_makes_join_chunks_audio_from_any_pieces():
         assert np.array_equal(np.concatenate(out), reference) and np.array_equal(
             join_chunks(parts, 100, 0.1), reference
         )
+
+
+@pytest.mark.parametrize("speed", [0.25, 0.8, 2.0, 4.0])
+def test_speed_keeps_the_pitch_and_loudness_and_pieces_give_the_wholes_samples(speed):
+    """A 220 Hz tone that swells 3 times a second, at `speed`: round(n / speed) samples, still 220 Hz (a resampling
+    would move it to 220 x speed) and as loud; pushed in random pieces, the whole's very samples."""
+    rate = 24000
+    t = np.arange(3 * rate) / rate
+    tone = (0.5 * np.sin(2 * np.pi * 220 * t) * (1 + 0.3 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    whole = time_stretched(tone, speed, rate)
+    assert len(whole) == round(len(tone) / speed)
+    spectrum = np.abs(np.fft.rfft(whole))
+    assert abs(np.argmax(spectrum) * rate / len(whole) - 220) < 2
+    loudness = np.sqrt(np.mean(np.square(whole))) / np.sqrt(np.mean(np.square(tone)))
+    assert 0.95 < loudness < 1.08, loudness
+    stretch, pieces, start = TimeStretch(speed, rate), [], 0
+    for size in np.random.default_rng(0).integers(1, 4000, size=len(tone)):
+        pieces.append(stretch.push(tone[start : start + size]))
+        start += size
+        if start >= len(tone):
+            break
+    assert np.array_equal(np.concatenate([*pieces, stretch.finish()]), whole)
+    assert time_stretched(tone, 1.0, rate) is tone
+    for refused in (0.2, 4.5, float("nan")):
+        with pytest.raises(ValueError, match="speed must be from 0.25 to 4.0"):
+            TimeStretch(refused, rate)
 
 
 def test_synth_stream_to_stdout_writes_a_wav_of_unknown_length(tmp_path, tiny_dir):

@@ -174,6 +174,11 @@ def synth(
         help="Most frames per chunk (12.5 frames = 1 s); default: three times what the chunk's text needs plus 2 s, "
         "within the model's max_new_tokens.",
     ),
+    speed: float = typer.Option(
+        1.0,
+        help="Play the speech this many times faster, 0.25 to 4, its pitch kept (time-stretched: WSOLA); "
+        "streamed pieces join seamlessly.",
+    ),
     chunk_chars: int = typer.Option(
         240,
         help="Long text is spoken in chunks of about this many characters, cut at sentence ends (ideographs and kana "
@@ -244,7 +249,7 @@ def synth(
     from rvqtts.qwen.codec import StreamPacing
     from rvqtts.synthesis.settings import Line
 
-    asked = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+    asked = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, speed=speed)
     predictor = dict(temperature=predictor_temperature, top_k=predictor_top_k, top_p=predictor_top_p)
     settings = _generation_settings(asked, predictor, max_frames)
     if file is not None and not force and save_voice is None and all((out_dir / u.name).exists() for u in utterances):

@@ -485,9 +485,6 @@ def _response_fields(body: dict) -> tuple[str, bool, bool]:
         raise SpeechError(
             400, f"{response_format} is not streamed here: ask for wav or pcm to stream", "response_format"
         )
-    speed = body.get("speed", 1.0)
-    if speed != 1.0:
-        raise SpeechError(400, f"speed {speed!r}: rvqtts speaks at the model's own pace (1.0 only)", "speed")
     return response_format, stream, stream_format == "sse"
 
 

@@ -20,6 +20,7 @@ from rvqtts.engine.speculative.speculation import DEFAULT_DEPTH
 from rvqtts.qwen.cloning import ClonedVoice
 from rvqtts.qwen.codec import StreamPacing
 from rvqtts.support.audio import StreamJoiner
+from rvqtts.support.stretch import TimeStretch, time_stretched
 from rvqtts.synthesis.batch_size import fitting_rows, row_bytes, rows_invariant
 from rvqtts.synthesis.settings import GenerationSettings, Line, Synthesis
 from rvqtts.synthesis.speech_model import SpeechModel
@@ -57,6 +58,8 @@ def speak(
         state.stats.accepted_per_depth = [0] * depth
         state.joiner = StreamJoiner(synth.sample_rate)
         state.decoder = synth.codec.streaming_decoder() if state.pacing else None
+        state.speed = line_settings.speed or 1.0
+        state.stretch = TimeStretch(state.speed, synth.sample_rate) if state.pacing and state.speed != 1 else None
         state.chunks = line_prompts(synth, line, state, line_settings, chunk_chars)
         state.stopped = lambda: state.failed or (stopped is not None and stopped(index))
         return state
@@ -92,10 +95,10 @@ def heard(
     if isinstance(event, FrameDone):
         state.pending.append(event.codes)
         if state.pacing and len(state.pending) == state.pacing.due(state.seconds["first_audio"] is not None):
-            yield ready_audio(synth, state)
+            yield played(state, ready_audio(synth, state))
     elif isinstance(event, ChunkDone):
         if state.pending:
-            yield ready_audio(synth, state)
+            yield played(state, ready_audio(synth, state))
         state.frames.extend(event.frames)
         state.chunk_start, state.chunks_done = True, state.chunks_done + 1
         if event.cut:
@@ -108,7 +111,7 @@ def heard(
         if on_chunk:
             on_chunk(state.chunks_done, len(state.pieces))
     else:
-        yield state.joiner.finish()
+        yield played(state, state.joiner.finish(), last=True)
         yield finished(synth, state, loop)
 
 
@@ -131,6 +134,15 @@ def line_prompts(
         state.seconds["prompts"] += time.perf_counter() - begun
         state.seconds.setdefault("prompt", state.seconds["prompts"])  # the first chunk's, before any audio
         yield prompt, frame_limit(piece, settings.max_frames, synth.default_max_frames)
+
+
+def played(state: _Spoken, samples: np.ndarray, last: bool = False) -> np.ndarray:
+    """A streamed line's samples at its speed: what the stretch has made of them so far, and after the `last`
+    its rest; at speed 1 the samples themselves."""
+    if state.stretch is None:
+        return samples
+    out = state.stretch.push(samples)
+    return np.concatenate([out, state.stretch.finish()]) if last else out
 
 
 def ready_audio(synth: SpeechModel, state: _Spoken) -> np.ndarray:
@@ -165,7 +177,7 @@ def finished(synth: SpeechModel, state: _Spoken, loop: FrameLoop) -> Synthesis:
     )
     speculation = loop.speculation
     return Synthesis(
-        audio=state.joiner.audio(),
+        audio=time_stretched(state.joiner.audio(), state.speed, synth.sample_rate),  # the streamed pieces' samples
         sample_rate=synth.sample_rate,
         codes=np.stack(state.frames),
         stats=state.stats,
@@ -258,6 +270,8 @@ class _Spoken(Work):
     pacing: StreamPacing | None = None  # streamed: how its pieces come
     started: float = field(default_factory=time.perf_counter)
     joiner: StreamJoiner | None = None
+    speed: float = 1.0  # its audio played this many times faster, its pitch kept
+    stretch: TimeStretch | None = None  # streamed at a speed other than 1: the pieces' stretch
     decoder: StreamingDecoder | None = None  # streamed: the incremental decoder
     clone: ClonedVoice | None = None  # its voice, encoded
     pieces: list[str] = field(default_factory=list)

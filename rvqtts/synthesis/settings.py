@@ -12,6 +12,7 @@ from rvqtts.engine.model.sampling import FrameSampling, SamplingConfig
 from rvqtts.engine.speculative.speculation import LoopStats
 from rvqtts.qwen.cloning import ClonedVoice, VoiceSource
 from rvqtts.qwen.codec import StreamPacing
+from rvqtts.support.stretch import check_speed
 
 QWEN_TTS_DEFAULTS = dict(
     do_sample=True,
@@ -34,7 +35,8 @@ class GenerationSettings:
     """What the user asked for; None means the checkpoint's generation_config.json, as qwen-tts reads it
     (talker and code predictor separately), else qwen-tts's defaults. `temperature`, `top_k` and `top_p`
     set both loops; the `predictor_*` fields set the code predictor's apart. `max_frames` caps every chunk
-    (None: as long as its text warrants, within the model's limit)."""
+    (None: as long as its text warrants, within the model's limit). `speed` plays the audio that many times faster,
+    its pitch kept (rvqtts.support.stretch; None: 1, as the model speaks)."""
 
     temperature: float | None = None
     top_k: int | None = None
@@ -44,6 +46,7 @@ class GenerationSettings:
     predictor_temperature: float | None = None
     predictor_top_k: int | None = None
     predictor_top_p: float | None = None
+    speed: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "repetition_penalty", "predictor_temperature", "predictor_top_p"):
@@ -58,6 +61,8 @@ class GenerationSettings:
             raise ValueError(f"repetition penalty must be between {low} and {high}, got {self.repetition_penalty}")
         if self.max_frames is not None and self.max_frames < 1:
             raise ValueError(f"max frames must be at least 1, got {self.max_frames}")
+        if self.speed is not None:
+            check_speed(self.speed)
 
     def resolve(self, defaults: dict) -> FrameSampling:
         """The sampling both loops run with: given values first, then `defaults` (the checkpoint's
