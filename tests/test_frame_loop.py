@@ -283,3 +283,31 @@ def test_a_frames_noise_is_made_while_the_talker_call_before_it_runs(tiny, monke
     frames = len(result.codes)  # and the noise of a frame that an end code stops before its inner loop
     assert events.count("inner_frames") == frames and len(noise) in (frames, frames + 1)
     assert all(events[i + 1] == "synchronize" for i in noise)
+
+
+def test_joins_per_frame_starts_that_many_utterances_before_each_frame(tiny):
+    """Four utterances waiting for four rows: with two joins a frame, only the first two are prefilled before the first
+    frame, the others before the second (a server's burst: the first ones heard after their own prefills and a frame);
+    with no limit all four are. A row whose text fails counts as a join. Every utterance is spoken whole."""
+    sampling, prompt = tiny.sampling(GenerationSettings()), tiny.prompt(TEXT, "vivian", "english")
+
+    def started_at_first_frames(joins: int | None, failing: int | None = None) -> tuple[dict, dict]:
+        """The utterances prefilled when each one's first frame came, and the frames each spoke."""
+
+        def chunks(seed: int):
+            if seed == failing:
+                raise ValueError("this text cannot be spoken")
+            yield prompt, 3
+
+        works = [Work(seed, 0, chunks(seed), sampling) for seed in range(4)]
+        started, frames = {}, {}
+        for event in tiny.runners.frame_loop(rows=4).run(works, joins_per_frame=joins):
+            if isinstance(event, FrameDone):
+                started.setdefault(event.work.seed, {w.seed for w in works if w.talker_calls})
+                frames[event.work.seed] = event.work.frame
+        return started, frames
+
+    first, all_four, whole = {0, 1}, {0, 1, 2, 3}, {seed: 3 for seed in range(4)}
+    assert started_at_first_frames(2) == ({0: first, 1: first, 2: all_four, 3: all_four}, whole)
+    assert started_at_first_frames(None) == ({seed: all_four for seed in range(4)}, whole)
+    assert started_at_first_frames(2, failing=1) == ({0: {0}, 2: {0, 2, 3}, 3: {0, 2, 3}}, {0: 3, 2: 3, 3: 3})

@@ -62,6 +62,12 @@ def serve(
         "settings), each taking a row as soon as one is free; auto: the size measured best on this machine and model "
         "where the kernels keep rows invariant (each response then the one it gets alone), else 1.",
     ),
+    joins_per_frame: int = typer.Option(
+        2,
+        help="Waiting requests that take free rows before each frame (0: all of them): a burst's first ones are heard "
+        "after their own prefills and a frame, not after every other's prefill; 0 gives a few percent more requests "
+        "a minute.",
+    ),
     first_stream_frames: int = typer.Option(1, help=FIRST_STREAM_FRAMES_HELP),
     stream_frames: int = typer.Option(4, help=STREAM_FRAMES_HELP),
     allow_origin: list[str] = typer.Option(
@@ -91,6 +97,8 @@ def serve(
     one 16-bit step apart in the tests; text chunks of up to 300 frames, as synth --stream).
     """
     _check_sizes(port, queue_size, max_chars, chunk_chars, max_connections, max_unsent_seconds, drain_seconds)
+    if joins_per_frame < 0:
+        fail(f"--joins-per-frame must be 0 (every free row) or more, got {joins_per_frame}")
     check_stream_frames(first_stream_frames, stream_frames)
     origins = tuple(map(checked_origin, allow_origin))
     try:
@@ -128,6 +136,7 @@ def serve(
         max_connections=max_connections,
         max_unsent_seconds=max_unsent_seconds,
         drain_seconds=drain_seconds,
+        joins_per_frame=joins_per_frame,
     )
     endpoints = "POST /v1/audio/speech; GET /v1/audio/voices, /health, /metrics"
     say(f"serving {model} on http://{host}:{port}/v1 ({endpoints})", quiet)

@@ -98,9 +98,9 @@ def engine_stopped() -> SpeechError:
 class ServerOptions:
     """How the server answers: the model name it reports, the key it asks for, the voice files it may read,
     the longest input, the waiting requests it holds, the text chunking `synth` uses, how many requests may share
-    the calls of both loops (rows), how streamed audio is paced; and what a client may hold: the browser origins
-    served besides the server's own, the requests and sessions at once, a stream's unread audio, and how long a
-    stopping server lets requests finish."""
+    the calls of both loops (rows) and how many take rows before each frame, how streamed audio is paced; and what a
+    client may hold: the browser origins served besides the server's own, the requests and sessions at once, a
+    stream's unread audio, and how long a stopping server lets requests finish."""
 
     model_name: str
     api_key: str | None = None
@@ -113,6 +113,9 @@ class ServerOptions:
     allowed_origins: tuple[str, ...] = ()
     max_connections: int = 64
     max_unsent_seconds: float = 300.0  # longer than --max-chars takes to speak: a real-time player is never cut
+    # requests that take rows before each frame (0: every free row): a burst's first two are heard after their own
+    # prefills and one frame, not after all the others' prefills (docs/server.md "Concurrency")
+    joins_per_frame: int = 2
     drain_seconds: int = 30
 
 
@@ -318,6 +321,7 @@ class SpeechEngine:
                     rows,
                     on_frame=lambda prefix, codes: self.metrics.frame_made(),
                     stopped=self._stopped,
+                    joins_per_frame=self.options.joins_per_frame or None,
                 ):
                     self._answer(index, item)
                 return

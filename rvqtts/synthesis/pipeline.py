@@ -39,6 +39,7 @@ def speak(
     on_chunk: Callable[[int, int], None] | None = None,
     on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
     stopped: Callable[[int], bool] | None = None,
+    joins_per_frame: int | None = None,
 ) -> Iterator[tuple[int, np.ndarray | Synthesis | Exception]]:
     """Speak `lines` (each with its seed and utterance set), `rows` at a time (rvqtts.engine.loop.frame_loop), text
     chunk after text chunk, each line as soon as a row is free, in its own sampling settings (else `settings`).
@@ -47,7 +48,7 @@ def speak(
     decoded incrementally by the streaming decoder; or, not streamed, each text chunk at once, `decode`), then its
     Synthesis; or, for a line whose voice, text or decoding fails, or that `stopped(index)` stops (asked every
     frame; rvqtts.engine.loop.frame_loop.Stopped), or whose logits went NaN or inf (NonFiniteError), the exception, and
-    no more of it."""
+    no more of it. `joins_per_frame`: at most this many lines start before each frame (FrameLoop.run)."""
     loop = synth.runners.frame_loop(rows)
     depth = loop.speculation.offsets.depth if loop.speculation else DEFAULT_DEPTH
 
@@ -73,7 +74,7 @@ def speak(
                 yield spoken(index, line)
                 index += 1
 
-    for event in loop.run(states()):
+    for event in loop.run(states(), joins_per_frame):
         state = event.work
         if state.failed:  # the rest of its chunks are not heard
             continue

@@ -129,22 +129,26 @@ class FrameLoop:
         self.rows, self.speculation = rows, parts.speculation
         self._rules: dict[float, C0Rules] = {}  # by repetition penalty
 
-    def run(self, works: Iterable[Work | None]) -> Iterator[Event]:
+    def run(self, works: Iterable[Work | None], joins_per_frame: int | None = None) -> Iterator[Event]:
         """Speak every utterance, each as soon as a row is free; report each frame, and each chunk and each
         utterance as it ends, or its failure (its text, its voice, or NaN or inf in its logits: NonFiniteError), which
         frees its row and leaves the others' codes as they are. `works` may be a
         live source: None from it means none is waiting now (the rows speak on; with none at work, it is asked again,
-        so it should wait for work then)."""
+        so it should wait for work then). `joins_per_frame`: at most this many utterances start before each frame
+        (None: as many as there are free rows), so that a burst's first ones are heard after their own prefills and
+        a frame, not after every other's prefill (a server's first audio)."""
         waiting = iter(works)
         rows: list[_Row | None] = [None] * self.rows
         ended = False
         while True:
+            joins = joins_per_frame or self.rows
             for slot in range(self.rows):
-                while rows[slot] is None and not ended:
+                while rows[slot] is None and not ended and joins > 0:
                     work = next(waiting, _END)
                     ended = work is _END
                     if work is None or ended:
                         break
+                    joins -= 1
                     yield from self._next_chunk(rows, slot, work)
             if any(rows):
                 yield from self._frame(rows)
