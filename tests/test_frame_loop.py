@@ -311,3 +311,5 @@ def test_joins_per_frame_starts_that_many_utterances_before_each_frame(tiny):
     assert started_at_first_frames(2) == ({0: first, 1: first, 2: all_four, 3: all_four}, whole)
     assert started_at_first_frames(None) == ({seed: all_four for seed in range(4)}, whole)
     assert started_at_first_frames(2, failing=1) == ({0: {0}, 2: {0, 2, 3}, 3: {0, 2, 3}}, {0: 3, 2: 3, 3: 3})
+    with pytest.raises(ValueError, match="at least one utterance must start"):
+        next(tiny.runners.frame_loop(rows=4).run([], joins_per_frame=0))

@@ -98,6 +98,10 @@ def test_a_native_draw_gives_torchs_codes_and_finite_flags_on_every_kind_of_row(
     assert native_draws(logits, noise, configs[0]) and not native_draws(logits, noise, SamplingConfig(top_p=0.9))
     mixed = RowSampling.of(configs, torch.device("cpu"))
     assert torch.equal(draw_checked(logits, noise, mixed, noise_rows)[0], codes)
+    temperatures, top_ks = [0.9] * len(configs), [50] * len(configs)
+    for short, rows in ((noise[:3], None), (noise, noise_rows + len(configs)), (noise, noise_rows[:-1])):
+        with pytest.raises(ValueError, match="does not cover"):  # nothing read outside the noise
+            native.draw(logits, short, temperatures, top_ks, rows)
 
 
 @needs_kernel

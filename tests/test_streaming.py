@@ -129,6 +129,22 @@ def test_a_stream_has_the_codes_and_audio_of_offline_synthesis_chunk_after_chunk
     assert offline.record()["first_audio_seconds"] >= record["first_audio_seconds"]
 
 
+def test_a_stream_at_four_times_the_speed_has_its_first_audio_after_two_frames_and_the_wholes_samples(tiny):
+    """At speed 4 the first one-frame piece stretches to nothing (the stretch reads about 30 ms past what it makes),
+    so the next piece is again one frame: first audio after two frames, not after a four-frame piece more; the
+    streamed samples are the whole run's up to float rounding, a quarter of its length at speed 1."""
+    run = dict(speaker="vivian", language="english", seed=6, settings=GenerationSettings(max_frames=14, speed=4.0))
+    frames: list[int] = []
+    stream = tiny.stream(LONG, **run, chunk_chars=None, on_frame=lambda prefix, codes: frames.append(1))
+    pieces = [(len(frames), piece) for piece in stream]
+    assert next(made for made, piece in pieces if piece.size) == 2
+    streamed = np.concatenate([piece for _, piece in pieces])
+    whole = tiny.synthesize(LONG, **run, chunk_chars=None).audio
+    plain = tiny.synthesize(LONG, **{**run, "settings": GenerationSettings(max_frames=14)}, chunk_chars=None).audio
+    assert streamed.shape == whole.shape == (round(plain.size / 4),) and np.abs(streamed - whole).max() <= BOUND
+    assert np.array_equal(stream.result.audio, streamed)
+
+
 def crossfaded(parts: list[np.ndarray], rate: int, seconds: float) -> np.ndarray:
     """A reference join, written independently of rvqtts.support.audio: each seam a linear crossfade."""
     joined = np.zeros(0, dtype=np.float32)

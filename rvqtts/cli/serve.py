@@ -103,6 +103,7 @@ def serve(
     origins = tuple(map(checked_origin, allow_origin))
     try:
         import prometheus_client  # noqa: F401
+        import python_multipart  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:

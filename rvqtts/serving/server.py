@@ -14,7 +14,9 @@ import math
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from urllib.parse import urlsplit
@@ -206,6 +208,7 @@ class SpeechEngine:
         # streamed requests served and their first audio's parts, summed (a load test takes means between two reads)
         self.first_audio = {"streamed": 0, "queue": 0.0, "prefill": 0.0, "frames": 0.0, "decoder": 0.0}
         self._waiting: deque[Job] = deque()
+        self._tasks: deque[tuple[Callable[[], object], Future]] = deque()  # run on the engine thread between frames
         self._speaking: dict[int, Job] = {}  # by index among the lines the loop took (touched by the engine only)
         self._taken = 0  # lines this run of the loop took: `speak`'s index of the next
         self._changed = threading.Condition()
@@ -223,6 +226,11 @@ class SpeechEngine:
     @property
     def busy(self) -> bool:
         return bool(self._speaking)
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (it may be finishing its last requests)."""
+        return self._thread.is_alive()
 
     def voices(self) -> list[str]:
         """The `voice` values this model takes: its speakers, or (Base models) the voice files' names."""
@@ -293,6 +301,35 @@ class SpeechEngine:
             "first_audio_seconds": {name: round(value, 3) for name, value in self.first_audio.items()},
         }
 
+    def between_frames(self, task: Callable[[], object]) -> Future:
+        """Run `task` on the engine thread between two frames (at once while it idles): the model's own thread, so
+        that nothing else runs on its device meanwhile (a GPU's graph capture included). Its result or error comes
+        through the future; SpeechError 503 where the engine has stopped."""
+        future: Future = Future()
+        with self._changed:
+            if not self.ready:
+                raise engine_stopped()
+            self._tasks.append((task, future))
+            self._changed.notify()
+        return future
+
+    def _run_tasks(self) -> None:
+        while True:
+            with self._changed:
+                if not self._tasks:
+                    return
+                task, future = self._tasks.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(task())
+                except Exception as error:  # the task's caller hears of it
+                    future.set_exception(error)
+
+    def _frame_made(self) -> None:
+        """Each row's frame, on the engine thread: counted, and the tasks waiting for a frame's end run."""
+        self.metrics.frame_made()
+        self._run_tasks()
+
     def _metrics_state(self) -> dict:
         """What /metrics reads of the engine at a scrape."""
         with self._changed:
@@ -319,7 +356,7 @@ class SpeechEngine:
                     GenerationSettings(),
                     self.options.chunk_chars,
                     rows,
-                    on_frame=lambda prefix, codes: self.metrics.frame_made(),
+                    on_frame=lambda prefix, codes: self._frame_made(),
                     stopped=self._stopped,
                     joins_per_frame=self.options.joins_per_frame or None,
                 ):
@@ -339,11 +376,14 @@ class SpeechEngine:
         """The frame loop's live source: the next waiting request's line, None while none waits and rows are at work,
         waiting while none is at work; it ends when the engine closes with nothing left to speak."""
         while True:
+            self._run_tasks()
             with self._changed:
-                while not self._waiting and not self._speaking:
+                while not (self._waiting or self._speaking or self._tasks):
                     if self._closing:
                         return
                     self._changed.wait()
+                if self._tasks:
+                    continue
                 job = self._waiting.popleft() if self._waiting else None
             if job is None:
                 yield None
@@ -619,12 +659,18 @@ async def voice_form(request: Request, options: ServerOptions) -> tuple[str, byt
         form = await MultiPartParser(request.headers, stream, max_files=1, max_fields=8).parse()
     except MultiPartException as error:
         raise SpeechError(400, f"the form cannot be read: {error.message}") from None
-    sample, name, ref_text = form.get("audio_sample"), form.get("name"), form.get("ref_text")
-    if not isinstance(sample, UploadFile):
-        raise SpeechError(400, "`audio_sample` must be the recording's file (a .wav, .flac or .ogg)", "audio_sample")
-    if not isinstance(name, str) or (ref_text is not None and not isinstance(ref_text, str)):
-        raise SpeechError(400, "`name` (and `ref_text` where given) must be text fields", "name")
-    recording = await sample.read()
+    try:
+        sample, name, ref_text = form.get("audio_sample"), form.get("name"), form.get("ref_text")
+        if not isinstance(sample, UploadFile):
+            raise SpeechError(
+                400, "`audio_sample` must be the recording's file (a .wav, .flac or .ogg)", "audio_sample"
+            )
+        if not isinstance(name, str) or (ref_text is not None and not isinstance(ref_text, str)):
+            raise SpeechError(400, "`name` (and `ref_text` where given) must be text fields", "name")
+        recording = await sample.read()
+    finally:
+        await form.close()
+    _within_max_chars(options, "ref_text", ref_text)  # spoken before every request's text, in ICL mode
     if len(recording) > MAX_UPLOAD_BYTES:
         raise SpeechError(413, f"the recording is over {MAX_UPLOAD_BYTES} bytes", "audio_sample", "request_too_large")
     return name, recording, sample.filename or "the recording", ref_text
@@ -783,8 +829,9 @@ def create_app(engine: SpeechEngine) -> Starlette:
         authorize_request(request)
         store = voice_store()
         name, recording, filename, ref_text = await voice_form(request, options)
-        try:  # encoded on a thread of its own: the event loop goes on answering, the engine speaking
-            voice, seconds = await asyncio.to_thread(store.add, name, recording, filename, ref_text)
+        try:  # encoded by the engine between frames: the event loop goes on answering meanwhile
+            voice, seconds = await engine_result(engine.between_frames(partial(store.add, name, recording, filename,
+                                                                                ref_text)), engine)  # fmt: skip
         except VoiceConflict as error:
             raise SpeechError(409, str(error), "name", "voice_exists") from None
         except VoiceError as error:
@@ -875,6 +922,18 @@ async def _next(job: Job, client_gone: Callable[[], Awaitable[bool]] | None = No
     if item is not None:
         job.took(item)
     return item
+
+
+async def engine_result(future: Future, engine: SpeechEngine) -> object:
+    """What a task run between frames returned (its error raised); no wait is unbounded: 503 where the engine
+    thread has died meanwhile."""
+    waited = asyncio.wrap_future(future)
+    while True:
+        try:
+            return await asyncio.wait_for(asyncio.shield(waited), POLL_SECONDS)
+        except asyncio.TimeoutError:
+            if not engine.alive:
+                raise engine_stopped() from None
 
 
 async def _streamed(job: Job) -> AsyncIterator[bytes]:

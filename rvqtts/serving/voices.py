@@ -16,6 +16,7 @@ from rvqtts.qwen.cloning import ClonedVoice, ClonedVoices, VoiceError, VoiceSour
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a voice's name: its file's stem, never a path
 MAX_UPLOAD_BYTES = 10 << 20  # a recording's file (vllm-omni's limit too)
 MAX_REFERENCE_SECONDS = 60.0  # a longer reference adds encoding time and, in ICL mode, prompt tokens to every request
+MAX_VOICES = 1000  # voice files a folder may hold through the API
 
 
 class VoiceConflict(Exception):
@@ -23,8 +24,9 @@ class VoiceConflict(Exception):
 
 
 class VoiceStore:
-    """The voice files of a folder, written and removed one at a time; `tts` (a Base model's qwen-tts wrapper) encodes
-    recordings, and `cloned` (the Synthesizer's encoded voices) forgets a removed file's voice."""
+    """The voice files of a folder: `tts` (a Base model's qwen-tts wrapper) encodes recordings (the caller runs `add`
+    on the model's own thread), and `cloned` (the Synthesizer's encoded voices) forgets a removed file's voice. The
+    folder's files change under a lock held only to look and to write, never while a recording is encoded."""
 
     def __init__(self, folder: Path, tts: object, cloned: ClonedVoices):
         self.folder, self.tts, self.cloned = folder.resolve(), tts, cloned  # resolved: as requests name the files
@@ -38,21 +40,27 @@ class VoiceStore:
         `ref_text`, else from the audio alone; returns the voice and the recording's seconds. VoiceError for a bad
         name or recording (what to send instead), VoiceConflict where the name is taken."""
         checked_name(name)
+        self._check_free(name)
+        with tempfile.TemporaryDirectory(prefix="rvqtts-voice-") as scratch:
+            reference = Path(scratch) / "reference"
+            reference.write_bytes(recording)
+            text = (ref_text or "").strip() or None
+            try:
+                seconds = reference_seconds(reference)
+                voice = encode_voice(self.tts, VoiceSource(reference, text, x_vector_only=text is None))
+            except VoiceError as error:  # named as the client named it, not by the scratch file
+                raise VoiceError(str(error).replace(str(reference), repr(filename))) from None
+        voice = dataclasses.replace(voice, source=f"uploaded: {filename}")
         with self._lock:
-            if self.path(name).exists():
-                raise VoiceConflict(f"a voice named {name!r} exists: delete it first, or choose another name")
-            with tempfile.TemporaryDirectory(prefix="rvqtts-voice-") as scratch:
-                reference = Path(scratch) / "reference"
-                reference.write_bytes(recording)
-                text = (ref_text or "").strip() or None
-                try:
-                    seconds = reference_seconds(reference)
-                    voice = encode_voice(self.tts, VoiceSource(reference, text, x_vector_only=text is None))
-                except VoiceError as error:  # named as the client named it, not by the scratch file
-                    raise VoiceError(str(error).replace(str(reference), repr(filename))) from None
-            voice = dataclasses.replace(voice, source=f"uploaded: {filename}")
+            self._check_free(name)  # another upload may have taken the name meanwhile
             save_voice(voice, self.path(name))  # whole or not at all: a request never reads half a file
         return voice, seconds
+
+    def _check_free(self, name: str) -> None:
+        if self.path(name).exists():
+            raise VoiceConflict(f"a voice named {name!r} exists: delete it first, or choose another name")
+        if sum(1 for _ in self.folder.glob("*.safetensors")) >= MAX_VOICES:
+            raise VoiceConflict(f"{self.folder} holds {MAX_VOICES} voices, the most: delete one first")
 
     def remove(self, name: str) -> bool:
         """Delete voice `name`'s file and its encoded copy; False where there is none."""

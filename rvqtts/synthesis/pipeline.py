@@ -138,24 +138,13 @@ def line_prompts(
 
 
 def played(state: _Spoken, samples: np.ndarray, last: bool = False) -> np.ndarray:
-    """A streamed line's samples at its speed: what the stretch has made of them so far, and after the `last`
-    its rest; at speed 1 the samples themselves."""
-    if state.stretch is None:
-        return samples
-    out = state.stretch.push(samples)
-    return np.concatenate([out, state.stretch.finish()]) if last else out
-
-
-def ready_audio(synth: SpeechModel, state: _Spoken) -> np.ndarray:
-    """Decode the line's pending frames, join them to what came before, and time both; the samples ready to
-    play."""
-    begun = time.perf_counter()
-    codes = np.stack(state.pending)
-    samples = state.decoder.push(codes) if state.decoder else synth.codec.decode(codes, state.clone)
-    ready = state.joiner.add(samples, new_part=state.chunk_start)
-    state.pending, state.chunk_start = [], False
-    state.seconds["decoder"] += time.perf_counter() - begun
-    if ready.size and state.seconds["first_audio"] is None:  # its parts in wall time: the frames' take in the rest
+    """A line's samples as they are played: at its speed, what the stretch has made of them so far (after the `last`,
+    its rest too; kept, the line's audio); at speed 1 the samples themselves. Its first audio is timed here."""
+    if state.stretch is not None:
+        samples = state.stretch.push(samples)
+        samples = np.concatenate([samples, state.stretch.finish()]) if last else samples
+        state.played.append(samples)
+    if samples.size and state.seconds["first_audio"] is None:  # its parts in wall time: the frames' take in the rest
         seconds = state.seconds
         seconds["first_audio"] = time.perf_counter() - state.started
         prefill = seconds["prompt"] + seconds["prefill"]
@@ -164,6 +153,18 @@ def ready_audio(synth: SpeechModel, state: _Spoken) -> np.ndarray:
             "frames": round(seconds["first_audio"] - prefill - seconds["decoder"], 3),
             "decoder": round(seconds["decoder"], 3),
         }
+    return samples
+
+
+def ready_audio(synth: SpeechModel, state: _Spoken) -> np.ndarray:
+    """Decode the line's pending frames, join them to what came before, and time both; the samples ready to
+    play (at speed 1)."""
+    begun = time.perf_counter()
+    codes = np.stack(state.pending)
+    samples = state.decoder.push(codes) if state.decoder else synth.codec.decode(codes, state.clone)
+    ready = state.joiner.add(samples, new_part=state.chunk_start)
+    state.pending, state.chunk_start = [], False
+    state.seconds["decoder"] += time.perf_counter() - begun
     return ready
 
 
@@ -177,8 +178,11 @@ def finished(synth: SpeechModel, state: _Spoken, loop: FrameLoop) -> Synthesis:
         prefill=seconds["prompt"] + seconds["prefill"],
     )
     speculation = loop.speculation
+    # streamed at a speed: the pieces as played (the whole's stretch, sample for sample)
+    audio = state.joiner.audio()
+    audio = np.concatenate(state.played) if state.stretch else time_stretched(audio, state.speed, synth.sample_rate)
     return Synthesis(
-        audio=time_stretched(state.joiner.audio(), state.speed, synth.sample_rate),  # the streamed pieces' samples
+        audio=audio,
         sample_rate=synth.sample_rate,
         codes=np.stack(state.frames),
         stats=state.stats,
@@ -273,6 +277,7 @@ class _Spoken(Work):
     joiner: StreamJoiner | None = None
     speed: float = 1.0  # its audio played this many times faster, its pitch kept
     stretch: TimeStretch | None = None  # streamed at a speed other than 1: the pieces' stretch
+    played: list[np.ndarray] = field(default_factory=list)  # the stretched pieces, in order
     decoder: StreamingDecoder | None = None  # streamed: the incremental decoder
     clone: ClonedVoice | None = None  # its voice, encoded
     pieces: list[str] = field(default_factory=list)

@@ -137,11 +137,13 @@ class FrameLoop:
         so it should wait for work then). `joins_per_frame`: at most this many utterances start before each frame
         (None: as many as there are free rows), so that a burst's first ones are heard after their own prefills and
         a frame, not after every other's prefill (a server's first audio)."""
+        if joins_per_frame is not None and joins_per_frame < 1:
+            raise ValueError(f"at least one utterance must start before a frame, got joins_per_frame {joins_per_frame}")
         waiting = iter(works)
         rows: list[_Row | None] = [None] * self.rows
         ended = False
         while True:
-            joins = joins_per_frame or self.rows
+            joins = self.rows if joins_per_frame is None else joins_per_frame
             for slot in range(self.rows):
                 while rows[slot] is None and not ended and joins > 0:
                     work = next(waiting, _END)

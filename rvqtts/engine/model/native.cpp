@@ -879,10 +879,15 @@ int rvqtts_layer(uint16_t* x, int64_t rows, int64_t hidden, const uint16_t* inpu
 // scores below the k-th largest set to -inf (top-k, where 0 < k < vocab); the row's Gumbel noise added; the first
 // index of the largest score taken. A temperature of 0 draws greedily: the scores alone, no warper, no noise. A row
 // with a NaN score takes its first NaN (torch's argmax does). finite[r] says whether the drawn score is finite.
-// Row r's noise is noise[noise_rows[r]] (noise[r] where noise_rows is null). Each row is computed alone.
-void rvqtts_draw(const void* logits, int bf16, int64_t rows, int64_t vocab, const float* noise,
-                 const int64_t* noise_rows, const float* temperatures, const int64_t* top_ks, int64_t* codes,
-                 uint8_t* finite) {
+// Row r's noise is noise[noise_rows[r]] (noise[r] where noise_rows is null), of `sources` rows. Each row is computed
+// alone. Returns 1, having written nothing, where a noise row lies outside the noise; else 0.
+int rvqtts_draw(const void* logits, int bf16, int64_t rows, int64_t vocab, const float* noise, int64_t sources,
+                const int64_t* noise_rows, const float* temperatures, const int64_t* top_ks, int64_t* codes,
+                uint8_t* finite) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t source = noise_rows ? noise_rows[r] : r;
+        if (source < 0 || source >= sources) return 1;
+    }
     #pragma omp parallel for schedule(static) if (rows >= 8)
     for (int64_t r = 0; r < rows; ++r) {
         thread_local std::vector<float> scores, heap;
@@ -930,6 +935,7 @@ void rvqtts_draw(const void* logits, int bf16, int64_t rows, int64_t vocab, cons
         codes[r] = best;
         finite[r] = std::isfinite(top) ? 1 : 0;
     }
+    return 0;
 }
 
 }

@@ -261,21 +261,28 @@ def draw(
     just left the caches cold."""
     logits, noise = logits.contiguous(), noise.contiguous()
     rows, vocab = logits.shape
+    sources = noise.shape[0] if noise.dim() == 2 and noise.shape[1] == vocab else 0
+    uncovered = ValueError(f"noise {list(noise.shape)} does not cover {rows} rows of {vocab} codes by its row indices")
+    if noise_rows is not None and noise_rows.shape != (rows,):
+        raise uncovered
     codes = torch.empty(rows, dtype=torch.int64)
     finite = torch.empty(rows, dtype=torch.bool)
     index = _slot_list(noise_rows)  # held through the call
-    _load()[0].rvqtts_draw(
+    outside = _load()[0].rvqtts_draw(
         logits.data_ptr(),
         int(logits.dtype == torch.bfloat16),
         rows,
         vocab,
         noise.data_ptr(),
+        sources,
         _address(index),
         (ctypes.c_float * rows)(*temperatures),
         (ctypes.c_int64 * rows)(*top_ks),
         codes.data_ptr(),
         finite.data_ptr(),
     )
+    if outside:  # a caller's bug; the library read nothing outside the noise (it checks the indices first)
+        raise uncovered
     return codes, finite
 
 
@@ -432,9 +439,10 @@ SIGNATURES = {
     "rvqtts_attend": "pppssssspspfp",
     "rvqtts_silu_times_up": "pssp",
     "rvqtts_layer": "pssppfpppisssppppppspssppf",
-    "rvqtts_draw": "pisspppppp",
+    "rvqtts_draw": "pisspsppppp",
 }
-CHECKED = ("rvqtts_attention_inputs", "rvqtts_attend", "rvqtts_layer")  # 1: a cache slot out of bounds, nothing written
+# 1: an index out of bounds (a cache slot, a noise row), nothing written
+CHECKED = ("rvqtts_attention_inputs", "rvqtts_attend", "rvqtts_layer", "rvqtts_draw")
 _TYPES = {"p": ctypes.c_void_p, "s": ctypes.c_int64, "f": ctypes.c_float, "i": ctypes.c_int}
 
 
