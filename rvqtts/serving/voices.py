@@ -88,8 +88,9 @@ def reference_seconds(path: Path) -> float:
 
     try:
         seconds = soundfile.info(str(path)).duration
-    except (RuntimeError, soundfile.LibsndfileError) as error:
-        raise VoiceError(f"cannot read {path} as audio ({error}): send a .wav, .flac or .ogg file") from None
+    except (RuntimeError, soundfile.LibsndfileError) as error:  # "Error opening 'PATH': WHY"
+        reason = str(error).split(": ", 1)[-1]
+        raise VoiceError(f"cannot read {path} as audio ({reason}): send a .wav, .flac or .ogg file") from None
     if seconds > MAX_REFERENCE_SECONDS:
         raise VoiceError(
             f"{path} is {seconds:.1f} s long: send at most {MAX_REFERENCE_SECONDS:g} s (3-20 s of the voice speaking "
