@@ -40,7 +40,7 @@ from rvqtts.qwen.cloning import VoiceError, VoiceSource
 from rvqtts.qwen.codec import StreamPacing
 from rvqtts.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from rvqtts.serving.metrics import ServerMetrics
-from rvqtts.serving.voices import MAX_UPLOAD_BYTES, VoiceConflict, VoiceStore
+from rvqtts.serving.voices import MAX_UPLOAD_BYTES, VoiceConflict, VoiceStore, voice_files
 from rvqtts.support.audio import AUDIO_FORMATS, audio_bytes, pcm16, wav_header
 from rvqtts.support.memory import memory_record
 from rvqtts.synthesis.batch_size import fitting_slots
@@ -183,15 +183,6 @@ class Job:
     def took(self, item: bytes) -> None:
         if self.request.stream:
             self.unsent -= len(item)
-
-
-def voice_files(folder: Path | None) -> dict[str, Path]:
-    """The voice files a request may name: `NAME.safetensors` directly in `folder` (a link out of it is
-    not one). A request's voice is only ever looked up here, never joined to a path."""
-    if folder is None:
-        return {}
-    root = folder.resolve()
-    return {p.stem: p for p in sorted(root.glob("*.safetensors")) if p.is_file() and p.resolve().parent == root}
 
 
 class SpeechEngine:
@@ -597,6 +588,13 @@ def json_value(data: bytes | str) -> object:
         raise ValueError("JSON nested too deeply") from None
 
 
+def check_origin(connection: Request | WebSocket, options: ServerOptions) -> None:
+    """SpeechError 403 where the connection's Origin may not go on (`origin_allowed`)."""
+    origin = connection.headers.get("origin")
+    if not origin_allowed(origin, connection.headers.get("host"), options.allowed_origins):
+        raise SpeechError(403, f"origin {origin} is not served: start the server with --allow-origin {origin}")
+
+
 def origin_allowed(origin: str | None, host: str | None, allowed: tuple[str, ...]) -> bool:
     """Whether a WebSocket handshake may go on: no Origin (a program, not a browser), the server's own (the Host
     the client connected to), or one listed with --allow-origin ("*": any). Browsers let any page open a WebSocket to
@@ -643,9 +641,7 @@ async def voice_form(request: Request, options: ServerOptions) -> tuple[str, byt
     """An uploaded voice's form (multipart/form-data, as vllm-omni takes it): `name`, `audio_sample` (the
     recording's file) and optionally `ref_text` (its transcript); SpeechError saying what to send otherwise. A form
     is what a page of another site may post without asking, so one whose Origin is not served is refused."""
-    origin = request.headers.get("origin")
-    if not origin_allowed(origin, request.headers.get("host"), options.allowed_origins):
-        raise SpeechError(403, f"origin {origin} is not served: start the server with --allow-origin {origin}")
+    check_origin(request, options)
     media_type = (request.headers.get("content-type") or "").partition(";")[0].strip().lower()
     if media_type != "multipart/form-data":
         raise SpeechError(
@@ -862,11 +858,9 @@ def create_app(engine: SpeechEngine) -> Starlette:
         return JSONResponse({"status": "ready"})
 
     async def text_session(websocket: WebSocket) -> None:
-        origin = websocket.headers.get("origin")
         try:
             authorize_request(websocket)
-            if not origin_allowed(origin, websocket.headers.get("host"), options.allowed_origins):
-                raise SpeechError(403, f"origin {origin} is not served: start the server with --allow-origin {origin}")
+            check_origin(websocket, options)
         except SpeechError as error:  # refused before the handshake: the client sees HTTP 403
             await websocket.close(code=1008, reason=error.message[:120])
             return

@@ -19,6 +19,15 @@ MAX_REFERENCE_SECONDS = 60.0  # a longer reference adds encoding time and, in IC
 MAX_VOICES = 1000  # voice files a folder may hold through the API
 
 
+def voice_files(folder: Path | None) -> dict[str, Path]:
+    """The voice files a request may name: `NAME.safetensors` directly in `folder` (a link out of it is
+    not one). A request's voice is only ever looked up here, never joined to a path."""
+    if folder is None:
+        return {}
+    root = folder.resolve()
+    return {p.stem: p for p in sorted(root.glob("*.safetensors")) if p.is_file() and p.resolve().parent == root}
+
+
 class VoiceConflict(Exception):
     """A voice of that name is there already."""
 
@@ -59,15 +68,15 @@ class VoiceStore:
     def _check_free(self, name: str) -> None:
         if self.path(name).exists():
             raise VoiceConflict(f"a voice named {name!r} exists: delete it first, or choose another name")
-        if sum(1 for _ in self.folder.glob("*.safetensors")) >= MAX_VOICES:
+        if len(voice_files(self.folder)) >= MAX_VOICES:
             raise VoiceConflict(f"{self.folder} holds {MAX_VOICES} voices, the most: delete one first")
 
     def remove(self, name: str) -> bool:
-        """Delete voice `name`'s file and its encoded copy; False where there is none."""
+        """Delete voice `name`'s file and its encoded copy; False where no request could name it."""
         checked_name(name)
         with self._lock:
-            path = self.path(name)
-            if not path.is_file():
+            path = voice_files(self.folder).get(name)
+            if path is None:
                 return False
             path.unlink()
             self.cloned.pop(VoiceSource(voice=path), None)  # a later voice of the same name is read anew

@@ -178,9 +178,10 @@ def finished(synth: SpeechModel, state: _Spoken, loop: FrameLoop) -> Synthesis:
         prefill=seconds["prompt"] + seconds["prefill"],
     )
     speculation = loop.speculation
-    # streamed at a speed: the pieces as played (the whole's stretch, sample for sample)
-    audio = state.joiner.audio()
-    audio = np.concatenate(state.played) if state.stretch else time_stretched(audio, state.speed, synth.sample_rate)
+    if state.stretch:  # streamed at a speed: the pieces as played (the whole's stretch, sample for sample)
+        audio = np.concatenate(state.played)
+    else:
+        audio = time_stretched(state.joiner.audio(), state.speed, synth.sample_rate)
     return Synthesis(
         audio=audio,
         sample_rate=synth.sample_rate,
