@@ -354,3 +354,57 @@ def test_a_row_whose_logits_go_non_finite_fails_alone(tiny_dir, measured, monkey
     assert isinstance(results[1], NonFiniteError) and where in str(results[1])
     for i in (0, 2):
         assert np.array_equal(results[i].audio, alone[i]), f"line {i} changed beside the failing row"
+
+
+def test_streamed_lines_decode_their_pieces_together_and_a_line_whose_decoding_fails_fails_alone(
+    tiny_dir, measured, monkeypatch
+):
+    """Three streamed lines in three rows: their due pieces are decoded in shared passes, and each line's pieces
+    join to its one-line stream's samples up to float rounding; a pass that fails is redone line by line, so only
+    the line whose own decoding fails fails, the others' samples unchanged."""
+    from rvqtts.qwen.codec import StreamPacing
+    from rvqtts.synthesis import pipeline
+
+    synth = Synthesizer.from_checkpoint(tiny_dir)
+    settings, pacing = GenerationSettings(max_frames=9), StreamPacing()
+    lines = [Line(text=text, utterance=index) for index, text in enumerate(TEXTS[:3])]
+
+    def spoken(batch: list[Line], rows: int) -> dict:
+        pieces: dict = {}
+        for index, item in synth.synthesize_many(batch, settings=settings, batch_size=rows, stream=pacing):
+            pieces.setdefault(index, []).append(item)
+        return pieces
+
+    alone = [spoken([line], 1)[0] for line in lines]
+    created, passes, broken = [], [], []  # the decoders made (a line each, in order), the passes' streams
+    streaming_decoder, push_together = synth.codec.streaming_decoder, pipeline.push_together
+    breaking: list[int] = []  # the lines (by order) whose decoder breaks every pass it is in
+
+    def recorded_decoder():
+        created.append(streaming_decoder())
+        if len(created) - 1 in breaking:
+            broken.append(created[-1])
+        return created[-1]
+
+    def counted(streams, codes):
+        passes.append(len(streams))
+        if any(stream in broken for stream in streams):
+            raise RuntimeError("the decoder broke")
+        return push_together(streams, codes)
+
+    monkeypatch.setattr(synth.codec, "streaming_decoder", recorded_decoder)
+    monkeypatch.setattr(pipeline, "push_together", counted)
+    for broken_lines in ([], [1]):
+        breaking[:] = broken_lines
+        created.clear()
+        passes.clear()
+        together = spoken(lines, 3)
+        assert max(passes) == 3  # the three first pieces in one pass
+        for index, own in enumerate(alone):
+            made = together[index]
+            if index in breaking:
+                assert isinstance(made[-1], RuntimeError) and len(made) == 1
+                continue
+            assert np.array_equal(made[-1].codes, own[-1].codes)
+            streamed, expected = np.concatenate(made[:-1]), np.concatenate(own[:-1])
+            assert streamed.shape == expected.shape and np.abs(streamed - expected).max() <= 1e-5

@@ -354,10 +354,18 @@ def test_bench_decoder_times_each_length_each_way(tiny_dir, tmp_path):
         "1",
         "--stream-frames",
         "3",
+        "--streams",
+        "2",
         "--dtype",
         "float32",
     )
     assert [row["frames"] for row in report["rows"]] == [4, 12] and report["dtype"] == "float32"
+    assert report["streams"] == 2 and [row["frames"] for row in report["together"]] == [1, 3]
+    for row in report["together"]:
+        assert row["one_by_one_ms"] > 0 and row["ratio"] == pytest.approx(
+            row["together_ms"] / row["one_by_one_ms"], rel=0.02
+        )
+    assert "2 streams' pieces" in result.output and "together / one by one" in result.output
     assert report["stream_frames"] == 3
     for row in report["rows"]:
         for way in ("stock", "rvqtts", "streamed"):

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rvqtts.serving.server import Job, ServerOptions, SpeechEngine, create_app, uvicorn_settings
 from rvqtts.support.audio import audio_bytes
+from rvqtts.synthesis import pipeline
 from rvqtts.synthesis.loader import EngineChoices
 from rvqtts.synthesis.settings import GenerationSettings
 from rvqtts.synthesis.synthesizer import Synthesizer
@@ -516,8 +517,9 @@ def test_the_load_test_reports_latencies_and_the_servers_memory_and_caches(serve
 
 def test_streamed_and_whole_requests_share_rows_each_with_its_solo_audio(tiny_dir, measured, monkeypatch):
     """Streamed (audio and events) and whole requests with different texts, seeds and sampling settings, queued behind
-    a held request, take rows beside it at its first frame (the kernels measured row-invariant): each body is,
-    byte for byte, the one it gets alone; a streamed request's first piece is one frame."""
+    a held request, take rows beside it at its first frame (the kernels measured row-invariant): each whole body is,
+    byte for byte, the one it gets alone, each streamed one its samples up to float rounding (the rows' pieces are
+    decoded together); a streamed request's first piece is one frame."""
     from rvqtts.synthesis.batch_size import rows_invariant
 
     jobs = [
@@ -539,6 +541,14 @@ def test_streamed_and_whole_requests_share_rows_each_with_its_solo_audio(tiny_di
         alone = [post(job) for job in jobs]
         settled(engine)
         assert engine.counts["batched"] == 0
+        passes = []  # the streams of every pass of the speech decoder
+        push_together = pipeline.push_together
+
+        def counted(streams, codes):
+            passes.append(len(streams))
+            return push_together(streams, codes)
+
+        monkeypatch.setattr(pipeline, "push_together", counted)
         gate = Gate(engine, monkeypatch)
         with ThreadPoolExecutor(len(jobs) + 1) as pool:
             try:
@@ -551,11 +561,26 @@ def test_streamed_and_whole_requests_share_rows_each_with_its_solo_audio(tiny_di
             together = [future.result() for future in waiting]
             holder.result()
         settled(engine)
-    assert together == alone
+    for job, made, own in zip(jobs, together, alone):
+        if job.get("stream") or job.get("stream_format"):  # pieces decoded together: its samples up to float rounding
+            made_samples, own_samples = _streamed_samples(made, job), _streamed_samples(own, job)
+            assert made_samples.shape == own_samples.shape and len(own_samples) > 1920
+            assert np.abs(made_samples.astype(int) - own_samples).max() <= 1, job
+        else:
+            assert made == own, job
+    assert max(passes) > 1  # the streamed rows' pieces were decoded together
     assert engine.counts["batched"] == len(jobs) + 1 and engine.counts["failed"] == 0
     header, first = (json.loads(event.removeprefix(b"data: ")) for event in alone[2].split(b"\n\n")[:2])
     assert base64.b64decode(header["audio"]).startswith(b"RIFF")
     assert len(base64.b64decode(first["audio"])) == 2 * (1920 - 1200)  # one frame, less the crossfade's 50 ms
+
+
+def _streamed_samples(body: bytes, job: dict) -> np.ndarray:
+    """The 16-bit samples of a streamed response: raw PCM, a WAV stream's after its header, or its events' audio."""
+    if job.get("stream_format") == "sse":
+        events = [json.loads(event.removeprefix(b"data: ")) for event in body.split(b"\n\n") if event]
+        body = b"".join(base64.b64decode(event["audio"]) for event in events if event["type"] == "speech.audio.delta")
+    return np.frombuffer(body[44:] if body.startswith(b"RIFF") else body, dtype=np.int16)
 
 
 def test_no_malformed_request_gets_a_server_error(served):

@@ -3,6 +3,7 @@ bytes `rvqtts synth --stream` writes."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import struct
@@ -15,7 +16,7 @@ import soundfile
 import torch
 from helpers import join_chunks, run_cli
 
-from rvqtts.engine.model.speech_decoder import StreamingDecoder
+from rvqtts.engine.model.speech_decoder import StreamingDecoder, _Pass, push_together
 from rvqtts.support.audio import StreamJoiner
 from rvqtts.support.stretch import TimeStretch, time_stretched
 from rvqtts.synthesis.settings import GenerationSettings
@@ -76,19 +77,83 @@ CONV_WAYS = (
 )
 
 
+@pytest.mark.parametrize("streams", [1, 3])
 @pytest.mark.parametrize("name", CONV_WAYS)
-def test_each_way_the_decoder_runs_a_convolution_equals_qwen_tts_module(tiny, name):
+def test_each_way_the_decoder_runs_a_convolution_equals_qwen_tts_module(tiny, name, streams):
+    """Pieces of each stream's input, its state carried from pass to pass, give the module's whole output; three
+    streams of different inputs pushed together give each its own."""
     parts = _conv_parts()
     assert set(parts) == set(CONV_WAYS)
     module, channels = parts[name]
-    x = torch.randn(1, channels, 40, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(streams, channels, 40, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         whole = module(x)
-        decoder = StreamingDecoder(tiny.model.speech_tokenizer.model.decoder)
-        cuts = ((0, 1), (1, 3), (4, 36))
-        pieces = torch.cat([decoder._run(module, x[..., start : start + size]) for start, size in cuts], -1)
+        decoders = [StreamingDecoder(tiny.model.speech_tokenizer.model.decoder) for _ in range(streams)]
+        pieces = []
+        for start, size in ((0, 1), (1, 3), (4, 36)):
+            one_pass = _Pass(decoders)
+            pieces.append(one_pass._run(module, x[..., start : start + size]))
+            one_pass.ended([decoder.cache for decoder in decoders], 0)
+        pieces = torch.cat(pieces, -1)
     assert pieces.shape == whole.shape
     torch.testing.assert_close(pieces, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_streams_pushed_together_get_their_own_samples_and_share_attention_by_frame(tiny, monkeypatch):
+    """Streams with different pasts (fresh, three frames, five) pushed together, pass after pass and pieces of 1, 4
+    and 2 frames: each gets the samples of its own pushes up to float rounding; streams at the same frame share one
+    attention call; streams of different decoders are refused."""
+    decoder = tiny.model.speech_tokenizer.model.decoder
+    codes = torch.randint(0, 2048, (5, 20, 16), generator=torch.Generator().manual_seed(3))
+    pasts = [0, 0, 3, 3, 5]
+    alone, together = ([StreamingDecoder(decoder) for _ in pasts] for _ in range(2))
+    for stream, twin, past, own in zip(alone, together, pasts, codes):
+        if past:
+            stream.push(own[:past]), twin.push(own[:past])
+    calls = []
+    attend = decoder.pre_transformer.forward
+    monkeypatch.setattr(decoder.pre_transformer, "forward", lambda **inputs: calls.append(1) or attend(**inputs))
+    for count in (1, 4, 2):
+        expected = [stream.push(own[stream.frames : stream.frames + count]) for stream, own in zip(alone, codes)]
+        calls.clear()
+        made = push_together(
+            together, torch.stack([own[s.frames : s.frames + count] for s, own in zip(together, codes)])
+        )
+        assert len(calls) == 3  # frames 0, 3 and 5 (then 1, 4, 6; ...): one call each
+        for mine, theirs in zip(made, expected):
+            assert mine.shape == theirs.shape == (count * 1920,) and np.abs(mine - theirs).max() <= BOUND
+        assert [s.frames for s in together] == [s.frames for s in alone]
+    other = StreamingDecoder(copy.deepcopy(decoder))
+    with pytest.raises(ValueError, match="share one speech decoder"):
+        push_together([together[0], other], codes[:2, :1])
+
+
+def test_a_pass_that_fails_leaves_every_stream_as_it_was(tiny, monkeypatch):
+    """A pass that fails midway (here in the third decoder block's activation) changes no stream: pushed again, each
+    gives what its twin that never saw the failure gives."""
+    import rvqtts.engine.model.speech_decoder as speech_decoder
+
+    decoder = tiny.model.speech_tokenizer.model.decoder
+    codes = torch.randint(0, 2048, (2, 10, 16), generator=torch.Generator().manual_seed(4))
+    streams, twins = ([StreamingDecoder(decoder) for _ in range(2)] for _ in range(2))
+    for stream, twin, own in zip(streams, twins, codes):
+        stream.push(own[:3]), twin.push(own[:3])
+    snake, seen = speech_decoder._snake, []
+
+    def breaking(module, x):
+        seen.append(module)
+        if len(seen) == 20:
+            raise RuntimeError("the decoder broke")
+        return snake(module, x)
+
+    monkeypatch.setattr(speech_decoder, "_snake", breaking)
+    with pytest.raises(RuntimeError, match="the decoder broke"):
+        push_together(streams, codes[:, 3:7])
+    monkeypatch.setattr(speech_decoder, "_snake", snake)
+    assert [stream.frames for stream in streams] == [3, 3]
+    again = push_together(streams, codes[:, 3:7])
+    for made, twin, own in zip(again, twins, codes):
+        assert np.abs(made - twin.push(own[3:7])).max() <= BOUND
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -102,7 +167,7 @@ def test_the_decoders_snake_in_one_buffer_has_qwen_tts_bits(tiny, dtype):
         snake.beta.copy_(torch.randn(16, generator=generator))
     x = torch.randn(1, 16, 300, generator=generator).to(dtype)
     with torch.inference_mode():
-        ours = StreamingDecoder(tiny.model.speech_tokenizer.model.decoder)._run(snake, x)
+        ours = _Pass([StreamingDecoder(tiny.model.speech_tokenizer.model.decoder)])._run(snake, x)
         assert torch.equal(ours, snake(x)) and not torch.equal(ours, x)
 
 

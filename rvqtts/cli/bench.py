@@ -318,13 +318,17 @@ def bench_decoder_command(
     ),
     repeats: int = typer.Option(3, help="Timed repetitions per length (after one warm-up)."),
     stream_frames: int = typer.Option(4, help="Frames per push of the streamed column (as synth --stream-frames)."),
+    streams: int = typer.Option(
+        8, help="Streams whose pieces (1 frame, and --stream-frames) are decoded one by one and together."
+    ),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
     json_out: Optional[Path] = json_option(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
     """The speech decoder's cost per frame over utterances of growing length (random codes): qwen-tts's decode()
-    beside rvqtts's, offline and streamed."""
+    beside rvqtts's, offline and streamed; then several streams' pieces decoded one by one and together, as a
+    server's rows are."""
     from rvqtts.bench.decoder import bench_decoder, decoder_table
 
     lengths = list_of_ints(frames, "--frames")
@@ -332,8 +336,10 @@ def bench_decoder_command(
         fail(f"--stream-frames must be at least 1, got {stream_frames}")
     if repeats < 1:
         fail(f"--repeats must be at least 1, got {repeats}")
+    if streams < 1:
+        fail(f"--streams must be at least 1, got {streams}")
     tts = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False).tts
-    result = bench_decoder(tts, lengths, repeats, stream_frames=stream_frames)
+    result = bench_decoder(tts, lengths, repeats, stream_frames=stream_frames, streams=streams)
     publish(result, json_out, decoder_table, quiet, model=model)
 
 

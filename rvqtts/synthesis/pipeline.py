@@ -12,8 +12,8 @@ from typing import Callable, Generator, Iterable, Iterator
 import numpy as np
 import torch
 
-from rvqtts.engine.loop.frame_loop import ChunkDone, Event, FrameDone, FrameLoop, Work, WorkFailed
-from rvqtts.engine.model.speech_decoder import StreamingDecoder
+from rvqtts.engine.loop.frame_loop import ChunkDone, Event, FrameDone, FrameEnd, FrameLoop, Work, WorkFailed
+from rvqtts.engine.model.speech_decoder import StreamingDecoder, push_together
 from rvqtts.engine.model.talker import Prompt
 from rvqtts.engine.speculative.policy import tree_nodes
 from rvqtts.engine.speculative.speculation import DEFAULT_DEPTH
@@ -45,7 +45,8 @@ def speak(
     chunk after text chunk, each line as soon as a row is free, in its own sampling settings (else `settings`).
     `lines` may be a live source (a server's requests): None from it means none is waiting now. Yields (index
     among the lines, item) as it goes: a line's samples ready to play (paced by its `stream`, else `stream`, and
-    decoded incrementally by the streaming decoder; or, not streamed, each text chunk at once, `decode`), then its
+    decoded incrementally by the streaming decoder, the pieces due at a frame in one pass; or, not streamed, each text
+    chunk at once, `decode`), then its
     Synthesis; or, for a line whose voice, text or decoding fails, or that `stopped(index)` stops (asked every
     frame; rvqtts.engine.loop.frame_loop.Stopped), or whose logits went NaN or inf (NonFiniteError), the exception, and
     no more of it. `joins_per_frame`: at most this many lines start before each frame (FrameLoop.run)."""
@@ -74,32 +75,70 @@ def speak(
                 yield spoken(index, line)
                 index += 1
 
+    due: list[_Spoken] = []  # streamed lines whose piece is decoded at the frame's end, with the other rows'
     for event in loop.run(states(), joins_per_frame):
-        state = event.work
-        if state.failed:  # the rest of its chunks are not heard
+        if due and not isinstance(event, FrameDone):
+            for state, samples in due_pieces(synth, due):
+                yield from guarded(state, piece_played(state, samples))
+            due = []
+        if isinstance(event, FrameEnd) or event.work.failed:  # a failed line's other chunks are not heard
             continue
+        state = event.work
+        yield from guarded(state, heard(synth, state, event, loop, on_chunk))
+        if isinstance(event, FrameDone) and state.pacing:
+            if len(state.pending) == state.pacing.due(state.seconds["first_audio"] is not None):
+                due.append(state)
+
+
+def guarded(state: _Spoken, items: Iterator) -> Iterator[tuple[int, np.ndarray | Synthesis | Exception]]:
+    """A line's items with its index; an exception raised while they are made ends them: the line fails alone."""
+    try:
+        for item in items:
+            yield state.index, item
+    except Exception as error:
+        state.failed = True
+        yield state.index, error
+
+
+def piece_played(state: _Spoken, samples: np.ndarray | Exception) -> Iterator[np.ndarray]:
+    """A line's piece decoded at a frame's end (`due_pieces`) as it is played, or its decoding's failure raised."""
+    if isinstance(samples, Exception):
+        raise samples
+    yield played(state, samples)
+
+
+def due_pieces(synth: SpeechModel, due: list[_Spoken]) -> Iterator[tuple[_Spoken, np.ndarray | Exception]]:
+    """The pieces due at a frame's end, each line's ready samples: the lines with as many pending frames decoded in
+    one pass (rvqtts.engine.model.speech_decoder.push_together), the first pieces (one frame) first as the rows report
+    newest first. A pass that fails left its lines as they were: each is decoded again alone, so that only a line
+    whose own decoding fails, fails."""
+    groups: dict[int, list[_Spoken]] = {}
+    for state in due:
+        groups.setdefault(len(state.pending), []).append(state)
+    for group in groups.values():
         try:
-            for item in heard(synth, state, event, loop, on_chunk):
-                yield state.index, item
-        except Exception as error:  # this line's: it fails alone
-            state.failed = True
-            yield state.index, error
+            yield from zip(group, ready_audio(synth, group))
+        except Exception as error:
+            if len(group) == 1:
+                yield group[0], error
+            else:
+                for state in group:
+                    yield from due_pieces(synth, [state])
 
 
 def heard(
     synth: SpeechModel, state: _Spoken, event: Event, loop: FrameLoop, on_chunk: Callable[[int, int], None] | None
 ) -> Iterator[np.ndarray | Synthesis]:
-    """What a frame loop event gives its line: samples ready to play (a streamed line's, paced), a chunk's end (a
-    cut one said in its warnings), or, at its end, its last samples and its Synthesis; its failure raised."""
+    """What a frame loop event gives its line: a frame's codes kept (a streamed line's piece, once due, is decoded at
+    the frame's end: `due_pieces`), a chunk's end (its pending samples; a cut one said in its warnings), or, at its
+    end, its last samples and its Synthesis; its failure raised."""
     if isinstance(event, WorkFailed):
         raise event.error
     if isinstance(event, FrameDone):
         state.pending.append(event.codes)
-        if state.pacing and len(state.pending) == state.pacing.due(state.seconds["first_audio"] is not None):
-            yield played(state, ready_audio(synth, state))
     elif isinstance(event, ChunkDone):
         if state.pending:
-            yield played(state, ready_audio(synth, state))
+            yield played(state, ready_audio(synth, [state])[0])
         state.frames.extend(event.frames)
         state.chunk_start, state.chunks_done = True, state.chunks_done + 1
         if event.cut:
@@ -156,15 +195,22 @@ def played(state: _Spoken, samples: np.ndarray, last: bool = False) -> np.ndarra
     return samples
 
 
-def ready_audio(synth: SpeechModel, state: _Spoken) -> np.ndarray:
-    """Decode the line's pending frames, join them to what came before, and time both; the samples ready to
-    play (at speed 1)."""
+def ready_audio(synth: SpeechModel, states: list[_Spoken]) -> list[np.ndarray]:
+    """Decode the lines' pending frames (streamed lines: their incremental decoders in one pass, so as many frames
+    each; else one line's chunk at once), join each to what came before, and time both (each line its share); the
+    samples ready to play (at speed 1)."""
     begun = time.perf_counter()
-    codes = np.stack(state.pending)
-    samples = state.decoder.push(codes) if state.decoder else synth.codec.decode(codes, state.clone)
-    ready = state.joiner.add(samples, new_part=state.chunk_start)
-    state.pending, state.chunk_start = [], False
-    state.seconds["decoder"] += time.perf_counter() - begun
+    if states[0].decoder:
+        codes = np.stack([np.stack(state.pending) for state in states])
+        samples = push_together([state.decoder for state in states], codes)
+    else:
+        samples = [synth.codec.decode(np.stack(state.pending), state.clone) for state in states]
+    share = (time.perf_counter() - begun) / len(states)
+    ready = []
+    for state, piece in zip(states, samples):
+        ready.append(state.joiner.add(piece, new_part=state.chunk_start))
+        state.pending, state.chunk_start = [], False
+        state.seconds["decoder"] += share
     return ready
 
 

@@ -80,6 +80,12 @@ class FrameDone:
 
 
 @dataclass
+class FrameEnd:
+    """Every row's frame of this call has been reported (FrameDone), before the talker's next step: where a caller
+    decodes the rows' pieces together."""
+
+
+@dataclass
 class ChunkDone:
     work: Work
     frames: list[np.ndarray]
@@ -98,7 +104,7 @@ class WorkFailed:
     error: Exception
 
 
-Event = FrameDone | ChunkDone | WorkDone | WorkFailed  # what the frame loop reports
+Event = FrameDone | FrameEnd | ChunkDone | WorkDone | WorkFailed  # what the frame loop reports
 
 
 @dataclass
@@ -132,7 +138,7 @@ class FrameLoop:
     def run(self, works: Iterable[Work | None], joins_per_frame: int | None = None) -> Iterator[Event]:
         """Speak every utterance, each as soon as a row is free; report each frame, and each chunk and each
         utterance as it ends, or its failure (its text, its voice, or NaN or inf in its logits: NonFiniteError), which
-        frees its row and leaves the others' codes as they are. `works` may be a
+        frees its row and leaves the others' codes as they are; after each frame's rows, FrameEnd. `works` may be a
         live source: None from it means none is waiting now (the rows speak on; with none at work, it is asked again,
         so it should wait for work then). `joins_per_frame`: at most this many utterances start before each frame
         (None: as many as there are free rows), so that a burst's first ones are heard after their own prefills and
@@ -238,9 +244,10 @@ class FrameLoop:
     def _commit(
         self, rows: list[_Row | None], done: list[tuple[tuple[int, int], list[int], torch.Tensor]], shares: tuple
     ) -> Generator[Event, None, dict[int, torch.Tensor]]:
-        """Each ready row's frame kept and reported, its chunk ended at its frame limit; `shares`: each row's
+        """Each ready row's frame kept and reported, then FrameEnd, then the chunks cut at their frame limits ended (the
+        next chunk's prefill after every row's frame is heard); `shares`: each row's
         (talker, predictor) seconds of the frame. Returns the talker's next input of each row that goes on, by slot."""
-        going_on = {}
+        going_on, cut = {}, []
         newest_first = sorted(done, key=lambda one: rows[one[0][0]].work.frame)
         for (slot, c0), rest, prefix in newest_first:  # a first piece of audio is not kept waiting behind later ones
             row = rows[slot]
@@ -253,10 +260,13 @@ class FrameLoop:
             row.work.frame += 1
             yield FrameDone(row.work, codes)
             if len(row.frames) >= row.frame_limit:
-                yield from self._end_chunk(rows, slot, cut=True)
+                cut.append(slot)
             else:
                 text = row.prompt.text_after(len(row.frames) - 1)
                 going_on[slot] = self.talker.frame_input(torch.from_numpy(codes).to(self.talker.device), text)
+        yield FrameEnd()
+        for slot in cut:
+            yield from self._end_chunk(rows, slot, cut=True)
         return going_on
 
     def _step_talker(self, rows: list[_Row | None], going_on: dict[int, torch.Tensor]) -> None:
