@@ -104,26 +104,27 @@ def piece_played(state: _Spoken, samples: np.ndarray | Exception) -> Iterator[np
     """A line's piece decoded at a frame's end (`due_pieces`) as it is played, or its decoding's failure raised."""
     if isinstance(samples, Exception):
         raise samples
-    yield played(state, samples)
+    yield played(state, ready_audio(state, samples))
 
 
 def due_pieces(synth: SpeechModel, due: list[_Spoken]) -> Iterator[tuple[_Spoken, np.ndarray | Exception]]:
-    """The pieces due at a frame's end, each line's ready samples: the lines with as many pending frames decoded in
-    one pass (rvqtts.engine.model.speech_decoder.push_together), the first pieces (one frame) first as the rows report
-    newest first. A pass that fails left its lines as they were: each is decoded again alone, so that only a line
-    whose own decoding fails, fails."""
+    """The pieces due at a frame's end, each line's decoded samples or its decoding's failure: the lines with as many
+    pending frames in one pass (rvqtts.engine.model.speech_decoder.push_together), the first pieces (one frame) first as
+    the rows report newest first. A pass that fails left its lines as they were: each is decoded again alone, so that
+    only a line whose own decoding fails, fails."""
     groups: dict[int, list[_Spoken]] = {}
     for state in due:
         groups.setdefault(len(state.pending), []).append(state)
     for group in groups.values():
         try:
-            yield from zip(group, ready_audio(synth, group))
+            outcomes: list = decoded(synth, group)
         except Exception as error:
-            if len(group) == 1:
-                yield group[0], error
-            else:
-                for state in group:
-                    yield from due_pieces(synth, [state])
+            outcomes = [error]
+        if len(outcomes) < len(group):  # outside the handler: the lines' own errors do not chain this pass's
+            for state in group:
+                yield from due_pieces(synth, [state])
+        else:
+            yield from zip(group, outcomes)
 
 
 def heard(
@@ -138,7 +139,7 @@ def heard(
         state.pending.append(event.codes)
     elif isinstance(event, ChunkDone):
         if state.pending:
-            yield played(state, ready_audio(synth, [state])[0])
+            yield played(state, ready_audio(state, decoded(synth, [state])[0]))
         state.frames.extend(event.frames)
         state.chunk_start, state.chunks_done = True, state.chunks_done + 1
         if event.cut:
@@ -195,10 +196,10 @@ def played(state: _Spoken, samples: np.ndarray, last: bool = False) -> np.ndarra
     return samples
 
 
-def ready_audio(synth: SpeechModel, states: list[_Spoken]) -> list[np.ndarray]:
-    """Decode the lines' pending frames (streamed lines: their incremental decoders in one pass, so as many frames
-    each; else one line's chunk at once), join each to what came before, and time both (each line its share); the
-    samples ready to play (at speed 1)."""
+def decoded(synth: SpeechModel, states: list[_Spoken]) -> list[np.ndarray]:
+    """The lines' pending frames decoded (streamed lines: their incremental decoders in one pass, so as many frames
+    each; else a line's chunk at once), each line charged its share of the time; their pending frames taken only once
+    all are decoded."""
     begun = time.perf_counter()
     if states[0].decoder:
         codes = np.stack([np.stack(state.pending) for state in states])
@@ -206,11 +207,16 @@ def ready_audio(synth: SpeechModel, states: list[_Spoken]) -> list[np.ndarray]:
     else:
         samples = [synth.codec.decode(np.stack(state.pending), state.clone) for state in states]
     share = (time.perf_counter() - begun) / len(states)
-    ready = []
-    for state, piece in zip(states, samples):
-        ready.append(state.joiner.add(piece, new_part=state.chunk_start))
-        state.pending, state.chunk_start = [], False
+    for state in states:
+        state.pending = []
         state.seconds["decoder"] += share
+    return samples
+
+
+def ready_audio(state: _Spoken, samples: np.ndarray) -> np.ndarray:
+    """A line's decoded samples joined to what came before it: the samples ready to play (at speed 1)."""
+    ready = state.joiner.add(samples, new_part=state.chunk_start)
+    state.chunk_start = False
     return ready
 
 

@@ -106,8 +106,13 @@ class _Pass:
 
     def ended(self, caches: list, frames: int) -> None:
         """The pass has ended: each stream keeps its new carried inputs, its attention cache and its frames."""
-        for row, (stream, cache) in enumerate(zip(self.streams, caches)):
-            stream.state.update({key: value[row : row + 1] for key, value in self.state.items()})
+        many = len(self.streams) > 1
+        for row, (stream, cache) in enumerate(
+            zip(self.streams, caches)
+        ):  # a stream's own copy: no stream keeps another's
+            stream.state.update(
+                {key: value[row : row + 1].clone() if many else value for key, value in self.state.items()}
+            )
             stream.cache, stream.frames = cache, stream.frames + frames
 
     def _attend(self, transformer: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, list]:
