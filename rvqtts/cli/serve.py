@@ -65,8 +65,8 @@ def serve(
     joins_per_frame: int = typer.Option(
         2,
         help="Waiting requests that take free rows before each frame (0: all of them): a burst's first ones are heard "
-        "after their own prefills and a frame, not after every other's prefill; 0 gives a few percent more requests "
-        "a minute.",
+        "after their own prefills and a frame, not after every other's prefill; 0 gives more requests a minute and "
+        "later first audio.",
     ),
     first_stream_frames: int = typer.Option(1, help=FIRST_STREAM_FRAMES_HELP),
     stream_frames: int = typer.Option(4, help=STREAM_FRAMES_HELP),
