@@ -307,3 +307,42 @@ def test_a_recording_soundfile_cannot_read_goes_to_qwen_tts_by_its_path(tmp_path
     monkeypatch.setattr(contexts, "read_mono", unreadable)
     contexts.speech_codes(tokenizer, stereo)
     assert tokenizer.given == (str(stereo), None)  # librosa.load's fallbacks (audioread) read what soundfile cannot
+
+
+def test_streamed_lines_of_cloned_voices_decode_together_each_as_it_streams_alone(base, measured, monkeypatch):
+    """Three streamed lines in three rows, two in one ICL voice (their decoders restored from one primed reference,
+    so at the same frame: one attention call) and one in an x-vector voice (no reference: other frames): every
+    line's codes and its samples, up to float rounding, those of its own stream alone."""
+    from rvqtts.synthesis import pipeline
+    from rvqtts.synthesis.settings import Line
+
+    _, ref, synth = base
+    icl, xvector = synth.clone_voice(ref, REF_TEXT), synth.clone_voice(ref, x_vector_only=True)
+    lines = [
+        Line(text="Hi there.", clone=icl, utterance=0, seed=3),
+        Line(text="Another line.", clone=icl, utterance=1, seed=4),
+        Line(text="A third.", clone=xvector, utterance=2, seed=5),
+    ]
+    pacing = StreamPacing(1, 3)
+
+    def spoken(batch: list, rows: int) -> dict:
+        pieces: dict = {}
+        for index, item in synth.synthesize_many(batch, settings=SETTINGS, batch_size=rows, stream=pacing):
+            assert not isinstance(item, Exception), item
+            pieces.setdefault(index, []).append(item)
+        return pieces
+
+    alone = [spoken([line], 1)[0] for line in lines]
+    passes, push_together = [], pipeline.push_together
+
+    def recorded(streams, codes):
+        passes.append(sorted(stream.frames for stream in streams))
+        return push_together(streams, codes)
+
+    monkeypatch.setattr(pipeline, "push_together", recorded)
+    together = spoken(lines, 3)
+    assert passes[0] == [0, len(icl.codes), len(icl.codes)]  # the first pieces: the ICL pair after its reference
+    for made, own in zip((together[index] for index in range(3)), alone):
+        assert np.array_equal(made[-1].codes, own[-1].codes) and len(made) > 2
+        streamed, expected = np.concatenate(made[:-1]), np.concatenate(own[:-1])
+        assert streamed.shape == expected.shape and np.abs(streamed - expected).max() < 1e-4
