@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from pathlib import Path
@@ -30,6 +31,15 @@ TIMINGS = {
     "inner_loop_ms_by_part",
     "rtf",
 }
+
+
+def streamed_samples(body: bytes, stream_format: str | None = None) -> np.ndarray:
+    """The 16-bit samples of a streamed response: raw PCM, a WAV stream's after its header, or (`sse`) its events'
+    audio."""
+    if stream_format == "sse":
+        events = [json.loads(event.removeprefix(b"data: ")) for event in body.split(b"\n\n") if event]
+        body = b"".join(base64.b64decode(event["audio"]) for event in events if event["type"] == "speech.audio.delta")
+    return np.frombuffer(body[44:] if body.startswith(b"RIFF") else body, dtype=np.int16)
 
 
 def run_cli(*arguments: object):

@@ -19,7 +19,7 @@ import openai
 import pytest
 import soundfile
 import uvicorn
-from helpers import run_cli, wait_until
+from helpers import run_cli, streamed_samples, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from rvqtts.serving.server import Job, ServerOptions, SpeechEngine, create_app, uvicorn_settings
@@ -563,7 +563,8 @@ def test_streamed_and_whole_requests_share_rows_each_with_its_solo_audio(tiny_di
         settled(engine)
     for job, made, own in zip(jobs, together, alone):
         if job.get("stream") or job.get("stream_format"):  # pieces decoded together: its samples up to float rounding
-            made_samples, own_samples = _streamed_samples(made, job), _streamed_samples(own, job)
+            made_samples = streamed_samples(made, job.get("stream_format"))
+            own_samples = streamed_samples(own, job.get("stream_format"))
             assert made_samples.shape == own_samples.shape and len(own_samples) > 1920
             assert np.abs(made_samples.astype(int) - own_samples).max() <= 1, job
         else:
@@ -573,14 +574,6 @@ def test_streamed_and_whole_requests_share_rows_each_with_its_solo_audio(tiny_di
     header, first = (json.loads(event.removeprefix(b"data: ")) for event in alone[2].split(b"\n\n")[:2])
     assert base64.b64decode(header["audio"]).startswith(b"RIFF")
     assert len(base64.b64decode(first["audio"])) == 2 * (1920 - 1200)  # one frame, less the crossfade's 50 ms
-
-
-def _streamed_samples(body: bytes, job: dict) -> np.ndarray:
-    """The 16-bit samples of a streamed response: raw PCM, a WAV stream's after its header, or its events' audio."""
-    if job.get("stream_format") == "sse":
-        events = [json.loads(event.removeprefix(b"data: ")) for event in body.split(b"\n\n") if event]
-        body = b"".join(base64.b64decode(event["audio"]) for event in events if event["type"] == "speech.audio.delta")
-    return np.frombuffer(body[44:] if body.startswith(b"RIFF") else body, dtype=np.int16)
 
 
 def test_no_malformed_request_gets_a_server_error(served):
