@@ -825,9 +825,9 @@ def create_app(engine: SpeechEngine) -> Starlette:
         authorize_request(request)
         store = voice_store()
         name, recording, filename, ref_text = await voice_form(request, options)
+        encoding = partial(store.add, name, recording, filename, ref_text)
         try:  # encoded by the engine between frames: the event loop goes on answering meanwhile
-            voice, seconds = await engine_result(engine.between_frames(partial(store.add, name, recording, filename,
-                                                                                ref_text)), engine)  # fmt: skip
+            voice, seconds = await engine_result(engine.between_frames(encoding), engine)
         except VoiceConflict as error:
             raise SpeechError(409, str(error), "name", "voice_exists") from None
         except VoiceError as error:

@@ -166,10 +166,12 @@ class _Pass:
         new last ones aside for the pass's end."""
         if keep == 0:
             return x
-        zeros = x.new_zeros(1, x.shape[1], keep)
-        previous = torch.cat([stream.state.get(id(module), zeros) for stream in self.streams])
+        key = id(module)
+        previous = torch.cat(
+            [stream.state[key] if key in stream.state else x.new_zeros(1, x.shape[1], keep) for stream in self.streams]
+        )
         joined = torch.cat([previous, x], dim=-1)
-        self.state[id(module)] = joined[..., -keep:].clone()  # a view would keep all of `joined` until the pass ends
+        self.state[key] = joined[..., -keep:].clone()  # a view would keep all of `joined` until the pass ends
         return joined
 
     def _causal(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
