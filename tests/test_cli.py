@@ -90,8 +90,9 @@ def test_synth_wav_codes_and_statistics_agree(tmp_path, tiny_dir):
     assert record["spec"] is True and record["tree_nodes"] == 15 and record["seed"] == 4
     assert record["rtf"] == pytest.approx(record["wall_seconds"] / record["audio_seconds"], rel=1e-2)
     parts = record["talker_seconds"] + record["predictor_seconds"] + record["decoder_seconds"]
-    # relative, as a slower (shared) machine stretches every part alike; 3 ms for four figures rounded to the ms
-    assert parts == pytest.approx(record["wall_seconds"], rel=0.02, abs=0.003)
+    # relative, as a slower (shared) machine stretches every part alike; 10 ms for four figures rounded to the ms and
+    # the Python between them on a loaded machine (a full suite beside it: 7 ms of 348 were no part's)
+    assert parts == pytest.approx(record["wall_seconds"], rel=0.02, abs=0.01)
     assert stats["total"]["frames"] == frames and stats["total"]["utterances"] == 1
     # the process's memory: a run that loaded torch and a model holds well over 100 MiB, and never more than its peak
     assert stats["memory"]["peak_rss_mib"] >= stats["memory"]["rss_mib"] > 100

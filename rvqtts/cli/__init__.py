@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from rvqtts.cli import bench, models, serve, synth, tuning  # noqa: F401,I001  (each registers its commands, in help order)
+from rvqtts.cli import bench, models, read, serve, synth, tuning  # noqa: F401,I001  (each registers its commands, in help order)
 from rvqtts.cli.common import app
 
 

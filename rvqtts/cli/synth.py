@@ -12,17 +12,10 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from rvqtts.cli import options
 from rvqtts.cli.common import (
-    DECODER_DTYPE_HELP,
-    DEFAULT_MODEL,
-    DEVICE_HELP,
-    DTYPE_HELP,
     FIRST_STREAM_FRAMES_HELP,
-    MODEL_HELP,
-    OFFSETS_HELP,
     STREAM_FRAMES_HELP,
-    TREE_HELP,
-    WEIGHTS_HELP,
     app,
     batch_rows,
     check_coreml,
@@ -116,89 +109,47 @@ def synth(
     gpus_per_worker: Optional[float] = typer.Option(
         None, help="--ray: GPUs per worker (fractions share one); default 0. With GPUs, --device auto is cuda."
     ),
-    model: str = typer.Option(DEFAULT_MODEL, help=MODEL_HELP),
-    device: str = typer.Option("auto", help=DEVICE_HELP),
-    dtype: str = typer.Option("auto", help=DTYPE_HELP),
-    decoder_dtype: str = typer.Option("auto", help=DECODER_DTYPE_HELP),
-    weights: str = typer.Option("native", help=WEIGHTS_HELP),
-    speaker: Optional[str] = typer.Option(
-        None,
-        help="Speaker of a CustomVoice model (rvqtts voices lists them); default vivian. Base and VoiceDesign models "
-        "have none.",
-    ),
-    ref_audio: Optional[Path] = typer.Option(
-        None,
-        help="Base models: reference audio of the voice to clone (.wav, .flac, .ogg; at least 1 s), with --ref-text or "
-        "--x-vector-only.",
-    ),
-    ref_text: Optional[str] = typer.Option(
-        None, help="Base models: what the reference audio says, word for word (ICL cloning, qwen-tts's default)."
-    ),
-    x_vector_only: bool = typer.Option(
-        False,
-        "--x-vector-only",
-        help="Base models: clone from the reference's speaker embedding alone (no transcript; its codes are not in the "
-        "prompt).",
-    ),
-    voice: Optional[Path] = typer.Option(
-        None, help="Base models: a voice file written by --save-voice (the reference encoded once)."
-    ),
+    model: str = options.MODEL,
+    device: str = options.DEVICE,
+    dtype: str = options.DTYPE,
+    decoder_dtype: str = options.DECODER_DTYPE,
+    weights: str = options.WEIGHTS,
+    speaker: Optional[str] = options.SPEAKER,
+    ref_audio: Optional[Path] = options.REF_AUDIO,
+    ref_text: Optional[str] = options.REF_TEXT,
+    x_vector_only: bool = options.X_VECTOR_ONLY,
+    voice: Optional[Path] = options.VOICE,
     save_voice: Optional[Path] = typer.Option(
         None,
         help="Write the voice cloned from --ref-audio to this file (.safetensors) for --voice; with no text, only "
         "that.",
     ),
-    language: str = typer.Option("auto", help="Language, or auto."),
-    instruct: Optional[str] = typer.Option(
-        None,
-        help="Style instruction (ignored, with a warning, by models without instruction support such as the 0.6B "
-        "CustomVoice); on a VoiceDesign model, the voice described in words (required).",
-    ),
-    temperature: Optional[float] = typer.Option(
-        None,
-        help="Sampling temperature of both loops; default: the model's generation_config.json (talker and code "
-        "predictor apart), else 0.9.",
-    ),
-    top_k: Optional[int] = typer.Option(None, help="Top-k of both loops (0 = off); default: the model's, else 50."),
-    top_p: Optional[float] = typer.Option(None, help="Top-p of both loops (1 = off); default: the model's, else 1."),
-    predictor_temperature: Optional[float] = typer.Option(
-        None, help="The code predictor's temperature apart from the talker's."
-    ),
-    predictor_top_k: Optional[int] = typer.Option(None, help="The code predictor's top-k apart from the talker's."),
-    predictor_top_p: Optional[float] = typer.Option(None, help="The code predictor's top-p apart from the talker's."),
-    repetition_penalty: Optional[float] = typer.Option(
-        None, help="Repetition penalty of the talker; default: the model's, else 1.05."
-    ),
-    max_frames: Optional[int] = typer.Option(
-        None,
-        help="Most frames per chunk (12.5 frames = 1 s); default: three times what the chunk's text needs plus 2 s, "
-        "within the model's max_new_tokens.",
-    ),
+    language: str = options.LANGUAGE,
+    instruct: Optional[str] = options.INSTRUCT,
+    temperature: Optional[float] = options.TEMPERATURE,
+    top_k: Optional[int] = options.TOP_K,
+    top_p: Optional[float] = options.TOP_P,
+    predictor_temperature: Optional[float] = options.PREDICTOR_TEMPERATURE,
+    predictor_top_k: Optional[int] = options.PREDICTOR_TOP_K,
+    predictor_top_p: Optional[float] = options.PREDICTOR_TOP_P,
+    repetition_penalty: Optional[float] = options.REPETITION_PENALTY,
+    max_frames: Optional[int] = options.MAX_FRAMES,
     speed: float = typer.Option(
         1.0,
         help="Play the speech this many times faster, 0.25 to 4, its pitch kept (time-stretched: WSOLA); "
         "streamed pieces join seamlessly.",
     ),
-    chunk_chars: int = typer.Option(
-        240,
-        help="Long text is spoken in chunks of about this many characters, cut at sentence ends (ideographs and kana "
-        "count 2.5).",
-    ),
+    chunk_chars: int = options.CHUNK_CHARS,
     no_chunk: bool = typer.Option(
         False,
         "--no-chunk",
         help="Speak the whole text in one pass, as qwen-tts does (keeps prosody across sentences; the runaway cut "
         "still applies).",
     ),
-    seed: int = typer.Option(
-        0,
-        help="Same seed, same codes, speculative or not, on the same model, dtype, device, thread count and kernel "
-        "choices, wherever the chosen kernels are row-invariant (rvqtts tune); the same WAV also needs the speech "
-        "decoder's bits, which depend on the thread count (docs/usage.md: Same seed, same codes).",
-    ),
-    spec: bool = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (default) or the plain one."),
-    tree: str = typer.Option("auto", help=TREE_HELP),
-    offsets: Optional[Path] = typer.Option(None, help=OFFSETS_HELP),
+    seed: int = options.SEED,
+    spec: bool = options.SPEC,
+    tree: str = options.TREE,
+    offsets: Optional[Path] = options.OFFSETS,
     backend: str = typer.Option(
         "torch", help="torch, or coreml (macOS): the inner loop runs on a Core ML package (docs/coreml.md)."
     ),
@@ -234,7 +185,7 @@ def synth(
     if file is None:  # one text: a voice this model does not speak is refused from its config, before torch loads
         cloned = ref_audio is not None or voice is not None or ref_text is not None or x_vector_only
         _refuse_unknown_voice(model, speaker, language, instruct, cloned)
-    clone = _voice_source(ref_audio, ref_text, x_vector_only, voice)
+    clone = voice_source(ref_audio, ref_text, x_vector_only, voice)
     if save_voice is not None:
         save_voice = _checked_save_voice(save_voice, clone, ray)
         if text is None and file is None and output is None:  # only the voice: nothing to say
@@ -251,7 +202,7 @@ def synth(
 
     asked = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, speed=speed)
     predictor = dict(temperature=predictor_temperature, top_k=predictor_top_k, top_p=predictor_top_p)
-    settings = _generation_settings(asked, predictor, max_frames)
+    settings = generation_settings(asked, predictor, max_frames)
     if file is not None and not force and save_voice is None and all((out_dir / u.name).exists() for u in utterances):
         say(f"all {len(utterances)} outputs are already in {out_dir}; --force redoes them", quiet)
         return
@@ -272,7 +223,7 @@ def synth(
             coreml = (coreml_package, coreml_precision, compute_units)
             synthesizer = _on_coreml(synthesizer, tree, offsets, settings, *coreml, quiet)
         _say_instruct_ignored(synthesizer, [instruct, *(u.instruct for u in utterances)])
-        _encode_voices(synthesizer, voices, clone, save_voice, quiet)
+        encode_voices(synthesizer, voices, clone, save_voice, quiet)
         if file is None:
             pacing = StreamPacing(first_stream_frames, stream_frames) if stream else None
             spoken = (synthesizer, utterances[0].under(defaults), chunk_chars, output, pacing)
@@ -281,7 +232,7 @@ def synth(
             _batch_here(synthesizer, batch, rows, len(making), quiet)
 
 
-def _generation_settings(asked: dict, predictor: dict, max_frames: Optional[int]):
+def generation_settings(asked: dict, predictor: dict, max_frames: Optional[int]):
     """The sampling options as GenerationSettings (`predictor`: the code predictor's own), checked."""
     from rvqtts.synthesis.settings import GenerationSettings
 
@@ -345,7 +296,7 @@ def _check_options(
         fail(f"--chunk-chars must be at least 20, got {chunk_chars} (--no-chunk speaks the text in one pass)")
 
 
-def _voice_source(ref_audio: Optional[Path], ref_text: Optional[str], x_vector_only: bool, voice: Optional[Path]):
+def voice_source(ref_audio: Optional[Path], ref_text: Optional[str], x_vector_only: bool, voice: Optional[Path]):
     """The cloned voice the options name (a VoiceSource, its paths absolute as batch lines' are: Ray workers
     start elsewhere), or None; fails with one line on a combination that names none."""
     from rvqtts.qwen.cloning import VoiceError, VoiceSource
@@ -422,7 +373,7 @@ def _checked_voices(model: str, utterances: list, file, out_dir, force: bool, de
     # the cloned voices of the lines to make (a resumed batch does not encode the voices of lines it skips)
     making = to_do(utterances, out_dir, force) if file is not None else utterances
     voices = sorted(({item.clone for item in making} | {defaults.clone}) - {None}, key=str)
-    _check_voice_files(voices, {item.clone: f"{file}:{item.utterance}: " for item in reversed(making) if item.clone})
+    check_voice_files(voices, {item.clone: f"{file}:{item.utterance}: " for item in reversed(making) if item.clone})
     return making, voices
 
 
@@ -456,7 +407,7 @@ def _refuse_unknown_voice(model: str, speaker: Optional[str], language: str, ins
         found.check(speaker, language, instruct, cloned=cloned)
 
 
-def _check_voice_files(sources: list, where: dict | None = None) -> None:
+def check_voice_files(sources: list, where: dict | None = None) -> None:
     """Fail with one line (prefixed with `where[source]`, the batch line that first names it) unless every
     reference audio file can clone a voice and every voice file is one (which model encoded it is checked
     once the model is loaded)."""
@@ -467,7 +418,7 @@ def _check_voice_files(sources: list, where: dict | None = None) -> None:
             read_reference(source.ref_audio) if source.voice is None else load_voice(source.voice)
 
 
-def _encode_voices(synthesizer, sources: list, clone, save_voice: Optional[Path], quiet: bool) -> None:
+def encode_voices(synthesizer, sources: list, clone, save_voice: Optional[Path], quiet: bool) -> None:
     """Encode (or read) every cloned voice of the run before any synthesis, so a voice this model cannot
     use fails with one line; with `save_voice`, write the voice of `clone` there."""
     from rvqtts.qwen.cloning import save_voice as write_voice
@@ -487,9 +438,9 @@ def _save_voice_only(clone, save_voice: Path, model: str, device: str, dtype: st
 
     with refused(ModelLoadError, ValueError):
         model_voices(model).check(None, "auto", cloned=True)
-    _check_voice_files([clone])
+    check_voice_files([clone])
     synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
-    _encode_voices(synthesizer, [clone], clone, save_voice, quiet)
+    encode_voices(synthesizer, [clone], clone, save_voice, quiet)
 
 
 def _ray_worker_spec(

@@ -85,21 +85,33 @@ def choose_batch_size(synth: SpeechModel, lines: int, progress: Callable[[str], 
             "the linear maps here were not all measured to keep rows invariant: one line at a time keeps each "
             "line's one-line bits"
         )
+    costs, source = measured_frame_costs(synth, progress)
+    shown = ", ".join(f"{b}: {ms:.1f}" for b, ms in sorted(costs.items()))
+    return min(best_batch_size(costs), lines), f"ms per frame of a line at each batch size {shown} ({source})"
+
+
+def best_batch_size(costs: dict[int, float]) -> int:
+    """The smallest batch size whose frame costs at most WITHIN the cheapest."""
+    best = min(costs.values())
+    return min(b for b, ms in costs.items() if ms <= WITHIN * best)
+
+
+def measured_frame_costs(
+    synth: SpeechModel, progress: Callable[[str], None] | None = None
+) -> tuple[dict[int, float], str]:
+    """`frame_costs` on this machine and model, from batch-sizes.json where measured before, else measured now and
+    kept there; and where they came from."""
     path = BATCH_SIZES.path
     machine, key = batch_key(synth)
     stored = BATCH_SIZES.read().get(machine, {}).get(key)
     if stored:
-        costs, source = {int(b): float(ms) for b, ms in stored.items()}, f"measured before, {path}"
-    else:
-        if progress:
-            progress("measuring batch sizes on this machine (once)")
-        costs, source = frame_costs(synth), f"measured now, kept in {path}"
-        with BATCH_SIZES.update() as records:
-            records.setdefault(machine, {})[key] = {str(b): ms for b, ms in sorted(costs.items())}
-    best = min(costs.values())
-    chosen = min(b for b, ms in costs.items() if ms <= WITHIN * best)
-    shown = ", ".join(f"{b}: {ms:.1f}" for b, ms in sorted(costs.items()))
-    return min(chosen, lines), f"ms per frame of a line at each batch size {shown} ({source})"
+        return {int(b): float(ms) for b, ms in stored.items()}, f"measured before, {path}"
+    if progress:
+        progress("measuring batch sizes on this machine (once)")
+    costs = frame_costs(synth)
+    with BATCH_SIZES.update() as records:
+        records.setdefault(machine, {})[key] = {str(b): ms for b, ms in sorted(costs.items())}
+    return costs, f"measured now, kept in {path}"
 
 
 def rows_invariant(synth: SpeechModel) -> bool:

@@ -1,0 +1,266 @@
+"""`rvqtts read`: a book or document (EPUB, Markdown, plain text, standard input) to chapter files, captions and an
+.m4b audiobook, resumable (rvqtts.documents.narration)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rvqtts.cli import options
+from rvqtts.cli.batch import INTERRUPTED
+from rvqtts.cli.common import (
+    app,
+    batch_rows,
+    ensure_writable,
+    fail,
+    load_synthesizer,
+    refused,
+    say,
+    stderr_console,
+)
+from rvqtts.cli.synth import check_voice_files, encode_voices, generation_settings, voice_source
+
+
+@app.command()
+def read(
+    document: str = typer.Argument(
+        ..., help="The document: .epub, .md or .markdown, .txt (else plain text); '-' reads standard input."
+    ),
+    out_dir: Optional[Path] = typer.Option(
+        None, "--out-dir", help="Folder for the chapter files, captions, audiobook and manifest.json (not with --list)."
+    ),
+    list_chapters: bool = typer.Option(
+        False,
+        "--list",
+        help="Print the chapters with their characters, chunks, expected audio and the time expected on this machine "
+        "(the model's frame costs, measured once), and speak nothing.",
+    ),
+    chapters: Optional[str] = typer.Option(None, help="Speak these chapters only: 3, 3-5 or 1,4-6."),
+    kind: str = typer.Option("auto", help="Read the document as epub, markdown or text (auto: by its suffix)."),
+    encoding: Optional[str] = typer.Option(None, help="A text or Markdown file's encoding where it is not UTF-8."),
+    lexicon: Optional[Path] = typer.Option(
+        None,
+        help="A file of `written = spoken` lines (whole words, case counts), applied before chunking; captions keep "
+        "the text as written.",
+    ),
+    audio_format: str = typer.Option("wav", "--format", help="Chapter files' format: wav, flac, ogg, mp3 or opus."),
+    paragraph_pause: float = typer.Option(0.5, help="Seconds of silence between paragraphs."),
+    chapter_pause: float = typer.Option(2.0, help="Seconds of silence after each chapter in the audiobook."),
+    captions: bool = typer.Option(True, "--captions/--no-captions", help="SRT and WebVTT captions per chapter."),
+    audiobook: bool = typer.Option(
+        True, "--audiobook/--no-audiobook", help="An .m4b with chapter marks, once every chapter is made."
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Remake the chapter files asked for (and the audiobook) even where they are there."
+    ),
+    batch_size: str = typer.Option(
+        "auto",
+        "--batch-size",
+        help="Chunks spoken together, a row each (auto: the size measured best on this machine and model). The files "
+        "are the same whatever the size where the kernels keep rows invariant (rvqtts tune).",
+    ),
+    model: str = options.MODEL,
+    device: str = options.DEVICE,
+    dtype: str = options.DTYPE,
+    decoder_dtype: str = options.DECODER_DTYPE,
+    weights: str = options.WEIGHTS,
+    speaker: Optional[str] = options.SPEAKER,
+    ref_audio: Optional[Path] = options.REF_AUDIO,
+    ref_text: Optional[str] = options.REF_TEXT,
+    x_vector_only: bool = options.X_VECTOR_ONLY,
+    voice: Optional[Path] = options.VOICE,
+    language: str = typer.Option("auto", help="Language, or auto (the document's own where the model speaks it)."),
+    instruct: Optional[str] = options.INSTRUCT,
+    temperature: Optional[float] = options.TEMPERATURE,
+    top_k: Optional[int] = options.TOP_K,
+    top_p: Optional[float] = options.TOP_P,
+    predictor_temperature: Optional[float] = options.PREDICTOR_TEMPERATURE,
+    predictor_top_k: Optional[int] = options.PREDICTOR_TOP_K,
+    predictor_top_p: Optional[float] = options.PREDICTOR_TOP_P,
+    repetition_penalty: Optional[float] = options.REPETITION_PENALTY,
+    max_frames: Optional[int] = options.MAX_FRAMES,
+    chunk_chars: int = options.CHUNK_CHARS,
+    seed: int = typer.Option(
+        0,
+        help="The document's seed: each chunk's is derived from it and the chunk's place (docs/documents.md), so a "
+        "chunk sounds as `rvqtts synth` makes it with that seed.",
+    ),
+    spec: bool = options.SPEC,
+    tree: str = options.TREE,
+    offsets: Optional[Path] = options.OFFSETS,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display or notices."),
+) -> None:
+    """Speak a book or document: a file per chapter with captions, and an .m4b audiobook.
+
+    Chapters come from an EPUB's spine and table of contents, a Markdown file's headings or a text file's heading
+    lines. Every chunk of every chapter takes a row of the frame loop, B at a time; each chunk's audio is kept in
+    OUT/.chunks as it ends, so Ctrl-C (or a crash) loses nothing: the same command resumes, and ends with the files
+    an uninterrupted run writes.
+    """
+    from rvqtts.documents.document import DocumentError, read_document
+    from rvqtts.documents.lexicon import Lexicon, read_lexicon
+    from rvqtts.documents.narration import ReadingOptions
+    from rvqtts.documents.plan import parse_chapters, plan_document
+    from rvqtts.synthesis.settings import Line
+
+    if not list_chapters and out_dir is None:
+        fail("give --out-dir DIR for the chapter files (or --list to see the chapters)")
+    if chunk_chars < 20:
+        fail(f"--chunk-chars must be at least 20, got {chunk_chars}")
+    rows = batch_rows(batch_size)
+    clone = voice_source(ref_audio, ref_text, x_vector_only, voice)
+    asked = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
+    predictor = dict(temperature=predictor_temperature, top_k=predictor_top_k, top_p=predictor_top_p)
+    settings = generation_settings(asked, predictor, max_frames)
+    with refused(DocumentError):
+        words = read_lexicon(lexicon) if lexicon is not None else Lexicon()
+        book = read_document(document, kind, encoding)
+        selection = tuple(parse_chapters(chapters, len(book.chapters))) if chapters else None
+        plans = plan_document(book, seed, words, chunk_chars)
+    with refused(ValueError):
+        reading = ReadingOptions(
+            seed, selection, f".{audio_format.lower()}", paragraph_pause, chapter_pause, captions, audiobook, force,
+            chunk_chars, rows, words,
+        )  # fmt: skip
+    for notice in book.notices:
+        say(notice, quiet)
+    _check_voice(model, speaker, language, instruct, clone)
+    if clone is not None:
+        check_voice_files([clone])
+    if not list_chapters:
+        ensure_writable(out_dir, folder=True)
+    engine = dict(device=device, dtype=dtype, decoder_dtype=decoder_dtype, weights=weights, spec=spec, tree=tree)
+    synthesizer = load_synthesizer(model, quiet, offsets=offsets, batch_size=rows, **engine)
+    if list_chapters:
+        _list(synthesizer, book, plans, selection, rows, quiet)
+        return
+    encode_voices(synthesizer, [clone] if clone else [], clone, None, quiet)
+    line = Line(speaker=speaker, language=language, instruct=instruct, clone=clone, settings=settings)
+    _narrate(synthesizer, book, out_dir, line, reading, quiet)
+
+
+def _check_voice(model: str, speaker, language: str, instruct, clone) -> None:
+    """Fail with one line where the model's config says it does not speak this voice."""
+    from rvqtts.qwen.checkpoints import ModelLoadError, model_voices
+
+    with refused(ModelLoadError, ValueError):
+        model_voices(model).check(speaker, language, instruct, cloned=clone is not None)
+
+
+def _list(synthesizer, book, plans, selection, rows: Optional[int], quiet: bool) -> None:
+    """The chapters' table on standard output: characters, chunks, the audio expected and the time expected here."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from rvqtts.documents.narration import expected_seconds
+    from rvqtts.synthesis.batch_size import best_batch_size, measured_frame_costs
+    from rvqtts.synthesis.text import FRAMES_PER_SECOND
+
+    costs, source = measured_frame_costs(synthesizer, lambda message: say(message, quiet))
+    chunks = sum(len(plan.chunks) for plan in plans)
+    batch = min(rows or best_batch_size(costs), max(chunks, 1))
+    batch = max(b for b in costs if b <= batch) if batch not in costs else batch
+    per_frame = costs[batch] / 1e3
+    table = Table(title=f"{book.title}" + (f", by {book.author}" if book.author else ""))
+    for column in ("#", "chapter", "characters", "chunks", "audio", "time here"):
+        table.add_column(column, justify="left" if column == "chapter" else "right")
+    totals = [0, 0, 0.0, 0.0]
+    for plan in plans:
+        if selection and plan.number not in selection:
+            continue
+        audio = expected_seconds(plan)
+        wall = audio * FRAMES_PER_SECOND * per_frame
+        table.add_row(
+            str(plan.number), plan.title, f"{plan.characters:,}", str(len(plan.chunks)), _hms(audio), _hms(wall)
+        )
+        for index, value in enumerate((plan.characters, len(plan.chunks), audio, wall)):
+            totals[index] += value
+    table.add_row("", "total", f"{totals[0]:,}", str(totals[1]), _hms(totals[2]), _hms(totals[3]))
+    Console(width=max(Console().width, 100)).print(table)
+    say(
+        f"time here at batch size {batch}: {costs[batch]:.1f} ms a frame ({source}); audio from the text's length",
+        quiet,
+    )
+
+
+def _hms(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
+
+
+@contextlib.contextmanager
+def _reading_progress(quiet: bool):
+    """A progress display of chunks, chapters, audio made, speed and time left; yields its update function."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("chunks, {task.fields[chapters]} chapters, {task.fields[audio]} audio, {task.fields[speed]}"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=stderr_console(), transient=True, disable=quiet) as progress:
+        task = progress.add_task("reading", total=None, chapters="0/0", audio="0:00:00", speed="")
+
+        def update(state) -> None:
+            speed = state.audio_seconds / state.wall_seconds if state.wall_seconds and state.audio_seconds else None
+            progress.update(
+                task,
+                completed=state.chunks_done,
+                total=state.chunks,
+                chapters=f"{state.chapters_done}/{state.chapters}",
+                audio=_hms(state.audio_seconds),
+                speed=f"{speed:.2f}x real time" if speed else "",
+            )
+
+        yield update
+
+
+def _narrate(synthesizer, book, out_dir: Path, line, reading, quiet: bool) -> None:
+    """Speak the book into `out_dir`, then say what was written; exit 1 when a chapter failed, 2 when the folder
+    could not be written, INTERRUPTED on Ctrl-C (what is whole stays; the same command resumes)."""
+    from rvqtts.documents.narration import narrate
+    from rvqtts.engine.model.sampling import NonFiniteError
+
+    try:
+        with _reading_progress(quiet) as update:
+            result = narrate(synthesizer, book, out_dir, line, reading, update, lambda notice: say(notice, quiet))
+    except KeyboardInterrupt:
+        typer.echo(
+            f"rvqtts: interrupted: the chapters finished are whole in {out_dir} and every chunk made is kept; run the "
+            "same command again to go on",
+            err=True,
+        )
+        raise typer.Exit(INTERRUPTED) from None
+    except NonFiniteError as error:
+        typer.echo(f"rvqtts: error: {error}", err=True)
+        raise typer.Exit(1)
+    except OSError as error:
+        fail(
+            f"cannot write in {out_dir}: {error.strerror or error}; the chapters finished are whole and every chunk "
+            "made is kept: make room and run the same command again to go on"
+        )
+    for notice in result.notices:
+        say(notice, quiet and not notice.startswith("chapter"))
+    if result.warnings:
+        say(
+            f"{len(result.warnings)} chunks were cut at their frame limit (--max-frames): {result.manifest.name} lists "
+            "them",
+            quiet,
+        )
+    made = [chapter for chapter in result.chapters if chapter.status == "made"]
+    stats = result.statistics
+    speed = f", {stats['audio_per_wall_second']:.2f}x real time" if stats["audio_per_wall_second"] else ""
+    say(
+        f"{len(made)} chapters made, {len(result.chapters) - len(made) - len(result.failed)} already there, "
+        f"{len(result.failed)} failed; {stats['chunks_made']} chunks spoken in {stats['wall_seconds']:.1f} s{speed} "
+        f"-> {out_dir}" + (f" (audiobook {result.audiobook.name})" if result.audiobook else ""),
+        quiet and not result.failed,
+    )
+    if result.failed:
+        raise typer.Exit(1)

@@ -1,0 +1,480 @@
+"""A document spoken to a folder: every chunk of the chapters asked for is an utterance of the frame loop, B rows at
+a time (Synthesizer.synthesize_many), each chunk's audio kept in the folder's chunk store as it ends, keyed by its
+text and everything that changes its audio; a chapter's file and captions are assembled from the store once its
+chunks are there, the audiobook once every chapter is. A run stopped at any moment resumes where it stopped and
+ends with the files an uninterrupted run writes (docs/documents.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import time
+import unicodedata
+from dataclasses import asdict, dataclass, field, replace
+from importlib.metadata import version
+from itertools import groupby
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from rvqtts.documents.audiobook import BookChapter, write_audiobook
+from rvqtts.documents.captions import sentence_cues, srt, webvtt
+from rvqtts.documents.document import Document
+from rvqtts.documents.lexicon import Lexicon
+from rvqtts.documents.plan import ChapterPlan, PlannedChunk, plan_document
+from rvqtts.engine.speculative.offsets import predictor_fingerprint, weight_digest
+from rvqtts.support.audio import StreamJoiner, audio_format
+from rvqtts.support.files import atomic_path, read_records, write_atomically, write_json
+from rvqtts.synthesis.batch_files import Rendered, attempt
+from rvqtts.synthesis.batch_size import choose_batch_size
+from rvqtts.synthesis.settings import GenerationSettings, Line
+from rvqtts.synthesis.text import LATIN_CHARS_PER_SECOND, MAX_CHUNK_WEIGHT
+
+CHUNK_STORE = ".chunks"  # in the output folder: each chunk's audio (FLAC, 16-bit) and record, by key
+MANIFEST = "manifest.json"
+CHUNK_FORMAT = ".flac"  # a chunk's samples as `rvqtts synth` writes them in its 16-bit WAV, losslessly
+BLOCK = 1 << 16  # samples read at a time from a chapter's file for the audiobook
+COVER_SUFFIXES = {"image/jpeg": ".jpg", "image/png": ".png", "image/gif": ".gif", "image/webp": ".webp"}
+LANGUAGES = {  # a document's language tag -> the language Qwen3-TTS names
+    "zh": "chinese", "en": "english", "ja": "japanese", "ko": "korean", "de": "german", "fr": "french",
+    "ru": "russian", "pt": "portuguese", "es": "spanish", "it": "italian",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ReadingOptions:
+    """How a document is spoken and written. `chapters`: the chapters to speak (1-based; None: all). `force`: remake
+    their files (and the audiobook) even where they are there. Pauses in seconds; `audio_suffix` names the chapter
+    files' format (.wav, .flac, .ogg, .mp3, .opus)."""
+
+    seed: int = 0
+    chapters: tuple[int, ...] | None = None
+    audio_suffix: str = ".wav"
+    paragraph_pause: float = 0.5
+    chapter_pause: float = 2.0
+    captions: bool = True
+    audiobook: bool = True
+    force: bool = False
+    chunk_chars: float = MAX_CHUNK_WEIGHT
+    batch_size: int | None = None  # None: the Synthesizer's, else measured on this machine
+    lexicon: Lexicon = field(default_factory=Lexicon)
+
+    def __post_init__(self) -> None:
+        audio_format(f"chapter{self.audio_suffix}")  # ValueError for a format rvqtts cannot write
+        for name in ("paragraph_pause", "chapter_pause"):
+            if not 0 <= getattr(self, name) <= 60:
+                raise ValueError(f"{name.replace('_', ' ')} must be 0 to 60 seconds, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ReadingProgress:
+    """Where a reading stands, said after every chunk and chapter: chunks and chapters done of those asked for (the
+    ones already in the store count as done), the audio made by this run and the wall time it took."""
+
+    chunks_done: int
+    chunks: int
+    chapters_done: int
+    chapters: int
+    audio_seconds: float
+    wall_seconds: float
+
+
+@dataclass
+class ChapterResult:
+    """A chapter asked for: "made" this run, "done" before (its file kept), "kept" (there, made with other settings:
+    --force remakes it) or "failed" (`error` says why; its chunks made are kept for a rerun)."""
+
+    number: int
+    title: str
+    status: str
+    file: str
+    seconds: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class ReadingResult:
+    chapters: list[ChapterResult]
+    audiobook: Path | None
+    manifest: Path
+    statistics: dict
+    notices: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # chunks cut at their frame limit
+
+    @property
+    def failed(self) -> list[ChapterResult]:
+        return [chapter for chapter in self.chapters if chapter.status == "failed"]
+
+
+def slug(text: str, limit: int = 48) -> str:
+    """A file-name-safe form of a title: ASCII letters, digits and dashes."""
+    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    return re.sub(r"[^A-Za-z0-9]+", "-", ascii_text).strip("-").lower()[:limit].strip("-")
+
+
+def chapter_file(plan: ChapterPlan, suffix: str) -> str:
+    """A chapter's audio file name: its number (two digits at least) and its title's slug."""
+    name = slug(plan.title)
+    return f"{plan.number:02d}{'-' + name if name else ''}{suffix}"
+
+
+def document_language(synth, document: Document, asked: str | None) -> str | None:
+    """The language to speak in: the one asked for, else the document's where this model speaks it, else auto."""
+    if asked not in (None, "auto") or not document.language:
+        return asked
+    named = LANGUAGES.get(document.language.split("-")[0].lower())
+    return named if named in synth.languages else asked
+
+
+def speech_identity(synth, voice: Line, chunk_chars: float) -> dict:
+    """Everything besides a chunk's text and seed that decides its audio: the model (a digest of its weights), the
+    dtypes and weight format, the voice, the sampling, the chunking and rvqtts's version."""
+    engine = synth.engine_record()
+    clone = voice.clone
+    cloned = None
+    if clone is not None:
+        sources = [path for path in (clone.ref_audio, clone.voice) if path is not None]
+        cloned = {**clone.record(), "digest": [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in sources]}
+    return {
+        "model": {
+            "kind": synth.kind,
+            "talker": weight_digest(synth.talker.codec_head.weight)[:16],
+            "predictor": predictor_fingerprint(synth.code_predictor),
+        },
+        "engine": {key: engine[key] for key in ("device", "dtype", "decoder_dtype", "weights")},
+        "voice": {"speaker": voice.speaker, "language": voice.language, "instruct": voice.instruct, "clone": cloned},
+        "settings": asdict(voice.settings or GenerationSettings()),
+        "chunk_chars": chunk_chars,
+        "rvqtts": version("rvqtts"),
+    }
+
+
+def chunk_key(identity: dict, chunk: PlannedChunk) -> str:
+    """A chunk's name in the store: a digest of its text, its seed and the speech identity."""
+    keyed = json.dumps({**identity, "text": chunk.text, "seed": chunk.seed}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(keyed.encode()).hexdigest()[:32]
+
+
+def expected_seconds(plan: ChapterPlan) -> float:
+    """A chapter's audio length expected from its text (about 14 Latin characters a second)."""
+    return plan.weight / LATIN_CHARS_PER_SECOND
+
+
+def narrate(
+    synth,
+    document: Document,
+    out_dir: str | Path,
+    voice: Line = Line(),
+    options: ReadingOptions = ReadingOptions(),
+    on_progress: Callable[[ReadingProgress], None] | None = None,
+    on_notice: Callable[[str], None] | None = None,
+) -> ReadingResult:
+    """Speak `document` into `out_dir` in `voice` (speaker, language, instruct, cloned voice and sampling settings;
+    its seed and text are not used: each chunk has its own, rvqtts.documents.plan). Writes each chapter's audio and
+    captions as it is finished, the audiobook (.m4b) once every chapter is there, and manifest.json. Raises OSError
+    where the folder cannot be written (a full disk: the chapters finished stay whole, a rerun resumes) and
+    NonFiniteError for a model that made NaN or inf; a chunk that fails fails its chapter, the others go on."""
+    began = time.perf_counter()
+    out_dir = Path(out_dir)
+    voice = replace(voice, language=document_language(synth, document, voice.language))
+    plans = plan_document(document, options.seed, options.lexicon, options.chunk_chars)
+    asked = [plans[n - 1] for n in (options.chapters or range(1, len(plans) + 1))]
+    identity = speech_identity(synth, voice, options.chunk_chars)
+    keys = {plan.number: [chunk_key(identity, chunk) for chunk in plan.chunks] for plan in asked}
+    job = _Job(synth, document, out_dir, voice, options, keys, on_progress, began)
+    job.start(asked)
+    to_make = [(plan, chunk, key) for plan in job.making for chunk, key in zip(plan.chunks, keys[plan.number])]
+    missing = [(plan, chunk, key) for plan, chunk, key in to_make if not job.stored(key)]
+    for plan in job.making:
+        if not any(made_plan is plan for made_plan, _, _ in missing):
+            job.assemble(plan)
+    if missing:
+        rows = options.batch_size or synth.batch_size
+        if rows is None:
+            rows, source = choose_batch_size(synth, len(missing), on_notice)
+            if on_notice:
+                on_notice(f"batch size {rows}: {source}")
+        job.speak(missing, rows, on_notice)
+    return job.finish(plans, identity)
+
+
+class _Job:
+    """One run of `narrate`: the chapters' states, the chunks' store, the manifest and the progress."""
+
+    def __init__(self, synth, document, out_dir, voice, options, keys, on_progress, began):
+        self.synth, self.document, self.out_dir, self.voice, self.options = synth, document, out_dir, voice, options
+        self.keys, self.on_progress, self.began = keys, on_progress, began
+        self.store = out_dir / CHUNK_STORE
+        self.previous = read_records(out_dir / MANIFEST)
+        self.results: dict[int, ChapterResult] = {}
+        self.entries: dict[int, dict] = {int(e["number"]): e for e in self.previous.get("chapters", [])}
+        self.making: list[ChapterPlan] = []
+        self.notices: list[str] = list(document.notices)
+        self.chunks_total = self.chunks_done = 0
+        self.made_chunks = 0
+        self.audio_made = 0.0
+        self.rows = 1
+
+    def stored(self, key: str) -> bool:
+        return (self.store / f"{key}{CHUNK_FORMAT}").is_file()
+
+    def start(self, asked: list[ChapterPlan]) -> None:
+        """Each chapter asked for: done before (its file there with these chunks), kept (there, other settings), or to
+        make (its file missing, not in the manifest, or --force)."""
+        for plan in asked:
+            name = chapter_file(plan, self.options.audio_suffix)
+            entry = self.entries.get(plan.number)
+            there = (self.out_dir / name).is_file() and entry is not None and entry.get("file") == name
+            if there and not self.options.force and entry.get("keys") == self.keys[plan.number]:
+                self.results[plan.number] = ChapterResult(plan.number, plan.title, "done", name, entry.get("seconds"))
+            elif there and not self.options.force:
+                self.results[plan.number] = ChapterResult(plan.number, plan.title, "kept", name, entry.get("seconds"))
+                self.notices.append(
+                    f"chapter {plan.number}: {name} was made with other text or settings and is kept; --force "
+                    f"--chapters {plan.number} remakes it"
+                )
+            else:
+                self.making.append(plan)
+        self.chunks_total = sum(len(self.keys[plan.number]) for plan in asked)
+        self.chunks_done = self.chunks_total - sum(len(plan.chunks) for plan in self.making)
+        self.chunks_done += sum(self.stored(key) for plan in self.making for key in self.keys[plan.number])
+        self.report()
+
+    def report(self) -> None:
+        if self.on_progress:
+            done = sum(result.status != "failed" for result in self.results.values())
+            self.on_progress(
+                ReadingProgress(
+                    self.chunks_done,
+                    self.chunks_total,
+                    done,
+                    len(self.keys),
+                    self.audio_made,
+                    time.perf_counter() - self.began,
+                )
+            )
+
+    def speak(self, missing: list[tuple[ChapterPlan, PlannedChunk, str]], rows: int, on_notice) -> None:
+        """Make the missing chunks `rows` at a time, each stored as it ends; a chapter is assembled once its last
+        chunk is stored, or fails with its first failed chunk."""
+        self.rows = rows
+        waiting = {plan.number: sum(1 for p, _, _ in missing if p is plan) for plan in self.making}
+        by_key = {key: (plan, chunk) for plan, chunk, key in missing}
+        lines = [Line(text=chunk.text, seed=chunk.seed, utterance=0, name=f"{key}.wav") for _, chunk, key in missing]
+        defaults = replace(self.voice, text="", seed=None, utterance=None, name=None)
+        answers = attempt(self.synth, lines, defaults, self.options.chunk_chars, rows, on_notice)
+        for line, (status, value) in answers:
+            key = line.name.removesuffix(".wav")
+            plan, chunk = by_key[key]
+            if plan.number in self.results:  # its chapter failed already
+                continue
+            if status != "done":
+                self.fail(plan, f"chunk {chunk.number} ({chunk.text[:40]!r}...): {value}")
+                continue
+            self.keep(key, value)
+            waiting[plan.number] -= 1
+            if not waiting[plan.number]:
+                self.assemble(plan)
+
+    def keep(self, key: str, rendered: Rendered) -> None:
+        """A chunk's record, then its audio (whose presence means done), into the store: the 16-bit samples of its
+        WAV (`rendered.audio`, the bytes `rvqtts synth -o chunk.wav` writes) in FLAC, half the size."""
+        import soundfile
+
+        write_json(self.store / f"{key}.json", {"warnings": rendered.record["warnings"], "record": rendered.record})
+        samples, rate = soundfile.read(io.BytesIO(rendered.audio), dtype="int16")
+        flac = io.BytesIO()
+        soundfile.write(flac, samples, rate, format="FLAC", subtype="PCM_16")
+        write_atomically(self.store / f"{key}{CHUNK_FORMAT}", flac.getvalue())
+        self.chunks_done += 1
+        self.made_chunks += 1
+        self.audio_made += rendered.record["audio_seconds"]
+        self.report()
+
+    def fail(self, plan: ChapterPlan, error: str) -> None:
+        name = chapter_file(plan, self.options.audio_suffix)
+        self.results[plan.number] = ChapterResult(plan.number, plan.title, "failed", name, error=error)
+        self.notices.append(f"chapter {plan.number} failed: {error}")
+
+    def assemble(self, plan: ChapterPlan) -> None:
+        """A chapter's file and captions from its stored chunks (written atomically), and its manifest entry."""
+        import soundfile
+
+        name = chapter_file(plan, self.options.audio_suffix)
+        keys = self.keys[plan.number]
+        placements: list = []
+        blocks = chapter_blocks(
+            self.store, plan, keys, self.synth.sample_rate, self.options.paragraph_pause, placements
+        )
+        container, subtype = audio_format(name)
+        frames = 0
+        with atomic_path(self.out_dir / name) as partial:
+            with soundfile.SoundFile(partial, "w", self.synth.sample_rate, 1, subtype, format=container) as sink:
+                for block in blocks:
+                    sink.write(np.clip(block, -1.0, 1.0))
+                    frames += block.size
+        seconds = round(frames / self.synth.sample_rate, 3)
+        cues = sentence_cues([(start, end, chunk.sentences) for chunk, start, end in placements], plan.sentences)
+        if self.options.captions:
+            stem = self.out_dir / Path(name).stem
+            write_atomically(stem.with_suffix(".srt"), srt(cues).encode())
+            write_atomically(stem.with_suffix(".vtt"), webvtt(cues).encode())
+        self.entries[plan.number] = self.entry(plan, name, keys, seconds, placements)
+        self.results[plan.number] = ChapterResult(plan.number, plan.title, "made", name, seconds)
+        self.write_manifest(None)
+        self.report()
+
+    def entry(self, plan: ChapterPlan, name: str, keys: list[str], seconds: float, placements: list) -> dict:
+        """A chapter's manifest entry: its files, length, and chunks with their places and warnings."""
+        chunks = []
+        for (chunk, start, end), key in zip(placements, keys):
+            warnings = read_records(self.store / f"{key}.json").get("warnings", [])
+            chunks.append(
+                {
+                    "number": chunk.number,
+                    "paragraph": chunk.paragraph,
+                    "text": chunk.text,
+                    "seed": chunk.seed,
+                    "start": round(start, 3),
+                    "end": round(end, 3),
+                    "warnings": warnings,
+                }
+            )
+        captions = [f"{Path(name).stem}.srt", f"{Path(name).stem}.vtt"] if self.options.captions else []
+        return {
+            "number": plan.number,
+            "title": plan.title,
+            "file": name,
+            "captions": captions,
+            "seconds": seconds,
+            "characters": plan.characters,
+            "keys": keys,
+            "chunks": chunks,
+        }
+
+    def warnings(self) -> list[str]:
+        """The chunks' warnings (cut at their frame limit), chapter by chapter."""
+        return [
+            f"chapter {entry['number']}, chunk {chunk['number']}: {warning}"
+            for entry in sorted(self.entries.values(), key=lambda e: e["number"])
+            for chunk in entry["chunks"]
+            for warning in chunk["warnings"]
+        ]
+
+    def write_manifest(self, audiobook: dict | None, statistics: dict | None = None) -> None:
+        document = self.document
+        write_json(
+            self.out_dir / MANIFEST,
+            {
+                "document": {
+                    "title": document.title,
+                    "author": document.author,
+                    "language": document.language,
+                    "chapters": len(document.chapters),
+                },
+                "settings": {
+                    "seed": self.options.seed,
+                    "paragraph_pause": self.options.paragraph_pause,
+                    "chapter_pause": self.options.chapter_pause,
+                    "chunk_chars": self.options.chunk_chars,
+                    "lexicon_entries": len(self.options.lexicon.entries),
+                    "seed_rule": "sha256('SEED:CHAPTER:CHUNK')[:4] >> 1 (docs/documents.md)",
+                },
+                "chapters": [self.entries[number] for number in sorted(self.entries)],
+                "audiobook": audiobook or self.previous.get("audiobook"),
+                "warnings": self.warnings(),
+                "notices": self.notices,
+                "statistics": statistics or self.previous.get("statistics"),
+            },
+        )
+
+    def finish(self, plans: list[ChapterPlan], identity: dict) -> ReadingResult:
+        """The audiobook once every chapter of the document is there (remade when a chapter was), the manifest."""
+        audiobook_path, audiobook = None, None
+        failed = any(result.status == "failed" for result in self.results.values())
+        there = [p.number in self.entries and (self.out_dir / self.entries[p.number]["file"]).is_file() for p in plans]
+        if self.options.audiobook and all(there) and not failed:
+            audiobook_path = self.out_dir / f"{slug(self.document.title) or 'audiobook'}.m4b"
+            remade = any(result.status == "made" for result in self.results.values())
+            if remade or self.options.force or not audiobook_path.is_file():
+                audiobook = self.write_audiobook(audiobook_path)
+        elif self.options.audiobook and not failed:
+            self.notices.append("the audiobook is made once every chapter is (run without --chapters)")
+        self.write_cover()
+        wall = time.perf_counter() - self.began
+        statistics = {
+            "chunks": self.chunks_total,
+            "chunks_made": self.made_chunks,
+            "audio_seconds_made": round(self.audio_made, 3),
+            "wall_seconds": round(wall, 3),
+            "audio_per_wall_second": round(self.audio_made / wall, 4) if self.made_chunks else None,
+            "batch_rows": self.rows,
+            "identity": identity,
+        }
+        self.write_manifest(audiobook, statistics)
+        return ReadingResult(
+            [self.results[n] for n in sorted(self.results)],
+            audiobook_path if audiobook_path and audiobook_path.is_file() else None,
+            self.out_dir / MANIFEST,
+            statistics,
+            self.notices,
+            self.warnings(),
+        )
+
+    def write_cover(self) -> None:
+        """The document's cover image beside the chapters (cover.jpg, cover.png, ...), where it has one."""
+        cover = self.document.cover
+        suffix = COVER_SUFFIXES.get(cover.media_type) if cover else None
+        if suffix and (self.options.force or not (self.out_dir / f"cover{suffix}").is_file()):
+            write_atomically(self.out_dir / f"cover{suffix}", cover.data)
+
+    def write_audiobook(self, path: Path) -> dict:
+        """The .m4b of every chapter's file, read back block by block, a chapter pause after each."""
+        import soundfile
+
+        def blocks(name: str):
+            return lambda: soundfile.blocks(str(self.out_dir / name), blocksize=BLOCK, dtype="float32")
+
+        entries = [self.entries[number] for number in sorted(self.entries)]
+        chapters = [BookChapter(entry["title"], blocks(entry["file"])) for entry in entries]
+        document = self.document
+        marks = write_audiobook(
+            path, chapters, self.synth.sample_rate, document.title, document.author, self.options.chapter_pause
+        )
+        return {
+            "file": path.name,
+            "chapters": [
+                {"title": entry["title"], "start": round(start, 3), "end": round(end, 3)}
+                for entry, (start, end) in zip(entries, marks)
+            ],
+        }
+
+
+def chapter_blocks(
+    store: Path, plan: ChapterPlan, keys: list[str], sample_rate: int, paragraph_pause: float, placements: list
+) -> Iterator[np.ndarray]:
+    """A chapter's samples from its stored chunks, block by block: the chunks of a paragraph joined by a crossfade
+    (rvqtts.support.audio.StreamJoiner, as a long line's chunks are), a pause of silence between paragraphs. Each
+    chunk's (chunk, start, end) in seconds is appended to `placements`."""
+    import soundfile
+
+    silence = np.zeros(int(round(paragraph_pause * sample_rate)), dtype=np.float32)
+    position = 0
+    paired = list(zip(plan.chunks, keys))
+    for index, (_, group) in enumerate(groupby(paired, key=lambda pair: pair[0].paragraph)):
+        if index:
+            yield silence
+            position += silence.size
+        joiner, joined = StreamJoiner(sample_rate), 0
+        for chunk, key in group:
+            samples, _ = soundfile.read(str(store / f"{key}{CHUNK_FORMAT}"), dtype="float32")
+            overlap = min(joiner.overlap, joined, samples.size)
+            start = position + joined - overlap
+            placements.append((chunk, start / sample_rate, (start + samples.size) / sample_rate))
+            joined += samples.size - overlap
+            yield joiner.add(samples, new_part=True)
+        yield joiner.finish()
+        position += joined

@@ -1,0 +1,197 @@
+"""`rvqtts read` on the tiny checkpoint: a Markdown book to chapter files, captions, an .m4b read back with PyAV and a
+manifest; the same bytes whatever the batch size, after kill -9 and a resume, after a full disk and a rerun; a chunk's
+audio exactly `rvqtts synth`'s with its seed (rvqtts.documents.narration)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from rvqtts.documents.narration import ReadingOptions, narrate
+from rvqtts.synthesis.settings import GenerationSettings, Line
+from tests.helpers import run_cli, wait_until
+
+KEEPER = Path(__file__).parent / "data" / "keeper.md"
+FRAMES = ("--max-frames", "6")  # random weights rarely end their speech: every chunk is cut here
+AAC_FRAME_SECONDS = 1024 / 24000
+
+
+def read_book(tiny_dir: Path, out: Path, *extra: object):
+    return run_cli("read", KEEPER, "--out-dir", out, "--model", tiny_dir, "--seed", 5, *FRAMES, *extra)
+
+
+def outputs(folder: Path) -> dict[str, bytes]:
+    """Every file a reading leaves besides its manifest (which holds its timings) and the chunk store."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and p.name != "manifest.json"}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir, tmp_path_factory) -> Path:
+    """The book read in one uninterrupted run, three chunks at a time."""
+    out = tmp_path_factory.mktemp("reference") / "book"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RVQTTS_CACHE", str(out.parent / "cache"))
+        result = read_book(tiny_dir, out, "--batch-size", 3)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_a_book_becomes_chapter_files_captions_an_audiobook_and_a_manifest(reference):
+    import av
+
+    manifest = json.loads((reference / "manifest.json").read_text())
+    chapters = manifest["chapters"]
+    assert [c["file"] for c in chapters] == [
+        "01-chapter-one-the-storm.wav",
+        "02-chapter-two-the-ship.wav",
+        "03-chapter-three-the-morning.wav",
+    ]
+    for chapter in chapters:
+        samples, rate = soundfile.read(reference / chapter["file"], dtype="float32")
+        assert samples.size / rate == pytest.approx(chapter["seconds"], abs=1e-3)
+        chunks = chapter["chunks"]
+        assert chunks[0]["start"] == 0 and chunks[-1]["end"] == pytest.approx(chapter["seconds"], abs=1e-3)
+        for before, after in zip(chunks, chunks[1:]):  # a crossfade within a paragraph, a pause between them
+            gap = after["start"] - before["end"]
+            assert gap == pytest.approx(0.5 if after["paragraph"] != before["paragraph"] else -0.05, abs=1e-3)
+        srt = (reference / chapter["captions"][0]).read_text()
+        vtt = (reference / chapter["captions"][1]).read_text()
+        assert vtt.startswith("WEBVTT\n\n") and srt.startswith("1\n00:00:00,000 --> ")
+        assert srt.count(" --> ") == vtt.count(" --> ") > len(chunks) - 1  # a cue per sentence
+        last_end = srt.strip().split("\n\n")[-1].split("\n")[1].split(" --> ")[1]
+        assert last_end == _clock(chapter["seconds"])
+    assert "Thank you, keeper." in (reference / "03-chapter-three-the-morning.srt").read_text()
+    assert len(manifest["warnings"]) == sum(len(c["chunks"]) for c in chapters)  # every chunk cut at 6 frames
+    book = manifest["audiobook"]
+    with av.open(str(reference / book["file"])) as container:
+        assert container.metadata["title"] == "The Keeper of the Northern Light"
+        marks = container.chapters()
+        duration = container.duration / 1e6
+    assert [mark["metadata"]["title"] for mark in marks] == [c["title"] for c in chapters]
+    start = 0.0
+    for mark, chapter in zip(marks, chapters):  # each chapter's first sample, within one AAC frame
+        assert abs(float(mark["start"] * mark["time_base"]) - start) <= AAC_FRAME_SECONDS
+        start += chapter["seconds"] + 2.0
+    assert duration == pytest.approx(start, abs=2 * AAC_FRAME_SECONDS)
+
+
+def _clock(seconds: float) -> str:
+    millis = round(seconds * 1000)
+    return f"00:{millis // 60000:02d}:{millis // 1000 % 60:02d},{millis % 1000:03d}"
+
+
+def test_a_chunk_is_what_synth_makes_with_its_seed(reference, tiny_dir, tmp_path):
+    chunk = json.loads((reference / "manifest.json").read_text())["chapters"][1]["chunks"][2]
+    result = run_cli(
+        "synth", chunk["text"], "--seed", chunk["seed"], "--model", tiny_dir, *FRAMES, "-o", tmp_path / "one.wav"
+    )
+    assert result.exit_code == 0, result.output
+    alone, _ = soundfile.read(tmp_path / "one.wav", dtype="int16")
+    key = json.loads((reference / "manifest.json").read_text())["chapters"][1]["keys"][2]
+    stored, _ = soundfile.read(reference / ".chunks" / f"{key}.flac", dtype="int16")
+    np.testing.assert_array_equal(stored, alone)
+
+
+def test_one_row_at_a_time_writes_the_same_files(reference, tiny_dir, tmp_path):
+    result = read_book(tiny_dir, tmp_path / "book", "--batch-size", 1)
+    assert result.exit_code == 0, result.output
+    assert outputs(tmp_path / "book") == outputs(reference)
+
+
+def test_kill_9_then_the_same_command_ends_with_the_same_bytes(reference, tiny_dir, tmp_path):
+    out = tmp_path / "book"
+    command = [sys.executable, "-m", "rvqtts.cli", "read", str(KEEPER), "--out-dir", str(out), "--model", str(tiny_dir)]
+    command += ["--seed", "5", *FRAMES, "--batch-size", "1", "-q"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: len(list((out / ".chunks").glob("*.flac"))) >= 3, 120, "three chunks stored")
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait(30)
+    assert process.returncode == -signal.SIGKILL
+    assert not list(out.glob("*.m4b")) and len(list((out / ".chunks").glob("*.flac"))) < 20
+    result = read_book(tiny_dir, out, "--batch-size", 1)
+    assert result.exit_code == 0, result.output
+    assert outputs(out) == outputs(reference)
+    assert not [p for p in out.rglob("*") if p.name.endswith(".partial")]
+
+
+def test_a_full_disk_keeps_the_chapters_finished_and_a_rerun_resumes(reference, tiny_dir, tmp_path, monkeypatch):
+    from rvqtts.documents import narration
+
+    out, written = tmp_path / "book", []
+    real_write = narration.write_atomically
+
+    def filling(path, data):
+        if len(written) == 9:  # chapter one is 7 chunks, written with its captions: the disk fills in chapter two
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        written.append(path)
+        real_write(path, data)
+
+    monkeypatch.setattr(narration, "write_atomically", filling)
+    result = read_book(tiny_dir, out)
+    assert result.exit_code == 2 and "No space left on device" in result.output and "again" in result.output
+    assert (out / "01-chapter-one-the-storm.wav").read_bytes() == (
+        reference / "01-chapter-one-the-storm.wav"
+    ).read_bytes()
+    assert not (out / "02-chapter-two-the-ship.wav").exists()
+    monkeypatch.setattr(narration, "write_atomically", real_write)
+    result = read_book(tiny_dir, out)
+    assert result.exit_code == 0, result.output
+    assert outputs(out) == outputs(reference)
+
+
+def test_chapters_asked_for_alone_then_kept_unless_forced(reference, tiny_dir, tmp_path):
+    out = tmp_path / "book"
+    result = read_book(tiny_dir, out, "--chapters", "2")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.glob("*.wav")) == ["02-chapter-two-the-ship.wav"] and not list(out.glob("*.m4b"))
+    assert "the audiobook is made once every chapter is" in result.output
+    made = (out / "02-chapter-two-the-ship.wav").stat().st_mtime_ns
+    result = read_book(tiny_dir, out)
+    assert result.exit_code == 0 and "2 chapters made, 1 already there" in result.output, result.output
+    assert (out / "02-chapter-two-the-ship.wav").stat().st_mtime_ns == made  # a finished chapter is not rewritten
+    assert outputs(out) == outputs(reference)
+    other = run_cli("read", KEEPER, "--out-dir", out, "--model", tiny_dir, "--seed", 6, *FRAMES, "--chapters", "2")
+    assert "made with other text or settings and is kept" in other.output
+    assert (out / "02-chapter-two-the-ship.wav").stat().st_mtime_ns == made
+    forced = run_cli(
+        "read", KEEPER, "--out-dir", out, "--model", tiny_dir, "--seed", 6, *FRAMES, "--chapters", "2", "--force"
+    )
+    assert (
+        forced.exit_code == 0
+        and (out / "02-chapter-two-the-ship.wav").read_bytes() != outputs(reference)["02-chapter-two-the-ship.wav"]
+    )
+
+
+def test_list_shows_the_chapters_and_speaks_nothing(tiny_dir, tmp_path):
+    result = run_cli("read", KEEPER, "--list", "--model", tiny_dir)
+    assert result.exit_code == 0, result.output
+    for words in ("Chapter One: The Storm", "Chapter Three: The Morning", "776", "total", "1,952", "time here"):
+        assert words in result.output
+
+
+def test_the_python_api_reports_progress(tiny, tmp_path):
+    from rvqtts.documents.document import read_document
+
+    seen = []
+    options = ReadingOptions(seed=1, chapters=(3,), audiobook=False, captions=False, batch_size=2)
+    voice = Line(settings=GenerationSettings(max_frames=4))
+    result = narrate(tiny, read_document(KEEPER), tmp_path / "book", voice, options, seen.append)
+    assert [c.status for c in result.chapters] == ["made"] and result.statistics["chunks_made"] == 7
+    assert [p.chunks_done for p in seen] == sorted(p.chunks_done for p in seen) and seen[-1].chunks_done == 7
+    assert seen[-1].chapters_done == 1 and seen[-1].audio_seconds == pytest.approx(7 * 4 * 0.08, abs=0.01)
+    assert sorted(p.name for p in (tmp_path / "book").iterdir()) == [
+        ".chunks",
+        "03-chapter-three-the-morning.wav",
+        "manifest.json",
+    ]
