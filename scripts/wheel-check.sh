@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The package as users install it: build rvqtts's wheel from this checkout, install it in a fresh virtual
-# environment outside the checkout, and run from there what a user runs first: synth (one line and a batch),
-# bench predictor and serve, on a tiny checkpoint and an empty measurement cache. .ci/run calls it.
+# environment outside the checkout, and run from there what a user runs first: synth (one line and a batch), read
+# (a Markdown book to an audiobook), bench predictor and serve, on a tiny checkpoint and an empty measurement cache.
+# .ci/run calls it.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
@@ -19,6 +20,9 @@ rvqtts synth "Hello from a wheel." --model tiny-model --max-frames 8 -o wheel.wa
 printf 'One line from a wheel.\nAnother line.\n' > lines.txt
 rvqtts synth -f lines.txt --model tiny-model --max-frames 8 --out-dir batch
 test -f batch/0001.wav -a -f batch/0002.wav
+printf '# A Book\n\n## One\n\nThe first chapter.\n\n## Two\n\nThe second chapter.\n' > book.md
+rvqtts read book.md --model tiny-model --max-frames 8 --out-dir book
+python -c "import av; assert [c['metadata']['title'] for c in av.open('book/a-book.m4b').chapters()] == ['One', 'Two']"
 rvqtts bench predictor --model tiny-model --q 1,5 --repeats 3 --quiet --json bench.json
 rvqtts serve --model tiny-model --port 8871 &
 server=$!
@@ -27,4 +31,4 @@ curl -sf http://127.0.0.1:8871/v1/audio/speech -H 'Content-Type: application/jso
     -d '{"input": "Hello, served from a wheel.", "voice": "vivian", "max_frames": 8}' -o served.wav
 python -c "import soundfile; assert soundfile.info('served.wav').frames > 0 and soundfile.info('wheel.wav').frames > 0"
 curl -sf http://127.0.0.1:8871/metrics | grep -q '^rvqtts_requests_total{outcome="served"} 1.0$'
-echo "wheel check: synth, a batch, bench predictor, serve and its metrics ran from $(ls dist)"
+echo "wheel check: synth, a batch, read, bench predictor, serve and its metrics ran from $(ls dist)"

@@ -1,6 +1,6 @@
 """`rvqtts synth -f --ray` on a local Ray cluster this module starts (2 CPUs, the tiny checkpoint): the same
 files as a local run, a failing line, a worker killed in the middle of a line, a driver killed in the middle of a
-line and resumed, no Ray."""
+line and resumed, no Ray; a document read on the cluster (`rvqtts read --ray`)."""
 
 from __future__ import annotations
 
@@ -402,7 +402,7 @@ def test_a_worker_speaks_its_lines_together_as_each_alone(cluster, tiny_dir, mea
     made = {line: value for line, _, value in answers}
     for item in items:
         ((_, (_, alone)),) = attempt(worker.synth, [item], RUN, MAX_CHUNK_WEIGHT, 1)
-        assert made[item.utterance].audio == alone.audio and made[item.utterance].record["batch_rows"] == 3
+        assert made[item.name].audio == alone.audio and made[item.name].record["batch_rows"] == 3
 
 
 def test_workers_take_shares_of_lines_up_to_their_batch_size(cluster, tiny_dir, tmp_path):
@@ -417,3 +417,26 @@ def test_workers_take_shares_of_lines_up_to_their_batch_size(cluster, tiny_dir, 
     loaded = [w for w in batch.workers if w.pid]
     assert loaded and {w.rows for w in loaded} == {3} and sum(w.lines for w in batch.workers) == 7
     assert [e["line"] for e in manifest(out)] == list(range(1, 8))
+
+
+def test_a_document_read_on_ray_writes_a_local_readings_files(cluster, tiny_dir, tmp_path):
+    book = tmp_path / "book.md"
+    book.write_text("# Book\n\n## One\n\nFirst words. More words.\n\nA second paragraph.\n\n## Two\n\nLast words.\n")
+    arguments = ("read", book, "--model", tiny_dir, "--max-frames", 6, "--seed", 3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers' count: the speech decoder's last bits depend on it
+    try:
+        here = run_cli(*arguments, "--out-dir", tmp_path / "here")
+    finally:
+        torch.set_num_threads(threads)
+    assert here.exit_code == 0, here.output
+    on_ray = run_cli(*arguments, "--out-dir", tmp_path / "ray", "--ray", "auto", "--workers", 1)
+    assert on_ray.exit_code == 0 and "2 chapters made" in on_ray.output, on_ray.output
+    for folder in ("", ".chunks"):
+        made = sorted(p.name for p in (tmp_path / "ray" / folder).iterdir() if p.suffix != ".json")
+        assert made == sorted(p.name for p in (tmp_path / "here" / folder).iterdir() if p.suffix != ".json")
+        for name in made:
+            if (tmp_path / "ray" / folder / name).is_file():
+                assert (tmp_path / "ray" / folder / name).read_bytes() == (
+                    tmp_path / "here" / folder / name
+                ).read_bytes()

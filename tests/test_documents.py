@@ -101,24 +101,67 @@ def test_an_epub_gives_its_metadata_and_chapters_in_spine_order(tmp_path, versio
     assert book.notices == ("cover.xhtml has no text (images only?): skipped",)
 
 
+def test_an_epubs_notes_page_numbers_and_line_breaks_are_not_paragraphs(tmp_path):
+    body = (
+        '<p>It rained.<a epub:type="noteref" href="#n1"><sup>1</sup></a> It stopped.<span role="doc-pagebreak">12'
+        '</span></p><p>A line<br/>broken.</p><aside epub:type="footnote" id="n1"><p>A note.</p></aside>'
+    )
+    book = read_document(make_epub(tmp_path / "book.epub", [("one.xhtml", body), ("gone.xhtml", "")], extra={}))
+    assert book.chapters[0].paragraphs == ("It rained. It stopped.", "A line broken.")
+
+
+def test_an_epub_part_missing_or_damaged_is_said_or_refused_in_one_line(tmp_path):
+    whole = zipfile.ZipFile(make_epub(tmp_path / "whole.epub", CHAPTERS))
+
+    def copy(path: Path, change) -> Path:
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+            for name in whole.namelist():
+                if (data := change(name, whole.read(name))) is not None:
+                    archive.writestr(name, data)
+        return path
+
+    lost = copy(tmp_path / "lost.epub", lambda name, data: None if name.endswith("two.xhtml") else data)
+    assert "OEBPS/text/two.xhtml is in the reading order but not in the book: skipped" in read_document(lost).notices
+    long = copy(tmp_path / "damaged.epub", lambda name, data: data * 50 if name.endswith("one.xhtml") else data)
+    data = bytearray(long.read_bytes())
+    start = data.index(b"OEBPS/text/one.xhtml") + 40
+    data[start : start + 200] = bytes(200)  # the chapter's compressed bytes zeroed
+    long.write_bytes(bytes(data))
+    with pytest.raises(DocumentError, match="cannot read its chapter OEBPS/text/one.xhtml"):
+        read_document(long)
+
+
+def test_markdown_front_matter_is_not_spoken(tmp_path):
+    path = tmp_path / "post.md"
+    path.write_text(
+        "---\ntitle: My post\ndate: 2024-01-01\n---\n# Title\n\n## One\n\nText one.\n\n## Two\n\nText two.\n"
+    )
+    book = read_document(path)
+    assert book.title == "Title" and [c.title for c in book.chapters] == ["One", "Two"]
+    assert "date" not in " ".join(p for c in book.chapters for p in c.paragraphs)
+
+
 def test_an_epub_without_a_table_of_contents_is_titled_by_headings(tmp_path):
     path = make_epub(tmp_path / "book.epub", [("untitled-a.xhtml", "<h1>Alpha</h1><p>Text.</p>")])
     assert read_document(path).chapters[0].title == "Alpha"
 
 
 def test_obfuscated_fonts_are_not_drm_but_encrypted_text_is(tmp_path):
-    def encryption(algorithm: str) -> bytes:
-        return (
-            '<encryption xmlns="urn:oasis:names:tc:opendocument:xmlns:container" '
-            'xmlns:enc="http://www.w3.org/2001/04/xmlenc#"><enc:EncryptedData>'
-            f'<enc:EncryptionMethod Algorithm="{algorithm}"/></enc:EncryptedData></encryption>'
-        ).encode()
+    def encryption(algorithm: str, target: str) -> dict[str, bytes]:
+        return {
+            "META-INF/encryption.xml": (
+                '<encryption xmlns="urn:oasis:names:tc:opendocument:xmlns:container" '
+                'xmlns:enc="http://www.w3.org/2001/04/xmlenc#"><enc:EncryptedData>'
+                f'<enc:EncryptionMethod Algorithm="{algorithm}"/><enc:CipherData>'
+                f'<enc:CipherReference URI="{target}"/></enc:CipherData></enc:EncryptedData></encryption>'
+            ).encode()
+        }
 
-    fonts = {"META-INF/encryption.xml": encryption("http://www.idpf.org/2008/embedding")}
-    assert read_document(make_epub(tmp_path / "fonts.epub", CHAPTERS, extra=fonts)).chapters
-    locked = {"META-INF/encryption.xml": encryption("http://www.w3.org/2001/04/xmlenc#aes128-cbc")}
+    aes = "http://www.w3.org/2001/04/xmlenc#aes128-cbc"
+    for algorithm, target in [("http://www.idpf.org/2008/embedding", "OEBPS/a.xhtml"), (aes, "OEBPS/fonts/a.otf")]:
+        assert read_document(make_epub(tmp_path / "fonts.epub", CHAPTERS, extra=encryption(algorithm, target))).chapters
     with pytest.raises(DocumentError, match="protected by DRM"):
-        read_document(make_epub(tmp_path / "drm.epub", CHAPTERS, extra=locked))
+        read_document(make_epub(tmp_path / "drm.epub", CHAPTERS, extra=encryption(aes, "OEBPS/text/one.xhtml")))
 
 
 def test_markdown_chapters_at_headings_without_code_or_markup():
@@ -195,7 +238,7 @@ def test_captions_give_each_sentence_its_share_of_its_chunks():
 
 def test_chapter_selections():
     assert parse_chapters("3", 5) == [3] and parse_chapters("1,3-4", 5) == [1, 3, 4]
-    for bad in ("0", "2-9", "x", "3-1"):
+    for bad in ("0", "2-9", "x", "3-1", "2-"):
         with pytest.raises(DocumentError, match="--chapters"):
             parse_chapters(bad, 5)
 
@@ -241,7 +284,8 @@ def test_every_bad_document_is_one_line_and_exit_2_with_nothing_written(tmp_path
 def test_read_refuses_options_before_reading(tmp_path):
     for arguments, words in [
         ((), "--out-dir"),
-        (("--out-dir", tmp_path / "o", "--format", "aiff"), "rvqtts writes"),
+        (("--out-dir", tmp_path / "o", "--format", "aiff"), "chapter files can be wav, flac, ogg, mp3, opus, not aiff"),
+        (("--out-dir", tmp_path / "o", "--chapters", "3-1"), "a range goes from the lower number to the higher"),
         (("--out-dir", tmp_path / "o", "--paragraph-pause", "-1"), "paragraph pause must be 0 to 60"),
         (("--out-dir", tmp_path / "o", "--chapters", "9"), "chapters 1 to 3"),
         (("--out-dir", tmp_path / "o", "--kind", "pdf"), "unknown document kind"),

@@ -162,7 +162,7 @@ def test_chapters_asked_for_alone_then_kept_unless_forced(reference, tiny_dir, t
     assert (out / "02-chapter-two-the-ship.wav").stat().st_mtime_ns == made  # a finished chapter is not rewritten
     assert outputs(out) == outputs(reference)
     other = run_cli("read", KEEPER, "--out-dir", out, "--model", tiny_dir, "--seed", 6, *FRAMES, "--chapters", "2")
-    assert "made with other text or settings and is kept" in other.output
+    assert "made with other text, settings or pauses and is kept" in other.output
     assert (out / "02-chapter-two-the-ship.wav").stat().st_mtime_ns == made
     forced = run_cli(
         "read", KEEPER, "--out-dir", out, "--model", tiny_dir, "--seed", 6, *FRAMES, "--chapters", "2", "--force"
@@ -195,3 +195,21 @@ def test_the_python_api_reports_progress(tiny, tmp_path):
         "03-chapter-three-the-morning.wav",
         "manifest.json",
     ]
+
+
+def test_a_rerun_with_other_pauses_keeps_the_chapter_and_a_shorter_book_drops_the_rest(tiny, tmp_path):
+    from rvqtts.documents.document import Chapter, Document
+
+    book = Document("Two Parts", (Chapter("One", ("First words.", "More words.")), Chapter("Two", ("Last words.",))))
+    voice, out = Line(settings=GenerationSettings(max_frames=2)), tmp_path / "book"
+    first = narrate(tiny, book, out, voice, ReadingOptions(batch_size=2))
+    assert [c.status for c in first.chapters] == ["made", "made"] and first.audiobook is not None
+    made = (out / "01-one.wav").read_bytes()
+    paused = narrate(tiny, book, out, voice, ReadingOptions(batch_size=2, paragraph_pause=1.5))
+    assert [c.status for c in paused.chapters] == ["kept", "kept"] and (out / "01-one.wav").read_bytes() == made
+    assert any("01-one.wav was made with other text, settings or pauses and is kept" in n for n in paused.notices)
+    shorter = Document("Two Parts", book.chapters[:1])
+    narrate(tiny, shorter, out, voice, ReadingOptions(batch_size=2, force=True))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [c["title"] for c in manifest["chapters"]] == ["One"]
+    assert [mark["title"] for mark in manifest["audiobook"]["chapters"]] == ["One"]

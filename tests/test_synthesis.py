@@ -32,7 +32,7 @@ def test_speculative_and_plain_synthesis_give_the_same_codes_and_audio(tiny):
     assert plain.stats.frames == spec.stats.frames == frames
     assert plain.stats.calls == 15 * frames and spec.stats.calls < plain.stats.calls
     assert spec.stats.codes == 15 * frames
-    assert set(plain.seconds) >= {"wall", "talker", "predictor", "decoder"}
+    assert min(plain.seconds.wall, plain.seconds.talker, plain.seconds.predictor, plain.seconds.decoder) > 0
     # the inner loop's time by part: every part of a round, within the predictor's time per frame
     parts = {"prefill", "layout", "drafts", "forward", "heads", "draws", "walk"}
     for run, named in ((plain, {"plain"}), (spec, parts)):

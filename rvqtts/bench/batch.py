@@ -62,7 +62,7 @@ def rvqtts_batches(
             raise outcome
         audio += outcome.audio.size / outcome.sample_rate
         first = first or time.perf_counter() - started
-        firsts.append(outcome.seconds["first_audio"])
+        firsts.append(outcome.seconds.first_audio)
     return {
         "wall_seconds": time.perf_counter() - started,
         "audio_seconds": audio,

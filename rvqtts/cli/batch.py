@@ -111,6 +111,20 @@ def run_here(
     _report(results, out_dir, stats_json, quiet, time.perf_counter() - began)
 
 
+def say_worker_threads(spec, quiet: bool) -> None:
+    """Say where Ray workers run another thread count than a local run here (their files' last bits can differ)."""
+    import torch
+
+    threads = torch.get_num_threads()  # a local run's here
+    if spec.gpus == 0 and max(1, int(spec.cpus)) != threads:
+        say(
+            f"each worker runs {max(1, int(spec.cpus))} torch thread(s), a local run here {threads}: the speech "
+            f"decoder's last bits depend on it, so files can differ from a local run's (the codes do not); "
+            f"--cpus-per-worker {threads} gives a local run's bytes (docs/cluster.md)",
+            quiet,
+        )
+
+
 def run_on_ray(
     spec,
     address: str,
@@ -127,7 +141,6 @@ def run_on_ray(
 ) -> None:
     """The batch on a Ray cluster; the driver (this process) writes every file. A cluster that fails
     before any file is written is exit 2 with one line, after some were written exit 1 (they stay)."""
-    import torch
 
     from rvqtts.serving.cluster import ClusterError, synthesize_batch_on_ray
 
@@ -135,14 +148,7 @@ def run_on_ray(
         f"starting Ray workers for {file.name} ({'a cluster here or $RAY_ADDRESS' if address == 'auto' else address})",
         quiet,
     )
-    threads = torch.get_num_threads()  # a local run's here
-    if spec.gpus == 0 and max(1, int(spec.cpus)) != threads:
-        say(
-            f"each worker runs {max(1, int(spec.cpus))} torch thread(s), a local run here {threads}: the speech "
-            f"decoder's last bits depend on it, so files can differ from a local run's (the codes do not); "
-            f"--cpus-per-worker {threads} gives a local run's bytes (docs/cluster.md)",
-            quiet,
-        )
+    say_worker_threads(spec, quiet)
     with _batch_progress(f"synthesizing {file.name} on Ray", None, file, out_dir, quiet) as lines:
         try:
             batch = synthesize_batch_on_ray(

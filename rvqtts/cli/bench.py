@@ -12,6 +12,7 @@ from rvqtts.cli.common import (
     HELP_STYLE,
     WEIGHTS_HELP,
     app,
+    batch_rows,
     check_coreml,
     fail,
     json_option,
@@ -270,6 +271,77 @@ def bench_batch_command(
                 progress=lambda done, total: progress.update(task, completed=done, total=total),
             )
     publish(result, json_out, batch_table, quiet, model=model)
+
+
+@bench_app.command("document")
+def bench_document_command(
+    document: Optional[Path] = typer.Option(
+        None, help="A document (.epub, .md, .txt); default: a Markdown book of --chunks paragraphs of stock sentences."
+    ),
+    chunks: int = typer.Option(48, help="Chunks of the default book (a paragraph each, in 4 chapters)."),
+    model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
+    speaker: Optional[str] = typer.Option(None, help="Speaker (CustomVoice models)."),
+    max_frames: Optional[int] = typer.Option(20, help="Most frames per chunk (random weights rarely end speech)."),
+    batch_size: str = typer.Option("auto", help="Rows of the batched side (auto: measured best here)."),
+    stock: bool = typer.Option(True, "--stock/--no-stock", help="Time stock qwen-tts over the same chunks too."),
+    repeats: int = typer.Option(1, help="Turns of every side."),
+    seed: int = typer.Option(0, help="The document's seed."),
+    memory: Optional[str] = typer.Option(
+        None,
+        help="Chunk counts of default books whose peak memory is measured, each read by `rvqtts read` in a process of "
+        "its own (e.g. 10,200).",
+    ),
+    spec: bool = typer.Option(True, "--spec/--no-spec", help="The inner loop speculative or plain."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
+    dtype: str = typer.Option("auto", help="Model dtype: auto, float32, bfloat16 or float16."),
+    weights: str = typer.Option("native", help=WEIGHTS_HELP),
+    json_out: Optional[Path] = json_option(),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
+) -> None:
+    """A document spoken whole (`rvqtts read`) with its chunks B rows at a time against one row at a time, and against
+    stock qwen-tts over the same chunks, one at a time and B a call, taking turns; with --memory, the peak memory of
+    long and short books."""
+    import tempfile
+
+    from rvqtts.bench.document import bench_document, bench_document_text, document_memory, document_table
+    from rvqtts.documents.document import DocumentError, read_document
+    from rvqtts.synthesis.batch_size import choose_batch_size
+    from rvqtts.synthesis.settings import GenerationSettings
+
+    rows = batch_rows(batch_size)
+    counts = list_of_ints(memory, "--memory") if memory else []
+    if repeats < 1 or chunks < 1:
+        fail(f"--repeats and --chunks must be at least 1, got {repeats} and {chunks}")
+    with refused(DocumentError, ValueError), tempfile.TemporaryDirectory() as folder:
+        if document is None:
+            document = Path(folder) / "book.md"
+            document.write_text(bench_document_text(chunks), encoding="utf-8")
+        book = read_document(document)
+        settings = GenerationSettings(max_frames=max_frames)
+    engine = dict(device=device, dtype=dtype, weights=weights, spec=spec)
+    synthesizer = load_synthesizer(model, quiet, **engine)
+    if rows is None:
+        rows, source = choose_batch_size(synthesizer, chunks, lambda message: say(message, quiet))
+        say(f"--batch-size auto: {rows} ({source})", quiet)
+    with progress_bar(quiet) as progress:
+        task = progress.add_task("sides in turns", total=None)
+        with refused(ValueError):
+            result = bench_document(
+                synthesizer,
+                book,
+                rows,
+                settings,
+                speaker,
+                seed,
+                stock,
+                repeats,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+    if counts:
+        arguments = ["--dtype", dtype, "--weights", weights, "--batch-size", str(rows), "--seed", str(seed)]
+        arguments += [] if max_frames is None else ["--max-frames", str(max_frames)]
+        result["memory"] = document_memory(model, counts, arguments)
+    publish(result, json_out, document_table, quiet, model=model)
 
 
 @bench_app.command("dtype")

@@ -101,3 +101,21 @@ SPEC = typer.Option(True, "--spec/--no-spec", help="Speculative inner loop (defa
 TREE = typer.Option("auto", help=TREE_HELP)
 
 OFFSETS = typer.Option(None, help=OFFSETS_HELP)
+
+RAY = typer.Option(
+    None,
+    "--ray",
+    help="Run on a Ray cluster (pip install -e '.[ray]' in rvqtts's checkout): auto ($RAY_ADDRESS, or the cluster "
+    "`ray start` made here, else a new one on this machine) or the cluster's address (HOST:PORT). This machine writes "
+    "every file (docs/cluster.md).",
+)
+
+WORKERS = typer.Option(
+    None, help="--ray: workers, each loading the model once; default: as many as the cluster's CPUs (GPUs) hold."
+)
+
+CPUS_PER_WORKER = typer.Option(None, help="--ray: CPUs (torch threads) per worker; default 1.")
+
+GPUS_PER_WORKER = typer.Option(
+    None, help="--ray: GPUs per worker (fractions share one); default 0. With GPUs, --device auto is cuda."
+)

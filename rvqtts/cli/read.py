@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -21,7 +22,7 @@ from rvqtts.cli.common import (
     say,
     stderr_console,
 )
-from rvqtts.cli.synth import check_voice_files, encode_voices, generation_settings, voice_source
+from rvqtts.cli.synth import check_voice_files, encode_voices, generation_settings, ray_worker_spec, voice_source
 
 
 @app.command()
@@ -59,9 +60,13 @@ def read(
     batch_size: str = typer.Option(
         "auto",
         "--batch-size",
-        help="Chunks spoken together, a row each (auto: the size measured best on this machine and model). The files "
-        "are the same whatever the size where the kernels keep rows invariant (rvqtts tune).",
+        help="Chunks spoken together, a row each (auto: the size measured best on this machine and model; on Ray, on "
+        "each worker's). The files are the same whatever the size where the kernels keep rows invariant (rvqtts tune).",
     ),
+    ray: Optional[str] = options.RAY,
+    workers: Optional[int] = options.WORKERS,
+    cpus_per_worker: Optional[float] = options.CPUS_PER_WORKER,
+    gpus_per_worker: Optional[float] = options.GPUS_PER_WORKER,
     model: str = options.MODEL,
     device: str = options.DEVICE,
     dtype: str = options.DTYPE,
@@ -102,7 +107,7 @@ def read(
     """
     from rvqtts.documents.document import DocumentError, read_document
     from rvqtts.documents.lexicon import Lexicon, read_lexicon
-    from rvqtts.documents.narration import ReadingOptions
+    from rvqtts.documents.narration import ReadingOptions, narrate
     from rvqtts.documents.plan import parse_chapters, plan_document
     from rvqtts.synthesis.settings import Line
 
@@ -111,6 +116,10 @@ def read(
     if chunk_chars < 20:
         fail(f"--chunk-chars must be at least 20, got {chunk_chars}")
     rows = batch_rows(batch_size)
+    if ray is None and (workers, cpus_per_worker, gpus_per_worker) != (None, None, None):
+        fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
+    if ray is not None and list_chapters:
+        fail("--list measures this machine: drop --ray")
     clone = voice_source(ref_audio, ref_text, x_vector_only, voice)
     asked = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
     predictor = dict(temperature=predictor_temperature, top_k=predictor_top_k, top_p=predictor_top_p)
@@ -132,14 +141,22 @@ def read(
         check_voice_files([clone])
     if not list_chapters:
         ensure_writable(out_dir, folder=True)
+    line = Line(speaker=speaker, language=language, instruct=instruct, clone=clone, settings=settings)
+    if ray is not None:
+        engine = (device, dtype, decoder_dtype, weights, spec, tree, offsets, True)
+        worker_spec = ray_worker_spec(model, engine, workers, cpus_per_worker, gpus_per_worker)
+        voices = (clone,) if clone else ()
+        worker_spec = replace(worker_spec, voices=voices, choices=replace(worker_spec.choices, batch_size=rows))
+        _narrate_on_ray(worker_spec, ray, workers, book, out_dir, line, reading, quiet)
+        return
     engine = dict(device=device, dtype=dtype, decoder_dtype=decoder_dtype, weights=weights, spec=spec, tree=tree)
     synthesizer = load_synthesizer(model, quiet, offsets=offsets, batch_size=rows, **engine)
     if list_chapters:
         _list(synthesizer, book, plans, selection, rows, quiet)
         return
     encode_voices(synthesizer, [clone] if clone else [], clone, None, quiet)
-    line = Line(speaker=speaker, language=language, instruct=instruct, clone=clone, settings=settings)
-    _narrate(synthesizer, book, out_dir, line, reading, quiet)
+    notice = lambda message: say(message, quiet)  # noqa: E731
+    _narrate(lambda update: narrate(synthesizer, book, out_dir, line, reading, update, notice), out_dir, quiet)
 
 
 def _check_voice(model: str, speaker, language: str, instruct, clone) -> None:
@@ -194,42 +211,67 @@ def _hms(seconds: float) -> str:
 
 @contextlib.contextmanager
 def _reading_progress(quiet: bool):
-    """A progress display of chunks, chapters, audio made, speed and time left; yields its update function."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    """Progress of a reading: on a terminal a bar of chunks with the chapters, audio made, speed and time left; in a
+    log, a line as each chapter ends. Yields its update function."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+    console = stderr_console()
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("chunks, {task.fields[chapters]} chapters, {task.fields[audio]} audio, {task.fields[speed]}"),
-        TimeRemainingColumn(),
+        TextColumn("chunks, {task.fields[status]}"),
     )
-    with Progress(*columns, console=stderr_console(), transient=True, disable=quiet) as progress:
-        task = progress.add_task("reading", total=None, chapters="0/0", audio="0:00:00", speed="")
+    with Progress(*columns, console=console, transient=True, disable=quiet or not console.is_terminal) as progress:
+        task = progress.add_task("reading", total=None, status="")
+        chapters_said = [0]
 
         def update(state) -> None:
             speed = state.audio_seconds / state.wall_seconds if state.wall_seconds and state.audio_seconds else None
-            progress.update(
-                task,
-                completed=state.chunks_done,
-                total=state.chunks,
-                chapters=f"{state.chapters_done}/{state.chapters}",
-                audio=_hms(state.audio_seconds),
-                speed=f"{speed:.2f}x real time" if speed else "",
+            left = state.seconds_left
+            status = (
+                f"{state.chapters_done}/{state.chapters} chapters, {_hms(state.audio_seconds)} audio made"
+                + (f", {speed:.2f}x real time" if speed else "")
+                + (f", {_hms(left)} left" if left is not None else "")
             )
+            progress.update(task, completed=state.chunks_done, total=state.chunks, status=status)
+            if not console.is_terminal and state.chapters_done > chapters_said[0]:
+                chapters_said[0] = state.chapters_done
+                say(f"{state.chunks_done}/{state.chunks} chunks, {status}", quiet)
 
         yield update
 
 
-def _narrate(synthesizer, book, out_dir: Path, line, reading, quiet: bool) -> None:
-    """Speak the book into `out_dir`, then say what was written; exit 1 when a chapter failed, 2 when the folder
-    could not be written, INTERRUPTED on Ctrl-C (what is whole stays; the same command resumes)."""
-    from rvqtts.documents.narration import narrate
+def _narrate_on_ray(spec, address: str, workers: Optional[int], book, out_dir: Path, line, reading, quiet: bool):
+    """The book read with its chunks made by Ray workers; this process writes every file."""
+    from rvqtts.cli.batch import say_worker_threads
+    from rvqtts.documents.narration import narrate_on_ray
+    from rvqtts.serving.cluster import ClusterError
+
+    where = "a cluster here or $RAY_ADDRESS" if address == "auto" else address
+    say(f"starting Ray workers for {book.title} ({where})", quiet)
+    say_worker_threads(spec, quiet)
+
+    def run(update):
+        result, batch = narrate_on_ray(spec, book, out_dir, line, reading, address, workers, update)
+        for notice in batch.notices:
+            say(notice, quiet and not notice.startswith("warning"))
+        return result
+
+    with refused(ClusterError):
+        _narrate(run, out_dir, quiet)
+
+
+def _narrate(run, out_dir: Path, quiet: bool) -> None:
+    """`run(on_progress)` (a reading here or on Ray) under a progress display, then what was written said; exit 1
+    when a chapter failed, 2 when the folder could not be written, INTERRUPTED on Ctrl-C (what is whole stays; the
+    same command resumes)."""
+    from rvqtts.documents.audiobook import AudiobookError
     from rvqtts.engine.model.sampling import NonFiniteError
 
     try:
         with _reading_progress(quiet) as update:
-            result = narrate(synthesizer, book, out_dir, line, reading, update, lambda notice: say(notice, quiet))
+            result = run(update)
     except KeyboardInterrupt:
         typer.echo(
             f"rvqtts: interrupted: the chapters finished are whole in {out_dir} and every chunk made is kept; run the "
@@ -237,7 +279,7 @@ def _narrate(synthesizer, book, out_dir: Path, line, reading, quiet: bool) -> No
             err=True,
         )
         raise typer.Exit(INTERRUPTED) from None
-    except NonFiniteError as error:
+    except (NonFiniteError, AudiobookError) as error:
         typer.echo(f"rvqtts: error: {error}", err=True)
         raise typer.Exit(1)
     except OSError as error:
@@ -245,6 +287,11 @@ def _narrate(synthesizer, book, out_dir: Path, line, reading, quiet: bool) -> No
             f"cannot write in {out_dir}: {error.strerror or error}; the chapters finished are whole and every chunk "
             "made is kept: make room and run the same command again to go on"
         )
+    _said(result, out_dir, quiet)
+
+
+def _said(result, out_dir: Path, quiet: bool) -> None:
+    """A reading's notices, warnings and totals; exit 1 when a chapter failed."""
     for notice in result.notices:
         say(notice, quiet and not notice.startswith("chapter"))
     if result.warnings:

@@ -95,20 +95,10 @@ def synth(
         "invariant (rvqtts tune); a batch's inner loop speculates as one line's does, every row's tree round in one "
         "call.",
     ),
-    ray: Optional[str] = typer.Option(
-        None,
-        "--ray",
-        help="Batch on a Ray cluster (pip install -e '.[ray]' in rvqtts's checkout): auto ($RAY_ADDRESS, or the "
-        "cluster `ray start` made here, else a new one on this machine) or the cluster's address (HOST:PORT). This "
-        "machine writes every file (docs/cluster.md).",
-    ),
-    workers: Optional[int] = typer.Option(
-        None, help="--ray: workers, each loading the model once; default: as many as the cluster's CPUs (GPUs) hold."
-    ),
-    cpus_per_worker: Optional[float] = typer.Option(None, help="--ray: CPUs (torch threads) per worker; default 1."),
-    gpus_per_worker: Optional[float] = typer.Option(
-        None, help="--ray: GPUs per worker (fractions share one); default 0. With GPUs, --device auto is cuda."
-    ),
+    ray: Optional[str] = options.RAY,
+    workers: Optional[int] = options.WORKERS,
+    cpus_per_worker: Optional[float] = options.CPUS_PER_WORKER,
+    gpus_per_worker: Optional[float] = options.GPUS_PER_WORKER,
     model: str = options.MODEL,
     device: str = options.DEVICE,
     dtype: str = options.DTYPE,
@@ -193,7 +183,11 @@ def synth(
             return
     engine = (device, dtype, decoder_dtype, weights, spec, tree, offsets, cuda_graphs)
     if ray is not None:
-        worker_spec = _ray_worker_spec(file, backend, model, engine, workers, cpus_per_worker, gpus_per_worker)
+        if file is None:
+            fail("--ray is for batch files: give -f FILE --out-dir DIR")
+        if backend != "torch":
+            fail("--ray runs the torch backend; Core ML packages run on one Mac (drop --backend coreml)")
+        worker_spec = ray_worker_spec(model, engine, workers, cpus_per_worker, gpus_per_worker)
     utterances, rows = _inputs(text, file, output, out_dir, stream, batch_size, stdout_format, codes_out)
     output = output if file is not None else utterances[0].name
     ensure_writable(stats_json)
@@ -443,15 +437,7 @@ def _save_voice_only(clone, save_voice: Path, model: str, device: str, dtype: st
     encode_voices(synthesizer, [clone], clone, save_voice, quiet)
 
 
-def _ray_worker_spec(
-    file: Optional[Path],
-    backend: str,
-    model: str,
-    engine: tuple,
-    workers: Optional[int],
-    cpus: Optional[float],
-    gpus: Optional[float],
-):
+def ray_worker_spec(model: str, engine: tuple, workers: Optional[int], cpus: Optional[float], gpus: Optional[float]):
     """What each Ray worker loads (`engine`: EngineChoices's fields in order, to cuda_graphs), checked here as far as
     it can be: the workers' machines resolve the device and read the model, tree and offsets (local paths go to
     them absolute: a worker starts in a folder of its own)."""
@@ -459,10 +445,6 @@ def _ray_worker_spec(
     from rvqtts.serving.cluster import ClusterError, WorkerSpec, require_ray
     from rvqtts.synthesis.loader import EngineChoices
 
-    if file is None:
-        fail("--ray is for batch files: give -f FILE --out-dir DIR")
-    if backend != "torch":
-        fail("--ray runs the torch backend; Core ML packages run on one Mac (drop --backend coreml)")
     cpus, gpus = 1.0 if cpus is None else cpus, 0.0 if gpus is None else gpus
     if workers is not None and workers < 1:
         fail(f"--workers must be at least 1, got {workers}")

@@ -47,6 +47,15 @@ def write_audiobook(
         import av
     except ImportError as error:
         raise AudiobookError("the .m4b audiobook needs PyAV: pip install av (or --no-audiobook)") from error
+    try:
+        return _written(av, path, chapters, sample_rate, title, author, pause_seconds)
+    except av.FFmpegError as error:
+        if isinstance(error, OSError):  # the disk full, the folder gone: the caller's to say
+            raise
+        raise AudiobookError(f"cannot write the audiobook {path.name}: {error}") from error
+
+
+def _written(av, path, chapters, sample_rate, title, author, pause_seconds) -> list[tuple[float, float]]:
     marks: list[tuple[int, int]] = []
     with atomic_path(path) as partial:
         with av.open(str(partial), "w", format="ipod") as container:

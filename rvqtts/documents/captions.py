@@ -16,7 +16,7 @@ class Cue:
 
 def sentence_cues(placements: list[tuple[float, float, tuple[tuple[int, float], ...]]], sentences: tuple[str, ...]):
     """Cues for `sentences` (numbered from 1) from each chunk's (start, end, its sentences' shares), in order; a
-    sentence spread over chunks spans them."""
+    sentence spread over chunks spans them, and no cue starts before the one before it ends."""
     spans: dict[int, list[float]] = {}
     for start, end, shares in placements:
         at = start
@@ -25,9 +25,12 @@ def sentence_cues(placements: list[tuple[float, float, tuple[tuple[int, float], 
             span = spans.setdefault(number, [at, until])
             span[1] = until
             at = until
-    return [
-        Cue(round(start, 3), round(end, 3), sentences[number - 1]) for number, (start, end) in sorted(spans.items())
-    ]
+    cues, previous_end = [], 0.0
+    for number, (start, end) in sorted(spans.items()):  # a crossfade's overlap goes to the later sentence's cue
+        start = min(max(start, previous_end), end)
+        cues.append(Cue(round(start, 3), round(end, 3), sentences[number - 1]))
+        previous_end = end
+    return cues
 
 
 def _clock(seconds: float, separator: str) -> str:

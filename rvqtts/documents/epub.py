@@ -6,7 +6,9 @@ refused; fonts obfuscated as encryption.xml declares are not DRM and are read pa
 from __future__ import annotations
 
 import posixpath
+import re
 import zipfile
+import zlib
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote
@@ -20,9 +22,13 @@ FONT_OBFUSCATION = {"http://www.idpf.org/2008/embedding", "http://ns.adobe.com/p
 XHTML_TYPES = {"application/xhtml+xml", "text/html"}
 _BLOCKS = {
     "p", "div", "h1", "h2", "h3", "h4", "h5", "h6", "li", "blockquote", "dt", "dd", "pre", "tr", "th", "td",
-    "section", "article", "aside", "header", "footer", "figcaption", "caption", "br", "hr", "body", "table", "ul", "ol",
+    "section", "article", "aside", "header", "footer", "figcaption", "caption", "hr", "body", "table", "ul", "ol",
 }  # fmt: skip
 _UNSPOKEN = {"script", "style", "head", "title", "rt", "rp", "svg", "math", "template"}
+# notes, note references and page numbers (EPUB 3's epub:type, DPUB-ARIA's role) are not read in the running text
+_UNSPOKEN_KINDS = {"footnote", "endnote", "rearnote", "noteref", "pagebreak", "annoref"}
+_FONT_SUFFIXES = (".ttf", ".otf", ".woff", ".woff2")
+_XML_ENCODING = re.compile(rb"""^<\?xml[^>]*encoding=["']([A-Za-z0-9._-]+)["']""")
 _HEADINGS = {"h1", "h2", "h3"}
 MAX_MEMBER_BYTES = 64 * 2**20  # no single file of a book is bigger; a larger one is not read whole
 
@@ -42,25 +48,25 @@ class _TextBlocks(HTMLParser):
         self._link: list | None = None
 
     def handle_starttag(self, tag: str, attrs) -> None:
-        if tag in _UNSPOKEN:
+        if tag in _UNSPOKEN or (self._skipping and tag not in _VOID) or _is_note(attrs):
             self._skipping += 1
         elif tag in _BLOCKS:
             self._flush()
             self._in_heading = tag in _HEADINGS
         elif tag == "a" and (href := dict(attrs).get("href")):
             self._link = [href, []]
-        elif tag == "img":  # an image's place is a word break
+        elif tag in ("img", "br"):  # a word break
             self._words.append(" ")
 
     def handle_startendtag(self, tag: str, attrs) -> None:
         if tag in _BLOCKS:
             self._flush()
-        elif tag == "img":
+        elif tag in ("img", "br"):
             self._words.append(" ")
 
     def handle_endtag(self, tag: str) -> None:
-        if tag in _UNSPOKEN:
-            self._skipping = max(self._skipping - 1, 0)
+        if self._skipping:
+            self._skipping -= 1
         elif tag in _BLOCKS:
             self._flush()
         elif tag == "a" and self._link is not None:
@@ -85,6 +91,28 @@ class _TextBlocks(HTMLParser):
     def close(self) -> None:
         super().close()
         self._flush()
+
+
+_VOID = {"br", "img", "hr", "meta", "link", "input", "wbr", "col", "source", "area", "base", "embed", "param"}
+
+
+def _is_note(attrs) -> bool:
+    """Whether an element is a note, a note reference or a page number, by its epub:type or role."""
+    named = dict(attrs)
+    kinds = (named.get("epub:type") or "").split() + [(named.get("role") or "").removeprefix("doc-")]
+    return any(kind in _UNSPOKEN_KINDS for kind in kinds)
+
+
+def _decoded(data: bytes) -> str:
+    """An XHTML file's text: its byte order mark's or XML declaration's encoding, else UTF-8 (bad bytes replaced)."""
+    for mark, encoding in ((b"\xef\xbb\xbf", "utf-8-sig"), (b"\xff\xfe", "utf-16"), (b"\xfe\xff", "utf-16")):
+        if data.startswith(mark):
+            return data.decode(encoding, "replace")
+    declared = _XML_ENCODING.match(data)
+    try:
+        return data.decode(declared.group(1).decode() if declared else "utf-8", "replace")
+    except LookupError:
+        return data.decode("utf-8", "replace")
 
 
 def _parsed(markup: str) -> _TextBlocks:
@@ -117,7 +145,7 @@ class _Book:
             )
         try:
             return self.archive.read(name)
-        except (zipfile.BadZipFile, OSError, RuntimeError, NotImplementedError) as error:
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, RuntimeError, NotImplementedError) as error:
             raise DocumentError(f"{self.path}: cannot read its {what} {name}: {error}") from error
 
     def xml(self, name: str, what: str) -> ElementTree.Element:
@@ -133,8 +161,11 @@ def _check_drm(book: _Book) -> None:
         raise _drm(book.path)
     if "META-INF/encryption.xml" not in book.names:
         return
-    for method in book.xml("META-INF/encryption.xml", "encryption list").iterfind(".//{*}EncryptionMethod"):
-        if method.get("Algorithm") not in FONT_OBFUSCATION:
+    for encrypted in book.xml("META-INF/encryption.xml", "encryption list").iterfind(".//{*}EncryptedData"):
+        method = encrypted.find("{*}EncryptionMethod")
+        target = encrypted.find(".//{*}CipherReference")
+        font = target is not None and (target.get("URI") or "").lower().endswith(_FONT_SUFFIXES)
+        if not font and (method is None or method.get("Algorithm") not in FONT_OBFUSCATION):
             raise _drm(book.path)
 
 
@@ -158,11 +189,15 @@ def _toc_titles(book: _Book, base: str, manifest: dict, spine: ElementTree.Eleme
     )
     if nav is not None and nav["href"] in book.names:
         folder = posixpath.dirname(nav["href"])
-        for href, text in _parsed(book.read(nav["href"], "table of contents").decode("utf-8", "replace")).links:
+        for href, text in _parsed(_decoded(book.read(nav["href"], "table of contents"))).links:
             titles.setdefault(_resolve(folder, href), text)
     elif ncx is not None and ncx["href"] in book.names:
         folder = posixpath.dirname(ncx["href"])
-        for point in book.xml(ncx["href"], "table of contents").iterfind(".//{*}navPoint"):
+        try:
+            points = list(book.xml(ncx["href"], "table of contents").iterfind(".//{*}navPoint"))
+        except DocumentError:  # a damaged table of contents: the chapters are titled by their headings
+            points = []
+        for point in points:
             label, content = point.find("{*}navLabel/{*}text"), point.find("{*}content")
             if label is not None and content is not None and content.get("src"):
                 titles.setdefault(_resolve(folder, content.get("src")), collapse(label.text or ""))
@@ -206,9 +241,12 @@ def read_epub(path: Path) -> Document:
     notices: list[str] = []
     for ref in refs:
         item = manifest.get(ref.get("idref"))
-        if item is None or item["type"] not in XHTML_TYPES:
+        if item is None or item["type"] not in XHTML_TYPES or "nav" in item["properties"]:
             continue
-        parsed = _parsed(book.read(item["href"], "chapter").decode("utf-8", "replace"))
+        if item["href"] not in book.names:
+            notices.append(f"{item['href']} is in the reading order but not in the book: skipped")
+            continue
+        parsed = _parsed(_decoded(book.read(item["href"], "chapter")))
         name = item["href"]
         if not parsed.blocks:
             notices.append(f"{posixpath.basename(name)} has no text (images only?): skipped")

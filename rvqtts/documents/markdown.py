@@ -4,6 +4,8 @@ markup not spoken (emphasis marks, link targets, images); code blocks and HTML a
 
 from __future__ import annotations
 
+import re
+
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
 
@@ -21,8 +23,13 @@ def _inline_text(token: Token) -> str:
     )
 
 
+_FRONT_MATTER = re.compile(r"\A---[ \t]*\n.*?\n(---|\.\.\.)[ \t]*(\n|\Z)", re.DOTALL)
+
+
 def _blocks(text: str) -> list[tuple[int, str]]:
-    """The document's text blocks in order: (heading level, text) for headings, (0, text) for the rest."""
+    """The document's text blocks in order: (heading level, text) for headings, (0, text) for the rest; YAML front
+    matter (between --- lines at the top) is not text."""
+    text = _FRONT_MATTER.sub("", text.lstrip("\ufeff"), count=1)
     blocks, level = [], 0
     for token in MarkdownIt("commonmark").parse(text):
         if token.type == "heading_open":

@@ -13,7 +13,6 @@ import re
 import time
 import unicodedata
 from dataclasses import asdict, dataclass, field, replace
-from importlib.metadata import version
 from itertools import groupby
 from pathlib import Path
 from typing import Callable, Iterator
@@ -25,10 +24,10 @@ from rvqtts.documents.captions import sentence_cues, srt, webvtt
 from rvqtts.documents.document import Document
 from rvqtts.documents.lexicon import Lexicon
 from rvqtts.documents.plan import ChapterPlan, PlannedChunk, plan_document
-from rvqtts.engine.speculative.offsets import predictor_fingerprint, weight_digest
-from rvqtts.support.audio import StreamJoiner, audio_format
+from rvqtts.support.audio import AUDIO_FORMATS, StreamJoiner, audio_format
 from rvqtts.support.files import atomic_path, read_records, write_atomically, write_json
-from rvqtts.synthesis.batch_files import Rendered, attempt
+from rvqtts.support.memory import memory_record
+from rvqtts.synthesis.batch_files import BatchResult, Rendered, attempt
 from rvqtts.synthesis.batch_size import choose_batch_size
 from rvqtts.synthesis.settings import GenerationSettings, Line
 from rvqtts.synthesis.text import LATIN_CHARS_PER_SECOND, MAX_CHUNK_WEIGHT
@@ -63,7 +62,9 @@ class ReadingOptions:
     lexicon: Lexicon = field(default_factory=Lexicon)
 
     def __post_init__(self) -> None:
-        audio_format(f"chapter{self.audio_suffix}")  # ValueError for a format rvqtts cannot write
+        if self.audio_suffix.lower() not in AUDIO_FORMATS:
+            formats = ", ".join(suffix.lstrip(".") for suffix in AUDIO_FORMATS)
+            raise ValueError(f"chapter files can be {formats}, not {self.audio_suffix.lstrip('.') or 'nothing'}")
         for name in ("paragraph_pause", "chapter_pause"):
             if not 0 <= getattr(self, name) <= 60:
                 raise ValueError(f"{name.replace('_', ' ')} must be 0 to 60 seconds, got {getattr(self, name)}")
@@ -80,6 +81,14 @@ class ReadingProgress:
     chapters: int
     audio_seconds: float
     wall_seconds: float
+    chunks_made: int = 0  # by this run
+
+    @property
+    def seconds_left(self) -> float | None:
+        """The time left at this run's pace so far (None until it has made a chunk)."""
+        if not self.chunks_made:
+            return None
+        return (self.chunks - self.chunks_done) * self.wall_seconds / self.chunks_made
 
 
 @dataclass
@@ -121,34 +130,29 @@ def chapter_file(plan: ChapterPlan, suffix: str) -> str:
     return f"{plan.number:02d}{'-' + name if name else ''}{suffix}"
 
 
-def document_language(synth, document: Document, asked: str | None) -> str | None:
-    """The language to speak in: the one asked for, else the document's where this model speaks it, else auto."""
+def document_language(languages: list[str], document: Document, asked: str | None) -> str | None:
+    """The language to speak in: the one asked for, else the document's where the model (speaking `languages`) names
+    it, else auto."""
     if asked not in (None, "auto") or not document.language:
         return asked
     named = LANGUAGES.get(document.language.split("-")[0].lower())
-    return named if named in synth.languages else asked
+    return named if named in languages else asked
 
 
-def speech_identity(synth, voice: Line, chunk_chars: float) -> dict:
-    """Everything besides a chunk's text and seed that decides its audio: the model (a digest of its weights), the
-    dtypes and weight format, the voice, the sampling, the chunking and rvqtts's version."""
-    engine = synth.engine_record()
+def speech_identity(model: dict, voice: Line, chunk_chars: float) -> dict:
+    """Everything besides a chunk's text and seed that decides its audio: the model's identity (Synthesizer.identity:
+    its weights' digests, dtypes, weight format, rvqtts's version), the voice (a cloned one's files by content), the
+    sampling and the chunking."""
     clone = voice.clone
     cloned = None
     if clone is not None:
         sources = [path for path in (clone.ref_audio, clone.voice) if path is not None]
         cloned = {**clone.record(), "digest": [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in sources]}
     return {
-        "model": {
-            "kind": synth.kind,
-            "talker": weight_digest(synth.talker.codec_head.weight)[:16],
-            "predictor": predictor_fingerprint(synth.code_predictor),
-        },
-        "engine": {key: engine[key] for key in ("device", "dtype", "decoder_dtype", "weights")},
+        **model,
         "voice": {"speaker": voice.speaker, "language": voice.language, "instruct": voice.instruct, "clone": cloned},
         "settings": asdict(voice.settings or GenerationSettings()),
         "chunk_chars": chunk_chars,
-        "rvqtts": version("rvqtts"),
     }
 
 
@@ -177,49 +181,109 @@ def narrate(
     captions as it is finished, the audiobook (.m4b) once every chapter is there, and manifest.json. Raises OSError
     where the folder cannot be written (a full disk: the chapters finished stay whole, a rerun resumes) and
     NonFiniteError for a model that made NaN or inf; a chunk that fails fails its chapter, the others go on."""
-    began = time.perf_counter()
-    out_dir = Path(out_dir)
-    voice = replace(voice, language=document_language(synth, document, voice.language))
-    plans = plan_document(document, options.seed, options.lexicon, options.chunk_chars)
-    asked = [plans[n - 1] for n in (options.chapters or range(1, len(plans) + 1))]
-    identity = speech_identity(synth, voice, options.chunk_chars)
-    keys = {plan.number: [chunk_key(identity, chunk) for chunk in plan.chunks] for plan in asked}
-    job = _Job(synth, document, out_dir, voice, options, keys, on_progress, began)
-    job.start(asked)
-    to_make = [(plan, chunk, key) for plan in job.making for chunk, key in zip(plan.chunks, keys[plan.number])]
-    missing = [(plan, chunk, key) for plan, chunk, key in to_make if not job.stored(key)]
-    for plan in job.making:
-        if not any(made_plan is plan for made_plan, _, _ in missing):
-            job.assemble(plan)
-    if missing:
+    job = _Job(document, out_dir, voice, synth.languages, options, on_progress)
+    lines = job.begin(synth.identity(), synth.sample_rate)
+    if lines:
         rows = options.batch_size or synth.batch_size
         if rows is None:
-            rows, source = choose_batch_size(synth, len(missing), on_notice)
+            rows, source = choose_batch_size(synth, len(lines), on_notice)
             if on_notice:
                 on_notice(f"batch size {rows}: {source}")
-        job.speak(missing, rows, on_notice)
-    return job.finish(plans, identity)
+        job.rows = rows
+        for line, (status, value) in attempt(synth, lines, job.defaults, options.chunk_chars, rows, on_notice):
+            job.answer(line, status, value)
+    return job.finish()
+
+
+def narrate_on_ray(
+    spec,
+    document: Document,
+    out_dir: str | Path,
+    voice: Line = Line(),
+    options: ReadingOptions = ReadingOptions(),
+    address: str = "auto",
+    workers: int | None = None,
+    on_progress: Callable[[ReadingProgress], None] | None = None,
+):
+    """`narrate` with the chunks made by Ray workers (rvqtts.serving.cluster.WorkerSpec `spec`: each loads the model
+    once); this process stores every chunk and writes every file, as it would alone. The chunks to make are known
+    once the first worker has loaded the model (its identity keys them). Returns the ReadingResult and the
+    ClusterBatch (workers, wall time, retries); raises ClusterError where the cluster cannot run it."""
+    from rvqtts.qwen.checkpoints import model_voices
+    from rvqtts.serving.cluster import render_on_ray
+
+    job = _Job(document, out_dir, voice, model_voices(spec.model).languages, options, on_progress)
+    upper = sum(len(plan.chunks) for plan in job.plans)
+
+    batch = render_on_ray(
+        lambda loaded: job.begin(loaded["identity"], loaded["sample_rate"]),
+        spec,
+        job.defaults,
+        options.chunk_chars,
+        lambda line, status, value, worker: job.answer(line, status, value),
+        upper,
+        address=address,
+        workers=workers,
+    )
+    job.rows = max((worker.rows for worker in batch.workers), default=1)
+    return job.finish(), batch
 
 
 class _Job:
-    """One run of `narrate`: the chapters' states, the chunks' store, the manifest and the progress."""
+    """One run of `narrate`: the chapters' states, the chunks' store, the manifest and the progress. `begin` plans it
+    once the model's identity is known, `answer` takes each chunk made (here or on a Ray worker), `finish` ends it."""
 
-    def __init__(self, synth, document, out_dir, voice, options, keys, on_progress, began):
-        self.synth, self.document, self.out_dir, self.voice, self.options = synth, document, out_dir, voice, options
-        self.keys, self.on_progress, self.began = keys, on_progress, began
-        self.store = out_dir / CHUNK_STORE
-        self.previous = read_records(out_dir / MANIFEST)
+    def __init__(self, document, out_dir, voice, languages, options, on_progress):
+        self.began = time.perf_counter()
+        self.document, self.out_dir, self.options, self.on_progress = document, Path(out_dir), options, on_progress
+        self.voice = replace(voice, language=document_language(languages, document, voice.language))
+        self.defaults = replace(self.voice, text="", seed=None, utterance=None, name=None)  # every chunk's voice
+        self.plans = plan_document(document, options.seed, options.lexicon, options.chunk_chars)
+        chosen = sorted(set(options.chapters or range(1, len(self.plans) + 1)))
+        if not chosen or chosen[0] < 1 or chosen[-1] > len(self.plans):
+            raise ValueError(f"chapters {options.chapters}: the document has chapters 1 to {len(self.plans)}")
+        self.asked = [self.plans[n - 1] for n in chosen]
+        self.store = self.out_dir / CHUNK_STORE
+        self.previous = read_records(self.out_dir / MANIFEST)
         self.results: dict[int, ChapterResult] = {}
-        self.entries: dict[int, dict] = {int(e["number"]): e for e in self.previous.get("chapters", [])}
+        self.entries = _previous_entries(self.previous, len(document.chapters))
+        # how a chapter's file is made from its chunks: a file made otherwise is not this run's
+        self.assembly = {"paragraph_pause": options.paragraph_pause, "captions": options.captions}
         self.making: list[ChapterPlan] = []
-        self.notices: list[str] = list(document.notices)
+        self.notices: list[str] = []  # this run's; the document's own are the caller's (Document.notices)
         self.chunks_total = self.chunks_done = 0
         self.made_chunks = 0
         self.audio_made = 0.0
         self.rows = 1
+        self.identity: dict = {}
+        self.keys: dict[int, list[str]] = {}
+        self.sample_rate = 0
+        self.waiting: dict[int, int] = {}  # chunks each chapter being made waits for
+        self.by_key: dict[str, tuple[ChapterPlan, PlannedChunk]] = {}
 
     def stored(self, key: str) -> bool:
         return (self.store / f"{key}{CHUNK_FORMAT}").is_file()
+
+    def begin(self, model: dict, sample_rate: int) -> list[Line]:
+        """The job planned for the model whose identity (Synthesizer.identity) and sample rate are given: the
+        chapters' states, those whose chunks are all stored assembled, and the chunks to make as lines (their output
+        name their key)."""
+        self.sample_rate = sample_rate
+        self.identity = speech_identity(model, self.voice, self.options.chunk_chars)
+        self.keys = {plan.number: [chunk_key(self.identity, chunk) for chunk in plan.chunks] for plan in self.asked}
+        self.start(self.asked)
+        missing = [
+            (plan, chunk, key)
+            for plan in self.making
+            for chunk, key in zip(plan.chunks, self.keys[plan.number])
+            if not self.stored(key)
+        ]
+        self.waiting = {plan.number: sum(1 for p, _, _ in missing if p is plan) for plan in self.making}
+        self.by_key = {key: (plan, chunk) for plan, chunk, key in missing}
+        for plan in self.making:
+            if not self.waiting[plan.number]:
+                self.assemble(plan)
+        return [Line(text=chunk.text, seed=chunk.seed, utterance=0, name=f"{key}.wav") for _, chunk, key in missing]
 
     def start(self, asked: list[ChapterPlan]) -> None:
         """Each chapter asked for: done before (its file there with these chunks), kept (there, other settings), or to
@@ -228,12 +292,14 @@ class _Job:
             name = chapter_file(plan, self.options.audio_suffix)
             entry = self.entries.get(plan.number)
             there = (self.out_dir / name).is_file() and entry is not None and entry.get("file") == name
-            if there and not self.options.force and entry.get("keys") == self.keys[plan.number]:
+            made_so = entry is not None and (entry.get("keys"), entry.get("assembly"))
+            same = made_so == (self.keys[plan.number], self.assembly)
+            if there and not self.options.force and same:
                 self.results[plan.number] = ChapterResult(plan.number, plan.title, "done", name, entry.get("seconds"))
             elif there and not self.options.force:
                 self.results[plan.number] = ChapterResult(plan.number, plan.title, "kept", name, entry.get("seconds"))
                 self.notices.append(
-                    f"chapter {plan.number}: {name} was made with other text or settings and is kept; --force "
+                    f"chapter {plan.number}: {name} was made with other text, settings or pauses and is kept; --force "
                     f"--chapters {plan.number} remakes it"
                 )
             else:
@@ -251,33 +317,27 @@ class _Job:
                     self.chunks_done,
                     self.chunks_total,
                     done,
-                    len(self.keys),
+                    len(self.asked),
                     self.audio_made,
                     time.perf_counter() - self.began,
+                    self.made_chunks,
                 )
             )
 
-    def speak(self, missing: list[tuple[ChapterPlan, PlannedChunk, str]], rows: int, on_notice) -> None:
-        """Make the missing chunks `rows` at a time, each stored as it ends; a chapter is assembled once its last
-        chunk is stored, or fails with its first failed chunk."""
-        self.rows = rows
-        waiting = {plan.number: sum(1 for p, _, _ in missing if p is plan) for plan in self.making}
-        by_key = {key: (plan, chunk) for plan, chunk, key in missing}
-        lines = [Line(text=chunk.text, seed=chunk.seed, utterance=0, name=f"{key}.wav") for _, chunk, key in missing]
-        defaults = replace(self.voice, text="", seed=None, utterance=None, name=None)
-        answers = attempt(self.synth, lines, defaults, self.options.chunk_chars, rows, on_notice)
-        for line, (status, value) in answers:
-            key = line.name.removesuffix(".wav")
-            plan, chunk = by_key[key]
-            if plan.number in self.results:  # its chapter failed already
-                continue
-            if status != "done":
+    def answer(self, line: Line, status: str, value) -> BatchResult:
+        """A chunk made ("done", its Rendered) or not ("failed", why): stored, its chapter assembled once its last
+        chunk is, or failed with its first failed chunk (the chunks it made are kept for a rerun)."""
+        key = line.name.removesuffix(".wav")
+        plan, chunk = self.by_key[key]
+        if status != "done":
+            if plan.number not in self.results:
                 self.fail(plan, f"chunk {chunk.number} ({chunk.text[:40]!r}...): {value}")
-                continue
-            self.keep(key, value)
-            waiting[plan.number] -= 1
-            if not waiting[plan.number]:
-                self.assemble(plan)
+            return BatchResult(line, "failed", error=value)
+        self.keep(key, value)
+        self.waiting[plan.number] -= 1
+        if not self.waiting[plan.number] and plan.number not in self.results:
+            self.assemble(plan)
+        return BatchResult(line, "done", value.record)
 
     def keep(self, key: str, rendered: Rendered) -> None:
         """A chunk's record, then its audio (whose presence means done), into the store: the 16-bit samples of its
@@ -306,17 +366,15 @@ class _Job:
         name = chapter_file(plan, self.options.audio_suffix)
         keys = self.keys[plan.number]
         placements: list = []
-        blocks = chapter_blocks(
-            self.store, plan, keys, self.synth.sample_rate, self.options.paragraph_pause, placements
-        )
+        blocks = chapter_blocks(self.store, plan, keys, self.sample_rate, self.options.paragraph_pause, placements)
         container, subtype = audio_format(name)
         frames = 0
         with atomic_path(self.out_dir / name) as partial:
-            with soundfile.SoundFile(partial, "w", self.synth.sample_rate, 1, subtype, format=container) as sink:
+            with soundfile.SoundFile(partial, "w", self.sample_rate, 1, subtype, format=container) as sink:
                 for block in blocks:
                     sink.write(np.clip(block, -1.0, 1.0))
                     frames += block.size
-        seconds = round(frames / self.synth.sample_rate, 3)
+        seconds = round(frames / self.sample_rate, 3)
         cues = sentence_cues([(start, end, chunk.sentences) for chunk, start, end in placements], plan.sentences)
         if self.options.captions:
             stem = self.out_dir / Path(name).stem
@@ -352,6 +410,7 @@ class _Job:
             "seconds": seconds,
             "characters": plan.characters,
             "keys": keys,
+            "assembly": self.assembly,
             "chunks": chunks,
         }
 
@@ -386,21 +445,23 @@ class _Job:
                 "chapters": [self.entries[number] for number in sorted(self.entries)],
                 "audiobook": audiobook or self.previous.get("audiobook"),
                 "warnings": self.warnings(),
-                "notices": self.notices,
+                "notices": [*self.document.notices, *self.notices],
                 "statistics": statistics or self.previous.get("statistics"),
             },
         )
 
-    def finish(self, plans: list[ChapterPlan], identity: dict) -> ReadingResult:
+    def finish(self) -> ReadingResult:
         """The audiobook once every chapter of the document is there (remade when a chapter was), the manifest."""
         audiobook_path, audiobook = None, None
         failed = any(result.status == "failed" for result in self.results.values())
+        plans = self.plans
         there = [p.number in self.entries and (self.out_dir / self.entries[p.number]["file"]).is_file() for p in plans]
         if self.options.audiobook and all(there) and not failed:
             audiobook_path = self.out_dir / f"{slug(self.document.title) or 'audiobook'}.m4b"
-            remade = any(result.status == "made" for result in self.results.values())
-            if remade or self.options.force or not audiobook_path.is_file():
-                audiobook = self.write_audiobook(audiobook_path)
+            made_as = self.audiobook_source()
+            before = self.previous.get("audiobook") or {}
+            if self.options.force or not audiobook_path.is_file() or before.get("source") != made_as:
+                audiobook = self.write_audiobook(audiobook_path) | {"source": made_as}
         elif self.options.audiobook and not failed:
             self.notices.append("the audiobook is made once every chapter is (run without --chapters)")
         self.write_cover()
@@ -412,7 +473,8 @@ class _Job:
             "wall_seconds": round(wall, 3),
             "audio_per_wall_second": round(self.audio_made / wall, 4) if self.made_chunks else None,
             "batch_rows": self.rows,
-            "identity": identity,
+            "memory": memory_record(),
+            "identity": self.identity,
         }
         self.write_manifest(audiobook, statistics)
         return ReadingResult(
@@ -423,6 +485,19 @@ class _Job:
             self.notices,
             self.warnings(),
         )
+
+    def audiobook_source(self) -> dict:
+        """What the audiobook is made of: the chapter files (with their chunks), the chapter pause and the tags; a
+        change in any of them remakes it."""
+        entries = [self.entries[number] for number in sorted(self.entries)]
+        return {
+            "chapters": [
+                [entry["file"], entry["title"], entry.get("keys"), entry.get("assembly")] for entry in entries
+            ],
+            "chapter_pause": self.options.chapter_pause,
+            "title": self.document.title,
+            "author": self.document.author,
+        }
 
     def write_cover(self) -> None:
         """The document's cover image beside the chapters (cover.jpg, cover.png, ...), where it has one."""
@@ -442,7 +517,7 @@ class _Job:
         chapters = [BookChapter(entry["title"], blocks(entry["file"])) for entry in entries]
         document = self.document
         marks = write_audiobook(
-            path, chapters, self.synth.sample_rate, document.title, document.author, self.options.chapter_pause
+            path, chapters, self.sample_rate, document.title, document.author, self.options.chapter_pause
         )
         return {
             "file": path.name,
@@ -451,6 +526,17 @@ class _Job:
                 for entry, (start, end) in zip(entries, marks)
             ],
         }
+
+
+def _previous_entries(previous: dict, chapters: int) -> dict[int, dict]:
+    """The chapter entries of an earlier run's manifest for chapters this document has (a damaged or foreign
+    manifest's are dropped: those chapters are made again)."""
+    entries = {}
+    for entry in previous.get("chapters", []) if isinstance(previous.get("chapters"), list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("number"), int) and 1 <= entry["number"] <= chapters:
+            if isinstance(entry.get("file"), str) and isinstance(entry.get("chunks"), list):
+                entries[entry["number"]] = entry
+    return entries
 
 
 def chapter_blocks(

@@ -13,7 +13,7 @@ _HEADING_WORDS = re.compile(
     r"^(chapter|part|book|section|prologue|epilogue|preface|foreword|introduction|afterword|interlude|appendix)\b",
     re.IGNORECASE,
 )
-_NUMBERED = re.compile(r"^(\d{1,3}|[IVXLC]{1,7})\.?$")
+_NUMBERED = re.compile(r"^(\d{1,3}|(?=[IVXLC])C{0,3}(XC|XL|L?X{0,3})(IX|IV|V?I{0,3}))\.?$")  # 12, 12., XIV, XIV.
 MAX_HEADING_CHARS = 80
 
 
@@ -26,13 +26,14 @@ def is_heading(paragraph: str) -> bool:
     if not line or line[-1] in ",;" or (line[-1] in ".!?…" and not _NUMBERED.match(line)):
         return False
     letters = [c for c in line if c.isalpha()]
-    capitals = len(letters) >= 3 and all(c.isupper() for c in letters)
+    quoted = line[0] in "\"'“‘«" or line[-1] in "\"'”’»!?"
+    capitals = len(letters) >= 4 and all(c.isupper() for c in letters) and not quoted
     return bool(_HEADING_WORDS.match(line) or _NUMBERED.match(line) or capitals)
 
 
 def read_plain_text(text: str, title: str) -> Document:
     """A plain-text document: its chapters (a heading's paragraph spoken first; a heading right after another, such
-    as a chapter's name under its number, joins it), or one chapter named `title`."""
+    as a chapter's name under its number, joins it; two at most), or one chapter named `title`."""
     opening: list[str] = []  # before the first heading
     chapters: list[tuple[list[str], list[str]]] = []  # (the heading's lines, the paragraphs)
     for raw in _PARAGRAPH_BREAK.split(text.replace("\r\n", "\n").replace("\r", "\n")):
@@ -40,7 +41,7 @@ def read_plain_text(text: str, title: str) -> Document:
         if not paragraph:
             continue
         if is_heading(raw):
-            if chapters and len(chapters[-1][1]) == len(chapters[-1][0]):  # nothing but headings yet
+            if chapters and len(chapters[-1][1]) == len(chapters[-1][0]) == 1:  # a heading's second line
                 chapters[-1][0].append(paragraph)
             else:
                 chapters.append(([paragraph], []))

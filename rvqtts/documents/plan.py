@@ -108,6 +108,8 @@ def parse_chapters(selection: str, count: int) -> list[int]:
             low, high = int(first), int(last) if dash else int(first)
         except ValueError:
             raise DocumentError(f"--chapters takes numbers and ranges such as 3, 3-5 or 1,4-6; got {selection!r}")
+        if low > high:
+            raise DocumentError(f"--chapters {selection}: a range goes from the lower number to the higher, e.g. 3-5")
         if not 1 <= low <= high <= count:
             raise DocumentError(f"--chapters {selection}: the document has chapters 1 to {count}")
         chosen.update(range(low, high + 1))

@@ -93,16 +93,18 @@ class SynthesisWorker:
             "notices": notices,
             "instruct": self.synth.supports_instruct,
             "rows": self.rows,
+            "identity": self.synth.identity(),
+            "sample_rate": self.synth.sample_rate,
         }
 
     def render(self, items: list[Line], defaults: Line, chunk_chars: float | None) -> tuple[str, object]:
-        """("lines", [(line number, status, value)]): rvqtts.synthesis.batch_files.attempt's answer for each line, the
+        """("lines", [(line name, status, value)]): rvqtts.synthesis.batch_files.attempt's answer for each line, the
         lines spoken `rows` at a time; or ("nonfinite", (model, dtype)). A line's failure is an answer, so only a
         worker in trouble raises. What the online tree choice learned is kept after them (Ray ends a worker with
         a kill, which runs no exit handler)."""
         try:
             return "lines", [
-                (item.utterance, status, value)
+                (item.name, status, value)
                 for item, (status, value) in attempt(self.synth, items, defaults, chunk_chars, self.rows)
             ]
         except NonFiniteError as error:
@@ -225,41 +227,83 @@ def synthesize_batch_on_ray(
     `on_start(lines)` is called once the work is known, `on_done(result)` after each line. Raises ClusterError when the
     cluster cannot run the batch and NonFiniteError when the model produced NaN or inf (every line would).
     """
-    ray = require_ray()
     pending = to_do(utterances, out_dir, force)
-    results = {item.utterance: BatchResult(item, "skipped") for item in utterances}
-    batch = ClusterBatch([])
+    results = {item.name: BatchResult(item, "skipped") for item in utterances}
+    manifest = Manifest(out_dir)
     if on_start:
         on_start(len(pending))
+
+    def written(line: Line, status: str, value, worker: WorkerRecord) -> BatchResult:
+        return conclude(out_dir, line, status, value, manifest, codes_dir, worker)
+
+    def finished(result: BatchResult) -> None:
+        results[result.line.name] = result
+        if on_done:
+            on_done(result)
+
+    batch = ClusterBatch([])
     if pending:
-        started = connect(address)
-        try:
-            driver = _Driver(ray, pending, out_dir, spec, defaults, chunk_chars, codes_dir, on_done, results, batch)
-            driver.drive(workers)
-        finally:
-            if started:
-                ray.shutdown()
-    batch.results = [results[item.utterance] for item in utterances]
+        batch = render_on_ray(
+            pending,
+            spec,
+            defaults,
+            chunk_chars,
+            written,
+            len(pending),
+            address=address,
+            workers=workers,
+            on_done=finished,
+        )
+    batch.results = [results[item.name] for item in utterances]
+    return batch
+
+
+def render_on_ray(
+    lines: list[Line] | Callable[[dict], list[Line]],
+    spec: WorkerSpec,
+    defaults: Line,
+    chunk_chars: float | None,
+    conclude: Callable[[Line, str, object, WorkerRecord], BatchResult],
+    most_lines: int,
+    *,
+    address: str = "auto",
+    workers: int | None = None,
+    on_done: Callable[[BatchResult], None] | None = None,
+) -> ClusterBatch:
+    """Lines (each named apart) made by Ray workers: `conclude(line, status, value, worker)` takes each worker's answer
+    (rvqtts.synthesis.batch_files.attempt's) where this process keeps it and returns its result, which `on_done`
+    hears. `lines` may be a function of the first worker's load answer (its model's identity and sample rate), for
+    work planned once the model is known; `most_lines` bounds them (the workers started). Raises ClusterError when
+    the cluster cannot run them and NonFiniteError when the model produced NaN or inf (every line would)."""
+    ray = require_ray()
+    batch = ClusterBatch([])
+    started = connect(address)
+    try:
+        driver = _Driver(ray, lines, spec, defaults, chunk_chars, conclude, on_done, batch)
+        driver.drive(workers, most_lines)
+    finally:
+        if started:
+            ray.shutdown()
     return batch
 
 
 class _Driver:
-    """The driver's loop: keep every worker busy with its share of lines (up to its batch size), write what
-    comes back, replace the dead."""
+    """The driver's loop: keep every worker busy with its share of lines (up to its batch size), hand what comes back
+    to `conclude`, replace the dead."""
 
-    def __init__(self, ray, pending, out_dir, spec, defaults, chunk_chars, codes_dir, on_done, results, batch):
-        self.ray, self.out_dir, self.spec, self.codes_dir = ray, out_dir, spec, codes_dir
+    def __init__(self, ray, lines, spec, defaults, chunk_chars, conclude, on_done, batch):
+        self.ray, self.spec, self.conclude = ray, spec, conclude
         self.defaults, self.chunk_chars = defaults, chunk_chars  # what every line shares
-        self.on_done, self.results, self.batch = on_done, results, batch
+        self.on_done, self.batch = on_done, batch
         self.actor_class = ray.remote(SynthesisWorker)
-        self.queue = deque(pending)
-        self.deaths: dict[int, int] = {}  # line -> how often its worker was lost on it
+        self.plan = None if isinstance(lines, list) else lines  # called with the first load answer
+        self.queue = deque(lines if isinstance(lines, list) else [])
+        self.deaths: dict[str, int] = {}  # line name -> how often its worker was lost on it
         self.load_deaths = 0
         self.calls: dict = {}  # ObjectRef -> (actor, its record, its lines or None for its load, when it was sent)
         self.idle: list = []
         self.actors: list = []  # every actor started, killed when the batch ends however it ends
-        self.manifest = Manifest(out_dir)
-        self.wants_instruct = bool(defaults.instruct) or any(item.instruct for item in pending)
+        self.wants_instruct = bool(defaults.instruct) or any(item.instruct for item in self.queue)
 
     def start_worker(self) -> None:
         record = WorkerRecord(f"w{len(self.batch.workers) + 1}")
@@ -269,7 +313,7 @@ class _Driver:
         self.calls[actor.load.remote()] = (actor, record, None, time.perf_counter())
 
     def finish(self, result: BatchResult) -> None:
-        self.results[result.line.utterance] = result
+        self.batch.results.append(result)  # as they end
         if result.status == "failed" and result.worker is not None:
             result.worker.failed += 1
         if self.on_done:
@@ -294,11 +338,11 @@ class _Driver:
                     f"`ray status` and the Ray logs): {_first_line(error)}"
                 )
         for item in reversed(items or []):
-            if self.deaths.setdefault(item.utterance, 0) >= DEATHS_PER_LINE - 1:
+            if self.deaths.setdefault(item.name, 0) >= DEATHS_PER_LINE - 1:
                 error_line = f"its worker was lost {DEATHS_PER_LINE} times ({_first_line(error)})"
                 self.finish(BatchResult(item, "failed", error=error_line, worker=record))
             else:
-                self.deaths[item.utterance] += 1
+                self.deaths[item.name] += 1
                 self.batch.retried_lines += 1
                 self.queue.appendleft(item)
         if self.queue:
@@ -335,24 +379,29 @@ class _Driver:
             return
         if items is None:
             _loaded(record, answer, ours, self.wants_instruct, self.batch)
+            if self.plan is not None:  # the work, now that the model is known
+                self.queue.extend(self.plan(answer))
+                self.plan = None
             self.idle.append((actor, record))
             return
         status, value = answer
         record.busy_seconds += time.perf_counter() - sent
         if status == "nonfinite":
             raise NonFiniteError(*value)
-        by_line = {item.utterance: item for item in items}
-        for line, status, made in value:
-            result = conclude(self.out_dir, by_line[line], status, made, self.manifest, self.codes_dir, record)
+        by_name = {item.name: item for item in items}
+        for name, status, made in value:
+            result = self.conclude(by_name[name], status, made, record)
+            result.worker = record
             if result.status == "done":
                 record.lines += 1
                 record.audio_seconds += result.record["audio_seconds"]
             self.finish(result)
         self.idle.append((actor, record))
 
-    def drive(self, workers: int | None) -> None:
-        """Start the workers and run the batch to its end; every actor is killed however it ends."""
-        count = _worker_count(self.ray, self.spec, workers, len(self.queue))
+    def drive(self, workers: int | None, most_lines: int) -> None:
+        """Start the workers (no more than `most_lines` can keep busy) and run the batch to its end; every actor is
+        killed however it ends."""
+        count = _worker_count(self.ray, self.spec, workers, most_lines)
         ours = version("rvqtts")
         self.batch.began = waiting = time.perf_counter()  # the wall time starts with its workers, after connecting
         try:
@@ -361,7 +410,7 @@ class _Driver:
             while True:
                 self.dispatch()
                 rendering = any(lines is not None for _, _, lines, _ in self.calls.values())
-                if not (self.queue or rendering):
+                if not (self.queue or rendering or self.plan):
                     break
                 serving = bool(self.idle) or rendering
                 ready, _ = self.ray.wait(list(self.calls), num_returns=1, timeout=HEALTH_SECONDS)

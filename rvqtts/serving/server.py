@@ -344,7 +344,6 @@ class SpeechEngine:
                 for index, item in speak(
                     self.synth,
                     lines,
-                    GenerationSettings(),
                     self.options.chunk_chars,
                     rows,
                     on_frame=lambda prefix, codes: self._frame_made(),
@@ -414,7 +413,7 @@ class SpeechEngine:
         else:
             if not job.request.stream:
                 job.send(encode(item.audio, self.synth.sample_rate, job.request.response_format))
-            split = {"queue": round(job.started - job.submitted, 3), **item.seconds["first_audio_split"]}
+            split = {"queue": round(job.started - job.submitted, 3), **item.seconds.first_audio_split}
             log.info("request %d: first audio after %s s", index, " + ".join(f"{v} {k}" for k, v in split.items()))
             if job.request.stream:
                 self.first_audio["streamed"] += 1
@@ -468,7 +467,7 @@ def parse_speech_request(body: object, engine: SpeechEngine) -> SpeechRequest:
         line = synth.voiced(line)  # a voice file read once
     except (ValueError, TypeError) as error:  # VoiceError included
         raise SpeechError(400, str(error)) from None
-    slots = row_slots(synth, line, settings, options.chunk_chars)
+    slots = row_slots(synth, line, options.chunk_chars)
     if slots > engine.row_slots:
         raise SpeechError(
             400,

@@ -22,7 +22,7 @@ from rvqtts.qwen.codec import StreamPacing
 from rvqtts.support.audio import StreamJoiner
 from rvqtts.support.stretch import TimeStretch, time_stretched
 from rvqtts.synthesis.batch_size import fitting_rows, row_bytes, rows_invariant
-from rvqtts.synthesis.settings import GenerationSettings, Line, Synthesis
+from rvqtts.synthesis.settings import GenerationSettings, Line, LineTimings, Synthesis
 from rvqtts.synthesis.speech_model import SpeechModel
 from rvqtts.synthesis.text import FRAMES_PER_SECOND, chunk_text, frame_limit
 
@@ -32,19 +32,17 @@ PROMPT_TOKENS = 64  # a prompt's tokens besides its text's (roles, codec tags, s
 def speak(
     synth: SpeechModel,
     lines: Iterable[Line | None],
-    settings: GenerationSettings,
     chunk_chars: float | None,
     rows: int = 1,
-    stream: StreamPacing | None = None,
     on_chunk: Callable[[int, int], None] | None = None,
     on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
     stopped: Callable[[int], bool] | None = None,
     joins_per_frame: int | None = None,
 ) -> Iterator[tuple[int, np.ndarray | Synthesis | Exception]]:
-    """Speak `lines` (each with its seed and utterance set), `rows` at a time (rvqtts.engine.loop.frame_loop), text
-    chunk after text chunk, each line as soon as a row is free, in its own sampling settings (else `settings`).
+    """Speak `lines` (each whole: its seed, utterance and settings set, as `Line.under` fills them), `rows` at a time
+    (rvqtts.engine.loop.frame_loop), text chunk after text chunk, each line as soon as a row is free.
     `lines` may be a live source (a server's requests): None from it means none is waiting now. Yields (index
-    among the lines, item) as it goes: a line's samples ready to play (paced by its `stream`, else `stream`, and
+    among the lines, item) as it goes: a line's samples ready to play (paced by its `stream`, and
     decoded incrementally by the streaming decoder, the pieces due at a frame in one pass; or, not streamed, each text
     chunk at once, `decode`), then its
     Synthesis; or, for a line whose voice, text or decoding fails, or that `stopped(index)` stops (asked every
@@ -54,8 +52,8 @@ def speak(
     depth = loop.speculation.offsets.depth if loop.speculation else DEFAULT_DEPTH
 
     def spoken(index: int, line: Line) -> _Spoken:  # made as its row takes it: its clock starts there
-        line_settings = line.settings or settings
-        sampling, pacing = synth.sampling(line_settings), line.stream or stream
+        line_settings = line.settings
+        sampling, pacing = synth.sampling(line_settings), line.stream
         state = _Spoken(line.seed, line.utterance, iter(()), sampling, on_frame=on_frame, index=index, pacing=pacing)
         state.stats.accepted_per_depth = [0] * depth
         state.joiner = StreamJoiner(synth.sample_rate)
@@ -86,7 +84,7 @@ def speak(
         state = event.work
         yield from guarded(state, heard(synth, state, event, loop, on_chunk))
         if isinstance(event, FrameDone) and state.pacing:
-            if len(state.pending) == state.pacing.due(state.seconds["first_audio"] is not None):
+            if len(state.pending) == state.pacing.due(state.seconds.first_audio is not None):
                 due.append(state)
 
 
@@ -169,11 +167,12 @@ def line_prompts(
         begun = time.perf_counter()
         if state.decoder:
             synth.codec.start(state.decoder, line.clone)
-            state.seconds["decoder"] += time.perf_counter() - begun  # a new voice's reference: decoded once
+            state.seconds.decoder += time.perf_counter() - begun  # a new voice's reference: decoded once
         begun = time.perf_counter()
         prompt = synth.prompt(piece, line.speaker, line.language, line.instruct, line.clone)
-        state.seconds["prompts"] += time.perf_counter() - begun
-        state.seconds.setdefault("prompt", state.seconds["prompts"])  # the first chunk's, before any audio
+        state.seconds.prompts += time.perf_counter() - begun
+        if state.seconds.prompt is None:  # the first chunk's, before any audio
+            state.seconds.prompt = state.seconds.prompts
         yield prompt, frame_limit(piece, settings.max_frames, synth.default_max_frames)
 
 
@@ -184,14 +183,14 @@ def played(state: _Spoken, samples: np.ndarray, last: bool = False) -> np.ndarra
         samples = state.stretch.push(samples)
         samples = np.concatenate([samples, state.stretch.finish()]) if last else samples
         state.played.append(samples)
-    if samples.size and state.seconds["first_audio"] is None:  # its parts in wall time: the frames' take in the rest
+    if samples.size and state.seconds.first_audio is None:  # its parts in wall time: the frames' take in the rest
         seconds = state.seconds
-        seconds["first_audio"] = time.perf_counter() - state.started
-        prefill = seconds["prompt"] + seconds["prefill"]
-        seconds["first_audio_split"] = {
+        seconds.first_audio = time.perf_counter() - state.started
+        prefill = seconds.prompt + seconds.prefill
+        seconds.first_audio_split = {
             "prefill": round(prefill, 3),
-            "frames": round(seconds["first_audio"] - prefill - seconds["decoder"], 3),
-            "decoder": round(seconds["decoder"], 3),
+            "frames": round(seconds.first_audio - prefill - seconds.decoder, 3),
+            "decoder": round(seconds.decoder, 3),
         }
     return samples
 
@@ -209,7 +208,7 @@ def decoded(synth: SpeechModel, states: list[_Spoken]) -> list[np.ndarray]:
     share = (time.perf_counter() - begun) / len(states)
     for state in states:
         state.pending = []
-        state.seconds["decoder"] += share
+        state.seconds.decoder += share
     return samples
 
 
@@ -224,11 +223,9 @@ def finished(synth: SpeechModel, state: _Spoken, loop: FrameLoop) -> Synthesis:
     """The Synthesis of a line `speak` finished. Its loops' seconds are its shares of the calls it was in;
     building its prompts counts as talker work, and the first one in the prefill."""
     seconds = state.seconds
-    seconds.update(
-        wall=time.perf_counter() - state.started,
-        talker=seconds["talker"] + seconds["prompts"],
-        prefill=seconds["prompt"] + seconds["prefill"],
-    )
+    seconds.wall = time.perf_counter() - state.started
+    seconds.talker += seconds.prompts
+    seconds.prefill += seconds.prompt
     speculation = loop.speculation
     if state.stretch:  # streamed at a speed: the pieces as played (the whole's stretch, sample for sample)
         audio = np.concatenate(state.played)
@@ -259,14 +256,12 @@ def finished(synth: SpeechModel, state: _Spoken, loop: FrameLoop) -> Synthesis:
 def one_line(
     synth: SpeechModel,
     line: Line,
-    settings: GenerationSettings,
     chunk_chars: float | None,
-    stream: StreamPacing | None,
     on_chunk: Callable[[int, int], None] | None,
     on_frame: Callable[[torch.Tensor, list[int]], None] | None,
 ) -> Generator[np.ndarray, None, Synthesis]:
     """One line's samples as `speak` makes them ready, then its Synthesis (its failure raised)."""
-    for _, item in speak(synth, [line], settings, chunk_chars, 1, stream, on_chunk, on_frame):
+    for _, item in speak(synth, [line], chunk_chars, 1, on_chunk, on_frame):
         if isinstance(item, Exception):
             raise item
         if isinstance(item, Synthesis):
@@ -274,19 +269,18 @@ def one_line(
         yield item
 
 
-def row_slots(synth: SpeechModel, line: Line, settings: GenerationSettings, chunk_chars: float | None) -> int:
+def row_slots(synth: SpeechModel, line: Line, chunk_chars: float | None) -> int:
     """A generous count of the talker positions a line's longest chunk takes: its frame limit, two
     prompt tokens per character and the prompt's own, and an ICL voice's reference codes."""
     pieces = text_pieces(line.text, chunk_chars) or [line.text]
     reference = len(line.clone.codes) if isinstance(line.clone, ClonedVoice) and line.clone.icl else 0
-    limits = [frame_limit(piece, settings.max_frames, synth.default_max_frames) for piece in pieces]
+    limits = [frame_limit(piece, line.settings.max_frames, synth.default_max_frames) for piece in pieces]
     return max(limit + 2 * len(piece) for limit, piece in zip(limits, pieces)) + PROMPT_TOKENS + reference
 
 
 def batch_rows(
     synth: SpeechModel,
     lines: list[Line],
-    settings: GenerationSettings,
     chunk_chars: float | None,
     batch_size: int,
     on_notice: Callable[[str], None] | None,
@@ -298,7 +292,7 @@ def batch_rows(
         return 1
     rows = min(batch_size, max(len(lines), 1))
     if rows > 1:
-        slots = max(row_slots(synth, line, line.settings or settings, chunk_chars) for line in lines)
+        slots = max(row_slots(synth, line, chunk_chars) for line in lines)
         fitting = fitting_rows(synth, rows, slots)
         if fitting < rows and on_notice:
             on_notice(
@@ -340,6 +334,4 @@ class _Spoken(Work):
     warnings: list[str] = field(default_factory=list)
     chunks_done: int = 0
     failed: bool = False  # the rest of its events are not heard
-    seconds: dict = field(
-        default_factory=lambda: dict(talker=0.0, predictor=0.0, prefill=0.0, decoder=0.0, first_audio=None, prompts=0.0)
-    )
+    seconds: LineTimings = field(default_factory=LineTimings)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from rvqtts.engine.loop.frame_loop import WorkSeconds
 from rvqtts.engine.model.sampling import FrameSampling, SamplingConfig
 from rvqtts.engine.speculative.speculation import LoopStats
 from rvqtts.qwen.cloning import ClonedVoice, VoiceSource
@@ -89,6 +90,20 @@ class GenerationSettings:
 
 
 @dataclass
+class LineTimings(WorkSeconds):
+    """Where a line's time went, in seconds: the frame loop's shares (talker, predictor, the first prefill), the speech
+    decoder's, its prompts' (all chunks', and the first one's, before any audio), its first audio and that wait's
+    parts, and its wall time. Once the line ends, `talker` counts its prompts and `prefill` its first prompt."""
+
+    decoder: float = 0.0
+    prompts: float = 0.0
+    prompt: float | None = None
+    first_audio: float | None = None
+    first_audio_split: dict[str, float] | None = None  # prefill, frames, decoder (the server adds its queue)
+    wall: float = 0.0
+
+
+@dataclass
 class Synthesis:
     """One utterance: audio, its frame codes [frames, G], and what the run did and cost."""
 
@@ -96,7 +111,7 @@ class Synthesis:
     sample_rate: int
     codes: np.ndarray
     stats: LoopStats
-    seconds: dict[str, float]
+    seconds: LineTimings
     talker_calls: int
     chunks: int
     spec: bool
@@ -114,7 +129,7 @@ class Synthesis:
     def record(self) -> dict:
         """The statistics users see (`--stats-json`, the table). rtf = compute seconds / audio seconds."""
         audio_seconds = self.audio.size / self.sample_rate
-        wall = self.seconds["wall"]
+        seconds = self.seconds
         return {
             "frames": int(self.codes.shape[0]),
             "audio_seconds": round(audio_seconds, 3),
@@ -124,22 +139,22 @@ class Synthesis:
             "predictor_codes": self.stats.codes,
             "codes_per_call": round(self.stats.codes_per_call, 4),
             "accepted_per_depth": list(self.stats.accepted_per_depth),
-            "wall_seconds": round(wall, 3),
-            "talker_seconds": round(self.seconds["talker"], 3),
-            "predictor_seconds": round(self.seconds["predictor"], 3),
+            "wall_seconds": round(seconds.wall, 3),
+            "talker_seconds": round(seconds.talker, 3),
+            "predictor_seconds": round(seconds.predictor, 3),
             # the inner loop's time per frame by part, where its calls run eagerly: plain steps, or the tree rounds'
             # prefill, layout, drafts, forward, heads, draws and walk (the frame's share of the calls it was in)
             "inner_loop_ms_by_part": {
                 part: round(1e3 * spent / max(self.stats.frames, 1), 3)
                 for part, spent in self.stats.seconds_by_part.items()
             },
-            "decoder_seconds": round(self.seconds["decoder"], 3),
-            "prefill_seconds": round(self.seconds["prefill"], 3),
-            "first_audio_seconds": round(self.seconds["first_audio"], 3),
-            "first_audio_split": self.seconds["first_audio_split"],
+            "decoder_seconds": round(seconds.decoder, 3),
+            "prefill_seconds": round(seconds.prefill, 3),
+            "first_audio_seconds": round(seconds.first_audio, 3),
+            "first_audio_split": seconds.first_audio_split,
             "stream_frames": self.stream and self.stream.frames,
             "first_stream_frames": self.stream and self.stream.first_frames,
-            "rtf": round(wall / audio_seconds, 4) if audio_seconds else None,
+            "rtf": round(seconds.wall / audio_seconds, 4) if audio_seconds else None,
             "spec": self.spec,
             "tree_nodes": self.tree_nodes,
             "weights": self.weights,
@@ -173,7 +188,10 @@ class Line:
     stream: StreamPacing | None = None  # how its streamed audio is paced (None: the defaults')
 
     def under(self, defaults: Line) -> Line:
-        """This line in the voice, seed, sampling and pacing of `defaults` where it names none of its own."""
+        """This line whole: the voice, seed, utterance, sampling and pacing of `defaults` where it names none of its
+        own, and past those the library's (language auto, seed 0, utterance 0, the checkpoint's sampling, not
+        streamed). Every request is filled here, whoever makes it (rvqtts.synthesis.pipeline.speak takes lines
+        whole)."""
         return replace(
             self,
             speaker=self.speaker or defaults.speaker,
@@ -181,6 +199,7 @@ class Line:
             instruct=self.instruct or defaults.instruct,
             clone=self.clone or defaults.clone,
             seed=next((seed for seed in (self.seed, defaults.seed) if seed is not None), 0),
-            settings=self.settings or defaults.settings,
+            utterance=next((u for u in (self.utterance, defaults.utterance) if u is not None), 0),
+            settings=self.settings or defaults.settings or GenerationSettings(),
             stream=self.stream or defaults.stream,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import replace
+from importlib.metadata import version
 from pathlib import Path
 from typing import Callable, Generator, Iterator
 
@@ -18,6 +19,7 @@ from rvqtts.engine.model.kernels import cpu_model
 from rvqtts.engine.model.quantize import check_weights
 from rvqtts.engine.model.sampling import FrameSampling
 from rvqtts.engine.model.talker import Prompt
+from rvqtts.engine.speculative.offsets import predictor_fingerprint, weight_digest
 from rvqtts.engine.speculative.speculation import TreePolicy
 from rvqtts.qwen.checkpoints import ModelVoices, load_tts
 from rvqtts.qwen.cloning import ClonedVoice, ClonedVoices, VoiceSource
@@ -219,6 +221,21 @@ class Synthesizer:
             self.talker, lambda: qwen_generate(self, text, speaker, language, instruct, clone, max_new_tokens=2)
         )
 
+    def identity(self) -> dict:
+        """What decides this model's audio for a given request, to key stored audio by (rvqtts read's chunks): digests
+        of its weights (its kind, the talker's head, the code predictor), the dtypes and weight format it runs in, and
+        rvqtts's version."""
+        engine = self.engine_record()
+        return {
+            "model": {
+                "kind": self.kind,
+                "talker": weight_digest(self.talker.codec_head.weight)[:16],
+                "predictor": predictor_fingerprint(self.code_predictor),
+            },
+            "engine": {key: engine[key] for key in ("device", "dtype", "decoder_dtype", "weights")},
+            "rvqtts": version("rvqtts"),
+        }
+
     def engine_record(self) -> dict:
         """What ran (`--stats-json`'s "engine"): the device, dtypes and weight format, torch and the CPU, and each
         loop's kernels (Runners.kernels_record)."""
@@ -260,8 +277,10 @@ class Synthesizer:
             clone=clone,
             utterance=utterance,
             seed=seed,
+            settings=settings,
+            stream=pacing,
         )
-        return AudioStream(one_line(self, line, settings, chunk_chars, pacing, on_chunk, on_frame), self.sample_rate)
+        return AudioStream(one_line(self, line, chunk_chars, on_chunk, on_frame), self.sample_rate)
 
     def synthesize(
         self,
@@ -342,17 +361,11 @@ class Synthesizer:
                 on_notice(f"batch size {batch_size}: {source}")
         if batch_size < 1:
             raise ValueError(f"the batch size must be at least 1, got {batch_size}")
-        lines = [
-            replace(
-                line,
-                utterance=index if line.utterance is None else line.utterance,
-                seed=seed if line.seed is None else line.seed,
-            )
-            for index, line in enumerate(lines)
-        ]
-        rows = batch_rows(self, lines, settings, chunk_chars, batch_size, on_notice)
+        defaults = Line(seed=seed, settings=settings, stream=stream)
+        lines = [line.under(replace(defaults, utterance=index)) for index, line in enumerate(lines)]
+        rows = batch_rows(self, lines, chunk_chars, batch_size, on_notice)
         try:
-            for index, item in speak(self, lines, settings, chunk_chars, rows, stream, on_frame=on_frame):
+            for index, item in speak(self, lines, chunk_chars, rows, on_frame=on_frame):
                 if stream or isinstance(item, (Synthesis, Exception)):
                     yield index, item
         finally:

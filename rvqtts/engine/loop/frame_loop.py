@@ -39,6 +39,16 @@ def _never_stopped() -> bool:
 
 
 @dataclass
+class WorkSeconds:
+    """Where an utterance's time went in the frame loop: its shares of the talker's and the inner loop's calls, and
+    its first chunk's prefill (within the talker's)."""
+
+    talker: float = 0.0
+    predictor: float = 0.0
+    prefill: float = 0.0
+
+
+@dataclass
 class Work:
     """One utterance: its seed and number (its noise keys: rows of different seeds share calls), its chunks as
     (prompt, frame limit) pairs made when its row reaches them (an exception there fails the utterance alone), its
@@ -58,12 +68,12 @@ class Work:
     talker_calls: int = 0
     stats: LoopStats = field(default_factory=LoopStats)
     frames_by_budget: dict[int, int] = field(default_factory=dict)  # its frames by the online tree size
-    seconds: dict = field(default_factory=lambda: {"talker": 0.0, "predictor": 0.0, "prefill": 0.0})
+    seconds: WorkSeconds = field(default_factory=WorkSeconds)
 
     def spent(self, talker: float = 0.0, predictor: float = 0.0, talker_calls: int = 0) -> None:
         """Its share of a frame's calls: the loop's one place for time and calls (frames share calls)."""
-        self.seconds["talker"] += talker
-        self.seconds["predictor"] += predictor
+        self.seconds.talker += talker
+        self.seconds.predictor += predictor
         self.talker_calls += talker_calls
 
     def inner_frame(self, frame: FrameRounds) -> None:
@@ -340,7 +350,7 @@ class FrameLoop:
         spent = time.perf_counter() - begun
         work.spent(talker=spent, talker_calls=1)
         if work.frame == 0:
-            work.seconds["prefill"] = spent
+            work.seconds.prefill = spent
         seen = torch.zeros(self.talker.vocab_size, dtype=torch.bool, device=self.talker.device)
         rows[slot] = _Row(work, prompt, frame_limit, seen, hidden, logits, noise)
 
