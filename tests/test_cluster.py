@@ -440,3 +440,109 @@ def test_a_document_read_on_ray_writes_a_local_readings_files(cluster, tiny_dir,
                 assert (tmp_path / "ray" / folder / name).read_bytes() == (
                     tmp_path / "here" / folder / name
                 ).read_bytes()
+
+
+class _FakeRay:
+    """Just enough of Ray for the driver's loop, run in this process: each worker's load and render answered from a
+    script of outcomes (an answer, or an exception to raise from `get`), in the order the calls were made."""
+
+    def __init__(self, loads: list, renders: list):
+        self.loads, self.renders, self.started = list(loads), list(renders), 0
+        self.answers: dict[int, object] = {}
+
+    def remote(self, _cls):
+        ray = self
+
+        class Actor:
+            def load(self_):
+                return ray.call(ray.loads.pop(0))
+
+            def render(self_, items, defaults, chunk_chars):
+                outcome = ray.renders.pop(0)
+                return ray.call(outcome(items) if callable(outcome) else outcome)
+
+        class Handle:
+            def __init__(self_):
+                self_.load = type("M", (), {"remote": lambda _: Actor().load()})()
+                self_.render = type("M", (), {"remote": lambda _, *a: Actor().render(*a)})()
+
+        class Maker:
+            def options(self_, **_):
+                return self_
+
+            def remote(self_, _spec):
+                ray.started += 1
+                return Handle()
+
+        return Maker()
+
+    def call(self, outcome) -> int:
+        ref = self.calls = getattr(self, "calls", 0) + 1
+        self.answers[ref] = outcome
+        return ref
+
+    def wait(self, refs, num_returns, timeout):
+        return refs[:1], refs[1:]
+
+    def get(self, ref):
+        outcome = self.answers.pop(ref)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def kill(self, actor):
+        pass
+
+    def cluster_resources(self):
+        return {"CPU": 2}
+
+
+def _load_answer(identity: dict) -> dict:
+    from importlib.metadata import version
+
+    return {"node": "n", "pid": 1, "device": "cpu", "dtype": "float32", "decoder_dtype": "float32", "threads": 1,
+            "rows": 2, "rvqtts": version("rvqtts"), "notices": [], "instruct": True, "identity": identity,
+            "sample_rate": 24000}  # fmt: skip
+
+
+def test_a_planned_drivers_dead_loader_is_replaced_and_its_own_failures_are_concluded():
+    """A driver whose lines are planned at the first load (rvqtts read --ray): a worker that dies loading is replaced
+    before there is any line to give it, lines whose workers die three times are concluded as failed by the caller's
+    `conclude` (a document's chapter fails with them), and a worker that loads the model otherwise than the one the
+    work was planned for stops the run."""
+    from ray.exceptions import RayActorError
+
+    from rvqtts.serving.cluster import ClusterBatch, _Driver
+    from rvqtts.synthesis.batch_files import BatchResult
+
+    identity, lost = {"engine": {"dtype": "float32"}}, RayActorError()
+    lines = [Line(text="A.", name="a.wav"), Line(text="B.", name="b.wav")]
+    fake = _FakeRay([lost, *[_load_answer(identity)] * 3], [lost] * 3)
+    concluded, planned = [], []
+
+    def conclude(line, status, value, worker):
+        concluded.append((line.name, status))
+        return BatchResult(line, status, {"audio_seconds": 1.0}, error=value)
+
+    driver = _Driver(
+        fake,
+        lambda answer: planned.append(answer) or lines,
+        WorkerSpec("m"),
+        RUN,
+        240,
+        conclude,
+        None,
+        ClusterBatch([]),
+    )
+    driver.drive(1, 2)
+    assert len(planned) == 1 and fake.started == 4  # the dead loader replaced; then a worker per loss of the lines
+    assert sorted(concluded) == [("a.wav", "failed"), ("b.wav", "failed")]
+    assert all(result.worker is not None for result in driver.batch.results)
+
+    def made(items):
+        return "lines", [(item.name, "done", None) for item in items]
+
+    other = _FakeRay([_load_answer(identity), _load_answer({"engine": {"dtype": "bfloat16"}})], [made])
+    driver = _Driver(other, lambda answer: lines, WorkerSpec("m"), RUN, 240, conclude, None, ClusterBatch([]))
+    with pytest.raises(ClusterError, match="the work was planned for one"):
+        driver.drive(2, 2)

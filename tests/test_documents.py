@@ -292,3 +292,20 @@ def test_read_refuses_options_before_reading(tmp_path):
     ]:
         result = run_cli("read", KEEPER, *arguments)
         assert result.exit_code == 2 and words in result.output, (arguments, result.output)
+
+
+def test_loudness_measured_block_by_block_is_pyloudnorms():
+    import numpy as np
+    import pyloudnorm
+
+    from rvqtts.documents.loudness import LoudnessMeter
+
+    rng = np.random.default_rng(0)
+    signal = rng.standard_normal(24000 * 6) * np.repeat(rng.uniform(0.001, 0.2, 60), 2400)  # loud and quiet stretches
+    meter = LoudnessMeter(24000)
+    for start in range(0, signal.size, 7001):  # blocks that cut its 100 ms steps anywhere
+        meter.push(signal[start : start + 7001])
+    assert meter.integrated() == pytest.approx(pyloudnorm.Meter(24000).integrated_loudness(signal), abs=1e-6)
+    silent = LoudnessMeter(24000)
+    silent.push(np.zeros(24000))
+    assert silent.integrated() == float("-inf")

@@ -5,6 +5,7 @@ audio exactly `rvqtts synth`'s with its seed (rvqtts.documents.narration)."""
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import signal
@@ -213,3 +214,52 @@ def test_a_rerun_with_other_pauses_keeps_the_chapter_and_a_shorter_book_drops_th
     manifest = json.loads((out / "manifest.json").read_text())
     assert [c["title"] for c in manifest["chapters"]] == ["One"]
     assert [mark["title"] for mark in manifest["audiobook"]["chapters"]] == ["One"]
+
+
+def test_a_cloned_voice_is_encoded_once_and_every_chunk_is_synths_in_it(base_dir, tmp_path, monkeypatch):
+    from rvqtts.documents.document import Chapter, Document
+    from rvqtts.qwen import cloning
+    from rvqtts.qwen.cloning import VoiceSource
+    from rvqtts.support.audio import audio_bytes
+    from rvqtts.synthesis.synthesizer import Synthesizer
+
+    reference = tmp_path / "me.wav"
+    noise = np.random.default_rng(1).standard_normal(24000 * 2).astype(np.float32)
+    soundfile.write(reference, noise / np.abs(noise).max() * 0.1, 24000)
+    base, encoded = Synthesizer.from_checkpoint(base_dir), []
+    monkeypatch.setattr(
+        cloning,
+        "encode_voice",
+        lambda tts, source, real=cloning.encode_voice: encoded.append(source) or real(tts, source),
+    )
+    book = Document(
+        "Voiced", (Chapter("One", ("First words. More words.", "Second paragraph.")), Chapter("Two", ("End.",)))
+    )
+    source = VoiceSource(ref_audio=reference, x_vector_only=True)
+    voice = Line(clone=source, settings=GenerationSettings(max_frames=3))
+    result = narrate(base, book, tmp_path / "book", voice, ReadingOptions(seed=2, batch_size=2, audiobook=False))
+    assert [c.status for c in result.chapters] == ["made", "made"] and encoded == [source]
+    chapter = json.loads((tmp_path / "book" / "manifest.json").read_text())["chapters"][1]
+    alone = base.synthesize(
+        chapter["chunks"][0]["text"],
+        seed=chapter["chunks"][0]["seed"],
+        clone=base.voice_of(source),
+        settings=voice.settings,
+    )
+    stored, _ = soundfile.read(tmp_path / "book" / ".chunks" / f"{chapter['keys'][0]}.flac", dtype="int16")
+    expected, _ = soundfile.read(io.BytesIO(audio_bytes(alone.audio, alone.sample_rate)), dtype="int16")
+    np.testing.assert_array_equal(stored, expected)
+
+
+def test_chapters_normalized_to_a_loudness_measure_so(tiny, tmp_path):
+    import pyloudnorm
+
+    from rvqtts.documents.document import Chapter, Document
+
+    book = Document("Loud", (Chapter("One", ("First words. More words.", "Second paragraph here.")),))
+    voice = Line(settings=GenerationSettings(max_frames=12))
+    narrate(tiny, book, tmp_path / "book", voice, ReadingOptions(batch_size=2, loudness=-30.0, audiobook=False))
+    samples, rate = soundfile.read(tmp_path / "book" / "01-one.wav", dtype="float64")
+    assert pyloudnorm.Meter(rate).integrated_loudness(samples) == pytest.approx(-30.0, abs=0.1)
+    entry = json.loads((tmp_path / "book" / "manifest.json").read_text())["chapters"][0]
+    assert entry["loudness"]["gain_db"] == pytest.approx(-30.0 - entry["loudness"]["measured_lufs"], abs=0.02)

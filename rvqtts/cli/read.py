@@ -50,6 +50,11 @@ def read(
     audio_format: str = typer.Option("wav", "--format", help="Chapter files' format: wav, flac, ogg, mp3 or opus."),
     paragraph_pause: float = typer.Option(0.5, help="Seconds of silence between paragraphs."),
     chapter_pause: float = typer.Option(2.0, help="Seconds of silence after each chapter in the audiobook."),
+    loudness: Optional[float] = typer.Option(
+        None,
+        help="Normalize each chapter to this integrated loudness in LUFS (ITU-R BS.1770; e.g. -18; audiobooks use -18 "
+        "to -23); default: as spoken.",
+    ),
     captions: bool = typer.Option(True, "--captions/--no-captions", help="SRT and WebVTT captions per chapter."),
     audiobook: bool = typer.Option(
         True, "--audiobook/--no-audiobook", help="An .m4b with chapter marks, once every chapter is made."
@@ -132,7 +137,7 @@ def read(
     with refused(ValueError):
         reading = ReadingOptions(
             seed, selection, f".{audio_format.lower()}", paragraph_pause, chapter_pause, captions, audiobook, force,
-            chunk_chars, rows, words,
+            chunk_chars, rows, words, loudness,
         )  # fmt: skip
     for notice in book.notices:
         say(notice, quiet)

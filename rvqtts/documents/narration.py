@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import re
 import time
 import unicodedata
@@ -23,6 +24,7 @@ from rvqtts.documents.audiobook import BookChapter, write_audiobook
 from rvqtts.documents.captions import sentence_cues, srt, webvtt
 from rvqtts.documents.document import Document
 from rvqtts.documents.lexicon import Lexicon
+from rvqtts.documents.loudness import LoudnessMeter, check_loudness_target
 from rvqtts.documents.plan import ChapterPlan, PlannedChunk, plan_document
 from rvqtts.support.audio import AUDIO_FORMATS, StreamJoiner, audio_format
 from rvqtts.support.files import atomic_path, read_records, write_atomically, write_json
@@ -60,8 +62,11 @@ class ReadingOptions:
     chunk_chars: float = MAX_CHUNK_WEIGHT
     batch_size: int | None = None  # None: the Synthesizer's, else measured on this machine
     lexicon: Lexicon = field(default_factory=Lexicon)
+    loudness: float | None = None  # each chapter normalized to this integrated loudness, in LUFS (None: as spoken)
 
     def __post_init__(self) -> None:
+        if self.loudness is not None:
+            check_loudness_target(self.loudness)
         if self.audio_suffix.lower() not in AUDIO_FORMATS:
             formats = ", ".join(suffix.lstrip(".") for suffix in AUDIO_FORMATS)
             raise ValueError(f"chapter files can be {formats}, not {self.audio_suffix.lstrip('.') or 'nothing'}")
@@ -213,7 +218,7 @@ def narrate_on_ray(
     from rvqtts.serving.cluster import render_on_ray
 
     job = _Job(document, out_dir, voice, model_voices(spec.model).languages, options, on_progress)
-    upper = sum(len(plan.chunks) for plan in job.plans)
+    upper = sum(len(plan.chunks) for plan in job.asked)
 
     batch = render_on_ray(
         lambda loaded: job.begin(loaded["identity"], loaded["sample_rate"]),
@@ -248,7 +253,11 @@ class _Job:
         self.results: dict[int, ChapterResult] = {}
         self.entries = _previous_entries(self.previous, len(document.chapters))
         # how a chapter's file is made from its chunks: a file made otherwise is not this run's
-        self.assembly = {"paragraph_pause": options.paragraph_pause, "captions": options.captions}
+        self.assembly = {
+            "paragraph_pause": options.paragraph_pause,
+            "captions": options.captions,
+            "loudness": options.loudness,
+        }
         self.making: list[ChapterPlan] = []
         self.notices: list[str] = []  # this run's; the document's own are the caller's (Document.notices)
         self.chunks_total = self.chunks_done = 0
@@ -366,13 +375,14 @@ class _Job:
         name = chapter_file(plan, self.options.audio_suffix)
         keys = self.keys[plan.number]
         placements: list = []
+        gain = self.gain(plan)
         blocks = chapter_blocks(self.store, plan, keys, self.sample_rate, self.options.paragraph_pause, placements)
         container, subtype = audio_format(name)
         frames = 0
         with atomic_path(self.out_dir / name) as partial:
             with soundfile.SoundFile(partial, "w", self.sample_rate, 1, subtype, format=container) as sink:
                 for block in blocks:
-                    sink.write(np.clip(block, -1.0, 1.0))
+                    sink.write(np.clip(block * gain["factor"] if gain else block, -1.0, 1.0))
                     frames += block.size
         seconds = round(frames / self.sample_rate, 3)
         cues = sentence_cues([(start, end, chunk.sentences) for chunk, start, end in placements], plan.sentences)
@@ -381,9 +391,28 @@ class _Job:
             write_atomically(stem.with_suffix(".srt"), srt(cues).encode())
             write_atomically(stem.with_suffix(".vtt"), webvtt(cues).encode())
         self.entries[plan.number] = self.entry(plan, name, keys, seconds, placements)
+        if gain:
+            del gain["factor"]
+            self.entries[plan.number]["loudness"] = gain
         self.results[plan.number] = ChapterResult(plan.number, plan.title, "made", name, seconds)
         self.write_manifest(None)
         self.report()
+
+    def gain(self, plan: ChapterPlan) -> dict | None:
+        """With a loudness target, the chapter's integrated loudness (a first pass over its chunks) and the gain that
+        brings it there; None without one, or for a silent chapter."""
+        target = self.options.loudness
+        if target is None:
+            return None
+        meter = LoudnessMeter(self.sample_rate)
+        keys = self.keys[plan.number]
+        for block in chapter_blocks(self.store, plan, keys, self.sample_rate, self.options.paragraph_pause, []):
+            meter.push(block)
+        measured = meter.integrated()
+        if not math.isfinite(measured):
+            return None
+        gain_db = target - measured
+        return {"measured_lufs": round(measured, 2), "gain_db": round(gain_db, 2), "factor": 10 ** (gain_db / 20)}
 
     def entry(self, plan: ChapterPlan, name: str, keys: list[str], seconds: float, placements: list) -> dict:
         """A chapter's manifest entry: its files, length, and chunks with their places and warnings."""

@@ -297,6 +297,7 @@ class _Driver:
         self.on_done, self.batch = on_done, batch
         self.actor_class = ray.remote(SynthesisWorker)
         self.plan = None if isinstance(lines, list) else lines  # called with the first load answer
+        self.planned_for: dict | None = None  # the model identity the plan was made for: every worker's
         self.queue = deque(lines if isinstance(lines, list) else [])
         self.deaths: dict[str, int] = {}  # line name -> how often its worker was lost on it
         self.load_deaths = 0
@@ -319,6 +320,13 @@ class _Driver:
         if self.on_done:
             self.on_done(result)
 
+    def failed(self, item: Line, error: str, record: WorkerRecord) -> None:
+        """A line failed by the driver's own decision (its worker lost too often, its call raised), concluded as a
+        worker's failure is."""
+        result = self.conclude(item, "failed", error, record)
+        result.worker = record
+        self.finish(result)
+
     def lose(self, actor, record: WorkerRecord, items: list[Line] | None, error) -> None:
         """A worker lost (its process or node died, or Ray gave up on it): its lines go to another."""
         from ray.exceptions import ActorDiedError
@@ -340,12 +348,12 @@ class _Driver:
         for item in reversed(items or []):
             if self.deaths.setdefault(item.name, 0) >= DEATHS_PER_LINE - 1:
                 error_line = f"its worker was lost {DEATHS_PER_LINE} times ({_first_line(error)})"
-                self.finish(BatchResult(item, "failed", error=error_line, worker=record))
+                self.failed(item, error_line, record)
             else:
                 self.deaths[item.name] += 1
                 self.batch.retried_lines += 1
                 self.queue.appendleft(item)
-        if self.queue:
+        if self.queue or self.plan is not None:
             self.start_worker()
 
     def dispatch(self) -> None:
@@ -371,7 +379,7 @@ class _Driver:
                     f"a worker could not load the model (or a voice of the batch): {describe(error.cause)}"
                 ) from error
             for item in items:
-                self.finish(BatchResult(item, "failed", error=_first_line(error), worker=record))
+                self.failed(item, _first_line(error), record)
             self.idle.append((actor, record))
             return
         except RayError as error:  # the worker died, its node was lost, or Ray could not run it
@@ -381,7 +389,13 @@ class _Driver:
             _loaded(record, answer, ours, self.wants_instruct, self.batch)
             if self.plan is not None:  # the work, now that the model is known
                 self.queue.extend(self.plan(answer))
-                self.plan = None
+                self.plan, self.planned_for = None, answer["identity"]
+            elif self.planned_for is not None and answer["identity"] != self.planned_for:
+                raise ClusterError(
+                    f"worker {record.name} on {record.node} loaded the model as {answer['identity']['engine']}, the "
+                    f"first as {self.planned_for['engine']}: the work was planned for one (give --dtype and "
+                    "--decoder-dtype so that every worker runs the same)"
+                )
             self.idle.append((actor, record))
             return
         status, value = answer
