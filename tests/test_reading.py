@@ -263,3 +263,33 @@ def test_chapters_normalized_to_a_loudness_measure_so(tiny, tmp_path):
     assert pyloudnorm.Meter(rate).integrated_loudness(samples) == pytest.approx(-30.0, abs=0.1)
     entry = json.loads((tmp_path / "book" / "manifest.json").read_text())["chapters"][0]
     assert entry["loudness"]["gain_db"] == pytest.approx(-30.0 - entry["loudness"]["measured_lufs"], abs=0.02)
+
+
+def test_an_epub_and_standard_input_read_on_the_tiny_checkpoint(tiny_dir, tmp_path):
+    import av
+    from typer.testing import CliRunner
+
+    from rvqtts.cli import app
+    from tests.test_documents import CHAPTERS, PNG, make_epub
+
+    out = tmp_path / "book"
+    result = run_cli(
+        "read", make_epub(tmp_path / "small.epub", CHAPTERS), "--out-dir", out, "--model", tiny_dir, *FRAMES
+    )
+    assert result.exit_code == 0, result.output
+    assert "cover.xhtml has no text (images only?): skipped" in result.output
+    assert sorted(p.name for p in out.glob("*.wav")) == ["01-title-of-one-xhtml.wav", "02-title-of-two-xhtml.wav"]
+    assert (out / "cover.png").read_bytes() == PNG
+    with av.open(str(out / "the-small-book.m4b")) as container:
+        assert container.metadata["artist"] == "Ada Writer, Bo Second"
+        assert [mark["metadata"]["title"] for mark in container.chapters()] == [
+            "Title of one.xhtml",
+            "Title of two.xhtml",
+        ]
+    piped = CliRunner().invoke(
+        app,
+        ["read", "-", "--out-dir", tmp_path / "piped", "--model", tiny_dir, *FRAMES],
+        input="Hello there.\n\nA second paragraph.\n",
+    )
+    assert piped.exit_code == 0, piped.output
+    assert [p.name for p in (tmp_path / "piped").glob("*.wav")] == ["01-untitled.wav"]
