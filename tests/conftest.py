@@ -133,6 +133,12 @@ def base_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def voice_design_dir(tmp_path_factory):
+    """A tiny VoiceDesign checkpoint (1.7B kind): it speaks the voice its instruction describes."""
+    return built_once(tmp_path_factory, "voice-design", kind="voice-design")
+
+
+@pytest.fixture(scope="session")
 def tiny(tiny_dir):
     return Synthesizer.from_checkpoint(tiny_dir)
 

@@ -21,7 +21,6 @@ from rvqtts.qwen.cloning import VoiceSource
 from rvqtts.synthesis.loader import EngineChoices
 from rvqtts.synthesis.settings import GenerationSettings, Line
 from rvqtts.synthesis.synthesizer import Synthesizer
-from rvqtts.tuning.tiny import build_tiny_model
 
 FRAMES = 10
 TEXTS = ("Cluster line one, spoken slowly.", "A second line.", "Line three is here.", "And a fourth one.")
@@ -33,11 +32,6 @@ VARIANTS = {  # make-tiny-model's kinds, codebooks and layouts, each by its fixt
     "codebook-8-groups-4": "small_dir",
     "0.6b": "released_06_dir",
 }
-
-
-@pytest.fixture(scope="module")
-def voice_design_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("first-run") / "voice-design", kind="voice-design")
 
 
 def lines_for(synth: Synthesizer, tmp_path) -> list[Line]:

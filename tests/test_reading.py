@@ -5,6 +5,7 @@ audio exactly `rvqtts synth`'s with its seed (rvqtts.documents.narration)."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
 import os
@@ -293,3 +294,28 @@ def test_an_epub_and_standard_input_read_on_the_tiny_checkpoint(tiny_dir, tmp_pa
     )
     assert piped.exit_code == 0, piped.output
     assert [p.name for p in (tmp_path / "piped").glob("*.wav")] == ["01-untitled.wav"]
+
+
+def test_a_voice_designed_once_reads_every_chunk_and_a_rerun_keeps_it(voice_design_dir, base_dir, tmp_path):
+    book = tmp_path / "book.md"
+    book.write_text(
+        "# Book\n\n## One\n\nThe opening words of the book, long enough to be a sample.\n\n## Two\n\nEnd.\n"
+    )
+    out = tmp_path / "out"
+    arguments = ("read", book, "--out-dir", out, "--model", voice_design_dir, "--clone-on", base_dir, *FRAMES)
+    result = run_cli(*arguments, "--instruct", "A calm, low voice.")
+    assert result.exit_code == 0 and "2 chapters made" in result.output, result.output
+    voice = out / "designed-voice.safetensors"
+    made, request = voice.read_bytes(), json.loads((out / "designed-voice.json").read_text())
+    assert request["instruct"] == "A calm, low voice." and request["text"].startswith("Book One The opening words")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["statistics"]["identity"]["model"]["kind"] == "base"
+    assert manifest["statistics"]["identity"]["voice"]["clone"]["digest"] == [hashlib.sha256(made).hexdigest()]
+    again = run_cli(*arguments, "--instruct", "A calm, low voice.")
+    assert again.exit_code == 0 and "0 chapters made, 2 already there" in again.output, again.output
+    assert voice.read_bytes() == made
+    other = run_cli(*arguments, "--instruct", "A bright, quick voice.")  # another voice: designed again, chapters kept
+    assert other.exit_code == 0 and "made with other text, settings or pauses and is kept" in other.output
+    assert json.loads((out / "designed-voice.json").read_text())["instruct"] == "A bright, quick voice."
+    refused = run_cli("read", book, "--out-dir", out, "--model", base_dir, "--clone-on", base_dir)
+    assert refused.exit_code == 2 and "give a VoiceDesign --model and a Base model to --clone-on" in refused.output

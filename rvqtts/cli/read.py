@@ -22,7 +22,7 @@ from rvqtts.cli.common import (
     say,
     stderr_console,
 )
-from rvqtts.cli.synth import check_voice_files, encode_voices, generation_settings, ray_worker_spec, voice_source
+from rvqtts.cli.synth import encode_voices, generation_settings, ray_worker_spec, voice_source
 
 
 @app.command()
@@ -67,6 +67,11 @@ def read(
         "--batch-size",
         help="Chunks spoken together, a row each (auto: the size measured best on this machine and model; on Ray, on "
         "each worker's). The files are the same whatever the size where the kernels keep rows invariant (rvqtts tune).",
+    ),
+    clone_on: Optional[str] = typer.Option(
+        None,
+        help="With a VoiceDesign --model and its --instruct: design the voice once (speaking the document's opening) "
+        "and clone it on this Base model (hub id or folder), which reads every chunk in it; kept in OUT for reruns.",
     ),
     ray: Optional[str] = options.RAY,
     workers: Optional[int] = options.WORKERS,
@@ -121,10 +126,7 @@ def read(
     if chunk_chars < 20:
         fail(f"--chunk-chars must be at least 20, got {chunk_chars}")
     rows = batch_rows(batch_size)
-    if ray is None and (workers, cpus_per_worker, gpus_per_worker) != (None, None, None):
-        fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
-    if ray is not None and list_chapters:
-        fail("--list measures this machine: drop --ray")
+    _check_ray_options(ray, list_chapters, (workers, cpus_per_worker, gpus_per_worker))
     clone = voice_source(ref_audio, ref_text, x_vector_only, voice)
     asked = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
     predictor = dict(temperature=predictor_temperature, top_k=predictor_top_k, top_p=predictor_top_p)
@@ -141,27 +143,76 @@ def read(
         )  # fmt: skip
     for notice in book.notices:
         say(notice, quiet)
-    _check_voice(model, speaker, language, instruct, clone)
-    if clone is not None:
-        check_voice_files([clone])
+    reader = _check_voices(model, clone_on, speaker, language, instruct, clone)
     if not list_chapters:
         ensure_writable(out_dir, folder=True)
+    engine = dict(device=device, dtype=dtype, decoder_dtype=decoder_dtype, weights=weights, spec=spec, tree=tree)
     line = Line(speaker=speaker, language=language, instruct=instruct, clone=clone, settings=settings)
+    if clone_on is not None and not list_chapters:
+        line = _designed(model, clone_on, {**engine, "offsets": offsets}, book, out_dir, line, seed, quiet)
     if ray is not None:
-        engine = (device, dtype, decoder_dtype, weights, spec, tree, offsets, True)
-        worker_spec = ray_worker_spec(model, engine, workers, cpus_per_worker, gpus_per_worker)
-        voices = (clone,) if clone else ()
+        worker_engine = (device, dtype, decoder_dtype, weights, spec, tree, offsets, True)
+        worker_spec = ray_worker_spec(reader, worker_engine, workers, cpus_per_worker, gpus_per_worker)
+        voices = (line.clone,) if line.clone else ()
         worker_spec = replace(worker_spec, voices=voices, choices=replace(worker_spec.choices, batch_size=rows))
         _narrate_on_ray(worker_spec, ray, workers, book, out_dir, line, reading, quiet)
         return
-    engine = dict(device=device, dtype=dtype, decoder_dtype=decoder_dtype, weights=weights, spec=spec, tree=tree)
-    synthesizer = load_synthesizer(model, quiet, offsets=offsets, batch_size=rows, **engine)
+    synthesizer = load_synthesizer(reader, quiet, offsets=offsets, batch_size=rows, **engine)
     if list_chapters:
         _list(synthesizer, book, plans, selection, rows, quiet)
         return
-    encode_voices(synthesizer, [clone] if clone else [], clone, None, quiet)
+    encode_voices(synthesizer, [line.clone] if line.clone else [], line.clone, None, quiet)
     notice = lambda message: say(message, quiet)  # noqa: E731
     _narrate(lambda update: narrate(synthesizer, book, out_dir, line, reading, update, notice), out_dir, quiet)
+
+
+def _check_ray_options(ray: Optional[str], list_chapters: bool, worker_options: tuple) -> None:
+    if ray is None and worker_options != (None, None, None):
+        fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
+    if ray is not None and list_chapters:
+        fail("--list measures this machine: drop --ray")
+
+
+def _check_voices(model: str, clone_on: Optional[str], speaker, language: str, instruct, clone) -> str:
+    """The model that reads the chunks (--clone-on's Base model, else --model), its voice and --clone-on's checked
+    from the models' configs; fails with one line."""
+    from rvqtts.qwen.checkpoints import ModelLoadError, model_voices
+
+    if clone_on is None:
+        _check_voice(model, speaker, language, instruct, clone)
+        return model
+    with refused(ModelLoadError):
+        kinds = model_voices(model).kind, model_voices(clone_on).kind
+    if kinds != ("voice_design", "base"):
+        fail(
+            "--clone-on designs the voice once on a VoiceDesign --model and clones it on a Base model: give a "
+            f"VoiceDesign --model and a Base model to --clone-on (here {kinds[0]} and {kinds[1]})"
+        )
+    if clone is not None:
+        fail("--clone-on makes the document's voice: drop --ref-audio, --ref-text, --x-vector-only and --voice")
+    _check_voice(model, speaker, language, instruct, clone)
+    return clone_on
+
+
+def _designed(model: str, clone_on: str, engine: dict, book, out_dir: Path, line, seed: int, quiet: bool):
+    """The reading's voice with --clone-on: designed once on the VoiceDesign model, cloned on the Base model, kept in
+    OUT (rvqtts.documents.designed_voice); the line to read with it (the Base model takes no instruction)."""
+    import gc
+
+    from rvqtts.documents.designed_voice import VOICE_FILE, designed_voice
+    from rvqtts.qwen.cloning import VoiceError
+
+    designer = load_synthesizer(model, quiet, **engine)
+    cloner = load_synthesizer(clone_on, quiet, **engine)
+    with refused(VoiceError):
+        source = designed_voice(designer, cloner, book, out_dir, line.instruct, line.language, seed, line.settings)
+    say(
+        f"the voice described by --instruct is kept in {out_dir / VOICE_FILE}; {clone_on} reads every chunk in it",
+        quiet,
+    )
+    del designer, cloner
+    gc.collect()
+    return replace(line, clone=source, instruct=None)
 
 
 def _check_voice(model: str, speaker, language: str, instruct, clone) -> None:

@@ -152,7 +152,9 @@ def speech_identity(model: dict, voice: Line, chunk_chars: float) -> dict:
     cloned = None
     if clone is not None:
         sources = [path for path in (clone.ref_audio, clone.voice) if path is not None]
-        cloned = {**clone.record(), "digest": [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in sources]}
+        files = {"ref_audio", "voice"}  # known by their content, so a folder moved or mounted elsewhere keeps its keys
+        cloned = {key: value for key, value in clone.record().items() if key not in files}
+        cloned["digest"] = [hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in sources]
     return {
         **model,
         "voice": {"speaker": voice.speaker, "language": voice.language, "instruct": voice.instruct, "clone": cloned},
