@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from rvqtts.documents.captions import Cue, sentence_cues, srt, webvtt
-from rvqtts.documents.document import DocumentError, read_document
+from rvqtts.documents.document import DocumentError
 from rvqtts.documents.lexicon import Lexicon, read_lexicon
 from rvqtts.documents.plan import MAX_SENTENCE_CHARS, chunk_seed, parse_chapters, plan_chapter, plan_document
+from rvqtts.documents.reading import read_document
 from rvqtts.synthesis.text import text_weight
 from tests.helpers import run_cli
 

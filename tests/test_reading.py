@@ -183,7 +183,7 @@ def test_list_shows_the_chapters_and_speaks_nothing(tiny_dir, tmp_path):
 
 
 def test_the_python_api_reports_progress(tiny, tmp_path):
-    from rvqtts.documents.document import read_document
+    from rvqtts.documents.reading import read_document
 
     seen = []
     options = ReadingOptions(seed=1, chapters=(3,), audiobook=False, captions=False, batch_size=2)

@@ -304,7 +304,8 @@ def bench_document_command(
     import tempfile
 
     from rvqtts.bench.document import bench_document, bench_document_text, document_memory, document_table
-    from rvqtts.documents.document import DocumentError, read_document
+    from rvqtts.documents.document import DocumentError
+    from rvqtts.documents.reading import read_document
     from rvqtts.synthesis.batch_size import choose_batch_size
     from rvqtts.synthesis.settings import GenerationSettings
 

@@ -115,10 +115,11 @@ def read(
     OUT/.chunks as it ends, so Ctrl-C (or a crash) loses nothing: the same command resumes, and ends with the files
     an uninterrupted run writes.
     """
-    from rvqtts.documents.document import DocumentError, read_document
+    from rvqtts.documents.document import DocumentError
     from rvqtts.documents.lexicon import Lexicon, read_lexicon
     from rvqtts.documents.narration import ReadingOptions, narrate
     from rvqtts.documents.plan import parse_chapters, plan_document
+    from rvqtts.documents.reading import read_document
     from rvqtts.synthesis.settings import Line
 
     if not list_chapters and out_dir is None:
