@@ -128,10 +128,10 @@ def test_kill_9_then_the_same_command_ends_with_the_same_bytes(reference, tiny_d
 
 
 def test_a_full_disk_keeps_the_chapters_finished_and_a_rerun_resumes(reference, tiny_dir, tmp_path, monkeypatch):
-    from rvqtts.documents import narration
+    from rvqtts.documents import chapter_files, chunk_store
 
     out, written = tmp_path / "book", []
-    real_write = narration.write_atomically
+    real_write = chunk_store.write_atomically
 
     def filling(path, data):
         if len(written) == 9:  # chapter one is 7 chunks, written with its captions: the disk fills in chapter two
@@ -139,14 +139,16 @@ def test_a_full_disk_keeps_the_chapters_finished_and_a_rerun_resumes(reference, 
         written.append(path)
         real_write(path, data)
 
-    monkeypatch.setattr(narration, "write_atomically", filling)
+    for module in (chunk_store, chapter_files):
+        monkeypatch.setattr(module, "write_atomically", filling)
     result = read_book(tiny_dir, out)
     assert result.exit_code == 2 and "No space left on device" in result.output and "again" in result.output
     assert (out / "01-chapter-one-the-storm.wav").read_bytes() == (
         reference / "01-chapter-one-the-storm.wav"
     ).read_bytes()
     assert not (out / "02-chapter-two-the-ship.wav").exists()
-    monkeypatch.setattr(narration, "write_atomically", real_write)
+    for module in (chunk_store, chapter_files):
+        monkeypatch.setattr(module, "write_atomically", real_write)
     result = read_book(tiny_dir, out)
     assert result.exit_code == 0, result.output
     assert outputs(out) == outputs(reference)

@@ -6,39 +6,26 @@ ends with the files an uninterrupted run writes (docs/documents.md)."""
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
-import math
-import re
 import time
-import unicodedata
-from dataclasses import asdict, dataclass, field, replace
-from itertools import groupby
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
-import numpy as np
-
-from rvqtts.documents.audiobook import BookChapter, write_audiobook
-from rvqtts.documents.captions import sentence_cues, srt, webvtt
+from rvqtts.documents.chapter_files import chapter_file, slug, write_book, write_chapter, write_cover
+from rvqtts.documents.chunk_store import ChunkStore, chunk_key, speech_identity
 from rvqtts.documents.document import Document
 from rvqtts.documents.lexicon import Lexicon
-from rvqtts.documents.loudness import LoudnessMeter, check_loudness_target
+from rvqtts.documents.loudness import check_loudness_target
 from rvqtts.documents.plan import ChapterPlan, PlannedChunk, plan_document
-from rvqtts.support.audio import AUDIO_FORMATS, StreamJoiner, audio_format
-from rvqtts.support.files import atomic_path, read_records, write_atomically, write_json
+from rvqtts.support.audio import AUDIO_FORMATS
+from rvqtts.support.files import read_records, write_json
 from rvqtts.support.memory import memory_record
 from rvqtts.synthesis.batch_files import BatchResult, Rendered, attempt
 from rvqtts.synthesis.batch_size import choose_batch_size
-from rvqtts.synthesis.settings import GenerationSettings, Line
+from rvqtts.synthesis.settings import Line
 from rvqtts.synthesis.text import LATIN_CHARS_PER_SECOND, MAX_CHUNK_WEIGHT
 
-CHUNK_STORE = ".chunks"  # in the output folder: each chunk's audio (FLAC, 16-bit) and record, by key
 MANIFEST = "manifest.json"
-CHUNK_FORMAT = ".flac"  # a chunk's samples as `rvqtts synth` writes them in its 16-bit WAV, losslessly
-BLOCK = 1 << 16  # samples read at a time from a chapter's file for the audiobook
-COVER_SUFFIXES = {"image/jpeg": ".jpg", "image/png": ".png", "image/gif": ".gif", "image/webp": ".webp"}
 LANGUAGES = {  # a document's language tag -> the language Qwen3-TTS names
     "zh": "chinese", "en": "english", "ja": "japanese", "ko": "korean", "de": "german", "fr": "french",
     "ru": "russian", "pt": "portuguese", "es": "spanish", "it": "italian",
@@ -123,18 +110,6 @@ class ReadingResult:
         return [chapter for chapter in self.chapters if chapter.status == "failed"]
 
 
-def slug(text: str, limit: int = 48) -> str:
-    """A file-name-safe form of a title: ASCII letters, digits and dashes."""
-    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
-    return re.sub(r"[^A-Za-z0-9]+", "-", ascii_text).strip("-").lower()[:limit].strip("-")
-
-
-def chapter_file(plan: ChapterPlan, suffix: str) -> str:
-    """A chapter's audio file name: its number (two digits at least) and its title's slug."""
-    name = slug(plan.title)
-    return f"{plan.number:02d}{'-' + name if name else ''}{suffix}"
-
-
 def document_language(languages: list[str], document: Document, asked: str | None) -> str | None:
     """The language to speak in: the one asked for, else the document's where the model (speaking `languages`) names
     it, else auto."""
@@ -142,31 +117,6 @@ def document_language(languages: list[str], document: Document, asked: str | Non
         return asked
     named = LANGUAGES.get(document.language.split("-")[0].lower())
     return named if named in languages else asked
-
-
-def speech_identity(model: dict, voice: Line, chunk_chars: float) -> dict:
-    """Everything besides a chunk's text and seed that decides its audio: the model's identity (Synthesizer.identity:
-    its weights' digests, dtypes, weight format, rvqtts's version), the voice (a cloned one's files by content), the
-    sampling and the chunking."""
-    clone = voice.clone
-    cloned = None
-    if clone is not None:
-        sources = [path for path in (clone.ref_audio, clone.voice) if path is not None]
-        files = {"ref_audio", "voice"}  # known by their content, so a folder moved or mounted elsewhere keeps its keys
-        cloned = {key: value for key, value in clone.record().items() if key not in files}
-        cloned["digest"] = [hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in sources]
-    return {
-        **model,
-        "voice": {"speaker": voice.speaker, "language": voice.language, "instruct": voice.instruct, "clone": cloned},
-        "settings": asdict(voice.settings or GenerationSettings()),
-        "chunk_chars": chunk_chars,
-    }
-
-
-def chunk_key(identity: dict, chunk: PlannedChunk) -> str:
-    """A chunk's name in the store: a digest of its text, its seed and the speech identity."""
-    keyed = json.dumps({**identity, "text": chunk.text, "seed": chunk.seed}, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(keyed.encode()).hexdigest()[:32]
 
 
 def expected_seconds(plan: ChapterPlan) -> float:
@@ -250,7 +200,7 @@ class _Job:
         if not chosen or chosen[0] < 1 or chosen[-1] > len(self.plans):
             raise ValueError(f"chapters {options.chapters}: the document has chapters 1 to {len(self.plans)}")
         self.asked = [self.plans[n - 1] for n in chosen]
-        self.store = self.out_dir / CHUNK_STORE
+        self.store = ChunkStore(self.out_dir)
         self.previous = read_records(self.out_dir / MANIFEST)
         self.results: dict[int, ChapterResult] = {}
         self.entries = _previous_entries(self.previous, len(document.chapters))
@@ -272,9 +222,6 @@ class _Job:
         self.waiting: dict[int, int] = {}  # chunks each chapter being made waits for
         self.by_key: dict[str, tuple[ChapterPlan, PlannedChunk]] = {}
 
-    def stored(self, key: str) -> bool:
-        return (self.store / f"{key}{CHUNK_FORMAT}").is_file()
-
     def begin(self, model: dict, sample_rate: int) -> list[Line]:
         """The job planned for the model whose identity (Synthesizer.identity) and sample rate are given: the
         chapters' states, those whose chunks are all stored assembled, and the chunks to make as lines (their output
@@ -287,7 +234,7 @@ class _Job:
             (plan, chunk, key)
             for plan in self.making
             for chunk, key in zip(plan.chunks, self.keys[plan.number])
-            if not self.stored(key)
+            if not self.store.has(key)
         ]
         self.waiting = {plan.number: sum(1 for p, _, _ in missing if p is plan) for plan in self.making}
         self.by_key = {key: (plan, chunk) for plan, chunk, key in missing}
@@ -317,7 +264,7 @@ class _Job:
                 self.making.append(plan)
         self.chunks_total = sum(len(self.keys[plan.number]) for plan in asked)
         self.chunks_done = self.chunks_total - sum(len(plan.chunks) for plan in self.making)
-        self.chunks_done += sum(self.stored(key) for plan in self.making for key in self.keys[plan.number])
+        self.chunks_done += sum(self.store.has(key) for plan in self.making for key in self.keys[plan.number])
         self.report()
 
     def report(self) -> None:
@@ -351,15 +298,8 @@ class _Job:
         return BatchResult(line, "done", value.record)
 
     def keep(self, key: str, rendered: Rendered) -> None:
-        """A chunk's record, then its audio (whose presence means done), into the store: the 16-bit samples of its
-        WAV (`rendered.audio`, the bytes `rvqtts synth -o chunk.wav` writes) in FLAC, half the size."""
-        import soundfile
-
-        write_json(self.store / f"{key}.json", {"warnings": rendered.record["warnings"], "record": rendered.record})
-        samples, rate = soundfile.read(io.BytesIO(rendered.audio), dtype="int16")
-        flac = io.BytesIO()
-        soundfile.write(flac, samples, rate, format="FLAC", subtype="PCM_16")
-        write_atomically(self.store / f"{key}{CHUNK_FORMAT}", flac.getvalue())
+        """A chunk made, into the store, and counted."""
+        self.store.keep(key, rendered)
         self.chunks_done += 1
         self.made_chunks += 1
         self.audio_made += rendered.record["audio_seconds"]
@@ -371,79 +311,14 @@ class _Job:
         self.notices.append(f"chapter {plan.number} failed: {error}")
 
     def assemble(self, plan: ChapterPlan) -> None:
-        """A chapter's file and captions from its stored chunks (written atomically), and its manifest entry."""
-        import soundfile
-
-        name = chapter_file(plan, self.options.audio_suffix)
+        """A chapter's files from its stored chunks (rvqtts.documents.chapter_files), its manifest entry."""
         keys = self.keys[plan.number]
-        placements: list = []
-        gain = self.gain(plan)
-        blocks = chapter_blocks(self.store, plan, keys, self.sample_rate, self.options.paragraph_pause, placements)
-        container, subtype = audio_format(name)
-        frames = 0
-        with atomic_path(self.out_dir / name) as partial:
-            with soundfile.SoundFile(partial, "w", self.sample_rate, 1, subtype, format=container) as sink:
-                for block in blocks:
-                    sink.write(np.clip(block * gain["factor"] if gain else block, -1.0, 1.0))
-                    frames += block.size
-        seconds = round(frames / self.sample_rate, 3)
-        cues = sentence_cues([(start, end, chunk.sentences) for chunk, start, end in placements], plan.sentences)
-        if self.options.captions:
-            stem = self.out_dir / Path(name).stem
-            write_atomically(stem.with_suffix(".srt"), srt(cues).encode())
-            write_atomically(stem.with_suffix(".vtt"), webvtt(cues).encode())
-        self.entries[plan.number] = self.entry(plan, name, keys, seconds, placements)
-        if gain:
-            del gain["factor"]
-            self.entries[plan.number]["loudness"] = gain
-        self.results[plan.number] = ChapterResult(plan.number, plan.title, "made", name, seconds)
+        suffix = self.options.audio_suffix
+        entry = write_chapter(self.store, plan, keys, self.out_dir, self.sample_rate, self.assembly, suffix)
+        self.entries[plan.number] = entry
+        self.results[plan.number] = ChapterResult(plan.number, plan.title, "made", entry["file"], entry["seconds"])
         self.write_manifest(None)
         self.report()
-
-    def gain(self, plan: ChapterPlan) -> dict | None:
-        """With a loudness target, the chapter's integrated loudness (a first pass over its chunks) and the gain that
-        brings it there; None without one, or for a silent chapter."""
-        target = self.options.loudness
-        if target is None:
-            return None
-        meter = LoudnessMeter(self.sample_rate)
-        keys = self.keys[plan.number]
-        for block in chapter_blocks(self.store, plan, keys, self.sample_rate, self.options.paragraph_pause, []):
-            meter.push(block)
-        measured = meter.integrated()
-        if not math.isfinite(measured):
-            return None
-        gain_db = target - measured
-        return {"measured_lufs": round(measured, 2), "gain_db": round(gain_db, 2), "factor": 10 ** (gain_db / 20)}
-
-    def entry(self, plan: ChapterPlan, name: str, keys: list[str], seconds: float, placements: list) -> dict:
-        """A chapter's manifest entry: its files, length, and chunks with their places and warnings."""
-        chunks = []
-        for (chunk, start, end), key in zip(placements, keys):
-            warnings = read_records(self.store / f"{key}.json").get("warnings", [])
-            chunks.append(
-                {
-                    "number": chunk.number,
-                    "paragraph": chunk.paragraph,
-                    "text": chunk.text,
-                    "seed": chunk.seed,
-                    "start": round(start, 3),
-                    "end": round(end, 3),
-                    "warnings": warnings,
-                }
-            )
-        captions = [f"{Path(name).stem}.srt", f"{Path(name).stem}.vtt"] if self.options.captions else []
-        return {
-            "number": plan.number,
-            "title": plan.title,
-            "file": name,
-            "captions": captions,
-            "seconds": seconds,
-            "characters": plan.characters,
-            "keys": keys,
-            "assembly": self.assembly,
-            "chunks": chunks,
-        }
 
     def warnings(self) -> list[str]:
         """The chunks' warnings (cut at their frame limit), chapter by chapter."""
@@ -492,10 +367,13 @@ class _Job:
             made_as = self.audiobook_source()
             before = self.previous.get("audiobook") or {}
             if self.options.force or not audiobook_path.is_file() or before.get("source") != made_as:
-                audiobook = self.write_audiobook(audiobook_path) | {"source": made_as}
+                entries = [self.entries[number] for number in sorted(self.entries)]
+                pause = self.options.chapter_pause
+                book = write_book(audiobook_path, entries, self.document, self.sample_rate, pause)
+                audiobook = book | {"source": made_as}
         elif self.options.audiobook and not failed:
             self.notices.append("the audiobook is made once every chapter is (run without --chapters)")
-        self.write_cover()
+        write_cover(self.out_dir, self.document.cover, self.options.force)
         wall = time.perf_counter() - self.began
         statistics = {
             "chunks": self.chunks_total,
@@ -530,34 +408,6 @@ class _Job:
             "author": self.document.author,
         }
 
-    def write_cover(self) -> None:
-        """The document's cover image beside the chapters (cover.jpg, cover.png, ...), where it has one."""
-        cover = self.document.cover
-        suffix = COVER_SUFFIXES.get(cover.media_type) if cover else None
-        if suffix and (self.options.force or not (self.out_dir / f"cover{suffix}").is_file()):
-            write_atomically(self.out_dir / f"cover{suffix}", cover.data)
-
-    def write_audiobook(self, path: Path) -> dict:
-        """The .m4b of every chapter's file, read back block by block, a chapter pause after each."""
-        import soundfile
-
-        def blocks(name: str):
-            return lambda: soundfile.blocks(str(self.out_dir / name), blocksize=BLOCK, dtype="float32")
-
-        entries = [self.entries[number] for number in sorted(self.entries)]
-        chapters = [BookChapter(entry["title"], blocks(entry["file"])) for entry in entries]
-        document = self.document
-        marks = write_audiobook(
-            path, chapters, self.sample_rate, document.title, document.author, self.options.chapter_pause
-        )
-        return {
-            "file": path.name,
-            "chapters": [
-                {"title": entry["title"], "start": round(start, 3), "end": round(end, 3)}
-                for entry, (start, end) in zip(entries, marks)
-            ],
-        }
-
 
 def _previous_entries(previous: dict, chapters: int) -> dict[int, dict]:
     """The chapter entries of an earlier run's manifest for chapters this document has (a damaged or foreign
@@ -568,30 +418,3 @@ def _previous_entries(previous: dict, chapters: int) -> dict[int, dict]:
             if isinstance(entry.get("file"), str) and isinstance(entry.get("chunks"), list):
                 entries[entry["number"]] = entry
     return entries
-
-
-def chapter_blocks(
-    store: Path, plan: ChapterPlan, keys: list[str], sample_rate: int, paragraph_pause: float, placements: list
-) -> Iterator[np.ndarray]:
-    """A chapter's samples from its stored chunks, block by block: the chunks of a paragraph joined by a crossfade
-    (rvqtts.support.audio.StreamJoiner, as a long line's chunks are), a pause of silence between paragraphs. Each
-    chunk's (chunk, start, end) in seconds is appended to `placements`."""
-    import soundfile
-
-    silence = np.zeros(int(round(paragraph_pause * sample_rate)), dtype=np.float32)
-    position = 0
-    paired = list(zip(plan.chunks, keys))
-    for index, (_, group) in enumerate(groupby(paired, key=lambda pair: pair[0].paragraph)):
-        if index:
-            yield silence
-            position += silence.size
-        joiner, joined = StreamJoiner(sample_rate), 0
-        for chunk, key in group:
-            samples, _ = soundfile.read(str(store / f"{key}{CHUNK_FORMAT}"), dtype="float32")
-            overlap = min(joiner.overlap, joined, samples.size)
-            start = position + joined - overlap
-            placements.append((chunk, start / sample_rate, (start + samples.size) / sample_rate))
-            joined += samples.size - overlap
-            yield joiner.add(samples, new_part=True)
-        yield joiner.finish()
-        position += joined
