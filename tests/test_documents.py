@@ -142,6 +142,21 @@ def test_markdown_front_matter_is_not_spoken(tmp_path):
     assert "date" not in " ".join(p for c in book.chapters for p in c.paragraphs)
 
 
+def test_a_file_holding_several_chapters_is_split_where_the_contents_point(tmp_path):
+    body = (
+        '<h1 id="t">A Book</h1><p>Opening.</p><h2 id="c1">One</h2><p>First.</p><pre>code()</pre>'
+        '<section id="c2"><h2>Two</h2><p>Second.</p></section>'
+    )
+    links = '<li><a href="text/one.xhtml#c1">Chapter One</a></li><li><a href="text/one.xhtml#c2">Chapter Two</a></li>'
+    nav = {"OEBPS/nav.xhtml": f'<html><body><nav epub:type="toc"><ol>{links}</ol></nav></body></html>'}
+    book = read_document(make_epub(tmp_path / "book.epub", [("one.xhtml", body)], extra=nav))
+    assert [(c.title, c.paragraphs) for c in book.chapters] == [
+        ("A Book", ("A Book", "Opening.")),
+        ("Chapter One", ("One", "First.")),
+        ("Chapter Two", ("Two", "Second.")),
+    ]
+
+
 def test_an_epub_without_a_table_of_contents_is_titled_by_headings(tmp_path):
     path = make_epub(tmp_path / "book.epub", [("untitled-a.xhtml", "<h1>Alpha</h1><p>Text.</p>")])
     assert read_document(path).chapters[0].title == "Alpha"

@@ -21,10 +21,10 @@ CONTAINER = "META-INF/container.xml"
 FONT_OBFUSCATION = {"http://www.idpf.org/2008/embedding", "http://ns.adobe.com/pdf/enc#RC"}
 XHTML_TYPES = {"application/xhtml+xml", "text/html"}
 _BLOCKS = {
-    "p", "div", "h1", "h2", "h3", "h4", "h5", "h6", "li", "blockquote", "dt", "dd", "pre", "tr", "th", "td",
+    "p", "div", "h1", "h2", "h3", "h4", "h5", "h6", "li", "blockquote", "dt", "dd", "tr", "th", "td",
     "section", "article", "aside", "header", "footer", "figcaption", "caption", "hr", "body", "table", "ul", "ol",
 }  # fmt: skip
-_UNSPOKEN = {"script", "style", "head", "title", "rt", "rp", "svg", "math", "template"}
+_UNSPOKEN = {"script", "style", "head", "title", "rt", "rp", "svg", "math", "template", "pre"}  # pre: code
 # notes, note references and page numbers (EPUB 3's epub:type, DPUB-ARIA's role) are not read in the running text
 _UNSPOKEN_KINDS = {"footnote", "endnote", "rearnote", "noteref", "pagebreak", "annoref"}
 _FONT_SUFFIXES = (".ttf", ".otf", ".woff", ".woff2")
@@ -42,6 +42,7 @@ class _TextBlocks(HTMLParser):
         self.blocks: list[str] = []
         self.heading: str | None = None
         self.links: list[tuple[str, str]] = []
+        self.anchors: dict[str, int] = {}  # an element's id -> the block it opens or falls in
         self._words: list[str] = []
         self._skipping = 0
         self._in_heading = False
@@ -53,7 +54,11 @@ class _TextBlocks(HTMLParser):
         elif tag in _BLOCKS:
             self._flush()
             self._in_heading = tag in _HEADINGS
-        elif tag == "a" and (href := dict(attrs).get("href")):
+        if not self._skipping and (anchor := dict(attrs).get("id")):
+            self.anchors.setdefault(anchor, len(self.blocks))
+        if self._skipping:
+            return
+        if tag == "a" and (href := dict(attrs).get("href")):
             self._link = [href, []]
         elif tag in ("img", "br"):  # a word break
             self._words.append(" ")
@@ -180,9 +185,10 @@ def _meta(metadata: ElementTree.Element | None, name: str) -> list[str]:
     return [] if metadata is None else [collapse(e.text or "") for e in metadata.iterfind(f".//{{*}}{name}") if e.text]
 
 
-def _toc_titles(book: _Book, base: str, manifest: dict, spine: ElementTree.Element) -> dict[str, str]:
-    """Each content file's first title in the table of contents (EPUB 3's nav document, else EPUB 2's NCX)."""
-    titles: dict[str, str] = {}
+def _toc_titles(book: _Book, base: str, manifest: dict, spine: ElementTree.Element) -> dict[str, list]:
+    """Each content file's entries in the table of contents (EPUB 3's nav document, else EPUB 2's NCX), in order:
+    (the fragment they point to, or None for the file's start; their title)."""
+    titles: dict[str, list] = {}
     nav = next((item for item in manifest.values() if "nav" in item["properties"]), None)
     ncx = manifest.get(spine.get("toc") or "") or next(
         (item for item in manifest.values() if item["type"] == "application/x-dtbncx+xml"), None
@@ -190,7 +196,7 @@ def _toc_titles(book: _Book, base: str, manifest: dict, spine: ElementTree.Eleme
     if nav is not None and nav["href"] in book.names:
         folder = posixpath.dirname(nav["href"])
         for href, text in _parsed(_decoded(book.read(nav["href"], "table of contents"))).links:
-            titles.setdefault(_resolve(folder, href), text)
+            titles.setdefault(_resolve(folder, href), []).append((_fragment(href), text))
     elif ncx is not None and ncx["href"] in book.names:
         folder = posixpath.dirname(ncx["href"])
         try:
@@ -200,8 +206,24 @@ def _toc_titles(book: _Book, base: str, manifest: dict, spine: ElementTree.Eleme
         for point in points:
             label, content = point.find("{*}navLabel/{*}text"), point.find("{*}content")
             if label is not None and content is not None and content.get("src"):
-                titles.setdefault(_resolve(folder, content.get("src")), collapse(label.text or ""))
-    return {name: title for name, title in titles.items() if title}
+                src = content.get("src")
+                titles.setdefault(_resolve(folder, src), []).append((_fragment(src), collapse(label.text or "")))
+    return {name: [(part, title) for part, title in entries if title] for name, entries in titles.items()}
+
+
+def _fragment(href: str) -> str | None:
+    return unquote(href.split("#", 1)[1]) if "#" in href else None
+
+
+def _sections(parsed: _TextBlocks, entries: list) -> list[tuple[str | None, list[str]]]:
+    """A content file's blocks split where its table-of-contents entries point (a file holding several chapters),
+    each part with its entry's title; the blocks before the first entry's place have none."""
+    starts = sorted({parsed.anchors.get(part, 0) if part else 0: title for part, title in reversed(entries)}.items())
+    if not starts or starts[0][0] > 0:
+        starts.insert(0, (0, None))
+    bounds = [start for start, _ in starts[1:]] + [len(parsed.blocks)]
+    parts = [(title, parsed.blocks[start:end]) for (start, title), end in zip(starts, bounds)]
+    return [(title, blocks) for title, blocks in parts if blocks]
 
 
 def _resolve(folder: str, href: str) -> str:
@@ -250,10 +272,11 @@ def read_epub(path: Path) -> Document:
         name = item["href"]
         if not parsed.blocks:
             notices.append(f"{posixpath.basename(name)} has no text (images only?): skipped")
-        elif chapters and name not in titles and parsed.heading is None:
-            chapters[-1][1].extend(parsed.blocks)
-        else:
-            chapters.append((titles.get(name) or parsed.heading or f"Section {len(chapters) + 1}", parsed.blocks))
+        for title, blocks in _sections(parsed, titles.get(name, [])):
+            if chapters and title is None and parsed.heading is None:  # a chapter split over files goes on
+                chapters[-1][1].extend(blocks)
+            else:
+                chapters.append((title or parsed.heading or f"Section {len(chapters) + 1}", blocks))
     authors = _meta(metadata, "creator")
     return Document(
         title=next(iter(_meta(metadata, "title")), path.stem),
