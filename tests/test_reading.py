@@ -192,6 +192,7 @@ def test_the_python_api_reports_progress(tiny, tmp_path):
     voice = Line(settings=GenerationSettings(max_frames=4))
     result = narrate(tiny, read_document(KEEPER), tmp_path / "book", voice, options, seen.append)
     assert [c.status for c in result.chapters] == ["made"] and result.statistics["chunks_made"] == 7
+    assert result.statistics["batch_rows"] == 2  # the rows the chunks were spoken in, from their records
     assert [p.chunks_done for p in seen] == sorted(p.chunks_done for p in seen) and seen[-1].chunks_done == 7
     assert seen[-1].chapters_done == 1 and seen[-1].audio_seconds == pytest.approx(7 * 4 * 0.08, abs=0.01)
     assert sorted(p.name for p in (tmp_path / "book").iterdir()) == [
@@ -321,3 +322,14 @@ def test_a_voice_designed_once_reads_every_chunk_and_a_rerun_keeps_it(voice_desi
     assert json.loads((out / "designed-voice.json").read_text())["instruct"] == "A bright, quick voice."
     refused = run_cli("read", book, "--out-dir", out, "--model", base_dir, "--clone-on", base_dir)
     assert refused.exit_code == 2 and "give a VoiceDesign --model and a Base model to --clone-on" in refused.output
+
+
+def test_a_missing_reference_is_refused_before_the_model_loads(base_dir, tmp_path, monkeypatch):
+    from rvqtts.synthesis.synthesizer import Synthesizer
+
+    monkeypatch.setattr(Synthesizer, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    result = run_cli(
+        "read", KEEPER, "--out-dir", tmp_path / "o", "--model", base_dir, "--ref-audio", tmp_path / "gone.wav",
+        "--x-vector-only",
+    )  # fmt: skip
+    assert result.exit_code == 2 and "gone.wav" in result.output and not (tmp_path / "o").exists(), result.output

@@ -41,8 +41,6 @@ X_VECTOR_ONLY = typer.Option(
 
 VOICE = typer.Option(None, help="Base models: a voice file written by --save-voice (the reference encoded once).")
 
-LANGUAGE = typer.Option("auto", help="Language, or auto.")
-
 INSTRUCT = typer.Option(
     None,
     help="Style instruction (ignored, with a warning, by models without instruction support such as the 0.6B "
@@ -77,13 +75,6 @@ CHUNK_CHARS = typer.Option(
     240,
     help="Long text is spoken in chunks of about this many characters, cut at sentence ends (ideographs and kana "
     "count 2.5).",
-)
-
-SEED = typer.Option(
-    0,
-    help="Same seed, same codes, speculative or not, on the same model, dtype, device, thread count and kernel "
-    "choices, wherever the chosen kernels are row-invariant (rvqtts tune); the same WAV also needs the speech "
-    "decoder's bits, which depend on the thread count (docs/usage.md: Same seed, same codes).",
 )
 
 MODEL = typer.Option(DEFAULT_MODEL, help=MODEL_HELP)

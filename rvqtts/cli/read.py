@@ -22,7 +22,14 @@ from rvqtts.cli.common import (
     say,
     stderr_console,
 )
-from rvqtts.cli.synth import encode_voices, generation_settings, ray_worker_spec, voice_source
+from rvqtts.cli.synth import (
+    check_voice_files,
+    check_worker_options,
+    encode_voices,
+    generation_settings,
+    ray_worker_spec,
+    voice_source,
+)
 
 
 @app.command()
@@ -127,7 +134,9 @@ def read(
     if chunk_chars < 20:
         fail(f"--chunk-chars must be at least 20, got {chunk_chars}")
     rows = batch_rows(batch_size)
-    _check_ray_options(ray, list_chapters, (workers, cpus_per_worker, gpus_per_worker))
+    check_worker_options(ray, workers, cpus_per_worker, gpus_per_worker)
+    if ray is not None and list_chapters:
+        fail("--list measures this machine: drop --ray")
     clone = voice_source(ref_audio, ref_text, x_vector_only, voice)
     asked = dict(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty)
     predictor = dict(temperature=predictor_temperature, top_k=predictor_top_k, top_p=predictor_top_p)
@@ -145,6 +154,8 @@ def read(
     for notice in book.notices:
         say(notice, quiet)
     reader = _check_voices(model, clone_on, speaker, language, instruct, clone)
+    if clone is not None:
+        check_voice_files([clone])
     if not list_chapters:
         ensure_writable(out_dir, folder=True)
     engine = dict(device=device, dtype=dtype, decoder_dtype=decoder_dtype, weights=weights, spec=spec, tree=tree)
@@ -165,13 +176,6 @@ def read(
     encode_voices(synthesizer, [line.clone] if line.clone else [], line.clone, None, quiet)
     notice = lambda message: say(message, quiet)  # noqa: E731
     _narrate(lambda update: narrate(synthesizer, book, out_dir, line, reading, update, notice), out_dir, quiet)
-
-
-def _check_ray_options(ray: Optional[str], list_chapters: bool, worker_options: tuple) -> None:
-    if ray is None and worker_options != (None, None, None):
-        fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
-    if ray is not None and list_chapters:
-        fail("--list measures this machine: drop --ray")
 
 
 def _check_voices(model: str, clone_on: Optional[str], speaker, language: str, instruct, clone) -> str:

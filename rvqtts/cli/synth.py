@@ -114,7 +114,7 @@ def synth(
         help="Write the voice cloned from --ref-audio to this file (.safetensors) for --voice; with no text, only "
         "that.",
     ),
-    language: str = options.LANGUAGE,
+    language: str = typer.Option("auto", help="Language, or auto."),
     instruct: Optional[str] = options.INSTRUCT,
     temperature: Optional[float] = options.TEMPERATURE,
     top_k: Optional[int] = options.TOP_K,
@@ -136,7 +136,12 @@ def synth(
         help="Speak the whole text in one pass, as qwen-tts does (keeps prosody across sentences; the runaway cut "
         "still applies).",
     ),
-    seed: int = options.SEED,
+    seed: int = typer.Option(
+        0,
+        help="Same seed, same codes, speculative or not, on the same model, dtype, device, thread count and kernel "
+        "choices, wherever the chosen kernels are row-invariant (rvqtts tune); the same WAV also needs the speech "
+        "decoder's bits, which depend on the thread count (docs/usage.md: Same seed, same codes).",
+    ),
     spec: bool = options.SPEC,
     tree: str = options.TREE,
     offsets: Optional[Path] = options.OFFSETS,
@@ -170,8 +175,7 @@ def synth(
     # Everything that can be checked without the model is checked first: bad input costs no model load.
     _check_options(backend, weights, compute_units, coreml_precision, stdout_format, chunk_chars)
     check_stream_frames(first_stream_frames, stream_frames)
-    if ray is None and (workers, cpus_per_worker, gpus_per_worker) != (None, None, None):
-        fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
+    check_worker_options(ray, workers, cpus_per_worker, gpus_per_worker)
     if file is None:  # one text: a voice this model does not speak is refused from its config, before torch loads
         cloned = ref_audio is not None or voice is not None or ref_text is not None or x_vector_only
         _refuse_unknown_voice(model, speaker, language, instruct, cloned)
@@ -435,6 +439,14 @@ def _save_voice_only(clone, save_voice: Path, model: str, device: str, dtype: st
     check_voice_files([clone])
     synthesizer = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
     encode_voices(synthesizer, [clone], clone, save_voice, quiet)
+
+
+def check_worker_options(
+    ray: Optional[str], workers: Optional[int], cpus: Optional[float], gpus: Optional[float]
+) -> None:
+    """Fail with one line where the Ray workers' options are given without --ray."""
+    if ray is None and (workers, cpus, gpus) != (None, None, None):
+        fail("--workers, --cpus-per-worker and --gpus-per-worker are for --ray")
 
 
 def ray_worker_spec(model: str, engine: tuple, workers: Optional[int], cpus: Optional[float], gpus: Optional[float]):

@@ -7,6 +7,7 @@ ends with the files an uninterrupted run writes (docs/documents.md)."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -21,7 +22,6 @@ from rvqtts.support.audio import AUDIO_FORMATS
 from rvqtts.support.files import read_records, write_json
 from rvqtts.support.memory import memory_record
 from rvqtts.synthesis.batch_files import BatchResult, Rendered, attempt
-from rvqtts.synthesis.batch_size import choose_batch_size
 from rvqtts.synthesis.settings import Line
 from rvqtts.synthesis.text import LATIN_CHARS_PER_SECOND, MAX_CHUNK_WEIGHT
 
@@ -140,14 +140,9 @@ def narrate(
     NonFiniteError for a model that made NaN or inf; a chunk that fails fails its chapter, the others go on."""
     job = _Job(document, out_dir, voice, synth.languages, options, on_progress)
     lines = job.begin(synth.identity(), synth.sample_rate)
-    if lines:
-        rows = options.batch_size or synth.batch_size
-        if rows is None:
-            rows, source = choose_batch_size(synth, len(lines), on_notice)
-            if on_notice:
-                on_notice(f"batch size {rows}: {source}")
-        job.rows = rows
-        for line, (status, value) in attempt(synth, lines, job.defaults, options.chunk_chars, rows, on_notice):
+    if lines:  # `synthesize_many` takes the batch size None as the Synthesizer's, else measures it, and says so
+        answers = attempt(synth, lines, job.defaults, options.chunk_chars, options.batch_size, on_notice)
+        for line, (status, value) in answers:
             job.answer(line, status, value)
     return job.finish()
 
@@ -182,7 +177,6 @@ def narrate_on_ray(
         address=address,
         workers=workers,
     )
-    job.rows = max((worker.rows for worker in batch.workers), default=1)
     return job.finish(), batch
 
 
@@ -215,11 +209,11 @@ class _Job:
         self.chunks_total = self.chunks_done = 0
         self.made_chunks = 0
         self.audio_made = 0.0
-        self.rows = 1
+        self.rows = 1  # the most rows a chunk of this run was spoken in (its record's batch_rows)
         self.identity: dict = {}
         self.keys: dict[int, list[str]] = {}
         self.sample_rate = 0
-        self.waiting: dict[int, int] = {}  # chunks each chapter being made waits for
+        self.waiting: Counter[int] = Counter()  # chunks each chapter being made waits for
         self.by_key: dict[str, tuple[ChapterPlan, PlannedChunk]] = {}
 
     def begin(self, model: dict, sample_rate: int) -> list[Line]:
@@ -236,7 +230,9 @@ class _Job:
             for chunk, key in zip(plan.chunks, self.keys[plan.number])
             if not self.store.has(key)
         ]
-        self.waiting = {plan.number: sum(1 for p, _, _ in missing if p is plan) for plan in self.making}
+        self.chunks_done = self.chunks_total - len(missing)
+        self.report()
+        self.waiting = Counter(plan.number for plan, _, _ in missing)
         self.by_key = {key: (plan, chunk) for plan, chunk, key in missing}
         for plan in self.making:
             if not self.waiting[plan.number]:
@@ -263,9 +259,6 @@ class _Job:
             else:
                 self.making.append(plan)
         self.chunks_total = sum(len(self.keys[plan.number]) for plan in asked)
-        self.chunks_done = self.chunks_total - sum(len(plan.chunks) for plan in self.making)
-        self.chunks_done += sum(self.store.has(key) for plan in self.making for key in self.keys[plan.number])
-        self.report()
 
     def report(self) -> None:
         if self.on_progress:
@@ -300,6 +293,7 @@ class _Job:
     def keep(self, key: str, rendered: Rendered) -> None:
         """A chunk made, into the store, and counted."""
         self.store.keep(key, rendered)
+        self.rows = max(self.rows, rendered.record["batch_rows"])
         self.chunks_done += 1
         self.made_chunks += 1
         self.audio_made += rendered.record["audio_seconds"]
@@ -320,11 +314,15 @@ class _Job:
         self.write_manifest(None)
         self.report()
 
+    def ordered_entries(self) -> list[dict]:
+        """The chapters' manifest entries in chapter order."""
+        return [self.entries[number] for number in sorted(self.entries)]
+
     def warnings(self) -> list[str]:
         """The chunks' warnings (cut at their frame limit), chapter by chapter."""
         return [
             f"chapter {entry['number']}, chunk {chunk['number']}: {warning}"
-            for entry in sorted(self.entries.values(), key=lambda e: e["number"])
+            for entry in self.ordered_entries()
             for chunk in entry["chunks"]
             for warning in chunk["warnings"]
         ]
@@ -348,7 +346,7 @@ class _Job:
                     "lexicon_entries": len(self.options.lexicon.entries),
                     "seed_rule": "sha256('SEED:CHAPTER:CHUNK')[:4] >> 1 (docs/documents.md)",
                 },
-                "chapters": [self.entries[number] for number in sorted(self.entries)],
+                "chapters": self.ordered_entries(),
                 "audiobook": audiobook or self.previous.get("audiobook"),
                 "warnings": self.warnings(),
                 "notices": [*self.document.notices, *self.notices],
@@ -367,9 +365,8 @@ class _Job:
             made_as = self.audiobook_source()
             before = self.previous.get("audiobook") or {}
             if self.options.force or not audiobook_path.is_file() or before.get("source") != made_as:
-                entries = [self.entries[number] for number in sorted(self.entries)]
                 pause = self.options.chapter_pause
-                book = write_book(audiobook_path, entries, self.document, self.sample_rate, pause)
+                book = write_book(audiobook_path, self.ordered_entries(), self.document, self.sample_rate, pause)
                 audiobook = book | {"source": made_as}
         elif self.options.audiobook and not failed:
             self.notices.append("the audiobook is made once every chapter is (run without --chapters)")
@@ -398,10 +395,10 @@ class _Job:
     def audiobook_source(self) -> dict:
         """What the audiobook is made of: the chapter files (with their chunks), the chapter pause and the tags; a
         change in any of them remakes it."""
-        entries = [self.entries[number] for number in sorted(self.entries)]
         return {
             "chapters": [
-                [entry["file"], entry["title"], entry.get("keys"), entry.get("assembly")] for entry in entries
+                [entry["file"], entry["title"], entry.get("keys"), entry.get("assembly")]
+                for entry in self.ordered_entries()
             ],
             "chapter_pause": self.options.chapter_pause,
             "title": self.document.title,

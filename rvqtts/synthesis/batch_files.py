@@ -257,13 +257,13 @@ def synthesize_batch(
 
 
 def attempt(
-    synth, lines: list[Line], defaults: Line, chunk_chars: float | None, batch_size: int, on_notice=None
+    synth, lines: list[Line], defaults: Line, chunk_chars: float | None, batch_size: int | None, on_notice=None
 ) -> Iterator[tuple[Line, tuple]]:
-    """Each line and its answer as it ends, the lines spoken `batch_size` at a time (Synthesizer.synthesize_many):
-    ("done", Rendered, its output file's bytes), or ("failed", why) for a line whose voice or synthesis failed. A
-    line's voice is its own, else the run's; every code's noise (c0's included) is keyed by its line number, so any
-    run, partial, resumed or on any worker, makes the same audio for it. A model that produced NaN or inf
-    (NonFiniteError) is raised: every line would meet it."""
+    """Each line and its answer as it ends, the lines spoken `batch_size` at a time (Synthesizer.synthesize_many; None:
+    the Synthesizer's, else measured): ("done", Rendered, its output file's bytes), or ("failed", why) for a line whose
+    voice or synthesis failed. A line's voice is its own, else the run's; every code's noise (c0's included) is keyed
+    by its line number, so any run, partial, resumed or on any worker, makes the same audio for it. A model that
+    produced NaN or inf (NonFiniteError) is raised: every line would meet it."""
     voiced = []  # (the line, with the run's voice, as the model hears it)
     for line in lines:
         try:

@@ -22,7 +22,7 @@ from rvqtts.qwen.codec import StreamPacing
 from rvqtts.support.audio import StreamJoiner
 from rvqtts.support.stretch import TimeStretch, time_stretched
 from rvqtts.synthesis.batch_size import fitting_rows, row_bytes, rows_invariant
-from rvqtts.synthesis.settings import GenerationSettings, Line, LineTimings, Synthesis
+from rvqtts.synthesis.settings import Line, LineTimings, Synthesis
 from rvqtts.synthesis.speech_model import SpeechModel
 from rvqtts.synthesis.text import FRAMES_PER_SECOND, chunk_text, frame_limit
 
@@ -52,15 +52,14 @@ def speak(
     depth = loop.speculation.offsets.depth if loop.speculation else DEFAULT_DEPTH
 
     def spoken(index: int, line: Line) -> _Spoken:  # made as its row takes it: its clock starts there
-        line_settings = line.settings
-        sampling, pacing = synth.sampling(line_settings), line.stream
+        sampling, pacing = synth.sampling(line.settings), line.stream
         state = _Spoken(line.seed, line.utterance, iter(()), sampling, on_frame=on_frame, index=index, pacing=pacing)
         state.stats.accepted_per_depth = [0] * depth
         state.joiner = StreamJoiner(synth.sample_rate)
         state.decoder = synth.codec.streaming_decoder() if state.pacing else None
-        state.speed = line_settings.speed or 1.0
+        state.speed = line.settings.speed or 1.0
         state.stretch = TimeStretch(state.speed, synth.sample_rate) if state.pacing and state.speed != 1 else None
-        state.chunks = line_prompts(synth, line, state, line_settings, chunk_chars)
+        state.chunks = line_prompts(synth, line, state, chunk_chars)
         state.stopped = lambda: state.failed or (stopped is not None and stopped(index))
         return state
 
@@ -154,9 +153,7 @@ def heard(
         yield finished(synth, state, loop)
 
 
-def line_prompts(
-    synth, line: Line, state: _Spoken, settings: GenerationSettings, chunk_chars: float | None
-) -> Iterator[tuple[Prompt, int]]:
+def line_prompts(synth, line: Line, state: _Spoken, chunk_chars: float | None) -> Iterator[tuple[Prompt, int]]:
     """The line's prompts, one per text chunk, with their frame limits (its voice checked when it starts),
     the streaming decoder primed for each."""
     if not line.text.strip():
@@ -173,7 +170,7 @@ def line_prompts(
         state.seconds.prompts += time.perf_counter() - begun
         if state.seconds.prompt is None:  # the first chunk's, before any audio
             state.seconds.prompt = state.seconds.prompts
-        yield prompt, frame_limit(piece, settings.max_frames, synth.default_max_frames)
+        yield prompt, frame_limit(piece, line.settings.max_frames, synth.default_max_frames)
 
 
 def played(state: _Spoken, samples: np.ndarray, last: bool = False) -> np.ndarray:
