@@ -21,7 +21,8 @@ from rvqtts.engine.speculative.rounds import plain_frames, speculative_frames
 from rvqtts.engine.speculative.speculation import Speculation
 from rvqtts.engine.speculative.tree import resolve_tree
 from rvqtts.synthesis import batch_size
-from rvqtts.synthesis.settings import GenerationSettings, Line
+from rvqtts.synthesis.pipeline import speak
+from rvqtts.synthesis.settings import GenerationSettings, Line, Synthesis
 from rvqtts.synthesis.synthesizer import Synthesizer
 from tests.helpers import random_prefix, run_cli
 
@@ -409,3 +410,13 @@ def test_streamed_lines_decode_their_pieces_together_and_a_line_whose_decoding_f
             assert np.array_equal(made[-1].codes, own[-1].codes)
             streamed, expected = np.concatenate(made[:-1]), np.concatenate(own[:-1])
             assert streamed.shape == expected.shape and np.abs(streamed - expected).max() <= 1e-5
+
+
+def test_the_between_frames_hook_runs_once_a_frame_with_its_rows(tiny, measured):
+    """`speak(between_frames=...)` runs once after each frame of the loop (a server runs its waiting tasks there),
+    told how many rows made it: not once per row."""
+    calls: list[int] = []
+    lines = [Line(text=text, utterance=0, seed=1, settings=GenerationSettings(max_frames=12)) for text in TEXTS[:2]]
+    spoken = [item for _, item in speak(tiny, lines, None, 2, between_frames=calls.append)]
+    frames = sum(len(item.codes) for item in spoken if isinstance(item, Synthesis))
+    assert sum(calls) == frames and max(calls) == 2 and len(calls) < frames

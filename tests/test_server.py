@@ -1,4 +1,4 @@
-"""`rvqtts serve` (rvqtts.serving.server) through real clients over loopback: the `openai` package for speech, plain
+"""`rvqtts serve` (rvqtts.serving) through real clients over loopback: the `openai` package for speech, plain
 `httpx` for the errors, concurrent clients, a client gone mid-stream and a flood of requests."""
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import uvicorn
 from helpers import run_cli, streamed_samples, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from rvqtts.serving.server import Job, ServerOptions, SpeechEngine, create_app, uvicorn_settings
+from rvqtts.serving.app import create_app, uvicorn_settings
+from rvqtts.serving.engine import Job, SpeechEngine
+from rvqtts.serving.options import ServerOptions
 from rvqtts.support.audio import audio_bytes
 from rvqtts.synthesis import pipeline
 from rvqtts.synthesis.loader import EngineChoices
@@ -141,7 +143,7 @@ def test_speed_stretches_whole_and_streamed_responses_as_synth_speed_does(client
     ) as response:  # fmt: skip
         streamed = np.frombuffer(response.read(), dtype="<i2")
     assert streamed.shape == samples.shape and np.abs(streamed.astype(int) - samples).max() <= 1
-    with pytest.raises(openai.BadRequestError, match="speed must be from 0.25 to 4.0"):
+    with pytest.raises(openai.BadRequestError, match="`speed` must be at least 0.25 and at most 4.0"):
         speak(client, text, speed=0.1)
 
 
@@ -196,15 +198,15 @@ def test_bad_requests_get_openai_errors_saying_what_to_send(served):
     good = {"model": "tiny", "input": "Hi.", "voice": "vivian", "max_frames": 3}
     cases = [
         ({"voice": "alloy"}, 400, "voice", "choose aiden, dylan"),
-        ({"response_format": "aac"}, 400, "response_format", "choose wav, pcm, flac, mp3, opus"),
+        ({"response_format": "aac"}, 400, "response_format", "choose 'wav', 'pcm', 'flac', 'mp3' or 'opus'"),
         ({"input": "   "}, 400, "input", "`input` is empty"),
-        ({"speed": 5}, 400, None, "speed must be from 0.25 to 4.0"),
-        ({"temperature": -1}, 400, None, "temperature"),
+        ({"speed": 5}, 400, "speed", "`speed` must be at least 0.25 and at most 4.0, got 5"),
+        ({"temperature": -1}, 400, "temperature", "`temperature` must be at least 0"),
         ({"seed": "x"}, 400, "seed", "whole number"),
         ({"max_frames": 2.5}, 400, "max_frames", "whole number"),
         ({"max_frames": 48}, 400, "max_frames", "over this model's limit of 47 frames"),
         ({"language": "klingon"}, 400, None, "klingon"),
-        ({"stream_format": "text"}, 400, "stream_format", "choose audio or sse"),
+        ({"stream_format": "text"}, 400, "stream_format", "choose 'audio' or 'sse'"),
         ({"stream_format": "sse", "stream": False}, 400, "stream", "leave `stream` out or true"),
         ({"response_format": "flac", "stream": True}, 400, "response_format", "flac is not streamed here"),
         ({"response_format": "mp3", "stream": True}, 400, "response_format", "ask for wav or pcm to stream"),
@@ -234,7 +236,8 @@ def test_bad_requests_get_openai_errors_saying_what_to_send(served):
 
 def test_server_sent_events_carry_the_streamed_audio(served, client):
     """`stream_format: "sse"` through the openai package: OpenAI's events, a speech.audio.delta per piece whose
-    base64 bytes, joined, are the body the same request streams as audio, then speech.audio.done."""
+    base64 bytes, joined, are the body the same request streams as audio, then speech.audio.done with the request's
+    figures (the page shows them), its audio seconds those of the samples sent."""
     url, _ = served
     body = {"input": "Hello there, streamed as events.", "voice": "vivian", "seed": 2, "max_frames": FRAMES}
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT) as http:
@@ -248,11 +251,16 @@ def test_server_sent_events_carry_the_streamed_audio(served, client):
         extra_body={"seed": 2, "max_frames": FRAMES},
     ) as events:
         assert events.headers["content-type"].startswith("text/event-stream")
+        assert events.headers["x-sample-rate"] == "24000"
         text = events.read().decode()
     parsed = [json.loads(line.removeprefix("data: ")) for line in text.split("\n\n") if line]
     deltas = [event for event in parsed if event["type"] == "speech.audio.delta"]
-    assert len(deltas) >= 2 and parsed[-1] == {"type": "speech.audio.done"} and len(parsed) == len(deltas) + 1
+    assert len(deltas) >= 2 and parsed[-1]["type"] == "speech.audio.done" and len(parsed) == len(deltas) + 1
     assert b"".join(base64.b64decode(event["audio"]) for event in deltas) == audio.content and audio.content
+    stats = parsed[-1]["stats"]
+    assert stats["sample_rate"] == 24000 and stats["audio_seconds"] == round(len(audio.content) / 2 / 24000, 3)
+    assert 0 < stats["first_audio_seconds"] <= stats["seconds"] and stats["real_time_factor"] > 0
+    assert 1 <= stats["codes_per_call"] <= 15
 
 
 def test_concurrent_clients_each_get_the_audio_of_their_seed(served, tiny):
@@ -277,7 +285,7 @@ def test_concurrent_clients_each_get_the_audio_of_their_seed(served, tiny):
                 bodies.append(response.content)
             return bodies
 
-    served_before = engine.counts["served"]
+    served_before = engine.accounting.counts["served"]
     shares = [jobs[n::8] for n in range(8)]
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(client_run, shares))
@@ -285,7 +293,7 @@ def test_concurrent_clients_each_get_the_audio_of_their_seed(served, tiny):
         for job, body in zip(share, bodies):
             assert body == expected[job], job
     settled(engine)
-    assert engine.counts["served"] - served_before == 16 and engine.counts["failed"] == 0
+    assert engine.accounting.counts["served"] - served_before == 16 and engine.accounting.counts["failed"] == 0
 
 
 def test_a_client_gone_mid_stream_frees_its_row_for_a_waiting_request(tiny_dir, monkeypatch):
@@ -321,8 +329,8 @@ def test_a_client_gone_mid_stream_frees_its_row_for_a_waiting_request(tiny_dir, 
                 gate.opened.set()
             assert other.result().status_code == waiting.result().status_code == 200
         settled(engine)
-    assert engine.counts["cancelled"] == 1 and engine.counts["served"] == 2
-    assert engine.counts["batched"] == 2  # the second stream and the request that took the first's row
+    assert engine.accounting.counts["cancelled"] == 1 and engine.accounting.counts["served"] == 2
+    assert engine.accounting.counts["batched"] == 2  # the second stream and the request that took the first's row
 
 
 def test_a_flood_gets_503_with_retry_after_and_the_server_keeps_serving(tiny_dir, monkeypatch):
@@ -352,7 +360,7 @@ def test_a_flood_gets_503_with_retry_after_and_the_server_keeps_serving(tiny_dir
         assert all(int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "server_busy" for r in flood)
         assert [r.status_code for r in answered] == [200, 200], [r.text for r in answered]
         assert answered[0].content == answered[1].content  # the same seed's audio
-        assert post(0).content == answered[0].content and engine.counts["refused_busy"] == len(flood)
+        assert post(0).content == answered[0].content and engine.accounting.counts["refused_busy"] == len(flood)
 
 
 def test_a_base_model_speaks_the_voice_files_of_its_folder_and_nothing_else(base_dir, tmp_path):
@@ -540,7 +548,7 @@ def test_streamed_and_whole_requests_share_rows_each_with_its_solo_audio(tiny_di
 
         alone = [post(job) for job in jobs]
         settled(engine)
-        assert engine.counts["batched"] == 0
+        assert engine.accounting.counts["batched"] == 0
         passes = []  # the streams of every pass of the speech decoder
         push_together = pipeline.push_together
 
@@ -570,10 +578,54 @@ def test_streamed_and_whole_requests_share_rows_each_with_its_solo_audio(tiny_di
         else:
             assert made == own, job
     assert max(passes) > 1  # the streamed rows' pieces were decoded together
-    assert engine.counts["batched"] == len(jobs) + 1 and engine.counts["failed"] == 0
+    assert engine.accounting.counts["batched"] == len(jobs) + 1 and engine.accounting.counts["failed"] == 0
     header, first = (json.loads(event.removeprefix(b"data: ")) for event in alone[2].split(b"\n\n")[:2])
     assert base64.b64decode(header["audio"]).startswith(b"RIFF")
     assert len(base64.b64decode(first["audio"])) == 2 * (1920 - 1200)  # one frame, less the crossfade's 50 ms
+
+
+SPEECH_FIELDS = [
+    "input",
+    "voice",
+    "response_format",
+    "stream",
+    "stream_format",
+    "speed",
+    "seed",
+    "language",
+    "instruct",
+    "instructions",
+    "model",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "max_frames",
+    "predictor_temperature",
+    "predictor_top_k",
+    "predictor_top_p",
+]  # fmt: skip  (docs/server.md, "The request")
+
+
+def test_the_api_description_is_valid_openapi_and_names_what_the_parser_takes(served):
+    """GET /openapi.json (open, without the key) is a valid OpenAPI 3.1 document whose request schema names every
+    field of docs/server.md's table and states the ranges the parser refuses outside of."""
+    from openapi_spec_validator import validate
+
+    url, _ = served
+    document = httpx.get(url + "/openapi.json").json()
+    validate(document)
+    schemas = document["components"]["schemas"]
+    assert set(schemas["SpeechBody"]["properties"]) == set(SPEECH_FIELDS)
+    assert set(schemas["VoiceForm"]["properties"]) == {"name", "audio_sample", "ref_text"}
+    speed = schemas["SpeechBody"]["properties"]["speed"]["anyOf"][0]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for value, refused in ((speed["maximum"], False), (speed["maximum"] + 0.01, True), (speed["minimum"] - 0.01, True)):
+        body = {"input": "Hi.", "voice": "vivian", "max_frames": 2, "speed": value}
+        response = httpx.post(url + "/v1/audio/speech", json=body, headers=headers, timeout=WAIT)
+        assert (response.status_code == 400) == refused, (value, response.text[:200])
+    assert {"/v1/audio/speech", "/v1/audio/voices", "/v1/audio/voices/{name}"} <= set(document["paths"])
+    assert document["security"] == [{"key": []}]  # the served fixture has a key
 
 
 def test_no_malformed_request_gets_a_server_error(served):
@@ -586,11 +638,7 @@ def test_no_malformed_request_gets_a_server_error(served):
         None, True, False, 0, -1, 1, 2, 47, 48, 10**12, -(10**12), 2**63, 0.5, -0.5, 1e308, float("inf"), "", " ",
         "x", "wav", "sse", "audio", "vivian", "auto", "x" * 300, [], [1], {}, {"id": "vivian"}, {"id": 3}, float("nan"),
     ]  # fmt: skip
-    names = [
-        "input", "voice", "response_format", "stream", "stream_format", "speed", "seed", "language", "instruct",
-        "instructions", "model", "temperature", "top_k", "top_p", "repetition_penalty", "max_frames",
-        "predictor_temperature", "predictor_top_k", "predictor_top_p", "unknown",
-    ]  # fmt: skip
+    names = [*SPEECH_FIELDS, "unknown"]
     statuses = []
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT) as http:
         for _ in range(500):
@@ -606,7 +654,7 @@ def test_no_malformed_request_gets_a_server_error(served):
             if response.status_code != 200:
                 assert response.json()["error"]["type"] == "invalid_request_error", body
     settled(engine)
-    assert engine.counts["failed"] == 0 and 20 < statuses.count(200) < 480  # both kinds were tried
+    assert engine.accounting.counts["failed"] == 0 and 20 < statuses.count(200) < 480  # both kinds were tried
 
 
 def test_text_in_pieces_over_a_websocket_is_spoken_sentence_by_sentence(served):

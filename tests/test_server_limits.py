@@ -219,7 +219,7 @@ def test_a_paragraph_sent_at_once_is_spoken_whole_and_in_order_while_the_queue_i
     spoken = [(event["index"], event["text"]) for event in events if event["type"] == "sentence"]
     assert spoken == list(enumerate(sentences))
     assert [event["type"] for event in events] == ["sentence", "sentence.done"] * 14 + ["done"]
-    assert engine.counts["refused_busy"] == 0  # a session waits; it is not refused
+    assert engine.accounting.counts["refused_busy"] == 0  # a session waits; it is not refused
 
 
 def test_a_session_s_messages_and_unspoken_text_are_bounded(tiny_dir, monkeypatch):
@@ -270,9 +270,9 @@ def test_a_reader_that_stops_reading_is_cut_and_frees_its_row(tiny_dir):
         body = json.dumps(long).encode()
         head = f"POST /v1/audio/speech HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         client.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        wait_until(lambda: engine.counts["cancelled"] == 1, WAIT, "the reader to be cut")
+        wait_until(lambda: engine.accounting.counts["cancelled"] == 1, WAIT, "the reader to be cut")
         settled(engine)
-        assert engine.counts["served"] == 0 and engine.health()["speaking"] == 0
+        assert engine.accounting.counts["served"] == 0 and engine.health()["speaking"] == 0
         assert httpx.post(url + "/v1/audio/speech", json=BODY, timeout=WAIT).status_code == 200
         client.settimeout(WAIT)
         received = b""

@@ -1,4 +1,4 @@
-"""`rvqtts serve`: the OpenAI audio API on a model loaded once (rvqtts.serving.server; docs/server.md)."""
+"""`rvqtts serve`: the OpenAI audio API on a model loaded once (rvqtts.serving.app; docs/server.md)."""
 
 from __future__ import annotations
 
@@ -103,6 +103,7 @@ def serve(
     origins = tuple(map(checked_origin, allow_origin))
     try:
         import prometheus_client  # noqa: F401
+        import pydantic  # noqa: F401
         import python_multipart  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
@@ -113,8 +114,8 @@ def serve(
         )
     voices = _checked_voices_folder(model, voices)
     from rvqtts.qwen.codec import StreamPacing
-    from rvqtts.serving.server import ServerOptions
-    from rvqtts.serving.server import serve as run_server
+    from rvqtts.serving.app import serve as run_server
+    from rvqtts.serving.options import ServerOptions
     from rvqtts.synthesis.batch_size import choose_batch_size
 
     rows = batch_rows(batch_size)

@@ -1,7 +1,8 @@
 """What `rvqtts serve` shows at GET /metrics, in Prometheus's text format (prometheus_client): requests by how they
 ended, streamed requests' first audio and served requests' whole time as histograms, rows busy, the queue, frames
-made and their rate over the last seconds, and the process's memory and CPU time. The engine's counts stay its own
-(`/health` shows them too): a collector reads them at each scrape. docs/server.md, "Metrics"."""
+made and their rate over the last seconds, and the process's memory and CPU time. The counts are the server's
+accounting's (rvqtts.serving.accounting; `/health` shows them too): a collector reads them at each scrape.
+docs/server.md, "Metrics"."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ from prometheus_client.registry import Collector
 # seconds: a lone request's first audio is a few tenths, a burst's a few seconds, a whole answer up to minutes
 SECONDS_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0)
 RATE_SECONDS = 10.0  # frames per second: over this many last seconds
-OUTCOMES = ("served", "failed", "cancelled", "refused_busy")  # the engine's counts a request ends in
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class ServerMetrics:
     """One server's metrics in a registry of its own (a process may run several servers: the tests do). `state`
-    gives the engine's counts and rows at scrape time: {"counts": {...}, "speaking": n, "queued": n, "rows": n}."""
+    gives the requests by how they ended and the rows at scrape time:
+    {"outcomes": {outcome: n}, "shared": n, "speaking": n, "queued": n, "rows": n}."""
 
     def __init__(self, state: Callable[[], dict]):
         self.registry = CollectorRegistry(auto_describe=True)
@@ -41,27 +42,27 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.frames = Counter("rvqtts_frames", "Frames made (80 ms of audio each), every row's", registry=self.registry)
-        self._recent: deque[float] = deque()  # when each frame of the last RATE_SECONDS was made
+        self._recent: deque[tuple[float, int]] = deque()  # (when, rows' frames) of each frame of the last RATE_SECONDS
         self._lock = threading.Lock()
         self.registry.register(_EngineCollector(state, self.frames_per_second))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, CPU seconds, open files
 
-    def frame_made(self) -> None:
-        """One row's frame, as the engine makes it."""
-        self.frames.inc()
+    def frames_made(self, rows: int) -> None:
+        """A frame of the loop, made by `rows` rows, as the engine makes it."""
+        self.frames.inc(rows)
         now = time.monotonic()
         with self._lock:
-            self._recent.append(now)
+            self._recent.append((now, rows))
             self._forget(now)
 
     def frames_per_second(self) -> float:
-        """Frames made per second over the last RATE_SECONDS."""
+        """Rows' frames made per second over the last RATE_SECONDS."""
         with self._lock:
             self._forget(time.monotonic())
-            return len(self._recent) / RATE_SECONDS
+            return sum(rows for _, rows in self._recent) / RATE_SECONDS
 
     def _forget(self, now: float) -> None:
-        while self._recent and self._recent[0] < now - RATE_SECONDS:
+        while self._recent and self._recent[0][0] < now - RATE_SECONDS:
             self._recent.popleft()
 
     def exposition(self) -> bytes:
@@ -78,11 +79,11 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         state = self.state()
         requests = CounterMetricFamily("rvqtts_requests", "Requests by how they ended", labels=["outcome"])
-        for outcome in OUTCOMES:
-            requests.add_metric([outcome], state["counts"][outcome])
+        for outcome, count in state["outcomes"].items():
+            requests.add_metric([outcome], count)
         yield requests
         yield CounterMetricFamily(
-            "rvqtts_requests_shared", "Requests served in calls shared with another", value=state["counts"]["batched"]
+            "rvqtts_requests_shared", "Requests served in calls shared with another", value=state["shared"]
         )
         gauges = {
             "rvqtts_rows_busy": ("Rows speaking a request now", state["speaking"]),

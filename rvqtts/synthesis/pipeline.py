@@ -38,6 +38,7 @@ def speak(
     on_frame: Callable[[torch.Tensor, list[int]], None] | None = None,
     stopped: Callable[[int], bool] | None = None,
     joins_per_frame: int | None = None,
+    between_frames: Callable[[int], None] | None = None,
 ) -> Iterator[tuple[int, np.ndarray | Synthesis | Exception]]:
     """Speak `lines` (each whole: its seed, utterance and settings set, as `Line.under` fills them), `rows` at a time
     (rvqtts.engine.loop.frame_loop), text chunk after text chunk, each line as soon as a row is free.
@@ -47,7 +48,8 @@ def speak(
     chunk at once, `decode`), then its
     Synthesis; or, for a line whose voice, text or decoding fails, or that `stopped(index)` stops (asked every
     frame; rvqtts.engine.loop.frame_loop.Stopped), or whose logits went NaN or inf (NonFiniteError), the exception, and
-    no more of it. `joins_per_frame`: at most this many lines start before each frame (FrameLoop.run)."""
+    no more of it. `joins_per_frame`: at most this many lines start before each frame (FrameLoop.run).
+    `between_frames(rows)` runs once after each frame, its rows' pieces handed on, with how many rows made one."""
     loop = synth.runners.frame_loop(rows)
     depth = loop.speculation.offsets.depth if loop.speculation else DEFAULT_DEPTH
 
@@ -73,7 +75,7 @@ def speak(
                 index += 1
 
     due: list[_Spoken] = []  # streamed lines whose piece is decoded at the frame's end, with the other rows'
-    for event in loop.run(states(), joins_per_frame):
+    for event in hooked(loop.run(states(), joins_per_frame), between_frames):
         if due and not isinstance(event, FrameDone):
             for state, samples in due_pieces(synth, due):
                 yield from guarded(state, piece_played(state, samples))
@@ -85,6 +87,17 @@ def speak(
         if isinstance(event, FrameDone) and state.pacing:
             if len(state.pending) == state.pacing.due(state.seconds.first_audio is not None):
                 due.append(state)
+
+
+def hooked(events: Iterator[Event], between_frames: Callable[[int], None] | None) -> Iterator[Event]:
+    """The frame loop's events, `between_frames(rows)` run once each frame's end has been handled (its pieces
+    handed on), with how many rows made that frame."""
+    rows = 0
+    for event in events:
+        yield event
+        if isinstance(event, FrameEnd) and between_frames is not None:
+            between_frames(rows)
+        rows = 0 if isinstance(event, FrameEnd) else rows + isinstance(event, FrameDone)
 
 
 def guarded(state: _Spoken, items: Iterator) -> Iterator[tuple[int, np.ndarray | Synthesis | Exception]]:
