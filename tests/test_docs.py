@@ -1,7 +1,9 @@
-"""The docs that can go stale: docs/cli.md against the commands, and the links between the Markdown pages."""
+"""The docs that can go stale: docs/cli.md against the commands, and the links between the Markdown pages; and
+the limits that keep the code and the reference pages short enough to read."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -59,3 +61,29 @@ def test_the_readme_test_command_is_what_ci_runs():
     """CI runs `.ci/run`, whose command must stay the README's (a fresh machine's set-up runs the same)."""
     ci = next(line for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines() if "pytest" in line)
     assert ci in (ROOT / "README.md").read_text(encoding="utf-8"), ".ci/run's command differs from the README's"
+
+
+MAX_FUNCTION_LINES = 60  # from `def` to the function's last line, its docstring included (decorators not counted)
+LONG_FUNCTIONS_ALLOWED = ("cli/",)  # typer commands: their options and help
+FUNCTION = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def test_no_function_is_over_sixty_lines():
+    """Long functions are split into small named steps (prefill, decode one token, ...), so each reads at once."""
+    long = []
+    for path in sorted((ROOT / "rvqtts").rglob("*.py")):
+        relative = path.relative_to(ROOT / "rvqtts").as_posix()
+        if relative.startswith(LONG_FUNCTIONS_ALLOWED):
+            continue
+        functions = (n for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(n, FUNCTION))
+        for node in functions:
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                long.append(f"rvqtts/{relative}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {', '.join(long)}"
+
+
+def test_the_benchmarks_page_stays_a_reference():
+    """docs/benchmarks.md says how things are now; superseded measurements go to docs/history/benchmarks.md."""
+    lines = len((ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8").splitlines())
+    assert lines < 500, f"docs/benchmarks.md has {lines} lines: move past measurements to docs/history/benchmarks.md"

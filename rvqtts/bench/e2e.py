@@ -5,7 +5,8 @@ timed), per frame and against the floors of the calls each made."""
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 from rich.console import Group
@@ -48,18 +49,10 @@ def bench_e2e(
     one piece (lines of (text, speaker, language); `instruct` and a Base model's `clone`, an
     rvqtts.qwen.cloning.ClonedVoice, for all). Frame counts differ between variants (sampled codes decide where
     speech ends), so times are compared per frame."""
-    from rvqtts.support.memory import memory_record
-    from rvqtts.synthesis.synthesizer import Synthesizer
-
     settings = settings or GenerationSettings()
     names = fixed_variants(fixed)
-    synthesizers = {"plain": Synthesizer(tts, None, weight_format), "auto": Synthesizer(tts, default, weight_format)}
-    synthesizers |= {name: Synthesizer(tts, speculation, weight_format) for name, speculation in zip(names, fixed)}
-    if default is not None:  # the online choice's one-time cost measurement is not part of any line
-        auto = synthesizers["auto"]
-        default.start(auto.runners.inner_parts().runner, auto.sampling(settings).predictor)
+    synthesizers = _variant_synthesizers(tts, dict(zip(names, fixed)), weight_format, default, settings)
     variants = ("stock", "plain", "auto", *names)
-    runs: dict[str, list[dict]] = {name: [] for name in variants}
     text, speaker, language = lines[0]
     for name in variants:  # one short turn of each first: no variant's first text pays for first calls (captures)
         _variant_record(synthesizers, name, text, (speaker, language, instruct, clone), seed, WARM_UP)
@@ -67,24 +60,9 @@ def bench_e2e(
     warmed = dict(getattr(online, "frames_by_budget", {}))  # the online choice's frames by N before the timed turns
     talker, runner = synthesizers["plain"].runners.talker(), synthesizers["plain"].runners.inner_parts().runner
     floors = _e2e_floor_passes(talker, runner, dict(zip(names, fixed)), tts.model.talker)
-    floor_times: dict[str, list[float]] = {name: [] for name in floors}
-    for number, (text, speaker, language) in enumerate(lines):
-        turn = number % len(variants)
-        order = variants[turn:] + variants[:turn]
-        for name in order:
-            voice = (speaker, language, instruct, clone)
-            runs[name].append(_variant_record(synthesizers, name, text, voice, seed, settings))
-            if progress:
-                progress(number * len(order) + order.index(name) + 1, len(lines) * len(order))
-        for name, values in interleaved_ms(floors, talker.device, warmup=1, repeats=3).items():
-            floor_times[name].extend(values)
-    floor_ms = {name: round(statistics.median(values), 3) for name, values in floor_times.items()}
-    totals = {
-        name: _totals(records) | _floor_per_frame(name, records, floor_ms, runner.code_groups - 1)
-        for name, records in runs.items()
-    }
-    add_round_costs(totals, runner.code_groups - 1)
-    timed = {n: frames - warmed.get(n, 0) for n, frames in getattr(online, "frames_by_budget", {}).items()}
+    turns = _TimedTurns(synthesizers, variants, (instruct, clone), seed, settings)
+    runs, floor_ms = turns.run(lines, floors, talker.device, progress)
+    totals = _e2e_totals(runs, floor_ms, runner.code_groups - 1)
     best = min(names, key=lambda name: totals[name]["predictor_ms_per_frame"] or float("inf"))
     return {
         "runs": runs,
@@ -96,12 +74,87 @@ def bench_e2e(
         "texts": len(lines),
         "floor_ms": floor_ms,
         "weight_format": weight_format,
-        "auto": (online and online.record(timed)) or {"N": online.budget if online else 0},
-        # the variants share one loaded model in one process, so the peak is theirs together (`synth --stats-json`
-        # gives one variant's alone); what each variant's engine keeps beside it is its caches
-        "memory": memory_record()
-        | {"caches_mib": {name: round(sum(synth.cache_mib().values()), 3) for name, synth in synthesizers.items()}},
+        "auto": _online_record(online, warmed),
+        "memory": _e2e_memory(synthesizers),
     }
+
+
+def _variant_synthesizers(tts: object, fixed: dict, weight_format: str, default, settings) -> dict:
+    """One synthesizer per rvqtts variant on the one loaded model: plain, auto (`default`) and each fixed tree
+    (`fixed`: variant name -> speculation). The online choice's one-time cost measurement runs here, so that it
+    is part of no timed line."""
+    from rvqtts.synthesis.synthesizer import Synthesizer
+
+    synthesizers = {"plain": Synthesizer(tts, None, weight_format), "auto": Synthesizer(tts, default, weight_format)}
+    synthesizers |= {name: Synthesizer(tts, speculation, weight_format) for name, speculation in fixed.items()}
+    if default is not None:
+        auto = synthesizers["auto"]
+        default.start(auto.runners.inner_parts().runner, auto.sampling(settings).predictor)
+    return synthesizers
+
+
+@dataclass(frozen=True)
+class _TimedTurns:
+    """The timed turns of `bench e2e`: every variant speaks every text, in an order rotating text by text (no
+    variant always first), all in one voice's `instruct` and `clone` (`extra`), with the same seed and settings."""
+
+    synthesizers: dict
+    variants: tuple[str, ...]
+    extra: tuple
+    seed: int
+    settings: GenerationSettings
+
+    def run(
+        self, lines: list, floors: dict, device: object, progress: Callable[[int, int], None] | None
+    ) -> tuple[dict[str, list[dict]], dict[str, float]]:
+        """Each variant's records, text by text, and each floor's median ms; the floors' read passes are timed
+        after every text's turn, so that they see the device as the variants did."""
+        runs: dict[str, list[dict]] = {name: [] for name in self.variants}
+        floor_times: dict[str, list[float]] = {name: [] for name in floors}
+        for number, line in enumerate(lines):
+            for done, (name, record) in enumerate(self.turn(number, line), 1):
+                runs[name].append(record)
+                if progress:
+                    progress(number * len(self.variants) + done, len(lines) * len(self.variants))
+            for name, values in interleaved_ms(floors, device, warmup=1, repeats=3).items():
+                floor_times[name].extend(values)
+        return runs, {name: round(statistics.median(values), 3) for name, values in floor_times.items()}
+
+    def turn(self, number: int, line: tuple[str, str | None, str]) -> Iterator[tuple[str, dict]]:
+        """Text `number` (text, speaker, language) spoken by every variant, starting `number` variants along."""
+        text, speaker, language = line
+        start = number % len(self.variants)
+        for name in self.variants[start:] + self.variants[:start]:
+            voice = (speaker, language, *self.extra)
+            yield name, _variant_record(self.synthesizers, name, text, voice, self.seed, self.settings)
+
+
+def _e2e_totals(runs: dict[str, list[dict]], floor_ms: dict[str, float], plain_calls: int) -> dict:
+    """Each variant's totals over its records: times per frame, the floors of the calls it made (`plain_calls`:
+    the plain loop's predictor calls per frame) and, for the speculative variants, a round's cost."""
+    totals = {
+        name: _totals(records) | _floor_per_frame(name, records, floor_ms, plain_calls)
+        for name, records in runs.items()
+    }
+    add_round_costs(totals, plain_calls)
+    return totals
+
+
+def _online_record(online: object, warmed: dict[int, int]) -> dict:
+    """What `--tree auto` ran in the timed turns: the online choice's record over the frames it chose since the
+    warm-up (`warmed`: its frames by N then), or its one tree size (0: none)."""
+    timed = {n: frames - warmed.get(n, 0) for n, frames in getattr(online, "frames_by_budget", {}).items()}
+    return (online and online.record(timed)) or {"N": online.budget if online else 0}
+
+
+def _e2e_memory(synthesizers: dict) -> dict:
+    """The process's memory and what each rvqtts variant's engine keeps beside the model (its caches). The
+    variants share one loaded model in one process, so the peak is theirs together (`synth --stats-json` gives one
+    variant's alone)."""
+    from rvqtts.support.memory import memory_record
+
+    caches = {name: round(sum(synth.cache_mib().values()), 3) for name, synth in synthesizers.items()}
+    return memory_record() | {"caches_mib": caches}
 
 
 def _variant_record(synthesizers: dict, name: str, text: str, voice: tuple, seed: int, settings) -> dict:

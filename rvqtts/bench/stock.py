@@ -31,43 +31,57 @@ def stock_synthesis(
     inside the talker's forward), and what follows the last talker call is the decoder. Returns the
     timing fields of `Synthesis.record()`."""
     speaker = synth.check_voice(speaker, language, instruct, clone)
-    clock = {"calls": 0.0, "transformer": 0.0, "last": 0.0}
-    opened: dict[str, float] = {}
     device = synth.talker.codec_head.weight.device
-
-    def now() -> float:  # a GPU's calls are queued: the time is read once they are done
-        synchronize(device)
-        return time.perf_counter()
-
-    def enter(name: str) -> Callable:
-        return lambda *_: opened.__setitem__(name, now())
-
-    def leave(name: str) -> Callable:
-        def hook(*_: object) -> None:
-            read = now()
-            clock[name] += read - opened[name]
-            clock["last"] = read
-
-        return hook
-
-    handles = [
-        synth.talker.register_forward_pre_hook(enter("calls")),
-        synth.talker.register_forward_hook(leave("calls")),
-        synth.talker.model.register_forward_pre_hook(enter("transformer")),
-        synth.talker.model.register_forward_hook(leave("transformer")),
-    ]
+    clock = {"calls": 0.0, "transformer": 0.0, "last": 0.0}
+    handles = _timing_hooks(synth.talker, device, clock)
     limit = frame_limit(text, settings.max_frames, synth.default_max_frames)
     torch.manual_seed(seed)
-    started = now()
+    started = _device_now(device)
     try:
         spoken = (" ".join(text.split()), speaker, language, instruct, clone)
         wavs, sample_rate = qwen_generate(synth, *spoken, **synth.sampling(settings).generate_kwargs(limit))
     finally:
         for handle in handles:
             handle.remove()
-    ended = now()
-    wall, predictor, decoder = ended - started, clock["calls"] - clock["transformer"], ended - clock["last"]
-    audio_seconds = wavs[0].size / sample_rate
+    ended = _device_now(device)
+    predictor, decoder = clock["calls"] - clock["transformer"], ended - clock["last"]
+    return _stock_record(ended - started, predictor, decoder, wavs[0].size / sample_rate)
+
+
+def _device_now(device: torch.device) -> float:
+    """The clock, read once the device's work is done: a GPU's calls are queued, and a clock read before they
+    finish would time their launch."""
+    synchronize(device)
+    return time.perf_counter()
+
+
+def _timing_hooks(talker: torch.nn.Module, device: torch.device, clock: dict[str, float]) -> list:
+    """Forward hooks on the talker and its transformer adding the seconds inside each (`calls`, `transformer`)
+    to `clock`, with the time the last of them ended (`last`); returns their handles, to remove."""
+    opened: dict[str, float] = {}
+
+    def enter(name: str) -> Callable:
+        return lambda *_: opened.__setitem__(name, _device_now(device))
+
+    def leave(name: str) -> Callable:
+        def hook(*_: object) -> None:
+            read = _device_now(device)
+            clock[name] += read - opened[name]
+            clock["last"] = read
+
+        return hook
+
+    return [
+        talker.register_forward_pre_hook(enter("calls")),
+        talker.register_forward_hook(leave("calls")),
+        talker.model.register_forward_pre_hook(enter("transformer")),
+        talker.model.register_forward_hook(leave("transformer")),
+    ]
+
+
+def _stock_record(wall: float, predictor: float, decoder: float, audio_seconds: float) -> dict:
+    """The timing fields of `Synthesis.record()` from a stock run's seconds: the talker's are what the code
+    predictor and decoder leave of the wall time, and the whole audio comes at once (its first audio: the wall)."""
     return {
         "frames": round(audio_seconds * FRAMES_PER_SECOND),
         "audio_seconds": round(audio_seconds, 3),

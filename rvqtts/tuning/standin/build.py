@@ -121,18 +121,8 @@ def build_standin(
     }
 
     synth, encoder = _model(out, config, data, device, report, log)
-    code_predictor = synth.code_predictor
-    talker_embedding = synth.talker.get_input_embeddings()
-
-    contexts = _contexts(out, data, encoder)
-
-    calibration, evaluation = (
-        Contexts(*contexts[split], source=f"stand-in {split} split") for split in ("calibration", "evaluation")
-    )
-    evaluation = evaluation.take(rng.permutation(len(evaluation))[: plan.evaluation_frames])
-    if plan.training_frames is not None:
-        calibration = calibration.take(rng.permutation(len(calibration))[: plan.training_frames])
-    prefixes_eval = _measure(code_predictor, talker_embedding, evaluation, config, report)
+    calibration, evaluation = _held_out(_contexts(out, data, encoder), plan, rng)
+    prefixes_eval = _measure(synth.code_predictor, synth.talker.get_input_embeddings(), evaluation, config, report)
 
     calibration_sample = calibration.take(rng.permutation(len(calibration))[: plan.calibration_frames])
     # Self-distilled (the model's own codes from the calibration frames): the recipe docs/usage.md gives for
@@ -143,16 +133,38 @@ def build_standin(
     save_offsets(offsets, out / "offsets.safetensors")
     for name, drafting in (("reused_heads", Offsets.zeros(3, config.hidden)), ("offsets", offsets)):
         _trees(name, drafting, synth, calibration_sample, prefixes_eval, evaluation, config, out, report)
-    compared = compare_drafters(
-        synth, calibration, evaluation, list(BUDGETS), config.seed, plan.offsets, variants=not small, log=log
-    )
-    report["drafters"] = compared["drafters"]
-    report["comparison_frames"] = compared["frames"]
-    report["medusa_codes_per_call"] = compared["drafters"]["medusa heads"]["codes_per_call"]
-    report["drafter_parameters"] = {name: entry["parameters"] for name, entry in compared["drafters"].items()}
+    report.update(_compared_drafters(synth, calibration, evaluation, plan, config, not small, log))
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     _write_sample(out, codec, recordings)
     return report
+
+
+def _held_out(contexts: dict, plan: BuildPlan, rng: np.random.Generator) -> tuple[Contexts, Contexts]:
+    """The calibration and evaluation splits' contexts, each a random sample of the plan's size: the evaluation
+    split cut to `evaluation_frames`, the calibration split to `training_frames` where the plan gives it."""
+    calibration, evaluation = (
+        Contexts(*contexts[split], source=f"stand-in {split} split") for split in ("calibration", "evaluation")
+    )
+    evaluation = evaluation.take(rng.permutation(len(evaluation))[: plan.evaluation_frames])
+    if plan.training_frames is not None:
+        calibration = calibration.take(rng.permutation(len(calibration))[: plan.training_frames])
+    return calibration, evaluation
+
+
+def _compared_drafters(
+    synth, calibration: Contexts, evaluation: Contexts, plan: BuildPlan, config: StandinConfig, variants: bool, log
+) -> dict:
+    """The report's comparison of drafters (rvqtts.tuning.comparison), trained on the calibration split and
+    measured on the evaluation split at every budget (`variants`: their variants too, left out of a small build)."""
+    compared = compare_drafters(
+        synth, calibration, evaluation, list(BUDGETS), config.seed, plan.offsets, variants=variants, log=log
+    )
+    return {
+        "drafters": compared["drafters"],
+        "comparison_frames": compared["frames"],
+        "medusa_codes_per_call": compared["drafters"]["medusa heads"]["codes_per_call"],
+        "drafter_parameters": {name: entry["parameters"] for name, entry in compared["drafters"].items()},
+    }
 
 
 def _model(out: Path, config, data: dict, device: str, report: dict, log):
