@@ -18,6 +18,7 @@ import pytest
 import soundfile
 
 from rvqtts.qwen.cloning import VoiceSource
+from rvqtts.support.measurements import BATCH_SIZES
 from rvqtts.synthesis.loader import EngineChoices
 from rvqtts.synthesis.settings import GenerationSettings, Line
 from rvqtts.synthesis.synthesizer import Synthesizer
@@ -148,3 +149,57 @@ def test_a_first_server_measures_at_start_and_serves_its_first_requests(tiny_dir
     finally:
         server.kill()
         server.wait(30)
+
+
+def synth_with_cache(model, cache, arguments: list) -> subprocess.CompletedProcess:
+    """`rvqtts synth --model model *arguments` with RVQTTS_CACHE at `cache`. The choices are fixed, as in every test
+    here but the first-run ones (measuring them takes a minute): what the run writes into the cache is then the
+    native kernels' build, which goes to a folder of the process's own."""
+    command = [sys.executable, "-m", "rvqtts.cli", "synth", "--model", model, "--max-frames", FRAMES, *arguments]
+    environment = {**os.environ, "RVQTTS_CACHE": str(cache)}
+    return subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=120, env=environment)
+
+
+def assert_spoken_with_one_warning(run: subprocess.CompletedProcess, files: list, folder) -> None:
+    """The run spoke every file, with the native kernels, said once that the cache cannot be written (naming
+    `folder` and RVQTTS_CACHE), and raised nothing."""
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert all(soundfile.info(file).frames > 0 for file in files)
+    assert "native CPU kernels do not run" not in run.stderr, run.stderr
+    warnings = [line for line in run.stderr.splitlines() if "RVQTTS_CACHE" in line]
+    assert len(warnings) == 1 and "cannot be written" in warnings[0] and str(folder) in warnings[0], run.stderr
+
+
+def test_a_cache_under_a_file_is_done_without_with_one_warning(tiny_dir, tmp_path):
+    """RVQTTS_CACHE under a regular file (NotADirectoryError, as root too): a batch speaks, measuring in memory."""
+    blocker, texts = tmp_path / "file", tmp_path / "lines.txt"
+    blocker.write_text("x")
+    texts.write_text("\n".join(TEXTS[:2]) + "\n")
+    run = synth_with_cache(tiny_dir, blocker / "cache", ["-f", texts, "--out-dir", tmp_path / "out"])
+    assert_spoken_with_one_warning(run, [tmp_path / "out" / f"000{i}.wav" for i in (1, 2)], blocker / "cache")
+
+
+def test_a_read_only_cache_is_done_without_with_one_warning(tiny_dir, tmp_path):
+    """RVQTTS_CACHE a folder the user cannot write (as in a container with a read-only file system): a line speaks."""
+    cache = tmp_path / "cache"
+    cache.mkdir(0o500)
+    if os.access(cache, os.W_OK):
+        pytest.skip("this user (root) writes into a read-only folder")
+    run = synth_with_cache(tiny_dir, cache, ["Hi.", "-o", tmp_path / "out.wav"])
+    assert_spoken_with_one_warning(run, [tmp_path / "out.wav"], cache)
+
+
+def test_measurements_an_unwritable_cache_refuses_are_kept_for_the_process(tmp_path, monkeypatch, capsys):
+    """What a process measures with no cache to keep it in is read back by that process (not measured again), and
+    the user is warned once, not once a write."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("RVQTTS_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr("rvqtts.support.files._UNSAVED", {})
+    monkeypatch.setattr("rvqtts.support.files._warned", False)
+    for machine in ("one", "two"):
+        with BATCH_SIZES.update() as records:
+            records[machine] = {"1": 1.0}
+    assert BATCH_SIZES.read() == {"one": {"1": 1.0}, "two": {"1": 1.0}}
+    assert BATCH_SIZES.kept == "kept for this run only"
+    assert capsys.readouterr().err.count("RVQTTS_CACHE") == 1

@@ -14,6 +14,7 @@ from rvqtts.cli.common import (
     app,
     batch_rows,
     check_coreml,
+    ensure_writable,
     fail,
     json_option,
     list_of_ints,
@@ -116,7 +117,10 @@ def bench_speedup_command(
     from rvqtts.bench.speedup import codes_per_call_by_budget, plot_speedup, project_speedup, speedup_table
     from rvqtts.engine.speculative.tree import load_acceptance, platform_key, save_best_budget
     from rvqtts.support.files import read_json
+    from rvqtts.support.measurements import BEST_TREES
 
+    if save:  # the user asked for this write: an unwritable cache fails here, before any work
+        ensure_writable(BEST_TREES.path)
     with refused(ValueError):  # AcceptanceFileError too
         measured = read_json(predictor, "predictor bench", ValueError)
         if not isinstance(measured, dict) or not {"q", "ratio_to_q1", "ratio_to_stock_q1", "device"} <= set(measured):

@@ -112,6 +112,6 @@ def pick_decoder_dtype(
     threads = f"; its samples {note} on the thread count" if note else ""
     return chosen, (
         f"speech decoder in {chosen}: a frame takes {costs[chosen]:.1f} ms in {chosen} against {costs[other]:.1f} ms "
-        f"in {other} on this CPU{threads} (measured once, kept in {KERNELS.path}); "
+        f"in {other} on this CPU{threads} (measured once, {KERNELS.kept}); "
         f"--decoder-dtype {other} overrides"
     )

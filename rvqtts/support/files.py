@@ -1,10 +1,15 @@
-"""Files written whole or not at all: a reader (or a user after Ctrl-C) never sees half a file."""
+"""Files written whole or not at all: a reader (or a user after Ctrl-C) never sees half a file. And the user's cache
+folder, which a run does without (warned once) where it cannot be written."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import json
 import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -39,9 +44,14 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> None:
         partial.write_bytes(data)
 
 
+def json_bytes(document: object) -> bytes:
+    """A JSON document as rvqtts writes its files: indented, UTF-8, newline-terminated."""
+    return (json.dumps(document, indent=1, ensure_ascii=False) + "\n").encode()
+
+
 def write_json(path: str | os.PathLike, document: object) -> None:
-    """Write a JSON document (indented, UTF-8, newline-terminated) atomically."""
-    write_atomically(path, (json.dumps(document, indent=1, ensure_ascii=False) + "\n").encode())
+    """Write a JSON document atomically."""
+    write_atomically(path, json_bytes(document))
 
 
 def read_records(path: Path) -> dict:
@@ -69,6 +79,75 @@ def cache_dir() -> Path:
     if os.environ.get("RVQTTS_CACHE"):
         return Path(os.environ["RVQTTS_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "rvqtts"
+
+
+# The cache's files this process could not write (a read-only file system, a file in the way), as it would have
+# written them: what it measured is kept here for its own reads, and measured again by the next process.
+_UNSAVED: dict[Path, bytes] = {}
+_warned = False
+
+
+def warn_unwritable(folder: Path, error: OSError) -> None:
+    """Say on stderr, once per process, that the cache cannot be written, why, and what to do: an unwritable cache
+    only costs the next run its measurements, so it warns instead of failing."""
+    global _warned
+    if not _warned:
+        _warned = True
+        print(
+            f"rvqtts: warning: the cache folder {folder} cannot be written ({error.strerror or error}): what this run "
+            "measures is kept for this run only, and measured again by the next; point RVQTTS_CACHE at a writable "
+            "folder",
+            file=sys.stderr,
+        )
+
+
+def read_cache(path: Path) -> dict:
+    """A cache file's JSON object as `read_records` reads it, or as this process last wrote it where the cache
+    could not keep it."""
+    kept = _UNSAVED.get(path)
+    return read_records(path) if kept is None else json.loads(kept)
+
+
+def unsaved(path: Path) -> bool:
+    """Whether this process keeps the cache file `path` in memory, the cache having refused it."""
+    return path in _UNSAVED
+
+
+def write_cache(path: Path, document: dict) -> None:
+    """Write a cache file atomically; where the cache cannot be written, keep the document for this process's
+    reads instead (`read_cache`) and warn once: a run never fails for want of a cache."""
+    data = json_bytes(document)
+    try:
+        write_atomically(path, data)
+    except OSError as error:
+        warn_unwritable(path.parent, error)
+        _UNSAVED[path] = data
+    else:
+        _UNSAVED.pop(path, None)
+
+
+def cache_file(folder: str, name: str) -> Path:
+    """Where the cache keeps `name`, a file written whole by name (a native build, a Core ML package), in its
+    `folder`: there when it is there already or can be written there; else in a folder of this process's own
+    (warned once), so that a run without a writable cache still builds what it needs."""
+    path = cache_dir() / folder / name
+    if path.exists():
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as error:
+        warn_unwritable(path.parent, error)
+        return process_cache() / folder / name
+    return path
+
+
+@functools.cache
+def process_cache() -> Path:
+    """A temporary folder for the cache's files where the cache cannot be written, removed as the process exits."""
+    folder = Path(tempfile.mkdtemp(prefix="rvqtts-cache-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 class OutputPathError(OSError):

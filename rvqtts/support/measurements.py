@@ -2,7 +2,8 @@
 file per kind in the user's cache (rvqtts.support.files.cache_dir), each read by `Measurements.read` (a missing, damaged
 or other-version file reads as empty: measured anew) and changed only inside `Measurements.update`, under one lock for
 them all, so processes starting together measure once and never lose one another's records, and a reader never
-sees half a file. (Native builds and Core ML packages are files of their own, each written atomically by name.)"""
+sees half a file. A cache that cannot be written keeps them in memory for the process (files.write_cache). (Native
+builds and Core ML packages are files of their own, each written atomically by name: files.cache_file.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
-from rvqtts.support.files import cache_dir, read_records, write_json
+from rvqtts.support.files import cache_dir, read_cache, unsaved, write_cache, write_json
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class Measurements:
     def path(self) -> Path:
         return (self.folder or cache_dir()) / self.file
 
+    @property
+    def kept(self) -> str:
+        """Where the records are kept, as notices say it: in their file, or for this run only where the cache
+        could not be written (files.write_cache)."""
+        return "kept for this run only" if unsaved(self.path) else f"kept in {self.path}"
+
     def at(self, folder: Path) -> "Measurements":
         """The same measurements in `folder`: a run that saves later saves where it read."""
         return replace(self, folder=folder)
@@ -38,7 +45,7 @@ class Measurements:
 
     def read(self) -> dict:
         """The records; empty where the file is missing, damaged or of another version (measured anew)."""
-        data = read_records(self.path)
+        data = read_cache(self.path)
         if self.version is None:
             return data
         records = data.get("records")
@@ -46,16 +53,17 @@ class Measurements:
         return records if valid and isinstance(records, dict) else {}
 
     @contextlib.contextmanager
-    def update(self) -> Iterator[dict]:
+    def update(self, asked: bool = False) -> Iterator[dict]:
         """The records, read under the measurements' lock for the caller to change in place, then written back
-        whole if they changed (nothing written if the block raises)."""
+        whole if they changed (nothing written if the block raises). A cache that cannot be written keeps them in
+        memory, unless the user `asked` for the write (`bench speedup --save`): then its OSError is raised."""
         with measurements_lock(self.path.parent):
             records = self.read()
             before = copy.deepcopy(records)
             yield records
             if records != before:
                 wrapped = {"format": self.format, "version": self.version, "records": records}
-                write_json(self.path, records if self.version is None else wrapped)
+                (write_json if asked else write_cache)(self.path, records if self.version is None else wrapped)
 
 
 @contextlib.contextmanager
@@ -71,7 +79,7 @@ def measurements_lock(folder: Path | None = None) -> Iterator[None]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a")
-    except OSError:  # an unwritable cache: measure without a lock (and the write will fail loudly)
+    except OSError:  # an unwritable cache: measure without a lock (and keep what is measured in memory)
         yield
         return
     with handle:

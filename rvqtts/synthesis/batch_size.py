@@ -101,17 +101,16 @@ def measured_frame_costs(
 ) -> tuple[dict[int, float], str]:
     """`frame_costs` on this machine and model, from batch-sizes.json where measured before, else measured now and
     kept there; and where they came from."""
-    path = BATCH_SIZES.path
     machine, key = batch_key(synth)
     stored = BATCH_SIZES.read().get(machine, {}).get(key)
     if stored:
-        return {int(b): float(ms) for b, ms in stored.items()}, f"measured before, {path}"
+        return {int(b): float(ms) for b, ms in stored.items()}, f"measured before, {BATCH_SIZES.kept}"
     if progress:
         progress("measuring batch sizes on this machine (once)")
     costs = frame_costs(synth)
     with BATCH_SIZES.update() as records:
         records.setdefault(machine, {})[key] = {str(b): ms for b, ms in sorted(costs.items())}
-    return costs, f"measured now, kept in {path}"
+    return costs, f"measured now, {BATCH_SIZES.kept}"
 
 
 def rows_invariant(synth: SpeechModel) -> bool:

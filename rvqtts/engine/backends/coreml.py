@@ -30,7 +30,7 @@ from rvqtts.engine.model.sampling import SamplingConfig
 from rvqtts.engine.speculative.offsets import predictor_fingerprint
 from rvqtts.engine.speculative.speculation import Speculation
 from rvqtts.engine.speculative.tree import Tree
-from rvqtts.support.files import cache_dir
+from rvqtts.support.files import cache_file
 
 PRECISIONS = ("w8a16", "fp16")
 COMPUTE_UNITS = {"all": "ALL", "cpu_and_ne": "CPU_AND_NE", "cpu_and_gpu": "CPU_AND_GPU", "cpu_only": "CPU_ONLY"}
@@ -418,9 +418,8 @@ def coreml_loop(
     require_macos()
     key = PackageKey.build(code_predictor, speculation, sampling, precision, "macOS15")
     if package is None:
-        exported = export_package(
-            code_predictor, speculation, sampling, cache_dir() / "coreml", precision, report=report
-        )
+        folder = cache_file("coreml", key.file_name).parent  # the process's own where the cache cannot be written
+        exported = export_package(code_predictor, speculation, sampling, folder, precision, report=report)
         package = exported.path
         if not exported.reused:
             report(f"exported {package} in {exported.seconds:.0f} s")

@@ -156,6 +156,6 @@ def pick_dtype(
     lines = f" for {rows} lines a call" if rows > 1 else ""
     return chosen, (
         f"{chosen}: one frame's linear maps{lines} take {costs[chosen]:.1f} ms in {chosen} against "
-        f"{costs[other]:.1f} ms in {other} on this CPU (measured once, kept in {KERNELS.path}); "
+        f"{costs[other]:.1f} ms in {other} on this CPU (measured once, {KERNELS.kept}); "
         f"--dtype {other} overrides"
     )

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from rvqtts.support.files import cache_dir
+from rvqtts.support.files import cache_file
 
 SOURCE = Path(__file__).with_name("native.cpp")
 # No contraction: a multiply then an add stay two roundings wherever they are written, so both levels' builds compute
@@ -480,15 +480,15 @@ def sanitizer_flags() -> tuple[str, ...]:
 
 
 def _build(at: str) -> Path:
-    """The library compiled at level `at` in the cache, built now if this source, level and compiler have not
-    been built."""
+    """The library compiled at level `at` in the cache (a folder of this process's own where the cache cannot be
+    written: files.cache_file), built now if this source, level and compiler have not been built."""
     compiler = os.environ.get("CXX") or next(filter(None, map(shutil.which, ("g++", "c++", "clang++"))), None)
     if not compiler:
         raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
     flags = (*FLAGS, *LEVELS[at].compiler_flags, *sanitizer_flags())
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join((compiler, *flags)).encode()).hexdigest()[:16]
-    target = cache_dir() / "build" / f"native-{at}-{digest}.so"
+    target = cache_file("build", f"native-{at}-{digest}.so")
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -193,7 +193,7 @@ def call_costs(
     if measured:
         with CALL_COSTS.update() as records:
             records.setdefault(machine, {})[key] = {str(q): ms for q, ms in sorted(known.items())}
-    source = f"measured now (kept in {CALL_COSTS.path})" if measured else f"{CALL_COSTS.path} (measured before)"
+    source = f"measured {'now' if measured else 'before'} ({CALL_COSTS.kept})"
     return {q: known[q] for q in queries if q in known}, source
 
 

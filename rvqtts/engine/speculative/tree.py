@@ -288,8 +288,9 @@ def best_budget(platform: str, fingerprint: str | None = None) -> tuple[int, str
 
 def save_best_budget(platform: str, budget: int, source: str, fingerprint: str | None = None) -> Path:
     """Record the measured best tree size (0: no speculation) for this platform, and for one model when
-    the acceptance came from it, in the user's cache; returns the file."""
-    with BEST_TREES.update() as records:
+    the acceptance came from it, in the user's cache; returns the file. A cache that cannot be written raises
+    OSError (the user asked for this write)."""
+    with BEST_TREES.update(asked=True) as records:
         records[platform + (f"/{fingerprint}" if fingerprint else "")] = {"N": budget, "source": source}
     return BEST_TREES.path
 
