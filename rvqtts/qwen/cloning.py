@@ -229,23 +229,27 @@ def load_voice(
 
 class ClonedVoices(dict):
     """The voices cloned for one loaded model (VoiceSource -> ClonedVoice), each source encoded from reference audio
-    or read from a voice file once (a batch that repeats a voice encodes it once). `fingerprint` names a Base
-    model's speaker encoder, whose embeddings mean nothing to another's."""
+    or read from a voice file once (a batch that repeats a voice encodes it once); a voice file replaced since it was
+    read (another server sharing its folder may have deleted it and uploaded another of the same name) is read anew.
+    `fingerprint` names a Base model's speaker encoder, whose embeddings mean nothing to another's."""
 
     def __init__(self, tts: object):
         super().__init__()
         self.tts = tts
         self.fingerprint = encoder_fingerprint(tts.model) if tts.model.tts_model_type == "base" else None
+        self.stamps: dict[VoiceSource, tuple | None] = {}  # each voice file's identity when it was read
 
     def of(self, source: VoiceSource) -> ClonedVoice:
         """The cloned voice `source` names (the model's kind checked by the caller)."""
-        if source not in self:
+        stamp = None if source.voice is None else file_stamp(source.voice)
+        if source not in self or self.stamps.get(source) != stamp:
             talker = self.tts.model.talker
             if source.voice is None:
                 self[source] = encode_voice(self.tts, source)
             else:
                 groups, codebook = talker.config.num_code_groups, talker.code_predictor.config.vocab_size
                 self[source] = load_voice(source.voice, talker.config.hidden_size, self.fingerprint, groups, codebook)
+            self.stamps[source] = stamp
         return self[source]
 
     def check(self, clone: ClonedVoice | None) -> None:
@@ -261,6 +265,16 @@ class ClonedVoices(dict):
         """The tensors the voices hold (speaker embeddings, reference codes)."""
         for voice in self.values():
             yield from (voice.embedding, voice.codes)
+
+
+def file_stamp(path: str | os.PathLike) -> tuple[int, ...] | None:
+    """A file's identity (device, inode, modification time, size): another file put in its place has another;
+    None where there is none (its reading says why)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size
 
 
 class PrimedVoices(dict):

@@ -6,9 +6,9 @@ docs/server.md, "Voices"."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import tempfile
-import threading
 from pathlib import Path
 
 from rvqtts.qwen.cloning import ClonedVoice, ClonedVoices, VoiceError, VoiceSource, encode_voice, save_voice
@@ -33,13 +33,14 @@ class VoiceConflict(Exception):
 
 
 class VoiceStore:
-    """The voice files of a folder: `tts` (a Base model's qwen-tts wrapper) encodes recordings (the caller runs `add`
-    on the model's own thread), and `cloned` (the Synthesizer's encoded voices) forgets a removed file's voice. The
-    folder's files change under a lock held only to look and to write, never while a recording is encoded."""
+    """The voice files of a folder, which several servers may share (replicas behind a load balancer): `tts` (a Base
+    model's qwen-tts wrapper) encodes recordings (the caller runs `add` on the model's own thread), and `cloned` (the
+    Synthesizer's encoded voices) forgets a removed file's voice. The file system decides, for every server at once:
+    a voice file appears whole under its name only where none is there (a hard link, which fails on an existing
+    name, on local file systems and NFS alike), and a removal is one unlink."""
 
     def __init__(self, folder: Path, tts: object, cloned: ClonedVoices):
         self.folder, self.tts, self.cloned = folder.resolve(), tts, cloned  # resolved: as requests name the files
-        self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
         return self.folder / f"{name}.safetensors"
@@ -60,10 +61,25 @@ class VoiceStore:
             except VoiceError as error:  # named as the client named it, not by the scratch file
                 raise VoiceError(str(error).replace(str(reference), repr(filename))) from None
         voice = dataclasses.replace(voice, source=f"uploaded: {filename}")
-        with self._lock:
-            self._check_free(name)  # another upload may have taken the name meanwhile
-            save_voice(voice, self.path(name))  # whole or not at all: a request never reads half a file
+        self._publish(voice, name)
         return voice, seconds
+
+    def _publish(self, voice: ClonedVoice, name: str) -> None:
+        """Write the voice beside its place, then link it there: whole or not at all (a request never reads half a
+        file), and VoiceConflict where another upload, here or on another server, took the name meanwhile."""
+        handle, written = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=self.folder)
+        os.close(handle)
+        try:
+            save_voice(voice, written)
+            os.link(written, self.path(name))
+        except FileExistsError:
+            raise VoiceConflict(f"a voice named {name!r} exists: delete it first, or choose another name") from None
+        except PermissionError as error:  # a file system without hard links (FAT, some network shares)
+            raise VoiceError(
+                f"{self.folder} cannot take voice files ({error.strerror}): put --voices on a local file system or NFS"
+            ) from None
+        finally:
+            Path(written).unlink(missing_ok=True)
 
     def _check_free(self, name: str) -> None:
         if self.path(name).exists():
@@ -74,13 +90,15 @@ class VoiceStore:
     def remove(self, name: str) -> bool:
         """Delete voice `name`'s file and its encoded copy; False where no request could name it."""
         checked_name(name)
-        with self._lock:
-            path = voice_files(self.folder).get(name)
-            if path is None:
-                return False
+        path = voice_files(self.folder).get(name)
+        if path is None:
+            return False
+        try:
             path.unlink()
-            self.cloned.pop(VoiceSource(voice=path), None)  # a later voice of the same name is read anew
-            return True
+        except FileNotFoundError:  # another server removed it meanwhile
+            return False
+        self.cloned.pop(VoiceSource(voice=path), None)  # its memory freed; a later voice of its name is read anew
+        return True
 
 
 def checked_name(name: str) -> str:
