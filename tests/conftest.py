@@ -200,6 +200,7 @@ SLOW_MODULES = (
     "test_cloning",  # 26
     "test_gpu_check",  # new, 2026-12-05: about 35
     "test_reading",  # new, 2026-12-07: about 35 (a kill -9 and a resume in a subprocess)
+    "test_replicas",  # new, 2026-12-07: about 45 (two servers in their own processes)
 )
 
 

@@ -30,11 +30,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def replica(model_dir: Path, voices: Path):
-    """`rvqtts serve` in its own process over `voices`; yields its URL once /ready answers, and stops it."""
+def server_process(model_dir: Path, *options: str):
+    """`rvqtts serve` in its own process (float32, quiet) with `options`; yields its URL and a check that it is
+    ready (/ready answers; failing, with its output, where the process has ended), and stops it."""
     port = free_port()
     command = [sys.executable, "-c", "from rvqtts.cli import app; app()", "serve", "--model", str(model_dir)]
-    options = ["--voices", str(voices), "--port", str(port), "--dtype", "float32", "-q"]
+    options = [*options, "--port", str(port), "--dtype", "float32", "-q"]
     server = subprocess.Popen(command + options, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
@@ -74,7 +75,9 @@ def test_two_servers_share_one_voices_folder(base_dir, tmp_path):
     voices = tmp_path / "voices"
     voices.mkdir()
     with ExitStack() as stack:
-        (first, first_ready), (second, second_ready) = (stack.enter_context(replica(base_dir, voices)) for _ in "ab")
+        (first, first_ready), (second, second_ready) = (
+            stack.enter_context(server_process(base_dir, "--voices", str(voices))) for _ in "ab"
+        )
         wait_until(lambda: first_ready() and second_ready(), WAIT, "both servers to load")
         with ThreadPoolExecutor(2) as pool:  # one name, two uploads at once: the file system picks one
             racing = list(pool.map(lambda url: upload(url, "bea", recording(1)), (first, second)))

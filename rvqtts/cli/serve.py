@@ -86,6 +86,11 @@ def serve(
     drain_seconds: int = typer.Option(
         30, help="On SIGTERM or Ctrl-C: seconds the requests in flight get to finish before they are cut."
     ),
+    wyoming_port: Optional[int] = typer.Option(
+        None,
+        help="Also speak Wyoming (Home Assistant's protocol for local voices) on this port, on the same engine; it is "
+        "bound to --host and asks no key (pip install -e '.[serve]' brings the wyoming package).",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings and errors only."),
 ) -> None:
     """Serve the OpenAI audio API (POST /v1/audio/speech) on one model loaded once.
@@ -100,6 +105,7 @@ def serve(
     if joins_per_frame < 0:
         fail(f"--joins-per-frame must be 0 (every free row) or more, got {joins_per_frame}")
     check_stream_frames(first_stream_frames, stream_frames)
+    _check_wyoming(wyoming_port, port, host, api_key, quiet)
     origins = tuple(map(checked_origin, allow_origin))
     try:
         import prometheus_client  # noqa: F401
@@ -139,8 +145,9 @@ def serve(
         max_unsent_seconds=max_unsent_seconds,
         drain_seconds=drain_seconds,
         joins_per_frame=joins_per_frame,
+        wyoming_port=wyoming_port,
     )
-    endpoints = "POST /v1/audio/speech; GET /v1/audio/voices, /health, /metrics"
+    endpoints = "POST /v1/audio/speech; GET /v1/audio/voices, /health, /metrics; the page at /, the API at /docs"
     say(f"serving {model} on http://{host}:{port}/v1 ({endpoints})", quiet)
     run_server(synthesizer, options, host, port, quiet)
 
@@ -160,6 +167,21 @@ def _check_sizes(
             "--max-connections must be at least 1, --max-unsent-seconds over 0 and --drain-seconds at least 0, got "
             f"{connections}, {unsent} and {drain}"
         )
+
+
+def _check_wyoming(wyoming_port: Optional[int], port: int, host: str, api_key: Optional[str], quiet: bool) -> None:
+    """--wyoming-port: a free port of its own, the wyoming package installed; a warning where it opens a keyless
+    port beside a keyed API to the network."""
+    if wyoming_port is None:
+        return
+    if not 1 <= wyoming_port <= 65535 or wyoming_port == port:
+        fail(f"--wyoming-port must be between 1 and 65535 and not --port ({port}), got {wyoming_port}")
+    try:
+        import wyoming  # noqa: F401
+    except ImportError:
+        fail("--wyoming-port needs the wyoming package: pip install -e '.[serve]' (from rvqtts's checkout folder)")
+    if api_key is not None and host not in ("127.0.0.1", "localhost", "::1"):
+        say(f"warning: Wyoming asks no key: port {wyoming_port} on {host} speaks for anyone who reaches it", quiet)
 
 
 def _checked_voices_folder(model: str, voices: Optional[Path]) -> Optional[Path]:

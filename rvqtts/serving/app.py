@@ -232,6 +232,21 @@ def serve(synth, options: ServerOptions, host: str = "127.0.0.1", port: int = 88
     engine = SpeechEngine(synth, options)
     settings = dict(host=host, port=port, log_level="warning" if quiet else "info", **uvicorn_settings(options))
     try:
-        asyncio.run(uvicorn.Server(uvicorn.Config(create_app(engine), **settings)).serve())
+        asyncio.run(serving(uvicorn.Server(uvicorn.Config(create_app(engine), **settings)), engine, host))
     finally:
         engine.close()
+
+
+async def serving(server, engine: SpeechEngine, host: str) -> None:
+    """HTTP (uvicorn's `server`) until it stops, and Wyoming beside it on the same event loop where asked."""
+    wyoming = None
+    if engine.options.wyoming_port is not None:
+        from rvqtts.serving.wyoming_server import start_wyoming
+
+        wyoming = await start_wyoming(engine, host, engine.options.wyoming_port)
+        log.info("Wyoming on tcp://%s:%d (Home Assistant: docs/server.md)", host, engine.options.wyoming_port)
+    try:
+        await server.serve()
+    finally:
+        if wyoming is not None:
+            await wyoming.stop()
