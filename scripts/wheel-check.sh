@@ -31,4 +31,10 @@ curl -sf http://127.0.0.1:8871/v1/audio/speech -H 'Content-Type: application/jso
     -d '{"input": "Hello, served from a wheel.", "voice": "vivian", "max_frames": 8}' -o served.wav
 python -c "import soundfile; assert soundfile.info('served.wav').frames > 0 and soundfile.info('wheel.wav').frames > 0"
 curl -sf http://127.0.0.1:8871/metrics | grep -q '^rvqtts_requests_total{outcome="served"} 1.0$'
-echo "wheel check: synth, a batch, read, bench predictor, serve and its metrics ran from $(ls dist)"
+curl -sf http://127.0.0.1:8871/ -o page.html  # the web page and the API's, their files shipped in the wheel
+grep -q 'rvqtts' page.html
+grep -q '<script' page.html
+curl -sf http://127.0.0.1:8871/page/page.js -o /dev/null
+curl -sf http://127.0.0.1:8871/docs | grep -q '<script src="page/docs.js"'
+curl -sf http://127.0.0.1:8871/page/docs.js -o /dev/null
+echo "wheel check: synth, a batch, read, bench predictor, serve, its metrics and its pages ran from $(ls dist)"

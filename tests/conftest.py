@@ -198,6 +198,7 @@ SLOW_MODULES = (
     "test_standin",  # 35
     "test_cli",  # 32
     "test_cloning",  # 26
+    "test_page",  # new, 2026-12-08: about 30 (a browser and four servers)
     "test_gpu_check",  # new, 2026-12-05: about 35
     "test_reading",  # new, 2026-12-07: about 35 (a kill -9 and a resume in a subprocess)
     "test_replicas",  # new, 2026-12-07: about 45 (two servers in their own processes)

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
+import subprocess
+import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+import httpx
 import numpy as np
 import pytest
 import torch
+import uvicorn
 from typer.testing import CliRunner
 
 from rvqtts.cli import app
+from rvqtts.serving.app import create_app, uvicorn_settings
+from rvqtts.serving.engine import SpeechEngine
+from rvqtts.serving.options import ServerOptions
 from rvqtts.support.audio import CROSSFADE_SECONDS, StreamJoiner
+from rvqtts.synthesis.loader import EngineChoices
 from rvqtts.synthesis.synthesizer import Synthesizer
 from rvqtts.tuning.calibration import sample_codes
 from rvqtts.tuning.contexts import Contexts
@@ -56,6 +67,72 @@ def wait_until(predicate: Callable[[], object], seconds: float, what: str) -> ob
             pytest.fail(f"waited {seconds:g} s for {what}", pytrace=False)
         time.sleep(0.01)
     return value
+
+
+SERVER_WAIT = 60  # seconds a server may take to start listening
+
+
+@contextmanager
+def serving(model_dir: Path, send_buffer: int | None = None, **options) -> Iterator[tuple[str, SpeechEngine, object]]:
+    """A server on a free loopback port over `model_dir` in float32, set up as `rvqtts serve --dtype float32`
+    sets it up, in this process; yields its base URL, engine and uvicorn server (`should_exit` stops it, as SIGTERM
+    does), and stops it. `send_buffer`: its connections' socket send buffer in bytes (a small one makes a client that
+    stops reading felt at once); `options`: ServerOptions' fields."""
+    synth = Synthesizer.load(model_dir, EngineChoices(dtype="float32"))
+    engine = SpeechEngine(synth, ServerOptions(model_dir.name, **options))
+    config = uvicorn.Config(create_app(engine), log_level="warning", **uvicorn_settings(engine.options))
+    server = uvicorn.Server(config)
+    sock = socket.socket()
+    if send_buffer:  # accepted connections inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), SERVER_WAIT, "uvicorn to start listening")
+    assert server.started, "uvicorn stopped before it started: its log says why"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine, server
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def server_process(model_dir: Path, *options: str) -> Iterator[tuple[str, Callable[[], bool], subprocess.Popen]]:
+    """`rvqtts serve` in its own process (float32, quiet) with `options`; yields its URL, a check that it is ready
+    (/ready answers; failing, with its output, where the process has ended) and the process, and stops it."""
+    port = free_port()
+    command = [sys.executable, "-c", "from rvqtts.cli import app; app()", "serve", "--model", str(model_dir)]
+    options = (*options, "--port", str(port), "--dtype", "float32", "-q")
+    server = subprocess.Popen([*command, *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(url + "/ready").status_code == 200
+        except httpx.TransportError:
+            assert server.poll() is None, server.stdout.read().decode()
+            return False
+
+    try:
+        yield url, ready, server
+    finally:
+        server.kill()
+        server.wait(30)
+
+
+@contextmanager
+def running(model_dir: Path, send_buffer: int | None = None, **options) -> Iterator[tuple[str, SpeechEngine]]:
+    """`serving`'s server: yields its base URL and engine."""
+    with serving(model_dir, send_buffer, **options) as (url, engine, _):
+        yield url, engine
 
 
 def join_chunks(parts: list[np.ndarray], sample_rate: int, crossfade: float = CROSSFADE_SECONDS) -> np.ndarray:

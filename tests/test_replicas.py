@@ -6,51 +6,17 @@ nothing half-written is left in the folder. docs/server.md, "Replicas"."""
 from __future__ import annotations
 
 import io
-import socket
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
-from pathlib import Path
+from contextlib import ExitStack
 
 import httpx
 import numpy as np
 import pytest
 import soundfile
-from helpers import wait_until
+from helpers import server_process, wait_until
 
 WAIT = 120  # seconds: a server's start (the tiny model loaded) or a voice's encoding on two busy vCPUs
 pytestmark = pytest.mark.timeout(400)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def server_process(model_dir: Path, *options: str):
-    """`rvqtts serve` in its own process (float32, quiet) with `options`; yields its URL and a check that it is
-    ready (/ready answers; failing, with its output, where the process has ended), and stops it."""
-    port = free_port()
-    command = [sys.executable, "-c", "from rvqtts.cli import app; app()", "serve", "--model", str(model_dir)]
-    options = [*options, "--port", str(port), "--dtype", "float32", "-q"]
-    server = subprocess.Popen(command + options, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return httpx.get(url + "/ready").status_code == 200
-        except httpx.TransportError:
-            assert server.poll() is None, server.stdout.read().decode()
-            return False
-
-    try:
-        yield url, ready
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 def recording(seed: int) -> bytes:
@@ -75,7 +41,7 @@ def test_two_servers_share_one_voices_folder(base_dir, tmp_path):
     voices = tmp_path / "voices"
     voices.mkdir()
     with ExitStack() as stack:
-        (first, first_ready), (second, second_ready) = (
+        (first, first_ready, _), (second, second_ready, _) = (
             stack.enter_context(server_process(base_dir, "--voices", str(voices))) for _ in "ab"
         )
         wait_until(lambda: first_ready() and second_ready(), WAIT, "both servers to load")

@@ -6,30 +6,23 @@ from __future__ import annotations
 import base64
 import io
 import json
-import socket
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import numpy as np
 import openai
 import pytest
 import soundfile
-import uvicorn
-from helpers import run_cli, streamed_samples, wait_until
+from helpers import run_cli, running, streamed_samples, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from rvqtts.serving.app import create_app, uvicorn_settings
 from rvqtts.serving.engine import Job, SpeechEngine
-from rvqtts.serving.options import ServerOptions
 from rvqtts.support.audio import audio_bytes
 from rvqtts.synthesis import pipeline
-from rvqtts.synthesis.loader import EngineChoices
 from rvqtts.synthesis.settings import GenerationSettings
-from rvqtts.synthesis.synthesizer import Synthesizer
 
 FRAMES = 12  # max_frames: short utterances keep the module fast
 KEY = "test-key"
@@ -37,31 +30,6 @@ WAIT = 60  # seconds any one wait here may take before its test fails saying wha
 # Each test here takes under 20 s on two vCPUs (the first also builds the tiny checkpoint; the batching one times
 # kernels): a hung server fails its own test long before the run's 15 minutes (pyproject.toml).
 pytestmark = pytest.mark.timeout(300)
-
-
-@contextmanager
-def running(model_dir, send_buffer: int | None = None, **options):
-    """A server on a free loopback port over `model_dir` in float32, set up as `rvqtts serve --dtype float32`
-    sets it up; yields its base URL and engine, and stops it. `send_buffer`: its connections' socket send buffer in
-    bytes (a small one makes a client that stops reading felt at once)."""
-    synth = Synthesizer.load(model_dir, EngineChoices(dtype="float32"))
-    engine = SpeechEngine(synth, ServerOptions(model_dir.name, **options))
-    config = uvicorn.Config(create_app(engine), log_level="warning", **uvicorn_settings(engine.options))
-    server = uvicorn.Server(config)
-    sock = socket.socket()
-    if send_buffer:  # accepted connections inherit it
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started or not thread.is_alive(), WAIT, "uvicorn to start listening")
-    assert server.started, "uvicorn stopped before it started: its log says why"
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +191,11 @@ def test_bad_requests_get_openai_errors_saying_what_to_send(served):
         assert http.get("/v1/nothing").status_code == 404 and "error" in http.get("/v1/nothing").json()
         assert http.get("/v1/models").json()["data"][0]["id"] == "tiny"
         assert "vivian" in http.get("/v1/voices").json()["voices"]
-        assert http.post("/v1/audio/speech", json=good).status_code == 200
+        whole = http.post("/v1/audio/speech", json=good)  # its figures in its headers
+        samples, rate = soundfile.read(io.BytesIO(whole.content))
+        assert whole.status_code == 200 and whole.headers["x-sample-rate"] == str(rate) == "24000"
+        assert float(whole.headers["x-audio-seconds"]) == round(len(samples) / rate, 3)
+        assert float(whole.headers["x-real-time-factor"]) > 0 and 1 <= float(whole.headers["x-codes-per-call"]) <= 15
     for wrong in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
         response = httpx.post(url + "/v1/audio/speech", json=good, headers=wrong)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"

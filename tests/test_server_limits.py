@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from helpers import wait_until
+from helpers import server_process, wait_until
 from test_server import FRAMES, WAIT, Gate, running, settled
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
@@ -283,28 +281,10 @@ def test_a_reader_that_stops_reading_is_cut_and_frees_its_row(tiny_dir):
     assert not received.endswith(b"0\r\n\r\n")  # no final chunk: a broken body
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sigterm_lets_requests_in_flight_finish_within_the_drain_and_cuts_the_rest(tiny_dir):
     """`rvqtts serve --drain-seconds 3` sent SIGTERM with two streams in flight: it takes no new connection, the
     short stream ends whole (HTTP's final chunk), the one that outlasts the drain is cut (the client sees a broken
     body, not a clean short one), and the process exits."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-c", "from rvqtts.cli import app; app()", "serve", "--model", str(tiny_dir)]
-    options = ["--port", str(port), "--dtype", "float32", "--batch-size", "2", "--drain-seconds", "3", "-q"]
-    server = subprocess.Popen(command + options, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-    def ready() -> bool:
-        try:
-            return httpx.get(url + "/ready").status_code == 200
-        except httpx.TransportError:
-            assert server.poll() is None, server.stdout.read().decode()
-            return False
 
     def streamed(text: str, started: threading.Event, pause: float = 0.0) -> tuple[int, Exception | None]:
         """The bytes a stream gave and how it ended; read a piece every `pause` seconds (a slow player: its response
@@ -321,7 +301,7 @@ def test_sigterm_lets_requests_in_flight_finish_within_the_drain_and_cuts_the_re
                 return received, error
             return received, None
 
-    try:
+    with server_process(tiny_dir, "--batch-size", "2", "--drain-seconds", "3") as (url, ready, server):
         wait_until(ready, WAIT, "the server to load")
         short_started, long_started = threading.Event(), threading.Event()
         with ThreadPoolExecutor(2) as pool:
@@ -336,6 +316,3 @@ def test_sigterm_lets_requests_in_flight_finish_within_the_drain_and_cuts_the_re
         assert short_error is None and short_bytes > 44
         assert isinstance(long_error, httpx.RemoteProtocolError) and long_bytes > 44, long_error
         assert server.wait(WAIT) in (0, -signal.SIGTERM)
-    finally:
-        server.kill()
-        server.wait()

@@ -9,8 +9,8 @@ import asyncio
 
 import httpx
 import pytest
-from helpers import wait_until
-from test_replicas import WAIT, free_port, server_process
+from helpers import free_port, server_process, wait_until
+from test_replicas import WAIT
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
@@ -27,7 +27,7 @@ PIECES = ["Hello there. How", " are you? I am", " fine"]  # an LLM's words as th
 @pytest.fixture(scope="module")
 def wyoming_server(tiny_dir):
     port = free_port()
-    with server_process(tiny_dir, "--wyoming-port", str(port)) as (url, ready):
+    with server_process(tiny_dir, "--wyoming-port", str(port)) as (url, ready, _):
         wait_until(ready, WAIT, "the server to load")
         yield url, port
 

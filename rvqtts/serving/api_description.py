@@ -103,7 +103,13 @@ def _paths() -> dict:
         "/health": {
             "get": {"summary": "Counts, rows, memory", "responses": {"200": {"description": "ok"}}, **open_route}
         },
-        "/ready": {"get": {"summary": "Whether requests are taken", "responses": _errors(503), **open_route}},
+        "/ready": {
+            "get": {
+                "summary": "Whether requests are taken (a load balancer's health check)",
+                "responses": {"200": {"description": "ready"}, **_errors(503)},
+                **open_route,
+            }
+        },
         "/metrics": {
             "get": {"summary": "Prometheus's text format", "responses": {"200": {"description": "ok"}}, **open_route}
         },

@@ -20,7 +20,7 @@ from rvqtts.serving.options import ServerOptions
 MAX_BODY_BYTES = 1 << 20  # a request body, and a WebSocket message (a bigger one closes its session with 1009)
 PROBES = ("/health", "/ready", "/metrics")  # always answered, whatever the load: load balancers and scrapers ask
 OPEN_PATHS = (*PROBES, "/", "/openapi.json", "/docs")  # answered without the key: the page asks for it itself
-OPEN_FOLDERS = ("/page/", "/docs/")
+OPEN_FOLDERS = ("/page/",)
 
 
 def is_open(path: str) -> bool:

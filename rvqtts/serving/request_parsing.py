@@ -76,7 +76,9 @@ class VoiceForm(BaseModel):
     """POST /v1/audio/voices, as multipart/form-data (docs/server.md, "Voices")."""
 
     model_config = CHECKED
-    name: str = Field(pattern=NAME.pattern, description="1 to 64 letters, digits, '_' or '-', starting with either.")
+    name: str = Field(
+        pattern=f"^{NAME.pattern}$", description="1 to 64 letters, digits, '_' or '-', starting with either."
+    )
     audio_sample: bytes = Field(
         json_schema_extra={"format": "binary"},
         description=f"The recording's file: .wav, .flac or .ogg, at most {MAX_UPLOAD_BYTES} bytes, 60 s.",
