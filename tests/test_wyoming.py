@@ -94,10 +94,37 @@ def test_streamed_text_is_spoken_sentence_by_sentence(wyoming_server):
     assert pcm_of(read[:-1]) == b"".join(http_pcm(url, sentence) for sentence in [*whole, rest])
 
 
+async def refused_then_spoken(port: int) -> tuple[list, list]:
+    """On one connection: streamed text in a voice the model lacks, then a synthesize in one it has."""
+    client = AsyncTcpClient("127.0.0.1", port, connect_timeout=WAIT, read_timeout=WAIT)
+    await client.connect()
+    phases: tuple[list, list] = ([], [])
+    try:
+        for phase, events, until in (
+            (
+                0,
+                [SynthesizeStart(voice=SynthesizeVoice(name="alloy")), SynthesizeChunk(text="Hi. "), SynthesizeStop()],
+                "error",
+            ),
+            (1, [Synthesize(text="Hi.", voice=VOICE)], "audio-stop"),
+        ):
+            for event in events:
+                await client.write_event(event.event())
+            while (event := await client.read_event()) is not None:
+                phases[phase].append(event)
+                if event.type == until:
+                    break
+    finally:
+        await client.disconnect()
+    return phases
+
+
 def test_a_bad_voice_is_an_error_event_and_a_client_gone_frees_its_row(wyoming_server):
     url, port = wyoming_server
     (error,) = asyncio.run(exchange(port, Synthesize(text="Hi.", voice=SynthesizeVoice(name="alloy")), until="error"))
     assert "not one of this model's speakers" in Error.from_event(error).text
+    refused, spoken = asyncio.run(refused_then_spoken(port))  # the connection goes on after a refusal
+    assert [event.type for event in refused] == ["error"] and pcm_of(spoken) == http_pcm(url, "Hi.")
     cancelled = httpx.get(url + "/health").json()["cancelled"]
     long = Synthesize(text="A long sentence that the client will not wait for. " * 4, voice=VOICE)
     read = asyncio.run(exchange(port, long, until="audio-stop", stop_after=1))

@@ -181,7 +181,7 @@ def _check_wyoming(wyoming_port: Optional[int], port: int, host: str, api_key: O
     except ImportError:
         fail("--wyoming-port needs the wyoming package: pip install -e '.[serve]' (from rvqtts's checkout folder)")
     if api_key is not None and host not in ("127.0.0.1", "localhost", "::1"):
-        say(f"warning: Wyoming asks no key: port {wyoming_port} on {host} speaks for anyone who reaches it", quiet)
+        say(f"warning: Wyoming asks no key: port {wyoming_port} on {host} speaks for anyone who reaches it", False)
 
 
 def _checked_voices_folder(model: str, voices: Optional[Path]) -> Optional[Path]:

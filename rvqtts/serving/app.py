@@ -61,7 +61,9 @@ async def speech(request: Request) -> Response:
         return CutStream(job, audio_pieces(job), media_type, headers)
     audio = await whole_audio(job, request)
     figures = job.figures or {}
-    headers |= {f"X-{name.replace('_', '-').title()}": str(figures[name]) for name in WHOLE_FIGURES if name in figures}
+    headers |= {
+        f"X-{name.replace('_', '-').title()}": str(figures[name]) for name in WHOLE_FIGURES if figures.get(name)
+    }
     return Response(audio, media_type=media_type, headers=headers)
 
 

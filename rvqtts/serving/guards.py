@@ -21,6 +21,15 @@ MAX_BODY_BYTES = 1 << 20  # a request body, and a WebSocket message (a bigger on
 PROBES = ("/health", "/ready", "/metrics")  # always answered, whatever the load: load balancers and scrapers ask
 OPEN_PATHS = (*PROBES, "/", "/openapi.json", "/docs")  # answered without the key: the page asks for it itself
 OPEN_FOLDERS = ("/page/",)
+# what a browser app of an allowed origin may read of an answer: when to retry, the audio's rate, a request's figures
+EXPOSED_HEADERS = [
+    "Retry-After",
+    "X-Sample-Rate",
+    "X-Audio-Seconds",
+    "X-Seconds",
+    "X-Real-Time-Factor",
+    "X-Codes-Per-Call",
+]
 
 
 def is_open(path: str) -> bool:
@@ -90,6 +99,7 @@ def middleware(options: ServerOptions) -> list[Middleware]:
             allow_origins=list(options.allowed_origins),
             allow_methods=["GET", "POST", "DELETE"],
             allow_headers=["Authorization", "Content-Type"],
+            expose_headers=EXPOSED_HEADERS,
         )
         layers.insert(0, cors)
     return layers

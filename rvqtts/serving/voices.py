@@ -66,20 +66,28 @@ class VoiceStore:
 
     def _publish(self, voice: ClonedVoice, name: str) -> None:
         """Write the voice beside its place, then link it there: whole or not at all (a request never reads half a
-        file), and VoiceConflict where another upload, here or on another server, took the name meanwhile."""
-        handle, written = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=self.folder)
-        os.close(handle)
+        file), and VoiceConflict where another upload, here or on another server, took the name meanwhile. VoiceError
+        where the folder cannot take the file (a file system without hard links: FAT, some SMB shares)."""
+        written = None
         try:
+            handle, written = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=self.folder)
+            os.close(handle)
             save_voice(voice, written)
-            os.link(written, self.path(name))
-        except FileExistsError:
-            raise VoiceConflict(f"a voice named {name!r} exists: delete it first, or choose another name") from None
-        except PermissionError as error:  # a file system without hard links (FAT, some network shares)
+            try:
+                os.link(written, self.path(name))
+            except FileExistsError:
+                if os.stat(written).st_nlink != 2:  # NFS: a link retried after it succeeded says the name exists
+                    raise VoiceConflict(
+                        f"a voice named {name!r} exists: delete it first, or choose another name"
+                    ) from None
+        except OSError as error:
             raise VoiceError(
-                f"{self.folder} cannot take voice files ({error.strerror}): put --voices on a local file system or NFS"
+                f"{self.folder} cannot take voice files ({error.strerror or error}): put --voices on a local file "
+                "system or NFS"
             ) from None
         finally:
-            Path(written).unlink(missing_ok=True)
+            if written is not None:
+                Path(written).unlink(missing_ok=True)
 
     def _check_free(self, name: str) -> None:
         if self.path(name).exists():

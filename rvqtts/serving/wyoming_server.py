@@ -63,16 +63,16 @@ def request_fields(voice: SynthesizeVoice | None, engine: SpeechEngine) -> dict:
 
 
 class WyomingHandler(AsyncEventHandler):
-    """One Wyoming client's connection. Speaking runs as a task beside the reading, so that a client gone is seen at
-    once (its rows freed), whatever is being spoken."""
+    """One Wyoming client's connection, speaking one request at a time. Speaking runs as a task beside the reading,
+    so that a client gone is seen at once (its rows freed), whatever is being spoken."""
 
     def __init__(self, engine: SpeechEngine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         super().__init__(reader, writer)
         self.engine = engine
         self.behind = asyncio.Event()
-        self.sentences: SpokenSentences | None = None  # streamed text, between synthesize-start and -stop
-        self.tasks: list[asyncio.Task] = []
-        self.jobs: list[Job] = []
+        self.sentences: SpokenSentences | None = None  # streamed text, between synthesize-start and its end
+        self.speaking: asyncio.Task | None = None
+        self.job: Job | None = None  # a `synthesize`'s request in the engine
 
     async def handle_event(self, event: Event) -> bool:
         try:
@@ -89,18 +89,25 @@ class WyomingHandler(AsyncEventHandler):
             await self.write_event(info(self.engine).event())
         elif Synthesize.is_type(event.type) and self.sentences is None:  # while streaming: sent for old clients only
             request = Synthesize.from_event(event)
-            self._start(self._speak_whole(request.text, request_fields(request.voice, self.engine)))
+            self._speak(self._speak_whole(request.text, request_fields(request.voice, self.engine)))
         elif SynthesizeStart.is_type(event.type):
-            self.sentences = SpokenSentences(self.engine, self.behind)
-            self.sentences.use(request_fields(SynthesizeStart.from_event(event).voice, self.engine))
-            self._start(self.sentences.give(), self._speak_sentences(self.sentences))
+            sentences = SpokenSentences(self.engine, self.behind)
+            sentences.use(request_fields(SynthesizeStart.from_event(event).voice, self.engine))
+            self._speak(self._speak_sentences(sentences))
+            self.sentences = sentences
         elif SynthesizeChunk.is_type(event.type) and self.sentences is not None:
             self.sentences.add(SynthesizeChunk.from_event(event).text)
         elif SynthesizeStop.is_type(event.type) and self.sentences is not None:
             self.sentences.end()
 
-    def _start(self, *works) -> None:
-        self.tasks.extend(asyncio.create_task(self._reported(work)) for work in works)
+    def _speak(self, work) -> None:
+        """Speak `work` as a task; SpeechError 409 while the connection speaks another request."""
+        if self.speaking is not None and not self.speaking.done():
+            work.close()
+            raise SpeechError(
+                409, "this connection is speaking: send the next request after its audio-stop", code="busy"
+            )
+        self.speaking = asyncio.create_task(self._reported(work))
 
     async def _reported(self, work) -> None:
         """A task's failure told to the client as Wyoming's error event (the connection stays)."""
@@ -115,14 +122,15 @@ class WyomingHandler(AsyncEventHandler):
     async def _speak_whole(self, text: str, fields: dict) -> None:
         """`synthesize`: the text as one streamed request, as `POST /v1/audio/speech` with `stream` speaks it."""
         body = {**fields, "input": text, "stream": True, "response_format": "pcm"}
-        job = self.engine.submit(parse_speech_request(body, self.engine), self.behind)
-        self.jobs.append(job)
+        self.job = self.engine.submit(parse_speech_request(body, self.engine), self.behind)
         await self._audio_start()
-        await self._audio(job)
+        await self._audio(self.job)
         await self.write_event(AudioStop().event())
 
     async def _speak_sentences(self, sentences: SpokenSentences) -> None:
-        """Streamed text: one audio stream of its sentences in order, then `synthesize-stopped`."""
+        """Streamed text: one audio stream of its sentences in order, then `synthesize-stopped`; a sentence refused
+        or failed ends it (the rest are not spoken)."""
+        giving = asyncio.create_task(sentences.give())
         try:
             await self._audio_start()
             async for _, _, job in sentences.in_order():
@@ -132,8 +140,10 @@ class WyomingHandler(AsyncEventHandler):
             await self.write_event(AudioStop().event())
             await self.write_event(SynthesizeStopped().event())
         finally:
-            self.sentences = None
-            sentences.cancel()  # what is left of a stream that failed
+            giving.cancel()  # no sentence is given to the engine after this
+            sentences.cancel()
+            if self.sentences is sentences:
+                self.sentences = None
 
     async def _audio_start(self) -> None:
         rate = self.engine.synth.sample_rate
@@ -146,11 +156,11 @@ class WyomingHandler(AsyncEventHandler):
             await sent(self.behind, self.write_event(chunk.event()))
 
     async def disconnect(self) -> None:
-        """The client has gone: its requests leave their rows at the next frame."""
-        for task in self.tasks:
-            task.cancel()
-        for job in self.jobs:
-            job.cancelled.set()
+        """The client has gone: its request leaves its rows at the next frame."""
+        if self.speaking is not None:
+            self.speaking.cancel()
+        if self.job is not None:
+            self.job.cancelled.set()
         if self.sentences is not None:
             self.sentences.cancel()
 
