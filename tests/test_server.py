@@ -424,10 +424,14 @@ def test_serve_refuses_bad_options_before_loading(tiny_dir, tmp_path, monkeypatc
         (["--voices", tmp_path], "--voices is for Base models"),
         (["--port", 0], "--port must be between"),
         (["--queue-size", 0], "--queue-size and --max-chars"),
+        (["--wyoming-port", 8880], "--wyoming-port must be between 1 and 65535 and not --port (8880)"),
         (["--model", tmp_path / "none"], "none"),
     ]:
         result = run_cli("serve", "--model", tiny_dir, *arguments)
         assert result.exit_code == 2 and message in result.output, (arguments, result.output)
+    monkeypatch.setitem(sys.modules, "wyoming", None)
+    result = run_cli("serve", "--model", tiny_dir, "--wyoming-port", 10200)
+    assert result.exit_code == 2 and "--wyoming-port needs the wyoming package" in result.output
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the extra were not installed
     result = run_cli("serve", "--model", tiny_dir)
     assert result.exit_code == 2 and "pip install -e '.[serve]'" in result.output

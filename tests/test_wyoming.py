@@ -1,7 +1,8 @@
-"""Wyoming (Home Assistant's protocol) through the `wyoming` package's own client, against `rvqtts serve
---wyoming-port` on the tiny checkpoint: describe names the voices and languages; synthesize streams audio-start,
-chunks and audio-stop whose PCM is the HTTP streamed response's for the same request; streamed text is spoken sentence
-by sentence as the WebSocket speaks it; a bad voice gets an error event; a client gone mid-stream frees its row."""
+"""Wyoming (Home Assistant's protocol) through the `wyoming` package's own client, against a server with Wyoming
+beside HTTP (`rvqtts serve --wyoming-port`) on the tiny checkpoint: describe names the voices and languages;
+synthesize streams audio-start, chunks and audio-stop whose PCM is the HTTP streamed response's for the same request;
+streamed text is spoken sentence by sentence as the WebSocket speaks it; a bad voice gets an error event and the
+connection goes on; a client gone mid-stream frees its row."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import asyncio
 
 import httpx
 import pytest
-from helpers import free_port, server_process, wait_until
-from test_replicas import WAIT
+from helpers import free_port, running, wait_until
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
@@ -20,6 +20,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from rvqtts.synthesis.text import complete_sentences
 
 pytestmark = pytest.mark.timeout(300)
+WAIT = 60  # seconds any one wait may take
 VOICE = SynthesizeVoice(name="vivian", language="en-US")
 PIECES = ["Hello there. How", " are you? I am", " fine"]  # an LLM's words as they come
 
@@ -27,8 +28,7 @@ PIECES = ["Hello there. How", " are you? I am", " fine"]  # an LLM's words as th
 @pytest.fixture(scope="module")
 def wyoming_server(tiny_dir):
     port = free_port()
-    with server_process(tiny_dir, "--wyoming-port", str(port)) as (url, ready, _):
-        wait_until(ready, WAIT, "the server to load")
+    with running(tiny_dir, wyoming_address=("127.0.0.1", port)) as (url, _):
         yield url, port
 
 

@@ -145,7 +145,7 @@ def serve(
         max_unsent_seconds=max_unsent_seconds,
         drain_seconds=drain_seconds,
         joins_per_frame=joins_per_frame,
-        wyoming_port=wyoming_port,
+        wyoming_address=None if wyoming_port is None else (host, wyoming_port),
     )
     endpoints = "POST /v1/audio/speech; GET /v1/audio/voices, /health, /metrics; the page at /, the API at /docs"
     say(f"serving {model} on http://{host}:{port}/v1 ({endpoints})", quiet)

@@ -4,7 +4,6 @@ page and the API's description, over one SpeechEngine (`app.state.engine`), and 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from functools import partial
@@ -201,18 +200,31 @@ def create_app(engine: SpeechEngine) -> Starlette:
         routes=ROUTES,
         middleware=middleware(engine.options),
         exception_handlers={SpeechError: refused, HTTPException: http_error},
-        lifespan=keeping_learned,
+        lifespan=lifespan,
     )
     app.state.engine = engine
     return app
 
 
 @contextlib.asynccontextmanager
-async def keeping_learned(app: Starlette) -> AsyncIterator[None]:
-    """At shutdown, once requests have drained: what the online tree choice learned, kept (uvicorn ends a SIGTERM by
-    raising the signal again, which runs no exit handler)."""
-    yield
-    keep_learned()
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    """Wyoming served beside HTTP on the same event loop, where asked; at shutdown, once requests have drained, it
+    stops and what the online tree choice learned is kept (uvicorn ends a SIGTERM by raising the signal again, which
+    runs no exit handler)."""
+    engine: SpeechEngine = app.state.engine
+    address = engine.options.wyoming_address
+    wyoming = None
+    if address is not None:
+        from rvqtts.serving.wyoming_server import start_wyoming
+
+        wyoming = await start_wyoming(engine, *address)
+        log.info("Wyoming on tcp://%s:%d (Home Assistant: docs/server.md)", *address)
+    try:
+        yield
+    finally:
+        if wyoming is not None:
+            await wyoming.stop()
+        keep_learned()
 
 
 def uvicorn_settings(options: ServerOptions) -> dict:
@@ -234,21 +246,6 @@ def serve(synth, options: ServerOptions, host: str = "127.0.0.1", port: int = 88
     engine = SpeechEngine(synth, options)
     settings = dict(host=host, port=port, log_level="warning" if quiet else "info", **uvicorn_settings(options))
     try:
-        asyncio.run(serving(uvicorn.Server(uvicorn.Config(create_app(engine), **settings)), engine, host))
+        uvicorn.run(create_app(engine), **settings)
     finally:
         engine.close()
-
-
-async def serving(server, engine: SpeechEngine, host: str) -> None:
-    """HTTP (uvicorn's `server`) until it stops, and Wyoming beside it on the same event loop where asked."""
-    wyoming = None
-    if engine.options.wyoming_port is not None:
-        from rvqtts.serving.wyoming_server import start_wyoming
-
-        wyoming = await start_wyoming(engine, host, engine.options.wyoming_port)
-        log.info("Wyoming on tcp://%s:%d (Home Assistant: docs/server.md)", host, engine.options.wyoming_port)
-    try:
-        await server.serve()
-    finally:
-        if wyoming is not None:
-            await wyoming.stop()

@@ -15,8 +15,7 @@ class ServerOptions:
     the longest input, the waiting requests it holds, the text chunking `synth` uses, how many requests may share
     the calls of both loops (rows) and how many take rows before each frame, how streamed audio is paced; and what a
     client may hold: the browser origins served besides the server's own, the requests and sessions at once, a
-    stream's unread audio, and how long a stopping server lets requests finish; the Wyoming port, where one is
-    served."""
+    stream's unread audio, and how long a stopping server lets requests finish; where Wyoming is served, if it is."""
 
     model_name: str
     api_key: str | None = None
@@ -33,4 +32,4 @@ class ServerOptions:
     # prefills and one frame, not after all the others' prefills (docs/server.md "Concurrency")
     joins_per_frame: int = 2
     drain_seconds: int = 30
-    wyoming_port: int | None = None
+    wyoming_address: tuple[str, int] | None = None  # (host, port) where Wyoming is served beside HTTP
