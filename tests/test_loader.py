@@ -59,7 +59,7 @@ def test_engine_choices_refuse_what_is_not_a_choice():
     for bad, message in (
         (dict(dtype="float8"), "unknown --dtype 'float8': choose auto, float32"),
         (dict(decoder_dtype="int8"), "unknown --decoder-dtype 'int8'"),
-        (dict(weights="int4"), "unknown --weights 'int4': choose native or int8"),
+        (dict(weights="int2"), "unknown --weights 'int2': choose native, int8 or int4"),
         (dict(batch_size=0), "the batch size must be at least 1"),
     ):
         with pytest.raises(ValueError, match=message):

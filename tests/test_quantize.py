@@ -1,5 +1,5 @@
-"""8-bit weights (W8A16): the quantization rule, the maps, exactness of speculation within the quantized
-model, and the command line."""
+"""8-bit and 4-bit weights (W8A16, W4A16): the quantization rules, the maps, exactness of speculation within the
+quantized model, and the command line."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from helpers import run_cli_json as run_json
 from rvqtts.engine.loop.inner_loop import InnerLoop, LoopParts
 from rvqtts.engine.model.kernels import Kernel, LinearMap
 from rvqtts.engine.model.predictor import PredictorRunner
-from rvqtts.engine.model.quantize import check_weights, quantize_rows
+from rvqtts.engine.model.quantize import check_weights, dequantized_groups, group_size, quantize_groups, quantize_rows
 from rvqtts.engine.model.sampling import SamplingConfig
 from rvqtts.engine.speculative.offsets import Offsets
 from rvqtts.engine.speculative.speculation import Speculation
@@ -64,23 +64,68 @@ def test_int8_maps_of_the_released_shapes_give_rows_the_same_bits_in_calls_of_up
             assert torch.equal(linear(x[:rows]), alone[:rows]), f"{tuple(linear.weight.shape)}, {rows} rows"
 
 
-def test_int8_weights_are_refused_off_the_cpu_and_unknown_formats_everywhere():
-    with pytest.raises(ValueError, match="CPUs only"):
+def test_quantized_weights_are_refused_off_the_cpu_and_unknown_formats_everywhere():
+    with pytest.raises(ValueError, match="8-bit weights run on CPUs only"):
         check_weights("int8", torch.device("cuda"))
-    with pytest.raises(ValueError, match="choose native or int8"):
-        check_weights("int4", torch.device("cpu"))
+    with pytest.raises(ValueError, match="4-bit weights run on CPUs only.*use --weights native"):
+        check_weights("int4", torch.device("mps"))
+    with pytest.raises(ValueError, match="choose native, int8 or int4"):
+        check_weights("int2", torch.device("cpu"))
 
 
+def test_4bit_groups_round_to_the_nearest_step_of_their_own_range():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 96, generator=generator) * torch.tensor([1e-3, 0.1, 1, 100] * 12)[:, None]
+    weight[5, 32:64] = 0.0  # an all-zero group
+    values, scales_zeros = quantize_groups(weight, 32)
+    assert values.dtype == torch.int32 and values.min() >= 0 and values.max() <= 15
+    assert scales_zeros.shape == (48, 3, 2)
+    error = (dequantized_groups(values, scales_zeros) - weight).abs().reshape(48, 3, 32)
+    assert (error <= scales_zeros[..., :1] / 2 * (1 + 1e-5) + 1e-30).all()  # within half its group's step
+    assert torch.equal(dequantized_groups(values, scales_zeros)[5, 32:64], torch.zeros(32))  # zeros stay zero
+    assert torch.equal(quantize_groups(weight[:7], 32)[0], values[:7])  # each row alone
+
+
+def test_a_4bit_group_is_the_largest_of_128_64_and_32_that_divides_the_inputs():
+    assert [group_size(shape) for shape in ((96, 1024), (96, 64), (96, 96), (96, 48), (100, 128))] == [
+        128, 64, 32, None, None
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(96, 64), (48, 96), (16, 1024)])
+def test_an_int4_map_applies_its_dequantized_weights_and_gives_rows_the_same_bits_in_any_call(dtype, shape):
+    generator = torch.Generator().manual_seed(1)
+    weight = (torch.randn(*shape, generator=generator) * 0.05).to(dtype)
+    bias = torch.randn(shape[0], generator=generator).to(dtype)
+    linear = LinearMap(weight, bias, Kernel("int4"))
+    x = torch.randn(33, shape[1], generator=generator).to(dtype)
+    values, scales_zeros = quantize_groups(weight, group_size(shape))
+    expected = x.float() @ dequantized_groups(values, scales_zeros.to(dtype).float()).T + bias.float()
+    tolerance = 1e-4 if dtype == torch.float32 else 0.05 * shape[1] ** 0.5 / 8
+    assert (linear(x).float() - expected).abs().max() <= tolerance
+    alone = torch.stack([linear(row) for row in x])
+    for rows in (1, 2, 5, 16, 33):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+def test_a_map_4bit_groups_cannot_hold_keeps_8bit_weights():
+    weight = torch.randn(96, 48, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    assert torch.equal(LinearMap(weight, None, Kernel("int4"))(x), LinearMap(weight, None, Kernel("int8"))(x))
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_speculative_codes_equal_plain_codes_within_the_quantized_model(tiny_dir, dtype):
-    """torch's int8 kernel gives a row the same bits whatever the call's row count, so a tree round's
+def test_speculative_codes_equal_plain_codes_within_the_quantized_model(tiny_dir, dtype, weights):
+    """torch's int8 and int4 kernels give a row the same bits whatever the call's row count, so a tree round's
     rows are what plain steps compute: every frame agrees, in float32 too (unlike float32's own maps)."""
     synth = Synthesizer.from_checkpoint(tiny_dir, dtype=dtype)
     predictor = synth.code_predictor
     offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5)
     frames = {}
     for name, speculation in (("plain", None), ("tree", Speculation(resolve_tree("15"), offsets))):
-        loop = InnerLoop(predictor, speculation, seed=7, parts=LoopParts.build(predictor, speculation, False, "int8"))
+        loop = InnerLoop(predictor, speculation, seed=7, parts=LoopParts.build(predictor, speculation, False, weights))
         prefixes = [random_prefix(synth, seed=f).to(getattr(torch, dtype)) for f in range(25)]
         frames[name] = np.array([loop.frame(p, SamplingConfig(), 0, f) for f, p in enumerate(prefixes)])
         if speculation:
@@ -96,30 +141,18 @@ def test_speculative_codes_equal_plain_codes_within_the_quantized_model(tiny_dir
     assert not np.array_equal(frames["plain"], unquantized)  # the runner did quantize
 
 
-def test_synth_with_int8_weights_and_its_refusals(tiny_dir, tmp_path):
-    out, stats = tmp_path / "a.wav", tmp_path / "a.json"
-    result = run(
-        "synth",
-        "--model",
-        tiny_dir,
-        "--weights",
-        "int8",
-        "--max-frames",
-        "5",
-        "-o",
-        out,
-        "--stats-json",
-        stats,
-        "Hello there.",
-    )
-    assert result.exit_code == 0, result.output
-    assert out.stat().st_size > 44 and json.loads(stats.read_text())["utterances"][0]["weights"] == "int8"
-    bad = run("synth", "--model", tiny_dir, "--weights", "int4", "-o", tmp_path / "b.wav", "Hello.")
-    assert bad.exit_code == 2 and "choose native or int8" in bad.output and not (tmp_path / "b.wav").exists()
-    coreml = run(
-        "synth", "--model", tiny_dir, "--weights", "int8", "--backend", "coreml", "-o", tmp_path / "c.wav", "Hello."
-    )
-    assert coreml.exit_code == 2 and "torch backend" in coreml.output
+def test_synth_with_quantized_weights_and_its_refusals(tiny_dir, tmp_path):
+    for weights in ("int8", "int4"):
+        out, stats = tmp_path / f"{weights}.wav", tmp_path / f"{weights}.json"
+        options = ("--weights", weights, "--max-frames", "5", "-o", out, "--stats-json", stats)
+        result = run("synth", "--model", tiny_dir, *options, "Hello there.")
+        assert result.exit_code == 0, result.output
+        assert out.stat().st_size > 44 and json.loads(stats.read_text())["utterances"][0]["weights"] == weights
+        coreml = run("synth", "--model", tiny_dir, "--weights", weights, "--backend", "coreml", "-o", out, "Hi.")
+        assert coreml.exit_code == 2 and "torch backend" in coreml.output
+    assert (tmp_path / "int8.wav").read_bytes() != (tmp_path / "int4.wav").read_bytes()  # 4 bits are not 8
+    bad = run("synth", "--model", tiny_dir, "--weights", "int2", "-o", tmp_path / "b.wav", "Hello.")
+    assert bad.exit_code == 2 and "choose native, int8 or int4" in bad.output and not (tmp_path / "b.wav").exists()
 
 
 def test_bench_talker_reads_fewer_bytes_with_int8_weights(tiny_dir, tmp_path):

@@ -354,17 +354,19 @@ def bench_dtype_command(
     model: str = typer.Option(DEFAULT_MODEL, help="Hub id or local folder of the model."),
     dtype: str = typer.Option(
         "bfloat16",
-        help="The dtype to compare with float32 (bfloat16 or float16), or, with --weights int8, the dtype whose own "
-        "weights are the reference.",
+        help="The dtype to compare with float32 (bfloat16 or float16), or, with --weights int8 or int4, the dtype "
+        "whose own weights are the reference.",
     ),
-    weights: str = typer.Option("native", help="native, or int8: compare 8-bit weights with the dtype's own."),
+    weights: str = typer.Option(
+        "native", help="native, or int8 or int4: compare 8-bit or 4-bit weights with the dtype's own."
+    ),
     frames: int = typer.Option(100, help="Frames to decode (random contexts)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or mps."),
     seed: int = typer.Option(0, help="Seed of the contexts and the noise."),
     json_out: Optional[Path] = json_option(),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No table."),
 ) -> None:
-    """The code predictor in a reduced dtype against float32, or with 8-bit weights against its own, on the
+    """The code predictor in a reduced dtype against float32, or with 8-bit or 4-bit weights against its own, on the
     same frames and noise: how often the change alters a code (teacher forcing), frames that stay identical,
     and both plain loops' ms per frame."""
     from rvqtts.bench.dtype import bench_dtype, dtype_table, random_prefixes
@@ -376,7 +378,7 @@ def bench_dtype_command(
     if weights == "native":
         reference = load_synthesizer(model, quiet, device=device, dtype="float32", spec=False)
         candidate = load_synthesizer(model, quiet, device=device, dtype=dtype, spec=False)
-    else:  # one model: the runners hold the 8-bit weights beside the module's own
+    else:  # one model: the runners hold the quantized weights beside the module's own
         reference = candidate = load_synthesizer(model, quiet, device=device, dtype=dtype, weights=weights, spec=False)
     prefixes = random_prefixes(reference.talker, frames, seed)
     with progress_bar(quiet) as progress:

@@ -73,7 +73,7 @@ def tune(
     from rvqtts.engine.model import native
     from rvqtts.engine.model.devices import pick_dtype
     from rvqtts.engine.model.kernels import forget_records, machine_key
-    from rvqtts.engine.model.quantize import WEIGHTS
+    from rvqtts.engine.model.quantize import WEIGHTS, WEIGHTS_CHOICES
     from rvqtts.qwen.checkpoints import ModelLoadError, model_config
     from rvqtts.qwen.decoder_dtype import pick_decoder_dtype
     from rvqtts.support.measurements import KERNELS
@@ -83,7 +83,7 @@ def tune(
     if dtype not in ("auto", "float32", "bfloat16"):
         fail(f"unknown --dtype {dtype!r}: rvqtts tune measures CPU kernels in auto, float32 or bfloat16")
     if weights not in WEIGHTS:
-        fail(f"unknown --weights {weights!r}: choose {' or '.join(WEIGHTS)}")
+        fail(f"unknown --weights {weights!r}: choose {WEIGHTS_CHOICES}")
     with refused(ModelLoadError):
         talker_config = model_config(model).talker_config
     result = {

@@ -14,7 +14,7 @@ import torch
 from rvqtts.engine.model.devices import frame_maps, pick_device, pick_dtype, unvalidated_notice
 from rvqtts.engine.model.kernels import choose_kernels, measured_choices
 from rvqtts.engine.model.native import isa_cap, unavailable
-from rvqtts.engine.model.quantize import WEIGHTS, check_weights
+from rvqtts.engine.model.quantize import WEIGHTS, WEIGHTS_CHOICES, check_weights
 from rvqtts.engine.speculative.policy import choose_speculation
 from rvqtts.engine.speculative.speculation import TreePolicy
 from rvqtts.qwen.checkpoints import DTYPES, load_tts, model_config
@@ -43,7 +43,7 @@ class EngineChoices:
                 option = "--" + name.replace("_", "-")
                 raise ValueError(f"unknown {option} {getattr(self, name)!r}: choose auto, {', '.join(DTYPES)}")
         if self.weights not in WEIGHTS:
-            raise ValueError(f"unknown --weights {self.weights!r}: choose {' or '.join(WEIGHTS)}")
+            raise ValueError(f"unknown --weights {self.weights!r}: choose {WEIGHTS_CHOICES}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"the batch size must be at least 1 (or None: measured), got {self.batch_size}")
 

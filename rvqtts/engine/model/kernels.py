@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rvqtts.engine.model import native
-from rvqtts.engine.model.quantize import quantize_rows
+from rvqtts.engine.model.quantize import group_size, quantize_groups, quantize_rows
 from rvqtts.support.measurements import KERNELS
 
 CHUNK = 32  # rows per kernel call: a longer call goes in chunks, so invariance up to CHUNK + 1 rows covers all
@@ -40,7 +40,7 @@ CHOICES_VARIABLE = "RVQTTS_CHOICES"  # "measured" (the default) or "fixed": the 
 @dataclass(frozen=True)
 class Kernel:
     """How a map applies rows: `multi` ("linear" for F.linear, "packed" for oneDNN's kernel over weights
-    reordered once, "int8" for torch's int8 kernel over 8-bit weights, "bf16dot" and "int8dot" for
+    reordered once, "int8" and "int4" for torch's kernels over 8-bit and 4-bit weights, "bf16dot" and "int8dot" for
     rvqtts's own AVX512-BF16 kernel over bfloat16 or 8-bit weights, "bf16amx" and "int8amx" for its
     AMX one and "bf16avx2" and "int8avx2" for its AVX2 one, rvqtts.engine.model.native) in calls of at most CHUNK rows,
     each padded with zero rows to at least `pad`; a call of one row through torch.mv where `one_row_mv`."""
@@ -71,9 +71,11 @@ def packing_available(dtype: torch.dtype) -> bool:
 def candidates(dtype: torch.dtype, weights: str, shape: tuple[int, int]) -> list[Kernel]:
     """The kernels that can apply a map of `shape` on this CPU, the rule used before measurement first
     (`fixed_kernel`)."""
+    if weights == "int4" and group_size(shape) is None:
+        weights = "int8"  # a map 4-bit groups cannot hold keeps 8-bit weights
     own = [name for name in native.map_kernels(weights) if native.supports(shape, dtype, name)]
-    if weights == "int8":
-        return [Kernel("int8")] + [Kernel(name) for name in own]
+    if weights in ("int8", "int4"):
+        return [Kernel(weights)] + [Kernel(name) for name in own]
     multis = ["linear", "packed"] if packing_available(dtype) else ["linear"]
     found = [Kernel(multi, one_row_mv=True) for multi in multis] + [Kernel(multi) for multi in multis + own]
     fixed = fixed_kernel(torch.device("cpu"), dtype, weights)
@@ -82,11 +84,11 @@ def candidates(dtype: torch.dtype, weights: str, shape: tuple[int, int]) -> list
 
 def fixed_kernel(device: torch.device, dtype: torch.dtype, weights: str) -> Kernel:
     """The rule before measurement: one row through torch.mv, more through oneDNN's packed kernel in
-    bfloat16 (where oneDNN has it) and F.linear otherwise; 8-bit weights through torch's int8 kernel."""
+    bfloat16 (where oneDNN has it) and F.linear otherwise; 8-bit and 4-bit weights through torch's kernels."""
     if device.type != "cpu":
         return Kernel("linear")
-    if weights == "int8":
-        return Kernel("int8")
+    if weights in ("int8", "int4"):
+        return Kernel(weights)
     packed = dtype == torch.bfloat16 and packing_available(dtype)
     return Kernel("packed" if packed else "linear", one_row_mv=True)
 
@@ -117,7 +119,15 @@ class LinearMap:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
                 self.operands = [packed]
                 self.apply = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-            elif kernel.multi == "int8":
+            elif kernel.multi == "int4" and (group := group_size(tuple(weight.shape))):
+                values, scales_zeros = quantize_groups(weight, group)
+                packed = torch._convert_weight_to_int4pack_for_cpu(values, 1)
+                scales_zeros = scales_zeros.transpose(0, 1).contiguous().to(weight.dtype)  # [groups, out, 2]
+                self.operands = [packed, scales_zeros]
+                self.apply = lambda rows: self._biased(
+                    torch._weight_int4pack_mm_for_cpu(rows, packed, group, scales_zeros)
+                )
+            elif kernel.multi in ("int8", "int4"):  # int4 here: a map 4-bit groups cannot hold keeps 8-bit weights
                 qweight, scales = quantize_rows(weight)
                 scales = scales.to(weight.dtype)
                 self.operands = [qweight, scales]

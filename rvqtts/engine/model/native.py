@@ -80,14 +80,19 @@ def runs(kind: str) -> bool:
 
 
 def map_kernels(weights: str) -> tuple[str, ...]:
-    """The library's map kernels a map of `weights` ("int8" or the model's own) may choose from here: those of the
-    level built (none where the library does not run), the AVX2 ones only at the AVX2 level (above it, VDPBF16PS
-    does their work in a quarter of the instructions)."""
+    """The library's map kernels a map of `weights` (--weights: "native", the model's own, or "int8"; none yet for
+    "int4") may choose from here: those of the level built (none where the library does not run), the AVX2 ones only
+    at the AVX2 level (above it, VDPBF16PS does their work in a quarter of the instructions)."""
     return tuple(
         name
         for name in built_kernels()
-        if name.startswith("int8") == (weights == "int8") and (level() == "avx2" or name not in LEVELS["avx2"].kernels)
+        if kernel_weights(name) == weights and (level() == "avx2" or name not in LEVELS["avx2"].kernels)
     )
+
+
+def kernel_weights(name: str) -> str:
+    """The --weights a map kernel reads: "int8" for the int8 ones, "native" for those over the model's bfloat16."""
+    return "int8" if name.startswith("int8") else "native"
 
 
 def built_kernels() -> tuple[str, ...]:
