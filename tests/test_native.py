@@ -19,7 +19,7 @@ import rvqtts.engine.model.kernels as kernels
 from rvqtts.engine.model import native
 from rvqtts.engine.model.kernels import Kernel, KernelChoice, LinearMap, candidates, rows_are_invariant
 from rvqtts.engine.model.predictor import PredictorRunner
-from rvqtts.engine.model.quantize import quantize_rows
+from rvqtts.engine.model.quantize import dequantized_groups, quantize_groups, quantize_rows
 from rvqtts.engine.model.sampling import (
     MIN_TEMPERATURE,
     RowSampling,
@@ -146,8 +146,27 @@ def test_int8dot_widens_its_grouped_weights_to_the_values_bf16dot_multiplies(row
     assert torch.equal(out, native.apply("bf16dot", x, native.pack(integers.to(torch.bfloat16))))
 
 
+@needs_avx512
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize("shape, group", [((80, 96), 32), ((48, 1024), 128), ((16, 96), 64)])
+def test_int4dot_gives_the_product_with_the_dequantized_groups(rows, shape, group):
+    """4-bit groups (the last one short where the group does not divide the inputs: 96 inputs in groups of 64) through
+    int4dot: the product with the weights they stand for, up to roundings; odd block counts (5, 3, 1) and row counts
+    that fill no tile or several."""
+    generator = torch.Generator().manual_seed(rows)
+    weight, x = _sample(generator, *shape), _sample(generator, rows, shape[1])
+    values, scales_zeros = quantize_groups(weight, group)
+    packed, scales = native.pack_int4(values), native.pack_group_scales(scales_zeros)
+    out = native.apply_int4(x, packed, scales, group)
+    dequantized = dequantized_groups(values, scales_zeros, group).double()
+    assert _within_rounding(out, x, dequantized)
+    assert not _within_rounding(out, x, dequantized * 1.02)  # the check tells a 2 % scale error
+    alone = torch.cat([native.apply_int4(row[None], packed, scales, group) for row in x])
+    assert torch.equal(out, alone)  # each row's own bits
+
+
 @needs_kernel
-@pytest.mark.parametrize("name", BF16_KERNELS + INT8_KERNELS)
+@pytest.mark.parametrize("name", BF16_KERNELS + INT8_KERNELS + [pytest.param("int4dot", marks=needs_avx512)])
 def test_every_row_gets_its_own_bits_whatever_the_rows_and_threads_of_the_call(name):
     generator = torch.Generator().manual_seed(3)
     linear = LinearMap(_sample(generator, *SHAPE), None, Kernel(name))
@@ -168,6 +187,8 @@ def test_the_kernel_is_a_candidate_for_the_shapes_and_dtype_it_runs():
     dot, int8 = ("bf16dot", "int8dot") if native.level() == "avx512" else ("bf16avx2", "int8avx2")
     assert Kernel(dot) in candidates(torch.bfloat16, "native", (1024, 3072))
     assert Kernel(int8) in candidates(torch.bfloat16, "int8", (1024, 3072))
+    assert (Kernel("int4dot") in candidates(torch.bfloat16, "int4", (1024, 3072))) == (native.level() == "avx512")
+    assert candidates(torch.bfloat16, "int4", (1024, 48))[0] == Kernel("int8")  # no 4-bit group divides 48 inputs
     assert Kernel(dot) not in candidates(torch.float32, "native", (1024, 3072))
     assert Kernel(dot) not in candidates(torch.bfloat16, "native", (1000, 3072))  # not 16 a block
     if native.level() == "avx512":  # built there for the tests, but never a candidate (4x the instructions)
@@ -394,6 +415,22 @@ def test_a_whole_layer_in_one_call_gives_the_step_by_step_bits_and_the_plain_cod
             assert all(torch.equal(a, b) for a, b in zip(*results))
     offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5)
     plain, _ = decode_frames(synth, None, 12)  # (random weights: drafts are first accepted in the tenth frame)
+    spec, stats = decode_frames(synth, Speculation(resolve_tree("15"), offsets), 12)
+    assert np.array_equal(plain, spec) and stats.accepted_per_depth[0] > 0
+
+
+@needs_avx512
+def test_4bit_maps_on_int4dot_keep_a_trees_codes_the_plain_loops(released_06_dir, monkeypatch):
+    """Every map of the code predictor on int4dot (the released 0.6B layout, groups of 128): no whole-layer call
+    (that one knows no 4-bit weights), and a tree's codes are the plain loop's."""
+    monkeypatch.setattr(
+        kernels, "kernel_choice", lambda *_, **__: KernelChoice(Kernel("int4dot"), True, {}, (), "measured")
+    )
+    synth = Synthesizer.from_checkpoint(released_06_dir, dtype="bfloat16", weights="int4")
+    runner = PredictorRunner(synth.code_predictor, 40, "int4")
+    assert runner.native_layers is None and {runner.qkv[0].kernel, runner.down[0].kernel} == {Kernel("int4dot")}
+    offsets = Offsets(torch.randn(3, synth.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5)
+    plain, _ = decode_frames(synth, None, 12)
     spec, stats = decode_frames(synth, Speculation(resolve_tree("15"), offsets), 12)
     assert np.array_equal(plain, spec) and stats.accepted_per_depth[0] > 0
 

@@ -80,9 +80,9 @@ def test_4bit_groups_round_to_the_nearest_step_of_their_own_range():
     values, scales_zeros = quantize_groups(weight, 32)
     assert values.dtype == torch.int32 and values.min() >= 0 and values.max() <= 15
     assert scales_zeros.shape == (48, 3, 2)
-    error = (dequantized_groups(values, scales_zeros) - weight).abs().reshape(48, 3, 32)
+    error = (dequantized_groups(values, scales_zeros, 32) - weight).abs().reshape(48, 3, 32)
     assert (error <= scales_zeros[..., :1] / 2 * (1 + 1e-5) + 1e-30).all()  # within half its group's step
-    assert torch.equal(dequantized_groups(values, scales_zeros)[5, 32:64], torch.zeros(32))  # zeros stay zero
+    assert torch.equal(dequantized_groups(values, scales_zeros, 32)[5, 32:64], torch.zeros(32))  # zeros stay zero
     assert torch.equal(quantize_groups(weight[:7], 32)[0], values[:7])  # each row alone
 
 
@@ -100,8 +100,9 @@ def test_an_int4_map_applies_its_dequantized_weights_and_gives_rows_the_same_bit
     bias = torch.randn(shape[0], generator=generator).to(dtype)
     linear = LinearMap(weight, bias, Kernel("int4"))
     x = torch.randn(33, shape[1], generator=generator).to(dtype)
-    values, scales_zeros = quantize_groups(weight, group_size(shape))
-    expected = x.float() @ dequantized_groups(values, scales_zeros.to(dtype).float()).T + bias.float()
+    group = group_size(shape)
+    values, scales_zeros = quantize_groups(weight, group)
+    expected = x.float() @ dequantized_groups(values, scales_zeros.to(dtype).float(), group).T + bias.float()
     tolerance = 1e-4 if dtype == torch.float32 else 0.05 * shape[1] ** 0.5 / 8
     assert (linear(x).float() - expected).abs().max() <= tolerance
     alone = torch.stack([linear(row) for row in x])

@@ -49,7 +49,7 @@ OFFSETS_HELP = "Draft offsets file; default: shipped offsets matching the model,
 WEIGHTS_HELP = (
     "native (the dtype's own), int8: the linear maps of both loops' layers and heads as 8-bit weights with "
     "per-channel scales (W8A16), or int4: 4-bit weights in groups of 128 inputs with a scale and zero each (W4A16; "
-    "torch's kernel for now, slower than int8). CPUs only; they change the model slightly (docs/benchmarks.md)."
+    "it changes the model more than int8). CPUs only; both change the model (docs/engine.md, docs/benchmarks.md)."
 )
 
 

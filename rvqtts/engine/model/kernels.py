@@ -127,6 +127,12 @@ class LinearMap:
                 self.apply = lambda rows: self._biased(
                     torch._weight_int4pack_mm_for_cpu(rows, packed, group, scales_zeros)
                 )
+            elif kernel.multi in native.INT4_KINDS:
+                group = group_size(tuple(weight.shape))
+                values, scales_zeros = quantize_groups(weight, group)
+                operands = [native.pack_int4(values), native.pack_group_scales(scales_zeros)]
+                self.operands = operands
+                self.apply = lambda rows: self._biased(native.apply_int4(rows, *operands, group))
             elif kernel.multi in ("int8", "int4"):  # int4 here: a map 4-bit groups cannot hold keeps 8-bit weights
                 qweight, scales = quantize_rows(weight)
                 scales = scales.to(weight.dtype)

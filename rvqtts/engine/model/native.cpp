@@ -8,7 +8,8 @@
 // Map weights are packed once as [N/16][K/2][16][2]: one 64-byte vector (32 bytes for int8) per block of
 // 16 output channels and pair of inputs, the operand layout of VDPBF16PS. A tile keeps CB blocks x RB
 // rows of float accumulators in registers and streams its blocks' weights once per pass over its rows.
-// `int8dot` holds its int8 weights in groups of two pairs that widen to bfloat16 by table lookups (`widen_group`).
+// `int8dot` holds its int8 weights in groups of two pairs that widen to bfloat16 by table lookups (`widen_group`);
+// `int4dot` holds 4-bit weights in groups of inputs with a scale and zero each (its own layout, `int4_matmul`).
 // The AVX2 kernels read the same packed weights, widening them to float32 vectors in registers (bfloat16 by a
 // shift and a mask, int8 by sign extension), and multiply them with FMA: half of float32's bytes read for
 // bfloat16 weights, a quarter for int8.
@@ -705,6 +706,114 @@ __attribute__((target("amx-tile"))) void amx_matmul(const uint16_t* x, int64_t M
     }
 }
 
+// 4-bit weights (`int4dot`, W4A16; native.py, `pack_int4`): a block's input pair p as 16 bytes, byte c holding
+// output channel c's two values q (0 .. 15) for inputs 2p (low nibble) and 2p + 1 (high nibble); groups of `group`
+// inputs (the last may be shorter) with a float scale and zero per channel, [N/16][groups][2][16], standing for
+// (q - 8) x scale + zero. A pair's vector widens in four instructions: the bytes zero-extended to 32-bit lanes, each
+// lane's two nibbles moved to its two 16-bit halves, and vpermw reading bfloat16(q - 8) from a 16-entry table (exact).
+// Each output is one fixed sequence: per group, part = 0; part = dpbf16(part, x pair, w pair) over its pairs; then
+// acc = fma(part, scale, acc) and acc = fma(the row's sum of x over the group, zero, acc); then rounding to bfloat16.
+constexpr int kInt4Rows = 4;   // rows per tile: 2 blocks x 4 rows of accumulators and of group parts fit the registers
+constexpr int kInt4Blocks = 2;
+
+constexpr uint16_t bf16_signed(int v) { return v < 0 ? static_cast<uint16_t>(0x8000 | bf16_bits(-v)) : bf16_bits(v); }
+
+inline __m512i nibble_table() {  // vpermw's table: entry n is bfloat16(n - 8)
+    alignas(64) static const auto table = [] {
+        struct { uint16_t value[32]; } t{};
+        for (int n = 0; n < 16; ++n) t.value[n] = bf16_signed(n - 8);
+        return t;
+    }();
+    return _mm512_load_si512(&table);
+}
+
+inline __attribute__((always_inline)) __m512bh widen_nibbles(const uint8_t* bytes, __m512i table) {
+    const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    // (wide | wide << 12) & 0x000F000F: the low nibble in the lane's low half, the high one in its high half
+    const __m512i index = _mm512_ternarylogic_epi32(wide, _mm512_slli_epi32(wide, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    return (__m512bh)_mm512_permutexvar_epi16(index, table);
+}
+
+template <int CB, int RB>
+inline __attribute__((always_inline)) void int4_tile(const uint16_t* x, int64_t K, const uint8_t* packed,
+                                                     const float* scales_zeros, const float* sums, int64_t group,
+                                                     int64_t block, int64_t N, uint16_t* y) {
+    const int64_t pairs = K / 2, groups = (K + group - 1) / group;
+    const __m512i table = nibble_table();
+    __m512 acc[RB][CB];
+    for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512 part[RB][CB];
+        for (int r = 0; r < RB; ++r)
+            for (int c = 0; c < CB; ++c) part[r][c] = _mm512_setzero_ps();
+        const int64_t first = g * group / 2, last = std::min(pairs, first + group / 2);
+        for (int64_t p = first; p < last; ++p) {
+            __m512bh w[CB];
+            for (int c = 0; c < CB; ++c) {
+                const uint8_t* bytes = packed + ((block + c) * pairs + p) * kBlock;
+                w[c] = widen_nibbles(bytes, table);
+                _mm_prefetch(reinterpret_cast<const char*>(bytes) + kAheadBytes, _MM_HINT_T0);
+            }
+            for (int r = 0; r < RB; ++r) {
+                const __m512bh xr = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 2 * p));
+                for (int c = 0; c < CB; ++c) part[r][c] = _mm512_dpbf16_ps(part[r][c], xr, w[c]);
+            }
+        }
+        for (int c = 0; c < CB; ++c) {
+            const float* pair = scales_zeros + ((block + c) * groups + g) * 2 * kBlock;
+            const __m512 scale = _mm512_loadu_ps(pair), zero = _mm512_loadu_ps(pair + kBlock);
+            for (int r = 0; r < RB; ++r) {
+                acc[r][c] = _mm512_fmadd_ps(part[r][c], scale, acc[r][c]);
+                acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * groups + g]), zero, acc[r][c]);
+            }
+        }
+    }
+    for (int c = 0; c < CB; ++c)
+        for (int r = 0; r < RB; ++r)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + (block + c) * kBlock),
+                                (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+}
+
+template <int CB>
+void int4_blocks(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, const float* scales_zeros,
+                 const float* sums, int64_t group, int64_t block, int64_t N, uint16_t* y) {
+    const int64_t groups = (K + group - 1) / group;
+    for (int64_t r = 0; r < M; r += kInt4Rows) {
+        const uint16_t* xr = x + r * K;
+        const float* sr = sums + r * groups;
+        uint16_t* yr = y + r * N;
+        switch (std::min<int64_t>(M - r, kInt4Rows)) {
+            case 1: int4_tile<CB, 1>(xr, K, packed, scales_zeros, sr, group, block, N, yr); break;
+            case 2: int4_tile<CB, 2>(xr, K, packed, scales_zeros, sr, group, block, N, yr); break;
+            case 3: int4_tile<CB, 3>(xr, K, packed, scales_zeros, sr, group, block, N, yr); break;
+            default: int4_tile<CB, kInt4Rows>(xr, K, packed, scales_zeros, sr, group, block, N, yr); break;
+        }
+    }
+}
+
+// y [M, N] = x [M, K] through 4-bit weights: each row's sums over the groups first (in order, as floats), then
+// units of kInt4Blocks blocks split among the threads.
+void int4_matmul(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, const float* scales_zeros,
+                 int64_t group, int64_t N, uint16_t* y) {
+    const int64_t groups = (K + group - 1) / group;
+    std::vector<float> sums(M * groups);
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+            float sum = 0.0f;
+            for (int64_t k = g * group; k < std::min(K, (g + 1) * group); ++k) sum += to_float(x[r * K + k]);
+            sums[r * groups + g] = sum;
+        }
+    const int64_t total = N / kBlock, pairs = total / kInt4Blocks, units = pairs + total % kInt4Blocks;
+    #pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < units; ++u) {
+        if (u < pairs)
+            int4_blocks<kInt4Blocks>(x, M, K, packed, scales_zeros, sums.data(), group, u * kInt4Blocks, N, y);
+        else
+            int4_blocks<1>(x, M, K, packed, scales_zeros, sums.data(), group, pairs * kInt4Blocks + (u - pairs), N, y);
+    }
+}
+
 #endif  // __AVX512BF16__
 
 // A map by kernel: 0 bf16dot, 1 int8dot, 2 AMX over bfloat16 weights, 3 AMX over int8 weights (those four in the
@@ -825,6 +934,18 @@ void rvqtts_silu_times_up(const uint16_t* gate_up, int64_t rows, int64_t n, uint
 void rvqtts_map(int kind, const uint16_t* x, int64_t M, int64_t K, const void* packed, const float* scales,
                 int64_t N, uint16_t* y) {
     apply_map(kind, x, M, K, packed, scales, N, y);
+}
+
+// y [M, N] bfloat16 = x [M, K] bfloat16 through 4-bit weights in groups of `group` inputs (int4_matmul's layout);
+// K even, N % 16 == 0. Returns 1, having computed nothing, where this build has no 4-bit kernel; else 0.
+int rvqtts_map_int4(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, const float* scales_zeros,
+                    int64_t group, int64_t N, uint16_t* y) {
+#if defined(__AVX512BF16__)
+    int4_matmul(x, M, K, packed, scales_zeros, group, N, y);
+    return 0;
+#else
+    return 1;
+#endif
 }
 
 // Asks Linux for this process's use of AMX tile data (once, before any tile instruction): 0 where granted.

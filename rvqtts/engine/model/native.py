@@ -47,7 +47,7 @@ LEVELS = {
     "avx512": Level(
         ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vbmi", "-mavx512bf16", "-mfma"),
-        ("bf16dot", "int8dot", "bf16amx", "int8amx", "bf16avx2", "int8avx2"),
+        ("bf16dot", "int8dot", "int4dot", "bf16amx", "int8amx", "bf16avx2", "int8avx2"),
     ),
     "avx2": Level(("avx2", "fma"), ("-mavx2", "-mfma"), ("bf16avx2", "int8avx2")),
 }
@@ -56,6 +56,7 @@ MAX_HEAD_DIM = 1024  # attention_inputs' scratch row
 
 
 KINDS = {"bf16dot": 0, "int8dot": 1, "bf16amx": 2, "int8amx": 3, "bf16avx2": 4, "int8avx2": 5}  # the library's numbers
+INT4_KINDS = ("int4dot",)  # 4-bit maps: their own entry point (rvqtts_map_int4), not `layer`'s
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 ISA_VARIABLE = "RVQTTS_ISA"
 # Each cap and the CPU flag prefixes it hides ("none": no native kernel at all, as on a CPU without AVX2).
@@ -80,9 +81,9 @@ def runs(kind: str) -> bool:
 
 
 def map_kernels(weights: str) -> tuple[str, ...]:
-    """The library's map kernels a map of `weights` (--weights: "native", the model's own, or "int8"; none yet for
-    "int4") may choose from here: those of the level built (none where the library does not run), the AVX2 ones only
-    at the AVX2 level (above it, VDPBF16PS does their work in a quarter of the instructions)."""
+    """The library's map kernels a map of `weights` (--weights: "native", the model's own, "int8" or "int4") may
+    choose from here: those of the level built (none where the library does not run), the AVX2 ones only at the AVX2
+    level (above it, VDPBF16PS does their work in a quarter of the instructions)."""
     return tuple(
         name
         for name in built_kernels()
@@ -91,8 +92,8 @@ def map_kernels(weights: str) -> tuple[str, ...]:
 
 
 def kernel_weights(name: str) -> str:
-    """The --weights a map kernel reads: "int8" for the int8 ones, "native" for those over the model's bfloat16."""
-    return "int8" if name.startswith("int8") else "native"
+    """The --weights a map kernel reads: "int8" or "int4" for those, "native" for those over the model's bfloat16."""
+    return name[:4] if name.startswith(("int8", "int4")) else "native"
 
 
 def built_kernels() -> tuple[str, ...]:
@@ -155,6 +156,34 @@ def apply(kind: str, rows: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
         out.shape[1],
         out.data_ptr(),
     )
+    return out
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """4-bit values [out, in] (0 .. 15, rvqtts.engine.model.quantize.quantize_groups) in `int4dot`'s order
+    [out/16, in/2, 16] uint8: per block of 16 output channels and pair of inputs, a byte per channel, its low nibble
+    the pair's first input, its high nibble the second."""
+    out_features, in_features = values.shape
+    nibbles = values.to(torch.uint8)
+    paired = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # [out, in/2]
+    return paired.reshape(out_features // BLOCK, BLOCK, in_features // 2).transpose(1, 2).contiguous()
+
+
+def pack_group_scales(scales_zeros: torch.Tensor) -> torch.Tensor:
+    """Groups' scales and zeros [out, groups, 2] as `int4dot` reads them: [out/16, groups, 2, 16] float32."""
+    out_features, groups, _ = scales_zeros.shape
+    blocks = scales_zeros.float().reshape(out_features // BLOCK, BLOCK, groups, 2)
+    return blocks.permute(0, 2, 3, 1).contiguous()
+
+
+def apply_int4(rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """rows [M, in] bfloat16 (contiguous) through 4-bit weights (`pack_int4`, `pack_group_scales`) in groups of
+    `group` inputs: [M, out] bfloat16."""
+    if not runs("int4dot"):
+        raise ValueError(f"rvqtts's int4dot kernel does not run here ({unavailable() or f'built for {level()}'})")
+    out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK)
+    operands = (rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), scales_zeros.data_ptr(), group)
+    _load()[0].rvqtts_map_int4(*operands, out.shape[1], out.data_ptr())
     return out
 
 
@@ -295,7 +324,9 @@ def layer_maps(maps: list) -> tuple | None:
     """A layer's q|k|v, output, gate|up and down maps (rvqtts.engine.model.kernels.LinearMap) as `layer` takes them, or
     None where they do not all run this library's kernel in one weight format, without biases."""
     kinds = {linear.kernel.multi for linear in maps}
-    if len(kinds) != 1 or not all(map(runs, kinds)) or any(linear.bias is not None for linear in maps):
+    if len(kinds) != 1 or kinds & set(INT4_KINDS) or not all(map(runs, kinds)):
+        return None
+    if any(linear.bias is not None for linear in maps):
         return None
     kind = kinds.pop()
     int8 = kind.startswith("int8")
@@ -439,6 +470,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, str | None]:
 # Each function's arguments, as native.cpp declares them: p a pointer, s an int64, f a float, i an int.
 SIGNATURES = {
     "rvqtts_map": "ipssppsp",
+    "rvqtts_map_int4": "psspppsp",
     "rvqtts_rms_norm": "psspfp",
     "rvqtts_attention_inputs": "pssssppppfpppsps",
     "rvqtts_attend": "pppssssspspfp",
@@ -447,7 +479,7 @@ SIGNATURES = {
     "rvqtts_draw": "pisspsppppp",
 }
 # 1: an index out of bounds (a cache slot, a noise row), nothing written
-CHECKED = ("rvqtts_attention_inputs", "rvqtts_attend", "rvqtts_layer", "rvqtts_draw")
+CHECKED = ("rvqtts_attention_inputs", "rvqtts_attend", "rvqtts_layer", "rvqtts_draw", "rvqtts_map_int4")
 _TYPES = {"p": ctypes.c_void_p, "s": ctypes.c_int64, "f": ctypes.c_float, "i": ctypes.c_int}
 
 

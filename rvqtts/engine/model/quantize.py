@@ -54,22 +54,31 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit groups of `group` inputs: (values [out, in] int32 in 0..15, scales and zeros [out, in / group,
-    2] float32) with weight ~ (q - 8) * scale + zero, each group spanning its own least to greatest weight (gpt-fast's
-    int4 rule), QUANTIZED_ROWS rows at a time (each row alone, so the same as at once)."""
+    """Asymmetric 4-bit groups of `group` inputs (the last may be shorter): (values [out, in] int32 in 0..15, scales
+    and zeros [out, groups, 2] float32) with weight ~ (q - 8) * scale + zero, each group spanning its own least to
+    greatest weight (gpt-fast's int4 rule), QUANTIZED_ROWS rows at a time (each row alone, so the same as at once)."""
+    in_features = weight.shape[1]
     values, scales_zeros = [], []
     for block in weight.detach().split(QUANTIZED_ROWS):
-        grouped = block.float().reshape(block.shape[0], -1, group)
+        grouped = _whole_groups(block.float(), group)  # the last group filled with its own last input: same span
         least, greatest = grouped.amin(dim=2), grouped.amax(dim=2)
         scale = ((greatest - least) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         q = torch.round((grouped - least[..., None]) / scale[..., None]).clamp(0, 15)
-        values.append(q.to(torch.int32).reshape(block.shape))
+        values.append(q.to(torch.int32).reshape(block.shape[0], -1)[:, :in_features])
         scales_zeros.append(torch.stack([scale, least + 8 * scale], dim=2))
     return torch.cat(values).contiguous(), torch.cat(scales_zeros)
 
 
-def dequantized_groups(values: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """The float32 weights [out, in] 4-bit groups stand for: (q - 8) * scale + zero."""
-    out_features, groups, _ = scales_zeros.shape
-    grouped = values.float().reshape(out_features, groups, -1) - 8
-    return (grouped * scales_zeros[..., :1] + scales_zeros[..., 1:]).reshape(values.shape)
+def dequantized_groups(values: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """The float32 weights [out, in] 4-bit groups of `group` inputs stand for: (q - 8) * scale + zero."""
+    out_features, in_features = values.shape
+    grouped = _whole_groups(values.float(), group) - 8
+    return (grouped * scales_zeros[..., :1] + scales_zeros[..., 1:]).reshape(out_features, -1)[:, :in_features]
+
+
+def _whole_groups(rows: torch.Tensor, group: int) -> torch.Tensor:
+    """rows [n, in] as [n, groups, group], a last group that `group` does not fill filled with its last input."""
+    short = -rows.shape[1] % group
+    if short:
+        rows = torch.cat([rows, rows[:, -1:].expand(-1, short)], dim=1)
+    return rows.reshape(rows.shape[0], -1, group)
