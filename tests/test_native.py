@@ -47,6 +47,7 @@ needs_amx = pytest.mark.skipif(
 # the AVX-512 and AMX ones where the CPU has them.
 BF16_KERNELS = [pytest.param("bf16dot", marks=needs_avx512), pytest.param("bf16amx", marks=needs_amx), "bf16avx2"]
 INT8_KERNELS = [pytest.param("int8dot", marks=needs_avx512), pytest.param("int8amx", marks=needs_amx), "int8avx2"]
+INT4_KERNELS = [pytest.param("int4dot", marks=needs_avx512), "int4avx2"]
 # 80 outputs: one group of four 16-channel blocks and one single block; 96 inputs: 48 pairs (torch's own
 # int8 kernel, compared below, fails on some odd widths).
 SHAPE = (80, 96)
@@ -146,27 +147,28 @@ def test_int8dot_widens_its_grouped_weights_to_the_values_bf16dot_multiplies(row
     assert torch.equal(out, native.apply("bf16dot", x, native.pack(integers.to(torch.bfloat16))))
 
 
-@needs_avx512
+@needs_kernel
+@pytest.mark.parametrize("name", INT4_KERNELS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
 @pytest.mark.parametrize("shape, group", [((80, 96), 32), ((48, 1024), 128), ((16, 96), 64)])
-def test_int4dot_gives_the_product_with_the_dequantized_groups(rows, shape, group):
-    """4-bit groups (the last one short where the group does not divide the inputs: 96 inputs in groups of 64) through
-    int4dot: the product with the weights they stand for, up to roundings; odd block counts (5, 3, 1) and row counts
-    that fill no tile or several."""
+def test_4bit_kernels_give_the_product_with_the_dequantized_groups(rows, shape, group, name):
+    """4-bit groups (the last one short where the group does not divide the inputs: 96 inputs in groups of 64)
+    through the 4-bit kernels: the product with the weights they stand for, up to roundings; odd block counts (5, 3,
+    1) and row counts that fill no tile or several."""
     generator = torch.Generator().manual_seed(rows)
     weight, x = _sample(generator, *shape), _sample(generator, rows, shape[1])
     values, scales_zeros = quantize_groups(weight, group)
     packed, scales = native.pack_int4(values), native.pack_group_scales(scales_zeros)
-    out = native.apply_int4(x, packed, scales, group)
+    out = native.apply_int4(name, x, packed, scales, group)
     dequantized = dequantized_groups(values, scales_zeros, group).double()
     assert _within_rounding(out, x, dequantized)
     assert not _within_rounding(out, x, dequantized * 1.02)  # the check tells a 2 % scale error
-    alone = torch.cat([native.apply_int4(row[None], packed, scales, group) for row in x])
+    alone = torch.cat([native.apply_int4(name, row[None], packed, scales, group) for row in x])
     assert torch.equal(out, alone)  # each row's own bits
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", BF16_KERNELS + INT8_KERNELS + [pytest.param("int4dot", marks=needs_avx512)])
+@pytest.mark.parametrize("name", BF16_KERNELS + INT8_KERNELS + INT4_KERNELS)
 def test_every_row_gets_its_own_bits_whatever_the_rows_and_threads_of_the_call(name):
     generator = torch.Generator().manual_seed(3)
     linear = LinearMap(_sample(generator, *SHAPE), None, Kernel(name))

@@ -132,7 +132,7 @@ class LinearMap:
                 values, scales_zeros = quantize_groups(weight, group)
                 operands = [native.pack_int4(values), native.pack_group_scales(scales_zeros)]
                 self.operands = operands
-                self.apply = lambda rows: self._biased(native.apply_int4(rows, *operands, group))
+                self.apply = lambda rows: self._biased(native.apply_int4(kernel.multi, rows, *operands, group))
             elif kernel.multi in ("int8", "int4"):  # int4 here: a map 4-bit groups cannot hold keeps 8-bit weights
                 qweight, scales = quantize_rows(weight)
                 scales = scales.to(weight.dtype)

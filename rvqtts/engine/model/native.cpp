@@ -432,6 +432,20 @@ inline void add_into(uint16_t* x, const uint16_t* delta, int64_t n) {
 }
 
 // The maps with AVX2 + FMA: the packed weights widened to float32 in registers, the rows widened once per call.
+// Each row's sum over each group of `group` inputs (the last may be shorter), in order, as floats: the term a 4-bit
+// group's zero point multiplies (`int4_matmul`, `int4_fma_matmul`).
+std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t group) {
+    const int64_t groups = (K + group - 1) / group;
+    std::vector<float> sums(M * groups);
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+            float sum = 0.0f;
+            for (int64_t k = g * group; k < std::min(K, (g + 1) * group); ++k) sum += to_float(x[r * K + k]);
+            sums[r * groups + g] = sum;
+        }
+    return sums;
+}
+
 constexpr int kFmaRows = 4;   // bfloat16: rows per tile at most: 8 accumulators, 4 weight vectors and 2 inputs of 16
 constexpr int kInt8Rows = 3;  // int8: rows per tile at most: 12 accumulators, a weight vector and 3 input pairs
 
@@ -581,6 +595,73 @@ void fma_matmul(const uint16_t* x, int64_t M, int64_t K, const void* packed, con
     }
 }
 
+
+// 4-bit weights with AVX2 + FMA (`int4avx2`): int4dot's layout, a block's 16 bytes widened to float32 in two halves of
+// 8 channels, the low nibbles (the pair's first input) and the high ones (its second) taken as 0 .. 15. Per group and
+// half, part = fma(w first, x first, part), then fma(w second, x second, part) over its pairs; then acc = fma(part,
+// scale, acc) and acc = fma(the row's group sum, zero - 8 x scale, acc); then rounding to bfloat16.
+constexpr int kInt4FmaRows = 2;  // rows per tile: 2 x 2 accumulators and parts, 4 weight vectors, 2 inputs
+
+template <int RB>
+inline __attribute__((always_inline)) void int4_fma_tile(const float* x, int64_t K, const uint8_t* packed,
+                                                         const float* scales_zeros, const float* sums, int64_t group,
+                                                         int64_t block, int64_t N, uint16_t* y) {
+    const int64_t pairs = K / 2, groups = (K + group - 1) / group;
+    const __m256i low_nibble = _mm256_set1_epi32(0xF);
+    __m256 acc[RB][2];
+    for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m256 part[RB][2];
+        for (int r = 0; r < RB; ++r) part[r][0] = part[r][1] = _mm256_setzero_ps();
+        const int64_t first = g * group / 2, last = std::min(pairs, first + group / 2);
+        for (int64_t p = first; p < last; ++p) {
+            const uint8_t* bytes = packed + (block * pairs + p) * kBlock;
+            _mm_prefetch(reinterpret_cast<const char*>(bytes) + kAheadBytes, _MM_HINT_T0);
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+            for (int h = 0; h < 2; ++h) {
+                const __m256i wide = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(raw, 8) : raw);
+                const __m256 w_first = _mm256_cvtepi32_ps(_mm256_and_si256(wide, low_nibble));
+                const __m256 w_second = _mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+                for (int r = 0; r < RB; ++r) {
+                    part[r][h] = _mm256_fmadd_ps(w_first, _mm256_broadcast_ss(x + r * K + 2 * p), part[r][h]);
+                    part[r][h] = _mm256_fmadd_ps(w_second, _mm256_broadcast_ss(x + r * K + 2 * p + 1), part[r][h]);
+                }
+            }
+        }
+        for (int h = 0; h < 2; ++h) {
+            const float* pair = scales_zeros + (block * groups + g) * 2 * kBlock + h * 8;
+            const __m256 scale = _mm256_loadu_ps(pair);
+            const __m256 zero = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, _mm256_loadu_ps(pair + kBlock));
+            for (int r = 0; r < RB; ++r) {
+                acc[r][h] = _mm256_fmadd_ps(part[r][h], scale, acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(sums[r * groups + g]), zero, acc[r][h]);
+            }
+        }
+    }
+    for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < RB; ++r)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * N + block * kBlock + h * 8), to_bf16_lanes(acc[r][h]));
+}
+
+void int4_fma_matmul(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, const float* scales_zeros,
+                     int64_t group, int64_t N, uint16_t* y) {
+    thread_local std::vector<float> wide;
+    wide.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) wide[i] = to_float(x[i]);
+    const float* rows_in = wide.data();  // read by the team's threads: not their own (empty) thread_local copies
+    const std::vector<float> sums = group_sums(x, M, K, group);
+    const int64_t groups = (K + group - 1) / group;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < N / kBlock; ++b)
+        for (int64_t r = 0; r < M; r += kInt4FmaRows) {
+            const float* xr = rows_in + r * K;
+            const float* sr = sums.data() + r * groups;
+            if (M - r >= kInt4FmaRows)
+                int4_fma_tile<kInt4FmaRows>(xr, K, packed, scales_zeros, sr, group, b, N, y + r * N);
+            else
+                int4_fma_tile<1>(xr, K, packed, scales_zeros, sr, group, b, N, y + r * N);
+        }
+}
 
 #if defined(__AVX512BF16__)
 // The same maps on AMX tiles (Intel Xeons from Sapphire Rapids on), for calls of many rows: a tile
@@ -796,14 +877,7 @@ void int4_blocks(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed,
 // units of kInt4Blocks blocks split among the threads.
 void int4_matmul(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, const float* scales_zeros,
                  int64_t group, int64_t N, uint16_t* y) {
-    const int64_t groups = (K + group - 1) / group;
-    std::vector<float> sums(M * groups);
-    for (int64_t r = 0; r < M; ++r)
-        for (int64_t g = 0; g < groups; ++g) {
-            float sum = 0.0f;
-            for (int64_t k = g * group; k < std::min(K, (g + 1) * group); ++k) sum += to_float(x[r * K + k]);
-            sums[r * groups + g] = sum;
-        }
+    const std::vector<float> sums = group_sums(x, M, K, group);
     const int64_t total = N / kBlock, pairs = total / kInt4Blocks, units = pairs + total % kInt4Blocks;
     #pragma omp parallel for schedule(static)
     for (int64_t u = 0; u < units; ++u) {
@@ -936,16 +1010,22 @@ void rvqtts_map(int kind, const uint16_t* x, int64_t M, int64_t K, const void* p
     apply_map(kind, x, M, K, packed, scales, N, y);
 }
 
-// y [M, N] bfloat16 = x [M, K] bfloat16 through 4-bit weights in groups of `group` inputs (int4_matmul's layout);
-// K even, N % 16 == 0. Returns 1, having computed nothing, where this build has no 4-bit kernel; else 0.
-int rvqtts_map_int4(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, const float* scales_zeros,
-                    int64_t group, int64_t N, uint16_t* y) {
+// y [M, N] bfloat16 = x [M, K] bfloat16 through 4-bit weights in groups of `group` inputs (int4_matmul's layout) by
+// kernel `kind`: 0 int4dot (AVX512-BF16 build only), 1 int4avx2. K even, N % 16 == 0. Returns 1, having computed
+// nothing, where this build lacks the kernel; else 0.
+int rvqtts_map_int4(int kind, const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed,
+                    const float* scales_zeros, int64_t group, int64_t N, uint16_t* y) {
+    if (kind == 1) {
+        int4_fma_matmul(x, M, K, packed, scales_zeros, group, N, y);
+        return 0;
+    }
 #if defined(__AVX512BF16__)
-    int4_matmul(x, M, K, packed, scales_zeros, group, N, y);
-    return 0;
-#else
-    return 1;
+    if (kind == 0) {
+        int4_matmul(x, M, K, packed, scales_zeros, group, N, y);
+        return 0;
+    }
 #endif
+    return 1;
 }
 
 // Asks Linux for this process's use of AMX tile data (once, before any tile instruction): 0 where granted.

@@ -47,16 +47,16 @@ LEVELS = {
     "avx512": Level(
         ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vbmi", "-mavx512bf16", "-mfma"),
-        ("bf16dot", "int8dot", "int4dot", "bf16amx", "int8amx", "bf16avx2", "int8avx2"),
+        ("bf16dot", "int8dot", "int4dot", "bf16amx", "int8amx", "bf16avx2", "int8avx2", "int4avx2"),
     ),
-    "avx2": Level(("avx2", "fma"), ("-mavx2", "-mfma"), ("bf16avx2", "int8avx2")),
+    "avx2": Level(("avx2", "fma"), ("-mavx2", "-mfma"), ("bf16avx2", "int8avx2", "int4avx2")),
 }
 BLOCK = 16  # output channels per vector: a map's output count must be a multiple
 MAX_HEAD_DIM = 1024  # attention_inputs' scratch row
 
 
 KINDS = {"bf16dot": 0, "int8dot": 1, "bf16amx": 2, "int8amx": 3, "bf16avx2": 4, "int8avx2": 5}  # the library's numbers
-INT4_KINDS = ("int4dot",)  # 4-bit maps: their own entry point (rvqtts_map_int4), not `layer`'s
+INT4_KINDS = {"int4dot": 0, "int4avx2": 1}  # 4-bit maps: their own entry point's numbers (rvqtts_map_int4)
 AMX_FLAGS = ("amx_tile", "amx_bf16")
 ISA_VARIABLE = "RVQTTS_ISA"
 # Each cap and the CPU flag prefixes it hides ("none": no native kernel at all, as on a CPU without AVX2).
@@ -176,14 +176,16 @@ def pack_group_scales(scales_zeros: torch.Tensor) -> torch.Tensor:
     return blocks.permute(0, 2, 3, 1).contiguous()
 
 
-def apply_int4(rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
+def apply_int4(
+    kind: str, rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group: int
+) -> torch.Tensor:
     """rows [M, in] bfloat16 (contiguous) through 4-bit weights (`pack_int4`, `pack_group_scales`) in groups of
-    `group` inputs: [M, out] bfloat16."""
-    if not runs("int4dot"):
-        raise ValueError(f"rvqtts's int4dot kernel does not run here ({unavailable() or f'built for {level()}'})")
+    `group` inputs by kernel `kind` (`INT4_KINDS`): [M, out] bfloat16."""
+    if not runs(kind):
+        raise ValueError(f"rvqtts's {kind} kernel does not run here ({unavailable() or f'built for {level()}'})")
     out = rows.new_empty(rows.shape[0], packed.shape[0] * BLOCK)
     operands = (rows.data_ptr(), rows.shape[0], rows.shape[1], packed.data_ptr(), scales_zeros.data_ptr(), group)
-    _load()[0].rvqtts_map_int4(*operands, out.shape[1], out.data_ptr())
+    _load()[0].rvqtts_map_int4(INT4_KINDS[kind], *operands, out.shape[1], out.data_ptr())
     return out
 
 
@@ -470,7 +472,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None, str | None]:
 # Each function's arguments, as native.cpp declares them: p a pointer, s an int64, f a float, i an int.
 SIGNATURES = {
     "rvqtts_map": "ipssppsp",
-    "rvqtts_map_int4": "psspppsp",
+    "rvqtts_map_int4": "ipsspppsp",
     "rvqtts_rms_norm": "psspfp",
     "rvqtts_attention_inputs": "pssssppppfpppsps",
     "rvqtts_attend": "pppssssspspfp",
