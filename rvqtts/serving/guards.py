@@ -50,14 +50,14 @@ class KeyCheck:
         scheme, _, key = given.partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008, "reason": "a valid API key is needed"})
         refused = SpeechError(
             401,
             "a valid API key is needed: send the header `Authorization: Bearer KEY` with the key the server "
             "was started with (--api-key)",
             code="invalid_api_key",
         )
-        if scope["type"] == "websocket":
-            return await send({"type": "websocket.close", "code": 1008, "reason": "a valid API key is needed"})
         await refused.response()(scope, receive, send)
 
 

@@ -58,7 +58,7 @@ def request_fields(voice: SynthesizeVoice | None, engine: SpeechEngine) -> dict:
     voices = engine.voices()
     name = voice.name if voice and voice.name else (voices[0] if voices else None)
     code = (voice.language or "").replace("_", "-").split("-")[0].lower() if voice else ""
-    language = next((name for name, known in LANGUAGE_CODES.items() if known == code), "auto")
+    language = next((language for language, known in LANGUAGE_CODES.items() if known == code), "auto")
     return {"voice": name, "language": language}
 
 
